@@ -1,0 +1,75 @@
+"""Batch types every data source yields and every objective consumes.
+
+Sequences are prompt+completion token ids, right-padded. `loss_mask` marks completion tokens
+(through the first EOS) in input-position coordinates; log-prob tensors are (N, T-1) and use
+loss_mask[:, 1:]. Offline files and online rollouts both produce these types, so the trainer
+cannot tell them apart.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+
+@dataclass
+class Seqs:
+    input_ids: torch.Tensor  # (N, T) long
+    attention_mask: torch.Tensor  # (N, T) long, 1 on real tokens
+    loss_mask: torch.Tensor  # (N, T) bool, 1 on completion tokens
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+
+@dataclass
+class PairBatch:
+    """DPO: `seqs` holds B chosen sequences followed by B rejected ones (one forward pass)."""
+
+    seqs: Seqs
+
+
+@dataclass
+class BinaryBatch:
+    """KTO: B examples with desirable (True) / undesirable labels, plus mismatched sequences
+    (prompt i with completion i+1) for the KL reference point z0."""
+
+    seqs: Seqs
+    labels: torch.Tensor  # (B,) bool
+    kl_seqs: Seqs
+
+
+@dataclass
+class GroupBatch:
+    """GRPO: N completions with precomputed group-normalised advantages.
+    `sampler_logps` (N, T-1) is present for online data (ratio_denominator=sampler)."""
+
+    seqs: Seqs
+    advantages: torch.Tensor  # (N,) float
+    sampler_logps: torch.Tensor | None = None
+
+
+Batch = PairBatch | BinaryBatch | GroupBatch
+
+
+def to_device(obj, device: torch.device):
+    """Move every tensor field (recursively through Seqs) to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if obj is None or not hasattr(obj, "__dataclass_fields__"):
+        return obj
+    return replace(obj, **{f.name: to_device(getattr(obj, f.name), device) for f in fields(obj)})
+
+
+def n_units(batch: Batch) -> int:
+    """How many objective units (pairs / examples / completions) a batch holds."""
+    match batch:
+        case PairBatch():
+            return len(batch.seqs) // 2
+        case BinaryBatch() | GroupBatch():
+            return len(batch.seqs)
+    raise TypeError(type(batch))

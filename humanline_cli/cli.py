@@ -1,0 +1,81 @@
+"""`humanline <command>`: train (Hydra app), plus report/eval added by later modules.
+
+Hydra owns argv, so the subcommand is stripped before Hydra parses the rest. User mistakes print
+one line and exit 2 (HYDRA_FULL_ERROR=1 shows the traceback instead).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+COMMANDS = {"train": "train a policy (Hydra app: overrides, -m sweeps, --help, --cfg job)"}
+USAGE = "usage: humanline {train} [hydra overrides...]\n" + "\n".join(f"  {k:8s} {v}" for k, v in COMMANDS.items())
+
+
+def _fail(msg: str, code: int = 2):
+    print(f"humanline: error: {msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _train_app():
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig
+
+    @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="train")
+    def app(cfg: DictConfig) -> None:
+        from .errors import RunFailed, UserError
+        from .run import run_job
+
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        multirun = str(HydraConfig.get().mode) == "RunMode.MULTIRUN"
+        try:
+            run_job(cfg, run_dir)
+        except UserError as e:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            _fail(str(e))
+        except RunFailed as e:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            if multirun:  # one failed job should not kill a sweep; report lists it from failed.json
+                print(f"humanline: run failed ({run_dir}): {e}", file=sys.stderr)
+                return
+            _fail(f"run failed ({run_dir}): {e}")
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv if argv is None else argv)
+    args = argv[1:]
+    if args and (args[0].startswith("-sc") or args[0].startswith("--shell-completion")):
+        sys.argv = [argv[0], *args]  # shell completion arrives without the subcommand
+        return _run_hydra()
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return
+    cmd, rest = args[0], args[1:]
+    if cmd not in COMMANDS:
+        _fail(f"unknown command {cmd!r}; expected one of: {', '.join(COMMANDS)}")
+    sys.argv = [f"{Path(argv[0]).name} {cmd}", *rest]
+    match cmd:
+        case "train":
+            _run_hydra()
+
+
+def _run_hydra():
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    app = _train_app()
+    try:
+        app()
+    except SystemExit as e:
+        # Hydra exits 1 on config errors (unknown group option, bad override); we promise exit 2.
+        if e.code == 1:
+            sys.exit(2)
+        raise
+
+
+if __name__ == "__main__":
+    main()

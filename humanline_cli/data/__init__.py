@@ -1,0 +1,1 @@
+"""Data: loading files with `datasets`, converting rows to objective units, tokenising, batching."""

@@ -1,0 +1,132 @@
+"""Rows (TRL conventions) -> validated examples -> the objective's unit.
+
+Formats: pairs (prompt, chosen, rejected [, score_chosen, score_rejected]), unpaired (prompt,
+completion, label), groups (prompt, completions, rewards). Prompts and completions are strings or
+chat message lists. Conversions follow the paper: KTO splits a pair into one desirable and one
+undesirable example; GRPO treats a scored pair as a group of 2; groups feed DPO/KTO via best vs worst.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import UserError
+from ..feedback import ScoredGroup, best_vs_worst, kto_examples
+
+FORMATS = {
+    "pairs": ("prompt", "chosen", "rejected"),
+    "unpaired": ("prompt", "completion", "label"),
+    "groups": ("prompt", "completions", "rewards"),
+}
+
+
+@dataclass(frozen=True)
+class PairExample:
+    prompt: object
+    chosen: object
+    rejected: object
+
+
+@dataclass(frozen=True)
+class BinaryExample:
+    prompt: object
+    completion: object
+    desirable: bool
+
+
+@dataclass(frozen=True)
+class GroupExample:
+    prompt: object
+    completions: list
+    rewards: list[float]
+
+
+def detect_format(row: dict, where: str) -> str:
+    for name, keys in FORMATS.items():
+        if all(k in row for k in keys):
+            return name
+    raise UserError(f"{where}: fields {sorted(row)} match no known format "
+                    f"(pairs: prompt/chosen/rejected, unpaired: prompt/completion/label, "
+                    f"groups: prompt/completions/rewards)")
+
+
+def _text(value, field: str, where: str, role: str | None = None):
+    """A string, or a list of {role, content} messages."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+    ):
+        if role is not None and value[-1]["role"] != role:
+            raise UserError(f"{where}: field '{field}' must end with a {role!r} message")
+        return value
+    raise UserError(f"{where}: field '{field}' must be a string or a list of {{role, content}} messages")
+
+
+def _score(value, field: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UserError(f"{where}: field '{field}' must be a finite number, got {value!r}")
+    return float(value)
+
+
+def parse_row(row: dict, fmt: str, where: str) -> ScoredGroup | BinaryExample:
+    """Every paired/grouped row becomes a ScoredGroup; unpaired rows become BinaryExamples."""
+    if detect_format(row, where) != fmt:
+        raise UserError(f"{where}: row format differs from the first row's ({fmt})")
+    prompt = _text(row["prompt"], "prompt", where)
+    match fmt:
+        case "pairs":
+            chosen = _text(row["chosen"], "chosen", where, "assistant")
+            rejected = _text(row["rejected"], "rejected", where, "assistant")
+            has = row.get("score_chosen") is not None and row.get("score_rejected") is not None
+            sc = _score(row["score_chosen"], "score_chosen", where) if has else 1.0
+            sr = _score(row["score_rejected"], "score_rejected", where) if has else 0.0
+            return ScoredGroup(prompt, [chosen, rejected], [sc, sr])
+        case "unpaired":
+            if not isinstance(row["label"], bool):
+                raise UserError(f"{where}: field 'label' must be true/false, got {row['label']!r}")
+            return BinaryExample(prompt, _text(row["completion"], "completion", where, "assistant"), row["label"])
+        case "groups":
+            comps, rewards = row["completions"], row["rewards"]
+            if not isinstance(comps, list) or not isinstance(rewards, list) or len(comps) != len(rewards):
+                raise UserError(f"{where}: 'completions' and 'rewards' must be lists of equal length")
+            if not comps:
+                raise UserError(f"{where}: empty group")
+            return ScoredGroup(prompt, [_text(c, "completions", where, "assistant") for c in comps],
+                               [_score(r, "rewards", where) for r in rewards])
+    raise AssertionError(fmt)
+
+
+def to_units(rows: list[dict], where, objective: str, min_gap: float = 0.0) -> list:
+    """Validate rows and convert them to PairExample (dpo), BinaryExample (kto) or GroupExample (grpo).
+
+    For pairs, the 'chosen' side is trusted as preferred even if scores tie (the dataset says so).
+    """
+    fmt = detect_format(rows[0], where(0))
+    parsed = [parse_row(r, fmt, where(i)) for i, r in enumerate(rows)]
+    units: list = []
+    if fmt == "unpaired":
+        if objective != "kto":
+            raise UserError(f"{objective} needs paired or grouped data; {where(0)} is unpaired (prompt/completion/label)")
+        return parsed
+    for g in parsed:
+        if fmt == "pairs":
+            pair = (g.completions[0], g.completions[1])
+        else:
+            best = best_vs_worst(g, min_gap)
+            pair = None if best is None else best[:2]
+        match objective:
+            case "dpo":
+                if pair:
+                    units.append(PairExample(g.prompt, *pair))
+            case "kto":
+                if pair:
+                    units += [BinaryExample(g.prompt, pair[0], True), BinaryExample(g.prompt, pair[1], False)]
+            case "grpo":
+                units.append(GroupExample(g.prompt, list(g.completions), list(g.scores)))
+    if not units:
+        raise UserError(f"no usable {objective} examples in {where(0).split(':')[0]} (all groups below data.min_gap?)")
+    return units
+
+
+__all__ = ["PairExample", "BinaryExample", "GroupExample", "to_units", "detect_format", "kto_examples"]

@@ -1,0 +1,43 @@
+"""Map a reward/judge config to a scorer with an explicit match on `kind`."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from ..errors import RunFailed, UserError
+
+Scorer = Callable[[list[str], list[str], list | None], list[float]]
+
+
+def make_scorer(spec, device=None) -> tuple[str, Scorer]:
+    """Returns (name, scorer). The name is used in error messages and logs."""
+    kind = spec.get("kind")
+    match kind:
+        case "world":
+            from ..world.rewards import score
+
+            task, role = spec["task"], spec["role"]
+            return f"world/{task}/{role}", lambda p, c, a=None: score(task, role, p, c)
+        case "verifier":
+            from .verifier import verify_batch
+
+            return "verifier", lambda p, c, a=None: verify_batch(c, a, spec.get("method", "math"))
+        case "model":
+            from .reward_model import RewardModel
+
+            rm = RewardModel(spec["name_or_path"], device=device, batch_size=spec.get("batch_size", 16),
+                             trust_remote_code=bool(spec.get("trust_remote_code", False)))
+            return f"model/{spec['name_or_path']}", rm
+        case _:
+            raise UserError(f"unknown reward kind {kind!r} (world | verifier | model)")
+
+
+def checked(name: str, scorer: Scorer, prompts, completions, answers=None) -> list[float]:
+    """Call a scorer and insist on one finite float per completion."""
+    scores = list(scorer(prompts, completions, answers))
+    if len(scores) != len(completions):
+        raise RunFailed(f"reward {name} returned {len(scores)} scores for {len(completions)} completions")
+    bad = [s for s in scores if not isinstance(s, (int, float)) or not math.isfinite(s)]
+    if bad:
+        raise RunFailed(f"reward {name} returned a non-finite score ({bad[0]!r})")
+    return [float(s) for s in scores]

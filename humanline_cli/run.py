@@ -1,0 +1,134 @@
+"""One `humanline train` job: validate, build, evaluate the starting policy, train, evaluate,
+save, write summary.json. Failures leave failed.json (never a summary presented as complete)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+import transformers
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__
+from .build import build_parts
+from .config import RunSpec, validate
+from .timing import PhaseTimer
+from .tracking import Tracker, write_json_atomic
+from .trainer import train
+
+UNIT = {"dpo": "pairs", "kto": "examples", "grpo": "groups"}
+
+
+def _git_commit() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except Exception:
+        return None
+
+
+def header(spec: RunSpec, parts, console: Console) -> None:
+    tr = spec.train
+    hl = spec.humanline
+    n_params = sum(p.numel() for p in parts.policy.parameters())
+    mode = "off"
+    if spec.humanline_on:
+        mode = (f"clamp [{hl.log_eps_P}, {hl.log_eps_R}]" if hl.clamp else "no clamp") + ", " + (
+            f"sync every {hl.sync_every} step(s) before optimizer.step" if hl.sync else "no sync")
+    console.print(f"[bold]humanline train[/]: {spec.objective} / {spec.regime} / humanline {mode}")
+    console.print(f"  task {spec.task}, model {spec.model} ({n_params / 1e6:.2f}M params), "
+                  f"{parts.backend.describe()}, seed {spec.seed}")
+    console.print(f"  data: {parts.source.describe()}")
+    console.print(f"  {tr.steps} steps; a step sees {tr.batch_size} {UNIT[spec.objective]} "
+                  f"(micro-batch {tr.micro_batch_size} x {tr.accumulation} accumulation), lr {tr.lr} "
+                  f"({tr.schedule}, warm-up {tr.warmup_ratio:.0%})")
+
+
+def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict:
+    console = console or Console(stderr=True)
+    timer = PhaseTimer()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("summary.json", "failed.json"):
+        (run_dir / stale).unlink(missing_ok=True)
+    spec = validate(cfg)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config["humanline"] = spec.humanline_on
+    tracker = None
+    try:
+        with timer.phase("setup"):
+            parts = build_parts(cfg, spec)
+            name = run_dir.name
+            tracker = Tracker(run_dir, config, OmegaConf.to_container(cfg.wandb, resolve=True), name)
+        header(spec, parts, console)
+        with timer.phase("eval"):
+            parts.evaluator.set_baseline(parts.eval_sampler)
+        last = train(spec, parts, cfg.objective, tracker, timer, int(cfg.eval.every), console)
+        with timer.phase("eval"):
+            ev = parts.evaluator.evaluate(parts.eval_sampler, run_dir / "eval_samples.jsonl")
+        if spec.train.save_model:
+            with timer.phase("save"):
+                save_model(parts, run_dir / "model")
+        close = getattr(parts.source, "close", None)
+        if close:
+            close()
+        summary = {
+            "status": "complete",
+            "objective": spec.objective,
+            "data": spec.regime,
+            "humanline": spec.humanline_on,
+            "humanline_cfg": vars(spec.humanline) if spec.humanline_on else None,
+            "task": spec.task,
+            "model": spec.model,
+            "seed": spec.seed,
+            "steps": spec.train.steps,
+            "batch_size": spec.train.batch_size,
+            "batch_unit": UNIT[spec.objective],
+            "eval": ev,
+            "final_train_metrics": last,
+            "wall_clock_s": timer.report(),
+            "tokens_per_s": {"train": last.get("tokens_per_s"),
+                             "sample": getattr(parts.source, "sample_tokens_per_s", lambda: None)()},
+            "versions": {"humanline": __version__, "torch": torch.__version__,
+                         "transformers": transformers.__version__},
+            "git_commit": _git_commit(),
+        }
+        tracker.summary(summary)
+        tracker.finish(0)
+        print_summary(summary, run_dir, console)
+        return summary
+    except BaseException as e:
+        write_json_atomic(run_dir / "failed.json", {"status": "failed", "error": f"{type(e).__name__}: {e}",
+                                                    "wall_clock_s": timer.report()})
+        if tracker is not None:
+            tracker.finish(1)
+        raise
+
+
+def save_model(parts, dest: Path) -> None:
+    """Write to a temp dir then rename, so a crash never leaves a half-saved model behind."""
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    parts.policy.save_pretrained(tmp, safe_serialization=True)
+    parts.tokenizer.save_pretrained(tmp)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+
+
+def print_summary(s: dict, run_dir: Path, console: Console) -> None:
+    ev = s["eval"]
+    t = Table(title=f"{s['objective']} / {s['data']} / humanline={s['humanline']}  ({run_dir})")
+    for col in ("metric", "start", "trained"):
+        t.add_column(col)
+    if ev["accuracy"] is not None:
+        t.add_row("accuracy", f"{ev['start_accuracy']:.3f}", f"{ev['accuracy']:.3f}")
+    t.add_row("judge reward", f"{ev['start_reward_mean']:.3f}", f"{ev['reward_mean']:.3f}")
+    lo, hi = ev["win_rate_ci"]
+    t.add_row("win rate vs start", "", f"{ev['win_rate']:.3f} [{lo:.3f}, {hi:.3f}]")
+    w = s["wall_clock_s"]
+    t.add_row("wall-clock s", "", " ".join(f"{k} {v:.1f}" for k, v in w.items() if v))
+    console.print(t)
