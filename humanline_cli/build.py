@@ -52,7 +52,7 @@ class Parts:
     reference_resets_each_round: bool
 
 
-def build_parts(cfg: DictConfig, spec: RunSpec) -> Parts:
+def build_parts(cfg: DictConfig, spec: RunSpec, timer, run_dir: Path) -> Parts:
     backend = make_backend(cfg.backend.device, cfg.backend.precision, cfg.threads)
     seed_everything(spec.seed)
     model_path = resolve_path(cfg.model.name_or_path, cfg)
@@ -74,7 +74,7 @@ def build_parts(cfg: DictConfig, spec: RunSpec) -> Parts:
         case "online":
             from .rollout import make_online_source
 
-            source = make_online_source(cfg, spec, encoder, collate, policy, backend, resolve_path)
+            source = make_online_source(cfg, spec, encoder, collate, policy, backend, resolve_path, timer, run_dir)
     eval_rows, _ = load_rows(resolve_path(cfg.task.prompts.eval, cfg), "train", cfg.eval.n_prompts)
     judge = make_scorer(OmegaConf.to_container(cfg.task.judge, resolve=True), backend.device)
     evaluator = Evaluator(eval_rows, encoder, judge, cfg.eval, bool(cfg.task.verifiable), spec.seed)

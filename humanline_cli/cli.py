@@ -65,7 +65,28 @@ def main(argv: list[str] | None = None) -> None:
             _run_hydra()
 
 
+def check_group_choices(args: list[str]) -> None:
+    """Catch unknown group options (objective=foo) with one line before Hydra's multi-line report.
+    Skipped when the user adds their own config search path."""
+    if any(a.startswith(("hydra.searchpath", "+hydra.searchpath")) for a in args):
+        return
+    from importlib.resources import files
+
+    conf = files("conf")
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.lstrip("+~").split("=", 1)
+        if "." in key or "/" in key or not conf.joinpath(key).is_dir() or value.startswith(("glob(", "range(")):
+            continue
+        options = sorted(p.name[:-5] for p in conf.joinpath(key).iterdir() if p.name.endswith(".yaml"))
+        for v in value.split(","):
+            if v.strip() and v.strip() not in options:
+                _fail(f"unknown {key} {v.strip()!r} (choose from: {', '.join(options)})")
+
+
 def _run_hydra():
+    check_group_choices(sys.argv[1:])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     app = _train_app()
     try:

@@ -53,7 +53,7 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
     console = console or Console(stderr=True)
     timer = PhaseTimer()
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("summary.json", "failed.json"):
+    for stale in ("summary.json", "failed.json", "metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):
         (run_dir / stale).unlink(missing_ok=True)
     spec = validate(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
@@ -61,7 +61,7 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
     tracker = None
     try:
         with timer.phase("setup"):
-            parts = build_parts(cfg, spec)
+            parts = build_parts(cfg, spec, timer, run_dir)
             name = run_dir.name
             tracker = Tracker(run_dir, config, OmegaConf.to_container(cfg.wandb, resolve=True), name)
         header(spec, parts, console)

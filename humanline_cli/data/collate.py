@@ -43,9 +43,11 @@ class Encoder:
         return self._cache[key]
 
     def completion_ids(self, prompt, completion) -> list[int]:
+        budget = self.max_length - len(self.prompt_ids(prompt))
+        if hasattr(completion, "ids"):  # sampled online: keep the sampler's exact token ids
+            return list(completion.ids)[:budget]
         text = completion if isinstance(completion, str) else completion[-1]["content"]
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
-        budget = self.max_length - len(self.prompt_ids(prompt))
         return (ids + [self.tok.eos_token_id])[:budget]
 
     def prompt_text(self, prompt) -> str:
@@ -81,6 +83,18 @@ class Collator:
         c_ids = [self.enc.completion_ids(p, c) for p, c in zip(prompts, completions)]
         return make_seqs(p_ids, c_ids, self.pad)
 
+    @staticmethod
+    def _sampler_logps(seqs: Seqs, comps) -> torch.Tensor | None:
+        """(N, T-1) sampling log-probs aligned with token_logps, when every completion carries them."""
+        if not all(hasattr(c, "logps") for c in comps):
+            return None
+        out = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1)
+        for i, c in enumerate(comps):
+            start = int(seqs.loss_mask[i].nonzero()[0]) - 1 if seqs.loss_mask[i].any() else 0
+            lp = torch.tensor(c.logps[: int(seqs.loss_mask[i].sum())], dtype=torch.float32)
+            out[i, start : start + len(lp)] = lp
+        return out
+
     def __call__(self, units: list):
         match units[0]:
             case PairExample():
@@ -101,5 +115,6 @@ class Collator:
                     comps += list(u.completions)
                     advs.append(group_advantages(torch.tensor(u.rewards, dtype=torch.float64),
                                                  self.cfg.std_ddof, self.cfg.std_eps))
-                return GroupBatch(self._seqs(prompts, comps), torch.cat(advs))
+                seqs = self._seqs(prompts, comps)
+                return GroupBatch(seqs, torch.cat(advs), self._sampler_logps(seqs, comps))
         raise TypeError(type(units[0]))

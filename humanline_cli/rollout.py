@@ -1,0 +1,166 @@
+"""Online source: rounds of sample -> label -> feedback -> batches, inside the training process.
+
+Per round: take the next P prompts (each used once per epoch), push the policy's weights to the
+sampler, sample N completions per prompt, score them with the task's labeller, turn the scored
+groups into the objective's units (DPO best vs worst if the gap exceeds min_gap; KTO the same pair
+split; GRPO the whole group), then yield one epoch of optimizer steps over them. Yields the same
+StepData as the offline source.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .data.examples import BinaryExample, GroupExample, PairExample
+from .data.files import load_rows
+from .data.sources import StepData
+from .errors import UserError
+from .feedback import ScoredGroup, best_vs_worst
+from .rewards.build import checked, make_scorer
+from .sampling.base import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenCompletion:
+    """A sampled completion kept as the sampler's token ids (no re-tokenisation drift)."""
+
+    ids: tuple[int, ...]
+    text: str
+    logps: tuple[float, ...]
+
+
+def units_from_group(objective: str, g: ScoredGroup, min_gap: float) -> list:
+    match objective:
+        case "dpo":
+            pair = best_vs_worst(g, min_gap)
+            return [] if pair is None else [PairExample(g.prompt, pair[0], pair[1])]
+        case "kto":
+            pair = best_vs_worst(g, min_gap)
+            return [] if pair is None else [BinaryExample(g.prompt, pair[0], True),
+                                            BinaryExample(g.prompt, pair[1], False)]
+        case "grpo":
+            return [GroupExample(g.prompt, list(g.completions), list(g.scores))]
+    raise ValueError(objective)
+
+
+class OnlineSource:
+    def __init__(self, rows, encoder, collate, sampler, labeller, objective: str, batch_size: int,
+                 micro_batch_size: int, params: SamplingParams, prompts_per_round: int, min_gap: float,
+                 seed: int, timer, policy, samples_path: Path | None = None):
+        self.rows, self.encoder, self.collate = rows, encoder, collate
+        self.sampler, (self.labeller_name, self.labeller) = sampler, labeller
+        self.objective, self.batch_size, self.micro = objective, batch_size, micro_batch_size
+        self.params, self.ppr, self.min_gap = params, prompts_per_round, min_gap
+        self.rng, self.seed, self.timer, self.policy = random.Random(seed), seed, timer, policy
+        self.samples_path = samples_path
+        self.round = 0
+        self.epoch = 0
+        self._order: list[int] = []
+        self._queue: list = []
+        self._round_info: dict = {}
+        self._sample_tokens = 0
+        self._sample_seconds = 0.0
+
+    def describe(self) -> str:
+        p = self.params
+        return (f"online: {len(self.rows)} prompts, {self.ppr} per round x {p.n} samples "
+                f"(T={p.temperature}, top_p={p.top_p}, max_new_tokens={p.max_new_tokens}), "
+                f"sampler {type(self.sampler).__name__}, labeller {self.labeller_name}")
+
+    def _next_prompts(self) -> list[dict]:
+        out = []
+        while len(out) < self.ppr:
+            if not self._order:  # each prompt once per epoch, reshuffled per epoch
+                self._order = list(range(len(self.rows)))
+                self.rng.shuffle(self._order)
+                self.epoch += 1
+            out.append(self.rows[self._order.pop()])
+        return out
+
+    def _run_round(self) -> None:
+        self.round += 1
+        rows = self._next_prompts()
+        prompts = [r["prompt"] for r in rows]
+        with self.timer.phase("push"):
+            self.sampler.push_weights(self.policy)
+        with self.timer.phase("sample"):
+            t = time.perf_counter()
+            params = SamplingParams(**{**vars(self.params), "seed": self.seed * 100003 + self.round})
+            out = self.sampler.generate([self.encoder.prompt_ids(p) for p in prompts], params)
+            self._sample_seconds += time.perf_counter() - t
+            self._sample_tokens += out.n_tokens
+        n = params.n
+        with self.timer.phase("label"):
+            texts = [self.encoder.prompt_text(p) for p in prompts for _ in range(n)]
+            answers = [r.get("answer") for r in rows for _ in range(n)] if "answer" in rows[0] else None
+            scores = checked(self.labeller_name, self.labeller, texts, out.texts, answers)
+        units, dropped = [], 0
+        for i, p in enumerate(prompts):
+            comps = [TokenCompletion(tuple(out.token_ids[k]), out.texts[k], tuple(out.logps[k]))
+                     for k in range(i * n, (i + 1) * n)]
+            u = units_from_group(self.objective, ScoredGroup(p, comps, scores[i * n:(i + 1) * n]), self.min_gap)
+            dropped += not u
+            units += u
+        self.rng.shuffle(units)
+        self._queue = [units[i:i + self.batch_size] for i in range(0, len(units), self.batch_size)]
+        self._round_info = {"online/round": self.round, "online/epoch": self.epoch,
+                            "online/label_reward_mean": sum(scores) / len(scores),
+                            "online/dropped_prompts": dropped, "online/units": len(units),
+                            "online/empty_completions": sum(1 for t in out.texts if not t.strip())}
+        if self.samples_path is not None:
+            with open(self.samples_path, "a") as f:
+                for k, text in enumerate(out.texts):
+                    f.write(json.dumps({"round": self.round, "prompt": texts[k], "completion": text,
+                                        "score": scores[k]}) + "\n")
+
+    def next_step(self, step: int) -> StepData:
+        new_round = False
+        if not self._queue:
+            self._run_round()
+            new_round = True
+            if not self._queue:  # every prompt dropped by the threshold: log and skip this step
+                return StepData([], new_round=True, info={**self._round_info, "online/skipped_round": 1})
+        units = self._queue.pop(0)
+        mbs = [self.collate(units[i:i + self.micro]) for i in range(0, len(units), self.micro)]
+        return StepData(mbs, new_round=new_round, info=dict(self._round_info))
+
+    def sample_tokens_per_s(self) -> float | None:
+        return self._sample_tokens / self._sample_seconds if self._sample_seconds else None
+
+    def close(self) -> None:
+        self.sampler.close()
+
+
+def make_online_source(cfg, spec, encoder, collate, policy, backend, resolve_path, timer, run_dir):
+    from omegaconf import OmegaConf
+
+    rows, where = load_rows(resolve_path(cfg.data.prompts, cfg), "train", cfg.data.limit)
+    for i, r in enumerate(rows):
+        if "prompt" not in r:
+            raise UserError(f"{where(i)}: prompt rows need a 'prompt' field")
+        encoder.prompt_ids(r["prompt"], where(i))
+    labeller = make_scorer(OmegaConf.to_container(cfg.task.labeller, resolve=True), backend.device)
+    match cfg.sampler.name:
+        case "hf":
+            from .sampling.hf import HFSampler
+
+            sampler = HFSampler(policy, encoder.tok, int(cfg.sampler.batch_size), backend.autocast)
+        case "vllm":
+            from .sampling.vllm import VLLMSampler
+
+            sampler = VLLMSampler(resolve_path(cfg.model.name_or_path, cfg), encoder.tok, seed=spec.seed,
+                                  gpu_memory_utilization=float(cfg.sampler.gpu_memory_utilization),
+                                  enforce_eager=bool(cfg.sampler.enforce_eager),
+                                  max_model_len=int(cfg.sampler.max_model_len),
+                                  timeout_s=float(cfg.sampler.timeout_s))
+        case other:
+            raise UserError(f"unknown sampler {other!r} (hf | vllm)")
+    d = cfg.data
+    params = SamplingParams(n=int(d.n), temperature=float(d.temperature), top_p=float(d.top_p),
+                            max_new_tokens=int(d.max_new_tokens), seed=spec.seed)
+    return OnlineSource(rows, encoder, collate, sampler, labeller, spec.objective, spec.train.batch_size,
+                        spec.train.micro_batch_size, params, int(d.prompts_per_round), float(d.min_gap),
+                        spec.seed, timer, policy, run_dir / "samples.jsonl")

