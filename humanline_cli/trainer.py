@@ -53,7 +53,7 @@ def train(spec: RunSpec, parts: Parts, objective_cfg, tracker: Tracker, timer: P
                     with parts.backend.autocast():
                         loss, m = compute_loss(objective_cfg, policy, reference, mb, spec.humanline)
                     if not torch.isfinite(loss):
-                        raise RunFailed(f"loss is {float(loss)} at step {step} (try a lower train.lr)")
+                        raise RunFailed(f"loss is {float(loss.detach())} at step {step} (try a lower train.lr)")
                     (loss / len(data.micro_batches)).backward()
                     m["loss"] = float(loss.detach())
                     m["_units"] = n_units(mb)

