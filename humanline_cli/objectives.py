@@ -31,6 +31,17 @@ def _all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+HIST_EDGES = torch.linspace(-3.0, 3.0, 61)
+
+
+def logratio_histogram(token_logratio: torch.Tensor, mask: torch.Tensor) -> list[int]:
+    """Counts of completion-token log-ratios in 60 bins over [-3, 3], plus underflow and overflow
+    (62 numbers): the humanline diagnostic of how many tokens the clamp band would cut."""
+    vals = token_logratio[mask > 0].float().cpu()
+    inner = torch.histc(vals, bins=60, min=-3.0, max=3.0)
+    return [int((vals < -3.0).sum())] + [int(c) for c in inner] + [int((vals > 3.0).sum())]
+
+
 def compute_loss(objective_cfg, policy, reference, batch, hl: HumanlineSpec):
     metrics: dict[str, float] = {}
     match batch:
@@ -60,4 +71,5 @@ def compute_loss(objective_cfg, policy, reference, batch, hl: HumanlineSpec):
     if hl.clamp:
         metrics["humanline/unclamped_fraction"] = unclamped_fraction(lr.detach(), mask, hl)
     metrics["_n_tokens"] = float(batch.seqs.attention_mask.sum())
+    metrics["_logratio_hist"] = logratio_histogram(lr.detach(), mask)
     return loss, metrics

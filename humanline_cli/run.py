@@ -53,7 +53,7 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
     console = console or Console(stderr=True)
     timer = PhaseTimer()
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("summary.json", "failed.json", "metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):
+    for stale in ("summary.json", "failed.json", "metrics.jsonl", "samples.jsonl", "eval_samples.jsonl", "logratios.jsonl"):
         (run_dir / stale).unlink(missing_ok=True)
     spec = validate(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)

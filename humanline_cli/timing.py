@@ -25,6 +25,9 @@ class PhaseTimer:
                 torch.cuda.synchronize()  # charge GPU work to the phase that queued it
             self.seconds[name] += time.perf_counter() - t
 
+    def elapsed(self) -> float:
+        return round(time.perf_counter() - self.start, 3)
+
     def report(self) -> dict[str, float]:
         out = {p: round(self.seconds.get(p, 0.0), 3) for p in PHASES}
         out["total"] = round(time.perf_counter() - self.start, 3)

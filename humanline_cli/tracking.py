@@ -53,6 +53,11 @@ class Tracker:
         self._f.flush()
         self._wandb_call("log", metrics, step=step)
 
+    def log_histogram(self, step: int, counts: list[int]) -> None:
+        """Token log-ratio histogram (logratios.jsonl): underflow, 60 bins over [-3, 3], overflow."""
+        with open(self.run_dir / "logratios.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "lo": -3.0, "hi": 3.0, "counts": counts}) + "\n")
+
     def summary(self, summary: dict) -> None:
         write_json_atomic(self.run_dir / "summary.json", summary)
         if self.wandb is not None:

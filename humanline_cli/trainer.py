@@ -21,7 +21,7 @@ from .tracking import Tracker
 
 
 def _mean_metrics(rows: list[dict]) -> dict:
-    keys = {k for r in rows for k in r}
+    keys = {k for r in rows for k in r if not isinstance(r[k], list)}
     return {k: sum(r[k] for r in rows if k in r) / sum(1 for r in rows if k in r) for k in keys}
 
 
@@ -78,12 +78,16 @@ def train(spec: RunSpec, parts: Parts, objective_cfg, tracker: Tracker, timer: P
             metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=n_tok / max(dt, 1e-9),
                            units=sum(r["_units"] for r in rows), **data.info)
             last = metrics
+            metrics["wall_s"] = timer.elapsed()
             if step == 1 or step % tr.log_every == 0 or step == tr.steps:
                 tracker.log(step, metrics)
+                hist = [sum(c) for c in zip(*(r["_logratio_hist"] for r in rows))]
+                tracker.log_histogram(step, hist)
             if eval_every and step % eval_every == 0 and step < tr.steps:
                 with timer.phase("eval"):
                     ev = parts.evaluator.evaluate(parts.eval_sampler)
-                tracker.log(step, {f"eval/{k}": v for k, v in ev.items() if isinstance(v, (int, float))})
+                tracker.log(step, {**{f"eval/{k}": v for k, v in ev.items() if isinstance(v, (int, float))},
+                                   "wall_s": timer.elapsed()})
             info = f"loss {metrics['loss']:.4f}"
             if "humanline/unclamped_fraction" in metrics:
                 info += f"  unclamped {metrics['humanline/unclamped_fraction']:.3f}"

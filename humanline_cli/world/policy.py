@@ -1,6 +1,6 @@
 """The starting policy: a tiny Llama trained from scratch by SFT on a teacher.
 
-Consumes the resolved world cfg, the tokenizer, the SFT prompt pool and a
+Consumes the resolved world cfg, the tokenizer, an SFT prompt sampler and a
 teacher function (prompt -> reply); produces a trained `LlamaForCausalLM`.
 Also holds the small batched sampler used to measure base-policy metrics.
 """
@@ -69,7 +69,7 @@ def _batch(enc: Encoder, prompts: Sequence[str], replies: Sequence[str]) -> tupl
     return ids, mask, labels
 
 
-def sft(model: LlamaForCausalLM, enc: Encoder, scfg: dict, pool: Sequence[str],
+def sft(model: LlamaForCausalLM, enc: Encoder, scfg: dict, draw: Callable[[random.Random], str],
         teacher: Callable[[random.Random, str], str], rng: random.Random, progress: bool) -> list[float]:
     """Fresh teacher replies every step (so the student learns the teacher's
     distribution, not one sample of it); AdamW, linear warmup, cosine to 10%."""
@@ -87,7 +87,7 @@ def sft(model: LlamaForCausalLM, enc: Encoder, scfg: dict, pool: Sequence[str],
     losses: list[float] = []
     with _progress(progress, "SFT of the starting policy", steps) as advance:
         for _ in range(steps):
-            prompts = [rng.choice(pool) for _ in range(scfg["batch_size"])]
+            prompts = [draw(rng) for _ in range(scfg["batch_size"])]
             ids, mask, labels = _batch(enc, prompts, [teacher(rng, p) for p in prompts])
             logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
