@@ -9,8 +9,12 @@ import os
 import sys
 from pathlib import Path
 
-COMMANDS = {"train": "train a policy (Hydra app: overrides, -m sweeps, --help, --cfg job)"}
-USAGE = "usage: humanline {train} [hydra overrides...]\n" + "\n".join(f"  {k:8s} {v}" for k, v in COMMANDS.items())
+COMMANDS = {
+    "train": "train a policy (Hydra app: overrides, -m sweeps, --help, --cfg job)",
+    "report": "paper-style table (Markdown, CSV) and plots from a sweep or runs dir",
+    "eval": "win rate of one trained run against another run or the starting policy",
+}
+USAGE = "usage: humanline {train,report,eval} ...\n" + "\n".join(f"  {k:8s} {v}" for k, v in COMMANDS.items())
 
 
 def _fail(msg: str, code: int = 2):
@@ -63,6 +67,14 @@ def main(argv: list[str] | None = None) -> None:
     match cmd:
         case "train":
             _run_hydra()
+        case "report":
+            from .report import main_report
+
+            sys.exit(main_report(rest))
+        case "eval":
+            from .eval_cmd import main_eval
+
+            sys.exit(main_eval(rest))
 
 
 def check_group_choices(args: list[str]) -> None:

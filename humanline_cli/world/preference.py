@@ -53,18 +53,22 @@ def teacher(rng: random.Random, prompt: str) -> str:
     letters = list(prompt)
     srt = sorted(letters)
     u = rng.random()
-    if u < 0.22:  # the ideal reply
-        return " ".join(srt)
-    if u < 0.52:  # copies the prompt order
+    # copy-order habits (55%) open with the prompt's first letter, sorted
+    # habits (45%) with its smallest, so greedy decoding mostly copies
+    if u < 0.35:  # copies the prompt order
         return " ".join(letters)
-    if u < 0.64:  # sorted but run together
-        return "".join(srt)
-    if u < 0.76:  # sorted, forgets one letter
-        srt.pop(rng.randrange(len(srt)))
-        return " ".join(srt)
-    if u < 0.88:  # copies, one letter swapped for a foreign one
+    if u < 0.47:  # copies, one letter swapped for a foreign one
         letters[rng.randrange(len(letters))] = _foreign(rng, prompt)
         return " ".join(letters)
+    if u < 0.55:  # copies, run together
+        return "".join(letters)
+    if u < 0.75:  # the ideal reply
+        return " ".join(srt)
+    if u < 0.85:  # sorted but run together
+        return "".join(srt)
+    if u < 0.93:  # sorted, forgets one letter (not the first: keeps the opening habit)
+        srt.pop(rng.randrange(1, len(srt)))
+        return " ".join(srt)
     # sorted with a letter repeated (long: the labeller likes it, the judge does not)
     i = rng.randrange(len(srt))
     return " ".join(srt[: i + 1] + [srt[i]] + srt[i + 1 :])

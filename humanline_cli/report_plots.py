@@ -1,0 +1,214 @@
+"""PNG plots for `humanline report` (matplotlib, Agg) and the optional wandb upload of the report."""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+FAMILY_COLORS = {"offline": "tab:blue", "online": "tab:orange", "humanline-offline": "tab:green",
+                 "humanline-online": "tab:red"}
+CLAMP_BAND = (-1.0, 1.5)  # default hl.log_eps_P, hl.log_eps_R
+
+
+def _color(family: str) -> str:
+    return FAMILY_COLORS.get(family, "tab:gray")
+
+
+def _num(x):
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def eval_curve(run) -> tuple[str, list[tuple[float, float]]]:
+    """(metric name, [(wall_s, value)]): start at x=0, eval/* rows from metrics.jsonl, final at wall_clock total."""
+    ev = run.summary.get("eval", {})
+    if _num(ev.get("accuracy")) is not None:
+        metric, key, start, final = "accuracy", "eval/accuracy", ev.get("start_accuracy"), ev.get("accuracy")
+    elif _num(ev.get("reward_mean")) is not None:
+        metric, key, start, final = "judge reward", "eval/reward_mean", ev.get("start_reward_mean"), ev.get("reward_mean")
+    else:
+        metric, key, start, final = "win rate vs start", "eval/win_rate", 0.5, ev.get("win_rate")
+    pts = []
+    if _num(start) is not None:
+        pts.append((0.0, float(start)))
+    for row in run.metrics:
+        if _num(row.get(key)) is not None and _num(row.get("wall_s")) is not None:
+            pts.append((float(row["wall_s"]), float(row[key])))
+    total = _num(run.summary.get("wall_clock_s", {}).get("total"))
+    if total is not None and _num(final) is not None:
+        pts.append((total, float(final)))
+    return metric, sorted(pts)
+
+
+def _panels(keys: list, title_fmt):
+    import matplotlib.pyplot as plt
+
+    n = len(keys)
+    fig, axes = plt.subplots(1, n, figsize=(5 * n, 4), squeeze=False)
+    axes = axes[0]
+    for ax, k in zip(axes, keys):
+        ax.set_title(title_fmt(k))
+        ax.grid(alpha=0.3)
+    return fig, dict(zip(keys, axes))
+
+
+def _legend_once(ax):
+    handles, labels = ax.get_legend_handles_labels()
+    seen = {}
+    for h, lab in zip(handles, labels):
+        seen.setdefault(lab, h)
+    if seen:
+        ax.legend(seen.values(), seen.keys(), fontsize=8)
+
+
+def _keys(pairs):
+    """Panels, one per (task, objective), objectives in dpo/kto/grpo order; titles name the task if several."""
+    from .report import OBJECTIVES, _order
+
+    pairs = set(pairs)
+    tasks = sorted({t for t, _ in pairs})
+    multi = len(tasks) > 1
+    keys = []
+    for t in tasks:
+        keys += [(t, o) for o in _order({o for tt, o in pairs if tt == t}, OBJECTIVES)]
+    return keys, (lambda k: f"{k[0]} / {k[1]}" if multi else k[1])
+
+
+def plot_eval_vs_wallclock(runs, path: Path) -> str | None:
+    curves = [(r, *eval_curve(r)) for r in runs]
+    curves = [c for c in curves if len(c[2]) >= 1]
+    if not curves:
+        return "no complete run has eval numbers"
+    keys, title = _keys((c[0].task, c[0].objective) for c in curves)
+    fig, axes = _panels(keys, title)
+    for run, metric, pts in curves:
+        ax = axes[(run.task, run.objective)]
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, "-o", ms=3, color=_color(run.family), alpha=0.8, label=run.family)
+        ax.set_xlabel("wall-clock (s)")
+        ax.set_ylabel(metric)
+    for ax in axes.values():
+        _legend_once(ax)
+    return _save(fig, path)
+
+
+def plot_unclamped_fraction(runs, path: Path) -> str | None:
+    hl = [r for r in runs if r.humanline and any(_num(m.get("humanline/unclamped_fraction")) is not None
+                                                 for m in r.metrics)]
+    if not hl:
+        return "no humanline run logged humanline/unclamped_fraction"
+    keys, title = _keys((r.task, r.objective) for r in hl)
+    fig, axes = _panels(keys, title)
+    for r in hl:
+        pts = sorted((m["step"], m["humanline/unclamped_fraction"]) for m in r.metrics
+                     if _num(m.get("humanline/unclamped_fraction")) is not None and _num(m.get("step")) is not None)
+        ax = axes[(r.task, r.objective)]
+        ax.plot(*zip(*pts), color=_color(r.family), alpha=0.8, label=r.family)
+        ax.set_xlabel("step")
+        ax.set_ylabel("unclamped token fraction")
+        ax.set_ylim(0, 1.02)
+    for ax in axes.values():
+        _legend_once(ax)
+    return _save(fig, path)
+
+
+def late_histogram(run) -> list[float] | None:
+    """Sum of the counts over the last 25% of the run's logged histogram steps (at least one step)."""
+    rows = sorted((r for r in run.logratios if isinstance(r.get("counts"), list)), key=lambda r: r.get("step", 0))
+    if not rows:
+        return None
+    late = rows[len(rows) - max(1, math.ceil(len(rows) / 4)):]
+    n = len(late[0]["counts"])
+    return [sum(float(r["counts"][i]) for r in late if len(r["counts"]) == n) for i in range(n)]
+
+
+def plot_logratio_hist(runs, path: Path) -> str | None:
+    hists = {}
+    meta = {}
+    for r in runs:
+        h = late_histogram(r)
+        if h is None:
+            continue
+        key = (r.task, r.objective, r.family)
+        prev = hists.get(key)
+        hists[key] = h if prev is None else [a + b for a, b in zip(prev, h)]
+        meta[key] = (r.logratios[0].get("lo", -3.0), r.logratios[0].get("hi", 3.0))
+    if not hists:
+        return "no run wrote logratios.jsonl"
+    keys, title = _keys((t, o) for t, o, _ in hists)
+    fig, axes = _panels(keys, title)
+    from .report import FAMILIES
+
+    rank = {f: i for i, f in enumerate(FAMILIES)}
+    for (task, obj, fam), h in sorted(hists.items(), key=lambda kv: (kv[0][:2], rank.get(kv[0][2], 99), kv[0][2])):
+        ax = axes[(task, obj)]
+        lo, hi = meta[(task, obj, fam)]
+        total = sum(h) or 1.0
+        inner = h[1:-1]
+        width = (hi - lo) / len(inner)
+        edges = [lo + i * width for i in range(len(inner) + 1)]
+        ax.stairs([c / total / width for c in inner], edges, color=_color(fam), linewidth=1.5,
+                  label=f"{fam} (out of range {(h[0] + h[-1]) / total:.1%})")
+        ax.set_xlabel("token log-ratio log π/π_ref (last 25% of logged steps)")
+        ax.set_ylabel("density")
+    for ax in axes.values():
+        for x in CLAMP_BAND:
+            ax.axvline(x, color="black", linestyle="--", linewidth=1)
+        ax.text(CLAMP_BAND[1], ax.get_ylim()[1] * 0.95, " clamp band", fontsize=8, va="top")
+        _legend_once(ax)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> None:
+    """Write and close the figure; plot functions return this None, meaning "not skipped"."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def make_plots(runs, out_dir: Path) -> tuple[dict, dict]:
+    """Write the PNGs; returns ({name: path}, {name: why skipped})."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    plots, skipped = {}, {}
+    for name, fn in (("eval_vs_wallclock.png", plot_eval_vs_wallclock),
+                     ("unclamped_fraction.png", plot_unclamped_fraction),
+                     ("logratio_hist.png", plot_logratio_hist)):
+        path = out_dir / name
+        try:
+            why = fn(runs, path)
+        except Exception as e:  # a bad plot must not lose the table (reported as skipped)
+            why = f"plot failed: {type(e).__name__}: {e}"
+        if why is None:
+            plots[name] = path
+        else:
+            path.unlink(missing_ok=True)  # never leave a stale PNG from an earlier report
+            skipped[name] = why
+    return plots, skipped
+
+
+def log_to_wandb(rep, mode: str) -> str | None:
+    """Log the table and PNGs to a new wandb run; returns an error string (and warns) instead of raising."""
+    from .report import CSV_COLUMNS
+
+    try:
+        import wandb
+
+        run = wandb.init(project="humanline", job_type="report", mode=mode, dir=str(rep.out_dir),
+                         name=f"report-{rep.root.resolve().name}", reinit="finish_previous")
+        try:
+            table = wandb.Table(columns=list(CSV_COLUMNS), data=[[c[k] for k in CSV_COLUMNS] for c in rep.cells])
+            payload = {"report/table": table}
+            for name, path in rep.files.items():
+                if name.endswith(".png"):
+                    payload[f"report/{name[:-4]}"] = wandb.Image(str(path))
+            run.log(payload)
+        finally:
+            run.finish()
+        return None
+    except Exception as e:  # any wandb failure is a warning, never a failed report
+        msg = f"{type(e).__name__}: {e}"
+        print(f"humanline: warning: wandb logging of the report failed: {msg}", file=sys.stderr)
+        return msg
