@@ -100,6 +100,7 @@ def check_group_choices(args: list[str]) -> None:
 def _run_hydra():
     check_group_choices(sys.argv[1:])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("WANDB_SILENT", "true")  # our summary says where the wandb run is
     app = _train_app()
     try:
         app()
