@@ -60,8 +60,6 @@ def build_parts(cfg: DictConfig, spec: RunSpec, timer, run_dir: Path) -> Parts:
     trust = bool(cfg.model.trust_remote_code)
     tokenizer = load_tokenizer(tok_path, trust)
     encoder = Encoder(tokenizer, spec.train.max_prompt_length, spec.train.max_length)
-    policy = load_policy(model_path, backend.device, trust)
-    reference = make_reference(policy)
     collate = Collator(encoder, cfg.objective)
 
     match spec.regime:
@@ -69,12 +67,15 @@ def build_parts(cfg: DictConfig, spec: RunSpec, timer, run_dir: Path) -> Parts:
             rows, where = load_rows(resolve_path(cfg.data.path, cfg), cfg.data.split, cfg.data.limit)
             units = to_units(rows, where, spec.objective, float(cfg.data.min_gap))
             _check_prompts(rows, encoder, where)
+            policy = load_policy(model_path, backend.device, trust)  # after the data: bad data fails fast
             source = OfflineSource(units, collate, spec.train.batch_size, spec.train.micro_batch_size,
                                    spec.seed, bool(cfg.data.shuffle))
         case "online":
+            policy = load_policy(model_path, backend.device, trust)
             from .rollout import make_online_source
 
             source = make_online_source(cfg, spec, encoder, collate, policy, backend, resolve_path, timer, run_dir)
+    reference = make_reference(policy)
     eval_rows, _ = load_rows(resolve_path(cfg.task.prompts.eval, cfg), "train", cfg.eval.n_prompts)
     judge = make_scorer(OmegaConf.to_container(cfg.task.judge, resolve=True), backend.device)
     evaluator = Evaluator(eval_rows, encoder, judge, cfg.eval, bool(cfg.task.verifiable), spec.seed)

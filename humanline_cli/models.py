@@ -6,6 +6,7 @@ import os
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from .errors import UserError
 
@@ -28,6 +29,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
 def load_policy(path: str, device: torch.device, trust_remote_code: bool = False) -> torch.nn.Module:
     """fp32 master weights on `device` (autocast handles bf16 compute); weights via safetensors."""
+    hf_logging.disable_progress_bar()  # our own progress display is enough
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, use_safetensors=True, dtype=torch.float32, trust_remote_code=trust_remote_code

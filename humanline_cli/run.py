@@ -69,6 +69,7 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
             parts.evaluator.set_baseline(parts.eval_sampler)
         last = train(spec, parts, cfg.objective, tracker, timer, int(cfg.eval.every), console)
         with timer.phase("eval"):
+            parts.eval_sampler.push_weights(parts.policy)  # a vLLM engine holds the last round's weights
             ev = parts.evaluator.evaluate(parts.eval_sampler, run_dir / "eval_samples.jsonl")
         if spec.train.save_model:
             with timer.phase("save"):

@@ -85,6 +85,7 @@ def train(spec: RunSpec, parts: Parts, objective_cfg, tracker: Tracker, timer: P
                 tracker.log_histogram(step, hist)
             if eval_every and step % eval_every == 0 and step < tr.steps:
                 with timer.phase("eval"):
+                    parts.eval_sampler.push_weights(policy)
                     ev = parts.evaluator.evaluate(parts.eval_sampler)
                 tracker.log(step, {**{f"eval/{k}": v for k, v in ev.items() if isinstance(v, (int, float))},
                                    "wall_s": timer.elapsed()})

@@ -102,7 +102,7 @@ def test_help_and_cfg_job(tmp_path):
     (["data.path=missing.jsonl"], "missing.jsonl does not exist"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, cache_dir, args, needle):
-    r = run_cli(["train", *args, *TINY_WORLD, *FAST, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    r = run_cli(["train", *TINY_WORLD, *FAST, *args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert r.returncode == 2
     assert needle in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "run" / "summary.json").exists()
