@@ -29,6 +29,6 @@ class PhaseTimer:
         return round(time.perf_counter() - self.start, 3)
 
     def report(self) -> dict[str, float]:
-        out = {p: round(self.seconds.get(p, 0.0), 3) for p in PHASES}
+        out = {p: round(self.seconds.get(p, 0.0), 6) for p in PHASES}
         out["total"] = round(time.perf_counter() - self.start, 3)
         return out

