@@ -142,7 +142,8 @@ def make_online_source(cfg, spec, encoder, collate, policy, backend, resolve_pat
         if "prompt" not in r:
             raise UserError(f"{where(i)}: prompt rows need a 'prompt' field")
         encoder.prompt_ids(r["prompt"], where(i))
-    labeller = make_scorer(OmegaConf.to_container(cfg.task.labeller, resolve=True), backend.device)
+    reward = cfg.reward if cfg.reward.kind != "task" else cfg.task.labeller
+    labeller = make_scorer(OmegaConf.to_container(reward, resolve=True), backend.device)
     match cfg.sampler.name:
         case "hf":
             from .sampling.hf import HFSampler

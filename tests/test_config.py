@@ -27,10 +27,11 @@ CASES = [(g, o) for g in GROUPS if g != "experiment" for o in _options(g)]
 
 @pytest.mark.parametrize("group,option", CASES, ids=[f"{g}={o}" for g, o in CASES])
 def test_every_config_file_composes_and_validates(group, option):
-    cfg = _compose([f"{group}={option}"])
+    extra = {("reward", "model"): ["reward.name_or_path=some/rm"]}.get((group, option), [])
+    cfg = _compose([f"{group}={option}", *extra])
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
     spec = validate(cfg)
-    if group not in ("data", "task"):
+    if group not in ("data", "task", "reward"):
         assert cfg[group].name == option
     if group == "objective":
         assert spec.objective == option

@@ -1,0 +1,47 @@
+"""Reward model labeller/judge: any AutoModelForSequenceClassification (ArmoRM-style) scoring the
+chat-formatted (prompt, completion) conversation, batched, without gradients.
+
+Scores are the model's scalar output (logit 0 for one-label heads; the `score` attribute for
+models that return one, like ArmoRM with trust_remote_code)."""
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from ..errors import UserError
+
+
+class RewardModel:
+    def __init__(self, path: str, device=None, batch_size: int = 16, trust_remote_code: bool = False,
+                 max_length: int = 4096):
+        try:
+            self.tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                path, use_safetensors=True, trust_remote_code=trust_remote_code).eval()
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot load reward model {path}: {str(e).splitlines()[0]}") from None
+        self.device = device or torch.device("cpu")
+        self.model.to(self.device)
+        self.batch_size, self.max_length = batch_size, max_length
+        if self.tok.pad_token_id is None:
+            self.tok.pad_token = self.tok.eos_token
+        self.model.config.pad_token_id = self.tok.pad_token_id
+
+    def _texts(self, prompts: list[str], completions: list[str]) -> list[str]:
+        if getattr(self.tok, "chat_template", None):
+            return [self.tok.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}],
+                                                 tokenize=False) for p, c in zip(prompts, completions)]
+        return [p + c for p, c in zip(prompts, completions)]
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], completions: list[str], answers=None) -> list[float]:
+        texts = self._texts(prompts, completions)
+        scores: list[float] = []
+        for i in range(0, len(texts), self.batch_size):
+            enc = self.tok(texts[i:i + self.batch_size], return_tensors="pt", padding=True, truncation=True,
+                           max_length=self.max_length, add_special_tokens=False).to(self.device)
+            out = self.model(**enc)
+            s = getattr(out, "score", None)
+            s = out.logits[:, 0] if s is None else s.reshape(len(enc["input_ids"]), -1)[:, 0]
+            scores += s.float().cpu().tolist()
+        return scores

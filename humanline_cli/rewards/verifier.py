@@ -1,0 +1,31 @@
+"""Verifiable rewards: 1.0 if the completion's final answer equals the reference answer, else 0.0.
+
+method=math uses the `math-verify` package (LaTeX / boxed answers, numeric equivalence);
+method=exact compares stripped strings. Reference answers come from the prompt rows' `answer` field.
+"""
+from __future__ import annotations
+
+from ..errors import UserError
+
+
+def verify_batch(completions: list[str], answers: list | None, method: str = "math") -> list[float]:
+    if answers is None:
+        raise UserError("reward kind=verifier needs an 'answer' field in the prompt rows")
+    match method:
+        case "exact":
+            return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answers)]
+        case "math":
+            try:
+                from math_verify import parse, verify
+            except ImportError:
+                raise UserError("reward method=math needs math-verify: pip install -e '.[math]'") from None
+            out = []
+            for c, a in zip(completions, answers):
+                gold = parse(str(a) if str(a).startswith("$") else f"${a}$")
+                try:
+                    out.append(float(bool(verify(gold, parse(c))))) if c.strip() else out.append(0.0)
+                except Exception:  # unparseable model output is simply wrong, never a crash
+                    out.append(0.0)
+            return out
+        case _:
+            raise UserError(f"unknown verifier method {method!r} (math | exact)")
