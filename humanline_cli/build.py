@@ -59,12 +59,14 @@ def build_parts(cfg: DictConfig, spec: RunSpec, timer, run_dir: Path) -> Parts:
     tok_path = resolve_path(cfg.model.tokenizer, cfg) if cfg.model.tokenizer else model_path
     trust = bool(cfg.model.trust_remote_code)
     tokenizer = load_tokenizer(tok_path, trust)
-    encoder = Encoder(tokenizer, spec.train.max_prompt_length, spec.train.max_length)
+    encoder = Encoder(tokenizer, spec.train.max_prompt_length, spec.train.max_length,
+                      wrap_strings=_wrap_strings(cfg, tokenizer))
     collate = Collator(encoder, cfg.objective)
 
     match spec.regime:
         case "offline":
-            rows, where = load_rows(resolve_path(cfg.data.path, cfg), cfg.data.split, cfg.data.limit)
+            rows, where = load_rows(resolve_path(cfg.data.path, cfg), cfg.data.split, cfg.data.limit,
+                                    _columns(cfg.data))
             units = to_units(rows, where, spec.objective, float(cfg.data.min_gap))
             _check_prompts(rows, encoder, where)
             policy = load_policy(model_path, backend.device, trust)  # after the data: bad data fails fast
@@ -76,12 +78,26 @@ def build_parts(cfg: DictConfig, spec: RunSpec, timer, run_dir: Path) -> Parts:
 
             source = make_online_source(cfg, spec, encoder, collate, policy, backend, resolve_path, timer, run_dir)
     reference = make_reference(policy)
-    eval_rows, _ = load_rows(resolve_path(cfg.task.prompts.eval, cfg), "train", cfg.eval.n_prompts)
+    eval_rows, _ = load_rows(resolve_path(cfg.task.prompts.eval, cfg), cfg.task.prompts.get("eval_split", "train"),
+                             cfg.eval.n_prompts, _columns(cfg.task.prompts))
     judge = make_scorer(OmegaConf.to_container(cfg.task.judge, resolve=True), backend.device)
     evaluator = Evaluator(eval_rows, encoder, judge, cfg.eval, bool(cfg.task.verifiable), spec.seed)
     eval_sampler = getattr(source, "sampler", None) or _hf_sampler(cfg, policy, tokenizer, backend)
     return Parts(backend, tokenizer, encoder, policy, reference, source, evaluator, eval_sampler,
                  reference_resets_each_round=spec.regime == "online" and not spec.humanline.sync)
+
+
+def _columns(node) -> dict | None:
+    cols = node.get("columns")
+    return OmegaConf.to_container(cols) if cols else None
+
+
+def _wrap_strings(cfg, tokenizer) -> bool:
+    """chat_template=auto: string prompts become a user message when the tokenizer has a template."""
+    mode = cfg.get("chat_template", "auto")
+    if mode == "auto":
+        return getattr(tokenizer, "chat_template", None) is not None
+    return bool(mode)
 
 
 def _hf_sampler(cfg, policy, tokenizer, backend):

@@ -22,6 +22,16 @@ def _fail(msg: str, code: int = 2):
     sys.exit(code)
 
 
+def is_complete(run_dir: Path) -> bool:
+    """The sweep resume rule: a run dir whose summary.json says status=complete is done."""
+    import json
+
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("status") == "complete"
+    except (OSError, ValueError):
+        return False
+
+
 def _train_app():
     import hydra
     from hydra.core.hydra_config import HydraConfig
@@ -34,6 +44,9 @@ def _train_app():
 
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         multirun = str(HydraConfig.get().mode) == "RunMode.MULTIRUN"
+        if multirun and cfg.get("resume", True) and is_complete(run_dir):
+            print(f"humanline: skipping {run_dir}: already complete (resume=false reruns it)", file=sys.stderr)
+            return
         try:
             run_job(cfg, run_dir)
         except UserError as e:

@@ -137,7 +137,10 @@ class OnlineSource:
 def make_online_source(cfg, spec, encoder, collate, policy, backend, resolve_path, timer, run_dir):
     from omegaconf import OmegaConf
 
-    rows, where = load_rows(resolve_path(cfg.data.prompts, cfg), "train", cfg.data.limit)
+    prompts_cfg = cfg.task.prompts
+    rows, where = load_rows(resolve_path(cfg.data.prompts, cfg), prompts_cfg.get("train_split", "train"),
+                            cfg.data.limit, OmegaConf.to_container(prompts_cfg.columns) if prompts_cfg.get("columns")
+                            else None)
     for i, r in enumerate(rows):
         if "prompt" not in r:
             raise UserError(f"{where(i)}: prompt rows need a 'prompt' field")

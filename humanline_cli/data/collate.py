@@ -21,8 +21,9 @@ class Encoder:
     """Turns (prompt, completion) into token ids with one consistent convention for training,
     sampling and evaluation: prompt ids end where generation starts."""
 
-    def __init__(self, tokenizer, max_prompt_length: int, max_length: int):
+    def __init__(self, tokenizer, max_prompt_length: int, max_length: int, wrap_strings: bool = False):
         self.tok = tokenizer
+        self.wrap_strings = wrap_strings
         self.max_prompt_length = max_prompt_length
         self.max_length = max_length
         self._cache: dict = {}
@@ -30,6 +31,8 @@ class Encoder:
     def prompt_ids(self, prompt, where: str = "prompt") -> list[int]:
         key = repr(prompt)
         if key not in self._cache:
+            if isinstance(prompt, str) and self.wrap_strings:
+                prompt = [{"role": "user", "content": prompt}]
             if isinstance(prompt, str):
                 ids = self.tok(prompt, add_special_tokens=True)["input_ids"]
             else:

@@ -31,7 +31,8 @@ def _check_jsonl(path: Path) -> list[int]:
     return lines
 
 
-def load_rows(path: str, split: str = "train", limit: int | None = None) -> Rows:
+def load_rows(path: str, split: str = "train", limit: int | None = None, columns: dict | None = None) -> Rows:
+    """`columns` renames source fields to ours, e.g. {"instruction": "prompt", "problem": "prompt"}."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -70,6 +71,11 @@ def load_rows(path: str, split: str = "train", limit: int | None = None) -> Rows
         raise UserError(f"cannot load data {path!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
+    if columns:
+        missing = [c for c in columns if c not in ds.column_names]
+        if missing:
+            raise UserError(f"data {path!r} has no column(s) {missing} to rename (has {ds.column_names})")
+        ds = ds.rename_columns(dict(columns))
     rows = ds.to_list()
     if not rows:
         raise UserError(f"data {path!r} (split {split!r}) is empty")

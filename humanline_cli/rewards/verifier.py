@@ -21,9 +21,10 @@ def verify_batch(completions: list[str], answers: list | None, method: str = "ma
                 raise UserError("reward method=math needs math-verify: pip install -e '.[math]'") from None
             out = []
             for c, a in zip(completions, answers):
-                gold = parse(str(a) if str(a).startswith("$") else f"${a}$")
+                a = str(a)  # a bare answer, or a whole reference solution with \boxed{...}
+                gold = parse(a if a.startswith("$") or "\\boxed" in a else "$" + a + "$")
                 try:
-                    out.append(float(bool(verify(gold, parse(c))))) if c.strip() else out.append(0.0)
+                    out.append(float(bool(verify(gold, parse(c)))) if c.strip() else 0.0)
                 except Exception:  # unparseable model output is simply wrong, never a crash
                     out.append(0.0)
             return out

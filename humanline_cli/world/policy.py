@@ -42,7 +42,7 @@ def new_model(mcfg: dict, tok: PreTrainedTokenizerFast, seed: int) -> LlamaForCa
 
 
 @torch.no_grad()
-def _fourier_digits(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, amplitude: float = 0.5) -> None:
+def _fourier_digits(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, amplitude: float = 0.1) -> None:
     """Give digit embeddings cos/sin features of the digit value (mod 10) in
     their first dims. From a random init the ones digit of a sum (a mod-10
     lookup) sat on a ~2-nat plateau for a seed-dependent 300-1000+ steps;
