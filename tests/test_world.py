@@ -10,8 +10,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from humanline_cli.world import DEFAULTS, WORLD_FILES, materialise, world_dir
-from humanline_cli.world import arithmetic, offline, policy, preference
+from humanline_cli.world import (
+    DEFAULTS,
+    WORLD_FILES,
+    arithmetic,
+    materialise,
+    offline,
+    policy,
+    preference,
+    world_dir,
+)
 from humanline_cli.world.rewards import score
 
 
@@ -75,11 +83,13 @@ def test_tokenizer_round_trip_and_template(arith):
     prompt_ids = _ids(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
     full_ids = _ids(tok.apply_chat_template(full, tokenize=True))
     assert full_ids[: len(prompt_ids)] == prompt_ids and full_ids[-1] == tok.eos_token_id
-    assert tok.decode(full_ids[len(prompt_ids):], skip_special_tokens=True) == "82"
+    assert tok.decode(full_ids[len(prompt_ids) :], skip_special_tokens=True) == "82"
     assert tok.decode(tok("a d k q").input_ids) == "a d k q"
     enc = policy.Encoder(tok)  # the fast path SFT uses must equal the template
     for content in ("00+99=", "qdka", "xyz"):
-        got = _ids(tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True))
+        got = _ids(
+            tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        )
         assert got == enc.prompt(content)
 
 
@@ -105,7 +115,11 @@ def test_files_and_fields(which, request):
     info = json.loads((path / "world.json").read_text())
     assert info["cfg"]["n_train_prompts"] == 256 and info["build_seconds"] > 0
     metrics = info["base_metrics"]
-    keys = ("greedy_accuracy", "sampled_accuracy") if info["kind"] == "arithmetic" else ("greedy_judge", "sampled_judge")
+    keys = (
+        ("greedy_accuracy", "sampled_accuracy")
+        if info["kind"] == "arithmetic"
+        else ("greedy_judge", "sampled_judge")
+    )
     assert all(0.0 <= metrics[k] <= 1.0 for k in keys)
     train = [r["prompt"][0]["content"] for r in _jsonl(path / "prompts_train.jsonl")]
     eval_ = [r["prompt"][0]["content"] for r in _jsonl(path / "prompts_eval.jsonl")]
@@ -152,8 +166,11 @@ def test_judge_and_labeller_differ_but_correlate():
     prompts, comps = [], []
     for _ in range(600):
         p = preference.random_prompt(rng)
-        pool = [preference.teacher(rng, p), *preference.other_model(rng, p, 2, 0.3, "plain"),
-                "".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randint(0, 12)))]
+        pool = [
+            preference.teacher(rng, p),
+            *preference.other_model(rng, p, 2, 0.3, "plain"),
+            "".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randint(0, 12))),
+        ]
         prompts.append(p)
         comps.append(rng.choice(pool))
     judge = score("preference", "judge", prompts, comps)
@@ -164,7 +181,13 @@ def test_judge_and_labeller_differ_but_correlate():
     # the labeller's blind spot: a repeated letter costs under the judge only
     good, rep = "a d k q", "a d d k q"
     assert score("preference", "judge", ["qdka"] * 2, [good, rep])[1] < 0.7
-    assert abs(score("preference", "labeller", ["qdka"], [rep])[0] - score("preference", "labeller", ["qdka"], [good])[0]) < 0.2
+    assert (
+        abs(
+            score("preference", "labeller", ["qdka"], [rep])[0]
+            - score("preference", "labeller", ["qdka"], [good])[0]
+        )
+        < 0.2
+    )
 
 
 def test_content_addressing(arith, root):
@@ -191,20 +214,29 @@ def test_determinism_across_cache_roots(arith, tmp_path):
 
 def test_offline_knobs_change_the_data():
     prompts = arithmetic.all_prompts()[:500]
-    padded = offline.records("arithmetic", {"correct_rate": 0.5, "style": "padded", "n_per_prompt": 2},
-                             prompts, random.Random(0))
+    padded = offline.records(
+        "arithmetic", {"correct_rate": 0.5, "style": "padded", "n_per_prompt": 2}, prompts, random.Random(0)
+    )
     for row in padded["offline_groups.jsonl"]:
         assert all(len(c[0]["content"]) == 3 and c[0]["content"].isdigit() for c in row["completions"])
     # padded answers are labelled by value, so pairs still carry signal
     assert all(p["score_chosen"] == 1.0 for p in padded["offline_pairs.jsonl"])
-    low = offline.records("arithmetic", {"correct_rate": 0.1, "style": "plain", "n_per_prompt": 4},
-                          prompts, random.Random(0))
+    low = offline.records(
+        "arithmetic", {"correct_rate": 0.1, "style": "plain", "n_per_prompt": 4}, prompts, random.Random(0)
+    )
     rewards = [r for g in low["offline_groups.jsonl"] for r in g["rewards"]]
     assert len(rewards) == 2000 and 0.05 < sum(rewards) / len(rewards) < 0.15
     for g in low["offline_groups.jsonl"]:
         texts = [c[0]["content"] for c in g["completions"]]
         assert len(set(texts)) == 4
-    pref_rows = offline.records("preference", {"correct_rate": 0.5, "style": "plain", "n_per_prompt": 2},
-                                ["qdka", "xyz", "bcdef"] * 50, random.Random(0))
-    ideal = sum(p["chosen"][0]["content"] in ("a d k q", "x y z", "b c d e f") for p in pref_rows["offline_pairs.jsonl"])
+    pref_rows = offline.records(
+        "preference",
+        {"correct_rate": 0.5, "style": "plain", "n_per_prompt": 2},
+        ["qdka", "xyz", "bcdef"] * 50,
+        random.Random(0),
+    )
+    ideal = sum(
+        p["chosen"][0]["content"] in ("a d k q", "x y z", "b c d e f")
+        for p in pref_rows["offline_pairs.jsonl"]
+    )
     assert ideal > 120  # the labeller mostly, but not always, prefers the ideal reply

@@ -23,8 +23,15 @@ from pathlib import Path
 from .defaults import DEFAULTS, resolve
 
 WORLD_VERSION = 1
-WORLD_FILES = ("policy", "offline_pairs.jsonl", "offline_groups.jsonl", "offline_unpaired.jsonl",
-               "prompts_train.jsonl", "prompts_eval.jsonl", "world.json")
+WORLD_FILES = (
+    "policy",
+    "offline_pairs.jsonl",
+    "offline_groups.jsonl",
+    "offline_unpaired.jsonl",
+    "prompts_train.jsonl",
+    "prompts_eval.jsonl",
+    "world.json",
+)
 
 __all__ = ["DEFAULTS", "WORLD_FILES", "WORLD_VERSION", "materialise", "resolve", "world_dir"]
 
@@ -43,8 +50,9 @@ def _complete(path: Path) -> bool:
     return all((path / name).exists() for name in WORLD_FILES)
 
 
-def materialise(cfg: Mapping, cache_root: str | os.PathLike, progress: bool = True,
-                threads: int | None = None) -> Path:
+def materialise(
+    cfg: Mapping, cache_root: str | os.PathLike, progress: bool = True, threads: int | None = None
+) -> Path:
     """Return the world's folder, building it first if missing.
 
     The build goes to a temporary sibling then is renamed into place, so a

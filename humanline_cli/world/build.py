@@ -94,7 +94,9 @@ def build(cfg: dict, out_dir: Path, version: int, progress: bool) -> dict:
     model.save_pretrained(out_dir / "policy", safe_serialization=True)
     tok.save_pretrained(out_dir / "policy")
 
-    for name, rows in offline.records(cfg["kind"], cfg["offline"], train, random.Random(f"{seed}:offline")).items():
+    for name, rows in offline.records(
+        cfg["kind"], cfg["offline"], train, random.Random(f"{seed}:offline")
+    ).items():
         offline.write_jsonl(out_dir / name, rows)
     offline.write_jsonl(out_dir / "prompts_train.jsonl", offline.prompt_rows(train))
     offline.write_jsonl(out_dir / "prompts_eval.jsonl", offline.prompt_rows(eval_))

@@ -12,10 +12,22 @@ _COMMON = {
     "n_train_prompts": 4096,  # prompts for offline data and online training
     "n_eval_prompts": 256,  # held out of SFT and offline data
     # head_dim >= 32 is needed for vLLM to load the policy
-    "model": {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 32,
-              "intermediate_size": 384},
+    "model": {
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "head_dim": 32,
+        "intermediate_size": 384,
+    },
     # teacher: `noisy` (mediocre, right answers kept in support) or `clean`
-    "sft": {"steps": 1200, "batch_size": 64, "lr": 3.0e-3, "warmup": 30, "weight_decay": 0.1, "teacher": "noisy"},
+    "sft": {
+        "steps": 1200,
+        "batch_size": 64,
+        "lr": 3.0e-3,
+        "warmup": 30,
+        "weight_decay": 0.1,
+        "teacher": "noisy",
+    },
     # rule-based "other model": correct_rate = chance the right reply is in a
     # prompt's set (see arithmetic.n_correct); style `plain` or `padded`
     "offline": {"correct_rate": 0.5, "style": "plain", "n_per_prompt": 2},
@@ -65,5 +77,5 @@ def _check_keys(ref: Mapping, got: Mapping, where: str) -> None:
     for key, value in ref.items():
         if isinstance(value, Mapping):
             if not isinstance(got[key], Mapping):
-                raise ValueError(f"{where}.{key} must be a mapping")
+                raise TypeError(f"{where}.{key} must be a mapping")
             _check_keys(value, got[key], f"{where}.{key}")

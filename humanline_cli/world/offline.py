@@ -48,21 +48,33 @@ def records(task: str, ocfg: dict, prompts: list[str], rng: random.Random) -> di
         scores = [float(label(prompt, r)) for r in replies]
         best = max(range(len(replies)), key=lambda i: (scores[i], -i))
         worst = min(range(len(replies)), key=lambda i: (scores[i], i == best))
-        pairs.append({"prompt": _user(prompt), "chosen": _assistant(replies[best]),
-                      "rejected": _assistant(replies[worst]),
-                      "score_chosen": scores[best], "score_rejected": scores[worst]})
-        groups.append({"prompt": _user(prompt), "completions": [_assistant(r) for r in replies], "rewards": scores})
+        pairs.append(
+            {
+                "prompt": _user(prompt),
+                "chosen": _assistant(replies[best]),
+                "rejected": _assistant(replies[worst]),
+                "score_chosen": scores[best],
+                "score_rejected": scores[worst],
+            }
+        )
+        groups.append(
+            {"prompt": _user(prompt), "completions": [_assistant(r) for r in replies], "rewards": scores}
+        )
         mean, tied = sum(scores) / len(scores), len(set(scores)) == 1
         for r, s in zip(replies, scores):
-            unpaired.append({"prompt": _user(prompt), "completion": _assistant(r),
-                             "label": bool(s >= 0.5 if tied else s > mean)})
+            unpaired.append(
+                {
+                    "prompt": _user(prompt),
+                    "completion": _assistant(r),
+                    "label": bool(s >= 0.5 if tied else s > mean),
+                }
+            )
     return {"offline_pairs.jsonl": pairs, "offline_groups.jsonl": groups, "offline_unpaired.jsonl": unpaired}
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
 
 def prompt_rows(prompts: list[str]) -> list[dict]:

@@ -84,12 +84,21 @@ def _batch(enc: Encoder, prompts: Sequence[str], replies: Sequence[str]) -> tupl
     return ids, mask, labels
 
 
-def sft(model: LlamaForCausalLM, enc: Encoder, scfg: dict, draw: Callable[[random.Random], str],
-        teacher: Callable[[random.Random, str], str], rng: random.Random, progress: bool) -> list[float]:
+def sft(
+    model: LlamaForCausalLM,
+    enc: Encoder,
+    scfg: dict,
+    draw: Callable[[random.Random], str],
+    teacher: Callable[[random.Random, str], str],
+    rng: random.Random,
+    progress: bool,
+) -> list[float]:
     """Fresh teacher replies every step (so the student learns the teacher's
     distribution, not one sample of it); AdamW, linear warmup, cosine to 10%."""
     steps, warmup = int(scfg["steps"]), int(scfg["warmup"])
-    opt = torch.optim.AdamW(model.parameters(), lr=scfg["lr"], betas=(0.9, 0.98), weight_decay=scfg["weight_decay"])
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=scfg["lr"], betas=(0.9, 0.98), weight_decay=scfg["weight_decay"]
+    )
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -105,7 +114,9 @@ def sft(model: LlamaForCausalLM, enc: Encoder, scfg: dict, draw: Callable[[rando
             prompts = [draw(rng) for _ in range(scfg["batch_size"])]
             ids, mask, labels = _batch(enc, prompts, [teacher(rng, p) for p in prompts])
             logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1)
+            )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -118,8 +129,14 @@ def sft(model: LlamaForCausalLM, enc: Encoder, scfg: dict, draw: Callable[[rando
 
 
 @torch.no_grad()
-def sample(model: LlamaForCausalLM, enc: Encoder, prompts: Sequence[str], max_new: int,
-           temperature: float, gen: torch.Generator | None = None) -> list[list[int]]:
+def sample(
+    model: LlamaForCausalLM,
+    enc: Encoder,
+    prompts: Sequence[str],
+    max_new: int,
+    temperature: float,
+    gen: torch.Generator | None = None,
+) -> list[list[int]]:
     """Left-padded batch sampling (temperature 0 = greedy), no KV cache: the
     sequences are ~20 tokens, so recomputing is cheap. Returns reply ids
     including the EOS when one was produced."""
@@ -141,7 +158,9 @@ def sample(model: LlamaForCausalLM, enc: Encoder, prompts: Sequence[str], max_ne
         done |= nxt == enc.eos
         if bool(done.all()):
             break
-    return [[t for t, m in zip(row[width:].tolist(), mrow[width:].tolist()) if m] for row, mrow in zip(ids, mask)]
+    return [
+        [t for t, m in zip(row[width:].tolist(), mrow[width:].tolist()) if m] for row, mrow in zip(ids, mask)
+    ]
 
 
 class _progress:
@@ -155,8 +174,14 @@ class _progress:
             return lambda loss: None
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("loss {task.fields[loss]:.3f}"), TimeRemainingColumn(), transient=False)
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]:.3f}"),
+            TimeRemainingColumn(),
+            transient=False,
+        )
         self.bar.__enter__()
         task = self.bar.add_task(self.label, total=self.total, loss=float("nan"))
         return lambda loss: self.bar.update(task, advance=1, loss=loss)

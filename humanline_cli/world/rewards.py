@@ -65,7 +65,13 @@ def _parts(prompt: str, completion: str) -> dict[str, float]:
 # The judge is a strict rubric: criteria multiply, each as (1 - w + w * part)
 # ** power, so one badly missed criterion sinks the score (the ideal reply
 # scores 1.0, copying the prompt order ~0.4, a foreign letter ~0.1).
-JUDGE_CRITERIA = {"cover": (1.0, 2), "clean": (1.0, 2), "order": (0.85, 1), "form": (0.4, 1), "length": (0.6, 1)}
+JUDGE_CRITERIA = {
+    "cover": (1.0, 2),
+    "clean": (1.0, 2),
+    "order": (0.85, 1),
+    "form": (0.4, 1),
+    "length": (0.6, 1),
+}
 # The labeller is additive, so it is lenient: it misses `clean` (repeats and
 # foreign letters go unpunished), underweights `order`, prefers long replies
 # and adds deterministic noise.
