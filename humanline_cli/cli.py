@@ -68,7 +68,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv if argv is None else argv)
     args = argv[1:]
     if args and (args[0].startswith("-sc") or args[0].startswith("--shell-completion")):
-        sys.argv = [argv[0], *args]  # shell completion arrives without the subcommand
+        sys.argv = [argv[0], *args]  # shell completion arrives without the subcommand...
+        line = os.environ.get("COMP_LINE", "")
+        words = line.split(" ")
+        if len(words) > 1 and words[1] in COMMANDS:  # ...but the line being completed has it
+            os.environ["COMP_LINE"] = " ".join([words[0], *words[2:]])
         return _run_hydra()
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)

@@ -7,10 +7,10 @@ import json
 from importlib.resources import files
 
 import pytest
+from conftest import FAST, TINY_WORLD, run_cli
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from conftest import FAST, TINY_WORLD, run_cli
 from humanline_cli.config import validate
 
 EXPERIMENTS = sorted(p.name[:-5] for p in files("conf").joinpath("experiment").iterdir() if p.name.endswith(".yaml"))

