@@ -79,6 +79,7 @@ def train(spec: RunSpec, parts: Parts, objective_cfg, tracker: Tracker, timer: P
                            units=sum(r["_units"] for r in rows), **data.info)
             last = metrics
             metrics["wall_s"] = timer.elapsed()
+            metrics.update({f"time/{k}": v for k, v in timer.report().items() if k != "total"})
             if step == 1 or step % tr.log_every == 0 or step == tr.steps:
                 tracker.log(step, metrics)
                 hist = [sum(c) for c in zip(*(r["_logratio_hist"] for r in rows))]

@@ -31,3 +31,21 @@ def run_cli(args: list[str], cwd: Path, env_extra: dict | None = None, timeout: 
     env = {**os.environ, **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "humanline_cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def build_tiny_reward_model(path: Path):
+    """A tiny LlamaForSequenceClassification with the world tokenizer, saved locally (no network)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from humanline_cli.world.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, head_dim=32, num_key_value_heads=2, num_labels=1,
+                      pad_token_id=tok.pad_token_id, max_position_embeddings=64)
+    model = LlamaForSequenceClassification(cfg).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return model, tok

@@ -114,3 +114,25 @@ def test_malformed_data_names_file_and_line(tmp_path, cache_dir):
                 cwd=tmp_path)
     assert r.returncode == 2 and f"{data}:2: malformed JSON" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_eval_command_against_start_and_against_itself(sweep, tmp_path):
+    run = _runs(sweep)[0]
+    r = run_cli(["eval", str(run), "--against", "start", "--n-prompts", "16"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((run / "eval_vs_start.json").read_text())
+    lo, hi = res["win_rate_ci"]
+    assert res["n_prompts"] == 16 and 0.0 <= lo <= res["win_rate"] <= hi <= 1.0 and "win rate" in r.stdout
+    # the same policy, sampled with the same seed, ties on every prompt: exactly 1/2 with a zero-width CI
+    r = run_cli(["eval", str(run), "--against", str(run), "--n-prompts", "16"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    same = json.loads((run / f"eval_vs_{run.name}.json").read_text())
+    assert same["win_rate"] == 0.5 and same["win_rate_ci"] == [0.5, 0.5]
+    bad = run_cli(["eval", str(tmp_path)], cwd=tmp_path)
+    assert bad.returncode == 2 and "not a run dir" in bad.stderr
+
+
+def test_metrics_rows_carry_phase_times(sweep):
+    row = json.loads((_runs(sweep)[0] / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"time/setup", "time/train", "time/sample", "time/label", "time/sync"} <= set(row)
+    assert row["time/train"] > 0 and row["time/sample"] == 0.0

@@ -127,3 +127,16 @@ def test_online_end_to_end(cache_dir, tmp_path, objective, extra):
     assert len(samples) % 32 == 0 and {"round", "prompt", "completion", "score"} <= set(samples[0])
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["online/round"] == 1
+
+
+def test_online_with_a_reward_model_labeller(cache_dir, tmp_path):
+    from conftest import build_tiny_reward_model
+
+    build_tiny_reward_model(tmp_path / "rm")
+    run = tmp_path / "run"
+    r = run_cli(["train", "objective=grpo", *ONLINE, "reward=model", f"reward.name_or_path={tmp_path / 'rm'}",
+                 f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    scores = {s["score"] for s in samples}
+    assert len(scores) > 2 and not scores <= {0.0, 1.0}  # real-valued RM scores, not the verifier's 0/1

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForSequenceClassification
+from conftest import build_tiny_reward_model
 
 from humanline_cli.errors import RunFailed, UserError
 from humanline_cli.rewards.build import checked, make_scorer
-from humanline_cli.world.tokenizer import build_tokenizer
 
 
 def test_math_verifier_values():
@@ -32,14 +31,7 @@ def test_world_arithmetic_scorer_is_the_verifier():
 @pytest.fixture(scope="module")
 def tiny_rm(tmp_path_factory):
     path = tmp_path_factory.mktemp("rm")
-    tok = build_tokenizer()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, head_dim=32, num_key_value_heads=2, num_labels=1,
-                      pad_token_id=tok.pad_token_id, max_position_embeddings=64)
-    model = LlamaForSequenceClassification(cfg).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
+    model, tok = build_tiny_reward_model(path)
     return path, model, tok
 
 
