@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,8 @@ def test_every_trainable_parameter_changed(sweep, cache_dir):
 def test_wandb_offline_run_reads_back(sweep):
     run = _runs(sweep)[0]
     (wrun,) = list((run / "wandb").glob("offline-run-*"))
-    out = subprocess.run(["wandb", "leet", "inspect", "--summary", "--json", str(wrun)], capture_output=True,
+    wandb_cli = Path(sys.executable).parent / "wandb"  # CI runs the venv's python without activating it
+    out = subprocess.run([str(wandb_cli), "leet", "inspect", "--summary", "--json", str(wrun)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     text = out.stdout
