@@ -114,8 +114,33 @@ def check_group_choices(args: list[str]) -> None:
                 _fail(f"unknown {key} {v.strip()!r} (choose from: {', '.join(options)})")
 
 
+HYDRA_FLAGS = ("-m", "--multirun", "-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc",
+               "--shell-completion", "-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir",
+               "--resolve", "-p", "--package", "--version")
+
+
+def precheck_overrides(args: list[str]) -> None:
+    """Compose once with Hydra's own API so a bad override (typo'd key, bad value syntax) is reported
+    in one line before Hydra's multi-line report. Only for plain single runs; sweeps and Hydra's own
+    flags go straight to Hydra."""
+    if any(a.split("=")[0] in HYDRA_FLAGS for a in args) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        return
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides = [a for a in args if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
+    try:
+        with initialize_config_module(config_module="conf", version_base="1.3"):
+            compose("train", overrides=overrides)
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        _fail("; ".join(lines[:3]) if lines else type(e).__name__)
+
+
 def _run_hydra():
     check_group_choices(sys.argv[1:])
+    precheck_overrides(sys.argv[1:])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("WANDB_SILENT", "true")  # our summary says where the wandb run is
     app = _train_app()

@@ -51,6 +51,7 @@ def header(spec: RunSpec, parts, console: Console) -> None:
 
 def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict:
     console = console or Console(stderr=True)
+    transformers.utils.logging.disable_progress_bar()  # our rich bars are the progress display
     timer = PhaseTimer()
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("summary.json", "failed.json", "metrics.jsonl", "samples.jsonl", "eval_samples.jsonl", "logratios.jsonl"):

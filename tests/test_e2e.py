@@ -101,11 +101,14 @@ def test_help_and_cfg_job(tmp_path):
     (["train.lr=abc"], "train.lr"),
     (["+humanline=true", "+humanline=false"], "humanline"),
     (["data.path=missing.jsonl"], "missing.jsonl does not exist"),
+    (["train.lrr=1"], "Could not override 'train.lrr'"),
+    (["objective=grpo", "objective.ratio_denominator=sampler"], "needs data=online"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, cache_dir, args, needle):
     r = run_cli(["train", *TINY_WORLD, *FAST, *args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert r.returncode == 2
     assert needle in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
