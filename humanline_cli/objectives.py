@@ -42,7 +42,7 @@ def logratio_histogram(token_logratio: torch.Tensor, mask: torch.Tensor) -> list
     return [int((vals < -3.0).sum())] + [int(c) for c in inner] + [int((vals > 3.0).sum())]
 
 
-def compute_loss(objective_cfg, policy, reference, batch, hl: HumanlineSpec):
+def compute_loss(objective_cfg, policy, reference, batch, hl: HumanlineSpec, histogram: bool = False):
     metrics: dict[str, float] = {}
     match batch:
         case PairBatch():
@@ -71,5 +71,6 @@ def compute_loss(objective_cfg, policy, reference, batch, hl: HumanlineSpec):
     if hl.clamp:
         metrics["humanline/unclamped_fraction"] = unclamped_fraction(lr.detach(), mask, hl)
     metrics["_n_tokens"] = float(batch.seqs.attention_mask.sum())
-    metrics["_logratio_hist"] = logratio_histogram(lr.detach(), mask)
+    if histogram:  # only on logged steps: it copies every token's log-ratio to the host
+        metrics["_logratio_hist"] = logratio_histogram(lr.detach(), mask)
     return loss, metrics

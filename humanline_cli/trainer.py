@@ -46,12 +46,13 @@ def train(spec: RunSpec, parts: Parts, objective_cfg, tracker: Tracker, timer: P
                 with timer.phase("sync"):  # plain online: the reference is the round's starting policy
                     sync_reference(policy, reference)
             t0 = time.perf_counter()
+            log_now = step == 1 or step % tr.log_every == 0 or step == tr.steps
             with timer.phase("train"):
                 rows = []
                 for mb in data.micro_batches:
                     mb = to_device(mb, parts.backend.device)
                     with parts.backend.autocast():
-                        loss, m = compute_loss(objective_cfg, policy, reference, mb, spec.humanline)
+                        loss, m = compute_loss(objective_cfg, policy, reference, mb, spec.humanline, log_now)
                     if not torch.isfinite(loss):
                         raise RunFailed(f"loss is {float(loss.detach())} at step {step} (try a lower train.lr)")
                     (loss / len(data.micro_batches)).backward()
@@ -80,7 +81,7 @@ def train(spec: RunSpec, parts: Parts, objective_cfg, tracker: Tracker, timer: P
             last = metrics
             metrics["wall_s"] = timer.elapsed()
             metrics.update({f"time/{k}": v for k, v in timer.report().items() if k != "total"})
-            if step == 1 or step % tr.log_every == 0 or step == tr.steps:
+            if log_now:
                 tracker.log(step, metrics)
                 hist = [sum(c) for c in zip(*(r["_logratio_hist"] for r in rows))]
                 tracker.log_histogram(step, hist)
