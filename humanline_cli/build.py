@@ -68,7 +68,7 @@ def build_parts(cfg: DictConfig, spec: RunSpec, timer, run_dir: Path) -> Parts:
             rows, where = load_rows(resolve_path(cfg.data.path, cfg), cfg.data.split, cfg.data.limit,
                                     _columns(cfg.data))
             units = to_units(rows, where, spec.objective, float(cfg.data.min_gap))
-            _check_prompts(rows, encoder, where)
+            encoder.check_prompts(rows, where)
             policy = load_policy(model_path, backend.device, trust)  # after the data: bad data fails fast
             source = OfflineSource(units, collate, spec.train.batch_size, spec.train.micro_batch_size,
                                    spec.seed, bool(cfg.data.shuffle))
@@ -104,9 +104,3 @@ def _hf_sampler(cfg, policy, tokenizer, backend):
     from .sampling.hf import HFSampler
 
     return HFSampler(policy, tokenizer, int(cfg.eval.batch_size), backend.autocast)
-
-
-def _check_prompts(rows, encoder: Encoder, where) -> None:
-    """Tokenise every (already validated) prompt up front so an over-long one fails before training."""
-    for i, row in enumerate(rows):
-        encoder.prompt_ids(row["prompt"], where(i))

@@ -45,7 +45,3 @@ def make_reference(policy: torch.nn.Module) -> torch.nn.Module:
     ref = copy.deepcopy(policy).eval()
     ref.requires_grad_(False)
     return ref
-
-
-def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p for n, p in model.named_parameters() if p.requires_grad}

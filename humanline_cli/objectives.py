@@ -31,9 +31,6 @@ def _all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-HIST_EDGES = torch.linspace(-3.0, 3.0, 61)
-
-
 def logratio_histogram(token_logratio: torch.Tensor, mask: torch.Tensor) -> list[int]:
     """Counts of completion-token log-ratios in 60 bins over [-3, 3], plus underflow and overflow
     (62 numbers): the humanline diagnostic of how many tokens the clamp band would cut."""

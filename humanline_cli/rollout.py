@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .data.examples import BinaryExample, GroupExample, PairExample
+from .data.examples import units_from_group
 from .data.files import load_rows
 from .data.sources import StepData
 from .errors import UserError
-from .feedback import ScoredGroup, best_vs_worst
+from .feedback import ScoredGroup
 from .rewards.build import checked, make_scorer
 from .sampling.base import SamplingParams
 
@@ -30,20 +30,6 @@ class TokenCompletion:
     ids: tuple[int, ...]
     text: str
     logps: tuple[float, ...]
-
-
-def units_from_group(objective: str, g: ScoredGroup, min_gap: float) -> list:
-    match objective:
-        case "dpo":
-            pair = best_vs_worst(g, min_gap)
-            return [] if pair is None else [PairExample(g.prompt, pair[0], pair[1])]
-        case "kto":
-            pair = best_vs_worst(g, min_gap)
-            return [] if pair is None else [BinaryExample(g.prompt, pair[0], True),
-                                            BinaryExample(g.prompt, pair[1], False)]
-        case "grpo":
-            return [GroupExample(g.prompt, list(g.completions), list(g.scores))]
-    raise ValueError(objective)
 
 
 class OnlineSource:
@@ -141,10 +127,7 @@ def make_online_source(cfg, spec, encoder, collate, policy, backend, resolve_pat
     rows, where = load_rows(resolve_path(cfg.data.prompts, cfg), prompts_cfg.get("train_split", "train"),
                             cfg.data.limit, OmegaConf.to_container(prompts_cfg.columns) if prompts_cfg.get("columns")
                             else None)
-    for i, r in enumerate(rows):
-        if "prompt" not in r:
-            raise UserError(f"{where(i)}: prompt rows need a 'prompt' field")
-        encoder.prompt_ids(r["prompt"], where(i))
+    encoder.check_prompts(rows, where)
     reward = cfg.reward if cfg.reward.kind != "task" else cfg.task.labeller
     labeller = make_scorer(OmegaConf.to_container(reward, resolve=True), backend.device)
     match cfg.sampler.name:

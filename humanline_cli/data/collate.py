@@ -45,6 +45,14 @@ class Encoder:
             self._cache[key] = ids
         return self._cache[key]
 
+    def check_prompts(self, rows: list[dict], where) -> None:
+        """Tokenise every row's prompt up front, so a missing or over-long one fails before any work,
+        naming its record."""
+        for i, row in enumerate(rows):
+            if "prompt" not in row:
+                raise UserError(f"{where(i)}: rows need a 'prompt' field")
+            self.prompt_ids(row["prompt"], where(i))
+
     def completion_ids(self, prompt, completion) -> list[int]:
         budget = self.max_length - len(self.prompt_ids(prompt))
         if hasattr(completion, "ids"):  # sampled online: keep the sampler's exact token ids

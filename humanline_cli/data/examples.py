@@ -97,6 +97,24 @@ def parse_row(row: dict, fmt: str, where: str) -> ScoredGroup | BinaryExample:
     raise AssertionError(fmt)
 
 
+def units_from_group(objective: str, g: ScoredGroup, min_gap: float, pair: tuple | None = None) -> list:
+    """One scored group -> the objective's units. DPO/KTO use `pair` (chosen, rejected) when the data
+    names it, else best vs worst if the score gap exceeds min_gap; GRPO keeps the whole group.
+    Shared by offline files and online rounds so both build identical training signal."""
+    match objective:
+        case "dpo":
+            if pair is None:
+                best = best_vs_worst(g, min_gap)
+                pair = None if best is None else best[:2]
+            return [] if pair is None else [PairExample(g.prompt, *pair)]
+        case "kto":
+            split = [(pair[0], True), (pair[1], False)] if pair is not None else kto_examples(g, min_gap)
+            return [BinaryExample(g.prompt, c, d) for c, d in split]
+        case "grpo":
+            return [GroupExample(g.prompt, list(g.completions), list(g.scores))]
+    raise ValueError(f"unknown objective {objective!r}")
+
+
 def to_units(rows: list[dict], where, objective: str, min_gap: float = 0.0) -> list:
     """Validate rows and convert them to PairExample (dpo), BinaryExample (kto) or GroupExample (grpo).
 
@@ -104,29 +122,14 @@ def to_units(rows: list[dict], where, objective: str, min_gap: float = 0.0) -> l
     """
     fmt = detect_format(rows[0], where(0))
     parsed = [parse_row(r, fmt, where(i)) for i, r in enumerate(rows)]
-    units: list = []
     if fmt == "unpaired":
         if objective != "kto":
             raise UserError(f"{objective} needs paired or grouped data; {where(0)} is unpaired (prompt/completion/label)")
         return parsed
+    units: list = []
     for g in parsed:
-        if fmt == "pairs":
-            pair = (g.completions[0], g.completions[1])
-        else:
-            best = best_vs_worst(g, min_gap)
-            pair = None if best is None else best[:2]
-        match objective:
-            case "dpo":
-                if pair:
-                    units.append(PairExample(g.prompt, *pair))
-            case "kto":
-                if pair:
-                    units += [BinaryExample(g.prompt, pair[0], True), BinaryExample(g.prompt, pair[1], False)]
-            case "grpo":
-                units.append(GroupExample(g.prompt, list(g.completions), list(g.scores)))
+        pair = (g.completions[0], g.completions[1]) if fmt == "pairs" else None
+        units += units_from_group(objective, g, min_gap, pair)
     if not units:
         raise UserError(f"no usable {objective} examples in {where(0).split(':')[0]} (all groups below data.min_gap?)")
     return units
-
-
-__all__ = ["PairExample", "BinaryExample", "GroupExample", "to_units", "detect_format", "kto_examples"]

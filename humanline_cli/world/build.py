@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from ..sampling.base import SamplingParams
+from ..sampling.hf import HFSampler
 from . import arithmetic, offline, policy, preference, rewards
 from .tokenizer import build_tokenizer
 
@@ -58,11 +60,13 @@ def _tail(losses: list[float], n: int = 50) -> float:
 def measure(kind: str, model, tok, prompts: list[str], seed: int) -> dict:
     """Base-policy metrics on the eval prompts: greedy and T=1 sampled."""
     enc = policy.Encoder(tok)
+    sampler = HFSampler(model, tok, batch_size=len(prompts))  # the project's own sampler, as in eval
+    prompt_ids = [enc.prompt(p) for p in prompts]
     out: dict = {"n_eval": len(prompts)}
     for name, temperature in (("greedy", 0.0), ("sampled", 1.0)):
-        gen = torch.Generator().manual_seed(seed)
-        ids = policy.sample(model, enc, prompts, MAX_NEW[kind], temperature, gen)
-        texts = tok.batch_decode(ids, skip_special_tokens=True)
+        params = SamplingParams(n=1, temperature=temperature, max_new_tokens=MAX_NEW[kind], seed=seed)
+        completions = sampler.generate(prompt_ids, params)
+        ids, texts = completions.token_ids, completions.texts
         out[f"{name}_eos_rate"] = sum(bool(i) and i[-1] == tok.eos_token_id for i in ids) / len(ids)
         judged = rewards.score(kind, "judge", prompts, texts)
         if kind == "arithmetic":

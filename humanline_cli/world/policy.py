@@ -128,41 +128,6 @@ def sft(
     return losses
 
 
-@torch.no_grad()
-def sample(
-    model: LlamaForCausalLM,
-    enc: Encoder,
-    prompts: Sequence[str],
-    max_new: int,
-    temperature: float,
-    gen: torch.Generator | None = None,
-) -> list[list[int]]:
-    """Left-padded batch sampling (temperature 0 = greedy), no KV cache: the
-    sequences are ~20 tokens, so recomputing is cheap. Returns reply ids
-    including the EOS when one was produced."""
-    rows = [enc.prompt(p) for p in prompts]
-    width = max(map(len, rows))
-    ids = torch.tensor([[enc.pad] * (width - len(r)) + r for r in rows])
-    mask = (torch.arange(width) >= torch.tensor([width - len(r) for r in rows])[:, None]).long()
-    done = torch.zeros(len(rows), dtype=torch.bool)
-    for _ in range(max_new):
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].float()
-        if temperature > 0:
-            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]
-        else:
-            nxt = logits.argmax(-1)
-        nxt = torch.where(done, torch.full_like(nxt, enc.pad), nxt)
-        ids = torch.cat([ids, nxt[:, None]], 1)
-        mask = torch.cat([mask, (~done).long()[:, None]], 1)
-        done |= nxt == enc.eos
-        if bool(done.all()):
-            break
-    return [
-        [t for t, m in zip(row[width:].tolist(), mrow[width:].tolist()) if m] for row, mrow in zip(ids, mask)
-    ]
-
-
 class _progress:
     """A rich progress bar when asked for, a no-op otherwise."""
 
