@@ -31,10 +31,10 @@ def make_backend(device: str, precision: str, threads: int | None = None) -> Bac
         torch.set_num_threads(int(threads))
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
+    if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("backend=cuda but torch sees no CUDA device (use backend=cpu or backend=auto)")
     if precision == "auto":
-        precision = "bf16" if device == "cuda" else "fp32"
+        precision = "bf16" if device.startswith("cuda") else "fp32"
     if precision == "bf16" and device == "cpu":
         raise UserError("backend.precision=bf16 is only supported on cuda here; use fp32 on cpu")
     return Backend(torch.device(device), torch.bfloat16 if precision == "bf16" else None)
@@ -44,3 +44,91 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------- distributed (torch.distributed)
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the job: rank 0 of 1 for a plain single-process run."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device: str) -> Dist:
+    """Join the process group that torch's launcher (elastic launch / torchrun) described in the
+    environment: NCCL with one GPU per rank under CUDA, gloo on CPU. A no-op without WORLD_SIZE."""
+    import os
+
+    import torch.distributed as tdist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = device in ("cuda", "auto") and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local)
+    if not tdist.is_initialized():
+        tdist.init_process_group(backend="nccl" if cuda else "gloo")
+    return Dist(rank, world, local)
+
+
+def all_reduce_sum(x: torch.Tensor, dist: Dist) -> torch.Tensor:
+    if not dist.enabled:
+        return x
+    import torch.distributed as tdist
+
+    x = x.clone()
+    tdist.all_reduce(x)
+    return x
+
+
+def wrap_policy(policy: torch.nn.Module, strategy: str, dist: Dist, device: torch.device) -> torch.nn.Module:
+    """Hand the policy to torch's own engine: DDP (replicated weights, averaged gradients) or FSDP2
+    `fully_shard` (each decoder layer, then the root: parameters, gradients and AdamW states sharded).
+    Returns the module to train (the same module for FSDP2, which shards in place)."""
+    match strategy:
+        case "single":
+            return policy
+        case "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [device.index if device.index is not None else torch.cuda.current_device()] \
+                if device.type == "cuda" else None
+            return DistributedDataParallel(policy, device_ids=ids)
+        case "fsdp":
+            shard_model(policy)
+            return policy
+    raise UserError(f"unknown backend.strategy {strategy!r} (single | ddp | fsdp)")
+
+
+def shard_model(model: torch.nn.Module) -> None:
+    """FSDP2: one shard group per decoder layer, then the root (embeddings, norm, head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def decoder_layers(model: torch.nn.Module) -> list:
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise UserError(f"backend=fsdp: cannot find the decoder layers of {type(model).__name__}")
+    return list(layers)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module underneath a DDP wrapper (FSDP2 shards in place, so it is the module itself)."""
+    return getattr(model, "module", model)

@@ -21,10 +21,6 @@ class Seqs:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    @property
-    def n_tokens(self) -> int:
-        return int(self.attention_mask.sum())
-
 
 @dataclass
 class PairBatch:

@@ -1,41 +1,41 @@
-"""Map config names to objects with explicit matches: paths, models, data source, sampler, evaluator.
+"""Map the validated RunSpec to objects with explicit matches: paths, tokenizer, models, the data
+source (offline units or online rounds with their sampler and labeller), the evaluator.
 
-Everything the trainer needs is assembled here; the trainer never sees config group names.
-`world://NAME` paths point into the bundled world, built and cached on first use.
+Everything the trainer needs is assembled here from the spec (never from a DictConfig); the trainer
+never sees config group names. `world://NAME` paths point into the bundled world, built and cached
+on first use. `build_evaluator` is the one evaluator builder, shared by `humanline train` and
+`humanline eval`, so both evaluate the same prompts the same way.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
-from .backend import Backend, make_backend, seed_everything
+from .backend import Backend, Dist, init_distributed, make_backend, seed_everything, shard_model, wrap_policy
 from .config import RunSpec
 from .data.collate import Collator, Encoder
-from .data.examples import to_units
+from .data.examples import detect_format, to_units
 from .data.files import load_rows
-from .data.sources import OfflineSource
 from .errors import UserError
 from .evaluate import Evaluator
 from .models import load_policy, load_tokenizer, make_reference
 from .rewards.build import make_scorer
+from .sampling.base import SamplingParams
+from .sources import OfflineSource, OnlineSource, RoundSpec, Shard
 
 WORLD = "world://"
 
 
-def resolve_path(path: str, cfg: DictConfig, progress: bool = True) -> str:
+def resolve_path(path: str, spec: RunSpec, progress: bool = True) -> str:
     """Turn world://NAME into a real path inside the (built-on-demand) bundled world."""
     if not path.startswith(WORLD):
         return path
-    world_cfg = OmegaConf.select(cfg, "task.world")
-    if world_cfg is None:
-        raise UserError(f"{path!r} refers to the bundled world, but task={cfg.task.name} has no world "
+    if spec.task_cfg.world is None:
+        raise UserError(f"{path!r} refers to the bundled world, but task={spec.task} has no world "
                         f"(use model=... / data.path=... with real paths)")
     from .world import materialise
 
-    root = materialise(OmegaConf.to_container(world_cfg, resolve=True), Path(cfg.world_cache).expanduser(),
-                       progress=progress)
+    root = materialise(dict(spec.task_cfg.world), Path(spec.world_cache).expanduser(), progress=progress)
     return str(root / path[len(WORLD):])
 
 
@@ -49,58 +49,145 @@ class Parts:
     source: object
     evaluator: Evaluator
     eval_sampler: object
-    reference_resets_each_round: bool
+    train_model: object = None  # the module the loss differentiates: a DDP wrapper under DDP, else the policy
+    dist: Dist = Dist()
+
+    def close(self) -> None:
+        """Release engines and samplers (a vLLM engine holds its memory until closed)."""
+        for obj in (self.source, self.eval_sampler):
+            close = getattr(obj, "close", None)
+            if close is not None:
+                close()
 
 
-def build_parts(cfg: DictConfig, spec: RunSpec, timer, run_dir: Path) -> Parts:
-    backend = make_backend(cfg.backend.device, cfg.backend.precision, cfg.threads)
+def model_paths(spec: RunSpec) -> tuple[str, str]:
+    model_path = resolve_path(spec.model_cfg.name_or_path, spec)
+    tok = spec.model_cfg.tokenizer
+    return model_path, (resolve_path(tok, spec) if tok else model_path)
+
+
+def make_encoder(spec: RunSpec, tokenizer) -> Encoder:
+    """chat_template=auto: string prompts become a user message when the tokenizer has a template."""
+    mode = spec.chat_template
+    wrap = getattr(tokenizer, "chat_template", None) is not None if mode == "auto" else bool(mode)
+    return Encoder(tokenizer, spec.train.max_prompt_length, spec.train.max_length, wrap_strings=wrap)
+
+
+def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = None) -> Evaluator:
+    """The task's held-out prompts (its eval split, its column names), the task's judge."""
+    p = spec.task_cfg.prompts
+    rows, where = load_rows(resolve_path(p.eval, spec), p.eval_split, spec.eval_cfg.n_prompts, p.columns,
+                            limit_key="eval.n_prompts")
+    encoder.check_prompts(rows, where)
+    judge = make_scorer(dict(spec.task_cfg.judge), device)
+    return Evaluator(rows, encoder, judge, spec.eval_cfg, spec.task_cfg.verifiable,
+                     spec.seed if seed is None else seed)
+
+
+def make_sampler(spec: RunSpec, policy, tokenizer, backend: Backend, model_path: str):
+    s = spec.sampler_cfg
+    match s.name:
+        case "hf":
+            from .sampling.hf import HFSampler
+
+            return HFSampler(policy, tokenizer, s.batch_size, backend.autocast)
+        case "vllm":
+            from .sampling.vllm import VLLMSampler
+
+            return VLLMSampler(model_path, tokenizer, seed=spec.seed, gpu_memory_utilization=s.gpu_memory_utilization,
+                               enforce_eager=s.enforce_eager, max_model_len=s.max_model_len, timeout_s=s.timeout_s,
+                               cpu_kvcache_gb=s.cpu_kvcache_gb)
+    raise UserError(f"unknown sampler {s.name!r} (hf | vllm)")
+
+
+def make_labeller(spec: RunSpec, device):
+    r = spec.reward_cfg
+    match r.kind:
+        case "task":
+            return make_scorer(dict(spec.task_cfg.labeller), device)
+        case "model":
+            return make_scorer({"kind": "model", "name_or_path": r.name_or_path, "batch_size": r.batch_size,
+                                "trust_remote_code": r.trust_remote_code}, device)
+        case "verifier":
+            return make_scorer({"kind": "verifier", "method": r.method}, device)
+    raise UserError(f"unknown reward kind {r.kind!r}")
+
+
+def _offline_source(spec: RunSpec, encoder: Encoder, collate: Collator, shard: Shard) -> OfflineSource:
+    d = spec.data_cfg
+    rows, where = load_rows(resolve_path(d.path, spec), d.split, d.limit, d.columns, limit_key="data.limit")
+    units = to_units(rows, where, spec.objective, d.min_gap)
+    if spec.objective == "kto" and not d.shuffle and detect_format(rows[0], where(0)) != "unpaired":
+        raise UserError("objective=kto with data.shuffle=false on paired data: each KTO example's neighbour is the "
+                        "other half of its own pair, so z0's mismatched pairs would share the prompt; keep "
+                        "data.shuffle=true")
+    encoder.check_prompts(rows, where)
+    encoder.check_completions(rows, where)
+    return OfflineSource(units, collate, spec.train.batch_size, spec.train.micro_batch_size, spec.seed, d.shuffle,
+                         shard)
+
+
+def _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist: Dist) -> OnlineSource:
+    """Every rank samples and labels the whole round (same seed, same weights: identical units),
+    then trains on its share; only rank 0 writes samples.jsonl."""
+    d, p = spec.data_cfg, spec.task_cfg.prompts
+    rows, where = load_rows(resolve_path(d.prompts, spec), p.train_split, d.limit, p.columns, limit_key="data.limit")
+    encoder.check_prompts(rows, where)
+    labeller = make_labeller(spec, backend.device)
+    sampler = make_sampler(spec, policy, encoder.tok, backend, model_path)
+    params = SamplingParams(n=d.n, temperature=d.temperature, top_p=d.top_p, max_new_tokens=d.max_new_tokens,
+                            seed=spec.seed)
+    rounds = RoundSpec(spec.objective, spec.train.batch_size, spec.train.micro_batch_size, params,
+                       d.prompts_per_round, d.min_gap, spec.seed)
+    return OnlineSource(rows, encoder, collate, sampler, labeller, rounds, timer, policy,
+                        run_dir / "samples.jsonl" if dist.is_main else None, Shard(dist.rank, dist.world_size))
+
+
+def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
+    b = spec.backend_cfg
+    backend = make_backend(b.device.value, b.precision.value, spec.threads)
+    dist = init_distributed(backend.device.type)
+    if dist.enabled and backend.device.type == "cuda":
+        backend = make_backend(f"cuda:{dist.local_rank}", b.precision.value, spec.threads)
     seed_everything(spec.seed)
-    model_path = resolve_path(cfg.model.name_or_path, cfg)
-    tok_path = resolve_path(cfg.model.tokenizer, cfg) if cfg.model.tokenizer else model_path
-    trust = bool(cfg.model.trust_remote_code)
+    model_path, tok_path = model_paths(spec)
+    trust = spec.model_cfg.trust_remote_code
     tokenizer = load_tokenizer(tok_path, trust)
-    encoder = Encoder(tokenizer, spec.train.max_prompt_length, spec.train.max_length,
-                      wrap_strings=_wrap_strings(cfg, tokenizer))
-    collate = Collator(encoder, cfg.objective)
-
+    encoder = make_encoder(spec, tokenizer)
+    collate = Collator(encoder, spec.objective_cfg)
+    shard = Shard(dist.rank, dist.world_size)
     match spec.regime:
         case "offline":
-            rows, where = load_rows(resolve_path(cfg.data.path, cfg), cfg.data.split, cfg.data.limit,
-                                    _columns(cfg.data))
-            units = to_units(rows, where, spec.objective, float(cfg.data.min_gap))
-            encoder.check_prompts(rows, where)
+            source = _offline_source(spec, encoder, collate, shard)
+            evaluator = build_evaluator(spec, encoder, backend.device)
             policy = load_policy(model_path, backend.device, trust)  # after the data: bad data fails fast
-            source = OfflineSource(units, collate, spec.train.batch_size, spec.train.micro_batch_size,
-                                   spec.seed, bool(cfg.data.shuffle))
         case "online":
+            evaluator = build_evaluator(spec, encoder, backend.device)
             policy = load_policy(model_path, backend.device, trust)
-            from .rollout import make_online_source
+        case other:
+            raise UserError(f"unknown data regime {other!r}")
+    if spec.train.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = spec.model_cfg.lora
+    if lora.r > 0:  # adapters on the policy; the reference is the base model or a second adapter
+        from .humanline import ReferenceRule
+        from .lora import apply_lora
+        from .reference import make_lora_reference
 
-            source = make_online_source(cfg, spec, encoder, collate, policy, backend, resolve_path, timer, run_dir)
-    reference = make_reference(policy)
-    eval_rows, _ = load_rows(resolve_path(cfg.task.prompts.eval, cfg), cfg.task.prompts.get("eval_split", "train"),
-                             cfg.eval.n_prompts, _columns(cfg.task.prompts))
-    judge = make_scorer(OmegaConf.to_container(cfg.task.judge, resolve=True), backend.device)
-    evaluator = Evaluator(eval_rows, encoder, judge, cfg.eval, bool(cfg.task.verifiable), spec.seed)
-    eval_sampler = getattr(source, "sampler", None) or _hf_sampler(cfg, policy, tokenizer, backend)
-    return Parts(backend, tokenizer, encoder, policy, reference, source, evaluator, eval_sampler,
-                 reference_resets_each_round=spec.regime == "online" and not spec.humanline.sync)
+        policy = apply_lora(policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
+        rule = ReferenceRule.from_spec(spec.humanline, spec.regime)
+        reference = make_lora_reference(policy, moving=rule.sync_every > 0 or rule.reset_each_round)
+    else:
+        reference = make_reference(policy)  # from the unwrapped, unsharded policy
+    strategy = b.strategy.value if dist.enabled else "single"
+    if strategy == "fsdp" and lora.r == 0:
+        shard_model(reference.model)  # the same sharding: the sync copies each rank's local shards
+    train_model = wrap_policy(policy, strategy, dist, backend.device)
+    if spec.regime == "online":
+        source = _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist)
+    eval_sampler = getattr(source, "sampler", None)  # online: evaluate with the round sampler
+    if eval_sampler is None:
+        from .sampling.hf import HFSampler
 
-
-def _columns(node) -> dict | None:
-    cols = node.get("columns")
-    return OmegaConf.to_container(cols) if cols else None
-
-
-def _wrap_strings(cfg, tokenizer) -> bool:
-    """chat_template=auto: string prompts become a user message when the tokenizer has a template."""
-    mode = cfg.get("chat_template", "auto")
-    if mode == "auto":
-        return getattr(tokenizer, "chat_template", None) is not None
-    return bool(mode)
-
-
-def _hf_sampler(cfg, policy, tokenizer, backend):
-    from .sampling.hf import HFSampler
-
-    return HFSampler(policy, tokenizer, int(cfg.eval.batch_size), backend.autocast)
+        eval_sampler = HFSampler(policy, tokenizer, spec.eval_cfg.batch_size, backend.autocast)
+    return Parts(backend, tokenizer, encoder, policy, reference, source, evaluator, eval_sampler, train_model, dist)

@@ -13,6 +13,7 @@ COMMANDS = {
     "train": "train a policy (Hydra app: overrides, -m sweeps, --help, --cfg job)",
     "report": "paper-style table (Markdown, CSV) and plots from a sweep or runs dir",
     "eval": "win rate of one trained run against another run or the starting policy",
+    "bench": "training throughput (plain, humanline, vs TRL) and model FLOP/s; KEY=VALUE args, --help",
 }
 USAGE = "usage: humanline {train,report,eval} ...\n" + "\n".join(f"  {k:8s} {v}" for k, v in COMMANDS.items())
 
@@ -47,8 +48,14 @@ def _train_app():
         if multirun and cfg.get("resume", True) and is_complete(run_dir):
             print(f"humanline: skipping {run_dir}: already complete (resume=false reruns it)", file=sys.stderr)
             return
+        from .launch import launch, shared_run_dir, spawn_count
+
         try:
-            run_job(cfg, run_dir)
+            nproc = spawn_count(cfg)
+            if nproc:
+                launch(cfg, run_dir, nproc)
+            else:
+                run_job(cfg, shared_run_dir(run_dir))
         except UserError as e:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
@@ -80,6 +87,13 @@ def main(argv: list[str] | None = None) -> None:
     cmd, rest = args[0], args[1:]
     if cmd not in COMMANDS:
         _fail(f"unknown command {cmd!r}; expected one of: {', '.join(COMMANDS)}")
+    rest = normalize_overrides(rest)
+    if cmd == "train" and os.environ.get("RANK", "0") != "0":
+        # torchrun: only rank 0's Hydra makes the run dir; the others use a throwaway one and adopt
+        # rank 0's (launch.shared_run_dir)
+        import tempfile
+
+        rest += [f"hydra.run.dir={tempfile.mkdtemp(prefix='humanline-rank')}", "hydra.output_subdir=null"]
     sys.argv = [f"{Path(argv[0]).name} {cmd}", *rest]
     match cmd:
         case "train":
@@ -92,6 +106,15 @@ def main(argv: list[str] | None = None) -> None:
             from .eval_cmd import main_eval
 
             sys.exit(main_eval(rest))
+        case "bench":
+            from .bench import main_bench
+
+            sys.exit(main_bench(rest))
+
+
+def normalize_overrides(args: list[str]) -> list[str]:
+    """`+humanline=...` (the paper-style switch users type) sets the declared `humanline` key."""
+    return [a[1:] if a.startswith("+humanline=") else a for a in args]
 
 
 def check_group_choices(args: list[str]) -> None:
@@ -114,28 +137,64 @@ def check_group_choices(args: list[str]) -> None:
                 _fail(f"unknown {key} {v.strip()!r} (choose from: {', '.join(options)})")
 
 
-HYDRA_FLAGS = ("-m", "--multirun", "-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc",
+HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc",
                "--shell-completion", "-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir",
                "--resolve", "-p", "--package", "--version")
 
 
+def sweep_points(overrides: list[str]) -> list[tuple[str, list[str]]]:
+    """The configs a pre-check composes: the first value of every sweep, then each other value of
+    each swept key with the rest at their first value (linear in the sweep size, not a product).
+    Returns (label, overrides) pairs; the label names the sweep point for error messages."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    options: list[list[str]] = []
+    for o in parsed:
+        if o.is_sweep_override() and o.value_type != ValueType.GLOB_CHOICE_SWEEP:
+            options.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+        elif o.is_sweep_override():
+            continue  # glob sweeps need Hydra's config loader; Hydra checks them itself
+        else:
+            options.append([o.input_line])
+    base = [vals[0] for vals in options]
+    points = [("", base)]
+    for i, vals in enumerate(options):
+        for v in vals[1:]:
+            points.append((v, base[:i] + [v] + base[i + 1:]))
+    return points
+
+
 def precheck_overrides(args: list[str]) -> None:
-    """Compose once with Hydra's own API so a bad override (typo'd key, bad value syntax) is reported
-    in one line before Hydra's multi-line report. Only for plain single runs; sweeps and Hydra's own
-    flags go straight to Hydra."""
+    """Compose (and validate) with Hydra's own API before Hydra runs, so a bad override (typo'd key,
+    wrong type, bad value in any sweep point) is reported in one line and nothing starts. Hydra's
+    own flags (--help, --cfg, ...) go straight to Hydra."""
     if any(a.split("=")[0] in HYDRA_FLAGS for a in args) or os.environ.get("HYDRA_FULL_ERROR") == "1":
         return
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    overrides = [a for a in args if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
+    from .config import compose_error, validate
+    from .errors import UserError
+
+    overrides = [a for a in args if not a.startswith("-")]
+    keep = [a for a in overrides if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))
+            or a.startswith(("hydra.searchpath", "+hydra.searchpath"))]
     try:
-        with initialize_config_module(config_module="conf", version_base="1.3"):
-            compose("train", overrides=overrides)
+        points = sweep_points(keep)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        _fail("; ".join(lines[:3]) if lines else type(e).__name__)
+        _fail(compose_error(e))
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        for label, point in points:
+            where = f"sweep point {label}: " if label else ""
+            try:
+                validate(compose("train", overrides=point))
+            except UserError as e:
+                _fail(f"{where}{e}")
+            except (HydraException, OmegaConfBaseException, ValueError) as e:
+                _fail(f"{where}{compose_error(e)}")
 
 
 def _run_hydra():

@@ -1,15 +1,22 @@
-"""Validate the composed Hydra config and derive typed, frozen run settings (never mutates cfg).
+"""Validate a composed (or saved) config and derive the frozen RunSpec that everything past the
+builder reads (never mutates cfg, never hands a DictConfig on).
 
-Every check raises UserError with a one-line message naming the key, before any work starts.
+Types, enum choices and unknown keys are checked by OmegaConf against humanline_cli/schema.py while
+Hydra composes; `validate` re-types each group by its option's schema (so a saved
+`.hydra/config.yaml` gets the same checks) and applies the cross-field rules. Every problem is a
+UserError with a one-line message naming the key, raised before any work starts.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from . import schema as S
 from .errors import UserError
 from .humanline import HumanlineSpec
 
@@ -31,10 +38,12 @@ class TrainSpec:
     max_prompt_length: int
     log_every: int
     save_model: bool
+    gradient_checkpointing: bool = False
+    ranks: int = 1           # processes sharing each global batch (backend.nproc under ddp/fsdp)
 
     @property
     def accumulation(self) -> int:
-        return self.batch_size // self.micro_batch_size
+        return self.batch_size // self.ranks // self.micro_batch_size
 
 
 @dataclass(frozen=True)
@@ -47,115 +56,207 @@ class RunSpec:
     humanline: HumanlineSpec
     humanline_on: bool
     train: TrainSpec
+    # the typed group configs (schema dataclass instances; treat as read-only)
+    objective_cfg: Any = None
+    data_cfg: Any = None
+    task_cfg: Any = None
+    model_cfg: Any = None
+    backend_cfg: Any = None
+    sampler_cfg: Any = None
+    reward_cfg: Any = None
+    eval_cfg: Any = None
+    wandb: dict = dataclasses.field(default_factory=dict)
+    chat_template: Any = "auto"
+    world_cache: str = "~/.cache/humanline"
+    threads: int | None = None
+    resume: bool = True
+    config: dict = dataclasses.field(default_factory=dict)  # the full resolved config, for logging
 
 
-def _get(cfg: DictConfig, key: str, kind: type | tuple, *, optional: bool = False):
+def _err(e: OmegaConfBaseException, prefix: str = "") -> UserError:
+    key = getattr(e, "full_key", None) or ""
+    key = f"{prefix}.{key}" if prefix and key else (key or prefix)
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if type(e).__name__ == "MissingMandatoryValue":
+        return UserError(f"config key '{key}' is missing (set {key}=... on the command line)")
+    if type(e).__name__ == "ConfigKeyError" and "not in" in msg:
+        return UserError(f"unknown config key '{key}' ({msg})")
+    return UserError(f"config key '{key}': {msg}")
+
+
+def compose_error(e: BaseException) -> str:
+    """One line for a Hydra/OmegaConf composition error: the innermost cause that names a key."""
+    chain, cur = [], e
+    while cur is not None and len(chain) < 8:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    for c in reversed(chain):
+        if isinstance(c, OmegaConfBaseException) and getattr(c, "full_key", None):
+            return str(_err(c))
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return "; ".join(lines[:3]) if lines else type(e).__name__
+
+
+def _typed(node, schema: type, prefix: str):
+    """Merge a (possibly plain, saved) node into its schema and return the dataclass instance."""
     try:
-        value = OmegaConf.select(cfg, key, throw_on_missing=True)
+        data = OmegaConf.to_container(node, resolve=True, enum_to_str=True) if isinstance(node, DictConfig) else node
+        names = {f.name for f in dataclasses.fields(schema)}
+        if not isinstance(data, dict):
+            raise UserError(f"config key '{prefix}' must be a mapping, got {data!r}")
+        data = {k: v for k, v in data.items() if k in names}  # keys a user appended with + are ignored
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), data))
     except OmegaConfBaseException as e:
-        raise UserError(f"config key '{key}': {str(e).splitlines()[0]}") from None
-    if value is None:
-        if optional:
-            return None
-        raise UserError(f"config key '{key}' is missing")
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if isinstance(value, bool) and bool not in kinds:
-        raise UserError(f"config key '{key}' must be {'/'.join(k.__name__ for k in kinds)}, got {value!r}")
-    if not isinstance(value, kinds):
-        raise UserError(f"config key '{key}' must be {'/'.join(k.__name__ for k in kinds)}, got {value!r}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise UserError(f"config key '{key}' must be finite, got {value!r}")
+        raise _err(e, prefix) from None
+
+
+def _group(cfg: dict, group: str, option_key: str | None):
+    node = cfg.get(group)
+    if not isinstance(node, dict):
+        raise UserError(f"config group '{group}' is missing")
+    options = S.GROUP_SCHEMAS[group]
+    if option_key is None:
+        return _typed(node, next(iter(options.values())), group)
+    option = node.get(option_key)
+    if option not in options:
+        raise UserError(f"config key '{group}.{option_key}' must be one of {', '.join(options)}; got {option!r}")
+    return _typed(node, options[option], group)
+
+
+def _positive(value, key: str):
+    if value is None or isinstance(value, bool) or not value > 0 or (isinstance(value, float) and not math.isfinite(value)):
+        raise UserError(f"config key '{key}' must be > 0, got {value}")
     return value
 
 
-def _positive(cfg, key, kind=int):
-    v = _get(cfg, key, kind)
-    if v <= 0:
-        raise UserError(f"config key '{key}' must be > 0, got {v}")
-    return v
-
-
-def _choice(cfg, key, choices):
-    v = _get(cfg, key, str)
-    if v not in choices:
-        raise UserError(f"config key '{key}' must be one of {', '.join(choices)}; got {v!r}")
-    return v
+def _at_least(value, low, key: str):
+    if value is not None and value < low:
+        raise UserError(f"config key '{key}' must be >= {low}, got {value}")
 
 
 def validate(cfg: DictConfig) -> RunSpec:
-    objective = _choice(cfg, "objective.name", OBJECTIVES)
-    regime = _choice(cfg, "data.regime", REGIMES)
-    hl_on = _get(cfg, "humanline", bool, optional=True) or False
-    hl = HumanlineSpec(
-        clamp=hl_on and _get(cfg, "hl.clamp", bool),
-        sync=hl_on and _get(cfg, "hl.sync", bool),
-        log_eps_P=_get(cfg, "hl.log_eps_P", float),
-        log_eps_R=_get(cfg, "hl.log_eps_R", float),
-        sync_every=_positive(cfg, "hl.sync_every"),
-    )
-    if hl_on and not (hl.clamp or hl.sync):
+    # resolve every interpolation once (a bad one is reported here), then type each part
+    try:
+        config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True, throw_on_missing=False)
+    except OmegaConfBaseException as e:
+        raise _err(e) from None
+    config.pop("hydra", None)
+    cfg = config
+    objective = _group(cfg, "objective", "name")
+    data = _group(cfg, "data", "regime")
+    task = _group(cfg, "task", None)
+    model = _group(cfg, "model", None)
+    backend = _group(cfg, "backend", None)
+    sampler = _group(cfg, "sampler", "name")
+    reward = _group(cfg, "reward", None)
+    root_keys = {f.name for f in dataclasses.fields(S.RootConfig)} - set(S.GROUP_SCHEMAS)
+    root = _typed({k: cfg[k] for k in root_keys if k in cfg}, S.RootConfig, "")
+
+    name, regime = objective.name, data.regime
+    hl_on, h = root.humanline, root.hl
+    hl = HumanlineSpec(clamp=hl_on and h.clamp, sync=hl_on and h.sync, log_eps_P=h.log_eps_P,
+                       log_eps_R=h.log_eps_R, sync_every=_positive(h.sync_every, "hl.sync_every"))
+    if hl_on and not (h.clamp or h.sync):
         raise UserError("+humanline=true with hl.clamp=false and hl.sync=false turns everything off; drop one")
     if not hl.log_eps_P < 0.0 < hl.log_eps_R:
         raise UserError(f"humanline band must satisfy hl.log_eps_P < 0 < hl.log_eps_R, got "
                         f"[{hl.log_eps_P}, {hl.log_eps_R}]")
-    _positive(cfg, "objective.beta", float)
-    if objective == "kto":
-        _positive(cfg, "objective.desirable_weight", float)
-        _positive(cfg, "objective.undesirable_weight", float)
-    if objective == "grpo":
-        eps = _positive(cfg, "objective.epsilon", float)
+    _positive(objective.beta, "objective.beta")
+    _positive(objective.batch_size, "objective.batch_size")
+    if name == "kto":
+        _positive(objective.desirable_weight, "objective.desirable_weight")
+        _positive(objective.undesirable_weight, "objective.undesirable_weight")
+    if name == "grpo":
+        eps = _positive(objective.epsilon, "objective.epsilon")
         if eps >= 1.0:
             raise UserError(f"objective.epsilon must be in (0, 1), got {eps}")
-        _choice(cfg, "objective.aggregation", ("token_mean", "seq_mean"))
-        denom = _choice(cfg, "objective.ratio_denominator", ("reference", "sampler"))
-        if denom == "sampler" and regime == "offline":
+        if objective.ratio_denominator == "sampler" and regime == "offline":
             raise UserError("objective.ratio_denominator=sampler needs data=online (offline data has no "
                             "sampling log-probs)")
-        if _get(cfg, "objective.std_ddof", int) not in (0, 1):
+        if objective.std_ddof not in (0, 1):
             raise UserError("objective.std_ddof must be 0 or 1")
-        if _get(cfg, "objective.std_eps", float) < 0:
+        if objective.std_eps < 0:
             raise UserError("objective.std_eps must be >= 0")
-    batch = _positive(cfg, "train.batch_size")
-    micro = _get(cfg, "train.micro_batch_size", int, optional=True) or batch
-    if micro <= 0 or batch % micro:
+
+    t = root.train
+    batch = _positive(t.batch_size, "train.batch_size")
+    ranks = backend.nproc if backend.strategy != "single" else 1
+    micro = t.micro_batch_size or max(1, batch // ranks)
+    if micro <= 0 or (batch // ranks) % micro:
         raise UserError(f"train.batch_size ({batch}) must be a positive multiple of train.micro_batch_size ({micro})")
-    max_len = _positive(cfg, "train.max_length")
-    max_prompt = _positive(cfg, "train.max_prompt_length")
-    if max_prompt >= max_len:
-        raise UserError(f"train.max_prompt_length ({max_prompt}) must be < train.max_length ({max_len})")
-    warmup = _get(cfg, "train.warmup_ratio", float)
-    if not 0.0 <= warmup < 1.0:
-        raise UserError(f"train.warmup_ratio must be in [0, 1), got {warmup}")
-    train = TrainSpec(
-        steps=_positive(cfg, "train.steps"),
-        batch_size=batch,
-        micro_batch_size=micro,
-        lr=_positive(cfg, "train.lr", float),
-        weight_decay=_get(cfg, "train.weight_decay", float),
-        warmup_ratio=warmup,
-        schedule=_choice(cfg, "train.schedule", ("constant", "cosine")),
-        max_grad_norm=_positive(cfg, "train.max_grad_norm", float),
-        max_length=max_len,
-        max_prompt_length=max_prompt,
-        log_every=_positive(cfg, "train.log_every"),
-        save_model=_get(cfg, "train.save_model", bool),
-    )
-    _positive(cfg, "eval.max_new_tokens")
-    _positive(cfg, "eval.batch_size")
-    if _get(cfg, "eval.temperature", float) < 0:
+    if name == "kto" and micro < 2:
+        raise UserError("objective=kto needs train.micro_batch_size >= 2: z0 pairs each prompt with the next "
+                        "example's completion in the micro-batch, so one example would be mismatched with itself")
+    _positive(t.max_length, "train.max_length")
+    _positive(t.max_prompt_length, "train.max_prompt_length")
+    if t.max_prompt_length >= t.max_length:
+        raise UserError(f"train.max_prompt_length ({t.max_prompt_length}) must be < train.max_length ({t.max_length})")
+    if not 0.0 <= t.warmup_ratio < 1.0:
+        raise UserError(f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
+    _at_least(t.weight_decay, 0.0, "train.weight_decay")
+    train = TrainSpec(steps=_positive(t.steps, "train.steps"), batch_size=batch, micro_batch_size=micro,
+                      lr=_positive(t.lr, "train.lr"), weight_decay=t.weight_decay, warmup_ratio=t.warmup_ratio,
+                      schedule=t.schedule.value, max_grad_norm=_positive(t.max_grad_norm, "train.max_grad_norm"),
+                      max_length=t.max_length, max_prompt_length=t.max_prompt_length,
+                      log_every=_positive(t.log_every, "train.log_every"), save_model=t.save_model,
+                      gradient_checkpointing=t.gradient_checkpointing, ranks=ranks)
+    if ranks > 1:
+        n = ranks
+        if batch % n or (batch // n) % micro:
+            raise UserError(f"train.batch_size ({batch}) must split evenly over backend.nproc={n} ranks into "
+                            f"micro-batches of train.micro_batch_size ({micro}): each rank trains batch_size / nproc")
+
+    ev = root.eval
+    _positive(ev.max_new_tokens, "eval.max_new_tokens")
+    _positive(ev.batch_size, "eval.batch_size")
+    if ev.temperature < 0:
         raise UserError("eval.temperature must be >= 0 (0 = greedy)")
-    _get(cfg, "eval.n_prompts", int, optional=True)
-    _get(cfg, "eval.every", int)
-    _choice(cfg, "backend.device", ("auto", "cpu", "cuda"))
-    _choice(cfg, "backend.precision", ("auto", "fp32", "bf16"))
-    _get(cfg, "model.name_or_path", str)
-    _get(cfg, "model.trust_remote_code", bool)
-    _get(cfg, "task.name", str)
-    _get(cfg, "task.prompts.eval", str)
-    _get(cfg, "task.judge.kind", str)
-    if regime == "offline":
-        _get(cfg, "data.path", str)
-    return RunSpec(objective=objective, regime=regime, task=cfg.task.name, model=cfg.model.name,
-                   seed=_get(cfg, "seed", int), humanline=hl, humanline_on=hl_on, train=train)
+    if not 0.0 < ev.top_p <= 1.0:
+        raise UserError(f"config key 'eval.top_p' must be in (0, 1], got {ev.top_p}")
+    _at_least(ev.n_prompts, 1, "eval.n_prompts")
+    _at_least(ev.every, 0, "eval.every")
+    _at_least(root.threads, 1, "threads")
+    _at_least(data.limit, 1, "data.limit")
+    _at_least(data.min_gap, 0.0, "data.min_gap")
+    if regime == "online":
+        _positive(data.n, "data.n")
+        _positive(data.prompts_per_round, "data.prompts_per_round")
+        _positive(data.max_new_tokens, "data.max_new_tokens")
+        if data.temperature < 0:
+            raise UserError("data.temperature must be >= 0")
+        if not 0.0 < data.top_p <= 1.0:
+            raise UserError(f"config key 'data.top_p' must be in (0, 1], got {data.top_p}")
+    if root.chat_template not in ("auto", True, False):
+        raise UserError(f"config key 'chat_template' must be auto, true or false; got {root.chat_template!r}")
+    if not task.prompts.eval:
+        raise UserError(f"task {task.name!r} has no task.prompts.eval (held-out prompts for evaluation)")
+    for role in ("labeller", "judge"):
+        if "kind" not in getattr(task, role):
+            raise UserError(f"config key 'task.{role}.kind' is missing")
+    if reward.kind == "model" and not reward.name_or_path:
+        raise UserError("reward=model needs reward.name_or_path (a local dir or hub id)")
+    if model.lora.r < 0:
+        raise UserError(f"config key 'model.lora.r' must be >= 0 (0 = full fine-tuning), got {model.lora.r}")
+    if model.lora.r > 0 and sampler.name == "vllm":
+        raise UserError("model.lora.r > 0 with sampler=vllm is not supported yet (the weight push needs the merged "
+                        "weights); use sampler=hf")
+    if model.lora.r > 0 and backend.strategy == "fsdp":
+        raise UserError("model.lora.r > 0 with backend.strategy=fsdp is not supported yet; use ddp or one process")
+    if backend.strategy != "single" and sampler.name == "vllm":
+        raise UserError("sampler=vllm with backend.strategy=ddp|fsdp is not supported yet; use sampler=hf")
+    if backend.nproc < 1:
+        raise UserError(f"config key 'backend.nproc' must be >= 1, got {backend.nproc}")
+    return RunSpec(objective=name, regime=regime, task=task.name, model=model.name, seed=root.seed, humanline=hl,
+                   humanline_on=hl_on, train=train, objective_cfg=objective, data_cfg=data, task_cfg=task,
+                   model_cfg=model, backend_cfg=backend, sampler_cfg=sampler, reward_cfg=reward, eval_cfg=ev,
+                   wandb=dataclasses.asdict(root.wandb), chat_template=root.chat_template,
+                   world_cache=root.world_cache, threads=root.threads, resume=root.resume, config=config)
+
+
+def load_saved(path) -> RunSpec:
+    """The RunSpec of a finished run, from its `.hydra/config.yaml` (same checks as a new run)."""
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as e:
+        raise UserError(f"cannot read {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    return validate(cfg)

@@ -6,57 +6,55 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
-
-from omegaconf import OmegaConf
 
 from .errors import UserError
 
 
-def _run_config(run_dir: Path):
+def _run_spec(run_dir: Path):
+    from .config import load_saved
+
     path = run_dir / ".hydra" / "config.yaml"
     if not path.exists():
         raise UserError(f"{run_dir} is not a run dir (no .hydra/config.yaml)")
     if not (run_dir / "model" / "config.json").exists():
         raise UserError(f"{run_dir} has no saved model (model/); was it trained with train.save_model=true?")
-    return OmegaConf.load(path)
+    return load_saved(path)
 
 
 def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperature: float | None,
                   seed: int) -> dict:
+    """Rebuilds the run's evaluator with the same builder `humanline train` used (its eval split,
+    column names, chat-template wrapping and judge), so both evaluate identical prompts."""
     from .backend import make_backend, seed_everything
-    from .build import resolve_path
-    from .data.collate import Encoder
-    from .data.files import load_rows
-    from .evaluate import Evaluator
+    from .build import build_evaluator, make_encoder, model_paths
     from .models import load_policy, load_tokenizer
-    from .rewards.build import make_scorer
     from .sampling.hf import HFSampler
 
-    cfg = _run_config(run_dir)
-    if n_prompts is not None:
-        cfg.eval.n_prompts = n_prompts
-    if temperature is not None:
-        cfg.eval.temperature = temperature
+    spec = _run_spec(run_dir)
+    ev = spec.eval_cfg
+    changes = {k: v for k, v in (("n_prompts", n_prompts), ("temperature", temperature)) if v is not None}
+    if changes:
+        spec = replace(spec, eval_cfg=replace(ev, **changes))
     if against == "start":
-        other_path, other_name = resolve_path(cfg.model.name_or_path, cfg), "start"
+        other_path, other_name = model_paths(spec)[0], "start"
     else:
         other_dir = Path(against)
-        _run_config(other_dir)
+        _run_spec(other_dir)
         other_path, other_name = str(other_dir / "model"), other_dir.name
-    backend = make_backend(cfg.backend.device, cfg.backend.precision, cfg.get("threads"))
+    b = spec.backend_cfg
+    backend = make_backend(b.device.value, b.precision.value, spec.threads)
     seed_everything(seed)
-    trust = bool(cfg.model.trust_remote_code)
+    trust = spec.model_cfg.trust_remote_code
     tok = load_tokenizer(str(run_dir / "model"), trust)
-    encoder = Encoder(tok, int(cfg.train.max_prompt_length), int(cfg.train.max_length))
-    rows, _ = load_rows(resolve_path(cfg.task.prompts.eval, cfg), "train", cfg.eval.n_prompts)
-    judge = make_scorer(OmegaConf.to_container(cfg.task.judge, resolve=True), backend.device)
-    evaluator = Evaluator(rows, encoder, judge, cfg.eval, bool(cfg.task.verifiable), seed)
+    evaluator = build_evaluator(spec, make_encoder(spec, tok), backend.device, seed)
+    batch = spec.eval_cfg.batch_size
     other = load_policy(other_path, backend.device, trust).eval()
-    evaluator.set_baseline(HFSampler(other, tok, int(cfg.eval.batch_size), backend.autocast))
+    evaluator.set_baseline(HFSampler(other, tok, batch, backend.autocast))
     del other
     policy = load_policy(str(run_dir / "model"), backend.device, trust).eval()
-    result = evaluator.evaluate(HFSampler(policy, tok, int(cfg.eval.batch_size), backend.autocast),
+    result = evaluator.evaluate(HFSampler(policy, tok, batch, backend.autocast),
                                 run_dir / f"eval_vs_{other_name}_samples.jsonl")
     result = {"run": str(run_dir), "against": other_name, "seed": seed, **result}
     (run_dir / f"eval_vs_{other_name}.json").write_text(json.dumps(result, indent=2) + "\n")

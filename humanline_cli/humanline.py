@@ -1,11 +1,13 @@
 """Humanline: the two parts of the method, in one place.
 
 1. `clamp_logratios`: the perceptual distortion, a plain clamp of token log-ratios to
-   [log_eps_P, log_eps_R]; tokens outside the band contribute a constant and get zero gradient.
-   The identity when humanline (or its clamp) is off.
+   [log_eps_P, log_eps_R]; tokens outside the band contribute a constant and get zero gradient
+   through the clamped term (in GRPO the k3 KL penalty uses the UNclamped log-ratio, so with
+   beta > 0 such tokens still get gradient from the penalty). The identity when the clamp is off.
 2. `sync_reference`: copy policy weights into the reference. The trainer calls it after backward
    and gradient clipping, BEFORE optimizer.step(), so during step t the reference is the policy of
    step t-1. Syncing after the step (TRL's TR-DPO callback) would make every log-ratio 0 at k=1.
+3. `ReferenceRule`: the one place that decides when the reference moves (see its docstring).
 """
 from __future__ import annotations
 
@@ -21,10 +23,6 @@ class HumanlineSpec:
     log_eps_P: float = -1.0
     log_eps_R: float = 1.5
     sync_every: int = 1
-
-    @property
-    def enabled(self) -> bool:
-        return self.clamp or self.sync
 
 
 def clamp_logratios(token_logratio: torch.Tensor, spec: HumanlineSpec) -> torch.Tensor:
@@ -49,6 +47,26 @@ def sync_reference(policy: torch.nn.Module, reference: torch.nn.Module) -> None:
         ref_params[name].copy_(p.detach())
 
 
-def should_sync(spec: HumanlineSpec, step: int) -> bool:
-    """Sync at optimizer steps k, 2k, 3k, ... (1-based)."""
-    return spec.sync and step % spec.sync_every == 0
+@dataclass(frozen=True)
+class ReferenceRule:
+    """When the reference takes the policy's weights, decided from the spec in one place:
+    - plain offline: never (the reference is the starting policy throughout);
+    - plain online (and clamp-only online): at the start of each sampling round, before its first
+      forward, so the reference is the round's starting policy (the paper's online baselines);
+    - humanline sync: at optimizer steps k, 2k, ... after backward and clipping, BEFORE
+      optimizer.step, so during step t the reference is the policy of step t - k.
+    """
+
+    sync_every: int = 0            # 0 = no humanline sync
+    reset_each_round: bool = False
+
+    @classmethod
+    def from_spec(cls, hl: HumanlineSpec, regime: str) -> ReferenceRule:
+        return cls(sync_every=hl.sync_every if hl.sync else 0, reset_each_round=regime == "online" and not hl.sync)
+
+    def at_round_start(self, new_round: bool) -> bool:
+        return self.reset_each_round and new_round
+
+    def before_optimizer_step(self, step: int) -> bool:
+        """1-based optimizer step."""
+        return self.sync_every > 0 and step % self.sync_every == 0

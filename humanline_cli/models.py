@@ -1,7 +1,6 @@
 """Load tokenizer, policy and reference (safetensors only; remote code only when opted in)."""
 from __future__ import annotations
 
-import copy
 import os
 
 import torch
@@ -40,8 +39,8 @@ def load_policy(path: str, device: torch.device, trust_remote_code: bool = False
     return model.to(device).train()
 
 
-def make_reference(policy: torch.nn.Module) -> torch.nn.Module:
+def make_reference(policy: torch.nn.Module):
     """A frozen copy of the policy (the starting policy; humanline's sync updates it in place)."""
-    ref = copy.deepcopy(policy).eval()
-    ref.requires_grad_(False)
-    return ref
+    from .reference import FrozenCopy
+
+    return FrozenCopy(policy)

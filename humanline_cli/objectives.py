@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from .batches import BinaryBatch, GroupBatch, PairBatch
+from .batches import BinaryBatch, GroupBatch, PairBatch, n_units
 from .humanline import HumanlineSpec, clamp_logratios, unclamped_fraction
 from .losses import dpo_loss, grpo_loss, kto_loss, kto_reference_point
-from .tensor_ops import completion_mask, token_logps
+from .tensor_ops import completion_mask, masked_sum, token_logps
 
 
 def _logratios(policy, reference, seqs, grad: bool = True):
-    """(token_logratio (N, T-1), mask (N, T-1), policy_logps)."""
-    with torch.no_grad():
-        ref = token_logps(reference, seqs)
+    """(token_logratio (N, T-1), mask (N, T-1), policy_logps). `reference` is a reference.py object."""
+    ref = reference.logps(seqs)
     if grad:
         pol = token_logps(policy, seqs)
     else:
@@ -22,13 +21,30 @@ def _logratios(policy, reference, seqs, grad: bool = True):
     return pol - ref, completion_mask(seqs), pol
 
 
-def _all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
-    """KTO's z0 is averaged across processes (a no-op in a single process)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        x = x.clone()
-        torch.distributed.all_reduce(x)
-        x /= torch.distributed.get_world_size()
-    return x
+def step_z0(objective_cfg, policy, reference, micro_batches, hl: HumanlineSpec, reduce_sum=None) -> torch.Tensor | None:
+    """KTO's z0 for a whole optimizer step: max(0, mean r(x_i, y_partner(i))) over every mismatched
+    pair of every micro-batch on every rank (`reduce_sum` sums a tensor across ranks), without
+    gradient and with the humanline clamp. So z0, like the loss, does not depend on how the global
+    batch is split into micro-batches or processes. None for DPO/GRPO."""
+    if objective_cfg.name != "kto":
+        return None
+    total = torch.zeros(2, dtype=torch.float64)
+    for mb in micro_batches:
+        kl_logratio, kl_mask, _ = _logratios(policy, reference, mb.kl_seqs, grad=False)
+        r = masked_sum(clamp_logratios(kl_logratio, hl), kl_mask)
+        total += torch.stack([r.sum().double().cpu(), torch.tensor(float(len(r)), dtype=torch.float64)])
+    if reduce_sum is not None:
+        total = reduce_sum(total)
+    return (total[0] / total[1].clamp(min=1.0)).clamp(min=0.0).float()
+
+
+def loss_count(objective_cfg, batch) -> float:
+    """What the objective's loss averages over in this micro-batch: completion tokens for GRPO's
+    token mean, else units (pairs, examples, sequences). The trainer weights each micro-batch's loss
+    by count / (count over the global batch), so micro-batching and ranks only change memory."""
+    if isinstance(batch, GroupBatch) and objective_cfg.aggregation == "token_mean":
+        return float(completion_mask(batch.seqs).sum())
+    return float(n_units(batch))
 
 
 def logratio_histogram(token_logratio: torch.Tensor, mask: torch.Tensor) -> list[int]:
@@ -39,35 +55,39 @@ def logratio_histogram(token_logratio: torch.Tensor, mask: torch.Tensor) -> list
     return [int((vals < -3.0).sum())] + [int(c) for c in inner] + [int((vals > 3.0).sum())]
 
 
-def compute_loss(objective_cfg, policy, reference, batch, hl: HumanlineSpec, histogram: bool = False):
+def compute_loss(objective_cfg, policy, reference, batch, hl: HumanlineSpec, histogram: bool = False,
+                 z0: torch.Tensor | None = None):
+    """`policy` is the module to differentiate (a DDP wrapper under DDP); `z0` (KTO) comes from
+    step_z0 over the whole step, else it is estimated from this micro-batch alone."""
     metrics: dict[str, float] = {}
     match batch:
         case PairBatch():
-            lr, mask, _ = _logratios(policy, reference, batch.seqs)
-            tl = clamp_logratios(lr, hl)
-            b = lr.shape[0] // 2
+            logratio, mask, _ = _logratios(policy, reference, batch.seqs)
+            tl = clamp_logratios(logratio, hl)
+            b = logratio.shape[0] // 2
             loss, m = dpo_loss(tl[:b], mask[:b], tl[b:], mask[b:], objective_cfg.beta)
         case BinaryBatch():
-            lr, mask, _ = _logratios(policy, reference, batch.seqs)
-            kl_lr, kl_mask, _ = _logratios(policy, reference, batch.kl_seqs, grad=False)
-            z0 = _all_reduce_mean(kto_reference_point(clamp_logratios(kl_lr, hl), kl_mask))
-            loss, m = kto_loss(clamp_logratios(lr, hl), mask, batch.labels, z0, objective_cfg.beta,
+            logratio, mask, _ = _logratios(policy, reference, batch.seqs)
+            if z0 is None:
+                kl_logratio, kl_mask, _ = _logratios(policy, reference, batch.kl_seqs, grad=False)
+                z0 = kto_reference_point(clamp_logratios(kl_logratio, hl), kl_mask)
+            loss, m = kto_loss(clamp_logratios(logratio, hl), mask, batch.labels, z0, objective_cfg.beta,
                                objective_cfg.desirable_weight, objective_cfg.undesirable_weight)
         case GroupBatch():
-            lr, mask, pol = _logratios(policy, reference, batch.seqs)
+            logratio, mask, pol = _logratios(policy, reference, batch.seqs)
             if objective_cfg.ratio_denominator == "sampler":
-                ratio_lr = pol - batch.sampler_logps * mask
+                ratio_logratio = pol - batch.sampler_logps * mask
             else:  # the reference code: the reference plays pi_old
-                ratio_lr = lr
-            loss, m = grpo_loss(clamp_logratios(ratio_lr, hl), lr, mask, batch.advantages,
+                ratio_logratio = logratio
+            loss, m = grpo_loss(clamp_logratios(ratio_logratio, hl), logratio, mask, batch.advantages,
                                 objective_cfg.epsilon, objective_cfg.beta, objective_cfg.aggregation)
         case _:
             raise TypeError(type(batch))
     metrics.update(m)
-    metrics["logratio_mean"] = float((lr.detach() * mask).sum() / mask.sum().clamp(min=1))
+    metrics["logratio_mean"] = float((logratio.detach() * mask).sum() / mask.sum().clamp(min=1))
     if hl.clamp:
-        metrics["humanline/unclamped_fraction"] = unclamped_fraction(lr.detach(), mask, hl)
+        metrics["humanline/unclamped_fraction"] = unclamped_fraction(logratio.detach(), mask, hl)
     metrics["_n_tokens"] = float(batch.seqs.attention_mask.sum())
     if histogram:  # only on logged steps: it copies every token's log-ratio to the host
-        metrics["_logratio_hist"] = logratio_histogram(lr.detach(), mask)
+        metrics["_logratio_hist"] = logratio_histogram(logratio.detach(), mask)
     return loss, metrics

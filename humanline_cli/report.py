@@ -3,6 +3,10 @@
 A run dir is any directory holding `.hydra/config.yaml`, `summary.json`, `failed.json` or `metrics.jsonl`.
 Complete runs (summary.json with status "complete") feed the aggregates; failed runs (failed.json) and
 incomplete runs (neither file) are listed with their reason and never aggregated.
+
+Runs are pooled as seeds only when their resolved configs match except for `seed` and keys that never change
+results (see `comparable_config`); a report that averages unlike runs is worse than none. Keys that differ
+between groups become extra columns (report.md, console, report.csv) or a label above a cell's numbers.
 """
 from __future__ import annotations
 
@@ -11,19 +15,27 @@ import csv
 import json
 import math
 import os
+import re
 import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UserError
+from .report_plots import FAMILIES, OBJECTIVES, log_to_wandb, make_plots, order
 
-OBJECTIVES = ("dpo", "kto", "grpo")
-FAMILIES = ("offline", "online", "humanline-offline", "humanline-online")
 MARKERS = ("summary.json", "failed.json", "metrics.jsonl")
 CSV_COLUMNS = ("task", "objective", "family", "n_seeds", "win_rate_mean", "win_rate_std", "win_rate_lo", "win_rate_hi",
                "accuracy_mean", "accuracy_std", "reward_mean", "wall_clock_s", "sample_s", "label_s", "train_s",
                "speedup_vs_online")
+# Never change results: not part of a group's identity (nor is `seed`, which is what a group pools over).
+DEFAULT_IGNORE = ("seed", "hydra", "wandb", "threads", "world_cache", "resume", "experiment_name")
+# Define the data regime / humanline family: a speedup compares groups that differ only here.
+FAMILY_KEYS = ("data", "humanline", "hl", "sampler", "reward")
+# The table's own axes (sections, rows, columns), never repeated as extra columns.
+AXIS_KEYS = ("task.name", "objective.name", "data.regime", "humanline")
+NO_CONFIG = "config.yaml"  # pseudo-key telling groups without .hydra/config.yaml apart when mixed with others
+_INTERP = re.compile(r"\$\{(?:oc\.select:)?([A-Za-z_][\w.]*)(?=[},])")  # ${a.b} or ${oc.select:a.b,default}
 CI_NOTE = ("Win rate is against the starting policy on the same eval prompts (per-prompt outcome 1 win, 1/2 tie, 0 loss). "
            "95% CI: for a single seed, the run's own normal-approximation interval on the per-prompt outcomes "
            "(mean ± 1.96·sd/√n); for two or more seeds, a Student-t interval across the seeds' win rates "
@@ -51,6 +63,9 @@ class Run:
     summary: dict = field(default_factory=dict)
     metrics: list = field(default_factory=list)
     logratios: list = field(default_factory=list)
+    config: dict | None = None  # resolved .hydra/config.yaml flattened to dotted keys; None if absent/unreadable
+    raw: dict = field(default_factory=dict)  # the same keys unresolved (interpolation text), to see derived keys
+    variant: str = ""  # what tells this run's group apart from others at the same table position (set by aggregate)
 
     @property
     def family(self) -> str:
@@ -62,11 +77,13 @@ class Report:
     root: Path
     out_dir: Path
     runs: list  # every Run found
-    cells: list  # one dict per (task, objective, family), CSV columns + "metric"
+    cells: list  # one dict per config group: the CSV columns + "metric", "seeds", "config", "row", "label"
     markdown: str
     files: dict  # name -> Path of everything written
     skipped_plots: dict  # plot file name -> why it was skipped
     wandb_error: str | None = None
+    columns: tuple = CSV_COLUMNS  # report.csv's header: CSV_COLUMNS with the varying config keys after "family"
+    unused_ignores: tuple = ()  # --ignore keys that matched no config key (likely typos)
 
     @property
     def complete(self):
@@ -129,29 +146,67 @@ def _read_json(path: Path):
         return None, f"unreadable {path.name}: {type(e).__name__}: {e}"
 
 
+def _flatten(tree, prefix="", out=None) -> dict:
+    out = {} if out is None else out
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            _flatten(v, f"{prefix}{k}.", out)
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def read_config(path: Path) -> tuple[dict, dict] | None:
+    """(resolved, raw) flat dotted-key views of a Hydra config.yaml, or None if unreadable.
+
+    Hydra saves the config with its interpolations (`${task.offline.path}`); each leaf is resolved on its own so
+    one that cannot be resolved here (a `${hydra:...}` resolver, a missing env var) keeps its text instead of
+    costing the whole config. Lists stay single values."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception:  # an unreadable config only costs the grouping (the run falls back to summary labels)
+        return None
+    if not isinstance(cfg, DictConfig):
+        return None
+    raw = _flatten(OmegaConf.to_container(cfg, resolve=False))
+    flat = {}
+
+    def walk(node, prefix):
+        for key in node:
+            name = f"{prefix}{key}"
+            try:
+                v = node[key]
+            except Exception:
+                flat[name] = raw.get(name, "???")
+                continue
+            if isinstance(v, DictConfig) and len(v):
+                walk(v, name + ".")
+            elif isinstance(v, (DictConfig, ListConfig)):
+                try:
+                    flat[name] = OmegaConf.to_container(v, resolve=True)
+                except Exception:
+                    flat[name] = OmegaConf.to_container(v, resolve=False)
+            else:
+                flat[name] = v
+
+    walk(cfg, "")
+    return flat, raw
+
+
 def _label_from_config(run: Run) -> None:
     path = run.path / ".hydra" / "config.yaml"
-    if not path.is_file():
+    got = read_config(path) if path.is_file() else None
+    if got is None:
         return
-    try:
-        import yaml
-
-        cfg = yaml.safe_load(path.read_text()) or {}
-    except Exception:  # an unreadable config only costs the labels
-        return
-    run.objective = str(_dig(cfg, "objective", "name") or run.objective)
-    run.data = str(_dig(cfg, "data", "regime") or run.data)
-    run.task = str(_dig(cfg, "task", "name") or run.task)
-    run.seed = _dig(cfg, "seed") if _dig(cfg, "seed") is not None else run.seed
-    run.humanline = _dig(cfg, "humanline") is True  # only present when the user passed +humanline=true
-
-
-def _dig(d, *keys):
-    for k in keys:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(k)
-    return d
+    run.config, run.raw = got
+    cfg = run.config
+    run.objective = str(cfg.get("objective.name") or run.objective)
+    run.data = str(cfg.get("data.regime") or run.data)
+    run.task = str(cfg.get("task.name") or run.task)
+    run.seed = cfg["seed"] if cfg.get("seed") is not None else run.seed
+    run.humanline = cfg.get("humanline") is True  # only present when the user passed +humanline=true
 
 
 def load_run(path: Path) -> Run:
@@ -179,12 +234,115 @@ def load_run(path: Path) -> Run:
     return run
 
 
+# ---------------------------------------------------------------- grouping
+def _under(key: str, prefixes) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def parse_ignore(values) -> tuple[str, ...]:
+    """--ignore values (repeatable, comma-separated; `train.*` means `train`) -> dotted prefixes."""
+    keys = (k.strip().removesuffix(".*") for v in values or () for k in str(v).split(","))
+    return tuple(dict.fromkeys(k for k in keys if k))
+
+
+def comparable_config(run: Run, ignore=()) -> dict:
+    """The run's resolved config minus what never changes results, hl.* when humanline is off, and `ignore`.
+    `humanline` itself goes too: absent and `false` both mean off, and the family (a group's axis) carries it."""
+    drop = DEFAULT_IGNORE + ("humanline",) + tuple(ignore) + (() if run.config.get("humanline") is True else ("hl",))
+    return {k: v for k, v in run.config.items() if not _under(k, drop)}
+
+
+def _canon(v) -> str:
+    return json.dumps(v, sort_keys=True, default=str)
+
+
+def show(v) -> str:
+    return v if isinstance(v, str) else _canon(v)
+
+
+@dataclass
+class Group:
+    """Complete runs that differ only by seed (or by ignored keys): the unit of n, mean, sd and CI."""
+    task: str
+    objective: str
+    family: str
+    runs: list
+    cfg: dict | None  # comparable_config of its runs; None for run dirs without .hydra/config.yaml
+    raw: dict
+
+
+def group_runs(runs: list[Run], ignore=()) -> list[Group]:
+    groups: dict[tuple, Group] = {}
+    for r in runs:
+        cfg = comparable_config(r, ignore) if r.config is not None else None
+        ident = None if cfg is None else tuple(sorted((k, _canon(v)) for k, v in cfg.items()))
+        g = groups.setdefault((r.task, r.objective, r.family, ident), Group(r.task, r.objective, r.family, [], cfg, r.raw))
+        g.runs.append(r)
+    return list(groups.values())
+
+
+def derived_from(groups: list[Group]) -> dict[str, str]:
+    """key -> the one other subtree its value interpolates in every group that has the key
+    (train.batch_size: ${objective.batch_size}). A key that is a literal anywhere is its own."""
+    seen: dict[str, set] = {}
+    for g in groups:
+        for k in g.cfg or ():
+            refs = {r.split(".")[0] for r in _INTERP.findall(str(g.raw.get(k, "")))} - {k.split(".")[0]}
+            seen.setdefault(k, set()).add(next(iter(refs)) if len(refs) == 1 else None)
+    return {k: next(iter(s)) for k, s in seen.items() if len(s) == 1 and None not in s}
+
+
+def family_defining(key: str, derived: dict) -> bool:
+    return key.split(".")[0] in FAMILY_KEYS or derived.get(key) in FAMILY_KEYS
+
+
+def scope(g: Group, key: str, derived: dict):
+    """Which groups a key is compared with: a config group's keys (model.*, data.*, objective.*, and keys that only
+    interpolate one) only between groups that chose the same option (its name/regime/kind), so the defaults of
+    dpo vs grpo or of offline vs online data never show as differences. None: the key does not apply here
+    (an axis of the table, or hl.* with humanline off)."""
+    if g.cfg is None or key in AXIS_KEYS or (_under(key, ("hl",)) and not g.family.startswith("humanline-")):
+        return None
+    parts = []
+    for top in (key.split(".")[0], derived.get(key)):
+        if top is not None:
+            sel = next((f"{top}.{s}" for s in ("name", "regime", "kind") if f"{top}.{s}" in g.cfg), None)
+            parts.append((top, None if sel is None or sel == key else _canon(g.cfg[sel])))
+    return tuple(parts)
+
+
+def signature(g: Group, derived: dict) -> tuple:
+    """What must match for a speedup: everything but the family-defining keys."""
+    if g.cfg is None:
+        return (g.task, g.objective, None)
+    return (g.task, g.objective, tuple(sorted((k, _canon(v)) for k, v in g.cfg.items()
+                                              if not family_defining(k, derived))))
+
+
+def varying_keys(groups: list[Group], derived: dict) -> dict[str, set]:
+    """key -> the scopes in which it takes more than one value (an absent key counts as a value)."""
+    seen: dict[str, dict] = {}
+    for k in sorted({k for g in groups if g.cfg for k in g.cfg}):
+        for g in groups:
+            sc = scope(g, k, derived)
+            if sc is not None:
+                seen.setdefault(k, {}).setdefault(sc, set()).add(_canon(g.cfg[k]) if k in g.cfg else None)
+    out = {k: {sc for sc, vals in by.items() if len(vals) > 1} for k, by in seen.items()}
+    out = {k: scs for k, scs in out.items() if scs}
+    if any(g.cfg is None for g in groups) and any(g.cfg is not None for g in groups):
+        out[NO_CONFIG] = {None}
+    return out
+
+
+def group_labels(g: Group, varying: dict, derived: dict) -> dict:
+    """The varying keys this group has a distinguishing value for, as display strings."""
+    if g.cfg is None:
+        return {NO_CONFIG: "missing"} if NO_CONFIG in varying else {}
+    return {k: (show(g.cfg[k]) if k in g.cfg else "unset") for k, scs in varying.items()
+            if k != NO_CONFIG and scope(g, k, derived) in scs}
+
+
 # ---------------------------------------------------------------- aggregation
-def _order(values, preferred) -> list:
-    values = set(values)
-    return [v for v in preferred if v in values] + sorted(values - set(preferred))
-
-
 def _mean(xs):
     xs = [float(x) for x in xs if x is not None]
     return statistics.fmean(xs) if xs else None
@@ -195,36 +353,64 @@ def _std(xs):
     return statistics.stdev(xs) if len(xs) >= 2 else None
 
 
-def aggregate(runs: list[Run]) -> list[dict]:
-    groups: dict[tuple, list[Run]] = {}
-    for r in runs:
-        groups.setdefault((r.task, r.objective, r.family), []).append(r)
+def _natural(v: str):
+    try:
+        return (0, float(v), "")
+    except ValueError:
+        return (1 if v else 2, 0.0, v)
+
+
+def _wall(g: Group):
+    return _mean(r.summary.get("wall_clock_s", {}).get("total") for r in g.runs)
+
+
+def aggregate(runs: list[Run], ignore=()) -> list[dict]:
+    """One cell per config group, ordered by task, objective, row labels, family, cell label."""
+    groups = group_runs(runs, ignore)
     cells = []
-    for task in sorted({k[0] for k in groups}):
-        has_verifier = any(r.summary.get("eval", {}).get("accuracy") is not None for r in runs if r.task == task)
-        for obj in _order({k[1] for k in groups if k[0] == task}, OBJECTIVES):
-            online = groups.get((task, obj, "online"))
-            online_wall = _mean(r.summary.get("wall_clock_s", {}).get("total") for r in online) if online else None
-            for fam in _order({k[2] for k in groups if k[:2] == (task, obj)}, FAMILIES):
-                g = sorted(groups[(task, obj, fam)], key=lambda r: str(r.seed))
-                ev = [r.summary.get("eval", {}) for r in g]
-                wall = [r.summary.get("wall_clock_s", {}) for r in g]
-                wr = [float(e["win_rate"]) for e in ev if e.get("win_rate") is not None]
-                lo, hi = win_rate_ci(wr, ev[0].get("win_rate_ci")) if wr else (None, None)
-                wall_mean = _mean(w.get("total") for w in wall)
-                cells.append({
-                    "task": task, "objective": obj, "family": fam, "n_seeds": len(g),
-                    "win_rate_mean": _mean(wr), "win_rate_std": _std(wr), "win_rate_lo": lo, "win_rate_hi": hi,
-                    "accuracy_mean": _mean(e.get("accuracy") for e in ev) if has_verifier else None,
-                    "accuracy_std": _std(e.get("accuracy") for e in ev) if has_verifier else None,
-                    "reward_mean": _mean(e.get("reward_mean") for e in ev),
-                    "reward_std": _std(e.get("reward_mean") for e in ev),
-                    "wall_clock_s": wall_mean, "sample_s": _mean(w.get("sample") for w in wall),
-                    "label_s": _mean(w.get("label") for w in wall), "train_s": _mean(w.get("train") for w in wall),
-                    "speedup_vs_online": online_wall / wall_mean if online_wall and wall_mean else None,
-                    "metric": "accuracy" if has_verifier else "judge reward",
-                    "seeds": [r.seed for r in g],
-                })
+    for task in sorted({g.task for g in groups}):
+        tg = [g for g in groups if g.task == task]
+        has_verifier = any(r.summary.get("eval", {}).get("accuracy") is not None for g in tg for r in g.runs)
+        derived = derived_from(tg)
+        varying = varying_keys(tg, derived)
+        row_keys = sorted(k for k in varying if not family_defining(k, derived))
+        online = {}
+        for g in tg:
+            if g.family == "online":
+                online.setdefault(signature(g, derived), []).append(g)
+        for g in tg:
+            labels = group_labels(g, varying, derived)
+            for r in g.runs:
+                r.variant = ", ".join(f"{k}={v}" for k, v in labels.items())
+            match = [g] if g.family == "online" else online.get(signature(g, derived), [])
+            # exactly one online group with an otherwise identical config, or no speedup (never a guess)
+            online_wall = _wall(match[0]) if len(match) == 1 else None
+            runs_ = sorted(g.runs, key=lambda r: str(r.seed))
+            ev = [r.summary.get("eval", {}) for r in runs_]
+            wall = [r.summary.get("wall_clock_s", {}) for r in runs_]
+            wr = [float(e["win_rate"]) for e in ev if e.get("win_rate") is not None]
+            lo, hi = win_rate_ci(wr, ev[0].get("win_rate_ci")) if wr else (None, None)
+            wall_mean = _mean(w.get("total") for w in wall)
+            cells.append({
+                "task": task, "objective": g.objective, "family": g.family, "n_seeds": len(runs_),
+                "win_rate_mean": _mean(wr), "win_rate_std": _std(wr), "win_rate_lo": lo, "win_rate_hi": hi,
+                "accuracy_mean": _mean(e.get("accuracy") for e in ev) if has_verifier else None,
+                "accuracy_std": _std(e.get("accuracy") for e in ev) if has_verifier else None,
+                "reward_mean": _mean(e.get("reward_mean") for e in ev),
+                "reward_std": _std(e.get("reward_mean") for e in ev),
+                "wall_clock_s": wall_mean, "sample_s": _mean(w.get("sample") for w in wall),
+                "label_s": _mean(w.get("label") for w in wall), "train_s": _mean(w.get("train") for w in wall),
+                "speedup_vs_online": online_wall / wall_mean if online_wall and wall_mean else None,
+                "metric": "accuracy" if has_verifier else "judge reward",
+                "seeds": [r.seed for r in runs_],
+                "config": labels,  # varying key -> value, for report.csv
+                "row": tuple((k, labels.get(k, "–")) for k in row_keys),
+                "label": ", ".join(f"{k}={v}" for k, v in labels.items() if k not in row_keys),
+            })
+    obj_rank = {o: i for i, o in enumerate(order({c["objective"] for c in cells}, OBJECTIVES))}
+    fam_rank = {f: i for i, f in enumerate(order({c["family"] for c in cells}, FAMILIES))}
+    cells.sort(key=lambda c: (c["task"], obj_rank[c["objective"]], [_natural(v) for _, v in c["row"]],
+                              fam_rank[c["family"]], c["label"]))
     return cells
 
 
@@ -245,17 +431,46 @@ def cell_lines(c: dict) -> list[str]:
         metric = "judge reward " + _pm(c["reward_mean"], c["reward_std"])
     speed = f"{c['speedup_vs_online']:.2f}x" if c["speedup_vs_online"] is not None else "n/a"
     wall = f"{c['wall_clock_s']:.1f} s" if c["wall_clock_s"] is not None else "–"
-    return [f"win {wr}", metric, f"{wall} ({speed} vs online)", f"n={c['n_seeds']}"]
+    return ([c["label"]] if c["label"] else []) + [f"win {wr}", metric, f"{wall} ({speed} vs online)",
+                                                   f"n={c['n_seeds']}"]
 
 
-def task_grid(cells: list[dict], task: str) -> tuple[list[str], list[str], dict]:
+def task_grid(cells: list[dict], task: str) -> tuple[list[str], list[tuple], list[str], dict]:
+    """(row keys, rows as (objective, row labels), families, {(row, family): [cells]}) for one task's table.
+
+    Rows are objectives; a row splits by the values of the varying keys outside the family-defining subtrees
+    (train.lr, model.*), shown as extra columns; keys inside them (data.path, hl.*) label the cell itself."""
     cs = [c for c in cells if c["task"] == task]
-    objs = _order({c["objective"] for c in cs}, OBJECTIVES)
-    fams = _order({c["family"] for c in cs}, FAMILIES)
-    return objs, fams, {(c["objective"], c["family"]): c for c in cs}
+    row_keys = [k for k, _ in cs[0]["row"]] if cs else []
+    rows, grid = [], {}
+    for c in cs:  # cells arrive sorted
+        row = (c["objective"], tuple(v for _, v in c["row"]))
+        if row not in rows:
+            rows.append(row)
+        grid.setdefault((row, c["family"]), []).append(c)
+    return row_keys, rows, order({c["family"] for c in cs}, FAMILIES), grid
 
 
-def render_markdown(rep_root: Path, cells, runs, plots: dict, skipped: dict, out_dir: Path) -> str:
+def _cell_text(grid, row, fam, sep: str) -> str:
+    return (sep + sep).join(sep.join(cell_lines(c)) for c in grid.get((row, fam), [])) or "–"
+
+
+def _md(s: str) -> str:
+    return s.replace("|", "\\|")
+
+
+def grouping_note(ignore) -> str:
+    extra = f"; here also --ignore {', '.join(f'`{k}`' for k in ignore)}" if ignore else ""
+    return ("Runs are pooled as seeds only when their resolved `.hydra/config.yaml` is identical except for `seed`, "
+            f"keys that never change results ({', '.join(f'`{k}`' for k in DEFAULT_IGNORE[1:])}), `hl.*` when "
+            f"humanline is off{extra}. Keys that differ between groups are extra columns (or a label above a "
+            "cell's numbers when they belong to the data regime / humanline subtrees). Speedup = wall-clock of the "
+            "one online group whose config is identical except for `data`, `humanline`, `hl`, `sampler` and "
+            "`reward`, divided by this group's; n/a when there is no such group (or more than one). Run dirs "
+            "without `.hydra/config.yaml` are grouped by their summary.json labels (task, objective, data, humanline).")
+
+
+def render_markdown(rep_root: Path, cells, runs, plots: dict, skipped: dict, out_dir: Path, ignore=()) -> str:
     complete = [r for r in runs if r.status == "complete"]
     lines = [f"# humanline report: `{rep_root}`", "",
              (f"{len(runs)} run dirs: {len(complete)} complete, "
@@ -264,16 +479,17 @@ def render_markdown(rep_root: Path, cells, runs, plots: dict, skipped: dict, out
     if not cells:
         lines += ["No complete runs to aggregate.", ""]
     for task in sorted({c["task"] for c in cells}):
-        objs, fams, grid = task_grid(cells, task)
+        row_keys, rows, fams, grid = task_grid(cells, task)
         metric = next(c["metric"] for c in cells if c["task"] == task)
         lines += [f"## Task `{task}`", "",
                   (f"Each cell: win rate vs the starting policy, mean ± sd over seeds [95% CI]; {metric} "
                    f"mean ± sd{'' if metric == 'accuracy' else ' (no verifier for this task)'}; mean wall-clock "
                    "seconds (speedup = online wall-clock / this wall-clock); number of seeds."), "",
-                  "| objective | " + " | ".join(fams) + " |", "|---|" + "---|" * len(fams)]
-        for o in objs:
-            row = ["<br>".join(cell_lines(grid[(o, f)])) if (o, f) in grid else "–" for f in fams]
-            lines.append(f"| **{o}** | " + " | ".join(row) + " |")
+                  "| objective | " + " | ".join(_md(k) for k in row_keys + fams) + " |",
+                  "|---|" + "---|" * (len(row_keys) + len(fams))]
+        for row in rows:
+            cols = [_md(v) for v in row[1]] + [_md(_cell_text(grid, row, f, "<br>")) for f in fams]
+            lines.append(f"| **{row[0]}** | " + " | ".join(cols) + " |")
         lines.append("")
     lines += ["## Failed or incomplete runs", ""]
     problems = [r for r in runs if r.status != "complete"]
@@ -282,7 +498,8 @@ def render_markdown(rep_root: Path, cells, runs, plots: dict, skipped: dict, out
     for r in problems:
         label = f"{r.task} / {r.objective} / {r.family} / seed {r.seed}"
         lines.append(f"- **{r.status}** `{_rel(r.path, rep_root)}` ({label}): {r.reason}")
-    lines += ["", "## Confidence intervals", "", CI_NOTE, "", "## Plots", ""]
+    lines += ["", "## Confidence intervals", "", CI_NOTE, "", "## Grouping", "", grouping_note(ignore), "",
+              "## Plots", ""]
     for name, path in plots.items():
         lines.append(f"- [{name}]({_rel(path, out_dir)})")
     for name, why in skipped.items():
@@ -298,20 +515,30 @@ def _rel(path: Path, base: Path) -> str:
         return str(path)
 
 
-def write_csv(path: Path, cells: list[dict]) -> None:
+def csv_columns(cells: list[dict]) -> tuple:
+    keys = sorted({k for c in cells for k in c["config"]})
+    i = CSV_COLUMNS.index("family") + 1
+    return CSV_COLUMNS[:i] + tuple(keys) + CSV_COLUMNS[i:]
+
+
+def _csv_value(c: dict, k: str):
+    v = c[k] if k in CSV_COLUMNS else c["config"].get(k)
+    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else (f"{v:.8g}" if isinstance(v, float) else v)
+
+
+def write_csv(path: Path, cells: list[dict], columns=None) -> None:
+    columns = columns or csv_columns(cells)
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(CSV_COLUMNS)
+        w.writerow(columns)
         for c in cells:
-            w.writerow(["" if c[k] is None or (isinstance(c[k], float) and math.isnan(c[k]))
-                        else (f"{c[k]:.8g}" if isinstance(c[k], float) else c[k]) for k in CSV_COLUMNS])
+            w.writerow([_csv_value(c, k) for k in columns])
 
 
 # ---------------------------------------------------------------- entry points
-def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None = None) -> Report:
-    from .report_plots import log_to_wandb, make_plots
-
+def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None = None, ignore=()) -> Report:
     root = Path(root)
+    ignore = parse_ignore(ignore)
     if not root.is_dir():
         raise ReportError(f"no such directory: {root}")
     run_dirs = find_run_dirs(root)
@@ -321,13 +548,17 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = [load_run(d) for d in run_dirs]
     complete = [r for r in runs if r.status == "complete"]
-    cells = aggregate(complete)
+    cells = aggregate(complete, ignore)
     plots, skipped = make_plots(complete, out_dir)
-    md = render_markdown(root, cells, runs, plots, skipped, out_dir)
+    md = render_markdown(root, cells, runs, plots, skipped, out_dir, ignore)
     files = {"report.md": out_dir / "report.md", "report.csv": out_dir / "report.csv", **plots}
     files["report.md"].write_text(md)
-    write_csv(files["report.csv"], cells)
-    rep = Report(root=root, out_dir=out_dir, runs=runs, cells=cells, markdown=md, files=files, skipped_plots=skipped)
+    columns = csv_columns(cells)
+    write_csv(files["report.csv"], cells, columns)
+    known = {k for r in complete if r.config for k in r.config}
+    unused = tuple(p for p in ignore if not any(_under(k, (p,)) for k in known))
+    rep = Report(root=root, out_dir=out_dir, runs=runs, cells=cells, markdown=md, files=files, skipped_plots=skipped,
+                 columns=columns, unused_ignores=unused)
     if wandb_mode is not None:
         rep.wandb_error = log_to_wandb(rep, wandb_mode)
     return rep
@@ -339,14 +570,14 @@ def print_report(rep: Report, console=None) -> None:
 
     console = console or Console(width=None if sys.stdout.isatty() else 160)
     for task in sorted({c["task"] for c in rep.cells}):
-        objs, fams, grid = task_grid(rep.cells, task)
+        row_keys, rows, fams, grid = task_grid(rep.cells, task)
         t = Table(title=f"task {task}: win rate vs start [95% CI] / "
                         f"{next(c['metric'] for c in rep.cells if c['task'] == task)} / wall-clock", show_lines=True)
         t.add_column("objective", style="bold")
-        for f in fams:
-            t.add_column(f)
-        for o in objs:
-            t.add_row(o, *["\n".join(cell_lines(grid[(o, f)])) if (o, f) in grid else "–" for f in fams])
+        for k in row_keys + fams:
+            t.add_column(k)
+        for row in rows:
+            t.add_row(row[0], *row[1], *[_cell_text(grid, row, f, "\n") for f in fams])
         console.print(t)
     if not rep.cells:
         console.print("no complete runs to aggregate")
@@ -354,6 +585,8 @@ def print_report(rep: Report, console=None) -> None:
         console.print(f"[red]{r.status}[/] {r.path}: {r.reason}", highlight=False, markup=True)
     for name, why in rep.skipped_plots.items():
         console.print(f"skipped {name}: {why}")
+    for k in rep.unused_ignores:
+        console.print(f"warning: --ignore {k} matched no key of any complete run's config", highlight=False)
     console.print(f"wrote {', '.join(str(p) for p in rep.files.values())}", highlight=False)
 
 
@@ -361,10 +594,14 @@ def main_report(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="humanline report", description="Aggregate run dirs into report.md/.csv and plots.")
     p.add_argument("dir", type=Path, help="a sweep dir or runs dir (searched recursively for run dirs)")
     p.add_argument("--out", type=Path, default=None, help="where to write report.md/.csv/PNGs (default: DIR)")
+    p.add_argument("--ignore", action="append", default=[], metavar="KEY",
+                   help="config key (dotted; a prefix such as `train` ignores the subtree) whose differences may be "
+                        "pooled as seeds; repeatable or comma-separated")
     p.add_argument("--wandb", action="store_true", help="also log the table and plots to a wandb run (job_type=report)")
     args = p.parse_args(argv)
     try:
-        rep = build_report(args.dir, args.out, os.environ.get("WANDB_MODE", "offline") if args.wandb else None)
+        rep = build_report(args.dir, args.out, os.environ.get("WANDB_MODE", "offline") if args.wandb else None,
+                           ignore=args.ignore)
     except ReportError as e:
         print(f"humanline: error: {e}", file=sys.stderr)
         return 2

@@ -1,17 +1,42 @@
-"""PNG plots for `humanline report` (matplotlib, Agg) and the optional wandb upload of the report."""
+"""PNG plots for `humanline report` (matplotlib, Agg) and the optional wandb upload of the report.
+
+Consumes report.Run objects (duck-typed: task, objective, family, variant, summary, metrics, logratios) and never
+imports report.py (imports point one way: report -> report_plots). Runs of different config groups at the same
+(task, objective, family) are told apart by their `variant` label (and line style), never summed together."""
 from __future__ import annotations
 
 import math
 import sys
 from pathlib import Path
 
+OBJECTIVES = ("dpo", "kto", "grpo")
+FAMILIES = ("offline", "online", "humanline-offline", "humanline-online")
 FAMILY_COLORS = {"offline": "tab:blue", "online": "tab:orange", "humanline-offline": "tab:green",
                  "humanline-online": "tab:red"}
 CLAMP_BAND = (-1.0, 1.5)  # default hl.log_eps_P, hl.log_eps_R
 
 
+LINESTYLES = ("-", "--", ":", "-.")
+
+
+def order(values, preferred) -> list:
+    """`preferred` first (those present), then the rest sorted."""
+    values = set(values)
+    return [v for v in preferred if v in values] + sorted(values - set(preferred))
+
+
 def _color(family: str) -> str:
     return FAMILY_COLORS.get(family, "tab:gray")
+
+
+def _label(run) -> str:
+    return f"{run.family} ({run.variant})" if run.variant else run.family
+
+
+def _styles(runs) -> dict:
+    """variant -> line style, so groups of one family stay apart when their colour is the same."""
+    variants = sorted({r.variant for r in runs})
+    return {v: LINESTYLES[i % len(LINESTYLES)] for i, v in enumerate(variants)}
 
 
 def _num(x):
@@ -62,14 +87,12 @@ def _legend_once(ax):
 
 def _keys(pairs):
     """Panels, one per (task, objective), objectives in dpo/kto/grpo order; titles name the task if several."""
-    from .report import OBJECTIVES, _order
-
     pairs = set(pairs)
     tasks = sorted({t for t, _ in pairs})
     multi = len(tasks) > 1
     keys = []
     for t in tasks:
-        keys += [(t, o) for o in _order({o for tt, o in pairs if tt == t}, OBJECTIVES)]
+        keys += [(t, o) for o in order({o for tt, o in pairs if tt == t}, OBJECTIVES)]
     return keys, (lambda k: f"{k[0]} / {k[1]}" if multi else k[1])
 
 
@@ -80,10 +103,12 @@ def plot_eval_vs_wallclock(runs, path: Path) -> str | None:
         return "no complete run has eval numbers"
     keys, title = _keys((c[0].task, c[0].objective) for c in curves)
     fig, axes = _panels(keys, title)
+    style = _styles(c[0] for c in curves)
     for run, metric, pts in curves:
         ax = axes[(run.task, run.objective)]
         xs, ys = zip(*pts)
-        ax.plot(xs, ys, "-o", ms=3, color=_color(run.family), alpha=0.8, label=run.family)
+        ax.plot(xs, ys, marker="o", linestyle=style[run.variant], ms=3, color=_color(run.family), alpha=0.8,
+                label=_label(run))
         ax.set_xlabel("wall-clock (s)")
         ax.set_ylabel(metric)
     for ax in axes.values():
@@ -98,11 +123,12 @@ def plot_unclamped_fraction(runs, path: Path) -> str | None:
         return "no humanline run logged humanline/unclamped_fraction"
     keys, title = _keys((r.task, r.objective) for r in hl)
     fig, axes = _panels(keys, title)
+    style = _styles(hl)
     for r in hl:
         pts = sorted((m["step"], m["humanline/unclamped_fraction"]) for m in r.metrics
                      if _num(m.get("humanline/unclamped_fraction")) is not None and _num(m.get("step")) is not None)
         ax = axes[(r.task, r.objective)]
-        ax.plot(*zip(*pts), color=_color(r.family), alpha=0.8, label=r.family)
+        ax.plot(*zip(*pts), linestyle=style[r.variant], color=_color(r.family), alpha=0.8, label=_label(r))
         ax.set_xlabel("step")
         ax.set_ylabel("unclamped token fraction")
         ax.set_ylim(0, 1.02)
@@ -128,26 +154,27 @@ def plot_logratio_hist(runs, path: Path) -> str | None:
         h = late_histogram(r)
         if h is None:
             continue
-        key = (r.task, r.objective, r.family)
+        key = (r.task, r.objective, r.family, r.variant)  # seeds of one config group only
         prev = hists.get(key)
         hists[key] = h if prev is None else [a + b for a, b in zip(prev, h)]
         meta[key] = (r.logratios[0].get("lo", -3.0), r.logratios[0].get("hi", 3.0))
     if not hists:
         return "no run wrote logratios.jsonl"
-    keys, title = _keys((t, o) for t, o, _ in hists)
+    keys, title = _keys((k[0], k[1]) for k in hists)
     fig, axes = _panels(keys, title)
-    from .report import FAMILIES
-
     rank = {f: i for i, f in enumerate(FAMILIES)}
-    for (task, obj, fam), h in sorted(hists.items(), key=lambda kv: (kv[0][:2], rank.get(kv[0][2], 99), kv[0][2])):
+    style = {v: LINESTYLES[i % len(LINESTYLES)] for i, v in enumerate(sorted({k[3] for k in hists}))}
+    for (task, obj, fam, variant), h in sorted(hists.items(),
+                                               key=lambda kv: (kv[0][:2], rank.get(kv[0][2], 99), kv[0][2:])):
         ax = axes[(task, obj)]
-        lo, hi = meta[(task, obj, fam)]
+        lo, hi = meta[(task, obj, fam, variant)]
         total = sum(h) or 1.0
         inner = h[1:-1]
         width = (hi - lo) / len(inner)
         edges = [lo + i * width for i in range(len(inner) + 1)]
-        ax.stairs([c / total / width for c in inner], edges, color=_color(fam), linewidth=1.5,
-                  label=f"{fam} (out of range {(h[0] + h[-1]) / total:.1%})")
+        name = f"{fam} ({variant})" if variant else fam
+        ax.stairs([c / total / width for c in inner], edges, color=_color(fam), linestyle=style[variant],
+                  linewidth=1.5, label=f"{name} (out of range {(h[0] + h[-1]) / total:.1%})")
         ax.set_xlabel("token log-ratio log π/π_ref (last 25% of logged steps)")
         ax.set_ylabel("density")
     for ax in axes.values():
@@ -191,15 +218,15 @@ def make_plots(runs, out_dir: Path) -> tuple[dict, dict]:
 
 def log_to_wandb(rep, mode: str) -> str | None:
     """Log the table and PNGs to a new wandb run; returns an error string (and warns) instead of raising."""
-    from .report import CSV_COLUMNS
-
     try:
         import wandb
 
         run = wandb.init(project="humanline", job_type="report", mode=mode, dir=str(rep.out_dir),
                          name=f"report-{rep.root.resolve().name}", reinit="finish_previous")
         try:
-            table = wandb.Table(columns=list(CSV_COLUMNS), data=[[c[k] for k in CSV_COLUMNS] for c in rep.cells])
+            # rep.columns: the CSV header, whose varying config keys live in each cell's "config" dict
+            rows = [[c["config"][k] if k in c["config"] else c.get(k) for k in rep.columns] for c in rep.cells]
+            table = wandb.Table(columns=list(rep.columns), data=rows)
             payload = {"report/table": table}
             for name, path in rep.files.items():
                 if name.endswith(".png"):

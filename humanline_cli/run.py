@@ -2,6 +2,7 @@
 save, write summary.json. Failures leave failed.json (never a summary presented as complete)."""
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import subprocess
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
@@ -17,7 +18,7 @@ from . import __version__
 from .build import build_parts
 from .config import RunSpec, validate
 from .timing import PhaseTimer
-from .tracking import Tracker, write_json_atomic
+from .tracking import NullTracker, Tracker, write_json_atomic
 from .trainer import train
 
 UNIT = {"dpo": "pairs", "kto": "examples", "grpo": "groups"}
@@ -50,34 +51,35 @@ def header(spec: RunSpec, parts, console: Console) -> None:
 
 
 def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict:
+    """One job in this process. Under torch.distributed every rank calls it with the same config and
+    run dir; only rank 0 writes outputs (metrics, samples, summary, wandb, model, failed.json)."""
     console = console or Console(stderr=True)
     transformers.utils.logging.disable_progress_bar()  # our rich bars are the progress display
     timer = PhaseTimer()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("summary.json", "failed.json", "metrics.jsonl", "samples.jsonl", "eval_samples.jsonl", "logratios.jsonl"):
-        (run_dir / stale).unlink(missing_ok=True)
-    spec = validate(cfg)
-    config = OmegaConf.to_container(cfg, resolve=True)
-    config["humanline"] = spec.humanline_on
-    tracker = None
+    main = int(os.environ.get("RANK", "0")) == 0
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ("summary.json", "failed.json", "metrics.jsonl", "samples.jsonl", "eval_samples.jsonl",
+                      "logratios.jsonl"):
+            (run_dir / stale).unlink(missing_ok=True)
+    tracker = parts = None
     try:
+        spec = validate(cfg)
         with timer.phase("setup"):
-            parts = build_parts(cfg, spec, timer, run_dir)
-            name = run_dir.name
-            tracker = Tracker(run_dir, config, OmegaConf.to_container(cfg.wandb, resolve=True), name)
+            parts = build_parts(spec, timer, run_dir)
+            tracker = Tracker(run_dir, spec.config, spec.wandb, run_dir.name) if main else NullTracker()
+        if not main:
+            console = Console(file=io.StringIO())  # one progress display, rank 0's
         header(spec, parts, console)
         with timer.phase("eval"):
             parts.evaluator.set_baseline(parts.eval_sampler)
-        last = train(spec, parts, cfg.objective, tracker, timer, int(cfg.eval.every), console)
+        last = train(spec, parts, tracker, timer, console)
         with timer.phase("eval"):
             parts.eval_sampler.push_weights(parts.policy)  # a vLLM engine holds the last round's weights
-            ev = parts.evaluator.evaluate(parts.eval_sampler, run_dir / "eval_samples.jsonl")
+            ev = parts.evaluator.evaluate(parts.eval_sampler, run_dir / "eval_samples.jsonl" if main else None)
         if spec.train.save_model:
             with timer.phase("save"):
-                save_model(parts, run_dir / "model")
-        close = getattr(parts.source, "close", None)
-        if close:
-            close()
+                save_model(parts, run_dir / "model")  # a collective under FSDP (gathers the full weights)
         summary = {
             "status": "complete",
             "objective": spec.objective,
@@ -101,21 +103,42 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
         }
         tracker.summary(summary)
         tracker.finish(0)
-        print_summary(summary, run_dir, console)
+        if main:
+            print_summary(summary, run_dir, console)
         return summary
     except BaseException as e:
-        write_json_atomic(run_dir / "failed.json", {"status": "failed", "error": f"{type(e).__name__}: {e}",
-                                                    "wall_clock_s": timer.report()})
+        if main and run_dir.is_dir():
+            write_json_atomic(run_dir / "failed.json", {"status": "failed", "error": f"{type(e).__name__}: {e}",
+                                                        "wall_clock_s": timer.report()})
         if tracker is not None:
             tracker.finish(1)
         raise
+    finally:  # engines, samplers and wandb are released whatever happened (a sweep runs on in this process)
+        if parts is not None:
+            parts.close()
+        if tracker is not None:
+            tracker.finish(0)
 
 
 def save_model(parts, dest: Path) -> None:
-    """Write to a temp dir then rename, so a crash never leaves a half-saved model behind."""
+    """Write to a temp dir then rename, so a crash never leaves a half-saved model behind. Under
+    FSDP every rank joins the gather of the full weights; rank 0 writes them."""
+    state = None
+    if parts.dist.enabled:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(parts.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not parts.dist.is_main:
+        return
+    if hasattr(parts.policy, "peft_config"):  # LoRA: a plain merged model (+ the adapter) that eval/vLLM load
+        from .lora import save_merged
+
+        shutil.rmtree(dest, ignore_errors=True)
+        save_merged(parts.policy, parts.tokenizer, dest)
+        return
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    parts.policy.save_pretrained(tmp, safe_serialization=True)
+    parts.policy.save_pretrained(tmp, safe_serialization=True, state_dict=state)
     parts.tokenizer.save_pretrained(tmp)
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)

@@ -94,3 +94,19 @@ def _flatten(d: dict, prefix: str, out: dict) -> None:
             _flatten(v, key + ".", out)
         elif isinstance(v, (int, float, str, bool)) or v is None:
             out[key] = v
+
+
+class NullTracker:
+    """What ranks other than 0 log to: nothing (rank 0 writes every output)."""
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def log_histogram(self, step: int, counts: list[int]) -> None:
+        pass
+
+    def summary(self, summary: dict) -> None:
+        pass
+
+    def finish(self, exit_code: int = 0) -> None:
+        pass

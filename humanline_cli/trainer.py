@@ -3,31 +3,58 @@ StepData (micro-batches for one optimizer step); the loop does forward/backward,
 clipping, the humanline reference sync, the optimizer step, logging and evaluation."""
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from .backend import all_reduce_sum
 from .batches import n_units, to_device
 from .build import Parts
 from .config import RunSpec
 from .errors import RunFailed
-from .humanline import should_sync, sync_reference
-from .objectives import compute_loss
+from .humanline import ReferenceRule
+from .objectives import compute_loss, loss_count, step_z0
 from .optim import make_optimizer, make_scheduler
 from .timing import PhaseTimer
 from .tracking import Tracker
 
 
 def _mean_metrics(rows: list[dict]) -> dict:
+    """Micro-batch metrics averaged with the same weights as the loss (this rank's share)."""
     keys = {k for r in rows for k in r if not isinstance(r[k], list)}
-    return {k: sum(r[k] for r in rows if k in r) / sum(1 for r in rows if k in r) for k in keys}
+    out = {}
+    for k in keys:
+        w = [(r[k], r["_weight"]) for r in rows if k in r]
+        out[k] = sum(v * c for v, c in w) / max(sum(c for _, c in w), 1e-12)
+    return out
 
 
-def train(spec: RunSpec, parts: Parts, objective_cfg, tracker: Tracker, timer: PhaseTimer,
-          eval_every: int = 0, console=None) -> dict:
+def _grad_sync(model, micro_batch: int, n_micro: int):
+    """Gradient accumulation under DDP/FSDP2: reduce gradients across ranks only on the last micro-batch."""
+    last = micro_batch == n_micro - 1
+    if hasattr(model, "no_sync") and not last:  # DDP
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
+
+
+def _total_norm(norm) -> float:
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor over the shards
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, console=None) -> dict:
     policy, reference, tr = parts.policy, parts.reference, spec.train
+    model = parts.train_model or policy  # what the gradient flows through (a DDP wrapper under DDP)
+    dist = parts.dist
+    reduce_sum = (lambda x: all_reduce_sum(x.to(parts.backend.device), dist).cpu()) if dist.enabled else None
+    objective_cfg, eval_every = spec.objective_cfg, spec.eval_cfg.every
+    rule = ReferenceRule.from_spec(spec.humanline, spec.regime)
     opt = make_optimizer(policy, tr.lr, tr.weight_decay)
     sched = make_scheduler(opt, tr.steps, tr.warmup_ratio, tr.schedule)
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -42,33 +69,42 @@ def train(spec: RunSpec, parts: Parts, objective_cfg, tracker: Tracker, timer: P
                 tracker.log(step, {"skipped": 1.0, **data.info})
                 progress.advance(bar)
                 continue
-            if data.new_round and parts.reference_resets_each_round:
+            if rule.at_round_start(data.new_round):
                 with timer.phase("sync"):  # plain online: the reference is the round's starting policy
-                    sync_reference(policy, reference)
+                    reference.sync(policy)
             t0 = time.perf_counter()
             log_now = step == 1 or step % tr.log_every == 0 or step == tr.steps
             with timer.phase("train"):
                 rows = []
-                for mb in data.micro_batches:
-                    mb = to_device(mb, parts.backend.device)
-                    with parts.backend.autocast():
-                        loss, m = compute_loss(objective_cfg, policy, reference, mb, spec.humanline, log_now)
-                    if not torch.isfinite(loss):
-                        raise RunFailed(f"loss is {float(loss.detach())} at step {step} (try a lower train.lr)")
-                    (loss / len(data.micro_batches)).backward()
+                mbs = [to_device(mb, parts.backend.device) for mb in data.micro_batches]
+                # each micro-batch's mean loss weighted by its share of the GLOBAL batch's units or
+                # tokens (times world_size: DDP/FSDP average gradients over ranks)
+                counts = [loss_count(objective_cfg, mb) for mb in mbs]
+                total = torch.tensor([sum(counts)], dtype=torch.float64)
+                total = float(reduce_sum(total)[0]) if reduce_sum else float(total[0])
+                with parts.backend.autocast():
+                    z0 = step_z0(objective_cfg, policy, reference, mbs, spec.humanline, reduce_sum)
+                for i, mb in enumerate(mbs):
+                    with _grad_sync(model, i, len(mbs)):
+                        with parts.backend.autocast():
+                            loss, m = compute_loss(objective_cfg, model, reference, mb, spec.humanline, log_now, z0)
+                        if not torch.isfinite(loss):
+                            raise RunFailed(f"loss is {float(loss.detach())} at step {step} (try a lower train.lr)")
+                        (loss * (counts[i] / max(total, 1.0) * dist.world_size)).backward()
                     m["loss"] = float(loss.detach())
                     m["_units"] = n_units(mb)
+                    m["_weight"] = counts[i]
                     rows.append(m)
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm))
+                grad_norm = _total_norm(torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm))
                 if not math.isfinite(grad_norm):
                     raise RunFailed(f"gradient norm is {grad_norm} at step {step} (try a lower train.lr)")
-            if should_sync(spec.humanline, step):
+            if rule.before_optimizer_step(step):
                 # After backward and clipping, BEFORE optimizer.step: the reference becomes this
                 # step's pre-update weights, so step t+1 measures log-ratios against step t.
                 with timer.phase("sync"):
-                    sync_reference(policy, reference)
+                    reference.sync(policy)
             with timer.phase("train"):
-                lr = sched.get_last_lr()[0]
+                lr_now = sched.get_last_lr()[0]
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
@@ -76,7 +112,7 @@ def train(spec: RunSpec, parts: Parts, objective_cfg, tracker: Tracker, timer: P
             m = _mean_metrics(rows)
             n_tok = sum(r["_n_tokens"] for r in rows)
             metrics = {k: v for k, v in m.items() if not k.startswith("_")}
-            metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=n_tok / max(dt, 1e-9),
+            metrics.update(lr=lr_now, grad_norm=grad_norm, tokens_per_s=n_tok / max(dt, 1e-9),
                            units=sum(r["_units"] for r in rows), **data.info)
             last = metrics
             metrics["wall_s"] = timer.elapsed()

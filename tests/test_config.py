@@ -7,15 +7,20 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from humanline_cli.config import validate
+from humanline_cli.cli import normalize_overrides
+from humanline_cli.config import compose_error, validate
 from humanline_cli.errors import UserError
 
 GROUPS = sorted(p.name for p in files("conf").iterdir() if p.is_dir() and not p.name.startswith("_"))
 
 
 def _compose(overrides: list[str]):
+    """Compose as the CLI does: `+humanline=` normalised, schema errors as one-line UserErrors."""
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        return compose("train", overrides=overrides, return_hydra_config=False)
+        try:
+            return compose("train", overrides=normalize_overrides(overrides), return_hydra_config=False)
+        except Exception as e:
+            raise UserError(compose_error(e)) from e
 
 
 def _options(group: str) -> list[str]:
@@ -58,7 +63,8 @@ def test_humanline_switch_and_ablations():
     k = validate(_compose(["+humanline=true", "hl.sync_every=4", "hl.log_eps_P=-0.5"])).humanline
     assert k.sync_every == 4 and k.log_eps_P == -0.5
     # hl knobs without +humanline=true do nothing: humanline stays off
-    assert not validate(_compose(["hl.clamp=true"])).humanline.enabled
+    off = validate(_compose(["hl.clamp=true"])).humanline
+    assert not (off.clamp or off.sync)
 
 
 def test_batch_size_follows_objective_and_accumulation():

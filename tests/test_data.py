@@ -140,3 +140,84 @@ def test_too_long_prompt_is_rejected(encoder):
 def test_missing_local_file(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         load_rows(str(tmp_path / "nope.jsonl"))
+
+
+# ---- valid data the loader used to refuse or mangle ----------------------------------------------
+
+def test_csv_cells_stay_text_and_only_format_fields_are_typed(tmp_path):
+    path = tmp_path / "d.csv"
+    # a BOM (Excel), numeric answers, a quoted comma, a quoted newline, a blank line, one empty score cell
+    path.write_bytes("\ufeffprompt,chosen,rejected,score_chosen,score_rejected\n"
+                     '12+45=,57,58,1,0.25\n"a, b",007,"x\ny",,\n\n1+1=,2,3,2e0,-1\n'.encode("utf-8"))
+    rows, where = load_rows(str(path))
+    assert rows == [
+        {"prompt": "12+45=", "chosen": "57", "rejected": "58", "score_chosen": 1.0, "score_rejected": 0.25},
+        {"prompt": "a, b", "chosen": "007", "rejected": "x\ny", "score_chosen": None, "score_rejected": None},
+        {"prompt": "1+1=", "chosen": "2", "rejected": "3", "score_chosen": 2.0, "score_rejected": -1.0},
+    ]
+    assert [where(i) for i in range(3)] == [f"{path}:2", f"{path}:3", f"{path}:6"]  # the record's first line
+    assert to_units(rows, where, "dpo")[0] == PairExample("12+45=", "57", "58")
+    (g1, g2, g3) = to_units(rows, where, "grpo")
+    assert g1.rewards == [1.0, 0.25] and g2.rewards == [1.0, 0.0] and g3.rewards == [2.0, -1.0]
+
+
+def test_csv_unpaired_labels_and_prompt_answers(tmp_path):
+    path = tmp_path / "u.csv"
+    path.write_text("prompt,completion,label\n1+1=,2,true\n1+1=,3,FALSE\n2+2=,4,1\n2+2=,5, 0\n")
+    rows, where = load_rows(str(path))
+    assert [(r["completion"], r["label"]) for r in rows] == [("2", True), ("3", False), ("4", True), ("5", False)]
+    assert to_units(rows, where, "kto")[3] == BinaryExample("2+2=", "5", False)
+    prompts = tmp_path / "p.csv"
+    prompts.write_text("question,answer\n12+45=,57\n3*3=,09\n")
+    rows, _ = load_rows(str(prompts), columns={"question": "prompt"})
+    assert rows == [{"prompt": "12+45=", "answer": "57"}, {"prompt": "3*3=", "answer": "09"}]
+
+
+def test_csv_label_is_typed_after_renaming(tmp_path):
+    path = tmp_path / "u.csv"
+    path.write_text("q,a,good\nx,y,1\n")
+    rows, _ = load_rows(str(path), columns={"q": "prompt", "a": "completion", "good": "label"})
+    assert rows == [{"prompt": "x", "completion": "y", "label": True}]
+
+
+def test_jsonl_may_mix_string_and_chat_rows(tmp_path):
+    chat = {"prompt": _msgs("user", "1+1="), "chosen": _msgs("assistant", "2"), "rejected": _msgs("assistant", "3")}
+    plain = {"prompt": "1+1=", "chosen": "2", "rejected": "3"}
+    half = {"prompt": "1+1=", "chosen": _msgs("assistant", "2"), "rejected": "3"}
+    rows, where = load_rows(str(_write_jsonl(tmp_path / "d.jsonl", [chat, plain, half])))
+    assert rows == [chat, plain, half]
+    units = to_units(rows, where, "dpo")
+    assert [type(u.prompt) for u in units] == [list, str, str]
+    # with a chat template, a string prompt becomes a user message: all three rows encode identically
+    enc = Encoder(build_tokenizer(), max_prompt_length=16, max_length=24, wrap_strings=True)
+    batch = Collator(enc, _Obj())(units)
+    ids = batch.seqs.input_ids
+    assert ids[0].tolist() == ids[1].tolist() == ids[2].tolist()
+    assert enc.tok.decode(ids[0][batch.seqs.loss_mask[0]]) == "2<|eos|>"
+
+
+def test_json_arrays_columns_and_lines_load_the_same_rows(tmp_path):
+    rows = [PAIR, {"prompt": "1+1=", "chosen": "2", "rejected": "3"}]
+    array = tmp_path / "a.json"
+    array.write_text(json.dumps(rows, indent=2))
+    lines = tmp_path / "l.json"
+    lines.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    columns = tmp_path / "c.json"
+    columns.write_text(json.dumps({"prompt": ["p", "q"], "chosen": ["1", "2"], "rejected": ["3", "4"]}, indent=1))
+    a, wa = load_rows(str(array))
+    b, wb = load_rows(str(lines))
+    c, wc = load_rows(str(columns))
+    assert a == b == rows
+    second = array.read_text().splitlines().index("  {", 2) + 1  # the line the second object opens on
+    assert (wa(0), wa(1)) == (f"{array}:2", f"{array}:{second}") and second > 2
+    assert wb(1) == f"{lines}:2"
+    assert c == [{"prompt": "p", "chosen": "1", "rejected": "3"}, {"prompt": "q", "chosen": "2", "rejected": "4"}]
+    assert wc(1) == f"{columns} row 2"
+
+
+def test_limit_stops_reading_before_later_lines(tmp_path):
+    path = _write_jsonl(tmp_path / "d.jsonl", [PAIR, PAIR], raw_lines=["{not json"])
+    rows, _ = load_rows(str(path), limit=2)
+    assert rows == [PAIR, PAIR]
+    with pytest.raises(UserError, match=":3: malformed JSON"):
+        load_rows(str(path))

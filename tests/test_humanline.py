@@ -7,8 +7,8 @@ import torch
 
 from humanline_cli.humanline import (
     HumanlineSpec,
+    ReferenceRule,
     clamp_logratios,
-    should_sync,
     sync_reference,
     unclamped_fraction,
 )
@@ -39,8 +39,6 @@ def check_band_grad(g: torch.Tensor) -> None:
 def test_defaults():
     s = HumanlineSpec()
     assert (s.clamp, s.sync, s.log_eps_P, s.log_eps_R, s.sync_every) == (False, False, -1.0, 1.5, 1)
-    assert not s.enabled
-    assert HumanlineSpec(sync=True).enabled and HumanlineSpec(clamp=True).enabled
 
 
 def test_clamp_off_is_identity_with_unit_gradient():
@@ -144,12 +142,29 @@ def test_unclamped_fraction_hand_example():
     assert unclamped_fraction(x, torch.zeros_like(mask), ON) == 1.0
 
 
+def _sync(hl, step, regime="offline"):
+    return ReferenceRule.from_spec(hl, regime).before_optimizer_step(step)
+
+
 def test_should_sync_schedule():
     steps = range(1, 7)
-    assert [should_sync(HumanlineSpec(sync=True, sync_every=1), s) for s in steps] == [True] * 6
-    k3 = [should_sync(HumanlineSpec(sync=True, sync_every=3), s) for s in steps]
+    assert [_sync(HumanlineSpec(sync=True, sync_every=1), s) for s in steps] == [True] * 6
+    k3 = [_sync(HumanlineSpec(sync=True, sync_every=3), s) for s in steps]
     assert k3 == [False, False, True, False, False, True]
-    assert not any(should_sync(HumanlineSpec(clamp=True, sync=False), s) for s in steps)
+    assert not any(_sync(HumanlineSpec(clamp=True, sync=False), s) for s in steps)
+
+
+@pytest.mark.parametrize("regime,hl,round_reset,sync_steps", [
+    ("offline", HumanlineSpec(), False, []),                                  # plain offline: never
+    ("online", HumanlineSpec(), True, []),                                    # plain online: each round start
+    ("online", HumanlineSpec(clamp=True), True, []),                          # clamp-only online: as plain
+    ("offline", HumanlineSpec(clamp=True, sync=True, sync_every=2), False, [2, 4, 6]),
+    ("online", HumanlineSpec(clamp=True, sync=True), False, [1, 2, 3, 4, 5, 6]),  # humanline online: no round reset
+])
+def test_reference_rule_from_spec(regime, hl, round_reset, sync_steps):
+    rule = ReferenceRule.from_spec(hl, regime)
+    assert rule.at_round_start(True) == round_reset and not rule.at_round_start(False)
+    assert [s for s in range(1, 7) if rule.before_optimizer_step(s)] == sync_steps
 
 
 def test_sync_reference_linear():

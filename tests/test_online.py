@@ -11,8 +11,8 @@ from conftest import FAST, TINY_WORLD, run_cli
 from humanline_cli.batches import BinaryBatch, GroupBatch, PairBatch
 from humanline_cli.data.collate import Collator, Encoder
 from humanline_cli.errors import RunFailed
-from humanline_cli.rollout import OnlineSource
 from humanline_cli.sampling.base import Completions, SamplingParams
+from humanline_cli.sources import OnlineSource, RoundSpec
 from humanline_cli.timing import PhaseTimer
 from humanline_cli.world.tokenizer import build_tokenizer
 
@@ -43,8 +43,8 @@ def _source(objective, texts, scorer, n_prompts=4, batch=4):
     tok = build_tokenizer()
     enc = Encoder(tok, 16, 32)
     rows = [{"prompt": [{"role": "user", "content": f"{i:02d}+01="}]} for i in range(n_prompts)]
-    return OnlineSource(rows, enc, Collator(enc, _Obj()), FixedSampler(tok, texts), ("fake", scorer), objective,
-                        batch, batch, SamplingParams(n=len(texts)), prompts_per_round=2, min_gap=0.01, seed=0,
+    rounds = RoundSpec(objective, batch, batch, SamplingParams(n=len(texts)), prompts_per_round=2, min_gap=0.01, seed=0)
+    return OnlineSource(rows, enc, Collator(enc, _Obj()), FixedSampler(tok, texts), ("fake", scorer), rounds,
                         timer=PhaseTimer(), policy=None)
 
 

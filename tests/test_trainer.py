@@ -16,10 +16,10 @@ from humanline_cli.batches import PairBatch
 from humanline_cli.build import Parts
 from humanline_cli.config import TrainSpec
 from humanline_cli.data.collate import make_seqs
-from humanline_cli.data.sources import StepData
 from humanline_cli.errors import RunFailed
 from humanline_cli.humanline import HumanlineSpec
 from humanline_cli.models import make_reference
+from humanline_cli.sources import StepData
 from humanline_cli.timing import PhaseTimer
 from humanline_cli.tracking import Tracker
 from humanline_cli.trainer import train
@@ -53,11 +53,12 @@ class SnapshotSource:
         return "snapshot"
 
 
-def _spec(steps, hl=HumanlineSpec()):
+def _spec(steps, hl=HumanlineSpec(), beta=0.1, online=False):
     tr = TrainSpec(steps=steps, batch_size=2, micro_batch_size=2, lr=1e-2, weight_decay=0.0, warmup_ratio=0.0,
                    schedule="constant", max_grad_norm=1.0, max_length=32, max_prompt_length=8, log_every=1,
                    save_model=False)
-    return SimpleNamespace(train=tr, humanline=hl)
+    return SimpleNamespace(train=tr, humanline=hl, objective_cfg=SimpleNamespace(beta=beta),
+                           regime="online" if online else "offline", eval_cfg=SimpleNamespace(every=0))
 
 
 def _run(tmp_path, steps, hl=HumanlineSpec(), beta=0.1, resets=False, round_every=0):
@@ -65,9 +66,9 @@ def _run(tmp_path, steps, hl=HumanlineSpec(), beta=0.1, resets=False, round_ever
     reference = make_reference(policy)
     start = {k: v.clone() for k, v in policy.state_dict().items()}
     source = SnapshotSource(policy, round_every)
-    parts = Parts(make_backend("cpu", "fp32"), None, None, policy, reference, source, None, None, resets)
+    parts = Parts(make_backend("cpu", "fp32"), None, None, policy, reference, source, None, None, policy)
     tracker = Tracker(tmp_path, {}, {"mode": "disabled"}, "t")
-    train(_spec(steps, hl), parts, SimpleNamespace(beta=beta), tracker, PhaseTimer())
+    train(_spec(steps, hl, beta, online=resets), parts, tracker, PhaseTimer())
     tracker.finish()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return policy, reference, start, source.snaps, rows
@@ -81,13 +82,13 @@ def test_dpo_loss_is_ln2_at_step_one_and_learns(tmp_path):
     policy, reference, start, _, rows = _run(tmp_path, 3)
     assert rows[0]["step"] == 1 and rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert rows[-1]["loss"] < math.log(2)  # the policy moved towards the chosen completions
-    assert _equal(reference, start) and not _equal(policy, start)  # plain: the reference never moves
+    assert _equal(reference.model, start) and not _equal(policy, start)  # plain: the reference never moves
 
 
 @pytest.mark.parametrize("steps", [1, 2, 4])
 def test_humanline_reference_equals_pre_step_weights(tmp_path, steps):
     policy, reference, start, snaps, rows = _run(tmp_path, steps, HumanlineSpec(clamp=True, sync=True))
-    assert _equal(reference, snaps[steps])  # the weights the last optimizer.step started from
+    assert _equal(reference.model, snaps[steps])  # the weights the last optimizer.step started from
     assert not _equal(policy, snaps[steps])
     # step 1 has policy == reference, so the loss is ln 2 with or without humanline
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
@@ -96,12 +97,12 @@ def test_humanline_reference_equals_pre_step_weights(tmp_path, steps):
 
 def test_sync_every_k(tmp_path):
     _, reference, _, snaps, _ = _run(tmp_path, 5, HumanlineSpec(sync=True, sync_every=2))
-    assert _equal(reference, snaps[4]) and not _equal(reference, snaps[5])
+    assert _equal(reference.model, snaps[4]) and not _equal(reference.model, snaps[5])
 
 
 def test_plain_online_resets_reference_each_round(tmp_path):
     _, reference, start, snaps, _ = _run(tmp_path, 5, resets=True, round_every=2)  # rounds start at 1, 3, 5
-    assert _equal(reference, snaps[5]) and not _equal(reference, start)
+    assert _equal(reference.model, snaps[5]) and not _equal(reference.model, start)
 
 
 def test_nan_loss_stops_the_run(tmp_path):

@@ -7,7 +7,7 @@ import torch
 from ..batches import BinaryBatch, GroupBatch, PairBatch, Seqs
 from ..errors import UserError
 from ..feedback import group_advantages
-from .examples import BinaryExample, GroupExample, PairExample
+from .examples import BinaryExample, GroupExample, PairExample, text_value
 
 
 def _ids(out) -> list[int]:
@@ -19,7 +19,12 @@ def _ids(out) -> list[int]:
 
 class Encoder:
     """Turns (prompt, completion) into token ids with one consistent convention for training,
-    sampling and evaluation: prompt ids end where generation starts."""
+    sampling and evaluation: prompt ids end where generation starts.
+
+    Text the tokenizer cannot encode (a character outside a small vocabulary, which either raises
+    inside the tokenizer or maps to its unknown token) is a UserError naming the record and the
+    characters. The check costs one membership test per text; characters are only examined, one at a
+    time and cached, once a text fails. Byte-level BPE tokenizers encode everything and never fail."""
 
     def __init__(self, tokenizer, max_prompt_length: int, max_length: int, wrap_strings: bool = False):
         self.tok = tokenizer
@@ -27,18 +32,77 @@ class Encoder:
         self.max_prompt_length = max_prompt_length
         self.max_length = max_length
         self._cache: dict = {}
+        self._char_ok: dict[str, bool] = {}
+        self._unk = getattr(tokenizer, "unk_token_id", None)
+
+    def _encodes(self, text: str) -> bool:
+        try:
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        except Exception:  # e.g. a WordLevel vocabulary without an unknown token raises
+            return False
+        return self._unk is None or self._unk not in ids
+
+    def _bad_chars(self, text: str) -> list[str]:
+        for c in set(text) - self._char_ok.keys():
+            self._char_ok[c] = self._encodes(c)
+        return [c for c in dict.fromkeys(text) if not self._char_ok[c]]
+
+    def _unknown_pieces(self, text: str) -> list[str]:
+        """Substrings a fast tokenizer maps to its unknown token, except the unknown token's own
+        spelling (GPT-2's unk is also its eos: a literal '<|endoftext|>' is not an unknown character)."""
+        try:
+            enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        except Exception:  # slow tokenizers have no offsets
+            return []
+        pieces = [text[a:b] for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]) if i == self._unk]
+        return [p for p in dict.fromkeys(pieces) if p and p != self.tok.unk_token]
+
+    def _unencodable(self, text: str, field: str, where: str, error: Exception | None) -> UserError | None:
+        bad = self._bad_chars(text)
+        if bad:
+            shown = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in bad[:8]) + (f" and {len(bad) - 8} more"
+                                                                               if len(bad) > 8 else "")
+            return UserError(f"{where}: {field} has character(s) the tokenizer cannot encode: {shown}")
+        if error is not None:
+            lines = str(error).splitlines()
+            return UserError(f"{where}: the tokenizer cannot encode the {field} "
+                             f"({type(error).__name__}: {lines[0] if lines else ''})")
+        pieces = self._unknown_pieces(text)
+        if pieces:
+            return UserError(f"{where}: {field} has text the tokenizer maps to its unknown token "
+                             f"{self.tok.unk_token!r}: {', '.join(repr(p) for p in pieces[:8])}")
+        return None
+
+    def _text_ids(self, text: str, field: str, where: str, add_special_tokens: bool = False) -> list[int]:
+        try:
+            ids = self.tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+        except Exception as e:  # tokenizers raise plain Exceptions for characters outside the vocabulary
+            raise self._unencodable(text, field, where, e) from None
+        if self._unk is not None and self._unk in ids:
+            err = self._unencodable(text, field, where, None)
+            if err is not None:
+                raise err
+        return ids
 
     def prompt_ids(self, prompt, where: str = "prompt") -> list[int]:
         key = repr(prompt)
         if key not in self._cache:
-            if isinstance(prompt, str) and self.wrap_strings:
-                prompt = [{"role": "user", "content": prompt}]
-            if isinstance(prompt, str):
-                ids = self.tok(prompt, add_special_tokens=True)["input_ids"]
+            text_value(prompt, "prompt", where)  # online and eval prompt rows are not validated elsewhere
+            if isinstance(prompt, str) and not self.wrap_strings:
+                ids = self._text_ids(prompt, "prompt", where, add_special_tokens=True)
             else:
                 if getattr(self.tok, "chat_template", None) is None:
                     raise UserError("conversational data needs a tokenizer with a chat template")
-                ids = _ids(self.tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
+                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+                for m in messages:  # name the characters, not the chat template's internals
+                    self._text_ids(m["content"], "prompt" if isinstance(prompt, str) else
+                                   f"prompt ({m['role']} message)", where)
+                try:
+                    ids = _ids(self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+                except Exception as e:
+                    lines = str(e).splitlines()
+                    raise UserError(f"{where}: the tokenizer's chat template fails on this prompt "
+                                    f"({type(e).__name__}: {lines[0] if lines else ''})") from None
             if len(ids) > self.max_prompt_length:
                 raise UserError(f"{where}: prompt has {len(ids)} tokens, more than train.max_prompt_length="
                                 f"{self.max_prompt_length}")
@@ -46,19 +110,42 @@ class Encoder:
         return self._cache[key]
 
     def check_prompts(self, rows: list[dict], where) -> None:
-        """Tokenise every row's prompt up front, so a missing or over-long one fails before any work,
-        naming its record."""
+        """Tokenise every row's prompt up front, so a missing, over-long or unencodable one fails
+        before any work, naming its record."""
         for i, row in enumerate(rows):
             if "prompt" not in row:
                 raise UserError(f"{where(i)}: rows need a 'prompt' field")
             self.prompt_ids(row["prompt"], where(i))
 
-    def completion_ids(self, prompt, completion) -> list[int]:
-        budget = self.max_length - len(self.prompt_ids(prompt))
+    def check_completions(self, rows: list[dict], where, chunk: int = 1024) -> None:
+        """Tokenise every completion of offline rows (chosen / rejected / completion / completions)
+        up front, so an unencodable one fails before any work, naming its record and field. Texts go
+        to the tokenizer in batches; only a failing batch is re-encoded text by text to name the culprit."""
+        items = []
+        for i, row in enumerate(rows):
+            fields = [(f, row[f]) for f in ("chosen", "rejected", "completion") if f in row]
+            if isinstance(row.get("completions"), list):
+                fields += [(f"completions[{j}]", c) for j, c in enumerate(row["completions"])]
+            for field, value in fields:
+                value = text_value(value, field, where(i))
+                items.append((i, field, value if isinstance(value, str) else value[-1]["content"]))
+        for start in range(0, len(items), chunk):
+            part = items[start:start + chunk]
+            try:
+                encoded = self.tok([text for _, _, text in part], add_special_tokens=False)["input_ids"]
+                suspects = [k for k, ids in enumerate(encoded) if self._unk is not None and self._unk in ids]
+            except Exception:  # one unencodable text fails the whole batch
+                suspects = list(range(len(part)))
+            for k in suspects:
+                i, field, text = part[k]
+                self._text_ids(text, field, where(i))
+
+    def completion_ids(self, prompt, completion, where: str = "data", field: str = "completion") -> list[int]:
+        budget = self.max_length - len(self.prompt_ids(prompt, where))
         if hasattr(completion, "ids"):  # sampled online: keep the sampler's exact token ids
             return list(completion.ids)[:budget]
         text = completion if isinstance(completion, str) else completion[-1]["content"]
-        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        ids = self._text_ids(text, field, where)
         return (ids + [self.tok.eos_token_id])[:budget]
 
     def prompt_text(self, prompt) -> str:
@@ -106,7 +193,9 @@ class Collator:
             out[i, start : start + len(lp)] = lp
         return out
 
-    def __call__(self, units: list):
+    def __call__(self, units: list, partners: list | None = None):
+        """`partners` (KTO): the unit whose completion pairs with each unit's prompt for z0; the
+        sources pass the next unit of the whole (global) batch, else the micro-batch wraps around."""
         match units[0]:
             case PairExample():
                 prompts = [u.prompt for u in units] * 2
@@ -115,7 +204,8 @@ class Collator:
             case BinaryExample():
                 prompts = [u.prompt for u in units]
                 comps = [u.completion for u in units]
-                shifted = comps[1:] + comps[:1]  # prompt i with completion i+1: the KL estimate's mismatch
+                # prompt i with completion i+1: the KL estimate's mismatch
+                shifted = [u.completion for u in partners] if partners is not None else comps[1:] + comps[:1]
                 return BinaryBatch(self._seqs(prompts, comps),
                                    torch.tensor([u.desirable for u in units], dtype=torch.bool),
                                    self._seqs(prompts, shifted))

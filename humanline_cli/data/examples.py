@@ -2,11 +2,13 @@
 
 Formats: pairs (prompt, chosen, rejected [, score_chosen, score_rejected]), unpaired (prompt,
 completion, label), groups (prompt, completions, rewards). Prompts and completions are strings or
-chat message lists. Conversions follow the paper: KTO splits a pair into one desirable and one
-undesirable example; GRPO treats a scored pair as a group of 2; groups feed DPO/KTO via best vs worst.
+chat message lists; rows may mix the two (each value is checked on its own). Conversions follow the
+paper: KTO splits a pair into one desirable and one undesirable example; GRPO treats a scored pair as
+a group of 2; groups feed DPO/KTO via best vs worst.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -50,8 +52,8 @@ def detect_format(row: dict, where: str) -> str:
                     f"groups: prompt/completions/rewards)")
 
 
-def _text(value, field: str, where: str, role: str | None = None):
-    """A string, or a list of {role, content} messages."""
+def text_value(value, field: str, where: str, role: str | None = None):
+    """A string, or a list of {role, content} messages (ending with a `role` message if given)."""
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value and all(
@@ -60,7 +62,14 @@ def _text(value, field: str, where: str, role: str | None = None):
         if role is not None and value[-1]["role"] != role:
             raise UserError(f"{where}: field '{field}' must end with a {role!r} message")
         return value
-    raise UserError(f"{where}: field '{field}' must be a string or a list of {{role, content}} messages")
+    raise UserError(f"{where}: field '{field}' must be a string or a list of {{role, content}} messages, "
+                    f"got {_show(value)}")
+
+
+def _show(value) -> str:
+    """A short one-line description of a wrong value for an error message."""
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
 
 
 def _score(value, field: str, where: str) -> float:
@@ -73,11 +82,11 @@ def parse_row(row: dict, fmt: str, where: str) -> ScoredGroup | BinaryExample:
     """Every paired/grouped row becomes a ScoredGroup; unpaired rows become BinaryExamples."""
     if detect_format(row, where) != fmt:
         raise UserError(f"{where}: row format differs from the first row's ({fmt})")
-    prompt = _text(row["prompt"], "prompt", where)
+    prompt = text_value(row["prompt"], "prompt", where)
     match fmt:
         case "pairs":
-            chosen = _text(row["chosen"], "chosen", where, "assistant")
-            rejected = _text(row["rejected"], "rejected", where, "assistant")
+            chosen = text_value(row["chosen"], "chosen", where, "assistant")
+            rejected = text_value(row["rejected"], "rejected", where, "assistant")
             has = row.get("score_chosen") is not None and row.get("score_rejected") is not None
             sc = _score(row["score_chosen"], "score_chosen", where) if has else 1.0
             sr = _score(row["score_rejected"], "score_rejected", where) if has else 0.0
@@ -85,14 +94,14 @@ def parse_row(row: dict, fmt: str, where: str) -> ScoredGroup | BinaryExample:
         case "unpaired":
             if not isinstance(row["label"], bool):
                 raise UserError(f"{where}: field 'label' must be true/false, got {row['label']!r}")
-            return BinaryExample(prompt, _text(row["completion"], "completion", where, "assistant"), row["label"])
+            return BinaryExample(prompt, text_value(row["completion"], "completion", where, "assistant"), row["label"])
         case "groups":
             comps, rewards = row["completions"], row["rewards"]
             if not isinstance(comps, list) or not isinstance(rewards, list) or len(comps) != len(rewards):
                 raise UserError(f"{where}: 'completions' and 'rewards' must be lists of equal length")
             if not comps:
                 raise UserError(f"{where}: empty group")
-            return ScoredGroup(prompt, [_text(c, "completions", where, "assistant") for c in comps],
+            return ScoredGroup(prompt, [text_value(c, "completions", where, "assistant") for c in comps],
                                [_score(r, "rewards", where) for r in rewards])
     raise AssertionError(fmt)
 

@@ -1,10 +1,16 @@
-"""Load rows from JSONL / JSON / Parquet / CSV files, save_to_disk folders or hub ids via `datasets`.
+"""Load rows from JSONL / JSON / CSV files (parsed here), Parquet files, save_to_disk folders or hub
+ids (via `datasets`).
 
-Returns a list of dicts plus a `where(i)` function giving "file:line" (JSONL) or "file row i" so
-every later error can point at the offending record.
+Returns a list of dicts plus a `where(i)` function giving "file:line" (JSONL, JSON arrays, CSV) or
+"file row i" so every later error can point at the offending record. JSON files are parsed row by
+row here rather than by `datasets`, which infers one type per column: a stray number among strings
+was blamed on line 1, and rows mixing plain strings with chat message lists were refused. CSV cells
+are text; only the numeric / boolean fields of the formats are converted (see `_CSV_NUMBERS`).
 """
 from __future__ import annotations
 
+import csv
+import io
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -13,70 +19,227 @@ from ..errors import UserError
 
 Rows = tuple[list[dict], Callable[[int], str]]
 
+SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+# CSV has no types: these fields are converted from text, every other cell stays a string ("57" is text).
+_CSV_NUMBERS = ("score_chosen", "score_rejected")
+_CSV_BOOLS = {"true": True, "1": True, "false": False, "0": False}
+_CSV_LISTS = ("completions", "rewards")  # the groups format needs lists, which a CSV cell cannot hold
 
-def _check_jsonl(path: Path) -> list[int]:
-    """Parse every line (so a malformed one is reported with its number); returns line numbers of records."""
-    lines = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
+
+def _malformed(path, line: int, e: json.JSONDecodeError) -> UserError:
+    return UserError(f"{path}:{line}: malformed JSON ({e.msg} at column {e.colno})")
+
+
+def _object(obj, path, line: int) -> dict:
+    if not isinstance(obj, dict):
+        raise UserError(f"{path}:{line}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _read_jsonl(path: Path, limit: int | None) -> tuple[list[dict], list[int]]:
+    """Parse line by line (streamed, stops after `limit` records); returns rows and their line numbers."""
+    rows: list[dict] = []
+    lines: list[int] = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if limit is not None and len(rows) >= limit:
+                break
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(f"{path}:{n}: not UTF-8 text (byte {e.start + 1} of the line)") from None
+            text = text.removeprefix("\ufeff") if n == 1 else text
+            if not text.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(text)
             except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{n}: malformed JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise UserError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
+                raise _malformed(path, n, e) from None
+            rows.append(_object(obj, path, n))
             lines.append(n)
-    return lines
+    return rows, lines
 
 
-def load_rows(path: str, split: str = "train", limit: int | None = None, columns: dict | None = None) -> Rows:
-    """`columns` renames source fields to ours, e.g. {"instruction": "prompt", "problem": "prompt"}."""
+def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise UserError(f"{path}:{line}: not UTF-8 text (byte {e.start + 1} of the file)") from None
+
+
+def _read_json(path: Path) -> tuple[list[dict], Callable[[int], str]]:
+    """A .json file holds JSON Lines, an array of objects, or one object of equal-length columns."""
+    text = _read_text(path)
+    body = text.lstrip()
+    if not body:
+        return [], lambda i: f"{path} row {i + 1}"
+    if not body.startswith("["):
+        first = body.split("\n", 1)[0]
+        try:
+            json.loads(first)
+            is_lines = True  # the first line is a whole JSON value: JSON Lines (or a one-line object)
+        except json.JSONDecodeError:
+            is_lines = False
+        if is_lines:
+            rows, lines = _read_jsonl(path, None)
+            return rows, lambda i: f"{path}:{lines[i]}"
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _malformed(path, e.lineno, e) from None
+    if isinstance(doc, list):
+        lines = _array_lines(text)
+        return [_object(obj, path, n) for obj, n in zip(doc, lines)], lambda i: f"{path}:{lines[i]}"
+    if isinstance(doc, dict) and doc and all(isinstance(v, list) for v in doc.values()) \
+            and len({len(v) for v in doc.values()}) == 1:
+        keys = list(doc)
+        rows = [dict(zip(keys, values)) for values in zip(*doc.values())]
+        return rows, lambda i: f"{path} row {i + 1}"
+    raise UserError(f"{path}: a .json file must hold JSON Lines, an array of objects, "
+                    f"or an object of equal-length columns")
+
+
+def _array_lines(text: str) -> list[int]:
+    """Line numbers where each element of a (valid) top-level JSON array starts."""
+    decoder, starts = json.JSONDecoder(), []
+    i = text.index("[") + 1
+    line, counted = 1, 0
+    while True:
+        while text[i] in " \t\r\n,":
+            i += 1
+        if text[i] == "]":
+            return starts
+        line += text.count("\n", counted, i)
+        counted = i
+        starts.append(line)
+        _, i = decoder.raw_decode(text, i)
+
+
+def _read_csv(path: Path) -> tuple[list[dict], list[int]]:
+    """Every cell as text; returns rows and the line each record starts on (the header is line 1)."""
+    reader = csv.reader(io.StringIO(_read_text(path), newline=""))
+    rows: list[dict] = []
+    lines: list[int] = []
+    try:
+        header = next(reader, None)
+        if header is None:
+            return rows, lines
+        dup = sorted({h for h in header if header.count(h) > 1})
+        if dup:
+            raise UserError(f"{path}:1: duplicate column(s) {dup} in the CSV header")
+        start = reader.line_num + 1
+        for cells in reader:
+            if cells:  # the csv module yields [] for a blank line
+                if len(cells) != len(header):
+                    raise UserError(f"{path}:{start}: {len(cells)} cells, but the header has {len(header)} columns")
+                rows.append(dict(zip(header, cells)))
+                lines.append(start)
+            start = reader.line_num + 1
+    except csv.Error as e:
+        raise UserError(f"{path}:{reader.line_num}: malformed CSV ({e})") from None
+    return rows, lines
+
+
+def _csv_types(rows: list[dict], where: Callable[[int], str], path) -> None:
+    """Convert the formats' numeric and boolean fields from text (in place); all else stays a string."""
+    for name in _CSV_LISTS:
+        if rows and name in rows[0]:
+            raise UserError(f"{path}: column {name!r}: CSV cells hold text, not lists, so the groups format "
+                            f"(prompt/completions/rewards) needs JSONL, JSON or Parquet")
+    for i, row in enumerate(rows):
+        for name in _CSV_NUMBERS:
+            if name in row:
+                cell = row[name].strip()
+                try:
+                    row[name] = float(cell) if cell else None  # empty: no score (pairs then count as 1 / 0)
+                except ValueError:
+                    raise UserError(f"{where(i)}: field {name!r} must be a number, got {cell!r}") from None
+        if "label" in row:
+            cell = row["label"].strip().lower()
+            if cell not in _CSV_BOOLS:
+                raise UserError(f"{where(i)}: field 'label' must be true/false/1/0, got {row['label']!r}")
+            row["label"] = _CSV_BOOLS[cell]
+
+
+def _rename(rows: list[dict], columns: dict, where: Callable[[int], str], path) -> list[dict]:
+    present = set().union(*rows)
+    missing = [c for c in columns if c not in present]
+    if missing:
+        raise UserError(f"data {path!r} has no column(s) {missing} to rename (has {sorted(present)})")
+    out = []
+    for i, row in enumerate(rows):
+        new = {columns.get(k, k): v for k, v in row.items()}
+        if len(new) < len(row):
+            raise UserError(f"{where(i)}: renaming {columns} gives two fields the same name (fields {sorted(row)})")
+        out.append(new)
+    return out
+
+
+def _load_with_datasets(path: str, p: Path, split: str, limit: int | None) -> list[dict]:
     import datasets
 
     datasets.disable_progress_bars()
-    p = Path(path)
-    where: Callable[[int], str] = lambda i: f"{path} row {i + 1}"  # noqa: E731
     try:
         if p.is_file():
-            suffix = p.suffix.lower()
-            builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(suffix)
-            if builder is None:
-                raise UserError(f"{path}: unsupported file type {suffix!r} (use .jsonl, .json, .parquet, .csv)")
-            if suffix == ".jsonl":
-                line_numbers = _check_jsonl(p)
-                if not line_numbers:
-                    raise UserError(f"data {path!r} is empty")
-                where = lambda i: f"{path}:{line_numbers[i]}"  # noqa: E731
-            ds = datasets.load_dataset(builder, data_files=str(p), split="train")
-        elif p.is_dir():
-            if (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists():
-                ds = datasets.load_from_disk(str(p))
-                if isinstance(ds, datasets.DatasetDict):
-                    if split not in ds:
-                        raise UserError(f"{path}: no split {split!r} (has {', '.join(ds)})")
-                    ds = ds[split]
-            else:
-                ds = datasets.load_dataset(str(p), split=split)
-        elif path.startswith((".", "/", "~")) or p.suffix.lower() in (".jsonl", ".json", ".parquet", ".csv"):
-            raise UserError(f"data file {path} does not exist")
+            ds = datasets.load_dataset("parquet", data_files=str(p), split="train")
+        elif (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists():
+            ds = datasets.load_from_disk(str(p))
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise UserError(f"{path}: no split {split!r} (has {', '.join(ds)})")
+                ds = ds[split]
         else:
-            ds = datasets.load_dataset(path, split=split)
+            ds = datasets.load_dataset(str(p) if p.is_dir() else path, split=split)
     except UserError:
         raise
     except FileNotFoundError:
         raise UserError(f"data {path!r} not found (not a local file/dir; hub download needs network)") from None
     except Exception as e:  # datasets raises many types; the first line is the useful part
-        raise UserError(f"cannot load data {path!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        lines = str(e).splitlines()
+        raise UserError(f"cannot load data {path!r}: {type(e).__name__}: {lines[0] if lines else ''}") from None
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
-    if columns:
-        missing = [c for c in columns if c not in ds.column_names]
-        if missing:
-            raise UserError(f"data {path!r} has no column(s) {missing} to rename (has {ds.column_names})")
-        ds = ds.rename_columns(dict(columns))
-    rows = ds.to_list()
+    return ds.to_list()
+
+
+def load_rows(path: str, split: str = "train", limit: int | None = None, columns: dict | None = None,
+              limit_key: str | None = None) -> Rows:
+    """`columns` renames source fields to ours, e.g. {"instruction": "prompt", "problem": "prompt"}.
+    `limit` keeps the first rows; `limit_key` names the config key it came from (for the error when < 1)."""
+    if limit is not None and limit < 1:
+        key = limit_key or "limit"
+        raise UserError(f"{key} must be at least 1, got {limit} (it is the number of rows to read from {path})")
+    p = Path(path)
+    where: Callable[[int], str] = lambda i: f"{path} row {i + 1}"  # noqa: E731
+    suffix = p.suffix.lower()
+    if p.is_file():
+        if suffix not in SUFFIXES:
+            raise UserError(f"{path}: unsupported file type {suffix!r} (use .jsonl, .json, .parquet, .csv)")
+        try:
+            match suffix:
+                case ".jsonl":
+                    rows, lines = _read_jsonl(p, limit)
+                    where = lambda i: f"{path}:{lines[i]}"  # noqa: E731
+                case ".json":
+                    rows, where = _read_json(p)
+                case ".csv":
+                    rows, lines = _read_csv(p)
+                    where = lambda i: f"{path}:{lines[i]}"  # noqa: E731
+                case _:
+                    rows = _load_with_datasets(path, p, split, limit)
+        except OSError as e:
+            raise UserError(f"cannot read data file {path}: {e.strerror or e}") from None
+        rows = rows[:limit] if limit is not None else rows
+    elif not p.is_dir() and (path.startswith((".", "/", "~")) or suffix in SUFFIXES):
+        raise UserError(f"data file {path} does not exist")
+    else:
+        rows = _load_with_datasets(path, p, split, limit)
     if not rows:
-        raise UserError(f"data {path!r} (split {split!r}) is empty")
+        raise UserError(f"data {path!r} is empty" if p.is_file() else f"data {path!r} (split {split!r}) is empty")
+    if columns:
+        rows = _rename(rows, dict(columns), where, path)
+    if p.is_file() and suffix == ".csv":
+        _csv_types(rows, where, path)
     return rows, where

@@ -50,15 +50,12 @@ def _complete(path: Path) -> bool:
     return all((path / name).exists() for name in WORLD_FILES)
 
 
-def materialise(
-    cfg: Mapping, cache_root: str | os.PathLike, progress: bool = True, threads: int | None = None
-) -> Path:
+def materialise(cfg: Mapping, cache_root: str | os.PathLike, progress: bool = True) -> Path:
     """Return the world's folder, building it first if missing.
 
     The build goes to a temporary sibling then is renamed into place, so a
     crash never leaves a half world; a per-world lock file makes a second
-    process wait for the first build instead of repeating it. `threads` sets
-    torch's thread count for the build (restored after); None keeps torch's.
+    process wait for the first build instead of repeating it.
     """
     full = resolve(cfg)
     root = Path(cache_root)
@@ -73,7 +70,7 @@ def materialise(
         tmp = root / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            _build(full, tmp, progress, threads)
+            _build(full, tmp, progress)
             if target.exists():  # an incomplete leftover (not from us): replace it
                 shutil.rmtree(target)
             os.rename(tmp, target)
@@ -83,15 +80,7 @@ def materialise(
     return target
 
 
-def _build(full: dict, tmp: Path, progress: bool, threads: int | None) -> None:
-    import torch  # deferred: world_dir() should stay cheap to import and call
+def _build(full: dict, tmp: Path, progress: bool) -> None:
+    from .build import build  # deferred: world_dir() should stay cheap to import and call
 
-    from .build import build
-
-    old = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(int(threads))
-    try:
-        build(full, tmp, WORLD_VERSION, progress)
-    finally:
-        torch.set_num_threads(old)
+    build(full, tmp, WORLD_VERSION, progress)

@@ -59,7 +59,7 @@ def _tail(losses: list[float], n: int = 50) -> float:
 
 def measure(kind: str, model, tok, prompts: list[str], seed: int) -> dict:
     """Base-policy metrics on the eval prompts: greedy and T=1 sampled."""
-    enc = policy.Encoder(tok)
+    enc = policy.WorldCodec(tok)
     sampler = HFSampler(model, tok, batch_size=len(prompts))  # the project's own sampler, as in eval
     prompt_ids = [enc.prompt(p) for p in prompts]
     out: dict = {"n_eval": len(prompts)}
@@ -88,7 +88,7 @@ def build(cfg: dict, out_dir: Path, version: int, progress: bool) -> dict:
 
     tok = build_tokenizer()
     model = policy.new_model(cfg["model"], tok, seed)
-    enc, sft_rng = policy.Encoder(tok), random.Random(f"{seed}:sft")
+    enc, sft_rng = policy.WorldCodec(tok), random.Random(f"{seed}:sft")
     losses = policy.sft(model, enc, cfg["sft"], draw, teacher, sft_rng, progress)
     rescues = 0
     while rescues < RESCUE_ROUNDS and _tail(losses) > STUCK_LOSS.get(cfg["kind"], float("inf")):

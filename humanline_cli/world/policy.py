@@ -55,7 +55,7 @@ def _fourier_digits(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, ampli
             row[2 * f - 1] = amplitude * math.sin(2 * math.pi * f * d / 10)
 
 
-class Encoder:
+class WorldCodec:
     """Chat-format ids without the per-call overhead of apply_chat_template
     (SFT builds 256 sequences a step). Matches the template exactly; the
     tests check that."""
@@ -72,7 +72,7 @@ class Encoder:
         return [self.vocab[c] for c in content] + [self.eos]
 
 
-def _batch(enc: Encoder, prompts: Sequence[str], replies: Sequence[str]) -> tuple[torch.Tensor, ...]:
+def _batch(enc: WorldCodec, prompts: Sequence[str], replies: Sequence[str]) -> tuple[torch.Tensor, ...]:
     """Right-padded ids, attention mask and labels (-100 outside reply+EOS)."""
     rows = [(enc.prompt(p), enc.reply(r)) for p, r in zip(prompts, replies)]
     width = max(len(p) + len(r) for p, r in rows)
@@ -86,7 +86,7 @@ def _batch(enc: Encoder, prompts: Sequence[str], replies: Sequence[str]) -> tupl
 
 def sft(
     model: LlamaForCausalLM,
-    enc: Encoder,
+    enc: WorldCodec,
     scfg: dict,
     draw: Callable[[random.Random], str],
     teacher: Callable[[random.Random, str], str],

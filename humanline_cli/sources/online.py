@@ -14,13 +14,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .data.examples import units_from_group
-from .data.files import load_rows
-from .data.sources import StepData
-from .errors import UserError
-from .feedback import ScoredGroup
-from .rewards.build import checked, make_scorer
-from .sampling.base import SamplingParams
+from ..data.examples import units_from_group
+from ..feedback import ScoredGroup
+from ..rewards.build import checked
+from ..sampling.base import SamplingParams
+from .base import Shard, StepData, micro_batches
 
 
 @dataclass(frozen=True)
@@ -32,15 +30,28 @@ class TokenCompletion:
     logps: tuple[float, ...]
 
 
+@dataclass(frozen=True)
+class RoundSpec:
+    """What a round does: the objective's unit, how many prompts and samples, the DPO/KTO gap."""
+
+    objective: str
+    batch_size: int          # units per optimizer step (global)
+    micro_batch_size: int
+    params: SamplingParams   # n samples per prompt, temperature, top_p, max_new_tokens
+    prompts_per_round: int
+    min_gap: float
+    seed: int
+
+
 class OnlineSource:
-    def __init__(self, rows, encoder, collate, sampler, labeller, objective: str, batch_size: int,
-                 micro_batch_size: int, params: SamplingParams, prompts_per_round: int, min_gap: float,
-                 seed: int, timer, policy, samples_path: Path | None = None):
+    def __init__(self, rows, encoder, collate, sampler, labeller, spec: RoundSpec, timer, policy,
+                 samples_path: Path | None = None, shard: Shard = Shard()):
+        self.shard = shard
         self.rows, self.encoder, self.collate = rows, encoder, collate
         self.sampler, (self.labeller_name, self.labeller) = sampler, labeller
-        self.objective, self.batch_size, self.micro = objective, batch_size, micro_batch_size
-        self.params, self.ppr, self.min_gap = params, prompts_per_round, min_gap
-        self.rng, self.seed, self.timer, self.policy = random.Random(seed), seed, timer, policy
+        self.objective, self.batch_size, self.micro = spec.objective, spec.batch_size, spec.micro_batch_size
+        self.params, self.ppr, self.min_gap = spec.params, spec.prompts_per_round, spec.min_gap
+        self.rng, self.seed, self.timer, self.policy = random.Random(spec.seed), spec.seed, timer, policy
         self.samples_path = samples_path
         self.round = 0
         self.epoch = 0
@@ -110,45 +121,14 @@ class OnlineSource:
             if not self._queue:  # every prompt dropped by the threshold: log and skip this step
                 return StepData([], new_round=True, info={**self._round_info, "online/skipped_round": 1})
         units = self._queue.pop(0)
-        mbs = [self.collate(units[i:i + self.micro]) for i in range(0, len(units), self.micro)]
-        return StepData(mbs, new_round=new_round, info=dict(self._round_info))
+        if len(units) < self.shard.world_size:  # too few left for every rank: the round ends here
+            self._queue = []
+            return self.next_step(step)
+        return StepData(micro_batches(units, self.collate, self.micro, self.shard), new_round=new_round,
+                        info=dict(self._round_info))
 
     def sample_tokens_per_s(self) -> float | None:
         return self._sample_tokens / self._sample_seconds if self._sample_seconds else None
 
     def close(self) -> None:
         self.sampler.close()
-
-
-def make_online_source(cfg, spec, encoder, collate, policy, backend, resolve_path, timer, run_dir):
-    from omegaconf import OmegaConf
-
-    prompts_cfg = cfg.task.prompts
-    rows, where = load_rows(resolve_path(cfg.data.prompts, cfg), prompts_cfg.get("train_split", "train"),
-                            cfg.data.limit, OmegaConf.to_container(prompts_cfg.columns) if prompts_cfg.get("columns")
-                            else None)
-    encoder.check_prompts(rows, where)
-    reward = cfg.reward if cfg.reward.kind != "task" else cfg.task.labeller
-    labeller = make_scorer(OmegaConf.to_container(reward, resolve=True), backend.device)
-    match cfg.sampler.name:
-        case "hf":
-            from .sampling.hf import HFSampler
-
-            sampler = HFSampler(policy, encoder.tok, int(cfg.sampler.batch_size), backend.autocast)
-        case "vllm":
-            from .sampling.vllm import VLLMSampler
-
-            sampler = VLLMSampler(resolve_path(cfg.model.name_or_path, cfg), encoder.tok, seed=spec.seed,
-                                  gpu_memory_utilization=float(cfg.sampler.gpu_memory_utilization),
-                                  enforce_eager=bool(cfg.sampler.enforce_eager),
-                                  max_model_len=int(cfg.sampler.max_model_len),
-                                  timeout_s=float(cfg.sampler.timeout_s),
-                                  cpu_kvcache_gb=int(cfg.sampler.cpu_kvcache_gb))
-        case other:
-            raise UserError(f"unknown sampler {other!r} (hf | vllm)")
-    d = cfg.data
-    params = SamplingParams(n=int(d.n), temperature=float(d.temperature), top_p=float(d.top_p),
-                            max_new_tokens=int(d.max_new_tokens), seed=spec.seed)
-    return OnlineSource(rows, encoder, collate, sampler, labeller, spec.objective, spec.train.batch_size,
-                        spec.train.micro_batch_size, params, int(d.prompts_per_round), float(d.min_gap),
-                        spec.seed, timer, policy, run_dir / "samples.jsonl")

@@ -1,20 +1,16 @@
 """Offline source: a fixed list of objective units, shuffled each epoch, cut into optimizer steps
-of micro-batches. Online rollouts (rollout.py) yield the same StepData."""
+of micro-batches. Online rounds (online.py) yield the same StepData."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
-
-@dataclass
-class StepData:
-    micro_batches: list            # batches for one optimizer step
-    new_round: bool = False        # online: the first step of a sampling round
-    info: dict = field(default_factory=dict)
+from .base import Shard, StepData, micro_batches
 
 
 class OfflineSource:
-    def __init__(self, units: list, collate, batch_size: int, micro_batch_size: int, seed: int, shuffle: bool = True):
+    def __init__(self, units: list, collate, batch_size: int, micro_batch_size: int, seed: int, shuffle: bool = True,
+                 shard: Shard = Shard()):
+        self.shard = shard
         self.units = units
         self.collate = collate
         self.batch_size = batch_size
@@ -36,9 +32,12 @@ class OfflineSource:
         return out
 
     def next_step(self, step: int) -> StepData:
-        units = self._take(self.batch_size)
-        mbs = [self.collate(units[i : i + self.micro]) for i in range(0, len(units), self.micro)]
-        return StepData(mbs, new_round=False, info={"epoch": self.epoch})
+        units = self._take(self.batch_size)  # every rank draws the same global batch, then takes its share
+        return StepData(micro_batches(units, self.collate, self.micro, self.shard), new_round=False,
+                        info={"epoch": self.epoch})
 
     def describe(self) -> str:
         return f"{len(self.units)} offline units"
+
+    def close(self) -> None:
+        pass

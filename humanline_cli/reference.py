@@ -1,0 +1,160 @@
+"""The reference policy: what the objectives' log-ratios are measured against.
+
+Two kinds share one small interface (`logps(seqs)` without gradient, `sync(policy)` for the humanline
+sync and the online round reset):
+- `FrozenCopy`: a full, frozen second copy of the policy (full fine-tuning). Sync copies every
+  parameter in place; under FSDP each rank copies its own shard (no gather).
+- LoRA references (see lora.py): the base model with adapters disabled, or a second frozen
+  "reference" adapter that the sync overwrites with the policy adapter; no second model copy.
+When it moves is decided elsewhere, in one place (humanline.ReferenceRule).
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from .batches import Seqs
+from .humanline import sync_reference
+from .tensor_ops import token_logps
+
+
+class FrozenCopy:
+    def __init__(self, policy: torch.nn.Module):
+        self.model = copy.deepcopy(policy).eval()
+        self.model.requires_grad_(False)
+
+    @torch.no_grad()
+    def logps(self, seqs: Seqs) -> torch.Tensor:
+        return token_logps(self.model, seqs)
+
+    def sync(self, policy: torch.nn.Module) -> None:
+        for m in (policy, self.model):  # FSDP2 keeps the root unsharded after forward: back to shards
+            if hasattr(m, "reshard"):
+                m.reshard()
+        sync_reference(policy, self.model)
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+# ------------------------------------------------------------------ LoRA references (no second model copy)
+# Both run the one shared peft model. peft's adapter switches (disable_adapter, set_adapter) rewrite
+# requires_grad on adapter weights as a side effect, so both snapshot every parameter's flag and put it
+# back afterwards: the policy adapter stays trainable, the reference adapter never is. They also run in
+# eval mode (no LoRA dropout), as FrozenCopy does, and restore each module's own train/eval flag.
+
+
+@contextmanager
+def _reference_pass(model: torch.nn.Module) -> Iterator[None]:
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+        for p, requires_grad in flags:
+            p.requires_grad_(requires_grad)
+
+
+class BaseReference:
+    """The starting model for a LoRA policy: the same weights with the adapters switched off.
+
+    Costs no parameters. It cannot move, so it serves plain OFFLINE runs only; a plain online run
+    (reference reset each round) and a humanline run (sync) need `AdapterReference`. Choose with
+    `make_lora_reference(model, moving=...)`.
+    """
+
+    def __init__(self, peft_model: torch.nn.Module):
+        from .lora import base_model_of
+
+        base_model_of(peft_model)  # type check: a PeftModel
+        self.model = peft_model
+
+    @torch.no_grad()
+    def logps(self, seqs: Seqs) -> torch.Tensor:
+        with _reference_pass(self.model), self.model.disable_adapter():
+            return token_logps(self.model, seqs)
+
+    def sync(self, policy: torch.nn.Module) -> None:
+        raise RuntimeError("BaseReference (a LoRA policy's base model, adapters off) cannot take the policy's "
+                           "weights; runs whose reference moves (humanline sync, online round resets) need "
+                           "AdapterReference: make_lora_reference(model, moving=True)")
+
+    def n_params(self) -> int:
+        return 0
+
+
+class AdapterReference:
+    """A second, frozen LoRA adapter "reference" on the policy's own base model.
+
+    Same LoRA config as the policy adapter and initialised equal to it, so at step 1 every log-ratio
+    is exactly 0. `sync` copies the policy adapter's tensors into it in place; the base weights are
+    shared and frozen, so that makes the reference equal to the policy. Costs one adapter's
+    parameters. For humanline runs and plain online runs (round resets).
+    """
+
+    def __init__(self, peft_model: torch.nn.Module):
+        from .lora import POLICY_ADAPTER, REFERENCE_ADAPTER, base_model_of
+
+        base_model_of(peft_model)  # type check: a PeftModel
+        if POLICY_ADAPTER not in peft_model.peft_config:
+            raise ValueError(f"the model has no '{POLICY_ADAPTER}' adapter (build it with lora.apply_lora)")
+        self.model = peft_model
+        flags = [(p, p.requires_grad) for p in peft_model.parameters()]
+        # add_adapter marks every lora_ weight trainable and may touch other flags: restore, then freeze ours
+        peft_model.add_adapter(REFERENCE_ADAPTER, copy.deepcopy(peft_model.peft_config[POLICY_ADAPTER]))
+        for p, requires_grad in flags:
+            p.requires_grad_(requires_grad)
+        for p in self._tensors(REFERENCE_ADAPTER).values():
+            p.requires_grad_(False)
+        self.sync(peft_model)
+
+    def _tensors(self, adapter: str) -> dict[str, torch.Tensor]:
+        from .lora import adapter_tensors
+
+        # looked up on every call, never cached: FSDP2 replaces parameters after construction
+        return adapter_tensors(self.model, adapter)
+
+    @torch.no_grad()
+    def logps(self, seqs: Seqs) -> torch.Tensor:
+        from .lora import POLICY_ADAPTER, REFERENCE_ADAPTER
+
+        with _reference_pass(self.model):
+            self.model.set_adapter(REFERENCE_ADAPTER)  # (no inference_mode: peft < 0.15 lacks it; flags restored)
+            try:
+                return token_logps(self.model, seqs)
+            finally:
+                # switch back before anything else runs: a checkpointed policy forward recomputes in backward
+                self.model.set_adapter(POLICY_ADAPTER)
+
+    @torch.no_grad()
+    def sync(self, policy: torch.nn.Module) -> None:
+        """reference adapter <- policy adapter, in place. `policy` must be this model (or DDP around it)."""
+        from .lora import POLICY_ADAPTER, REFERENCE_ADAPTER
+
+        target = policy
+        while target is not self.model and hasattr(target, "module"):
+            target = target.module
+        if target is not self.model:
+            raise ValueError("AdapterReference.sync: `policy` is not the peft model this reference lives in")
+        src, dst = self._tensors(POLICY_ADAPTER), self._tensors(REFERENCE_ADAPTER)
+        if src.keys() != dst.keys():
+            raise RuntimeError("policy and reference adapters do not have the same tensors")
+        for key, p in src.items():
+            dst[key].copy_(p.detach())
+
+    def n_params(self) -> int:
+        from .lora import REFERENCE_ADAPTER
+
+        return sum(p.numel() for p in self._tensors(REFERENCE_ADAPTER).values())
+
+
+def make_lora_reference(peft_model: torch.nn.Module, moving: bool) -> BaseReference | AdapterReference:
+    """moving=False (plain offline): BaseReference; moving=True (humanline sync or online round resets):
+    AdapterReference. Build it BEFORE the optimizer and any DDP/FSDP wrapping, since it adds parameters."""
+    return AdapterReference(peft_model) if moving else BaseReference(peft_model)

