@@ -13,7 +13,6 @@ COMMANDS = {
     "train": "train a policy (Hydra app: overrides, -m sweeps, --help, --cfg job)",
     "report": "paper-style table (Markdown, CSV) and plots from a sweep or runs dir",
     "eval": "win rate of one trained run against another run or the starting policy",
-    "bench": "training throughput (plain, humanline, vs TRL) and model FLOP/s; KEY=VALUE args, --help",
 }
 USAGE = "usage: humanline {train,report,eval} ...\n" + "\n".join(f"  {k:8s} {v}" for k, v in COMMANDS.items())
 
@@ -106,10 +105,6 @@ def main(argv: list[str] | None = None) -> None:
             from .eval_cmd import main_eval
 
             sys.exit(main_eval(rest))
-        case "bench":
-            from .bench import main_bench
-
-            sys.exit(main_bench(rest))
 
 
 def normalize_overrides(args: list[str]) -> list[str]:
@@ -182,6 +177,10 @@ def precheck_overrides(args: list[str]) -> None:
     overrides = [a for a in args if not a.startswith("-")]
     keep = [a for a in overrides if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))
             or a.startswith(("hydra.searchpath", "+hydra.searchpath"))]
+    keys = [a.split("=", 1)[0].lstrip("+~") for a in overrides if "=" in a]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        _fail(f"override {twice[0]!r} given more than once")
     try:
         points = sweep_points(keep)
     except (HydraException, OmegaConfBaseException, ValueError) as e:

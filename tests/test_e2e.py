@@ -101,7 +101,7 @@ def test_help_and_cfg_job(tmp_path):
     (["train.lr=abc"], "train.lr"),
     (["+humanline=true", "+humanline=false"], "humanline"),
     (["data.path=missing.jsonl"], "missing.jsonl does not exist"),
-    (["train.lrr=1"], "Could not override 'train.lrr'"),
+    (["train.lrr=1"], "config key 'train.lrr'"),
     (["objective=grpo", "objective.ratio_denominator=sampler"], "needs data=online"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, cache_dir, args, needle):
