@@ -22,14 +22,22 @@ from .timing import PhaseTimer
 from .tracking import Tracker
 
 
-def _mean_metrics(rows: list[dict]) -> dict:
-    """Micro-batch metrics averaged with the same weights as the loss (this rank's share)."""
-    keys = {k for r in rows for k in r if not isinstance(r[k], list)}
-    out = {}
-    for k in keys:
-        w = [(r[k], r["_weight"]) for r in rows if k in r]
-        out[k] = sum(v * c for v, c in w) / max(sum(c for _, c in w), 1e-12)
-    return out
+SUMMED = ("_units", "_n_tokens")  # counts: summed, not averaged
+
+
+def _mean_metrics(rows: list[dict], reduce_sum=None) -> dict:
+    """Micro-batch metrics averaged with the same weights as the loss, over the whole global batch
+    (every rank's micro-batches when `reduce_sum` sums across ranks); counts are summed."""
+    keys = sorted({k for r in rows for k in r if not isinstance(r[k], list)})
+    num = torch.tensor([sum(r[k] * (1.0 if k in SUMMED else r["_weight"]) for r in rows if k in r) for k in keys],
+                       dtype=torch.float64)
+    den = torch.tensor([1.0 if k in SUMMED else sum(r["_weight"] for r in rows if k in r) for k in keys],
+                       dtype=torch.float64)
+    if reduce_sum is not None:  # every rank has the same keys (same objective and settings)
+        both = reduce_sum(torch.cat([num, den]))
+        num, den = both[: len(keys)], both[len(keys):]
+        den = torch.where(torch.tensor([k in SUMMED for k in keys]), torch.ones_like(den), den)
+    return {k: float(n / d) if d > 0 else 0.0 for k, n, d in zip(keys, num.tolist(), den.tolist())}
 
 
 def _grad_sync(model, micro_batch: int, n_micro: int):
@@ -109,11 +117,10 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
                 sched.step()
                 opt.zero_grad(set_to_none=True)
             dt = time.perf_counter() - t0
-            m = _mean_metrics(rows)
-            n_tok = sum(r["_n_tokens"] for r in rows)
+            m = _mean_metrics(rows, reduce_sum)
             metrics = {k: v for k, v in m.items() if not k.startswith("_")}
-            metrics.update(lr=lr_now, grad_norm=grad_norm, tokens_per_s=n_tok / max(dt, 1e-9),
-                           units=sum(r["_units"] for r in rows), **data.info)
+            metrics.update(lr=lr_now, grad_norm=grad_norm, tokens_per_s=m["_n_tokens"] / max(dt, 1e-9),
+                           units=int(m["_units"]), **data.info)
             last = metrics
             metrics["wall_s"] = timer.elapsed()
             metrics.update({f"time/{k}": v for k, v in timer.report().items() if k != "total"})
