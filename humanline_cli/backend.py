@@ -132,3 +132,24 @@ def decoder_layers(model: torch.nn.Module) -> list:
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module underneath a DDP wrapper (FSDP2 shards in place, so it is the module itself)."""
     return getattr(model, "module", model)
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list, max_norm: float, dist: Dist) -> float:
+    """Clip gradients to a global L2 norm and return that norm (before clipping).
+
+    Plain tensors (one process, DDP's already-averaged replicas): torch's clip_grad_norm_. FSDP2
+    shards (DTensor gradients): sum the squares of each rank's local shards, all-reduce the sum, and
+    scale every shard by the same coefficient, so the norm is the full model's, as in one process."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not any(hasattr(g, "to_local") for g in grads):
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    sq = torch.stack([t.detach().float().pow(2).sum() for t in local]).sum() if local else torch.zeros(())
+    sq = all_reduce_sum(sq, dist)
+    norm = float(sq.sqrt())
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    if coef < 1.0:
+        for t in local:
+            t.mul_(coef)
+    return norm

@@ -73,15 +73,29 @@ def make_encoder(spec: RunSpec, tokenizer) -> Encoder:
     return Encoder(tokenizer, spec.train.max_prompt_length, spec.train.max_length, wrap_strings=wrap)
 
 
-def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = None) -> Evaluator:
-    """The task's held-out prompts (its eval split, its column names), the task's judge."""
+def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = None) -> Evaluator | None:
+    """The task's held-out prompts (its eval split, its column names) and the judge: the task's own
+    (judge=task), a pairwise LLM judge (judge=llm), or none (judge=none / task.judge.kind=none)."""
+    j = spec.judge_cfg
+    if j.kind == "none" or (j.kind == "task" and spec.task_cfg.judge.get("kind") == "none"):
+        return None
     p = spec.task_cfg.prompts
     rows, where = load_rows(resolve_path(p.eval, spec), p.eval_split, spec.eval_cfg.n_prompts, p.columns,
                             limit_key="eval.n_prompts")
     encoder.check_prompts(rows, where)
-    judge = make_scorer(dict(spec.task_cfg.judge), device)
-    return Evaluator(rows, encoder, judge, spec.eval_cfg, spec.task_cfg.verifiable,
-                     spec.seed if seed is None else seed)
+    seed = spec.seed if seed is None else seed
+    if j.kind == "llm":
+        from .rewards.llm_judge import LLMJudge, LLMJudgeSpec
+
+        judge = LLMJudge(LLMJudgeSpec(model=j.model, base_url=j.base_url, api_key_env=j.api_key_env, template=j.template,
+                                      both_orders=j.both_orders, temperature=j.temperature, max_tokens=j.max_tokens,
+                                      max_concurrency=j.max_concurrency, timeout_s=j.timeout_s,
+                                      max_retries=j.max_retries, price_input_per_mtok=j.price_input_per_mtok,
+                                      price_output_per_mtok=j.price_output_per_mtok,
+                                      cache_dir=str(Path(j.cache_dir).expanduser()) if j.cache_dir else None), seed)
+        return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge)
+    return Evaluator(rows, encoder, make_scorer(dict(spec.task_cfg.judge), device), spec.eval_cfg,
+                     spec.task_cfg.verifiable, seed)
 
 
 def make_sampler(spec: RunSpec, policy, tokenizer, backend: Backend, model_path: str):

@@ -40,6 +40,8 @@ class TrainSpec:
     save_model: bool
     gradient_checkpointing: bool = False
     ranks: int = 1           # processes sharing each global batch (backend.nproc under ddp/fsdp)
+    checkpoint_every: int = 0  # write a resumable checkpoint every N optimizer steps (0 = never)
+    keep_checkpoints: int = 2  # the newest K checkpoints are kept
 
     @property
     def accumulation(self) -> int:
@@ -64,6 +66,7 @@ class RunSpec:
     backend_cfg: Any = None
     sampler_cfg: Any = None
     reward_cfg: Any = None
+    judge_cfg: Any = None
     eval_cfg: Any = None
     wandb: dict = dataclasses.field(default_factory=dict)
     chat_template: Any = "auto"
@@ -149,6 +152,9 @@ def validate(cfg: DictConfig) -> RunSpec:
     backend = _group(cfg, "backend", None)
     sampler = _group(cfg, "sampler", "name")
     reward = _group(cfg, "reward", None)
+    judge = _group(cfg, "judge", None) if "judge" in cfg else S.JudgeConfig()  # runs saved before the group
+    if judge.kind not in ("task", "llm", "none"):
+        raise UserError(f"config key 'judge.kind' must be one of task, llm, none; got {judge.kind!r}")
     root_keys = {f.name for f in dataclasses.fields(S.RootConfig)} - set(S.GROUP_SCHEMAS)
     root = _typed({k: cfg[k] for k in root_keys if k in cfg}, S.RootConfig, "")
 
@@ -199,7 +205,13 @@ def validate(cfg: DictConfig) -> RunSpec:
                       schedule=t.schedule.value, max_grad_norm=_positive(t.max_grad_norm, "train.max_grad_norm"),
                       max_length=t.max_length, max_prompt_length=t.max_prompt_length,
                       log_every=_positive(t.log_every, "train.log_every"), save_model=t.save_model,
-                      gradient_checkpointing=t.gradient_checkpointing, ranks=ranks)
+                      gradient_checkpointing=t.gradient_checkpointing, ranks=ranks,
+                      checkpoint_every=t.checkpoint_every, keep_checkpoints=t.keep_checkpoints)
+    _at_least(t.checkpoint_every, 0, "train.checkpoint_every")
+    _at_least(t.keep_checkpoints, 1, "train.keep_checkpoints")
+    if t.checkpoint_every > 0 and backend.strategy == "fsdp":
+        raise UserError(f"train.checkpoint_every={t.checkpoint_every} is not supported with backend.strategy=fsdp yet "
+                        f"(checkpoints hold full, unsharded tensors); set train.checkpoint_every=0")
     if ranks > 1:
         n = ranks
         if batch % n or (batch // n) % micro:
@@ -228,10 +240,10 @@ def validate(cfg: DictConfig) -> RunSpec:
             raise UserError(f"config key 'data.top_p' must be in (0, 1], got {data.top_p}")
     if root.chat_template not in ("auto", True, False):
         raise UserError(f"config key 'chat_template' must be auto, true or false; got {root.chat_template!r}")
-    if not task.prompts.eval:
+    if not task.prompts.eval and judge.kind != "none" and task.judge.get("kind") != "none":
         raise UserError(f"task {task.name!r} has no task.prompts.eval (held-out prompts for evaluation)")
     for role in ("labeller", "judge"):
-        if "kind" not in getattr(task, role):
+        if "kind" not in getattr(task, role) and not (role == "judge" and judge.kind != "task"):
             raise UserError(f"config key 'task.{role}.kind' is missing")
     if reward.kind == "model" and not reward.name_or_path:
         raise UserError("reward=model needs reward.name_or_path (a local dir or hub id)")
@@ -248,7 +260,8 @@ def validate(cfg: DictConfig) -> RunSpec:
         raise UserError(f"config key 'backend.nproc' must be >= 1, got {backend.nproc}")
     return RunSpec(objective=name, regime=regime, task=task.name, model=model.name, seed=root.seed, humanline=hl,
                    humanline_on=hl_on, train=train, objective_cfg=objective, data_cfg=data, task_cfg=task,
-                   model_cfg=model, backend_cfg=backend, sampler_cfg=sampler, reward_cfg=reward, eval_cfg=ev,
+                   model_cfg=model, backend_cfg=backend, sampler_cfg=sampler, reward_cfg=reward, judge_cfg=judge,
+                   eval_cfg=ev,
                    wandb=dataclasses.asdict(root.wandb), chat_template=root.chat_template,
                    world_cache=root.world_cache, threads=root.threads, resume=root.resume, config=config)
 

@@ -11,20 +11,48 @@ from pathlib import Path
 
 from .errors import UserError
 
+EVAL_KEYS = ("judge", "eval.")
 
-def _run_spec(run_dir: Path):
-    from .config import load_saved
+
+def _run_spec(run_dir: Path, overrides: list[str] | None = None):
+    """The run's saved config, re-validated, with `judge=NAME` / `judge.KEY=V` / `eval.KEY=V` applied."""
+    from importlib.resources import files
+
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .config import validate
 
     path = run_dir / ".hydra" / "config.yaml"
     if not path.exists():
         raise UserError(f"{run_dir} is not a run dir (no .hydra/config.yaml)")
     if not (run_dir / "model" / "config.json").exists():
         raise UserError(f"{run_dir} has no saved model (model/); was it trained with train.save_model=true?")
-    return load_saved(path)
+    cfg = OmegaConf.load(path)
+    dotlist = []
+    for o in overrides or []:
+        key, sep, value = o.partition("=")
+        if not sep or not key.startswith(EVAL_KEYS):
+            raise UserError(f"humanline eval takes judge=NAME, judge.KEY=VALUE and eval.KEY=VALUE overrides; got {o!r}")
+        if key == "judge":
+            option = files("conf").joinpath("judge", f"{value}.yaml")
+            if not option.is_file():
+                names = sorted(q.name[:-5] for q in files("conf").joinpath("judge").iterdir() if q.name.endswith(".yaml"))
+                raise UserError(f"unknown judge {value!r} (choose from: {', '.join(names)})")
+            node = OmegaConf.create(option.read_text())
+            node.pop("defaults", None)
+            cfg.judge = node
+        else:
+            dotlist.append(o)
+    try:
+        cfg.merge_with(OmegaConf.from_dotlist(dotlist))
+    except OmegaConfBaseException as e:
+        raise UserError(f"bad override: {str(e).splitlines()[0]}") from None
+    return validate(cfg)
 
 
 def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperature: float | None,
-                  seed: int) -> dict:
+                  seed: int, overrides: list[str] | None = None) -> dict:
     """Rebuilds the run's evaluator with the same builder `humanline train` used (its eval split,
     column names, chat-template wrapping and judge), so both evaluate identical prompts."""
     from .backend import make_backend, seed_everything
@@ -32,7 +60,7 @@ def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperatur
     from .models import load_policy, load_tokenizer
     from .sampling.hf import HFSampler
 
-    spec = _run_spec(run_dir)
+    spec = _run_spec(run_dir, overrides)
     ev = spec.eval_cfg
     changes = {k: v for k, v in (("n_prompts", n_prompts), ("temperature", temperature)) if v is not None}
     if changes:
@@ -49,6 +77,8 @@ def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperatur
     trust = spec.model_cfg.trust_remote_code
     tok = load_tokenizer(str(run_dir / "model"), trust)
     evaluator = build_evaluator(spec, make_encoder(spec, tok), backend.device, seed)
+    if evaluator is None:
+        raise UserError("judge=none: nothing to evaluate with (choose judge=task or judge=llm)")
     batch = spec.eval_cfg.batch_size
     other = load_policy(other_path, backend.device, trust).eval()
     evaluator.set_baseline(HFSampler(other, tok, batch, backend.autocast))
@@ -68,15 +98,26 @@ def main_eval(argv: list[str]) -> int:
     p.add_argument("--n-prompts", type=int, default=None)
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    p.add_argument("overrides", nargs="*", help="judge=llm|task, judge.KEY=VALUE (e.g. judge.model=gpt-4.1, "
+                   "judge.base_url=http://127.0.0.1:8000/v1), eval.KEY=VALUE")
+    args = p.parse_intermixed_args(argv)
     try:
-        r = evaluate_pair(args.run_dir, args.against, args.n_prompts, args.temperature, args.seed)
+        r = evaluate_pair(args.run_dir, args.against, args.n_prompts, args.temperature, args.seed, args.overrides)
     except UserError as e:
         print(f"humanline: error: {e}", file=sys.stderr)
         return 2
+    if r["accuracy"] is not None:
+        metric = f"accuracy {r['accuracy']:.3f} vs {r['start_accuracy']:.3f}"
+    elif r["reward_mean"] is not None:
+        metric = f"judge reward {r['reward_mean']:.3f} vs {r['start_reward_mean']:.3f}"
+    else:
+        u = r["judge_usage"]
+        metric = (f"{r['judge']}: {u['n_calls']} calls, {u['n_cache_hits']} cached, {u['n_unparsable']} unparsable "
+                  f"pairs, {u['prompt_tokens']} + {u['completion_tokens']} tokens, ${u['cost_usd']:.4f}")
+    if r["win_rate"] is None:
+        print(f"{args.run_dir} vs {r['against']}: no parsable judgment (n={r['n_prompts']}); {metric}")
+        return 0
     lo, hi = r["win_rate_ci"]
-    metric = (f"accuracy {r['accuracy']:.3f} vs {r['start_accuracy']:.3f}" if r["accuracy"] is not None
-              else f"judge reward {r['reward_mean']:.3f} vs {r['start_reward_mean']:.3f}")
     print(f"{args.run_dir} vs {r['against']}: win rate {r['win_rate']:.3f} [{lo:.3f}, {hi:.3f}] "
           f"(n={r['n_prompts']}, ties = 1/2, normal-approx 95% CI); {metric}")
     return 0

@@ -17,45 +17,60 @@ from .sampling.base import SamplingParams
 TIE_TOL = 1e-9
 
 
-def win_rate(scores_a: list[float], scores_b: list[float]) -> tuple[float, tuple[float, float], list[float]]:
-    """Win rate of a over b, ties counted half, with a 95% normal-approximation CI on the mean
-    per-prompt outcome (o_i in {0, 1/2, 1}): mean +- 1.96 * sd / sqrt(n), sd with ddof=1, clipped to [0, 1]."""
-    outcomes = [1.0 if a > b + TIE_TOL else 0.0 if b > a + TIE_TOL else 0.5 for a, b in zip(scores_a, scores_b)]
+def outcome_ci(outcomes: list[float]) -> tuple[float, tuple[float, float]]:
+    """Mean per-prompt outcome (o_i in {0, 1/2, 1}) with a 95% normal-approximation CI:
+    mean +- 1.96 * sd / sqrt(n), sd with ddof=1, clipped to [0, 1]."""
     n = len(outcomes)
+    if n == 0:
+        return math.nan, (math.nan, math.nan)
     mean = sum(outcomes) / n
     sd = math.sqrt(sum((o - mean) ** 2 for o in outcomes) / (n - 1)) if n > 1 else 0.0
     half = 1.96 * sd / math.sqrt(n)
-    return mean, (max(0.0, mean - half), min(1.0, mean + half)), outcomes
+    return mean, (max(0.0, mean - half), min(1.0, mean + half))
+
+
+def win_rate(scores_a: list[float], scores_b: list[float]) -> tuple[float, tuple[float, float], list[float]]:
+    """Win rate of a over b from pointwise judge scores, ties counted half, with outcome_ci's CI."""
+    outcomes = [1.0 if a > b + TIE_TOL else 0.0 if b > a + TIE_TOL else 0.5 for a, b in zip(scores_a, scores_b)]
+    mean, ci = outcome_ci(outcomes)
+    return mean, ci, outcomes
 
 
 @dataclass
 class Side:
     texts: list[str]
-    scores: list[float]
+    scores: list[float] | None  # None under a pairwise judge (it scores pairs, not replies)
 
 
 class Evaluator:
-    def __init__(self, rows: list[dict], encoder, judge, cfg, verifiable: bool, seed: int):
+    """`judge` is a pointwise scorer (name, fn(prompts, replies, answers) -> scores) or, with
+    `pairwise`, an LLM judge whose compare(prompts, replies_a, replies_b) gives per-pair outcomes."""
+
+    def __init__(self, rows: list[dict], encoder, judge, cfg, verifiable: bool, seed: int, pairwise=None):
         self.prompts = [r["prompt"] for r in rows]
         self.answers = [r.get("answer") for r in rows] if any("answer" in r for r in rows) else None
         self.prompt_text = [encoder.prompt_text(p) for p in self.prompts]
         self.prompt_ids = [encoder.prompt_ids(p, f"eval prompt {i + 1}") for i, p in enumerate(self.prompts)]
-        self.judge_name, self.judge = judge
+        self.pairwise = pairwise
+        self.judge_name, self.judge = judge if pairwise is None else (f"llm/{pairwise.spec.model}", None)
         self.params = SamplingParams(n=1, temperature=cfg.temperature, top_p=cfg.top_p,
                                      max_new_tokens=cfg.max_new_tokens, seed=seed + 99991)
-        self.verifiable = verifiable
+        self.verifiable = verifiable and pairwise is None
         self.baseline: Side | None = None
 
     def sample(self, sampler) -> Side:
         out = sampler.generate(self.prompt_ids, self.params)
-        scores = checked(self.judge_name, self.judge, self.prompt_text, out.texts, self.answers)
-        return Side(out.texts, scores)
+        if self.pairwise is not None:
+            return Side(out.texts, None)
+        return Side(out.texts, checked(self.judge_name, self.judge, self.prompt_text, out.texts, self.answers))
 
     def set_baseline(self, sampler) -> None:
         self.baseline = self.sample(sampler)
 
     def evaluate(self, sampler, samples_path: Path | None = None) -> dict:
         side = self.sample(sampler)
+        if self.pairwise is not None:
+            return self._pairwise(side, samples_path)
         wr, ci, outcomes = win_rate(side.scores, self.baseline.scores)
         n = len(side.scores)
         mean = sum(side.scores) / n
@@ -77,4 +92,29 @@ class Evaluator:
                     f.write(json.dumps({"prompt": self.prompt_text[i], "policy": side.texts[i],
                                         "policy_score": side.scores[i], "start": self.baseline.texts[i],
                                         "start_score": self.baseline.scores[i], "outcome": outcomes[i]}) + "\n")
+        return result
+
+    def _pairwise(self, side: Side, samples_path: Path | None) -> dict:
+        """LLM judge: A = the trained policy, B = the start; unparsable pairs are counted, not tied."""
+        res = self.pairwise.compare(self.prompt_text, side.texts, self.baseline.texts)
+        got = [o for o in res.outcomes if o is not None]
+        wr, ci = outcome_ci(got)
+        result = {
+            "n_prompts": len(side.texts),
+            "win_rate": wr if got else None,
+            "win_rate_ci": list(ci) if got else [None, None],
+            "reward_mean": None,
+            "start_reward_mean": None,
+            "accuracy": None,
+            "start_accuracy": None,
+            "judge": self.judge_name,
+            "temperature": self.params.temperature,
+            "judge_usage": res.totals(),
+        }
+        if samples_path is not None:
+            with open(samples_path, "w") as f:
+                for i, rec in enumerate(res.records):
+                    f.write(json.dumps({"prompt": self.prompt_text[i], "policy": side.texts[i],
+                                        "start": self.baseline.texts[i], "outcome": res.outcomes[i],
+                                        "judge": rec}) + "\n")
         return result

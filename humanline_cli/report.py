@@ -370,7 +370,7 @@ def aggregate(runs: list[Run], ignore=()) -> list[dict]:
     cells = []
     for task in sorted({g.task for g in groups}):
         tg = [g for g in groups if g.task == task]
-        has_verifier = any(r.summary.get("eval", {}).get("accuracy") is not None for g in tg for r in g.runs)
+        has_verifier = any((r.summary.get("eval") or {}).get("accuracy") is not None for g in tg for r in g.runs)
         derived = derived_from(tg)
         varying = varying_keys(tg, derived)
         row_keys = sorted(k for k in varying if not family_defining(k, derived))
@@ -386,7 +386,7 @@ def aggregate(runs: list[Run], ignore=()) -> list[dict]:
             # exactly one online group with an otherwise identical config, or no speedup (never a guess)
             online_wall = _wall(match[0]) if len(match) == 1 else None
             runs_ = sorted(g.runs, key=lambda r: str(r.seed))
-            ev = [r.summary.get("eval", {}) for r in runs_]
+            ev = [(r.summary.get("eval") or {}) for r in runs_]
             wall = [r.summary.get("wall_clock_s", {}) for r in runs_]
             wr = [float(e["win_rate"]) for e in ev if e.get("win_rate") is not None]
             lo, hi = win_rate_ci(wr, ev[0].get("win_rate_ci")) if wr else (None, None)

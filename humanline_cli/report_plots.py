@@ -45,7 +45,7 @@ def _num(x):
 
 def eval_curve(run) -> tuple[str, list[tuple[float, float]]]:
     """(metric name, [(wall_s, value)]): start at x=0, eval/* rows from metrics.jsonl, final at wall_clock total."""
-    ev = run.summary.get("eval", {})
+    ev = (run.summary.get("eval") or {})
     if _num(ev.get("accuracy")) is not None:
         metric, key, start, final = "accuracy", "eval/accuracy", ev.get("start_accuracy"), ev.get("accuracy")
     elif _num(ev.get("reward_mean")) is not None:

@@ -194,6 +194,26 @@ class RewardConfig:
     method: str = "math"
 
 
+@dataclass
+class JudgeConfig:
+    """Evaluation judge: `task` (the task's own judge, task.judge), `llm` (pairwise LLM judge over an
+    OpenAI-compatible API, humanline_cli/rewards/llm_judge.py) or `none` (no evaluation)."""
+    kind: str = "task"
+    model: str = "gpt-4.1"
+    base_url: Optional[str] = None        # None: $OPENAI_BASE_URL, else the OpenAI API
+    api_key_env: str = "OPENAI_API_KEY"   # the NAME of the variable holding the key (never the key)
+    template: Optional[str] = None        # a pairwise template file; None: the bundled AlpacaEval-style one
+    both_orders: bool = True
+    temperature: float = 0.0
+    max_tokens: int = 16
+    max_concurrency: int = 8
+    timeout_s: float = 60.0
+    max_retries: int = 6
+    price_input_per_mtok: float = 2.0     # USD per million tokens (gpt-4.1 list price)
+    price_output_per_mtok: float = 8.0
+    cache_dir: Optional[str] = None       # content-addressed judgment cache (None: no cache)
+
+
 # ------------------------------------------------------------------ root
 @dataclass
 class HumanlineConfig:
@@ -219,6 +239,8 @@ class TrainConfig:
     log_every: int = 10
     save_model: bool = True
     gradient_checkpointing: bool = False
+    checkpoint_every: int = 50      # resumable checkpoint every N optimizer steps (0 = off)
+    keep_checkpoints: int = 2       # newest checkpoints kept in <run_dir>/checkpoints/
 
 
 @dataclass
@@ -249,6 +271,7 @@ class RootConfig:
     backend: Any = None
     sampler: Any = None
     reward: Any = None
+    judge: Any = None
     # plain keys
     seed: int = 0
     humanline: bool = False
@@ -272,6 +295,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "backend": {"backend": BackendConfig},
     "sampler": {"hf": HFSamplerConfig, "vllm": VLLMSamplerConfig},
     "reward": {"reward": RewardConfig},
+    "judge": {"judge": JudgeConfig},
 }
 
 

@@ -25,18 +25,23 @@ def _close(a: dict, b: dict, tol: float) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("objective", ["dpo", "kto", "grpo"])
-def test_two_ddp_ranks_match_one_process(tmp_path, cache_dir, objective):
-    """Same global batch and seed: 2 gloo ranks (each half the batch) vs 1 process, with humanline on
-    (the sync path): per-step gradient norms and the final weights agree to 1e-5."""
+def test_two_ranks_match_one_process(tmp_path, cache_dir, objective, strategy):
+    """Same global batch and seed: 2 gloo ranks (each half the batch; DDP replicas or FSDP2 shards)
+    vs 1 process, with humanline on (the sync path): per-step loss and gradient norms and the final
+    weights agree to 1e-5."""
     common = [f"objective={objective}", "+humanline=true"]
     one_rows, one = _train(tmp_path, "one", common)
-    two_rows, two = _train(tmp_path, "two", [*common, "backend.strategy=ddp", "backend.nproc=2"])
+    two_rows, two = _train(tmp_path, "two", [*common, f"backend.strategy={strategy}", "backend.nproc=2",
+                                             "train.checkpoint_every=0"])
     assert [r["step"] for r in one_rows] == [r["step"] for r in two_rows] == [1, 2, 3]
     assert [r["units"] for r in two_rows] == [r["units"] for r in one_rows]  # logged over both ranks' halves
     for a, b in zip(one_rows, two_rows):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5, abs=1e-6)
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)  # the global loss, not rank 0's share
+    if "lm_head.weight" in two and "lm_head.weight" not in one:  # FSDP's full state dict spells out the tie
+        assert torch.equal(two.pop("lm_head.weight"), two["model.embed_tokens.weight"])
     assert _close(one, two, 1e-5) < 1e-5
     start = load_file(str(next(cache_dir.glob("arithmetic-*")) / "policy" / "model.safetensors"))
     assert _close(one, {k: start[k] for k in one}, 0) > 1e-4  # the runs really trained

@@ -580,3 +580,37 @@ def test_vllm_served_judge_end_to_end(judge_server, tmp_path):
     with LLMJudge(wrong) as judge, pytest.raises(UserError) as e:
         judge.compare(prompts[:1], a[:1], b[:1])
     assert str(e.value).startswith(f"LLM judge: authentication failed at {srv.base_url} (HTTP 401)")
+
+
+@pytest.mark.slow
+def test_train_and_eval_commands_with_the_llm_judge(judge_server, tmp_path, cache_dir):
+    """`humanline train ... judge=llm` and `humanline eval RUN --against start judge=llm ...` through the
+    real server: both orders per pair, raw outputs in the samples file, usage and cost in the summary,
+    a second eval served from the cache, and the key never written under the run dir."""
+    from conftest import FAST, TINY_WORLD, run_cli
+
+    srv = judge_server
+    judge = ["judge=llm", f"judge.base_url={srv.base_url}", f"judge.model={srv.model}",
+             f"judge.api_key_env={srv.api_key_env}", "judge.max_tokens=1", f"judge.cache_dir={tmp_path / 'jcache'}"]
+    run = tmp_path / "run"
+    r = run_cli(["train", *TINY_WORLD, *FAST, "eval.n_prompts=4", *judge, f"hydra.run.dir={run}"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ev = json.loads((run / "summary.json").read_text())["eval"]
+    assert ev["judge"] == f"llm/{srv.model}" and ev["n_prompts"] == 4 and ev["accuracy"] is None
+    u = ev["judge_usage"]
+    assert u["n_pairs"] == 4 and u["n_calls"] + u["n_cache_hits"] == 8  # 4 pairs x 2 orders
+    assert u["prompt_tokens"] > 0 and u["cost_usd"] > 0
+    rows = [json.loads(x) for x in (run / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all([o["order"] for o in row["judge"]["orders"]] == ["ab", "ba"] for row in rows)
+    assert all(o["raw"] == "A" for row in rows for o in row["judge"]["orders"])  # the rigged judge, raw
+    for attempt in (1, 2):  # re-judge the finished run; the second time every judgment is cached
+        r = run_cli(["eval", str(run), "--against", "start", "--temperature", "0", *judge], tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+        usage = json.loads((run / "eval_vs_start.json").read_text())["judge_usage"]
+        assert usage["n_calls"] + usage["n_cache_hits"] == 8
+        if attempt == 2:
+            assert usage["n_calls"] == 0 and usage["n_cache_hits"] == 8 and usage["cost_usd"] == 0
+    key = os.environ[srv.api_key_env]
+    for f in list(run.rglob("*")) + list((tmp_path / "jcache").rglob("*")):
+        if f.is_file():
+            assert key not in f.read_bytes().decode("utf-8", "replace"), f
