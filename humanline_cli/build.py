@@ -8,7 +8,8 @@ on first use. `build_evaluator` is the one evaluator builder, shared by `humanli
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .backend import Backend, Dist, init_distributed, make_backend, seed_everything, shard_model, wrap_policy
@@ -77,7 +78,7 @@ def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = 
     """The task's held-out prompts (its eval split, its column names) and the judge: the task's own
     (judge=task), a pairwise LLM judge (judge=llm), or none (judge=none / task.judge.kind=none)."""
     j = spec.judge_cfg
-    if j.kind == "none" or (j.kind == "task" and spec.task_cfg.judge.get("kind") == "none"):
+    if j.kind == "none" or (j.kind == "task" and spec.task_cfg.judge.kind == "none"):
         return None
     p = spec.task_cfg.prompts
     rows, where = load_rows(resolve_path(p.eval, spec), p.eval_split, spec.eval_cfg.n_prompts, p.columns,
@@ -94,7 +95,7 @@ def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = 
                                       price_output_per_mtok=j.price_output_per_mtok,
                                       cache_dir=str(Path(j.cache_dir).expanduser()) if j.cache_dir else None), seed)
         return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge)
-    return Evaluator(rows, encoder, make_scorer(dict(spec.task_cfg.judge), device), spec.eval_cfg,
+    return Evaluator(rows, encoder, make_scorer(asdict(spec.task_cfg.judge), device, "task.judge"), spec.eval_cfg,
                      spec.task_cfg.verifiable, seed)
 
 
@@ -118,10 +119,10 @@ def make_labeller(spec: RunSpec, device):
     r = spec.reward_cfg
     match r.kind:
         case "task":
-            return make_scorer(dict(spec.task_cfg.labeller), device)
+            return make_scorer(asdict(spec.task_cfg.labeller), device, "task.labeller")
         case "model":
             return make_scorer({"kind": "model", "name_or_path": r.name_or_path, "batch_size": r.batch_size,
-                                "trust_remote_code": r.trust_remote_code}, device)
+                                "trust_remote_code": r.trust_remote_code}, device, "reward")
         case "verifier":
             return make_scorer({"kind": "verifier", "method": r.method}, device)
     raise UserError(f"unknown reward kind {r.kind!r}")
@@ -136,9 +137,15 @@ def _offline_source(spec: RunSpec, encoder: Encoder, collate: Collator, shard: S
                         "other half of its own pair, so z0's mismatched pairs would share the prompt; keep "
                         "data.shuffle=true")
     encoder.check_prompts(rows, where)
-    encoder.check_completions(rows, where)
-    return OfflineSource(units, collate, spec.train.batch_size, spec.train.micro_batch_size, spec.seed, d.shuffle,
-                         shard)
+    cut = encoder.check_completions(rows, where)
+    if cut.fraction > spec.train.max_truncated_fraction:
+        raise UserError(f"{cut.describe()}: more than train.max_truncated_fraction="
+                        f"{spec.train.max_truncated_fraction:g}; raise train.max_length (or accept the cuts with "
+                        f"train.max_truncated_fraction=1.0)")
+    source = OfflineSource(units, collate, spec.train.batch_size, spec.train.micro_batch_size, spec.seed, d.shuffle,
+                           shard)
+    source.truncation = cut
+    return source
 
 
 def _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist: Dist) -> OnlineSource:
@@ -157,6 +164,21 @@ def _online_source(spec, encoder, collate, policy, backend, model_path, timer, r
                         run_dir / "samples.jsonl" if dist.is_main else None, Shard(dist.rank, dist.world_size))
 
 
+def check_model_task(spec: RunSpec) -> None:
+    """A model from elsewhere on a bundled-world task (or the world's model on another task) is
+    almost always a mistake: the bundled judge scores arithmetic, not your model's English."""
+    bundled_task = spec.task_cfg.world is not None
+    bundled_model = spec.model_cfg.name_or_path.startswith(WORLD)
+    if bundled_task == bundled_model:
+        return
+    msg = (f"model {spec.model_cfg.name_or_path} with the bundled task={spec.task}: it trains and evaluates on the "
+           f"world's prompts and judge; use task=custom (see conf/task/custom.yaml) or check_model_task=warn"
+           if bundled_task else f"the bundled world's model on task={spec.task}")
+    if spec.check_model_task == "error":
+        raise UserError(msg)
+    print(f"humanline: warning: {msg}", file=sys.stderr)
+
+
 def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     b = spec.backend_cfg
     backend = make_backend(b.device.value, b.precision.value, spec.threads)
@@ -164,6 +186,7 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     if dist.enabled and backend.device.type == "cuda":
         backend = make_backend(f"cuda:{dist.local_rank}", b.precision.value, spec.threads)
     seed_everything(spec.seed)
+    check_model_task(spec)
     model_path, tok_path = model_paths(spec)
     trust = spec.model_cfg.trust_remote_code
     tokenizer = load_tokenizer(tok_path, trust)

@@ -21,6 +21,9 @@ from .errors import UserError
 from .humanline import HumanlineSpec
 
 OBJECTIVES = ("dpo", "kto", "grpo")
+# where a missing value is really asked for: data.path defaults to task.offline.path, and so on
+ALIASES = {"task.offline.path": "data.path", "task.prompts.train": "data.prompts",
+           "data.path": "data.path", "data.prompts": "data.prompts"}
 REGIMES = ("offline", "online")
 
 
@@ -42,6 +45,7 @@ class TrainSpec:
     ranks: int = 1           # processes sharing each global batch (backend.nproc under ddp/fsdp)
     checkpoint_every: int = 0  # write a resumable checkpoint every N optimizer steps (0 = never)
     keep_checkpoints: int = 2  # the newest K checkpoints are kept
+    max_truncated_fraction: float = 0.01  # offline completions cut to fit max_length: more than this stops the run
 
     @property
     def accumulation(self) -> int:
@@ -73,6 +77,7 @@ class RunSpec:
     world_cache: str = "~/.cache/humanline"
     threads: int | None = None
     resume: bool = True
+    check_model_task: str = "error"
     config: dict = dataclasses.field(default_factory=dict)  # the full resolved config, for logging
 
 
@@ -81,6 +86,7 @@ def _err(e: OmegaConfBaseException, prefix: str = "") -> UserError:
     key = f"{prefix}.{key}" if prefix and key else (key or prefix)
     msg = str(e).splitlines()[0] if str(e) else type(e).__name__
     if type(e).__name__ == "MissingMandatoryValue":
+        key = ALIASES.get(key, key)
         return UserError(f"config key '{key}' is missing (set {key}=... on the command line)")
     if type(e).__name__ == "ConfigKeyError" and "not in" in msg:
         return UserError(f"unknown config key '{key}' ({msg})")
@@ -206,7 +212,8 @@ def validate(cfg: DictConfig) -> RunSpec:
                       max_length=t.max_length, max_prompt_length=t.max_prompt_length,
                       log_every=_positive(t.log_every, "train.log_every"), save_model=t.save_model,
                       gradient_checkpointing=t.gradient_checkpointing, ranks=ranks,
-                      checkpoint_every=t.checkpoint_every, keep_checkpoints=t.keep_checkpoints)
+                      checkpoint_every=t.checkpoint_every, keep_checkpoints=t.keep_checkpoints,
+                      max_truncated_fraction=t.max_truncated_fraction)
     _at_least(t.checkpoint_every, 0, "train.checkpoint_every")
     _at_least(t.keep_checkpoints, 1, "train.keep_checkpoints")
     if t.checkpoint_every > 0 and backend.strategy == "fsdp":
@@ -240,11 +247,27 @@ def validate(cfg: DictConfig) -> RunSpec:
             raise UserError(f"config key 'data.top_p' must be in (0, 1], got {data.top_p}")
     if root.chat_template not in ("auto", True, False):
         raise UserError(f"config key 'chat_template' must be auto, true or false; got {root.chat_template!r}")
-    if not task.prompts.eval and judge.kind != "none" and task.judge.get("kind") != "none":
+    if regime == "online":
+        if task.labeller.kind == "none" and reward.kind == "task":
+            raise UserError(f"data=online needs a labeller: set task.labeller.kind=model|verifier (task={task.name}) "
+                            f"or reward=model|verifier")
+        if t.max_prompt_length + data.max_new_tokens > t.max_length:
+            raise UserError(f"train.max_prompt_length ({t.max_prompt_length}) + data.max_new_tokens "
+                            f"({data.max_new_tokens}) > train.max_length ({t.max_length}): sampled completions "
+                            f"would be cut; raise train.max_length")
+    if not 0.0 <= t.max_truncated_fraction <= 1.0:
+        raise UserError(f"config key 'train.max_truncated_fraction' must be in [0, 1], got {t.max_truncated_fraction}")
+    if root.check_model_task not in ("error", "warn"):
+        raise UserError(f"config key 'check_model_task' must be error or warn; got {root.check_model_task!r}")
+    if not task.prompts.eval and judge.kind != "none" and task.judge.kind != "none":
         raise UserError(f"task {task.name!r} has no task.prompts.eval (held-out prompts for evaluation)")
     for role in ("labeller", "judge"):
-        if "kind" not in getattr(task, role) and not (role == "judge" and judge.kind != "task"):
-            raise UserError(f"config key 'task.{role}.kind' is missing")
+        scorer = getattr(task, role)
+        if scorer.kind not in ("none", "world", "verifier", "model", "reward_model"):
+            raise UserError(f"config key 'task.{role}.kind' must be one of model, verifier, none (world: bundled "
+                            f"tasks); got {scorer.kind!r}")
+        if scorer.kind in ("model", "reward_model") and not scorer.name_or_path:
+            raise UserError(f"task.{role}.kind={scorer.kind} needs task.{role}.name_or_path (a local dir or hub id)")
     if reward.kind == "model" and not reward.name_or_path:
         raise UserError("reward=model needs reward.name_or_path (a local dir or hub id)")
     if model.lora.r < 0:
@@ -258,12 +281,26 @@ def validate(cfg: DictConfig) -> RunSpec:
         raise UserError("sampler=vllm with backend.strategy=ddp|fsdp is not supported yet; use sampler=hf")
     if backend.nproc < 1:
         raise UserError(f"config key 'backend.nproc' must be >= 1, got {backend.nproc}")
-    return RunSpec(objective=name, regime=regime, task=task.name, model=model.name, seed=root.seed, humanline=hl,
-                   humanline_on=hl_on, train=train, objective_cfg=objective, data_cfg=data, task_cfg=task,
+    return RunSpec(objective=name, regime=regime, task=task.name, model=model_display_name(model), seed=root.seed,
+                   humanline=hl, humanline_on=hl_on, train=train, objective_cfg=objective, data_cfg=data, task_cfg=task,
                    model_cfg=model, backend_cfg=backend, sampler_cfg=sampler, reward_cfg=reward, judge_cfg=judge,
                    eval_cfg=ev,
                    wandb=dataclasses.asdict(root.wandb), chat_template=root.chat_template,
-                   world_cache=root.world_cache, threads=root.threads, resume=root.resume, config=config)
+                   world_cache=root.world_cache, threads=root.threads, resume=root.resume,
+                   check_model_task=root.check_model_task, config=config)
+
+
+def model_display_name(model) -> str:
+    """The model option's name while it points where its config file points; once name_or_path is
+    overridden, the path's last component (so a header never says `tiny` for someone else's model)."""
+    from importlib.resources import files
+
+    option = files("conf").joinpath("model", f"{model.name}.yaml")
+    if option.is_file():
+        default = OmegaConf.create(option.read_text()).get("name_or_path")
+        if default == model.name_or_path:
+            return model.name
+    return model.name_or_path.rstrip("/").rsplit("/", 1)[-1] or model.name_or_path
 
 
 def load_saved(path) -> RunSpec:

@@ -131,13 +131,37 @@ class TaskOffline:
 
 
 @dataclass
+class TaskLengths:
+    """Length defaults belong to the task: train.max_length, train.max_prompt_length and the
+    sampling budgets (eval.max_new_tokens, data.max_new_tokens) default to these."""
+    max_length: int = 64
+    max_prompt_length: int = 48
+    max_new_tokens: int = 16
+
+
+@dataclass
+class ScorerConfig:
+    """A labeller (training signal) or judge (evaluation): kind model (any
+    AutoModelForSequenceClassification), verifier (math | exact, against the rows' 'answer'), world
+    (the bundled tasks' own), or none."""
+    kind: str = "none"
+    name_or_path: Optional[str] = None
+    batch_size: int = 16
+    trust_remote_code: bool = False
+    method: str = "math"
+    task: Optional[str] = None    # world scorers: which bundled task
+    role: Optional[str] = None    # world scorers: labeller | judge
+
+
+@dataclass
 class TaskConfig:
     name: str = MISSING
+    lengths: TaskLengths = field(default_factory=TaskLengths)
     world: Optional[dict[str, Any]] = None  # the bundled world's knobs (checked by world.resolve)
     prompts: TaskPrompts = field(default_factory=TaskPrompts)
     offline: TaskOffline = field(default_factory=TaskOffline)
-    labeller: dict[str, Any] = field(default_factory=dict)  # a scorer: {kind: world|verifier|model, ...}
-    judge: dict[str, Any] = field(default_factory=dict)
+    labeller: ScorerConfig = field(default_factory=ScorerConfig)
+    judge: ScorerConfig = field(default_factory=ScorerConfig)
     verifiable: bool = False
 
 
@@ -239,6 +263,7 @@ class TrainConfig:
     log_every: int = 10
     save_model: bool = True
     gradient_checkpointing: bool = False
+    max_truncated_fraction: float = 0.01   # more offline completions cut than this: stop (1.0 allows any)
     checkpoint_every: int = 50      # resumable checkpoint every N optimizer steps (0 = off)
     keep_checkpoints: int = 2       # newest checkpoints kept in <run_dir>/checkpoints/
 
@@ -284,6 +309,7 @@ class RootConfig:
     world_cache: str = "~/.cache/humanline"
     threads: Optional[int] = None
     experiment_name: Optional[str] = None
+    check_model_task: str = "error"   # a model that does not fit the task (custom model on a bundled task): error | warn
 
 
 # option name -> schema, per group: what config.validate uses to type a saved (plain) config too

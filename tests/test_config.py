@@ -32,11 +32,12 @@ CASES = [(g, o) for g in GROUPS if g != "experiment" for o in _options(g)]
 
 @pytest.mark.parametrize("group,option", CASES, ids=[f"{g}={o}" for g, o in CASES])
 def test_every_config_file_composes_and_validates(group, option):
-    extra = {("reward", "model"): ["reward.name_or_path=some/rm"]}.get((group, option), [])
+    extra = {("reward", "model"): ["reward.name_or_path=some/rm"],
+             ("task", "custom"): ["data.path=pairs.jsonl", "task.prompts.eval=eval.jsonl"]}.get((group, option), [])
     cfg = _compose([f"{group}={option}", *extra])
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
     spec = validate(cfg)
-    if group not in ("data", "task", "reward"):
+    if group not in ("data", "task", "reward", "judge"):
         assert cfg[group].name == option
     if group == "objective":
         assert spec.objective == option

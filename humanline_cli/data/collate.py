@@ -2,6 +2,8 @@
 examples into the batch types. Completions always end with EOS (added if the text lacks it)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..batches import BinaryBatch, GroupBatch, PairBatch, Seqs
@@ -117,10 +119,11 @@ class Encoder:
                 raise UserError(f"{where(i)}: rows need a 'prompt' field")
             self.prompt_ids(row["prompt"], where(i))
 
-    def check_completions(self, rows: list[dict], where, chunk: int = 1024) -> None:
+    def check_completions(self, rows: list[dict], where, chunk: int = 1024) -> Truncation:
         """Tokenise every completion of offline rows (chosen / rejected / completion / completions)
         up front, so an unencodable one fails before any work, naming its record and field. Texts go
-        to the tokenizer in batches; only a failing batch is re-encoded text by text to name the culprit."""
+        to the tokenizer in batches; only a failing batch is re-encoded text by text to name the culprit.
+        Returns how many completions (+ EOS) would be cut to fit max_length after their prompt."""
         items = []
         for i, row in enumerate(rows):
             fields = [(f, row[f]) for f in ("chosen", "rejected", "completion") if f in row]
@@ -129,16 +132,25 @@ class Encoder:
             for field, value in fields:
                 value = text_value(value, field, where(i))
                 items.append((i, field, value if isinstance(value, str) else value[-1]["content"]))
+        cut = lost = longest = 0
         for start in range(0, len(items), chunk):
             part = items[start:start + chunk]
             try:
                 encoded = self.tok([text for _, _, text in part], add_special_tokens=False)["input_ids"]
                 suspects = [k for k, ids in enumerate(encoded) if self._unk is not None and self._unk in ids]
             except Exception:  # one unencodable text fails the whole batch
-                suspects = list(range(len(part)))
+                suspects, encoded = list(range(len(part))), None
             for k in suspects:
                 i, field, text = part[k]
                 self._text_ids(text, field, where(i))
+            if encoded is None:
+                encoded = [self._text_ids(text, field, where(i)) for i, field, text in part]
+            for (i, _, _), ids in zip(part, encoded):
+                need = len(self.prompt_ids(rows[i]["prompt"], where(i))) + len(ids) + 1  # + EOS
+                longest = max(longest, need)
+                if need > self.max_length:
+                    cut, lost = cut + 1, lost + need - self.max_length
+        return Truncation(len(items), cut, lost, longest, self.max_length)
 
     def completion_ids(self, prompt, completion, where: str = "data", field: str = "completion") -> list[int]:
         budget = self.max_length - len(self.prompt_ids(prompt, where))
@@ -153,6 +165,27 @@ class Encoder:
         if isinstance(prompt, str):
             return prompt
         return [m["content"] for m in prompt if m["role"] == "user"][-1]
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """Completions that do not fit train.max_length after their prompt (counted before training)."""
+
+    n: int
+    cut: int
+    tokens_lost: int
+    longest: int       # prompt + completion + EOS tokens of the longest example
+    max_length: int
+
+    @property
+    def fraction(self) -> float:
+        return self.cut / self.n if self.n else 0.0
+
+    def describe(self) -> str:
+        if not self.cut:
+            return f"no completion cut (longest example {self.longest} <= train.max_length {self.max_length} tokens)"
+        return (f"{self.cut} of {self.n} completions cut ({self.fraction:.1%}, {self.tokens_lost} tokens and their EOS "
+                f"lost; longest example {self.longest} > train.max_length {self.max_length})")
 
 
 def make_seqs(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> Seqs:

@@ -9,8 +9,14 @@ from ..errors import RunFailed, UserError
 Scorer = Callable[[list[str], list[str], list | None], list[float]]
 
 
-def make_scorer(spec, device=None) -> tuple[str, Scorer]:
-    """Returns (name, scorer). The name is used in error messages and logs."""
+# when the caller does not say which config key a scorer came from, a remote-code error names them all
+TRUST_KEYS = ("the trust_remote_code key of the config naming this model (task.judge.trust_remote_code=true, "
+              "task.labeller.trust_remote_code=true or reward.trust_remote_code=true)")
+
+
+def make_scorer(spec, device=None, key: str | None = None) -> tuple[str, Scorer]:
+    """Returns (name, scorer). The name is used in error messages and logs. `key` is where `spec`
+    lives in the config (task.judge, task.labeller, reward), named in one-line load errors."""
     kind = spec.get("kind")
     match kind:
         case "world":
@@ -22,14 +28,16 @@ def make_scorer(spec, device=None) -> tuple[str, Scorer]:
             from .verifier import verify_batch
 
             return "verifier", lambda p, c, a=None: verify_batch(c, a, spec.get("method", "math"))
-        case "model":
+        case "model" | "reward_model":
             from .reward_model import RewardModel
 
             rm = RewardModel(spec["name_or_path"], device=device, batch_size=spec.get("batch_size", 16),
-                             trust_remote_code=bool(spec.get("trust_remote_code", False)))
+                             trust_remote_code=bool(spec.get("trust_remote_code", False)),
+                             trust_key=f"{key}.trust_remote_code" if key else TRUST_KEYS)
             return f"model/{spec['name_or_path']}", rm
         case _:
-            raise UserError(f"unknown reward kind {kind!r} (world | verifier | model)")
+            raise UserError(f"unknown {key or 'reward'}.kind {kind!r} "
+                            f"(verifier | model | none; world for the bundled tasks)")
 
 
 def checked(name: str, scorer: Scorer, prompts, completions, answers=None) -> list[float]:

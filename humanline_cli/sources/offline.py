@@ -36,8 +36,25 @@ class OfflineSource:
         return StepData(micro_batches(units, self.collate, self.micro, self.shard), new_round=False,
                         info={"epoch": self.epoch})
 
+    truncation = None  # data.collate.Truncation, set by the builder
+
     def describe(self) -> str:
-        return f"{len(self.units)} offline units"
+        cut = f"; {self.truncation.describe()}" if self.truncation is not None else ""
+        return f"{len(self.units)} offline units{cut}"
+
+    def state_dict(self) -> dict:
+        """The position in the data: the epoch, what is left of this epoch's order, the shuffle RNG."""
+        return {"n_units": len(self.units), "epoch": self.epoch, "order": list(self._order),
+                "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["n_units"] != len(self.units):
+            raise ValueError(f"the checkpoint was made with {state['n_units']} offline units, the data now has "
+                             f"{len(self.units)}")
+        self.epoch = int(state["epoch"])
+        self._order = [int(i) for i in state["order"]]
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
 
     def close(self) -> None:
         pass
