@@ -19,8 +19,7 @@ CORPUS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital 
 def build_tiny_qwen(root: Path) -> tuple[Path, Path]:
     """(policy dir, reward-model dir): Qwen2 (head_dim 32), byte-level BPE with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
-                              Qwen2ForSequenceClassification)
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
     specials = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"]
     core = Tokenizer(models.BPE())
