@@ -26,5 +26,9 @@ sweep *ARGS:
 grid *ARGS:
     {{venv}}/bin/humanline train -m objective=dpo,kto,grpo data=offline,online +humanline=true,false {{ARGS}}
 
+# on a CUDA machine (after `pip install -e '.[vllm]'`): bf16, vLLM vs HF, throughput, FSDP/DDP, LoRA -> runs/gpu_check/gpu_check.json
+gpu-check *ARGS:
+    {{py}} -m humanline_cli.gpu_check {{ARGS}}
+
 lint:
     {{venv}}/bin/ruff check humanline_cli tests

@@ -12,6 +12,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from .backend import Backend, Dist, init_distributed, make_backend, seed_everything, shard_model, wrap_policy
 from .config import RunSpec
 from .data.collate import Collator, Encoder
@@ -52,6 +54,7 @@ class Parts:
     eval_sampler: object
     train_model: object = None  # the module the loss differentiates: a DDP wrapper under DDP, else the policy
     dist: Dist = Dist()
+    memory: object = None       # memory.MemoryEstimate, printed in the run header
 
     def close(self) -> None:
         """Release engines and samplers (a vLLM engine holds its memory until closed)."""
@@ -179,6 +182,33 @@ def check_model_task(spec: RunSpec) -> None:
     print(f"humanline: warning: {msg}", file=sys.stderr)
 
 
+def memory_estimate(spec: RunSpec, model_path: str, device: torch.device):
+    """Estimate per-device memory from the model's config before loading any weight; on CUDA, a run
+    that will not fit stops here with one line."""
+    from transformers import AutoConfig
+
+    from .humanline import ReferenceRule
+    from .memory import check_fits, estimate
+
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=spec.model_cfg.trust_remote_code)
+    except (OSError, ValueError):
+        return None  # load_policy reports the missing model in one line
+    micro = spec.train.micro_batch_size
+    seqs = {"dpo": 2 * micro, "kto": micro}.get(spec.objective, micro * (spec.data_cfg.n if spec.regime == "online" else 2))
+    rule = ReferenceRule.from_spec(spec.humanline, spec.regime)
+    b = spec.backend_cfg
+    est = estimate(config, seqs_per_micro=seqs, max_length=spec.train.max_length, lora_r=spec.model_cfg.lora.r,
+                   moving_reference=rule.sync_every > 0 or rule.reset_each_round, strategy=b.strategy.value,
+                   ranks=b.nproc if b.strategy.value != "single" else 1,
+                   gradient_checkpointing=spec.train.gradient_checkpointing)
+    if device.type == "cuda":
+        reason = check_fits(est, torch.cuda.get_device_properties(device).total_memory)
+        if reason:
+            raise UserError(reason)
+    return est
+
+
 def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     b = spec.backend_cfg
     backend = make_backend(b.device.value, b.precision.value, spec.threads)
@@ -188,6 +218,7 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     seed_everything(spec.seed)
     check_model_task(spec)
     model_path, tok_path = model_paths(spec)
+    memory = memory_estimate(spec, model_path, backend.device)
     trust = spec.model_cfg.trust_remote_code
     tokenizer = load_tokenizer(tok_path, trust)
     encoder = make_encoder(spec, tokenizer)
@@ -227,4 +258,5 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         from .sampling.hf import HFSampler
 
         eval_sampler = HFSampler(policy, tokenizer, spec.eval_cfg.batch_size, backend.autocast)
-    return Parts(backend, tokenizer, encoder, policy, reference, source, evaluator, eval_sampler, train_model, dist)
+    return Parts(backend, tokenizer, encoder, policy, reference, source, evaluator, eval_sampler, train_model, dist,
+                 memory)
