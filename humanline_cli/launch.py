@@ -47,16 +47,44 @@ def _rank_entry(config_yaml: str, run_dir: str):
             tdist.destroy_process_group()
 
 
-def launch(cfg, run_dir: Path, nproc: int) -> None:
-    """Run the job on `nproc` local ranks; raise UserError / RunFailed with rank 0's message."""
-    from omegaconf import OmegaConf
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'gpu[003-005,010],cpu1' -> 'gpu003', 'a01,a02' -> 'a01'."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist[: nodelist.index("]") + 1]
+    if "[" not in head:
+        return head
+    prefix, rng = head.split("[", 1)
+    return prefix + rng.rstrip("]").split(",")[0].split("-")[0]
 
-    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    conf = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+
+def launch_config(nproc: int, env=None):
+    """torch's LaunchConfig for this job: one node (c10d on a free local port), or, inside a SLURM
+    allocation of several nodes (the `hydra/launcher=slurm_multinode` preset runs one task per node),
+    every node's agent meets at the first node's c10d store and each starts `nproc` ranks; the global
+    rank 0 (on the first node to join) writes the outputs."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    env = os.environ if env is None else env
+    nodes = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1")) or 1)
+    if nodes > 1:
+        master = env.get("MASTER_ADDR") or first_host(env["SLURM_JOB_NODELIST"])
+        port = env.get("MASTER_PORT", "29500")
+        return LaunchConfig(min_nodes=nodes, max_nodes=nodes, nproc_per_node=nproc,
+                            run_id=f"humanline-{env.get('SLURM_JOB_ID', 'job')}", rdzv_backend="c10d",
+                            rdzv_endpoint=f"{master}:{port}", max_restarts=0, monitor_interval=1.0,
+                            start_method="spawn")
+    return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
                         start_method="spawn")
+
+
+def launch(cfg, run_dir: Path, nproc: int) -> None:
+    """Run the job on `nproc` ranks per node; raise UserError / RunFailed with rank 0's message."""
+    from omegaconf import OmegaConf
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    conf = launch_config(nproc)
     try:
         results = elastic_launch(conf, _rank_entry)(config_yaml, str(run_dir))
     except ChildFailedError as e:

@@ -70,3 +70,24 @@ def test_lora_humanline_run_trains_adapters_and_saves_a_plain_model(tmp_path, ca
                   - start["model.layers.0.self_attn.q_proj.weight"]).abs().max()) > 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "complete"
+
+
+def test_slurm_multinode_launch_config_and_preset():
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.launch import first_host, launch_config
+
+    assert first_host("gpu[003-005,010],cpu1") == "gpu003" and first_host("a01,a02") == "a01"
+    assert first_host("node7") == "node7" and first_host("n[1,4]") == "n1"
+    env = {"SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[003-004]", "SLURM_JOB_ID": "4242", "MASTER_PORT": "29500"}
+    c = launch_config(8, env)
+    assert (c.min_nodes, c.max_nodes, c.nproc_per_node) == (2, 2, 8)
+    assert (c.rdzv_backend, c.rdzv_endpoint, c.run_id, c.max_restarts) == ("c10d", "gpu003:29500", "humanline-4242", 0)
+    local = launch_config(2, {})
+    assert (local.min_nodes, local.max_nodes, local.nproc_per_node, local.rdzv_endpoint) == (1, 1, 2, "127.0.0.1:0")
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose("train", overrides=["hydra/launcher=slurm_multinode", "backend=cuda", "backend.strategy=fsdp",
+                                          "backend.nproc=8"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 1, 8)
+    assert "submitit" in launcher._target_.lower()
