@@ -91,3 +91,20 @@ def test_slurm_multinode_launch_config_and_preset():
     launcher = cfg.hydra.launcher
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 1, 8)
     assert "submitit" in launcher._target_.lower()
+
+
+@pytest.mark.slow
+def test_two_rank_online_run_matches_one_process(tmp_path, cache_dir):
+    """Online GRPO (HF sampler) on 2 DDP ranks: the same samples, losses and weights as one process,
+    and one samples.jsonl written by rank 0."""
+    online = ["objective=grpo", "data=online", "data.prompts_per_round=8", "data.n=4", "data.max_new_tokens=6"]
+    one_rows, one = _train(tmp_path, "one", online)
+    two_rows, two = _train(tmp_path, "two", [*online, "backend.strategy=ddp", "backend.nproc=2",
+                                             "train.checkpoint_every=0"])
+    for a, b in zip(one_rows, two_rows):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5, abs=1e-6)
+        assert b["online/label_reward_mean"] == a["online/label_reward_mean"]
+    assert _close(one, two, 1e-5) < 1e-5
+    assert (tmp_path / "one" / "samples.jsonl").read_text() == (tmp_path / "two" / "samples.jsonl").read_text()
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["data"] == "online" and summary["eval"]["n_prompts"] == 16
