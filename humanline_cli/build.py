@@ -98,8 +98,13 @@ def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = 
                                       price_output_per_mtok=j.price_output_per_mtok,
                                       cache_dir=str(Path(j.cache_dir).expanduser()) if j.cache_dir else None), seed)
         return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge)
+    subsets = [r.get("subset") for r in rows]
+    if spec.task_cfg.world is not None and not any(subsets):  # the bundled tasks define theirs
+        from .world.rewards import subset
+
+        subsets = [subset(spec.task_cfg.world["kind"], encoder.prompt_text(r["prompt"])) for r in rows]
     return Evaluator(rows, encoder, make_scorer(asdict(spec.task_cfg.judge), device, "task.judge"), spec.eval_cfg,
-                     spec.task_cfg.verifiable, seed)
+                     spec.task_cfg.verifiable, seed, subsets=subsets)
 
 
 def make_sampler(spec: RunSpec, policy, tokenizer, backend: Backend, model_path: str):

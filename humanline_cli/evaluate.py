@@ -46,7 +46,8 @@ class Evaluator:
     """`judge` is a pointwise scorer (name, fn(prompts, replies, answers) -> scores) or, with
     `pairwise`, an LLM judge whose compare(prompts, replies_a, replies_b) gives per-pair outcomes."""
 
-    def __init__(self, rows: list[dict], encoder, judge, cfg, verifiable: bool, seed: int, pairwise=None):
+    def __init__(self, rows: list[dict], encoder, judge, cfg, verifiable: bool, seed: int, pairwise=None,
+                 subsets: list[str | None] | None = None):
         self.prompts = [r["prompt"] for r in rows]
         self.answers = [r.get("answer") for r in rows] if any("answer" in r for r in rows) else None
         self.prompt_text = [encoder.prompt_text(p) for p in self.prompts]
@@ -57,24 +58,60 @@ class Evaluator:
                                      max_new_tokens=cfg.max_new_tokens, seed=seed + 99991)
         self.verifiable = verifiable and pairwise is None
         self.baseline: Side | None = None
+        # greedy next to sampled (pointwise judges only: an LLM judge would pay twice)
+        self.greedy_params = None
+        if getattr(cfg, "greedy", False) and cfg.temperature > 0 and pairwise is None:
+            self.greedy_params = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_new_tokens=cfg.max_new_tokens,
+                                                seed=seed + 99991)
+        self.greedy_baseline: Side | None = None
+        self.subsets = subsets if subsets and any(s is not None for s in subsets) else None
 
-    def sample(self, sampler) -> Side:
-        out = sampler.generate(self.prompt_ids, self.params)
+    def sample(self, sampler, params: SamplingParams | None = None) -> Side:
+        out = sampler.generate(self.prompt_ids, params or self.params)
         if self.pairwise is not None:
             return Side(out.texts, None)
         return Side(out.texts, checked(self.judge_name, self.judge, self.prompt_text, out.texts, self.answers))
 
     def set_baseline(self, sampler) -> None:
         self.baseline = self.sample(sampler)
+        if self.greedy_params is not None:
+            self.greedy_baseline = self.sample(sampler, self.greedy_params)
 
     def evaluate(self, sampler, samples_path: Path | None = None) -> dict:
+        """The main result (eval.temperature) at the top level, as the summary contract has it, and
+        the same numbers under `sampled` and, with eval.greedy, `greedy`; per-subset where the task
+        defines subsets."""
         side = self.sample(sampler)
         if self.pairwise is not None:
             return self._pairwise(side, samples_path)
-        wr, ci, outcomes = win_rate(side.scores, self.baseline.scores)
+        result = self._pointwise(side, self.baseline, samples_path)
+        result["sampled"] = self._mode_summary(result, side, self.baseline)
+        if self.greedy_params is not None:
+            if self.greedy_baseline is None:  # a baseline restored without its greedy half
+                raise RuntimeError("greedy baseline missing")
+            g_side = self.sample(sampler, self.greedy_params)
+            g = self._pointwise(g_side, self.greedy_baseline, None)
+            result["greedy"] = self._mode_summary(g, g_side, self.greedy_baseline)
+        return result
+
+    def _mode_summary(self, r: dict, side: Side, base: Side) -> dict:
+        out = {k: r[k] for k in ("win_rate", "win_rate_ci", "reward_mean", "start_reward_mean", "accuracy",
+                                 "start_accuracy", "temperature")}
+        if self.subsets is not None:
+            out["subsets"] = {}
+            for name in sorted({s for s in self.subsets if s is not None}):
+                idx = [i for i, s in enumerate(self.subsets) if s == name]
+                mean = sum(side.scores[i] for i in idx) / len(idx)
+                start = sum(base.scores[i] for i in idx) / len(idx)
+                key = "accuracy" if self.verifiable else "reward_mean"
+                out["subsets"][name] = {"n": len(idx), key: mean, f"start_{key}": start}
+        return out
+
+    def _pointwise(self, side: Side, base: Side, samples_path: Path | None) -> dict:
+        wr, ci, outcomes = win_rate(side.scores, base.scores)
         n = len(side.scores)
         mean = sum(side.scores) / n
-        base_mean = sum(self.baseline.scores) / n
+        base_mean = sum(base.scores) / n
         result = {
             "n_prompts": n,
             "win_rate": wr,
@@ -84,14 +121,14 @@ class Evaluator:
             "accuracy": mean if self.verifiable else None,
             "start_accuracy": base_mean if self.verifiable else None,
             "judge": self.judge_name,
-            "temperature": self.params.temperature,
+            "temperature": 0.0 if base is self.greedy_baseline else self.params.temperature,
         }
         if samples_path is not None:
             with open(samples_path, "w") as f:
                 for i in range(n):
                     f.write(json.dumps({"prompt": self.prompt_text[i], "policy": side.texts[i],
-                                        "policy_score": side.scores[i], "start": self.baseline.texts[i],
-                                        "start_score": self.baseline.scores[i], "outcome": outcomes[i]}) + "\n")
+                                        "policy_score": side.scores[i], "start": base.texts[i],
+                                        "start_score": base.scores[i], "outcome": outcomes[i]}) + "\n")
         return result
 
     def _pairwise(self, side: Side, samples_path: Path | None) -> dict:
@@ -118,3 +155,14 @@ class Evaluator:
                                         "start": self.baseline.texts[i], "outcome": res.outcomes[i],
                                         "judge": rec}) + "\n")
         return result
+
+
+def flat_metrics(ev: dict, prefix: str = "eval/") -> dict:
+    """Numbers of an evaluation result, nested keys joined with '/', for metrics.jsonl and wandb."""
+    out = {}
+    for k, v in ev.items():
+        if isinstance(v, dict):
+            out.update(flat_metrics(v, f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[f"{prefix}{k}"] = v
+    return out

@@ -551,7 +551,17 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     cells = aggregate(complete, ignore)
     plots, skipped = make_plots(complete, out_dir)
     md = render_markdown(root, cells, runs, plots, skipped, out_dir, ignore)
-    files = {"report.md": out_dir / "report.md", "report.csv": out_dir / "report.csv", **plots}
+    from . import science
+
+    gaps = science.gap_rows(complete, ignore)
+    files = {"report.md": out_dir / "report.md", "report.csv": out_dir / "report.csv", **plots,
+             "gap_closed.csv": out_dir / "gap_closed.csv"}
+    science.write_csv(gaps, files["gap_closed.csv"])
+    if science.plot(gaps, out_dir / "gap_closed.png"):
+        files["gap_closed.png"] = out_dir / "gap_closed.png"
+    md += "\n## Gap closed by humanline-offline\n\n" + "\n".join(science.markdown(gaps))
+    if "gap_closed.png" in files:
+        md += "\n![gap closed](gap_closed.png)\n"
     files["report.md"].write_text(md)
     columns = csv_columns(cells)
     write_csv(files["report.csv"], cells, columns)

@@ -276,6 +276,7 @@ class EvalConfig:
     max_new_tokens: int = 16
     batch_size: int = 256
     every: int = 0
+    greedy: bool = True     # also evaluate greedily (temperature 0) next to eval.temperature: eval.greedy.*
 
 
 @dataclass
@@ -309,6 +310,7 @@ class RootConfig:
     world_cache: str = "~/.cache/humanline"
     threads: Optional[int] = None
     experiment_name: Optional[str] = None
+    regime_study_size: Optional[int] = None   # experiments state their sweep size (tested)
     check_model_task: str = "error"   # a model that does not fit the task (custom model on a bundled task): error | warn
 
 

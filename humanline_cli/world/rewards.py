@@ -111,3 +111,12 @@ def score(task: str, role: str, prompts: list[str], completions: list[str]) -> l
     else:
         raise ValueError(f"task must be 'arithmetic' or 'preference', not {task!r}")
     return [float(fn(str(p), str(c))) for p, c in zip(prompts, completions)]
+
+
+def subset(task: str, prompt: str) -> str | None:
+    """The subset an eval prompt belongs to, where the task defines subsets (arithmetic: whether the
+    ones digits carry); None for tasks without subsets."""
+    if task != "arithmetic":
+        return None
+    a, b = (int(x) for x in str(prompt).rstrip("=").split("+"))
+    return "carry" if a % 10 + b % 10 >= 10 else "no_carry"

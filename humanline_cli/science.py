@@ -1,0 +1,182 @@
+"""The paper's question, per comparison set: how much of the offline -> online gap does
+humanline-offline close, at what wall-clock?
+
+gap closed = (humanline-offline - offline) / (online - offline), computed per seed (runs paired by
+seed) on the chosen metric, then averaged with a 95% Student-t interval across seeds (one seed: no
+interval). A comparison set is a group of complete runs whose configs agree on everything except the
+family-defining keys (data regime, humanline, hl, sampler, reward): report.py's grouping decides it.
+The metric is the greedy task accuracy when runs recorded it (eval.greedy.accuracy), else the sampled
+accuracy, else the sampled win rate against the starting policy.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+
+def metric_of(summary: dict) -> tuple[str, float | None]:
+    ev = summary.get("eval") or {}
+    greedy = ev.get("greedy") or {}
+    for name, value in (("greedy accuracy", greedy.get("accuracy")), ("accuracy", ev.get("accuracy")),
+                        ("win rate", ev.get("win_rate"))):
+        if value is not None:
+            return name, float(value)
+    return "none", None
+
+
+def t975(df: int) -> float:
+    from .report import t975 as t
+
+    return t(df)
+
+
+def gap_closed(offline: dict, online: dict, humanline: dict) -> dict:
+    """Each argument maps seed -> metric value. Seeds present in all three are paired; a seed whose
+    online and offline values are equal has no gap to close and is left out (counted in `skipped`)."""
+    seeds = sorted(set(offline) & set(online) & set(humanline), key=str)
+    per_seed, skipped = {}, 0
+    for s in seeds:
+        gap = online[s] - offline[s]
+        if gap == 0:
+            skipped += 1
+            continue
+        per_seed[s] = (humanline[s] - offline[s]) / gap
+    vals = list(per_seed.values())
+    out = {"n": len(vals), "per_seed": per_seed, "skipped": skipped, "mean": None, "lo": None, "hi": None}
+    if vals:
+        m = statistics.fmean(vals)
+        out["mean"] = m
+        if len(vals) >= 2:
+            half = t975(len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals))
+            out["lo"], out["hi"] = m - half, m + half
+    return out
+
+
+@dataclass
+class GapRow:
+    task: str
+    objective: str
+    label: str          # what distinguishes this comparison set (its varying keys)
+    metric: str
+    offline: float
+    online: float
+    humanline_offline: float
+    gap: dict
+    online_wall_s: float | None
+    humanline_wall_s: float | None
+
+    @property
+    def speedup(self) -> float | None:
+        if self.online_wall_s and self.humanline_wall_s:
+            return self.online_wall_s / self.humanline_wall_s
+        return None
+
+
+def gap_rows(runs: list, ignore=()) -> list[GapRow]:
+    """From complete runs (report.Run objects), one row per comparison set holding all three of
+    offline, online and humanline-offline groups."""
+    from .report import derived_from, group_runs, signature
+
+    groups = group_runs(runs, ignore)
+    rows = []
+    for task in sorted({g.task for g in groups}):
+        tg = [g for g in groups if g.task == task]
+        derived = derived_from(tg)
+        sets: dict[tuple, dict] = {}
+        for g in tg:
+            sets.setdefault((g.objective, signature(g, derived)[2]), {}).setdefault(g.family, []).append(g)
+        differing = _differing_keys([s for _, s in sets])
+        for (objective, sig), fams in sorted(sets.items(), key=lambda kv: str(kv[0])):
+            if not all(len(fams.get(f, [])) == 1 for f in ("offline", "online", "humanline-offline")):
+                continue  # missing, or ambiguous (two groups of a family differ in a family-defining key)
+            by = {f: {r.seed: r for r in fams[f][0].runs} for f in ("offline", "online", "humanline-offline")}
+            names = {metric_of(r.summary)[0] for f in by for r in by[f].values()}
+            metric = sorted(names)[0] if len(names) == 1 else "win rate"
+            vals = {f: {s: _metric(r.summary, metric) for s, r in by[f].items()} for f in by}
+            vals = {f: {s: v for s, v in d.items() if v is not None} for f, d in vals.items()}
+            if not all(vals.values()):
+                continue
+            wall = {f: statistics.fmean(r.summary.get("wall_clock_s", {}).get("total", math.nan) for r in by[f].values())
+                    for f in ("online", "humanline-offline")}
+            label = ", ".join(f"{k}={v}" for k, v in (sig or ()) if k in differing)
+            rows.append(GapRow(task, objective, label, metric, statistics.fmean(vals["offline"].values()),
+                               statistics.fmean(vals["online"].values()),
+                               statistics.fmean(vals["humanline-offline"].values()),
+                               gap_closed(vals["offline"], vals["online"], vals["humanline-offline"]),
+                               wall["online"], wall["humanline-offline"]))
+    return rows
+
+
+def _differing_keys(signatures: list) -> set:
+    """Keys whose values differ between comparison sets (what a reader needs to tell them apart)."""
+    dicts = [dict(s) for s in signatures if s is not None]
+    keys = {k for d in dicts for k in d}
+    return {k for k in keys if len({d.get(k) for d in dicts}) > 1}
+
+
+def write_csv(rows: list[GapRow], path) -> None:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["task", "objective", "set", "metric", "offline", "online", "humanline_offline", "gap_closed",
+                    "gap_closed_lo", "gap_closed_hi", "n_seeds", "online_wall_s", "humanline_offline_wall_s", "speedup"])
+        for r in rows:
+            g = r.gap
+            w.writerow([r.task, r.objective, r.label, r.metric, f"{r.offline:.6g}", f"{r.online:.6g}",
+                        f"{r.humanline_offline:.6g}", "" if g["mean"] is None else f"{g['mean']:.6g}",
+                        "" if g["lo"] is None else f"{g['lo']:.6g}", "" if g["hi"] is None else f"{g['hi']:.6g}",
+                        g["n"], r.online_wall_s, r.humanline_wall_s, "" if r.speedup is None else f"{r.speedup:.4g}"])
+
+
+def _metric(summary: dict, name: str) -> float | None:
+    ev = summary.get("eval") or {}
+    value = {"greedy accuracy": (ev.get("greedy") or {}).get("accuracy"), "accuracy": ev.get("accuracy"),
+             "win rate": ev.get("win_rate")}.get(name)
+    return None if value is None else float(value)
+
+
+def markdown(rows: list[GapRow]) -> list[str]:
+    if not rows:
+        return ["No comparison set has offline, online and humanline-offline runs: no gap to report.", ""]
+    lines = ["gap closed = (humanline-offline - offline) / (online - offline), per seed (paired), mean "
+             "[95% t-interval across seeds]; speedup = online wall-clock / humanline-offline wall-clock.", "",
+             "| task | objective | set | metric | offline | online | humanline-offline | gap closed | seeds | speedup |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        g = r.gap
+        gap = "–" if g["mean"] is None else f"{g['mean']:.0%}" + (
+            f" [{g['lo']:.0%}, {g['hi']:.0%}]" if g["lo"] is not None else "")
+        speed = f"{r.speedup:.2f}x" if r.speedup else "n/a"
+        lines.append(f"| {r.task} | {r.objective} | {r.label or '–'} | {r.metric} | {r.offline:.3f} | {r.online:.3f} | "
+                     f"{r.humanline_offline:.3f} | {gap} | {g['n']} | {speed} |")
+    return lines + [""]
+
+
+def plot(rows: list[GapRow], path) -> bool:
+    """Bar chart of gap closed with its interval, one bar per comparison set (PNG)."""
+    rows = [r for r in rows if r.gap["mean"] is not None]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(rows) + 2), 3.6))
+    xs = range(len(rows))
+    means = [r.gap["mean"] for r in rows]
+    err = [[m - (r.gap["lo"] if r.gap["lo"] is not None else m) for m, r in zip(means, rows)],
+           [(r.gap["hi"] if r.gap["hi"] is not None else m) - m for m, r in zip(means, rows)]]
+    ax.bar(xs, means, yerr=err, capsize=4, color="#4c72b0")
+    ax.axhline(0, color="black", lw=0.8)
+    ax.axhline(1, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([f"{r.task}/{r.objective}" + (f"\n{r.label}" if r.label else "") for r in rows], fontsize=7)
+    ax.set_ylabel("gap closed by humanline-offline")
+    ax.set_title("(humanline-offline - offline) / (online - offline)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,87 @@
+"""The science additions: greedy and sampled evaluation side by side with the arithmetic subsets, the
+gap-closed computation (hand-computed) and its report section, and the regime study's sweep size."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import FAST, TINY_WORLD, run_cli
+from test_report_grouping import config, run_dir
+
+from humanline_cli.report import build_report
+from humanline_cli.science import gap_closed
+from humanline_cli.world.rewards import subset
+
+
+def test_arithmetic_subsets_are_the_carry():
+    assert subset("arithmetic", "79+81=") == "carry" and subset("arithmetic", "82+25=") == "no_carry"
+    assert subset("arithmetic", "15+05=") == "carry" and subset("preference", "abc") is None
+
+
+def test_summary_has_greedy_and_sampled_with_subsets(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    r = run_cli(["train", *TINY_WORLD, *FAST, "objective=grpo", f"hydra.run.dir={run}"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ev = json.loads((run / "summary.json").read_text())["eval"]
+    assert ev["sampled"]["temperature"] == 0.7 and ev["greedy"]["temperature"] == 0.0
+    assert ev["win_rate"] == ev["sampled"]["win_rate"] and ev["accuracy"] == ev["sampled"]["accuracy"]
+    prompts = [json.loads(x)["prompt"] for x in (run / "eval_samples.jsonl").read_text().splitlines()]
+    carry = sum(subset("arithmetic", p) == "carry" for p in prompts)
+    for mode in ("sampled", "greedy"):
+        subs = ev[mode]["subsets"]
+        assert subs["carry"]["n"] == carry and subs["no_carry"]["n"] == len(prompts) - carry
+        # the overall accuracy is the n-weighted mean of the subsets'
+        both = (subs["carry"]["accuracy"] * carry + subs["no_carry"]["accuracy"] * (len(prompts) - carry)) / len(prompts)
+        assert both == pytest.approx(ev[mode]["accuracy"])
+
+
+def test_gap_closed_hand_computed():
+    off, on, hl = {0: 0.70, 1: 0.72, 2: 0.68}, {0: 0.90, 1: 0.92, 2: 0.88}, {0: 0.80, 1: 0.87, 2: 0.82}
+    g = gap_closed(off, on, hl)
+    per = [0.10 / 0.20, 0.15 / 0.20, 0.14 / 0.20]  # 0.5, 0.75, 0.7
+    assert [g["per_seed"][s] for s in (0, 1, 2)] == pytest.approx(per)
+    mean = sum(per) / 3  # 0.65
+    sd = math.sqrt(sum((x - mean) ** 2 for x in per) / 2)  # 0.1322876
+    assert g["mean"] == pytest.approx(0.65) and g["n"] == 3
+    assert (g["lo"], g["hi"]) == pytest.approx((mean - 4.303 * sd / math.sqrt(3), mean + 4.303 * sd / math.sqrt(3)))
+    # a seed with no gap (online == offline) is left out, unpaired seeds too
+    g2 = gap_closed({0: 0.7, 1: 0.5, 3: 0.1}, {0: 0.9, 1: 0.5}, {0: 0.8, 1: 0.6, 2: 0.9})
+    assert g2["n"] == 1 and g2["skipped"] == 1 and g2["mean"] == pytest.approx(0.5) and g2["lo"] is None
+
+
+def test_report_has_the_gap_closed_section(tmp_path):
+    root = tmp_path / "sweep"
+    accs = {"offline": [0.70, 0.72, 0.68], "online": [0.90, 0.92, 0.88], "hl": [0.80, 0.87, 0.82]}
+    for seed in range(3):
+        run_dir(root, f"off{seed}", config(obj="grpo", seed=seed), win=0.6, wall=20.0, acc=accs["offline"][seed])
+        run_dir(root, f"on{seed}", config(obj="grpo", regime="online", seed=seed), win=0.7, wall=100.0,
+                acc=accs["online"][seed])
+        run_dir(root, f"hl{seed}", config(obj="grpo", humanline=True, seed=seed), win=0.65, wall=25.0,
+                acc=accs["hl"][seed])
+    rep = build_report(root)
+    md = rep.markdown
+    assert "## Gap closed by humanline-offline" in md
+    line = next(x for x in md.splitlines() if x.startswith("| arithmetic | grpo"))
+    assert "| 0.700 | 0.900 | 0.830 | 65% [" in line and "| 3 | 4.00x |" in line
+    rows = (root / "gap_closed.csv").read_text().splitlines()
+    assert len(rows) == 2 and rows[1].split(",")[7] == "0.65"
+    assert (root / "gap_closed.png").stat().st_size > 1000
+
+
+def test_laptop_regimes_composes_and_has_the_stated_size():
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.config import validate
+
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=laptop_regimes"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    sizes = {k: len(str(v).split(",")) for k, v in params.items()}
+    n = 1
+    for v in sizes.values():
+        n *= v
+    assert n == cfg.regime_study_size == 72  # the file states its size, and the sweep has it
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        spec = validate(compose("train", overrides=["experiment=laptop_regimes"]))
+    assert spec.eval_cfg.every == 20 and spec.eval_cfg.greedy
