@@ -165,6 +165,10 @@ def validate(cfg: DictConfig) -> RunSpec:
     root = _typed({k: cfg[k] for k in root_keys if k in cfg}, S.RootConfig, "")
 
     name, regime = objective.name, data.regime
+    if regime == "offline" and not data.path:
+        raise UserError("config key 'data.path' is missing (set data.path=FILE on the command line)")
+    if regime == "online" and not data.prompts:
+        raise UserError("config key 'data.prompts' is missing (set data.prompts=FILE or task.prompts.train=FILE)")
     hl_on, h = root.humanline, root.hl
     hl = HumanlineSpec(clamp=hl_on and h.clamp, sync=hl_on and h.sync, log_eps_P=h.log_eps_P,
                        log_eps_R=h.log_eps_R, sync_every=_positive(h.sync_every, "hl.sync_every"))

@@ -90,27 +90,28 @@ class GRPOConfig(ObjectiveConfig):
 
 # ------------------------------------------------------------------ data/
 @dataclass
-class OfflineDataConfig:
-    regime: str = "offline"
-    path: str = MISSING
+class DataConfig:
+    """Both regimes share one schema, so a study can set the online knobs (data.n, ...) once for a
+    sweep over data=offline,online; each regime reads only its own keys."""
+    regime: str = MISSING            # offline | online
+    # offline: a fixed dataset
+    path: Optional[str] = None
     split: str = "train"
     columns: Optional[dict[str, str]] = None
-    limit: Optional[int] = None
-    min_gap: float = 0.0
     shuffle: bool = True
-
-
-@dataclass
-class OnlineDataConfig:
-    regime: str = "online"
-    prompts: str = MISSING
-    limit: Optional[int] = None
+    # online: rounds of sample -> label -> train
+    prompts: Optional[str] = None
     prompts_per_round: int = 64
     n: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
-    min_gap: float = 0.01
+    # both
+    limit: Optional[int] = None
+    min_gap: float = 0.0
+
+
+OfflineDataConfig = OnlineDataConfig = DataConfig
 
 
 # ------------------------------------------------------------------ task/

@@ -1,0 +1,650 @@
+"""`humanline bench`: training throughput of the project's own step, plain and humanline, against
+TRL's trainers on the same model, data, batch size, lengths, threads and precision; optionally the
+sampler (transformers generate vs vLLM). Prints a table and writes a JSON file.
+
+    humanline bench [KEY=VALUE ...]
+
+Bench keys (everything else is a Hydra override of the train config: objective=kto, task=preference,
+model=..., backend=cuda, train.max_length=..., train.micro_batch_size=..., hl.sync_every=...):
+    steps=20        timed optimizer steps per run          warmup=2     untimed steps before them
+    repeats=2       runs per system, interleaved           batch_size=  units per step (objective's)
+    threads=        torch CPU threads (torch's default)    trl=auto     auto | true | false
+    sampler=false   also time HF generate vs vLLM          prompts=64   prompts for the sampler timing
+    out=runs/bench/<objective>-<time>.json
+
+Systems run interleaved (project, project+humanline, TRL, project, ...) so a shared machine's drift
+hits all alike. Each run builds everything fresh (the project: build_parts + trainer.train, the real
+loop; TRL: its Trainer.train) and times its last `steps` steps, each from the start of its data fetch
+to the start of the next step's. Throughput pools units and tokens over all timed steps of all runs.
+Model FLOP/s counts 6 P T for the policy forward+backward plus 2 P T for the reference forward
+(KTO adds 4 P T_kl for the two no-grad forwards of its mismatched KL sequences), with P the parameters
+every token is multiplied by (all but an untied input embedding), against the best FLOP/s of a
+matmul of the model's own MLP shape (fp32; bf16 under CUDA autocast) measured after every run.
+On a shared machine use threads=1: with every core busy, OpenMP threads wait on each other and step
+times swing several-fold between runs.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import io
+import json
+import math
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+
+UNIT = {"dpo": "pairs", "kto": "examples", "grpo": "groups"}
+DEFAULTS = {"steps": 20, "warmup": 2, "repeats": 2, "batch_size": None, "threads": None, "trl": "auto",
+            "sampler": False, "prompts": 64, "out": None}
+GRPO_NOTE = ("TRL's GRPOTrainer only trains on its own generations (no offline groups): its row times "
+             "GRPOTrainer.compute_loss on the same fixed groups (reference forward, loss, backward, clip, AdamW "
+             "step in the bench's loop), not GRPOTrainer.train")
+
+
+# -- arguments -------------------------------------------------------------------------------------
+def parse_args(args: list[str]) -> tuple[dict, list[str]]:
+    """KEY=VALUE words -> (bench options, Hydra overrides)."""
+    opts, overrides = dict(DEFAULTS), []
+    for a in args:
+        key, eq, value = a.partition("=")
+        if key in DEFAULTS and eq:
+            opts[key] = _value(key, value)
+        elif eq or a.startswith(("+", "~")):
+            overrides.append(a)
+        else:
+            raise UserError(f"bench: expected KEY=VALUE, got {a!r} (humanline bench --help)")
+    if opts["steps"] < 1 or opts["warmup"] < 1 or opts["repeats"] < 1:
+        raise UserError("bench: steps, warmup and repeats must be >= 1 (the first step is never timed)")
+    if opts["trl"] not in ("auto", True, False):
+        raise UserError(f"bench: trl must be auto, true or false, got {opts['trl']!r}")
+    return opts, overrides
+
+
+def _value(key: str, value: str):
+    if key in ("out",):
+        return value
+    low = value.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if key == "trl" and low == "auto":
+        return "auto"
+    if low in ("null", "none", ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"bench: {key} must be an integer, got {value!r}") from None
+
+
+def compose_spec(overrides: list[str], opts: dict, humanline: bool):
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .config import compose_error, validate
+
+    user = [o for o in overrides if o.lstrip("+~").split("=")[0] != "humanline"]
+    mine = [f"train.steps={opts['warmup'] + opts['steps']}", "train.log_every=1000000", "train.save_model=false",
+            "eval.every=0", "eval.n_prompts=1"]
+    if opts["batch_size"]:
+        mine.append(f"train.batch_size={opts['batch_size']}")
+    if opts["threads"]:
+        mine.append(f"threads={opts['threads']}")
+    try:
+        with initialize_config_module(config_module="conf", version_base="1.3"):
+            cfg = compose("train", overrides=[*user, *mine])
+            if humanline:  # a declared key in newer configs, appended (+) in older ones
+                cfg = compose("train", overrides=[*user, *mine, ("" if "humanline" in cfg else "+") + "humanline=true"])
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        raise UserError(compose_error(e)) from None
+    spec = validate(cfg)
+    if spec.regime != "offline":
+        raise UserError("bench times offline training steps; drop data=online")
+    return spec
+
+
+# -- timing records --------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """Per-step wall times and sizes of the timed steps of one run."""
+
+    seconds: list[float] = field(default_factory=list)
+    units: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    kl_tokens: list[int] = field(default_factory=list)
+
+
+def _now(device) -> float:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class _TimedSource:
+    """Wraps the project's offline source: each next_step call marks the start of a step. An offline
+    step always holds batch_size units (pairs, examples or groups)."""
+
+    def __init__(self, source, device, units_per_step: int):
+        self.source, self.device, self.units_per_step = source, device, units_per_step
+        self.starts: list[float] = []
+        self.sizes: list[tuple[int, int, int]] = []
+
+    def next_step(self, step: int):
+        from .batches import BinaryBatch
+
+        self.starts.append(_now(self.device))
+        data = self.source.next_step(step)
+        mbs = data.micro_batches
+        self.sizes.append((self.units_per_step, sum(int(mb.seqs.attention_mask.sum()) for mb in mbs),
+                           sum(int(mb.kl_seqs.attention_mask.sum()) for mb in mbs if isinstance(mb, BinaryBatch))))
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+
+class _ClockTracker:
+    """Stands in for tracking.Tracker: the last step's log call marks the end of the run."""
+
+    def __init__(self, last_step: int, device):
+        self.last_step, self.device, self.end = last_step, device, None
+
+    def log(self, step: int, metrics: dict) -> None:
+        if step == self.last_step:
+            self.end = _now(self.device)
+
+    def log_histogram(self, step: int, counts) -> None:
+        pass
+
+
+def _collect(starts: list[float], end: float, sizes: list[tuple], warmup: int) -> Run:
+    bounds = [*starts, end]
+    run = Run()
+    for k in range(warmup, len(starts)):
+        run.seconds.append(bounds[k + 1] - bounds[k])
+        u, t, kl = sizes[k]
+        run.units.append(u)
+        run.tokens.append(t)
+        run.kl_tokens.append(kl)
+    return run
+
+
+# -- the project's step ----------------------------------------------------------------------------
+def project_run(spec, warmup: int, info: dict) -> Run:
+    from rich.console import Console
+
+    from .build import build_parts
+    from .timing import PhaseTimer
+    from .trainer import train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        timer = PhaseTimer()
+        parts = build_parts(spec, timer, Path(tmp))
+        try:
+            device = parts.backend.device
+            parts.source = _TimedSource(parts.source, device, spec.train.batch_size)
+            tracker = _ClockTracker(spec.train.steps, device)
+            train(spec, parts, tracker, timer, Console(file=io.StringIO()))
+            if "matmul_params" not in info:
+                info.update(_model_info(parts.policy))
+                info["backend"] = parts.backend
+                info["units"] = parts.source.source.units
+                info["tokenizer"] = parts.tokenizer
+            return _collect(parts.source.starts, tracker.end, parts.source.sizes, warmup)
+        finally:
+            parts.close()
+
+
+def _model_info(policy) -> dict:
+    n = sum(p.numel() for p in policy.parameters())
+    emb, head = policy.get_input_embeddings(), policy.get_output_embeddings()
+    tied = head is not None and head.weight is emb.weight
+    cfg = policy.config.get_text_config()
+    return {"params": n, "matmul_params": n if tied else n - emb.weight.numel(),
+            "hidden_size": int(cfg.hidden_size), "intermediate_size": int(getattr(cfg, "intermediate_size", 0) or 0)
+            or 4 * int(cfg.hidden_size)}
+
+
+# -- TRL -------------------------------------------------------------------------------------------
+def trl_available() -> bool:
+    try:
+        with _quiet():
+            import trl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _quiet():
+    """TRL/datasets progress bars, its end-of-train metrics print and import-time warnings (e.g. about
+    the installed vLLM version) would bury the table; errors still raise."""
+    import datasets
+
+    was = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
+
+
+def _trl_rows(objective: str, units) -> list[dict]:
+    if objective == "dpo":
+        return [{"prompt": u.prompt, "chosen": u.chosen, "rejected": u.rejected} for u in units]
+    return [{"prompt": u.prompt, "completion": u.completion, "label": bool(u.desirable)} for u in units]
+
+
+def _as_chat(rows: list[dict], wrap: bool) -> list[dict]:
+    """Give TRL the conversation the project's encoder builds when it wraps plain strings in a chat turn."""
+    if not wrap:
+        return rows
+    role = {"prompt": "user"}
+    return [{k: ([{"role": role.get(k, "assistant"), "content": v}] if isinstance(v, str) else v) for k, v in r.items()}
+            for r in rows]
+
+
+class _CountingCollator:
+    """TRL's own collator, counting the tokens of each batch it builds (in order)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.tokens: list[int] = []
+        self.kl_tokens: list[int] = []
+
+    def __call__(self, examples):
+        batch = self.inner(examples)
+        self.tokens.append(int(batch["attention_mask"].sum()))
+        kl = batch.get("KL_attention_mask", batch.get("kl_attention_mask"))
+        self.kl_tokens.append(int(kl.sum()) if kl is not None else 0)
+        return batch
+
+
+def _trl_common(spec, backend, out_dir: str) -> dict:
+    tr = spec.train
+    return dict(output_dir=out_dir, max_steps=tr.steps, per_device_train_batch_size=tr.micro_batch_size,
+                gradient_accumulation_steps=tr.accumulation, learning_rate=tr.lr, weight_decay=tr.weight_decay,
+                warmup_steps=math.ceil(tr.warmup_ratio * tr.steps), max_grad_norm=tr.max_grad_norm,
+                lr_scheduler_type="cosine_with_min_lr" if tr.schedule == "cosine" else "constant_with_warmup",
+                **({"lr_scheduler_kwargs": {"min_lr": 0.0}} if tr.schedule == "cosine" else {}),
+                optim="adamw_torch", gradient_checkpointing=bool(getattr(tr, "gradient_checkpointing", False)),
+                bf16=backend.autocast_dtype == torch.bfloat16,
+                fp16=False, use_cpu=backend.device.type == "cpu", report_to="none", save_strategy="no",
+                logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=spec.seed,
+                max_length=tr.max_length, beta=spec.objective_cfg.beta)
+
+
+def trl_run(spec, info: dict, warmup: int) -> Run:
+    """TRL's DPOTrainer / KTOTrainer.train on the project's units, model and settings."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from .build import make_encoder, model_paths
+    from .models import load_policy, load_tokenizer
+
+    backend = info["backend"]
+    model_path, tok_path = model_paths(spec)
+    tokenizer = load_tokenizer(tok_path, spec.model_cfg.trust_remote_code)
+    wrap = make_encoder(spec, tokenizer).wrap_strings
+    data = Dataset.from_list(_as_chat(_trl_rows(spec.objective, info["units"]), wrap))
+    policy = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code)
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    ends: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(_now(backend.device))
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        if spec.objective == "dpo":
+            from trl import DPOConfig, DPOTrainer
+
+            args = DPOConfig(**_trl_common(spec, backend, tmp), loss_type=["sigmoid"])
+            trainer = DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=data,
+                                 processing_class=tokenizer, callbacks=[Clock()])
+        else:
+            from trl import KTOConfig, KTOTrainer
+
+            o = spec.objective_cfg
+            args = KTOConfig(**_trl_common(spec, backend, tmp), desirable_weight=o.desirable_weight,
+                             undesirable_weight=o.undesirable_weight)
+            trainer = KTOTrainer(model=policy, ref_model=ref, args=args, train_dataset=data,
+                                 processing_class=tokenizer, callbacks=[Clock()])
+        counter = _CountingCollator(trainer.data_collator)
+        trainer.data_collator = counter
+        trainer.train()
+    acc = spec.train.accumulation
+    run = Run()
+    for k in range(warmup, len(ends)):  # step k+1 (1-based) ran between the ends of steps k and k+1
+        run.seconds.append(ends[k] - ends[k - 1])
+        run.units.append(spec.train.batch_size)
+        run.tokens.append(sum(counter.tokens[k * acc:(k + 1) * acc]))
+        run.kl_tokens.append(sum(counter.kl_tokens[k * acc:(k + 1) * acc]))
+    return run
+
+
+def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
+    """TRL's GRPO loss path (GRPOTrainer.compute_loss) on the project's fixed groups."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from .build import make_encoder, model_paths
+    from .data.collate import Collator
+    from .models import load_policy, load_tokenizer
+
+    backend = info["backend"]
+    model_path, tok_path = model_paths(spec)
+    tokenizer = load_tokenizer(tok_path, spec.model_cfg.trust_remote_code)
+    encoder = make_encoder(spec, tokenizer)
+    collate = Collator(encoder, spec.objective_cfg)
+    units, tr, o = info["units"], spec.train, spec.objective_cfg
+    group = len(units[0].completions)
+    policy = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code)  # TRL loads its reference
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        common = _trl_common(spec, backend, tmp)
+        for key in ("max_length", "lr_scheduler_kwargs"):
+            common.pop(key, None)
+        n = tr.micro_batch_size * group
+        args = GRPOConfig(**common, num_generations=group, generation_batch_size=n,
+                          max_completion_length=tr.max_length - tr.max_prompt_length, epsilon=o.epsilon,
+                          loss_type="bnpo" if o.aggregation == "token_mean" else "grpo", scale_rewards="none")
+        args.per_device_train_batch_size = n
+        trainer = GRPOTrainer(model=policy, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                              args=args, train_dataset=Dataset.from_list([{"prompt": "x"}] * n),
+                              processing_class=tokenizer)
+        trainer.create_optimizer_and_scheduler(num_training_steps=tr.steps)
+        trainer.current_gradient_accumulation_steps = tr.accumulation
+        model, opt, sched = trainer.model, trainer.optimizer, trainer.lr_scheduler
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        g = torch.Generator().manual_seed(spec.seed)
+        order: list[int] = []
+        starts, sizes = [], []
+        for _step in range(tr.steps):
+            starts.append(_now(backend.device))
+            while len(order) < tr.batch_size:  # epochs of shuffled groups, like the offline source
+                order += torch.randperm(len(units), generator=g).tolist()
+            idx, order = order[:tr.batch_size], order[tr.batch_size:]
+            toks = units_ = 0
+            for s in range(0, tr.batch_size, tr.micro_batch_size):
+                mb = [units[i] for i in idx[s:s + tr.micro_batch_size]]
+                inputs = _grpo_inputs(collate(mb), tokenizer.pad_token_id, backend.device)
+                with backend.autocast():
+                    with torch.no_grad():
+                        inputs["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
+                            trainer.ref_model, inputs["input_ids"], inputs["attention_mask"],
+                            inputs["completion_ids"].shape[1])[0]
+                    loss = trainer.compute_loss(model, inputs)
+                loss.backward()
+                toks += int(inputs["attention_mask"].sum())
+                units_ += len(mb)
+            torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            float(loss.detach())  # the project's loop reads the loss every step too
+            sizes.append((units_, toks, 0))
+        end = _now(backend.device)
+    return _collect(starts, end, sizes, warmup)
+
+
+def _grpo_inputs(batch, pad_id: int, device) -> dict:
+    """The project's GroupBatch (right-padded prompt+completion) -> TRL's left-padded prompts and
+    right-padded completions with the same token ids and group-normalised advantages."""
+    seqs = batch.seqs
+    prompts, comps = [], []
+    for ids, att, lm in zip(seqs.input_ids.tolist(), seqs.attention_mask.tolist(), seqs.loss_mask.tolist()):
+        n = sum(att)
+        start = lm.index(True) if True in lm else n
+        prompts.append(ids[:start])
+        comps.append(ids[start:n])
+    pw, cw = max(map(len, prompts)), max(1, max(map(len, comps)))
+    pid = torch.full((len(prompts), pw), pad_id, dtype=torch.long)
+    pm = torch.zeros_like(pid)
+    cid = torch.full((len(comps), cw), pad_id, dtype=torch.long)
+    cm = torch.zeros_like(cid)
+    for i, (p, c) in enumerate(zip(prompts, comps)):
+        pid[i, pw - len(p):], pm[i, pw - len(p):] = torch.tensor(p), 1
+        if c:
+            cid[i, :len(c)], cm[i, :len(c)] = torch.tensor(c), 1
+    out = {"prompt_ids": pid, "prompt_mask": pm, "completion_ids": cid, "completion_mask": cm,
+           "advantages": batch.advantages.float()}
+    out = {k: v.to(device) for k, v in out.items()}
+    out["input_ids"] = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    out["attention_mask"] = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    return out
+
+
+# -- numbers ---------------------------------------------------------------------------------------
+def matmul_peak(m: int, k: int, n: int, device, dtype, seconds: float = 0.3) -> float:
+    """Best FLOP/s of an (m x k) @ (k x n) matmul over three timing windows."""
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    best = 0.0
+    for _ in range(3):
+        t0, reps = _now(device), 0
+        while True:
+            a @ b
+            reps += 1
+            t = _now(device) - t0
+            if t >= seconds / 3:
+                break
+        best = max(best, 2.0 * m * k * n * reps / t)
+    return best
+
+
+def summarise(name: str, runs: list[Run], matmul_params: int, peak: float) -> dict:
+    seconds = sum(sum(r.seconds) for r in runs)
+    units = sum(sum(r.units) for r in runs)
+    tokens = sum(sum(r.tokens) for r in runs)
+    kl = sum(sum(r.kl_tokens) for r in runs)
+    flops = 8.0 * matmul_params * tokens + 4.0 * matmul_params * kl
+    steps = sum(len(r.seconds) for r in runs)
+    row = {"name": name, "units_per_s": units / seconds, "tokens_per_s": tokens / seconds,
+           "step_s": seconds / steps, "flops_per_s": flops / seconds, "units": units, "tokens": tokens,
+           "kl_tokens": kl, "seconds": seconds, "steps_timed": steps,
+           "step_s_per_run": [sum(r.seconds) / len(r.seconds) for r in runs]}
+    row["mfu"] = row["flops_per_s"] / peak
+    return row
+
+
+def sampler_bench(spec, info: dict, n_prompts: int) -> dict:
+    """tokens/s of transformers generate vs the vLLM engine on the same prompts (second call timed)."""
+    from .build import make_encoder, model_paths
+    from .data.files import load_rows
+    from .models import load_policy
+    from .sampling.base import SamplingParams
+    from .sampling.hf import HFSampler
+
+    backend = info["backend"]
+    model_path, _ = model_paths(spec)
+    encoder = make_encoder(spec, info["tokenizer"])
+    p = spec.task_cfg.prompts
+    from .build import resolve_path
+
+    rows, _ = load_rows(resolve_path(p.train, spec), p.train_split, n_prompts, p.columns)
+    prompts = [encoder.prompt_ids(r["prompt"]) for r in rows]
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=spec.eval_cfg.max_new_tokens, seed=spec.seed)
+    out: dict = {"prompts": len(prompts), "max_new_tokens": params.max_new_tokens}
+
+    def timed(sampler) -> dict:
+        sampler.generate(prompts, params)
+        t0 = _now(backend.device)
+        c = sampler.generate(prompts, params)
+        dt = _now(backend.device) - t0
+        return {"tokens": c.n_tokens, "seconds": dt, "tokens_per_s": c.n_tokens / dt}
+
+    policy = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code)
+    out["hf"] = timed(HFSampler(policy, info["tokenizer"], spec.sampler_cfg.batch_size, backend.autocast))
+    try:
+        from .sampling.vllm import VLLMSampler
+
+        s = spec.sampler_cfg
+        t0 = time.perf_counter()
+        v = VLLMSampler(model_path, info["tokenizer"], seed=spec.seed, max_model_len=spec.train.max_length,
+                        cpu_kvcache_gb=getattr(s, "cpu_kvcache_gb", 1))
+        startup = time.perf_counter() - t0
+        try:
+            out["vllm"] = {**timed(v), "startup_s": startup}
+        finally:
+            v.close()
+    except (UserError, ImportError) as e:
+        out["vllm"] = {"error": str(e)}
+    return out
+
+
+# -- the command -----------------------------------------------------------------------------------
+def run_bench(opts: dict, overrides: list[str], console) -> dict:
+    plain = compose_spec(overrides, opts, humanline=False)
+    hl = compose_spec(overrides, opts, humanline=True)
+    objective = plain.objective
+    want_trl = opts["trl"] is True or (opts["trl"] == "auto" and trl_available())
+    if opts["trl"] is True and not trl_available():
+        raise UserError("bench: trl=true but TRL is not installed (pip install -e '.[bench]')")
+    lora = getattr(getattr(plain.model_cfg, "lora", None), "r", 0) or 0
+    if want_trl and lora > 0:  # the TRL rows mirror full fine-tuning only
+        want_trl, no_trl = False, "model.lora.r > 0: the TRL comparison covers full fine-tuning only"
+    else:
+        no_trl = "TRL not installed (pip install -e '.[bench]') or trl=false"
+    info: dict = {}
+    runs: dict[str, list[Run]] = {"project": [], "project_humanline": []}
+    if want_trl:
+        runs["trl"] = []
+    peaks = []
+    for r in range(opts["repeats"]):
+        for name in runs:
+            console.print(f"[dim]bench {objective}: run {r + 1}/{opts['repeats']} {name}[/]")
+            _release()
+            match name:
+                case "project":
+                    runs[name].append(project_run(plain, opts["warmup"], info))
+                case "project_humanline":
+                    runs[name].append(project_run(hl, opts["warmup"], info))
+                case "trl" if objective == "grpo":
+                    with _quiet():
+                        runs[name].append(trl_grpo_run(plain, info, opts["warmup"]))
+                case "trl":
+                    with _quiet():
+                        runs[name].append(trl_run(plain, info, opts["warmup"]))
+            if not peaks:  # the matmul shape: the model's MLP on the first run's micro-batch size
+                r0 = runs["project"][0]
+                shape = (max(64, round(sum(r0.tokens) / len(r0.tokens) / plain.train.accumulation)),
+                         info["hidden_size"], info["intermediate_size"])
+                dtype = info["backend"].autocast_dtype or torch.float32
+            peaks.append(matmul_peak(*shape, info["backend"].device, dtype))  # after every run
+    backend = info["backend"]
+    peak = max(peaks)  # a busy moment only lowers a measurement, so the best is the machine's peak
+    rows = {name: summarise(name, rs, info["matmul_params"], peak) for name, rs in runs.items()}
+    result = {
+        "objective": objective, "unit": UNIT[objective], "task": plain.task, "model": plain.model,
+        "batch_size": plain.train.batch_size, "micro_batch_size": plain.train.micro_batch_size,
+        "max_length": plain.train.max_length, "steps": opts["steps"], "warmup": opts["warmup"],
+        "repeats": opts["repeats"], "threads": torch.get_num_threads(), "device": backend.device.type,
+        "precision": "fp32" if backend.autocast_dtype is None else str(backend.autocast_dtype).removeprefix("torch."),
+        "params": info["params"], "matmul_params": info["matmul_params"],
+        "matmul_peak": {"m": shape[0], "k": shape[1], "n": shape[2], "dtype": str(dtype).removeprefix("torch."),
+                        "flops_per_s": peak},
+        "rows": rows,
+        "humanline_overhead": rows["project_humanline"]["step_s"] / rows["project"]["step_s"],
+        "trl_ratio": rows["project"]["units_per_s"] / rows["trl"]["units_per_s"] if "trl" in rows else None,
+        "trl_humanline_ratio": (rows["project_humanline"]["units_per_s"] / rows["trl"]["units_per_s"]
+                                if "trl" in rows else None),
+        "trl_note": (GRPO_NOTE if objective == "grpo" else None) if want_trl else no_trl,
+        "versions": _versions(),
+    }
+    if opts["sampler"]:
+        result["sampler"] = sampler_bench(plain, info, opts["prompts"])
+    return result
+
+
+def _release() -> None:
+    """Free the previous run's models before the next one starts (each run builds its own)."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _versions() -> dict:
+    import transformers
+
+    out = {"torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import trl
+
+        out["trl"] = trl.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def print_result(res: dict, console) -> None:
+    from rich.table import Table
+
+    unit = res["unit"]
+    t = Table(title=f"humanline bench: {res['objective']} on {res['task']}/{res['model']} "
+                    f"({res['params'] / 1e6:.2f}M params), {res['device']} {res['precision']}, "
+                    f"{res['threads']} threads, batch {res['batch_size']} {unit}, {res['steps']} steps x {res['repeats']}")
+    for col in ("system", f"{unit}/s", "tokens/s", "step ms", "model GFLOP/s", "% of matmul peak"):
+        t.add_column(col, justify="right" if col != "system" else "left")
+    names = {"project": "humanline (plain)", "project_humanline": "humanline (+humanline)", "trl": "TRL"}
+    for key, row in res["rows"].items():
+        t.add_row(names[key], f"{row['units_per_s']:.1f}", f"{row['tokens_per_s']:.0f}", f"{1e3 * row['step_s']:.1f}",
+                  f"{row['flops_per_s'] / 1e9:.2f}", f"{100 * row['mfu']:.1f}")
+    console.print(t)
+    mp = res["matmul_peak"]
+    console.print(f"matmul peak ({mp['m']}x{mp['k']} @ {mp['k']}x{mp['n']} {mp['dtype']}): "
+                  f"{mp['flops_per_s'] / 1e9:.1f} GFLOP/s")
+    console.print(f"humanline overhead (step time +humanline / plain): {res['humanline_overhead']:.3f}x")
+    if res["trl_ratio"] is not None:
+        console.print(f"throughput vs TRL (project {unit}/s / TRL {unit}/s): plain {res['trl_ratio']:.2f}x, "
+                      f"+humanline {res['trl_humanline_ratio']:.2f}x")
+    if res["trl_note"]:
+        console.print(f"note: {res['trl_note']}", markup=False)
+    s = res.get("sampler")
+    if s:
+        line = f"sampler on {s['prompts']} prompts: HF generate {s['hf']['tokens_per_s']:.0f} tokens/s"
+        v = s["vllm"]
+        line += (f", vLLM {v['tokens_per_s']:.0f} tokens/s (+{v['startup_s']:.1f} s start-up)" if "error" not in v
+                 else f", vLLM unavailable: {v['error']}")
+        console.print(line, markup=False)
+
+
+def main_bench(args: list[str]) -> int:
+    from rich.console import Console
+
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__.split("\n\n", 1)[1].split("Systems run")[0].rstrip())
+        return 0
+    console = Console()
+    try:
+        opts, overrides = parse_args(args)
+        res = run_bench(opts, overrides, console)
+    except UserError as e:
+        print(f"humanline: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(opts["out"] or f"runs/bench/{res['objective']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print_result(res, console)
+    console.print(f"wrote {out}")
+    return 0
+
