@@ -27,9 +27,11 @@ def test_readme_config_reference_names_every_schema_key():
     for node, prefix in [(S.TrainConfig, "train"), (S.EvalConfig, "eval"), (S.HumanlineConfig, "hl"),
                          (S.WandbConfig, "wandb"), (S.BackendConfig, "backend"), (S.ModelConfig, "model"),
                          (S.LoraConfig, "model.lora"), (S.HFSamplerConfig, "sampler"), (S.VLLMSamplerConfig, "sampler"),
-                         (S.RootConfig, "")]:
+                         (S.JudgeConfig, "judge"), (S.TaskLengths, "task.lengths"), (S.ScorerConfig, "task.judge"),
+                         (S.RewardConfig, "reward"), (S.RootConfig, "")]:
         for f in dataclasses.fields(node):
-            if f.name in S.GROUP_SCHEMAS or f.name in ("name", "lora", "hl", "train", "eval", "wandb"):
+            if f.name in S.GROUP_SCHEMAS or f.name in ("name", "lora", "hl", "train", "eval", "wandb", "kind", "task",
+                                                        "role"):
                 continue
             full = f"{prefix}.{f.name}" if prefix else f.name
             if full not in named and f.name not in words:
