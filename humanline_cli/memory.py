@@ -41,8 +41,12 @@ class MemoryEstimate:
                  f"reference {self.reference / GB:.2f}", f"activations {self.activations / GB:.2f}"]
         how = f", FSDP over {self.ranks} ranks" if self.sharded else (f", DDP x{self.ranks}" if self.ranks > 1 else "")
         return (f"memory per device (estimate{how}): {' + '.join(parts)} = {self.total / GB:.2f} GiB "
-                f"({self.params / 1e9:.2f}B params, {self.trainable / 1e6:.2f}M trainable, {self.seqs} x "
+                f"({_count(self.params)} params, {_count(self.trainable)} trainable, {self.seqs} x "
                 f"{self.tokens}-token sequences per micro-batch)")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def count_params(config) -> int:
