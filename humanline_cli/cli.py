@@ -1,11 +1,14 @@
 """`humanline <command>`: train (Hydra app), plus report/eval added by later modules.
 
 Hydra owns argv, so the subcommand is stripped before Hydra parses the rest. User mistakes print
-one line and exit 2 (HYDRA_FULL_ERROR=1 shows the traceback instead).
+one line and exit 2 (HYDRA_FULL_ERROR=1 shows the traceback too, still exit 2). Ctrl-C prints one
+line and exits 130. A multirun sweep runs every job; failed ones are named in one line at the end
+(exit 2). Secrets given as overrides are masked in what Hydra and wandb write (tracking.scrub).
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -13,8 +16,14 @@ COMMANDS = {
     "train": "train a policy (Hydra app: overrides, -m sweeps, --help, --cfg job)",
     "report": "paper-style table (Markdown, CSV) and plots from a sweep or runs dir",
     "eval": "win rate of one trained run against another run or the starting policy",
+    "bench": "training throughput (plain, humanline, vs TRL) and model FLOP/s; KEY=VALUE args, --help",
 }
-USAGE = "usage: humanline {train,report,eval} ...\n" + "\n".join(f"  {k:8s} {v}" for k, v in COMMANDS.items())
+USAGE = "usage: humanline {" + ",".join(COMMANDS) + "} ...\n" + "\n".join(f"  {k:8s} {v}" for k, v in COMMANDS.items())
+
+
+# this process's multirun: the jobs it ran in-process and the ones that failed (a launcher that
+# runs jobs in other processes reports their failures through Hydra instead, see SweepJobFailed)
+_SWEEP: dict = {"pid": None, "jobs": 0, "failed": []}
 
 
 def _fail(msg: str, code: int = 2):
@@ -22,14 +31,76 @@ def _fail(msg: str, code: int = 2):
     sys.exit(code)
 
 
-def is_complete(run_dir: Path) -> bool:
-    """The sweep resume rule: a run dir whose summary.json says status=complete is done."""
-    import json
+def _full_error() -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
 
-    try:
-        return json.loads((run_dir / "summary.json").read_text()).get("status") == "complete"
-    except (OSError, ValueError):
-        return False
+
+def _one_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return " ".join(lines) if lines else type(e).__name__
+
+
+def _interrupted_step(e: BaseException) -> str:
+    """Where a KeyboardInterrupt landed, from the frames it unwound: the trainer's step, or after it."""
+    tb, where = e.__traceback__, "before training"
+    while tb is not None:
+        frame = tb.tb_frame
+        module = frame.f_globals.get("__name__", "")
+        if module.endswith(".run") and frame.f_code.co_name == "run_job" and "last" in frame.f_locals:
+            where = "after training"  # train() returned: evaluating or saving
+        if module.endswith(".trainer") and frame.f_code.co_name == "train" and "step" in frame.f_locals:
+            return f"at step {frame.f_locals['step']}"
+        tb = tb.tb_next
+    return where
+
+
+def _interrupted(e: BaseException, run_dir: Path | None):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt this report
+    note = " (failed.json written)" if run_dir is not None and (run_dir / "failed.json").is_file() else ""
+    print(f"humanline: interrupted {_interrupted_step(e)}{note}", file=sys.stderr)
+    sys.exit(130)
+
+
+def _mask_secrets(hc, run_dir: Path, multirun: bool) -> None:
+    """Hydra saved .hydra/*.yaml (and a sweep's multirun.yaml) before calling us: mask secret-named
+    keys there, and in sys.argv, which Hydra has parsed and wandb records as the run's args."""
+    from .tracking import mask_saved_configs, scrub_argv
+
+    sys.argv = scrub_argv(sys.argv)
+    files = []
+    if hc.output_subdir is not None:
+        files += [run_dir / str(hc.output_subdir) / name for name in ("config.yaml", "hydra.yaml", "overrides.yaml")]
+    if multirun:
+        files.append(Path(hc.runtime.cwd) / str(hc.sweep.dir) / "multirun.yaml")
+    mask_saved_configs(files)
+
+
+def _sweep_job_failed(run_dir: Path, msg: str) -> None:
+    """One sweep job failed: name it, keep the sweep going; the last line of the sweep lists them."""
+    print(f"humanline: sweep job {run_dir.name} failed: {msg}", file=sys.stderr)
+    if _SWEEP["pid"] == os.getpid():
+        _SWEEP["failed"].append((run_dir, msg))
+        return
+    from hydra.errors import CompactHydraException
+
+    class SweepJobFailed(CompactHydraException):
+        """A job run by an out-of-process launcher (joblib, submitit): Hydra runs the others, then
+        prints this one line (the first failure) and exits 1, which the CLI turns into 2."""
+
+    raise SweepJobFailed(f"humanline: error: sweep job {run_dir} failed: {msg}")
+
+
+def is_complete(run_dir: Path, cfg, hydra_subdir: str | None = ".hydra") -> bool:
+    """The resume rule, for single runs and every sweep job: True (nothing to do) when the run dir holds
+    a complete run of the same resolved config (saved as resolved_config.json, compared without keys
+    that never change results); a run of another config raises a one-line checkpoint.RunDirConflict
+    (resume=false starts over); False otherwise: the job runs, after checkpoint.prepare_run_dir made
+    the dir ready (resuming from its last checkpoint, or moving old outputs aside with resume=false)."""
+    from .checkpoint import is_complete as same_and_complete
+    from .config import validate
+
+    spec = validate(cfg)
+    return same_and_complete(run_dir, spec.config, spec.resume, hydra_subdir)
 
 
 def _train_app():
@@ -44,33 +115,52 @@ def _train_app():
 
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         multirun = str(HydraConfig.get().mode) == "RunMode.MULTIRUN"
-        if multirun and cfg.get("resume", True) and is_complete(run_dir):
-            print(f"humanline: skipping {run_dir}: already complete (resume=false reruns it)", file=sys.stderr)
-            return
+        _mask_secrets(HydraConfig.get(), run_dir, multirun)
+        if multirun and _SWEEP["pid"] == os.getpid():
+            _SWEEP["jobs"] += 1
         from .launch import launch, shared_run_dir, spawn_count
 
         try:
+            hydra_subdir = HydraConfig.get().output_subdir
+            if is_complete(run_dir, cfg, hydra_subdir):  # another config's run dir: RunDirConflict, one line
+                print(f"humanline: skipping {run_dir}: already complete (resume=false starts over)", file=sys.stderr)
+                return
+            from .checkpoint import prepare_run_dir
+            from .config import validate
+
+            spec = validate(cfg)
+            prepare_run_dir(run_dir, spec.config, spec.resume, hydra_subdir)  # before any rank starts
             nproc = spawn_count(cfg)
             if nproc:
                 launch(cfg, run_dir, nproc)
             else:
                 run_job(cfg, shared_run_dir(run_dir))
-        except UserError as e:
-            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        except KeyboardInterrupt as e:
+            _interrupted(e, run_dir)
+        except (UserError, RunFailed, OSError) as e:
+            if _full_error():
                 raise
-            _fail(str(e))
-        except RunFailed as e:
-            if os.environ.get("HYDRA_FULL_ERROR") == "1":
-                raise
-            if multirun:  # one failed job should not kill a sweep; report lists it from failed.json
-                print(f"humanline: run failed ({run_dir}): {e}", file=sys.stderr)
+            # bad input names itself; a failed run (NaN loss, disk full) also names its run dir
+            msg = str(e) if isinstance(e, UserError) else f"run failed ({run_dir}): {_one_line(e)}"
+            if multirun:  # one failed job does not stop a sweep; report lists it from failed.json
+                _sweep_job_failed(run_dir, msg)
                 return
-            _fail(f"run failed ({run_dir}): {e}")
+            _fail(msg)
+        except Exception:  # not the user's mistake: a bug keeps Hydra's traceback and exits 1
+            _SWEEP["bug"] = True
+            raise
 
     return app
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        _main(argv)
+    except KeyboardInterrupt as e:  # outside a job (starting up, composing): nothing was written
+        _interrupted(e, None)
+
+
+def _main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv if argv is None else argv)
     args = argv[1:]
     if args and (args[0].startswith("-sc") or args[0].startswith("--shell-completion")):
@@ -105,6 +195,10 @@ def main(argv: list[str] | None = None) -> None:
             from .eval_cmd import main_eval
 
             sys.exit(main_eval(rest))
+        case "bench":
+            from .bench import main_bench
+
+            sys.exit(main_bench(rest))
 
 
 def normalize_overrides(args: list[str]) -> list[str]:
@@ -177,10 +271,8 @@ def precheck_overrides(args: list[str]) -> None:
     overrides = [a for a in args if not a.startswith("-")]
     keep = [a for a in overrides if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))
             or a.startswith(("hydra.searchpath", "+hydra.searchpath"))]
-    keys = [a.split("=", 1)[0].lstrip("+~") for a in overrides if "=" in a]
-    twice = sorted({k for k in keys if keys.count(k) > 1})
-    if twice:
-        _fail(f"override {twice[0]!r} given more than once")
+    if sum(a.split("=", 1)[0].lstrip("+") == "humanline" for a in overrides) > 1:  # Hydra would refuse a 2nd `+`
+        _fail("humanline is set more than once (+humanline=true or humanline=false, not both)")
     try:
         points = sweep_points(keep)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
@@ -194,6 +286,46 @@ def precheck_overrides(args: list[str]) -> None:
                 _fail(f"{where}{e}")
             except (HydraException, OmegaConfBaseException, ValueError) as e:
                 _fail(f"{where}{compose_error(e)}")
+        multirun = any(a in ("-m", "--multirun") for a in args)
+        hydra_args = [a for a in overrides if a not in keep]
+        problem = output_dir_problem(points[0][1] + hydra_args, multirun)
+        if problem:
+            _fail(problem)
+
+
+def output_dir_problem(overrides: list[str], multirun: bool) -> str | None:
+    """Why Hydra could not create the run dir (the sweep dir under -m), or None. Checked before
+    Hydra starts (Hydra's own failure there is a multi-line traceback). `${now:}` is resolved now, a
+    second or so before Hydra does: only the parents matter, and they are the same. Creates nothing
+    that stays (a probe dir is removed at once); an existing dir is only checked, never written."""
+    import tempfile
+
+    from hydra import compose
+    from omegaconf import OmegaConf
+
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    try:  # a config that will not compose with its hydra.* overrides is Hydra's to report
+        path = Path(str(OmegaConf.select(compose("train", overrides=overrides, return_hydra_config=True), key)))
+    except Exception:
+        return None
+    path = path.absolute()
+    where = f"cannot write the run dir {path}"
+    if path.exists():
+        if not path.is_dir():
+            return f"{where}: it is a file, not a directory (set {key}=...)"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"{where}: permission denied or read-only (set {key}=...)"
+        return None
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{where}: {parent} is a file, not a directory (set {key}=...)"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".humanline-probe-", dir=parent))
+    except OSError as e:
+        return f"{where}: cannot create directories in {parent}: {e.strerror} (set {key}=...)"
+    return None
 
 
 def _run_hydra():
@@ -202,13 +334,33 @@ def _run_hydra():
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("WANDB_SILENT", "true")  # our summary says where the wandb run is
     app = _train_app()
+    _SWEEP.update(pid=os.getpid(), jobs=0, failed=[], bug=False)
     try:
         app()
     except SystemExit as e:
         # Hydra exits 1 on config errors (unknown group option, bad override); we promise exit 2.
         if e.code == 1:
-            sys.exit(2)
+            sys.exit(1 if _SWEEP.get("bug") else 2)
         raise
+    except Exception as e:  # only under HYDRA_FULL_ERROR=1 does Hydra let an error out
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        from .errors import RunFailed, UserError
+
+        if not isinstance(e, (UserError, RunFailed, OSError, HydraException, OmegaConfBaseException)):
+            raise  # a bug: Python's traceback and exit 1
+        import traceback
+
+        from .config import compose_error
+
+        traceback.print_exc()
+        _fail(compose_error(e) if isinstance(e, (HydraException, OmegaConfBaseException)) else _one_line(e))
+    failed = _SWEEP["failed"]
+    if failed:
+        names = ", ".join(d.name for d, _ in failed)
+        _fail(f"{len(failed)} of {_SWEEP['jobs']} sweep jobs failed in {failed[0][0].parent}: {names} "
+              f"(each job's error is above)")
 
 
 if __name__ == "__main__":

@@ -78,6 +78,7 @@ class RunSpec:
     threads: int | None = None
     resume: bool = True
     check_model_task: str = "error"
+    notes: tuple = ()      # one-line notices for the run header (derived settings the user should know)
     config: dict = dataclasses.field(default_factory=dict)  # the full resolved config, for logging
 
 
@@ -210,19 +211,22 @@ def validate(cfg: DictConfig) -> RunSpec:
     if not 0.0 <= t.warmup_ratio < 1.0:
         raise UserError(f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
     _at_least(t.weight_decay, 0.0, "train.weight_decay")
+    _at_least(t.checkpoint_every, 0, "train.checkpoint_every")
+    _at_least(t.keep_checkpoints, 1, "train.keep_checkpoints")
+    notes = []
+    checkpoint_every = t.checkpoint_every
+    if checkpoint_every > 0 and backend.strategy == "fsdp":  # derived, the composed config is left as it is
+        checkpoint_every = 0
+        notes.append(f"checkpoints off: train.checkpoint_every={t.checkpoint_every} is not supported with "
+                     f"backend.strategy=fsdp yet (this run cannot be resumed mid-way)")
     train = TrainSpec(steps=_positive(t.steps, "train.steps"), batch_size=batch, micro_batch_size=micro,
                       lr=_positive(t.lr, "train.lr"), weight_decay=t.weight_decay, warmup_ratio=t.warmup_ratio,
                       schedule=t.schedule.value, max_grad_norm=_positive(t.max_grad_norm, "train.max_grad_norm"),
                       max_length=t.max_length, max_prompt_length=t.max_prompt_length,
                       log_every=_positive(t.log_every, "train.log_every"), save_model=t.save_model,
                       gradient_checkpointing=t.gradient_checkpointing, ranks=ranks,
-                      checkpoint_every=t.checkpoint_every, keep_checkpoints=t.keep_checkpoints,
+                      checkpoint_every=checkpoint_every, keep_checkpoints=t.keep_checkpoints,
                       max_truncated_fraction=t.max_truncated_fraction)
-    _at_least(t.checkpoint_every, 0, "train.checkpoint_every")
-    _at_least(t.keep_checkpoints, 1, "train.keep_checkpoints")
-    if t.checkpoint_every > 0 and backend.strategy == "fsdp":
-        raise UserError(f"train.checkpoint_every={t.checkpoint_every} is not supported with backend.strategy=fsdp yet "
-                        f"(checkpoints hold full, unsharded tensors); set train.checkpoint_every=0")
     if ranks > 1:
         n = ranks
         if batch % n or (batch // n) % micro:
@@ -291,7 +295,7 @@ def validate(cfg: DictConfig) -> RunSpec:
                    eval_cfg=ev,
                    wandb=dataclasses.asdict(root.wandb), chat_template=root.chat_template,
                    world_cache=root.world_cache, threads=root.threads, resume=root.resume,
-                   check_model_task=root.check_model_task, config=config)
+                   check_model_task=root.check_model_task, notes=tuple(notes), config=config)
 
 
 def model_display_name(model) -> str:

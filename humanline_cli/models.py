@@ -1,6 +1,11 @@
-"""Load tokenizer, policy and reference (safetensors only; remote code only when opted in)."""
+"""Load tokenizer, policy and reference (safetensors only; remote code only when opted in).
+
+Every load failure is a UserError of one line naming what to fix: the path, the corrupted weights
+file, or the key to set when a model needs its own code (`load_error`, shared with the reward model).
+"""
 from __future__ import annotations
 
+import glob
 import os
 
 import torch
@@ -14,11 +19,43 @@ def _where(path: str) -> str:
     return path if os.path.exists(path) else f"{path} (not a local dir; hub download needs network)"
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
+def needs_remote_code(e: BaseException) -> bool:
+    """transformers' refusal to run a model's own code (config.json `auto_map`) without opt-in."""
+    return "trust_remote_code" in str(e) and "custom code" in str(e)
+
+
+def corrupted_weights(path: str) -> str | None:
+    """The first *.safetensors file in a local model dir whose header safetensors cannot read."""
+    from safetensors import safe_open
+
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        try:
+            with safe_open(file, framework="pt") as f:
+                f.keys()
+        except Exception as e:
+            return f"{file} ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    return None
+
+
+def load_error(what: str, path: str, e: BaseException, trust_key: str) -> UserError:
+    """One line for a failed from_pretrained: which key to set for remote code, which weights file
+    is corrupted, else the library's first line."""
+    if needs_remote_code(e):
+        key = trust_key if "=" in trust_key else f"{trust_key}=true"
+        return UserError(f"{what} {path} needs its own code to load (config.json auto_map); if you trust it, "
+                         f"set {key}")
+    bad = corrupted_weights(path) if os.path.isdir(path) else None
+    if bad:
+        return UserError(f"cannot load {what} from {path}: corrupted or truncated weights file {bad}")
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return UserError(f"cannot load {what} from {_where(path)}: {first}")
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False, trust_key: str = "model.trust_remote_code"):
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load tokenizer from {_where(path)}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # OSError, ValueError, tokenizers' own errors on a corrupted tokenizer.json
+        raise load_error("tokenizer", path, e, trust_key) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     if tok.eos_token_id is None:
@@ -26,15 +63,18 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
-def load_policy(path: str, device: torch.device, trust_remote_code: bool = False) -> torch.nn.Module:
+def load_policy(path: str, device: torch.device, trust_remote_code: bool = False,
+                trust_key: str = "model.trust_remote_code") -> torch.nn.Module:
     """fp32 master weights on `device` (autocast handles bf16 compute); weights via safetensors."""
+    from safetensors import SafetensorError
+
     hf_logging.disable_progress_bar()  # our own progress display is enough
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, use_safetensors=True, dtype=torch.float32, trust_remote_code=trust_remote_code
         )
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load model from {_where(path)}: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError, SafetensorError) as e:
+        raise load_error("model", path, e, trust_key) from None
     model.config.use_cache = False
     return model.to(device).train()
 

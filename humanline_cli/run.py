@@ -1,5 +1,10 @@
 """One `humanline train` job: validate, build, evaluate the starting policy, train, evaluate,
-save, write summary.json. Failures leave failed.json (never a summary presented as complete)."""
+save, write summary.json. Failures leave failed.json (never a summary presented as complete).
+
+The run dir was made ready by the CLI before any rank started (checkpoint.prepare_run_dir: a rerun
+of the same config resumes, another config is refused or moved aside), so a job never deletes a
+previous run's outputs. With a checkpoint in the run dir the job resumes from the newest one: the
+starting policy's evaluation comes from the checkpoint, training continues after its step."""
 from __future__ import annotations
 
 import io
@@ -16,7 +21,9 @@ from rich.table import Table
 
 from . import __version__
 from .build import build_parts
+from .checkpoint import Checkpoints
 from .config import RunSpec, validate
+from .errors import RunFailed
 from .timing import PhaseTimer
 from .tracking import NullTracker, Tracker, write_json_atomic
 from .trainer import train
@@ -45,6 +52,10 @@ def header(spec: RunSpec, parts, console: Console) -> None:
     console.print(f"  task {spec.task}, model {spec.model} ({n_params / 1e6:.2f}M params), "
                   f"{parts.backend.describe()}, seed {spec.seed}")
     console.print(f"  data: {parts.source.describe()}")
+    if getattr(parts, "memory", None) is not None:
+        console.print(f"  {parts.memory.describe()}")
+    for note in spec.notes:
+        console.print(f"  [yellow]note:[/] {note}")
     console.print(f"  {tr.steps} steps; a step sees {tr.batch_size} {UNIT[spec.objective]} "
                   f"(micro-batch {tr.micro_batch_size} x {tr.accumulation} accumulation), lr {tr.lr} "
                   f"({tr.schedule}, warm-up {tr.warmup_ratio:.0%})")
@@ -59,24 +70,33 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
     main = int(os.environ.get("RANK", "0")) == 0
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in ("summary.json", "failed.json", "metrics.jsonl", "samples.jsonl", "eval_samples.jsonl",
-                      "logratios.jsonl"):
-            (run_dir / stale).unlink(missing_ok=True)
     tracker = parts = None
     try:
         spec = validate(cfg)
         with timer.phase("setup"):
             parts = build_parts(spec, timer, run_dir)
-            tracker = Tracker(run_dir, spec.config, spec.wandb, run_dir.name) if main else NullTracker()
-        if not main:
-            console = Console(file=io.StringIO())  # one progress display, rank 0's
+            if not main:
+                console = Console(file=io.StringIO())  # one progress display, rank 0's
+            tr = spec.train
+            checkpoints = Checkpoints(run_dir, tr.checkpoint_every, tr.keep_checkpoints, parts.dist, console)
+            resume_from = checkpoints.latest() if spec.resume else None
+            tracker = Tracker(run_dir, spec.config, spec.wandb, run_dir.name, resume=resume_from is not None) \
+                if main else NullTracker()
+        resumed = int(resume_from.name.removeprefix("step_")) if resume_from is not None else None
+        if resumed is not None:
+            console.print(f"humanline: resuming {run_dir} from step {resumed} of {tr.steps} "
+                          f"(checkpoints/{resume_from.name}; resume=false starts over)", soft_wrap=True, markup=False,
+                          highlight=False)
         header(spec, parts, console)
-        with timer.phase("eval"):
-            parts.evaluator.set_baseline(parts.eval_sampler)
-        last = train(spec, parts, tracker, timer, console)
-        with timer.phase("eval"):
-            parts.eval_sampler.push_weights(parts.policy)  # a vLLM engine holds the last round's weights
-            ev = parts.evaluator.evaluate(parts.eval_sampler, run_dir / "eval_samples.jsonl" if main else None)
+        if resume_from is None and parts.evaluator is not None:  # a resumed run: from the checkpoint
+            with timer.phase("eval"):
+                parts.evaluator.set_baseline(parts.eval_sampler)
+        last = train(spec, parts, tracker, timer, console, checkpoints, resume_from)
+        ev = None  # judge=none: train only
+        if parts.evaluator is not None:
+            with timer.phase("eval"):
+                parts.eval_sampler.push_weights(parts.policy)  # a vLLM engine holds the last round's weights
+                ev = parts.evaluator.evaluate(parts.eval_sampler, run_dir / "eval_samples.jsonl" if main else None)
         if spec.train.save_model:
             with timer.phase("save"):
                 save_model(parts, run_dir / "model")  # a collective under FSDP (gathers the full weights)
@@ -90,6 +110,7 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
             "model": spec.model,
             "seed": spec.seed,
             "steps": spec.train.steps,
+            "resumed_from_step": resumed,
             "batch_size": spec.train.batch_size,
             "batch_unit": UNIT[spec.objective],
             "eval": ev,
@@ -121,8 +142,10 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
 
 
 def save_model(parts, dest: Path) -> None:
-    """Write to a temp dir then rename, so a crash never leaves a half-saved model behind. Under
-    FSDP every rank joins the gather of the full weights; rank 0 writes them."""
+    """Write to `dest`.tmp then swap it in, so a crash or a full disk never leaves a half-saved model:
+    on any failure the temp dir is removed and an existing `dest` is left as it was (a failed write
+    becomes RunFailed, one line). Under FSDP every rank joins the gather of the full weights; rank 0
+    writes them."""
     state = None
     if parts.dist.enabled:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -130,18 +153,34 @@ def save_model(parts, dest: Path) -> None:
         state = get_model_state_dict(parts.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not parts.dist.is_main:
         return
-    if hasattr(parts.policy, "peft_config"):  # LoRA: a plain merged model (+ the adapter) that eval/vLLM load
-        from .lora import save_merged
-
-        shutil.rmtree(dest, ignore_errors=True)
-        save_merged(parts.policy, parts.tokenizer, dest)
-        return
     tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    parts.policy.save_pretrained(tmp, safe_serialization=True, state_dict=state)
-    parts.tokenizer.save_pretrained(tmp)
-    shutil.rmtree(dest, ignore_errors=True)
-    os.replace(tmp, dest)
+    old = dest.with_name(dest.name + ".old")
+    leftovers = (tmp, tmp.with_name(tmp.name + ".tmp"))  # save_merged stages in <its dest>.tmp itself
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    try:
+        if hasattr(parts.policy, "peft_config"):  # LoRA: a plain merged model (+ the adapter) that eval/vLLM load
+            from .lora import save_merged
+
+            save_merged(parts.policy, parts.tokenizer, tmp)
+        else:
+            parts.policy.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+            parts.tokenizer.save_pretrained(tmp)
+        if dest.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(dest, old)  # a rename: the previous model stays whole until the new one is in
+        try:
+            os.replace(tmp, dest)
+        except BaseException:
+            if old.exists() and not dest.exists():
+                os.replace(old, dest)
+            raise
+    except OSError as e:
+        raise RunFailed(f"cannot save the model to {dest}: {e.strerror or e}") from e
+    finally:
+        for path in leftovers:
+            shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def print_summary(s: dict, run_dir: Path, console: Console) -> None:
@@ -149,11 +188,20 @@ def print_summary(s: dict, run_dir: Path, console: Console) -> None:
     t = Table(title=f"{s['objective']} / {s['data']} / humanline={s['humanline']}  ({run_dir})")
     for col in ("metric", "start", "trained"):
         t.add_column(col)
-    if ev["accuracy"] is not None:
+    ev = ev or {}
+    if ev.get("accuracy") is not None:
         t.add_row("accuracy", f"{ev['start_accuracy']:.3f}", f"{ev['accuracy']:.3f}")
-    t.add_row("judge reward", f"{ev['start_reward_mean']:.3f}", f"{ev['reward_mean']:.3f}")
-    lo, hi = ev["win_rate_ci"]
-    t.add_row("win rate vs start", "", f"{ev['win_rate']:.3f} [{lo:.3f}, {hi:.3f}]")
+    if ev.get("reward_mean") is not None:
+        t.add_row("judge reward", f"{ev['start_reward_mean']:.3f}", f"{ev['reward_mean']:.3f}")
+    if ev.get("win_rate") is not None:
+        lo, hi = ev["win_rate_ci"]
+        t.add_row("win rate vs start", "", f"{ev['win_rate']:.3f} [{lo:.3f}, {hi:.3f}]  ({ev['judge']})")
+    if "judge_usage" in ev:
+        u = ev["judge_usage"]
+        t.add_row("judge calls / cost", "", f"{u['n_calls']} calls, {u['n_cache_hits']} cached, "
+                  f"{u['n_unparsable']} unparsable, ${u['cost_usd']:.4f}")
+    if not ev:
+        t.add_row("evaluation", "", "none (judge=none)")
     w = s["wall_clock_s"]
     t.add_row("wall-clock s", "", " ".join(f"{k} {v:.1f}" for k, v in w.items() if v))
     console.print(t)

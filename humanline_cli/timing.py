@@ -1,4 +1,8 @@
-"""Wall-clock per phase (setup, sample, label, train, sync, push, eval, save)."""
+"""Wall-clock per phase (setup, sample, label, train, sync, push, eval, save, checkpoint).
+
+A resumed run continues the interrupted run's timers (`state_dict` / `load_state_dict`): each phase
+and the total then count the time spent up to the checkpoint plus this process's own.
+"""
 from __future__ import annotations
 
 import time
@@ -7,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-PHASES = ("setup", "sample", "label", "train", "sync", "push", "eval", "save")
+PHASES = ("setup", "sample", "label", "train", "sync", "push", "eval", "save", "checkpoint")
 
 
 class PhaseTimer:
@@ -32,3 +36,14 @@ class PhaseTimer:
         out = {p: round(self.seconds.get(p, 0.0), 6) for p in PHASES}
         out["total"] = round(time.perf_counter() - self.start, 3)
         return out
+
+    def state_dict(self) -> dict:
+        """The cumulative seconds per phase and in total, so far."""
+        return {"seconds": dict(self.seconds), "total": time.perf_counter() - self.start}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Add an interrupted run's time to this one's (the phases this process already timed, such as
+        its own setup, are kept: the run really spent that time too)."""
+        for name, s in state["seconds"].items():
+            self.seconds[name] += float(s)
+        self.start -= float(state["total"])

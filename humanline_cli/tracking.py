@@ -1,25 +1,98 @@
 """Run outputs: metrics.jsonl (one JSON object per logged step), summary.json, and a wandb run.
 
 wandb is optional at run time: any wandb failure is reported once and training continues.
-Secrets (keys named like api_key/token/secret/password) are never put into the logged config.
+Secrets (values of keys NAMED like a credential: api_key, hf_token, password, client_secret, ...) are
+masked wherever a config is written: the wandb config and command line, and Hydra's .hydra/*.yaml
+and multirun.yaml (`mask_saved_configs`). Matching is by key name, word by word, so eval.max_new_tokens,
+model.tokenizer or a judge's api_key_env (the NAME of a variable) stay visible.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import sys
 import warnings
 from pathlib import Path
 
-SECRET = re.compile(r"(api[_-]?key|token|secret|password)", re.I)
+MASK = "***"
+# the last word of a key's name that marks its value as a credential ...
+SECRET_WORDS = frozenset({"token", "secret", "password", "passwd", "passphrase", "apikey", "key", "credential",
+                          "credentials", "authorization"})
+# ... unless the word before says it is something else (tokenizer special tokens, lookup keys)
+NOT_SECRET = {"token": frozenset({"eos", "bos", "pad", "unk", "sep", "cls", "mask", "special", "start", "end", "stop"}),
+              "key": frozenset({"sort", "group", "join", "metric", "dict", "primary", "foreign", "column", "row",
+                                "cache", "seed", "prompt", "answer", "label"})}
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
+# one override ("+a.b=v", "~x=", "a/b=c"): split a joined list only at commas that start the next one
+_OVERRIDE = re.compile(r"^(?P<key>[+~]{0,2}[\w.\-/@]+)=(?P<value>.*)$", re.S)
+_NEXT_OVERRIDE = re.compile(r",(?=[+~]{0,2}[\w.\-/@]+=)")
+
+
+def is_secret_key(name) -> bool:
+    """True when a config key's NAME marks its value as a credential: its last word (words split at
+    `_`, `-`, `.`, camelCase) is token/secret/password/key/..., e.g. api_key, apiKey, hf_token,
+    wandb.api_key, client_secret, db_password; not max_new_tokens, tokenizer, api_key_env, eos_token."""
+    words = [w.lower() for w in _WORD.findall(str(name).rsplit(".", 1)[-1].rsplit("/", 1)[-1])]
+    if not words or words[-1] not in SECRET_WORDS:
+        return False
+    return not (len(words) > 1 and words[-2] in NOT_SECRET.get(words[-1], ()))
 
 
 def scrub(obj):
+    """A copy of a config (dicts, lists) with the values of secret-named keys replaced by ***."""
     if isinstance(obj, dict):
-        return {k: ("***" if SECRET.search(str(k)) else scrub(v)) for k, v in obj.items()}
-    if isinstance(obj, list):
+        return {k: (MASK if v is not None and is_secret_key(k) else scrub(v)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
         return [scrub(v) for v in obj]
     return obj
+
+
+def scrub_override(text: str) -> str:
+    """Mask the value of one command-line override (or a comma-joined list of them, like Hydra's
+    override_dirname) whose key is secret-named: `+wandb.api_key=abc` -> `+wandb.api_key=***`."""
+    if not isinstance(text, str) or "=" not in text:
+        return text
+    parts = []
+    for part in _NEXT_OVERRIDE.split(text):
+        m = _OVERRIDE.match(part)
+        parts.append(f"{m['key']}={MASK}" if m and m["value"] and is_secret_key(m["key"].lstrip("+~")) else part)
+    return ",".join(parts)
+
+
+def scrub_argv(argv: list[str]) -> list[str]:
+    """A command line with secret override values masked (what wandb records as the run's args)."""
+    return [scrub_override(a) for a in argv]
+
+
+def _scrub_saved(obj):
+    """scrub() plus override strings anywhere in the tree (hydra.overrides.*, job.override_dirname)."""
+    if isinstance(obj, dict):
+        return {k: (MASK if v is not None and is_secret_key(k) else _scrub_saved(v)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_scrub_saved(v) for v in obj]
+    return scrub_override(obj) if isinstance(obj, str) else obj
+
+
+def mask_saved_configs(paths) -> list[Path]:
+    """Rewrite Hydra's saved configs (.hydra/config.yaml, hydra.yaml, overrides.yaml, a sweep's
+    multirun.yaml) with secrets masked; Hydra writes them before the job starts. Interpolations are
+    kept as written. Returns the files that changed (each replaced atomically)."""
+    from omegaconf import OmegaConf
+
+    changed = []
+    for path in map(Path, paths):
+        if not path.is_file():
+            continue
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        clean = _scrub_saved(data)
+        if clean != data:
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            OmegaConf.save(OmegaConf.create(clean), tmp)
+            os.replace(tmp, path)
+            changed.append(path)
+    return changed
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -28,8 +101,13 @@ def write_json_atomic(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+WANDB_ID = "wandb_id.txt"  # the run's wandb id: a resumed run continues the same wandb run
+
+
 class Tracker:
-    def __init__(self, run_dir: Path, config: dict, wandb_cfg: dict, name: str):
+    def __init__(self, run_dir: Path, config: dict, wandb_cfg: dict, name: str, resume: bool = False):
+        """resume: the run continues from a checkpoint (its step-indexed files were rewound to it), so
+        metrics are appended and wandb continues the interrupted run (saved id, resume="allow")."""
         self.run_dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
         self._f = open(self.metrics_path, "a")
@@ -40,12 +118,29 @@ class Tracker:
         try:
             import wandb
 
-            self.wandb = wandb.init(project=wandb_cfg.get("project"), entity=wandb_cfg.get("entity"),
-                                    mode=mode, dir=str(run_dir), name=name, config=scrub(config),
-                                    tags=list(wandb_cfg.get("tags") or []), reinit="finish_previous")
+            run_id = self._wandb_id(resume)
+            with _masked_argv():  # wandb records the command line as the run's args
+                self.wandb = wandb.init(project=wandb_cfg.get("project"), entity=wandb_cfg.get("entity"),
+                                        mode=mode, dir=str(run_dir), name=name, config=scrub(config),
+                                        tags=list(wandb_cfg.get("tags") or []), reinit="finish_previous",
+                                        id=run_id, resume="allow" if resume else None)
         except Exception as e:  # a wandb failure never kills training
             warnings.warn(f"wandb disabled for this run: {type(e).__name__}: {e}")
             self.wandb = None
+
+    def _wandb_id(self, resume: bool) -> str:
+        """The interrupted run's wandb id when resuming, else a new one (saved in the run dir)."""
+        import uuid
+
+        path = self.run_dir / WANDB_ID
+        old = path.read_text().strip() if resume and path.is_file() else ""
+        if old:
+            return old
+        run_id = uuid.uuid4().hex[:12]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(run_id + "\n")
+        os.replace(tmp, path)
+        return run_id
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **metrics}
@@ -85,6 +180,16 @@ class Tracker:
             except Exception as e:
                 warnings.warn(f"wandb finish failed: {e}")
             self.wandb = None
+
+
+@contextlib.contextmanager
+def _masked_argv():
+    saved = sys.argv
+    sys.argv = scrub_argv(saved)
+    try:
+        yield
+    finally:
+        sys.argv = saved
 
 
 def _flatten(d: dict, prefix: str, out: dict) -> None:

@@ -1,6 +1,7 @@
 """The training loop, top to bottom. One loop for every objective and regime: a source yields
 StepData (micro-batches for one optimizer step); the loop does forward/backward, gradient
-clipping, the humanline reference sync, the optimizer step, logging and evaluation."""
+clipping, the humanline reference sync, the optimizer step, logging, evaluation and checkpoints
+(a resumed run restores one before its first step and continues exactly where it stopped)."""
 from __future__ import annotations
 
 import contextlib
@@ -10,17 +11,18 @@ import time
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .backend import all_reduce_sum
+from .backend import all_reduce_sum, clip_grad_norm
 from .batches import n_units, to_device
 from .build import Parts
+from .checkpoint import Checkpoints
 from .config import RunSpec
 from .errors import RunFailed
+from .evaluate import flat_metrics
 from .humanline import ReferenceRule
 from .objectives import compute_loss, loss_count, step_z0
 from .optim import make_optimizer, make_scheduler
 from .timing import PhaseTimer
 from .tracking import Tracker
-
 
 SUMMED = ("_units", "_n_tokens")  # counts: summed, not averaged
 
@@ -50,32 +52,42 @@ def _grad_sync(model, micro_batch: int, n_micro: int):
     return contextlib.nullcontext()
 
 
-def _total_norm(norm) -> float:
-    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor over the shards
-        norm = norm.full_tensor()
-    return float(norm)
-
-
-def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, console=None) -> dict:
+def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, console=None,
+          checkpoints: Checkpoints | None = None, resume_from=None) -> dict:
+    """Run optimizer steps 1..train.steps (or, with `resume_from`, a checkpoint dir, the steps after
+    it); write a checkpoint every `checkpoints.every` steps. Returns the last logged train metrics."""
     policy, reference, tr = parts.policy, parts.reference, spec.train
     model = parts.train_model or policy  # what the gradient flows through (a DDP wrapper under DDP)
     dist = parts.dist
     reduce_sum = (lambda x: all_reduce_sum(x.to(parts.backend.device), dist).cpu()) if dist.enabled else None
     objective_cfg, eval_every = spec.objective_cfg, spec.eval_cfg.every
     rule = ReferenceRule.from_spec(spec.humanline, spec.regime)
+    if hasattr(policy, "reshard"):  # FSDP2: an earlier forward (the baseline eval) may leave the root's
+        policy.reshard()            # unsharded tensors registered; the optimizer must hold the shards
     opt = make_optimizer(policy, tr.lr, tr.weight_decay)
     sched = make_scheduler(opt, tr.steps, tr.warmup_ratio, tr.schedule)
     params = [p for p in policy.parameters() if p.requires_grad]
     last: dict = {}
+    start = 0
+    if resume_from is not None:  # weights, optimizer, scheduler, data position, RNGs, timers, baseline
+        start, last = checkpoints.load(resume_from, parts, opt, sched, timer)
+    moving = rule.sync_every > 0 or rule.reset_each_round  # the reference can leave the starting weights
+
+    def checkpoint(step: int) -> None:  # at the very end of a step: nothing of step `step` is left to do
+        if checkpoints is not None and checkpoints.due(step):
+            with timer.phase("checkpoint"):
+                checkpoints.save(step, parts, opt, sched, timer, last, moving)
+
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.fields[info]}"), console=console, transient=False)
     with progress:
-        bar = progress.add_task("train", total=tr.steps, info="")
-        for step in range(1, tr.steps + 1):
+        bar = progress.add_task("train", total=tr.steps, completed=start, info="")
+        for step in range(start + 1, tr.steps + 1):
             data = parts.source.next_step(step)  # online sources sample/label here (their own timers)
             if not data.micro_batches:
                 tracker.log(step, {"skipped": 1.0, **data.info})
                 progress.advance(bar)
+                checkpoint(step)
                 continue
             if rule.at_round_start(data.new_round):
                 with timer.phase("sync"):  # plain online: the reference is the round's starting policy
@@ -103,7 +115,7 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
                     m["_units"] = n_units(mb)
                     m["_weight"] = counts[i]
                     rows.append(m)
-                grad_norm = _total_norm(torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm))
+                grad_norm = clip_grad_norm(params, tr.max_grad_norm, dist)
                 if not math.isfinite(grad_norm):
                     raise RunFailed(f"gradient norm is {grad_norm} at step {step} (try a lower train.lr)")
             if rule.before_optimizer_step(step):
@@ -128,14 +140,14 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
                 tracker.log(step, metrics)
                 hist = [sum(c) for c in zip(*(r["_logratio_hist"] for r in rows))]
                 tracker.log_histogram(step, hist)
-            if eval_every and step % eval_every == 0 and step < tr.steps:
+            if eval_every and parts.evaluator is not None and step % eval_every == 0 and step < tr.steps:
                 with timer.phase("eval"):
                     parts.eval_sampler.push_weights(policy)
                     ev = parts.evaluator.evaluate(parts.eval_sampler)
-                tracker.log(step, {**{f"eval/{k}": v for k, v in ev.items() if isinstance(v, (int, float))},
-                                   "wall_s": timer.elapsed()})
+                tracker.log(step, {**flat_metrics(ev), "wall_s": timer.elapsed()})
             info = f"loss {metrics['loss']:.4f}"
             if "humanline/unclamped_fraction" in metrics:
                 info += f"  unclamped {metrics['humanline/unclamped_fraction']:.3f}"
             progress.update(bar, advance=1, info=info)
+            checkpoint(step)
     return last

@@ -57,7 +57,7 @@ def _spec(steps, hl=HumanlineSpec(), beta=0.1, online=False):
     tr = TrainSpec(steps=steps, batch_size=2, micro_batch_size=2, lr=1e-2, weight_decay=0.0, warmup_ratio=0.0,
                    schedule="constant", max_grad_norm=1.0, max_length=32, max_prompt_length=8, log_every=1,
                    save_model=False)
-    return SimpleNamespace(train=tr, humanline=hl, objective_cfg=SimpleNamespace(beta=beta),
+    return SimpleNamespace(train=tr, humanline=hl, objective_cfg=SimpleNamespace(name="dpo", beta=beta),
                            regime="online" if online else "offline", eval_cfg=SimpleNamespace(every=0))
 
 

@@ -36,7 +36,7 @@ def make_scorer(spec, device=None, key: str | None = None) -> tuple[str, Scorer]
                              trust_key=f"{key}.trust_remote_code" if key else TRUST_KEYS)
             return f"model/{spec['name_or_path']}", rm
         case _:
-            raise UserError(f"unknown {key or 'reward'}.kind {kind!r} "
+            raise UserError(f"unknown reward kind {kind!r} in {key or 'reward'}.kind "
                             f"(verifier | model | none; world for the bundled tasks)")
 
 

@@ -8,18 +8,20 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from ..errors import UserError
+from ..models import load_error
 
 
 class RewardModel:
     def __init__(self, path: str, device=None, batch_size: int = 16, trust_remote_code: bool = False,
-                 max_length: int = 4096):
+                 max_length: int = 4096, trust_key: str = "reward.trust_remote_code"):
+        """`trust_key` is the config key that turns remote code on for this model, named in the
+        one-line error when the model needs it (task.judge..., task.labeller..., reward...)."""
         try:
             self.tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
             self.model = AutoModelForSequenceClassification.from_pretrained(
                 path, use_safetensors=True, trust_remote_code=trust_remote_code).eval()
-        except (OSError, ValueError) as e:
-            raise UserError(f"cannot load reward model {path}: {str(e).splitlines()[0]}") from None
+        except Exception as e:  # OSError, ValueError, a corrupted safetensors or tokenizer file
+            raise load_error("reward model", path, e, trust_key) from None
         self.device = device or torch.device("cpu")
         self.model.to(self.device)
         self.batch_size, self.max_length = batch_size, max_length

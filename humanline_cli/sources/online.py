@@ -127,6 +127,28 @@ class OnlineSource:
         return StepData(micro_batches(units, self.collate, self.micro, self.shard), new_round=new_round,
                         info=dict(self._round_info))
 
+    def state_dict(self) -> dict:
+        """Where the rounds stand: round and epoch, what is left of the prompt order, the current round's
+        remaining queued units (PairExample / BinaryExample / GroupExample holding TokenCompletions; the
+        checkpoint writes them as JSON), its info, the shuffle RNG and the sampling counters. The
+        sampler's seed is derived from the round (seed * 100003 + round), so the round restores it."""
+        return {"n_prompts": len(self.rows), "round": self.round, "epoch": self.epoch, "order": list(self._order),
+                "queue": [list(batch) for batch in self._queue], "round_info": dict(self._round_info),
+                "rng": self.rng.getstate(), "sample_tokens": self._sample_tokens,
+                "sample_seconds": self._sample_seconds}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["n_prompts"] != len(self.rows):
+            raise ValueError(f"the checkpoint was made with {state['n_prompts']} prompts, the data now has "
+                             f"{len(self.rows)}")
+        self.round, self.epoch = int(state["round"]), int(state["epoch"])
+        self._order = [int(i) for i in state["order"]]
+        self._queue = [list(batch) for batch in state["queue"]]
+        self._round_info = dict(state["round_info"])
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self._sample_tokens, self._sample_seconds = int(state["sample_tokens"]), float(state["sample_seconds"])
+
     def sample_tokens_per_s(self) -> float | None:
         return self._sample_tokens / self._sample_seconds if self._sample_seconds else None
 

@@ -55,7 +55,9 @@ def materialise(cfg: Mapping, cache_root: str | os.PathLike, progress: bool = Tr
 
     The build goes to a temporary sibling then is renamed into place, so a
     crash never leaves a half world; a per-world lock file makes a second
-    process wait for the first build instead of repeating it.
+    process wait for the first build instead of repeating it. A build that
+    was killed (no `finally`) leaves its `.tmp-*` sibling behind: the next
+    build removes those whose builder is gone (`_remove_stale_tmp`).
     """
     full = resolve(cfg)
     root = Path(cache_root)
@@ -67,6 +69,7 @@ def materialise(cfg: Mapping, cache_root: str | os.PathLike, progress: bool = Tr
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if _complete(target):  # another process built it while we waited
             return target
+        _remove_stale_tmp(root, target.name)
         tmp = root / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
@@ -78,6 +81,44 @@ def materialise(cfg: Mapping, cache_root: str | os.PathLike, progress: bool = Tr
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _remove_stale_tmp(root: Path, holding: str) -> list[Path]:
+    """Remove `.tmp-<world>-<pid>-<hex>` dirs left by killed builds; called while holding the lock
+    of world `holding`. A dir is stale when its builder's pid is not alive and no one holds its
+    world's lock (ours, for `holding`; for other worlds a non-blocking try of theirs, so a build in
+    progress elsewhere, even on another host sharing the cache, is never touched)."""
+    removed = []
+    for tmp in root.glob(".tmp-*"):
+        name, _, rest = tmp.name[len(".tmp-"):].rpartition("-")  # rest: the uuid part
+        name, _, pid = name.rpartition("-")
+        if not tmp.is_dir() or not name or not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        if name == holding:
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+            continue
+        lock_path = root / f".{name}.lock"
+        if not lock_path.exists():
+            continue
+        with open(lock_path, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # that world is being built right now
+                continue
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
 
 
 def _build(full: dict, tmp: Path, progress: bool) -> None:
