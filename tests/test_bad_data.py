@@ -134,7 +134,8 @@ def test_check_completions_names_row_and_field(tmp_path):
     assert _error(enc.check_completions, rows, where) == (
         "d.jsonl:2: rejected has character(s) the tokenizer cannot encode: 'N' (U+004E)")
     rows[1] = ROW
-    assert enc.check_completions(rows, where) is None
+    ok = enc.check_completions(rows, where)  # returns the truncation count once every text encodes
+    assert (ok.n, ok.cut) == (5, 0)
     assert _error(enc.check_prompts, [{"prompt": 5}], where) == (
         "d.jsonl:1: field 'prompt' must be a string or a list of {role, content} messages, got int 5")
 
