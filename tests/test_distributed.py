@@ -107,3 +107,36 @@ def test_two_rank_online_run_matches_one_process(tmp_path, cache_dir):
     assert (tmp_path / "one" / "samples.jsonl").read_text() == (tmp_path / "two" / "samples.jsonl").read_text()
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["status"] == "complete" and summary["data"] == "online" and summary["eval"]["n_prompts"] == 16
+
+
+def test_gradient_checkpointing_changes_memory_not_the_update(tmp_path, cache_dir):
+    plain_rows, plain = _train(tmp_path, "plain", ["objective=dpo", "+humanline=true"])
+    ckpt_rows, ckpt = _train(tmp_path, "ckpt", ["objective=dpo", "+humanline=true", "train.gradient_checkpointing=true"])
+    for a, b in zip(plain_rows, ckpt_rows):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5, abs=1e-6)
+    assert _close(plain, ckpt, 1e-6) < 1e-6
+
+
+@pytest.mark.slow
+def test_torchrun_habit_gives_one_run_dir_written_by_rank_0(tmp_path, cache_dir):
+    """`torchrun --nproc_per_node 2 -m humanline_cli train ...`: every rank runs Hydra, rank 0's run dir
+    is broadcast, only rank 0 writes; the result equals our own launcher's."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "tr"
+    args = ["train", *TINY_WORLD, *FAST, "backend=cpu", "backend.strategy=ddp", "objective=kto",
+            f"hydra.run.dir={out}"]
+    torchrun = Path(sys.executable).parent / "torchrun"
+    r = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "humanline_cli", *args],
+                       cwd=tmp_path, env={**os.environ}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "complete"
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2, 3]  # one writer: each step logged once
+    own_rows, _ = _train(tmp_path, "own", ["objective=kto", "backend.strategy=ddp", "backend.nproc=2"])
+    for a, b in zip(own_rows, rows):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5, abs=1e-6)

@@ -85,7 +85,7 @@ def test_tokenizer_round_trip_and_template(arith):
     assert full_ids[: len(prompt_ids)] == prompt_ids and full_ids[-1] == tok.eos_token_id
     assert tok.decode(full_ids[len(prompt_ids) :], skip_special_tokens=True) == "82"
     assert tok.decode(tok("a d k q").input_ids) == "a d k q"
-    enc = policy.Encoder(tok)  # the fast path SFT uses must equal the template
+    enc = policy.WorldCodec(tok)  # the fast path SFT uses must equal the template
     for content in ("00+99=", "qdka", "xyz"):
         got = _ids(
             tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
@@ -103,7 +103,7 @@ def test_policy_loads_with_safetensors(arith):
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     tok = AutoTokenizer.from_pretrained(arith / "policy")
     assert model.generation_config.eos_token_id == tok.eos_token_id
-    out = model(input_ids=torch.tensor([policy.Encoder(tok).prompt("12+34=")])).logits
+    out = model(input_ids=torch.tensor([policy.WorldCodec(tok).prompt("12+34=")])).logits
     assert out.shape[-1] == len(tok) and torch.isfinite(out).all()
 
 
