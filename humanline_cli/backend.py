@@ -129,11 +129,6 @@ def decoder_layers(model: torch.nn.Module) -> list:
     return list(layers)
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module underneath a DDP wrapper (FSDP2 shards in place, so it is the module itself)."""
-    return getattr(model, "module", model)
-
-
 @torch.no_grad()
 def clip_grad_norm(params: list, max_norm: float, dist: Dist) -> float:
     """Clip gradients to a global L2 norm and return that norm (before clipping).

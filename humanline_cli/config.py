@@ -22,8 +22,7 @@ from .humanline import HumanlineSpec
 
 OBJECTIVES = ("dpo", "kto", "grpo")
 # where a missing value is really asked for: data.path defaults to task.offline.path, and so on
-ALIASES = {"task.offline.path": "data.path", "task.prompts.train": "data.prompts",
-           "data.path": "data.path", "data.prompts": "data.prompts"}
+ALIASES = {"task.offline.path": "data.path", "task.prompts.train": "data.prompts"}
 REGIMES = ("offline", "online")
 
 

@@ -15,13 +15,24 @@ import csv
 import json
 import math
 import os
-import re
 import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UserError
+from .report_groups import (
+    DEFAULT_IGNORE,
+    Group,
+    _under,
+    derived_from,
+    family_defining,
+    group_labels,
+    group_runs,
+    parse_ignore,
+    signature,
+    varying_keys,
+)
 from .report_plots import FAMILIES, OBJECTIVES, log_to_wandb, make_plots, order
 
 MARKERS = ("summary.json", "failed.json", "metrics.jsonl")
@@ -29,13 +40,6 @@ CSV_COLUMNS = ("task", "objective", "family", "n_seeds", "win_rate_mean", "win_r
                "accuracy_mean", "accuracy_std", "reward_mean", "wall_clock_s", "sample_s", "label_s", "train_s",
                "speedup_vs_online")
 # Never change results: not part of a group's identity (nor is `seed`, which is what a group pools over).
-DEFAULT_IGNORE = ("seed", "hydra", "wandb", "threads", "world_cache", "resume", "experiment_name")
-# Define the data regime / humanline family: a speedup compares groups that differ only here.
-FAMILY_KEYS = ("data", "humanline", "hl", "sampler", "reward")
-# The table's own axes (sections, rows, columns), never repeated as extra columns.
-AXIS_KEYS = ("task.name", "objective.name", "data.regime", "humanline")
-NO_CONFIG = "config.yaml"  # pseudo-key telling groups without .hydra/config.yaml apart when mixed with others
-_INTERP = re.compile(r"\$\{(?:oc\.select:)?([A-Za-z_][\w.]*)(?=[},])")  # ${a.b} or ${oc.select:a.b,default}
 CI_NOTE = ("Win rate is against the starting policy on the same eval prompts (per-prompt outcome 1 win, 1/2 tie, 0 loss). "
            "95% CI: for a single seed, the run's own normal-approximation interval on the per-prompt outcomes "
            "(mean ± 1.96·sd/√n); for two or more seeds, a Student-t interval across the seeds' win rates "
@@ -234,115 +238,6 @@ def load_run(path: Path) -> Run:
     return run
 
 
-# ---------------------------------------------------------------- grouping
-def _under(key: str, prefixes) -> bool:
-    return any(key == p or key.startswith(p + ".") for p in prefixes)
-
-
-def parse_ignore(values) -> tuple[str, ...]:
-    """--ignore values (repeatable, comma-separated; `train.*` means `train`) -> dotted prefixes."""
-    keys = (k.strip().removesuffix(".*") for v in values or () for k in str(v).split(","))
-    return tuple(dict.fromkeys(k for k in keys if k))
-
-
-def comparable_config(run: Run, ignore=()) -> dict:
-    """The run's resolved config minus what never changes results, hl.* when humanline is off, and `ignore`.
-    `humanline` itself goes too: absent and `false` both mean off, and the family (a group's axis) carries it."""
-    drop = DEFAULT_IGNORE + ("humanline",) + tuple(ignore) + (() if run.config.get("humanline") is True else ("hl",))
-    return {k: v for k, v in run.config.items() if not _under(k, drop)}
-
-
-def _canon(v) -> str:
-    return json.dumps(v, sort_keys=True, default=str)
-
-
-def show(v) -> str:
-    return v if isinstance(v, str) else _canon(v)
-
-
-@dataclass
-class Group:
-    """Complete runs that differ only by seed (or by ignored keys): the unit of n, mean, sd and CI."""
-    task: str
-    objective: str
-    family: str
-    runs: list
-    cfg: dict | None  # comparable_config of its runs; None for run dirs without .hydra/config.yaml
-    raw: dict
-
-
-def group_runs(runs: list[Run], ignore=()) -> list[Group]:
-    groups: dict[tuple, Group] = {}
-    for r in runs:
-        cfg = comparable_config(r, ignore) if r.config is not None else None
-        ident = None if cfg is None else tuple(sorted((k, _canon(v)) for k, v in cfg.items()))
-        g = groups.setdefault((r.task, r.objective, r.family, ident), Group(r.task, r.objective, r.family, [], cfg, r.raw))
-        g.runs.append(r)
-    return list(groups.values())
-
-
-def derived_from(groups: list[Group]) -> dict[str, str]:
-    """key -> the one other subtree its value interpolates in every group that has the key
-    (train.batch_size: ${objective.batch_size}). A key that is a literal anywhere is its own."""
-    seen: dict[str, set] = {}
-    for g in groups:
-        for k in g.cfg or ():
-            refs = {r.split(".")[0] for r in _INTERP.findall(str(g.raw.get(k, "")))} - {k.split(".")[0]}
-            seen.setdefault(k, set()).add(next(iter(refs)) if len(refs) == 1 else None)
-    return {k: next(iter(s)) for k, s in seen.items() if len(s) == 1 and None not in s}
-
-
-def family_defining(key: str, derived: dict) -> bool:
-    return key.split(".")[0] in FAMILY_KEYS or derived.get(key) in FAMILY_KEYS
-
-
-def scope(g: Group, key: str, derived: dict):
-    """Which groups a key is compared with: a config group's keys (model.*, data.*, objective.*, and keys that only
-    interpolate one) only between groups that chose the same option (its name/regime/kind), so the defaults of
-    dpo vs grpo or of offline vs online data never show as differences. None: the key does not apply here
-    (an axis of the table, or hl.* with humanline off)."""
-    if g.cfg is None or key in AXIS_KEYS or (_under(key, ("hl",)) and not g.family.startswith("humanline-")):
-        return None
-    parts = []
-    for top in (key.split(".")[0], derived.get(key)):
-        if top is not None:
-            sel = next((f"{top}.{s}" for s in ("name", "regime", "kind") if f"{top}.{s}" in g.cfg), None)
-            parts.append((top, None if sel is None or sel == key else _canon(g.cfg[sel])))
-    return tuple(parts)
-
-
-def signature(g: Group, derived: dict) -> tuple:
-    """What must match for a speedup: everything but the family-defining keys."""
-    if g.cfg is None:
-        return (g.task, g.objective, None)
-    return (g.task, g.objective, tuple(sorted((k, _canon(v)) for k, v in g.cfg.items()
-                                              if not family_defining(k, derived))))
-
-
-def varying_keys(groups: list[Group], derived: dict) -> dict[str, set]:
-    """key -> the scopes in which it takes more than one value (an absent key counts as a value)."""
-    seen: dict[str, dict] = {}
-    for k in sorted({k for g in groups if g.cfg for k in g.cfg}):
-        for g in groups:
-            sc = scope(g, k, derived)
-            if sc is not None:
-                seen.setdefault(k, {}).setdefault(sc, set()).add(_canon(g.cfg[k]) if k in g.cfg else None)
-    out = {k: {sc for sc, vals in by.items() if len(vals) > 1} for k, by in seen.items()}
-    out = {k: scs for k, scs in out.items() if scs}
-    if any(g.cfg is None for g in groups) and any(g.cfg is not None for g in groups):
-        out[NO_CONFIG] = {None}
-    return out
-
-
-def group_labels(g: Group, varying: dict, derived: dict) -> dict:
-    """The varying keys this group has a distinguishing value for, as display strings."""
-    if g.cfg is None:
-        return {NO_CONFIG: "missing"} if NO_CONFIG in varying else {}
-    return {k: (show(g.cfg[k]) if k in g.cfg else "unset") for k, scs in varying.items()
-            if k != NO_CONFIG and scope(g, k, derived) in scs}
-
-
-# ---------------------------------------------------------------- aggregation
 def _mean(xs):
     xs = [float(x) for x in xs if x is not None]
     return statistics.fmean(xs) if xs else None

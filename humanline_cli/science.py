@@ -76,7 +76,7 @@ class GapRow:
 def gap_rows(runs: list, ignore=()) -> list[GapRow]:
     """From complete runs (report.Run objects), one row per comparison set holding all three of
     offline, online and humanline-offline groups."""
-    from .report import derived_from, group_runs, signature
+    from .report_groups import derived_from, group_runs, signature
 
     groups = group_runs(runs, ignore)
     rows = []

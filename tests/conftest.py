@@ -49,3 +49,14 @@ def build_tiny_reward_model(path: Path):
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return model, tok
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (restored after): in-process training tests on a shared machine."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

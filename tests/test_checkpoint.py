@@ -45,15 +45,8 @@ from humanline_cli.timing import PhaseTimer
 from humanline_cli.tracking import NullTracker, Tracker
 from humanline_cli.trainer import train
 
-
 # ------------------------------------------------------------------ in-process pieces
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread (the machine's cores are shared); restored for the next test module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
 
 
 def tiny_llama():

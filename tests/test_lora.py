@@ -31,12 +31,7 @@ ADAPTER_PARAMS = 2 * (4 * (4 * 64 + 64 * 4) + 2 * (4 * 64 + 128 * 4) + (4 * 128 
 LN2 = math.log(2.0)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
 
 
 def tiny_llama(seed: int = 0, tie: bool = False) -> LlamaForCausalLM:

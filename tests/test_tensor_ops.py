@@ -20,13 +20,7 @@ from humanline_cli.tensor_ops import (
     token_logps,
 )
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
 
 
 def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, tie: bool = False, seed: int = 0):
