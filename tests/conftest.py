@@ -60,3 +60,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+def build_bpe_tokenizer(corpus: list[str], vocab_size: int, model_max_length: int, chat_template: str):
+    """A byte-level BPE tokenizer (encodes any text) trained on `corpus`, with pad/bos/eos, <|user|> /
+    <|assistant|> markers and the given chat template: a stand-in for a real model's tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                         show_progress=False,
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<|pad|>", bos_token="<|bos|>", eos_token="<|eos|>",
+        additional_special_tokens=["<|user|>", "<|assistant|>"], model_max_length=model_max_length,
+        chat_template=chat_template)

@@ -18,21 +18,13 @@ CORPUS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital 
 
 def build_tiny_qwen(root: Path) -> tuple[Path, Path]:
     """(policy dir, reward-model dir): Qwen2 (head_dim 32), byte-level BPE with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+    from conftest import build_bpe_tokenizer
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
-    specials = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"]
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    core.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False,
-                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<|pad|>", bos_token="<|bos|>", eos_token="<|eos|>",
-        additional_special_tokens=["<|user|>", "<|assistant|>"], model_max_length=512,
-        chat_template=("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
-                       "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
-                       "{% if add_generation_prompt %}<|assistant|>{% endif %}"))
+    tok = build_bpe_tokenizer(CORPUS, 300, 512, (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+        "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"))
     cfg = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                num_key_value_heads=2, head_dim=32, max_position_embeddings=512, pad_token_id=tok.pad_token_id,
                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)

@@ -447,21 +447,13 @@ def build_tiny_judge(path: Path) -> tuple[str, int]:
     untied lm_head reads only channel D, into the "A" logit. So max_tokens=1 gives "A" (always the first
     position: a maximally position-biased judge) and max_tokens=2 gives "AA" (unparsable)."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from conftest import build_bpe_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    specials = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"]
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
     corpus = [TEMPLATE, "The quick brown fox jumps over the lazy dog.", "Paris is the capital of France."] * 3
-    core.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
-                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<|pad|>", bos_token="<|bos|>", eos_token="<|eos|>",
-        additional_special_tokens=["<|user|>", "<|assistant|>"], model_max_length=1024,
-        chat_template=("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
-                       "{% if add_generation_prompt %}<|assistant|>{% endif %}"))
+    tok = build_bpe_tokenizer(corpus, 400, 1024, (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"))
     a_id = tok.convert_tokens_to_ids("A")
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
