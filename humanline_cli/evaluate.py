@@ -84,13 +84,13 @@ class Evaluator:
         side = self.sample(sampler)
         if self.pairwise is not None:
             return self._pairwise(side, samples_path)
-        result = self._pointwise(side, self.baseline, samples_path)
+        result = self._pointwise(side, self.baseline, samples_path, self.params.temperature)
         result["sampled"] = self._mode_summary(result, side, self.baseline)
         if self.greedy_params is not None:
             if self.greedy_baseline is None:  # a baseline restored without its greedy half
                 raise RuntimeError("greedy baseline missing")
             g_side = self.sample(sampler, self.greedy_params)
-            g = self._pointwise(g_side, self.greedy_baseline, None)
+            g = self._pointwise(g_side, self.greedy_baseline, None, 0.0)
             result["greedy"] = self._mode_summary(g, g_side, self.greedy_baseline)
         return result
 
@@ -107,7 +107,7 @@ class Evaluator:
                 out["subsets"][name] = {"n": len(idx), key: mean, f"start_{key}": start}
         return out
 
-    def _pointwise(self, side: Side, base: Side, samples_path: Path | None) -> dict:
+    def _pointwise(self, side: Side, base: Side, samples_path: Path | None, temperature: float) -> dict:
         wr, ci, outcomes = win_rate(side.scores, base.scores)
         n = len(side.scores)
         mean = sum(side.scores) / n
@@ -121,7 +121,7 @@ class Evaluator:
             "accuracy": mean if self.verifiable else None,
             "start_accuracy": base_mean if self.verifiable else None,
             "judge": self.judge_name,
-            "temperature": 0.0 if base is self.greedy_baseline else self.params.temperature,
+            "temperature": temperature,
         }
         if samples_path is not None:
             with open(samples_path, "w") as f:
