@@ -41,6 +41,9 @@ class TrainSpec:
     log_every: int
     save_model: bool
     gradient_checkpointing: bool = False
+    packing: bool = False    # padding-free micro-batches (tensor_ops.token_logps packs each into one row)
+    length_bucketing: bool = True  # unpacked micro-batches drawn from length-sorted units
+    reference_cache: bool = True   # reuse reference log-probs while the reference cannot move
     ranks: int = 1           # processes sharing each global batch (backend.nproc under ddp/fsdp)
     checkpoint_every: int = 0  # write a resumable checkpoint every N optimizer steps (0 = never)
     keep_checkpoints: int = 2  # the newest K checkpoints are kept
@@ -224,6 +227,7 @@ def validate(cfg: DictConfig) -> RunSpec:
                       max_length=t.max_length, max_prompt_length=t.max_prompt_length,
                       log_every=_positive(t.log_every, "train.log_every"), save_model=t.save_model,
                       gradient_checkpointing=t.gradient_checkpointing, ranks=ranks,
+                      packing=t.packing, length_bucketing=t.length_bucketing, reference_cache=t.reference_cache,
                       checkpoint_every=checkpoint_every, keep_checkpoints=t.keep_checkpoints,
                       max_truncated_fraction=t.max_truncated_fraction)
     if ranks > 1:

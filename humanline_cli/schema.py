@@ -264,6 +264,9 @@ class TrainConfig:
     log_every: int = 10
     save_model: bool = True
     gradient_checkpointing: bool = False
+    packing: bool = False           # each micro-batch's sequences as one padding-free row (position ids reset per sequence)
+    length_bucketing: bool = True   # unpacked: micro-batches of similar lengths (sorted within each rank's share)
+    reference_cache: bool = True    # fixed reference (plain offline): each sequence's reference log-probs computed once
     max_truncated_fraction: float = 0.01   # more offline completions cut than this: stop (1.0 allows any)
     checkpoint_every: int = 50      # resumable checkpoint every N optimizer steps (0 = off)
     keep_checkpoints: int = 2       # newest checkpoints kept in <run_dir>/checkpoints/
