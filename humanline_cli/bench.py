@@ -9,11 +9,16 @@ model=..., backend=cuda, train.max_length=..., train.micro_batch_size=..., hl.sy
     steps=20        timed optimizer steps per run          warmup=2     untimed steps before them
     repeats=2       runs per system, interleaved           batch_size=  units per step (objective's)
     threads=        torch CPU threads (torch's default)    trl=auto     auto | true | false
+    cache=true      also time the cached-reference step (and TRL's precompute_ref_log_probs for DPO/KTO)
     sampler=false   also time HF generate vs vLLM          prompts=64   prompts for the sampler timing
     out=runs/bench/<objective>-<time>.json
 
 Systems run interleaved (project, project+humanline, TRL, project, ...) so a shared machine's drift
-hits all alike. Each run builds everything fresh (the project: build_parts + trainer.train, the real
+hits all alike. The plain row runs with train.reference_cache=false (every step runs the reference
+forward, as the first epoch does); the cached row is a plain run whose reference log-probs for the
+timed steps were computed before timing (what every epoch after the first costs), next to TRL with
+precompute_ref_log_probs=True (its reference pass also runs before its first step). TRL trains on the
+same units the project's timed steps draw (batch_size x (warmup + steps) of them). Each run builds everything fresh (the project: build_parts + trainer.train, the real
 loop; TRL: its Trainer.train) and times its last `steps` steps, each from the start of its data fetch
 to the start of the next step's. Throughput pools units and tokens over all timed steps of all runs.
 Model FLOP/s counts 6 P T for the policy forward+backward plus 2 P T for the reference forward
@@ -44,7 +49,7 @@ from .errors import UserError
 
 UNIT = {"dpo": "pairs", "kto": "examples", "grpo": "groups"}
 DEFAULTS = {"steps": 20, "warmup": 2, "repeats": 2, "batch_size": None, "threads": None, "trl": "auto",
-            "sampler": False, "prompts": 64, "out": None}
+            "cache": True, "sampler": False, "prompts": 64, "out": None}
 GRPO_NOTE = ("TRL's GRPOTrainer only trains on its own generations (no offline groups): its row times "
              "GRPOTrainer.compute_loss on the same fixed groups (reference forward, loss, backward, clip, AdamW "
              "step in the bench's loop), not GRPOTrainer.train")
@@ -85,7 +90,7 @@ def _value(key: str, value: str):
         raise UserError(f"bench: {key} must be an integer, got {value!r}") from None
 
 
-def compose_spec(overrides: list[str], opts: dict, humanline: bool):
+def compose_spec(overrides: list[str], opts: dict, humanline: bool, extra: tuple[str, ...] = ()):
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -94,7 +99,7 @@ def compose_spec(overrides: list[str], opts: dict, humanline: bool):
 
     user = [o for o in overrides if o.lstrip("+~").split("=")[0] != "humanline"]
     mine = [f"train.steps={opts['warmup'] + opts['steps']}", "train.log_every=1000000", "train.save_model=false",
-            "eval.every=0", "eval.n_prompts=1"]
+            "eval.every=0", "eval.n_prompts=1", *extra]
     if opts["batch_size"]:
         mine.append(f"train.batch_size={opts['batch_size']}")
     if opts["threads"]:
@@ -121,6 +126,7 @@ class Run:
     units: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     kl_tokens: list[int] = field(default_factory=list)
+    cache_hit_fraction: float | None = None  # reference-cache hits over the run's steps (cached rows)
 
 
 def _now(device) -> float:
@@ -179,7 +185,20 @@ def _collect(starts: list[float], end: float, sizes: list[tuple], warmup: int) -
 
 
 # -- the project's step ----------------------------------------------------------------------------
-def project_run(spec, warmup: int, info: dict) -> Run:
+def _prefill(parts, steps: int) -> None:
+    """Compute the reference log-probs of every sequence the run's steps will draw (a copy of the
+    source draws them), so the timed steps find them all in the cache, as epochs after the first do."""
+    from .batches import BinaryBatch
+
+    ghost = copy.deepcopy(parts.source)
+    for step in range(1, steps + 1):
+        for mb in ghost.next_step(step).micro_batches:
+            for seqs in (mb.seqs, *((mb.kl_seqs,) if isinstance(mb, BinaryBatch) else ())):
+                with parts.backend.autocast():
+                    parts.reference.logps(seqs)
+
+
+def project_run(spec, warmup: int, info: dict, prefill: bool = False) -> Run:
     from rich.console import Console
 
     from .build import build_parts
@@ -191,6 +210,9 @@ def project_run(spec, warmup: int, info: dict) -> Run:
         parts = build_parts(spec, timer, Path(tmp))
         try:
             device = parts.backend.device
+            if prefill:
+                _prefill(parts, spec.train.steps)
+                parts.reference.hits = parts.reference.misses = 0
             parts.source = _TimedSource(parts.source, device, spec.train.batch_size)
             tracker = _ClockTracker(spec.train.steps, device)
             train(spec, parts, tracker, timer, Console(file=io.StringIO()))
@@ -199,7 +221,10 @@ def project_run(spec, warmup: int, info: dict) -> Run:
                 info["backend"] = parts.backend
                 info["units"] = parts.source.source.units
                 info["tokenizer"] = parts.tokenizer
-            return _collect(parts.source.starts, tracker.end, parts.source.sizes, warmup)
+            run = _collect(parts.source.starts, tracker.end, parts.source.sizes, warmup)
+            if hasattr(parts.reference, "stats"):
+                run.cache_hit_fraction = parts.reference.stats()["reference_cache/hit_fraction"]
+            return run
         finally:
             parts.close()
 
@@ -287,8 +312,9 @@ def _trl_common(spec, backend, out_dir: str) -> dict:
                 max_length=tr.max_length, beta=spec.objective_cfg.beta)
 
 
-def trl_run(spec, info: dict, warmup: int) -> Run:
-    """TRL's DPOTrainer / KTOTrainer.train on the project's units, model and settings."""
+def trl_run(spec, info: dict, warmup: int, precompute: bool = False) -> Run:
+    """TRL's DPOTrainer / KTOTrainer.train on the project's units, model and settings; `precompute`:
+    precompute_ref_log_probs=True (TRL's reference pass over the data runs before the first step)."""
     from datasets import Dataset
     from transformers import TrainerCallback
 
@@ -299,7 +325,8 @@ def trl_run(spec, info: dict, warmup: int) -> Run:
     model_path, tok_path = model_paths(spec)
     tokenizer = load_tokenizer(tok_path, spec.model_cfg.trust_remote_code)
     wrap = make_encoder(spec, tokenizer).wrap_strings
-    data = Dataset.from_list(_as_chat(_trl_rows(spec.objective, info["units"]), wrap))
+    units = info["units"][: spec.train.batch_size * spec.train.steps]  # as many as the project's steps draw
+    data = Dataset.from_list(_as_chat(_trl_rows(spec.objective, units), wrap))
     policy = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code)
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
     ends: list[float] = []
@@ -314,7 +341,8 @@ def trl_run(spec, info: dict, warmup: int) -> Run:
         if spec.objective == "dpo":
             from trl import DPOConfig, DPOTrainer
 
-            args = DPOConfig(**_trl_common(spec, backend, tmp), loss_type=["sigmoid"])
+            args = DPOConfig(**_trl_common(spec, backend, tmp), loss_type=["sigmoid"],
+                             precompute_ref_log_probs=precompute)
             trainer = DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=data,
                                  processing_class=tokenizer, callbacks=[Clock()])
         else:
@@ -322,7 +350,7 @@ def trl_run(spec, info: dict, warmup: int) -> Run:
 
             o = spec.objective_cfg
             args = KTOConfig(**_trl_common(spec, backend, tmp), desirable_weight=o.desirable_weight,
-                             undesirable_weight=o.undesirable_weight)
+                             undesirable_weight=o.undesirable_weight, precompute_ref_log_probs=precompute)
             trainer = KTOTrainer(model=policy, ref_model=ref, args=args, train_dataset=data,
                                  processing_class=tokenizer, callbacks=[Clock()])
         counter = _CountingCollator(trainer.data_collator)
@@ -464,6 +492,9 @@ def summarise(name: str, runs: list[Run], matmul_params: int, peak: float) -> di
            "kl_tokens": kl, "seconds": seconds, "steps_timed": steps,
            "step_s_per_run": [sum(r.seconds) / len(r.seconds) for r in runs]}
     row["mfu"] = row["flops_per_s"] / peak
+    hits = [r.cache_hit_fraction for r in runs if r.cache_hit_fraction is not None]
+    if hits:
+        row["reference_cache_hit_fraction"] = min(hits)
     return row
 
 
@@ -514,7 +545,8 @@ def sampler_bench(spec, info: dict, n_prompts: int) -> dict:
 
 # -- the command -----------------------------------------------------------------------------------
 def run_bench(opts: dict, overrides: list[str], console) -> dict:
-    plain = compose_spec(overrides, opts, humanline=False)
+    plain = compose_spec(overrides, opts, humanline=False, extra=("train.reference_cache=false",))
+    cached = compose_spec(overrides, opts, humanline=False, extra=("train.reference_cache=true",))
     hl = compose_spec(overrides, opts, humanline=True)
     objective = plain.objective
     want_trl = opts["trl"] is True or (opts["trl"] == "auto" and trl_available())
@@ -527,8 +559,12 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
         no_trl = "TRL not installed (pip install -e '.[bench]') or trl=false"
     info: dict = {}
     runs: dict[str, list[Run]] = {"project": [], "project_humanline": []}
+    if opts["cache"]:
+        runs["project_cached"] = []
     if want_trl:
         runs["trl"] = []
+        if opts["cache"] and objective != "grpo":
+            runs["trl_cached"] = []
     peaks = []
     for r in range(opts["repeats"]):
         for name in runs:
@@ -539,12 +575,17 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
                     runs[name].append(project_run(plain, opts["warmup"], info))
                 case "project_humanline":
                     runs[name].append(project_run(hl, opts["warmup"], info))
+                case "project_cached":
+                    runs[name].append(project_run(cached, opts["warmup"], info, prefill=True))
                 case "trl" if objective == "grpo":
                     with _quiet():
                         runs[name].append(trl_grpo_run(plain, info, opts["warmup"]))
                 case "trl":
                     with _quiet():
                         runs[name].append(trl_run(plain, info, opts["warmup"]))
+                case "trl_cached":
+                    with _quiet():
+                        runs[name].append(trl_run(plain, info, opts["warmup"], precompute=True))
             if not peaks:  # the matmul shape: the model's MLP on the first run's micro-batch size
                 r0 = runs["project"][0]
                 shape = (max(64, round(sum(r0.tokens) / len(r0.tokens) / plain.train.accumulation)),
@@ -568,6 +609,10 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
         "trl_ratio": rows["project"]["units_per_s"] / rows["trl"]["units_per_s"] if "trl" in rows else None,
         "trl_humanline_ratio": (rows["project_humanline"]["units_per_s"] / rows["trl"]["units_per_s"]
                                 if "trl" in rows else None),
+        "cache_speedup": (rows["project"]["step_s"] / rows["project_cached"]["step_s"]
+                          if "project_cached" in rows else None),
+        "trl_cached_ratio": (rows["project_cached"]["units_per_s"] / rows["trl_cached"]["units_per_s"]
+                             if "trl_cached" in rows else None),
         "trl_note": (GRPO_NOTE if objective == "grpo" else None) if want_trl else no_trl,
         "versions": _versions(),
     }
@@ -605,7 +650,9 @@ def print_result(res: dict, console) -> None:
                     f"{res['threads']} threads, batch {res['batch_size']} {unit}, {res['steps']} steps x {res['repeats']}")
     for col in ("system", f"{unit}/s", "tokens/s", "step ms", "model GFLOP/s", "% of matmul peak"):
         t.add_column(col, justify="right" if col != "system" else "left")
-    names = {"project": "humanline (plain)", "project_humanline": "humanline (+humanline)", "trl": "TRL"}
+    names = {"project": "humanline (plain)", "project_cached": "humanline (plain, reference cached)",
+             "project_humanline": "humanline (+humanline)", "trl": "TRL",
+             "trl_cached": "TRL (precompute_ref_log_probs)"}
     for key, row in res["rows"].items():
         t.add_row(names[key], f"{row['units_per_s']:.1f}", f"{row['tokens_per_s']:.0f}", f"{1e3 * row['step_s']:.1f}",
                   f"{row['flops_per_s'] / 1e9:.2f}", f"{100 * row['mfu']:.1f}")
@@ -617,6 +664,11 @@ def print_result(res: dict, console) -> None:
     if res["trl_ratio"] is not None:
         console.print(f"throughput vs TRL (project {unit}/s / TRL {unit}/s): plain {res['trl_ratio']:.2f}x, "
                       f"+humanline {res['trl_humanline_ratio']:.2f}x")
+    if res.get("cache_speedup") is not None:
+        console.print(f"reference cache (plain step / cached step, epochs after the first): "
+                      f"{res['cache_speedup']:.2f}x")
+    if res.get("trl_cached_ratio") is not None:
+        console.print(f"cached reference vs TRL precompute_ref_log_probs ({unit}/s): {res['trl_cached_ratio']:.2f}x")
     if res["trl_note"]:
         console.print(f"note: {res['trl_note']}", markup=False)
     s = res.get("sampler")

@@ -158,3 +158,73 @@ def make_lora_reference(peft_model: torch.nn.Module, moving: bool) -> BaseRefere
     """moving=False (plain offline): BaseReference; moving=True (humanline sync or online round resets):
     AdapterReference. Build it BEFORE the optimizer and any DDP/FSDP wrapping, since it adds parameters."""
     return AdapterReference(peft_model) if moving else BaseReference(peft_model)
+
+
+# ------------------------------------------------------------------ reference log-prob cache
+class CachedReference:
+    """A FIXED reference (plain offline runs) whose per-token log-probs are computed once per sequence.
+
+    Keyed by the sequence's content (its real token ids and where its completion starts), so the same
+    pair seen again in a later epoch, in another micro-batch or on another step, reuses the numbers the
+    reference produced the first time; only the policy forward and backward run again. A batch whose
+    sequences are all known skips the reference forward; otherwise the whole batch runs as it would
+    uncached (the same shapes, the same numbers) and the new sequences are stored. Values returned are
+    always the ones first computed for that sequence, bitwise; note the uncached path itself is not
+    batch-invariant (one sequence's log-probs differ in the last float32 bits between two batches of
+    different padding), so a cached run equals an uncached one bitwise until the first repeat and to
+    float32 rounding after. Kept in host memory: 4 bytes per completion token.
+
+    `sync` refuses: a reference that moves (humanline sync, online round resets) is never wrapped.
+    (Online rounds use each sample in one step, so there is nothing to reuse there.)
+    """
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.store: dict[bytes, torch.Tensor] = {}
+        self.hits = 0    # sequences served from the store
+        self.misses = 0  # sequences the reference model computed
+
+    def __getattr__(self, name):  # .model, .n_params() ... of the wrapped reference
+        if name == "inner":  # not set yet (copy/unpickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @staticmethod
+    def _keys(seqs: Seqs) -> list[bytes]:
+        ids, real, comp = seqs.input_ids.cpu(), seqs.attention_mask.cpu().bool(), seqs.loss_mask.cpu()
+        keys = []
+        for i in range(ids.shape[0]):
+            start = int(comp[i].nonzero()[0]) if comp[i].any() else -1
+            keys.append(start.to_bytes(4, "little", signed=True) + ids[i][real[i]].numpy().tobytes())
+        return keys
+
+    @torch.no_grad()
+    def logps(self, seqs: Seqs) -> torch.Tensor:
+        keys = self._keys(seqs)
+        known = [self.store.get(k) for k in keys]
+        mask = seqs.loss_mask[:, 1:]
+        if all(v is not None for v in known):
+            self.hits += len(keys)
+            out = torch.zeros(mask.shape, dtype=torch.float32, device=seqs.input_ids.device)
+            rows, cols = mask.nonzero(as_tuple=True)
+            values = torch.cat(known) if known else torch.zeros(0)
+            return out.index_put((rows, cols), values.to(out.device))
+        out = self.inner.logps(seqs)
+        host = out.cpu()
+        host_mask = mask.cpu()
+        for i, (key, value) in enumerate(zip(keys, known)):
+            if value is None:
+                self.misses += 1
+                self.store[key] = host[i][host_mask[i]].clone()
+            else:  # known from an earlier batch: serve the first-computed numbers
+                self.hits += 1
+                out[i][mask[i]] = value.to(out.device)
+        return out
+
+    def sync(self, policy: torch.nn.Module) -> None:
+        raise RuntimeError("CachedReference wraps a fixed reference only; a moving reference must not be cached")
+
+    def stats(self) -> dict:
+        total = self.hits + self.misses
+        return {"reference_cache/hit_fraction": self.hits / total if total else 0.0,
+                "reference_cache/sequences": len(self.store)}

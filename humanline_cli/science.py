@@ -7,6 +7,12 @@ interval). A comparison set is a group of complete runs whose configs agree on e
 family-defining keys (data regime, humanline, hl, sampler, reward): report.py's grouping decides it.
 The metric is the greedy task accuracy when runs recorded it (eval.greedy.accuracy), else the sampled
 accuracy, else the sampled win rate against the starting policy.
+
+Speed is reported two ways. `speedup`: online wall-clock / humanline-offline wall-clock over the same
+number of steps. `equal_quality`: the paper's framing, from learning curves (eval.every > 0): per seed,
+the work time (train + sample + label + sync + push, i.e. without evaluation and setup) online needs to
+first reach the score humanline-offline ends at, divided by humanline-offline's work time to reach it,
+with linear interpolation between evaluation points (the starting policy's score at time 0).
 """
 from __future__ import annotations
 
@@ -53,6 +59,68 @@ def gap_closed(offline: dict, online: dict, humanline: dict) -> dict:
     return out
 
 
+WORK = ("train", "sample", "label", "sync", "push")  # phases that are the cost of learning
+CURVE_KEYS = {"greedy accuracy": ("eval/greedy/accuracy", ("greedy", "start_accuracy")),
+              "accuracy": ("eval/accuracy", (None, "start_accuracy")),
+              "win rate": ("eval/win_rate", None)}
+
+
+def _work(times: dict) -> float:
+    return float(sum(times.get(k, 0.0) or 0.0 for k in WORK))
+
+
+def learning_curve(summary: dict, metrics: list[dict], metric: str) -> list[tuple[float, float]]:
+    """[(work seconds, score)]: the starting policy at 0, every mid-run evaluation (timed by the train
+    row logged at the same step: eval.every a multiple of train.log_every), the final evaluation."""
+    key, start = CURVE_KEYS[metric]
+    ev = summary.get("eval") or {}
+    points = []
+    if start is None:
+        points.append((0.0, 0.5))  # a policy against itself
+    else:
+        mode, field_ = start
+        value = (ev.get(mode) or {}).get(field_) if mode else ev.get(field_)
+        if value is not None:
+            points.append((0.0, float(value)))
+    train_rows = {r["step"]: r for r in metrics if "time/train" in r}
+    for r in metrics:
+        if key in r and r.get("step") in train_rows:
+            t = _work({k.removeprefix("time/"): v for k, v in train_rows[r["step"]].items() if k.startswith("time/")})
+            points.append((t, float(r[key])))
+    final = _metric(summary, metric)
+    if final is not None:
+        points.append((_work(summary.get("wall_clock_s") or {}), final))
+    return points
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
+    """Work seconds at which the curve first reaches `target` (linear between points), None if never."""
+    for i, (t, v) in enumerate(curve):
+        if v >= target:
+            if i == 0:
+                return t
+            t0, v0 = curve[i - 1]
+            return t0 + (t - t0) * (target - v0) / (v - v0)
+    return None
+
+
+def equal_quality(online: dict, humanline: dict) -> dict:
+    """Each maps seed -> learning curve. Per paired seed: online's time to humanline-offline's final
+    score over humanline-offline's own time to it. `never`: seeds where online never got there (not
+    averaged: online is then slower than any finite ratio says)."""
+    seeds = sorted(set(online) & set(humanline), key=str)
+    ratios, never, points = {}, 0, min((len(c) for c in [*online.values(), *humanline.values()]), default=0)
+    for s in seeds:
+        target = humanline[s][-1][1]
+        t_on, t_hl = time_to(online[s], target), time_to(humanline[s], target)
+        if t_on is None:
+            never += 1
+        elif t_hl:
+            ratios[s] = t_on / t_hl
+    return {"per_seed": ratios, "never": never, "mean": statistics.fmean(ratios.values()) if ratios else None,
+            "min_points": points}
+
+
 @dataclass
 class GapRow:
     task: str
@@ -65,6 +133,7 @@ class GapRow:
     gap: dict
     online_wall_s: float | None
     humanline_wall_s: float | None
+    equal: dict | None = None  # equal_quality(...) when the runs have learning curves
 
     @property
     def speedup(self) -> float | None:
@@ -100,11 +169,15 @@ def gap_rows(runs: list, ignore=()) -> list[GapRow]:
             wall = {f: statistics.fmean(r.summary.get("wall_clock_s", {}).get("total", math.nan) for r in by[f].values())
                     for f in ("online", "humanline-offline")}
             label = ", ".join(f"{k}={v}" for k, v in (sig or ()) if k in differing)
+            curves = {f: {s: learning_curve(r.summary, r.metrics, metric) for s, r in by[f].items()}
+                      for f in ("online", "humanline-offline")}
+            mid = all(len(c) > 2 for f in curves for c in curves[f].values())  # at least one mid-run eval
             rows.append(GapRow(task, objective, label, metric, statistics.fmean(vals["offline"].values()),
                                statistics.fmean(vals["online"].values()),
                                statistics.fmean(vals["humanline-offline"].values()),
                                gap_closed(vals["offline"], vals["online"], vals["humanline-offline"]),
-                               wall["online"], wall["humanline-offline"]))
+                               wall["online"], wall["humanline-offline"],
+                               equal_quality(curves["online"], curves["humanline-offline"]) if mid else None))
     return rows
 
 
@@ -121,13 +194,16 @@ def write_csv(rows: list[GapRow], path) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["task", "objective", "set", "metric", "offline", "online", "humanline_offline", "gap_closed",
-                    "gap_closed_lo", "gap_closed_hi", "n_seeds", "online_wall_s", "humanline_offline_wall_s", "speedup"])
+                    "gap_closed_lo", "gap_closed_hi", "n_seeds", "online_wall_s", "humanline_offline_wall_s", "speedup",
+                    "speedup_equal_quality", "online_never_reached"])
         for r in rows:
             g = r.gap
             w.writerow([r.task, r.objective, r.label, r.metric, f"{r.offline:.6g}", f"{r.online:.6g}",
                         f"{r.humanline_offline:.6g}", "" if g["mean"] is None else f"{g['mean']:.6g}",
                         "" if g["lo"] is None else f"{g['lo']:.6g}", "" if g["hi"] is None else f"{g['hi']:.6g}",
-                        g["n"], r.online_wall_s, r.humanline_wall_s, "" if r.speedup is None else f"{r.speedup:.4g}"])
+                        g["n"], r.online_wall_s, r.humanline_wall_s, "" if r.speedup is None else f"{r.speedup:.4g}",
+                        "" if not r.equal or r.equal["mean"] is None else f"{r.equal['mean']:.4g}",
+                        "" if not r.equal else r.equal["never"]])
 
 
 def _metric(summary: dict, name: str) -> float | None:
@@ -141,16 +217,24 @@ def markdown(rows: list[GapRow]) -> list[str]:
     if not rows:
         return ["No comparison set has offline, online and humanline-offline runs: no gap to report.", ""]
     lines = ["gap closed = (humanline-offline - offline) / (online - offline), per seed (paired), mean "
-             "[95% t-interval across seeds]; speedup = online wall-clock / humanline-offline wall-clock.", "",
-             "| task | objective | set | metric | offline | online | humanline-offline | gap closed | seeds | speedup |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "[95% t-interval across seeds]; speedup = online wall-clock / humanline-offline wall-clock at equal "
+             "steps; at equal quality = online's work time to reach humanline-offline's final score / "
+             "humanline-offline's (learning curves; n/a without mid-run evals, eval.every).", "",
+             "| task | objective | set | metric | offline | online | humanline-offline | gap closed | seeds | speedup "
+             "| at equal quality |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         g = r.gap
         gap = "–" if g["mean"] is None else f"{g['mean']:.0%}" + (
             f" [{g['lo']:.0%}, {g['hi']:.0%}]" if g["lo"] is not None else "")
         speed = f"{r.speedup:.2f}x" if r.speedup else "n/a"
+        eq = "n/a"
+        if r.equal:
+            eq = f"{r.equal['mean']:.2f}x" if r.equal["mean"] is not None else "–"
+            if r.equal["never"]:
+                eq += f" (online never reached it in {r.equal['never']} seed(s))"
         lines.append(f"| {r.task} | {r.objective} | {r.label or '–'} | {r.metric} | {r.offline:.3f} | {r.online:.3f} | "
-                     f"{r.humanline_offline:.3f} | {gap} | {g['n']} | {speed} |")
+                     f"{r.humanline_offline:.3f} | {gap} | {g['n']} | {speed} | {eq} |")
     return lines + [""]
 
 

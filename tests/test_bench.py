@@ -60,7 +60,9 @@ def test_bench_cli_writes_consistent_json(tiny_world, tmp_path, objective, unit)
     res, stdout = _bench(tmp_path, objective)
     assert res["objective"] == objective and res["unit"] == unit and res["device"] == "cpu"
     assert res["precision"] == "fp32" and res["threads"] == 1 and res["batch_size"] == 8
-    expected = {"project", "project_humanline"} | ({"trl"} if HAS_TRL else set())
+    expected = {"project", "project_humanline", "project_cached"} | ({"trl"} if HAS_TRL else set())
+    if HAS_TRL and objective != "grpo":
+        expected.add("trl_cached")
     assert set(res["rows"]) == expected
     peak = res["matmul_peak"]["flops_per_s"]
     assert peak > 0 and res["params"] >= res["matmul_params"] > 0
@@ -77,6 +79,11 @@ def test_bench_cli_writes_consistent_json(tiny_world, tmp_path, objective, unit)
     assert plain["tokens"] == hl["tokens"]  # same seed, same batches: only the reference differs
     assert res["humanline_overhead"] == pytest.approx(hl["step_s"] / plain["step_s"], rel=1e-12)
     assert "humanline overhead" in stdout
+    cached = res["rows"]["project_cached"]
+    assert cached["tokens"] == plain["tokens"]  # the same batches, the reference forward skipped
+    assert cached["reference_cache_hit_fraction"] == 1.0 and "reference_cache_hit_fraction" not in plain
+    assert res["cache_speedup"] == pytest.approx(plain["step_s"] / cached["step_s"], rel=1e-12)
+    assert f"{res['cache_speedup']:.2f}x" in stdout
     if HAS_TRL:
         trl = res["rows"]["trl"]
         assert res["trl_ratio"] == pytest.approx(plain["units_per_s"] / trl["units_per_s"], rel=1e-12)
@@ -85,6 +92,10 @@ def test_bench_cli_writes_consistent_json(tiny_world, tmp_path, objective, unit)
         assert 0.8 < trl["tokens"] / plain["tokens"] < 1.25
         assert f"{res['trl_ratio']:.2f}x" in stdout and "TRL" in stdout
         assert ("GRPOTrainer.compute_loss" in (res["trl_note"] or "")) == (objective == "grpo")
+        if objective != "grpo":
+            ratio = cached["units_per_s"] / res["rows"]["trl_cached"]["units_per_s"]
+            assert res["trl_cached_ratio"] == pytest.approx(ratio, rel=1e-12)
+            assert "precompute_ref_log_probs" in stdout
     else:
         assert res["trl_ratio"] is None and "TRL not installed" in res["trl_note"]
 

@@ -62,6 +62,8 @@ def test_metrics_jsonl_rows(sweep):
             assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "wall_s"} <= set(r)
             assert r["tokens_per_s"] > 0
             assert ("humanline/unclamped_fraction" in r) == s["humanline"]
+            # plain offline: the reference is fixed, so its log-probs are cached (no unit repeats in 3 steps)
+            assert r.get("reference_cache/hit_fraction", "off") == ("off" if s["humanline"] else 0.0)
         if s["objective"] == "dpo":
             assert abs(rows[0]["loss"] - 0.6931471805599453) < 1e-5  # ln 2: policy == reference at step 1
 

@@ -85,3 +85,42 @@ def test_laptop_regimes_composes_and_has_the_stated_size():
     with initialize_config_module(config_module="conf", version_base="1.3"):
         spec = validate(compose("train", overrides=["experiment=laptop_regimes"]))
     assert spec.eval_cfg.every == 20 and spec.eval_cfg.greedy
+
+
+def test_learning_curves_and_speedup_at_equal_quality_hand_computed():
+    from humanline_cli.science import equal_quality, learning_curve, time_to
+
+    summary = {"eval": {"greedy": {"accuracy": 0.9, "start_accuracy": 0.6}},
+               "wall_clock_s": {"setup": 99.0, "train": 10.0, "sample": 30.0, "eval": 5.0, "total": 144.0}}
+    metrics = [{"step": 10, "loss": 0.5, "time/train": 1.0, "time/sample": 4.0, "time/eval": 0.0},
+               {"step": 20, "loss": 0.4, "time/train": 2.0, "time/sample": 8.0, "time/eval": 1.0, "time/setup": 99.0},
+               {"step": 20, "eval/greedy/accuracy": 0.8, "wall_s": 120.0}]
+    online = learning_curve(summary, metrics, "greedy accuracy")
+    assert online == [(0.0, 0.6), (10.0, 0.8), (40.0, 0.9)]  # work time: no eval, no setup
+    assert time_to(online, 0.85) == pytest.approx(25.0)  # 10 + 30 * (0.05 / 0.1)
+    assert time_to(online, 0.5) == 0.0 and time_to(online, 0.95) is None
+    hl = [(0.0, 0.6), (4.0, 0.7), (10.0, 0.85)]
+    eq = equal_quality({0: online, 1: online}, {0: hl, 1: [(0.0, 0.6), (8.0, 0.95)]})
+    assert eq["per_seed"] == {0: pytest.approx(2.5)} and eq["never"] == 1 and eq["mean"] == pytest.approx(2.5)
+
+
+def test_report_gives_the_speedup_at_equal_quality_from_learning_curves(tmp_path):
+    root = tmp_path / "sweep"
+    for seed in range(2):
+        for name, cfg, final, mid, work in (("off", config(obj="grpo", seed=seed), 0.7, 0.65, 10.0),
+                                            ("on", config(obj="grpo", regime="online", seed=seed), 0.9, 0.8, 40.0),
+                                            ("hl", config(obj="grpo", humanline=True, seed=seed), 0.85, 0.7, 10.0)):
+            d = run_dir(root, f"{name}{seed}", cfg, win=0.6, wall=work + 5.0, acc=final)
+            s = json.loads((d / "summary.json").read_text())
+            s["eval"]["greedy"] = {"accuracy": final, "start_accuracy": 0.6}
+            setup = 15.0 if name == "hl" else 5.0  # wall-clock speedup at equal steps: 45 / 25
+            s["wall_clock_s"] = {"train": work, "sample": 0.0, "label": 0.0, "total": work + setup}
+            (d / "summary.json").write_text(json.dumps(s))
+            rows = [{"step": 20, "loss": 0.1, "time/train": work / 2}, {"step": 20, "eval/greedy/accuracy": mid}]
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md = build_report(root).markdown
+    line = next(x for x in md.splitlines() if x.startswith("| arithmetic | grpo"))
+    # online [(0, .6), (20, .8), (40, .9)] reaches .85 at 30 s; humanline-offline reaches it at its end, 10 s
+    assert line.endswith("| 2 | 1.80x | 3.00x |"), line
+    csv_row = (root / "gap_closed.csv").read_text().splitlines()[1].split(",")
+    assert csv_row[-2:] == ["3", "0"]
