@@ -17,6 +17,7 @@ class Seqs:
     input_ids: torch.Tensor  # (N, T) long
     attention_mask: torch.Tensor  # (N, T) long, 1 on real tokens
     loss_mask: torch.Tensor  # (N, T) bool, 1 on completion tokens
+    pack: bool = False  # token_logps runs the rows as one padding-free packed row (train.packing)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -18,9 +18,10 @@ hits all alike. The plain row runs with train.reference_cache=false (every step 
 forward, as the first epoch does); the cached row is a plain run whose reference log-probs for the
 timed steps were computed before timing (what every epoch after the first costs), next to TRL with
 precompute_ref_log_probs=True (its reference pass also runs before its first step). TRL trains on the
-same units the project's timed steps draw (batch_size x (warmup + steps) of them). Each run builds everything fresh (the project: build_parts + trainer.train, the real
-loop; TRL: its Trainer.train) and times its last `steps` steps, each from the start of its data fetch
-to the start of the next step's. Throughput pools units and tokens over all timed steps of all runs.
+same units the project's timed steps draw (batch_size x (warmup + steps) of them).
+Each run builds everything fresh (the project: build_parts + trainer.train, the real loop; TRL: its
+Trainer.train) and times its last `steps` steps, each from the start of its data fetch to the start
+of the next step's. Throughput pools units and tokens over all timed steps of all runs.
 Model FLOP/s counts 6 P T for the policy forward+backward plus 2 P T for the reference forward
 (KTO adds 4 P T_kl for the two no-grad forwards of its mismatched KL sequences), with P the parameters
 every token is multiplied by (all but an untied input embedding), against the best FLOP/s of a

@@ -22,6 +22,7 @@ from .data.files import load_rows
 from .errors import UserError
 from .evaluate import Evaluator
 from .models import load_policy, load_tokenizer, make_reference
+from .reference import CachedReference
 from .rewards.build import make_scorer
 from .sampling.base import SamplingParams
 from .sources import OfflineSource, OnlineSource, RoundSpec, Shard
@@ -151,7 +152,7 @@ def _offline_source(spec: RunSpec, encoder: Encoder, collate: Collator, shard: S
                         f"{spec.train.max_truncated_fraction:g}; raise train.max_length (or accept the cuts with "
                         f"train.max_truncated_fraction=1.0)")
     source = OfflineSource(units, collate, spec.train.batch_size, spec.train.micro_batch_size, spec.seed, d.shuffle,
-                           shard)
+                           shard, length=collate.bucket_length)
     source.truncation = cut
     return source
 
@@ -169,7 +170,8 @@ def _online_source(spec, encoder, collate, policy, backend, model_path, timer, r
     rounds = RoundSpec(spec.objective, spec.train.batch_size, spec.train.micro_batch_size, params,
                        d.prompts_per_round, d.min_gap, spec.seed)
     return OnlineSource(rows, encoder, collate, sampler, labeller, rounds, timer, policy,
-                        run_dir / "samples.jsonl" if dist.is_main else None, Shard(dist.rank, dist.world_size))
+                        run_dir / "samples.jsonl" if dist.is_main else None, Shard(dist.rank, dist.world_size),
+                        length=collate.bucket_length)
 
 
 def check_model_task(spec: RunSpec) -> None:
@@ -192,7 +194,6 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device):
     that will not fit stops here with one line."""
     from transformers import AutoConfig
 
-    from .humanline import ReferenceRule
     from .memory import check_fits, estimate
 
     try:
@@ -201,10 +202,9 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device):
         return None  # load_policy reports the missing model in one line
     micro = spec.train.micro_batch_size
     seqs = {"dpo": 2 * micro, "kto": micro}.get(spec.objective, micro * (spec.data_cfg.n if spec.regime == "online" else 2))
-    rule = ReferenceRule.from_spec(spec.humanline, spec.regime)
     b = spec.backend_cfg
     est = estimate(config, seqs_per_micro=seqs, max_length=spec.train.max_length, lora_r=spec.model_cfg.lora.r,
-                   moving_reference=rule.sync_every > 0 or rule.reset_each_round, strategy=b.strategy.value,
+                   moving_reference=reference_moves(spec), strategy=b.strategy.value,
                    ranks=b.nproc if b.strategy.value != "single" else 1,
                    gradient_checkpointing=spec.train.gradient_checkpointing)
     if device.type == "cuda":
@@ -212,6 +212,14 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device):
         if reason:
             raise UserError(reason)
     return est
+
+
+def reference_moves(spec: RunSpec) -> bool:
+    """Whether the reference can leave the starting weights (humanline sync, online round resets)."""
+    from .humanline import ReferenceRule
+
+    rule = ReferenceRule.from_spec(spec.humanline, spec.regime)
+    return rule.sync_every > 0 or rule.reset_each_round
 
 
 def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
@@ -227,7 +235,7 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     trust = spec.model_cfg.trust_remote_code
     tokenizer = load_tokenizer(tok_path, trust)
     encoder = make_encoder(spec, tokenizer)
-    collate = Collator(encoder, spec.objective_cfg)
+    collate = Collator(encoder, spec.objective_cfg, packing=spec.train.packing, bucketing=spec.train.length_bucketing)
     shard = Shard(dist.rank, dist.world_size)
     match spec.regime:
         case "offline":
@@ -242,19 +250,20 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     if spec.train.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = spec.model_cfg.lora
+    moving = reference_moves(spec)
     if lora.r > 0:  # adapters on the policy; the reference is the base model or a second adapter
-        from .humanline import ReferenceRule
         from .lora import apply_lora
         from .reference import make_lora_reference
 
         policy = apply_lora(policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
-        rule = ReferenceRule.from_spec(spec.humanline, spec.regime)
-        reference = make_lora_reference(policy, moving=rule.sync_every > 0 or rule.reset_each_round)
+        reference = make_lora_reference(policy, moving=moving)
     else:
         reference = make_reference(policy)  # from the unwrapped, unsharded policy
     strategy = b.strategy.value if dist.enabled else "single"
     if strategy == "fsdp" and lora.r == 0:
         shard_model(reference.model)  # the same sharding: the sync copies each rank's local shards
+    if spec.train.reference_cache and not moving:  # plain offline: each sequence's reference log-probs once
+        reference = CachedReference(reference)
     train_model = wrap_policy(policy, strategy, dist, backend.device)
     if spec.regime == "online":
         source = _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist)

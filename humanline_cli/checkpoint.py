@@ -5,7 +5,9 @@ rename, so a kill mid-write never leaves half a checkpoint; older ones are prune
 - `tensors.safetensors`: the policy's trainable parameters (`policy.<name>`; a peft LoRA policy's
   adapter), the reference when it can differ from the starting weights (`reference.<name>`: a moving
   FrozenCopy's model or AdapterReference's adapter; nothing for a fixed reference), the optimizer's
-  per-parameter state (`optimizer.<index>.<key>`) and torch's CPU/CUDA RNG states (`rng.*`).
+  per-parameter state (`optimizer.<index>.<key>`), torch's CPU/CUDA RNG states (`rng.*`) and the
+  reference log-prob cache of a fixed reference (`reference_cache.values/lengths`, keys in state.json;
+  rank 0's under DDP, the other ranks recompute theirs).
 - `state.json`: the step, optimizer param groups, scheduler, python/numpy RNG states, the data
   source's `state_dict()` (units as tagged JSON), the phase timers, the last logged train metrics
   and the evaluator's baselines (the starting policy's eval texts and scores, sampled and greedy).
@@ -189,6 +191,10 @@ class Checkpoints:
                     extra.setdefault(str(i), {})[k] = v
         rng_tensors, rng = _rng_state()
         tensors.update(rng_tensors)
+        cache_keys = None
+        if hasattr(parts.reference, "export"):  # the reference log-prob cache: resumed runs reuse its numbers
+            cache_keys, cache = parts.reference.export()
+            tensors.update({f"reference_cache.{k}": v for k, v in cache.items()})
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         from .evaluate import Side
 
@@ -199,7 +205,7 @@ class Checkpoints:
         state = {"format": FORMAT, "step": step, "world_size": self.dist.world_size, "reference_saved": moving,
                  "optimizer": {"param_groups": osd["param_groups"], "state_extra": extra},
                  "scheduler": sched.state_dict(), "rng": rng, "source": source_state(), "timer": timer.state_dict(),
-                 "last_metrics": last, "baselines": baselines}
+                 "last_metrics": last, "baselines": baselines, "reference_cache_keys": cache_keys}
         final = self.root / f"step_{step}"
         tmp = self.root / f".tmp-step_{step}"
         try:
@@ -252,6 +258,8 @@ class Checkpoints:
 
             for name, side in state["baselines"].items():  # baseline, greedy_baseline
                 setattr(parts.evaluator, name, Side(side["texts"], side["scores"]))
+        if state.get("reference_cache_keys") is not None and hasattr(parts.reference, "restore"):
+            parts.reference.restore(state["reference_cache_keys"], part("reference_cache."))
         _set_rng_state({k: v for k, v in tensors.items() if k.startswith("rng.")}, state["rng"])
         return int(state["step"]), dict(state["last_metrics"])
 

@@ -7,7 +7,7 @@ import torch
 from .batches import BinaryBatch, GroupBatch, PairBatch, n_units
 from .humanline import HumanlineSpec, clamp_logratios, unclamped_fraction
 from .losses import dpo_loss, grpo_loss, kto_loss, kto_reference_point
-from .tensor_ops import completion_mask, masked_sum, token_logps
+from .tensor_ops import completion_mask, masked_sum, processed_tokens, token_logps
 
 
 def _logratios(policy, reference, seqs, grad: bool = True):
@@ -88,6 +88,8 @@ def compute_loss(objective_cfg, policy, reference, batch, hl: HumanlineSpec, his
     if hl.clamp:
         metrics["humanline/unclamped_fraction"] = unclamped_fraction(logratio.detach(), mask, hl)
     metrics["_n_tokens"] = float(batch.seqs.attention_mask.sum())
+    # the positions the forward ran on for those tokens: N x T padded, the same real tokens packed
+    metrics["_n_processed"] = float(processed_tokens(policy, batch.seqs))
     if histogram:  # only on logged steps: it copies every token's log-ratio to the host
         metrics["_logratio_hist"] = logratio_histogram(logratio.detach(), mask)
     return loss, metrics

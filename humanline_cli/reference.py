@@ -181,8 +181,9 @@ class CachedReference:
     def __init__(self, inner):
         self.inner = inner
         self.store: dict[bytes, torch.Tensor] = {}
-        self.hits = 0    # sequences served from the store
+        self.hits = 0    # sequences served from the store (since construction)
         self.misses = 0  # sequences the reference model computed
+        self._seen = (0, 0)  # (hits, misses) at the last step_stats() call
 
     def __getattr__(self, name):  # .model, .n_params() ... of the wrapped reference
         if name == "inner":  # not set yet (copy/unpickle): no recursion
@@ -221,10 +222,31 @@ class CachedReference:
                 out[i][mask[i]] = value.to(out.device)
         return out
 
+    def export(self) -> tuple[list[str], dict[str, torch.Tensor]]:
+        """For checkpoints: the keys (hex, in order) and two tensors, every value back to back and each
+        one's length, so a resumed run serves the same first-computed numbers."""
+        keys = list(self.store)
+        values = [self.store[k] for k in keys]
+        flat = torch.cat(values) if values else torch.zeros(0)
+        lengths = torch.tensor([len(v) for v in values], dtype=torch.int64)
+        return [k.hex() for k in keys], {"values": flat, "lengths": lengths}
+
+    def restore(self, keys: list[str], tensors: dict[str, torch.Tensor]) -> None:
+        pieces = torch.split(tensors["values"], tensors["lengths"].tolist()) if keys else []
+        self.store = {bytes.fromhex(k): v.clone() for k, v in zip(keys, pieces)}
+
     def sync(self, policy: torch.nn.Module) -> None:
         raise RuntimeError("CachedReference wraps a fixed reference only; a moving reference must not be cached")
 
     def stats(self) -> dict:
+        """Since construction: the hit fraction and how many sequences are stored."""
         total = self.hits + self.misses
         return {"reference_cache/hit_fraction": self.hits / total if total else 0.0,
                 "reference_cache/sequences": len(self.store)}
+
+    def step_stats(self) -> dict:
+        """The fraction of reference sequences served from the store since the last call (the trainer
+        logs it per step; it depends only on the data, so a resumed run logs what it would have)."""
+        hits, misses = self.hits - self._seen[0], self.misses - self._seen[1]
+        self._seen = (self.hits, self.misses)
+        return {"reference_cache/hit_fraction": hits / (hits + misses) if hits + misses else 0.0}

@@ -4,13 +4,23 @@
 hidden states, keeps only the positions whose next token is a completion token, and applies the
 LM head to chunks of those positions: gather - logsumexp in float32, one chunk of logits alive at
 a time in the forward and (through per-chunk activation checkpointing) in the backward too.
+
+With `seqs.pack` (train.packing) the decoder runs on ONE padding-free row holding every sequence's real
+tokens back to back, position ids restarting at 0 per sequence and no attention mask: transformers then
+builds a block-diagonal causal mask (sdpa/eager) or runs varlen flash-attention from the position ids.
+The result is gathered back to the same (N, T-1) padded coordinates, so every loss is unchanged.
 """
 from __future__ import annotations
+
+import weakref
+from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from .batches import Seqs
+from .errors import UserError
 
 # Float32 elements in one chunk's logits (2**25 = 128 MiB): 261 tokens at a 128k vocabulary,
 # the whole batch at once for a small one. The backward holds about four such buffers.
@@ -21,6 +31,15 @@ LOGITS_PER_CHUNK = 2**25
 # scaling...). The chunked path would skip that transform, so such models take the full-logits path.
 _HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
                 "lm_head_multiplier", "dim_model_base", "mup_width_multiplier")
+
+# Packing is checked once per model object (a model that ignores per-sequence position ids would let
+# sequences attend to each other): packed vs padded log-probs, no grad, eval mode, float32 where the
+# attention kernel allows. Max |difference| above PACK_CHECK_TOL (float32) is an error; in 16-bit compute
+# (flash-attention, half-precision weights), whose rounding differs between the two shapes, the MEAN
+# |difference| over completion tokens above PACK_CHECK_TOL_16BIT is.
+PACK_CHECK_TOL = 1e-4
+PACK_CHECK_TOL_16BIT = 5e-2
+_PACK_VERIFIED: weakref.WeakSet = weakref.WeakSet()
 
 
 def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = None) -> torch.Tensor:
@@ -38,7 +57,13 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
     separate decoder and output embedding (e.g. a DDP wrapper), is an FSDP2 root (whose pre-forward
     hook gathers the head), is a peft prompt-learning model (virtual tokens live in its forward), or
     its config declares a logit transform listed in _HEAD_EXTRAS.
+
+    `seqs.pack` (see the module docstring) takes the packed path, on either route, except for peft
+    prompt-learning models (padded); the first packed call per model verifies packing (_check_packing).
     """
+    if runs_packed(model, seqs):
+        _check_packing(model, seqs, chunk_size)
+        return _packed_token_logps(model, seqs, chunk_size)
     split = _decoder_and_head(model)
     if split is None:
         return _full_logits_token_logps(model, seqs)
@@ -48,6 +73,15 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
     rows, cols = seqs.loss_mask[:, 1:].nonzero(as_tuple=True)  # position t predicts token t+1
     h = hidden[rows, cols]  # (M, H)
     targets = seqs.input_ids[rows, cols + 1]  # (M,)
+    picked = _head_logps(model, head, h, targets, chunk_size)
+    logps = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1, dtype=torch.float32,
+                        device=picked.device)
+    return logps.index_put((rows, cols), picked)
+
+
+def _head_logps(model: torch.nn.Module, head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor,
+                chunk_size: int | None) -> torch.Tensor:
+    """(M, H) hidden states, (M,) targets -> (M,) float32 log-probs, the head applied chunk by chunk."""
     size = chunk_size or max(1, LOGITS_PER_CHUNK // _vocab_size(model))
     grad = torch.is_grad_enabled()
     pieces = []
@@ -57,10 +91,97 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
             pieces.append(checkpoint(_chunk_logps, head, h_c, t_c, use_reentrant=False, preserve_rng_state=False))
         else:
             pieces.append(_chunk_logps(head, h_c, t_c))
-    picked = torch.cat(pieces)
+    return torch.cat(pieces)
+
+
+def runs_packed(model: torch.nn.Module, seqs: Seqs) -> bool:
+    """Whether token_logps takes the packed path: `seqs.pack`, some real token, not a prompt-learning model."""
+    return bool(seqs.pack) and not _is_prompt_learning(model) and bool(seqs.attention_mask.any())
+
+
+def processed_tokens(model: torch.nn.Module, seqs: Seqs) -> int:
+    """Token positions the decoder runs on for `seqs`: N x T padded, the real tokens packed."""
+    return int(seqs.attention_mask.sum()) if runs_packed(model, seqs) else seqs.input_ids.numel()
+
+
+def pack_seqs(seqs: Seqs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (N, T) rows -> packed ids (1, L) (the real tokens, row after row), position ids (1, L)
+    restarting at 0 for each sequence, and index (N, T): the packed position of each real (row, col)
+    (offset of the row + col; meaningless on padding)."""
+    real = seqs.attention_mask.bool()
+    within = real.long().cumsum(1) - 1  # position inside its own sequence
+    index = real.flatten().long().cumsum(0).view_as(within) - 1
+    return seqs.input_ids[real].unsqueeze(0), within[real].unsqueeze(0), index
+
+
+def _packed_token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None) -> torch.Tensor:
+    """token_logps on the packed row (chunked head, or the model's own logits on the fallback route),
+    gathered at the packed positions of the padded completion positions -> (N, T-1) as padded."""
+    packed, pos, index = pack_seqs(seqs)
+    rows, cols = seqs.loss_mask[:, 1:].nonzero(as_tuple=True)  # position t predicts token t+1
+    at = index[rows, cols]  # (M,) packed positions
+    targets = seqs.input_ids[rows, cols + 1]  # (M,)
+    split = _decoder_and_head(model)
+    if split is None:  # DDP wrappers, FSDP2 roots, logit transforms: the model's own forward
+        logits = model(input_ids=packed, position_ids=pos, use_cache=False).logits[0]
+        sel = logits[at].float()  # (M, V)
+        picked = sel.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(sel, dim=-1)
+    else:
+        decoder, head = split
+        out = decoder(input_ids=packed, position_ids=pos, use_cache=False)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        picked = _head_logps(model, head, hidden[0, at], targets, chunk_size)
     logps = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1, dtype=torch.float32,
                         device=picked.device)
     return logps.index_put((rows, cols), picked)
+
+
+def _check_packing(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None) -> None:
+    """The first packed call for `model` (with at least two sequences, so that there is something to
+    leak between): packed vs padded log-probs on this batch, no grad, eval mode (no dropout), autocast
+    off unless the attention kernel needs 16-bit. A model that ignores the restarting position ids lets
+    sequences attend to each other: UserError, one line."""
+    several = int((seqs.attention_mask.sum(1) > 0).sum()) >= 2 and bool(seqs.loss_mask[1:, 1:].any())
+    if model in _PACK_VERIFIED or not several:
+        return
+    inner = _unwrap_ddp(model)
+    config = getattr(inner, "config", None)
+    flash = "flash" in str(getattr(config, "_attn_implementation", "") or "")
+    device_type = seqs.input_ids.device.type
+    half = any(p.dtype in (torch.float16, torch.bfloat16) for p in inner.parameters()) or (
+        flash and torch.is_autocast_enabled(device_type))
+    modes = [(m, m.training) for m in inner.modules()]
+    inner.eval()
+    try:
+        with torch.no_grad(), (nullcontext() if flash else torch.autocast(device_type, enabled=False)):
+            packed = _packed_token_logps(inner, seqs, chunk_size)
+            padded = token_logps(inner, replace(seqs, pack=False), chunk_size)
+    finally:
+        for m, training in modes:
+            m.training = training
+    diff = (packed - padded)[seqs.loss_mask[:, 1:]].abs()
+    if (float(diff.mean()) > PACK_CHECK_TOL_16BIT) if half else (float(diff.max()) > PACK_CHECK_TOL):
+        base = inner.get_base_model() if callable(getattr(inner, "get_base_model", None)) else inner
+        raise UserError(f"{type(base).__name__} does not support packed sequences (position ids restarting per "
+                        f"sequence): set train.packing=false")
+    _PACK_VERIFIED.add(model)
+
+
+def _unwrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:
+        return model
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _is_prompt_learning(model: torch.nn.Module) -> bool:
+    """A peft prompt-learning model (virtual tokens prepended inside its forward): never packed."""
+    for m in (model, _unwrap_ddp(model)):
+        peft_cfg = getattr(m, "active_peft_config", None)
+        if peft_cfg is not None and getattr(peft_cfg, "is_prompt_learning", False):
+            return True
+    return False
 
 
 def _chunk_logps(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from .optim import make_optimizer, make_scheduler
 from .timing import PhaseTimer
 from .tracking import Tracker
 
-SUMMED = ("_units", "_n_tokens")  # counts: summed, not averaged
+SUMMED = ("_units", "_n_tokens", "_n_processed")  # counts: summed, not averaged
 
 
 def _mean_metrics(rows: list[dict], reduce_sum=None) -> dict:
@@ -133,6 +133,9 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
             metrics = {k: v for k, v in m.items() if not k.startswith("_")}
             metrics.update(lr=lr_now, grad_norm=grad_norm, tokens_per_s=m["_n_tokens"] / max(dt, 1e-9),
                            units=int(m["_units"]), **data.info)
+            metrics["useful_token_fraction"] = m["_n_tokens"] / max(m["_n_processed"], 1.0)  # real / forward tokens
+            if hasattr(reference, "step_stats"):  # CachedReference: how much of the reference forward was skipped
+                metrics.update(reference.step_stats())
             last = metrics
             metrics["wall_s"] = timer.elapsed()
             metrics.update({f"time/{k}": v for k, v in timer.report().items() if k != "total"})

@@ -38,6 +38,7 @@ from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample
 from humanline_cli.evaluate import Side
 from humanline_cli.humanline import HumanlineSpec
 from humanline_cli.models import make_reference
+from humanline_cli.reference import CachedReference
 from humanline_cli.sampling.base import SamplingParams
 from humanline_cli.sources import OfflineSource, OnlineSource, RoundSpec
 from humanline_cli.sources.online import TokenCompletion
@@ -69,7 +70,7 @@ def _collate(mine, theirs):
 UNITS = [PairExample(f"q{i}", f"a{i * 7 % 10}b", f"c{i % 3}") for i in range(14)]
 
 
-def _setup(lora: bool, moving: bool):
+def _setup(lora: bool, moving: bool, cached: bool = False):
     policy = tiny_llama()
     if lora:
         from humanline_cli.lora import apply_lora
@@ -79,7 +80,9 @@ def _setup(lora: bool, moving: bool):
         reference = make_lora_reference(policy, moving=moving)
     else:
         reference = make_reference(policy)
-    source = OfflineSource(UNITS, _collate, batch_size=2, micro_batch_size=2, seed=3)
+    if cached:  # a fixed reference's log-prob cache, over 3-step epochs: steps 4-6 reuse cached numbers
+        reference = CachedReference(reference)
+    source = OfflineSource(UNITS[:6] if cached else UNITS, _collate, batch_size=2, micro_batch_size=2, seed=3)
     evaluator = SimpleNamespace(baseline=Side(["x", "yz"], [0.25, 0.5]),
                                 greedy_baseline=Side(["g", ""], [1.0, 0.0]))
     return Parts(make_backend("cpu", "fp32"), None, None, policy, reference, source, evaluator, None, policy)
@@ -114,14 +117,15 @@ def _rows(path: Path) -> list[dict]:
             for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("lora,moving", [(False, True), (False, False), (True, True), (True, False)])
-def test_resumed_training_is_bit_identical(tmp_path, lora, moving):
+@pytest.mark.parametrize("lora,moving,cached", [(False, True, False), (False, False, False), (True, True, False),
+                                               (True, False, False), (False, False, True)])
+def test_resumed_training_is_bit_identical(tmp_path, lora, moving, cached):
     """6 steps straight vs 4 steps, a checkpoint, a fresh process-like rebuild, then steps 5-6."""
-    whole = _setup(lora, moving)
+    whole = _setup(lora, moving, cached)
     _, ckpts, _ = _train(tmp_path / "whole", whole, _spec(6, moving, every=1, keep=2))
     assert ckpts.steps() == [5, 6] and not list(ckpts.root.glob(".tmp-*"))  # pruned to K=2, no temp dirs
 
-    first = _setup(lora, moving)
+    first = _setup(lora, moving, cached)
     real_next = first.source.next_step
 
     def crash_at_5(step):  # the process dies during step 5
@@ -142,7 +146,7 @@ def test_resumed_training_is_bit_identical(tmp_path, lora, moving):
         assert policy_keys == {f"policy.{n}" for n, _ in first.policy.named_parameters()}
     assert any(k.startswith("reference.") for k in tensors) == moving  # fixed reference: rebuilt, not saved
 
-    resumed = _setup(lora, moving)
+    resumed = _setup(lora, moving, cached)
     (tmp_path / "cut" / "metrics.jsonl").rename(tmp_path / "cut" / "metrics-first.jsonl")
     last, _, _ = _train(tmp_path / "cut", resumed, _spec(6, moving, every=2, keep=3), cut.latest())
     for (name, a), b in zip(whole.policy.named_parameters(), resumed.policy.parameters()):
@@ -152,6 +156,9 @@ def test_resumed_training_is_bit_identical(tmp_path, lora, moving):
     rows = _rows(tmp_path / "cut" / "metrics-first.jsonl") + _rows(tmp_path / "cut" / "metrics.jsonl")
     assert rows == _rows(tmp_path / "whole" / "metrics.jsonl") and [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert last["loss"] == rows[-1]["loss"]
+    if cached:  # the store came back from the checkpoint: steps 5-6 found every sequence in it
+        assert [r["reference_cache/hit_fraction"] for r in rows] == [0.0] * 3 + [1.0] * 3
+        assert resumed.reference.misses == 0 and len(resumed.reference.store) == 12
 
 
 def test_checkpoint_holds_every_piece(tmp_path):

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_tensor_ops import tiny_llama
 
 from humanline_cli.backend import make_backend
 from humanline_cli.batches import PairBatch
@@ -23,7 +24,6 @@ from humanline_cli.sources import OfflineSource
 from humanline_cli.timing import PhaseTimer
 from humanline_cli.tracking import Tracker
 from humanline_cli.trainer import train
-from test_tensor_ops import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -118,8 +118,24 @@ def test_cached_run_equals_the_uncached_run(tmp_path):
     # epochs 2-3: the reference forward is skipped; float32 rounding is the only difference
     for a, b in zip(plain[2:], cached[2:]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
-    assert cached[1]["reference_cache/hit_fraction"] == 0.0
-    assert cached[-1]["reference_cache/hit_fraction"] == pytest.approx(16 / 24)  # 8 of 24 sequences computed
+    # per step: epoch 1 computes every sequence, epochs 2 and 3 find every one in the cache
+    assert [r["reference_cache/hit_fraction"] for r in cached] == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
     assert cache.misses == 16 and cache.hits == 32
+    assert cache.stats() == {"reference_cache/hit_fraction": 32 / 48, "reference_cache/sequences": 16}
     for (k, v0), v1 in zip(p0.state_dict().items(), p1.state_dict().values()):
         assert torch.allclose(v0, v1, rtol=1e-4, atol=1e-6), k
+
+
+def test_export_and_restore_round_trip_the_store():
+    model = tiny_llama(vocab=64, hidden=64).eval()
+    cache = CachedReference(FrozenCopy(model))
+    seqs = _collate(_units(5)).seqs
+    first = cache.logps(seqs)
+    keys, tensors = cache.export()
+    assert len(keys) == 10 and tensors["lengths"].sum() == len(tensors["values"]) == int(seqs.loss_mask.sum())
+    other = CachedReference(CountingReference(model))
+    other.restore(keys, tensors)
+    assert torch.equal(other.logps(seqs), first) and other.inner.rows == 0  # served from the restored store
+    empty = CachedReference(FrozenCopy(model))
+    empty.restore(*CachedReference(FrozenCopy(model)).export())
+    assert empty.store == {}

@@ -204,15 +204,54 @@ def make_seqs(prompts: list[list[int]], completions: list[list[int]], pad_id: in
 
 
 class Collator:
-    def __init__(self, encoder: Encoder, objective_cfg):
+    """Units -> batches. `packing` (train.packing) marks every Seqs for token_logps' padding-free path;
+    `bucketing` (train.length_bucketing, only without packing) makes `bucket_length` available to the
+    sources, which sort each rank's share of a step by it before cutting micro-batches."""
+
+    def __init__(self, encoder: Encoder, objective_cfg, packing: bool = False, bucketing: bool = False):
         self.enc = encoder
         self.pad = encoder.tok.pad_token_id
         self.cfg = objective_cfg
+        self.packing = packing
+        self.bucketing = bucketing
+        self._text_lengths: dict[str, int] = {}  # completion text -> its token count + EOS
 
     def _seqs(self, prompts, completions) -> Seqs:
         p_ids = [self.enc.prompt_ids(p) for p in prompts]
         c_ids = [self.enc.completion_ids(p, c) for p, c in zip(prompts, completions)]
-        return make_seqs(p_ids, c_ids, self.pad)
+        seqs = make_seqs(p_ids, c_ids, self.pad)
+        seqs.pack = self.packing
+        return seqs
+
+    @property
+    def bucket_length(self):
+        """`length` when micro-batches should be length-bucketed (bucketing on, packing off), else None."""
+        return self.length if self.bucketing and not self.packing else None
+
+    def _completion_length(self, completion) -> int:
+        """Tokens of a completion as collated before the max_length cut (text: + EOS; cached per text)."""
+        if hasattr(completion, "ids"):  # sampled online: the sampler's ids, no EOS added
+            return len(completion.ids)
+        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        n = self._text_lengths.get(text)
+        if n is None:
+            n = self._text_lengths[text] = len(self.enc.tok(text, add_special_tokens=False)["input_ids"]) + 1
+        return n
+
+    def length(self, unit) -> int:
+        """Tokens of the unit's longest sequence: prompt + its longest completion, cut to max_length as
+        the collated rows are (the prompt's ids come from the encoder's cache)."""
+        match unit:
+            case PairExample():
+                comps = [unit.chosen, unit.rejected]
+            case BinaryExample():
+                comps = [unit.completion]
+            case GroupExample():
+                comps = list(unit.completions)
+            case _:
+                raise TypeError(type(unit))
+        p = len(self.enc.prompt_ids(unit.prompt))
+        return p + min(max(self._completion_length(c) for c in comps), max(self.enc.max_length - p, 0))
 
     @staticmethod
     def _sampler_logps(seqs: Seqs, comps) -> torch.Tensor | None:

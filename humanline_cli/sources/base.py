@@ -28,14 +28,22 @@ class Shard:
     world_size: int = 1
 
 
-def micro_batches(units: list, collate, micro: int, shard: Shard = Shard()) -> list:
+def micro_batches(units: list, collate, micro: int, shard: Shard = Shard(), length=None) -> list:
     """A global batch of units -> this rank's micro-batches. Rank r takes the r-th contiguous
     block of len(units) // world_size units (every rank the same count, so collectives stay in
     lockstep; an online round's last step drops at most world_size - 1 units). KTO partners (the
     completion each prompt is mismatched with for z0) are the next unit of the GLOBAL batch, so z0
-    does not depend on how the batch is split into micro-batches or ranks."""
+    does not depend on how the batch is split into micro-batches or ranks.
+
+    `length` (unit -> tokens; train.length_bucketing): this rank's share is sorted by it, longest first
+    (stable, so deterministic), before it is cut, each unit keeping its partner; micro-batches of similar
+    lengths carry less padding. The step's loss and gradient do not depend on the order (each micro-batch
+    is weighted by its share of the step), only their float32 summation order does."""
     per = len(units) // shard.world_size
     start = shard.rank * per
     partners = units[1:] + units[:1]
     mine, theirs = units[start:start + per], partners[start:start + per]
+    if length is not None:
+        order = sorted(range(len(mine)), key=lambda i: -length(mine[i]))
+        mine, theirs = [mine[i] for i in order], [theirs[i] for i in order]
     return [collate(mine[i:i + micro], theirs[i:i + micro]) for i in range(0, len(mine), micro)]

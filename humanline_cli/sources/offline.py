@@ -9,8 +9,9 @@ from .base import Shard, StepData, micro_batches
 
 class OfflineSource:
     def __init__(self, units: list, collate, batch_size: int, micro_batch_size: int, seed: int, shuffle: bool = True,
-                 shard: Shard = Shard()):
+                 shard: Shard = Shard(), length=None):
         self.shard = shard
+        self.length = length  # unit -> tokens: length bucketing in micro_batches (None: off)
         self.units = units
         self.collate = collate
         self.batch_size = batch_size
@@ -33,7 +34,7 @@ class OfflineSource:
 
     def next_step(self, step: int) -> StepData:
         units = self._take(self.batch_size)  # every rank draws the same global batch, then takes its share
-        return StepData(micro_batches(units, self.collate, self.micro, self.shard), new_round=False,
+        return StepData(micro_batches(units, self.collate, self.micro, self.shard, self.length), new_round=False,
                         info={"epoch": self.epoch})
 
     truncation = None  # data.collate.Truncation, set by the builder

@@ -45,8 +45,9 @@ class RoundSpec:
 
 class OnlineSource:
     def __init__(self, rows, encoder, collate, sampler, labeller, spec: RoundSpec, timer, policy,
-                 samples_path: Path | None = None, shard: Shard = Shard()):
+                 samples_path: Path | None = None, shard: Shard = Shard(), length=None):
         self.shard = shard
+        self.length = length  # unit -> tokens: length bucketing in micro_batches (None: off)
         self.rows, self.encoder, self.collate = rows, encoder, collate
         self.sampler, (self.labeller_name, self.labeller) = sampler, labeller
         self.objective, self.batch_size, self.micro = spec.objective, spec.batch_size, spec.micro_batch_size
@@ -124,7 +125,7 @@ class OnlineSource:
         if len(units) < self.shard.world_size:  # too few left for every rank: the round ends here
             self._queue = []
             return self.next_step(step)
-        return StepData(micro_batches(units, self.collate, self.micro, self.shard), new_round=new_round,
+        return StepData(micro_batches(units, self.collate, self.micro, self.shard, self.length), new_round=new_round,
                         info=dict(self._round_info))
 
     def state_dict(self) -> dict:
