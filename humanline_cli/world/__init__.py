@@ -11,6 +11,7 @@ change to this package changes what a build produces.
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import hashlib
 import json
@@ -33,11 +34,29 @@ WORLD_FILES = (
     "world.json",
 )
 
-__all__ = ["DEFAULTS", "WORLD_FILES", "WORLD_VERSION", "materialise", "resolve", "world_dir"]
+__all__ = ["DEFAULTS", "WORLD_FILES", "WORLD_VERSION", "hash_view", "materialise", "resolve", "world_dir"]
 
 
-def _hash(cfg: Mapping) -> str:
-    canonical = json.dumps({"version": WORLD_VERSION, "cfg": cfg}, sort_keys=True, separators=(",", ":"))
+# Keys that only a model-sourced offline set reads: a rule world leaves them out
+# of its hash (and world.json), so it keeps the name it had before they existed.
+MODEL_SOURCE_KEYS = ("source", "other_sft")
+
+
+def hash_view(full: Mapping) -> dict:
+    """The part of a resolved cfg that names (and describes) the world: all of it,
+    less `offline.source`/`offline.other_sft` in a rule world, where they do nothing.
+    So rule worlds keep their pre-`source` names (no WORLD_VERSION bump) and tuning
+    `other_sft` never renames one."""
+    view = copy.deepcopy(dict(full))
+    if view["offline"]["source"] == "rule":
+        view["offline"] = {k: v for k, v in view["offline"].items() if k not in MODEL_SOURCE_KEYS}
+    return view
+
+
+def _hash(full: Mapping) -> str:
+    canonical = json.dumps(
+        {"version": WORLD_VERSION, "cfg": hash_view(full)}, sort_keys=True, separators=(",", ":")
+    )
     return hashlib.sha256(canonical.encode()).hexdigest()[:12]
 
 

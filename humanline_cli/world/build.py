@@ -5,7 +5,12 @@ Consumes a resolved cfg (see `defaults.resolve`); produces every entry of
 the offline JSONL files, the train/eval prompt lists and `world.json`
 (written last: cfg, version, build seconds and base-policy metrics measured
 on the eval prompts). Seeded throughout, with one RNG stream per stage, so
-the offline data does not depend on SFT.
+the offline data does not depend on the starting policy's SFT.
+
+Offline source `rule` draws the offline replies from the task's rule-based
+other model; source `model` trains a second tiny policy (`other_policy`: its
+own init and SFT stream, recipe `offline.other_sft`), samples its replies
+(`sample_distinct`) and records its own base metrics in `world.json`.
 """
 
 from __future__ import annotations
@@ -33,12 +38,18 @@ RESCUE_ROUNDS = 2
 MAX_NEW = {"arithmetic": 5, "preference": 16}
 
 
+def _teacher(kind: str, name: str):
+    """The SFT teacher `name` (`noisy` | `clean`) of task `kind`: (rng, prompt) -> reply."""
+    if kind == "arithmetic":
+        return (lambda r, p: arithmetic.answer(p)) if name == "clean" else arithmetic.teacher
+    return (lambda r, p: preference.ideal(p)) if name == "clean" else preference.teacher
+
+
 def _prompts(cfg: dict, rng: random.Random):
     """(train, eval, sft_draw, teacher) for the task."""
-    kind, clean = cfg["kind"], cfg["sft"]["teacher"] == "clean"
+    kind, teacher = cfg["kind"], _teacher(cfg["kind"], cfg["sft"]["teacher"])
     if kind == "arithmetic":
         train, eval_, pool = arithmetic.split_prompts(rng, cfg["n_train_prompts"], cfg["n_eval_prompts"])
-        teacher = (lambda r, p: arithmetic.answer(p)) if clean else arithmetic.teacher
         return train, eval_, (lambda r: r.choice(pool)), teacher
     train, eval_, banned = preference.split_prompts(rng, cfg["n_train_prompts"], cfg["n_eval_prompts"])
 
@@ -48,8 +59,12 @@ def _prompts(cfg: dict, rng: random.Random):
             if "".join(sorted(p)) not in banned:
                 return p
 
-    teacher = (lambda r, p: preference.ideal(p)) if clean else preference.teacher
     return train, eval_, draw, teacher
+
+
+def _int_seed(key: str) -> int:
+    """A torch/sampler seed from a string stream name such as "0:other:init"."""
+    return random.Random(key).getrandbits(31)
 
 
 def _tail(losses: list[float], n: int = 50) -> float:
@@ -81,7 +96,81 @@ def measure(kind: str, model, tok, prompts: list[str], seed: int) -> dict:
     return out
 
 
+# Candidates drawn per kept reply in `sample_distinct`.
+OVERSAMPLE = 4
+
+
+def other_policy(cfg: dict, tok, draw, progress: bool) -> tuple[transformers.PreTrainedModel, list[float]]:
+    """Source `model`'s "other model": the starting policy's architecture, trained from scratch
+    like it but differently, as UltraFeedback's other LLMs differ from the policy being aligned:
+    its own init and SFT stream (seeds "<seed>:other:init" / "<seed>:other:sft") and its own
+    recipe `offline.other_sft`. Returns the model (eval mode) and its SFT losses.
+
+    The default recipe is the clean teacher, stopped at `stop_loss` 0.3 and capped at half the
+    policy's SFT steps. The noisy teacher would teach it the policy's own habits (arithmetic's
+    dropped carry), so its mistakes would be the policy's; and at half the budget it stayed on
+    arithmetic's ones-digit plateau (world seeds 0-2: loss ~0.8, at most 0.21 greedy accuracy). The clean teacher
+    run to the end is either still on the plateau or, once past it, nearly perfect (seed 0: 0.98
+    greedy / 0.92 sampled, a distinct second reply for only 26% of prompts). Stopped just past the
+    plateau (world seed 0: ~350 steps) it is about as good as the policy (0.74 / 0.62) but errs
+    its own way: off by one and wrong tens digit more, dropped carry far less. Preference has no
+    plateau: it sorts more often than the policy, and its mistakes are foreign or repeated letters
+    where the policy copies the prompt's order. No stuck-loss rescue, so the cost stays bounded: a
+    world seed whose other model is still on the plateau at `steps` (seeds 1 and 2 in our runs)
+    gets a weak one (0.14-0.23 greedy accuracy); `world.json` shows its metrics."""
+    seed, scfg = int(cfg["seed"]), cfg["offline"]["other_sft"]
+    model = policy.new_model(cfg["model"], tok, _int_seed(f"{seed}:other:init"))
+    losses = policy.sft(
+        model,
+        policy.WorldCodec(tok),
+        scfg,
+        draw,
+        _teacher(cfg["kind"], scfg["teacher"]),
+        random.Random(f"{seed}:other:sft"),
+        progress,
+        label="SFT of the other model",
+    )
+    return model, losses
+
+
+def sample_distinct(
+    kind: str, model, tok, prompts: list[str], n: int, seed: int, batch_size: int = 1024, oversample: int = OVERSAMPLE
+) -> list[list[str]]:
+    """n replies per prompt from `model` at temperature 1, distinct where possible: the project's
+    HF sampler (as in `measure`) draws n * oversample candidates per prompt, batched, seeded by
+    `seed`; the first n distinct texts are kept in draw order, and a prompt with fewer distinct
+    candidates repeats them in that order (those replies tie, as ties are written today).
+    Deterministic for a given model, prompts, seed, batch_size and torch thread count."""
+    enc = policy.WorldCodec(tok)
+    sampler = HFSampler(model, tok, batch_size=batch_size)
+    k = n * oversample
+    params = SamplingParams(n=k, temperature=1.0, max_new_tokens=MAX_NEW[kind], seed=seed)
+    texts = sampler.generate([enc.prompt(p) for p in prompts], params).texts  # prompt-major
+    out = []
+    for i in range(len(prompts)):
+        distinct = list(dict.fromkeys(texts[i * k : (i + 1) * k]))
+        out.append([distinct[j % len(distinct)] for j in range(n)])
+    return out
+
+
+def offline_stats(recs: dict[str, list[dict]]) -> dict:
+    """What the offline data offers: mean labeller score, share of pairs with a strict preference
+    and of groups whose replies are all distinct."""
+    pairs, groups = recs["offline_pairs.jsonl"], recs["offline_groups.jsonl"]
+    rewards = [r for g in groups for r in g["rewards"]]
+    return {
+        "mean_score": sum(rewards) / max(1, len(rewards)),
+        "pairs_strict": sum(p["score_chosen"] > p["score_rejected"] for p in pairs) / max(1, len(pairs)),
+        "groups_distinct": sum(
+            len({c[0]["content"] for c in g["completions"]}) == len(g["completions"]) for g in groups
+        )
+        / max(1, len(groups)),
+    }
+
+
 def build(cfg: dict, out_dir: Path, version: int, progress: bool) -> dict:
+    from . import hash_view  # deferred: the package imports this module lazily
+
     start = time.perf_counter()
     seed = int(cfg["seed"])
     train, eval_, draw, teacher = _prompts(cfg, random.Random(f"{seed}:prompts"))
@@ -98,9 +187,23 @@ def build(cfg: dict, out_dir: Path, version: int, progress: bool) -> dict:
     model.save_pretrained(out_dir / "policy", safe_serialization=True)
     tok.save_pretrained(out_dir / "policy")
 
-    for name, rows in offline.records(
-        cfg["kind"], cfg["offline"], train, random.Random(f"{seed}:offline")
-    ).items():
+    ocfg, other_info = cfg["offline"], None
+    if ocfg["source"] == "rule":
+        recs = offline.records(cfg["kind"], ocfg, train, random.Random(f"{seed}:offline"))
+    else:
+        other_start = time.perf_counter()
+        other, other_losses = other_policy(cfg, tok, draw, progress)
+        replies = sample_distinct(
+            cfg["kind"], other, tok, train, int(ocfg["n_per_prompt"]), _int_seed(f"{seed}:other:sample")
+        )
+        recs = offline.model_records(cfg["kind"], train, replies)
+        other_info = {
+            "sft_final_loss": _tail(other_losses),
+            "sft_steps_run": len(other_losses),
+            "base_metrics": measure(cfg["kind"], other, tok, eval_, seed),
+            "seconds": round(time.perf_counter() - other_start, 2),  # SFT, sampling and metrics
+        }
+    for name, rows in recs.items():
         offline.write_jsonl(out_dir / name, rows)
     offline.write_jsonl(out_dir / "prompts_train.jsonl", offline.prompt_rows(train))
     offline.write_jsonl(out_dir / "prompts_eval.jsonl", offline.prompt_rows(eval_))
@@ -109,7 +212,7 @@ def build(cfg: dict, out_dir: Path, version: int, progress: bool) -> dict:
     info = {
         "kind": cfg["kind"],
         "version": version,
-        "cfg": cfg,
+        "cfg": hash_view(cfg),
         "build_seconds": round(time.perf_counter() - start, 2),
         "torch_threads": torch.get_num_threads(),
         "sft_final_loss": _tail(losses),
@@ -117,7 +220,11 @@ def build(cfg: dict, out_dir: Path, version: int, progress: bool) -> dict:
         "sft_rescue_rounds": rescues,
         "n_parameters": sum(p.numel() for p in model.parameters()),
         "base_metrics": metrics,
+        "offline_source": ocfg["source"],
+        "offline_stats": offline_stats(recs),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
+    if other_info is not None:
+        info["other_model"] = other_info  # the model-sourced offline data's author
     (out_dir / "world.json").write_text(json.dumps(info, indent=2) + "\n")
     return info

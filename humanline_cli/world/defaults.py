@@ -28,9 +28,32 @@ _COMMON = {
         "weight_decay": 0.1,
         "teacher": "noisy",
     },
-    # rule-based "other model": correct_rate = chance the right reply is in a
-    # prompt's set (see arithmetic.n_correct); style `plain` or `padded`
-    "offline": {"correct_rate": 0.5, "style": "plain", "n_per_prompt": 2},
+    # the "other model" that writes the offline data. source `rule`: rule-based
+    # (correct_rate = chance the right reply is in a prompt's set, see
+    # arithmetic.n_correct; style `plain` or `padded`). source `model`: T=1
+    # samples of a second tiny policy trained by `other_sft` (see
+    # build.other_policy; correct_rate does not apply, style must be plain).
+    # `source` and `other_sft` are left out of a rule world's hash (see
+    # world.hash_view), so rule worlds keep their names.
+    "offline": {
+        "source": "rule",
+        "correct_rate": 0.5,
+        "style": "plain",
+        "n_per_prompt": 2,
+        # the other model's recipe (its own seed "<seed>:other:*"): the clean
+        # teacher, stopped once its loss is below stop_loss, i.e. just past
+        # arithmetic's ones-digit plateau (at most half the policy's SFT steps);
+        # why: see build.other_policy
+        "other_sft": {
+            "steps": 600,
+            "batch_size": 64,
+            "lr": 3.0e-3,
+            "warmup": 30,
+            "weight_decay": 0.1,
+            "teacher": "clean",
+            "stop_loss": 0.3,
+        },
+    },
 }
 
 DEFAULTS = {
@@ -39,6 +62,7 @@ DEFAULTS = {
 }
 # Preference sequences are ~1.6x longer and have no plateau to escape.
 DEFAULTS["preference"]["sft"]["steps"] = 800
+DEFAULTS["preference"]["offline"]["other_sft"]["steps"] = 400
 
 
 def deep_merge(base: Mapping, override: Mapping) -> dict:
@@ -67,6 +91,14 @@ def resolve(cfg: Mapping) -> dict:
         raise ValueError(f"world.sft.teacher must be 'noisy' or 'clean', not {full['sft']['teacher']!r}")
     if full["offline"]["n_per_prompt"] < 2:
         raise ValueError("world.offline.n_per_prompt must be >= 2 (pairs need two replies)")
+    if full["offline"]["source"] not in ("rule", "model"):
+        raise ValueError(f"world.offline.source must be 'rule' or 'model', not {full['offline']['source']!r}")
+    if full["offline"]["source"] == "model" and full["offline"]["style"] != "plain":
+        raise ValueError("world.offline.style=padded needs world.offline.source=rule (a model writes its own format)")
+    if full["offline"]["other_sft"]["teacher"] not in ("noisy", "clean"):
+        raise ValueError(
+            f"world.offline.other_sft.teacher must be 'noisy' or 'clean', not {full['offline']['other_sft']['teacher']!r}"
+        )
     return full
 
 

@@ -92,10 +92,14 @@ def sft(
     teacher: Callable[[random.Random, str], str],
     rng: random.Random,
     progress: bool,
+    label: str = "SFT of the starting policy",
 ) -> list[float]:
     """Fresh teacher replies every step (so the student learns the teacher's
-    distribution, not one sample of it); AdamW, linear warmup, cosine to 10%."""
+    distribution, not one sample of it); AdamW, linear warmup, cosine to 10%
+    over `steps`. With `scfg["stop_loss"]` set, stops early once the mean loss
+    of the last 50 steps is below it (the schedule is not shortened)."""
     steps, warmup = int(scfg["steps"]), int(scfg["warmup"])
+    stop_loss = scfg.get("stop_loss")
     opt = torch.optim.AdamW(
         model.parameters(), lr=scfg["lr"], betas=(0.9, 0.98), weight_decay=scfg["weight_decay"]
     )
@@ -109,7 +113,7 @@ def sft(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     model.train()
     losses: list[float] = []
-    with _progress(progress, "SFT of the starting policy", steps) as advance:
+    with _progress(progress, label, steps) as advance:
         for _ in range(steps):
             prompts = [draw(rng) for _ in range(scfg["batch_size"])]
             ids, mask, labels = _batch(enc, prompts, [teacher(rng, p) for p in prompts])
@@ -124,6 +128,8 @@ def sft(
             sched.step()
             losses.append(loss.item())
             advance(loss.item())
+            if stop_loss is not None and len(losses) >= 50 and sum(losses[-50:]) / 50 < stop_loss:
+                break
     model.eval()
     return losses
 
