@@ -121,6 +121,23 @@ def equal_quality(online: dict, humanline: dict) -> dict:
             "min_points": points}
 
 
+def mean_ci(values: list[float]) -> dict | None:
+    """Mean and 95% Student-t interval across seeds (no interval for one value); None for none."""
+    if not values:
+        return None
+    m = statistics.fmean(values)
+    if len(values) < 2:
+        return {"mean": m, "lo": None, "hi": None, "n": 1}
+    half = t975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return {"mean": m, "lo": m - half, "hi": m + half, "n": len(values)}
+
+
+def _fmt(ci: dict | None) -> str:
+    if ci is None:
+        return "–"
+    return f"{ci['mean']:.3f}" + (f" [{ci['lo']:.3f}, {ci['hi']:.3f}]" if ci["lo"] is not None else "")
+
+
 @dataclass
 class GapRow:
     task: str
@@ -134,6 +151,7 @@ class GapRow:
     online_wall_s: float | None
     humanline_wall_s: float | None
     equal: dict | None = None  # equal_quality(...) when the runs have learning curves
+    scores: dict | None = None  # family -> metric name -> mean_ci(...) over seeds
 
     @property
     def speedup(self) -> float | None:
@@ -155,7 +173,6 @@ def gap_rows(runs: list, ignore=()) -> list[GapRow]:
         sets: dict[tuple, dict] = {}
         for g in tg:
             sets.setdefault((g.objective, signature(g, derived)[2]), {}).setdefault(g.family, []).append(g)
-        differing = _differing_keys([s for _, s in sets])
         for (objective, sig), fams in sorted(sets.items(), key=lambda kv: str(kv[0])):
             if not all(len(fams.get(f, [])) == 1 for f in ("offline", "online", "humanline-offline")):
                 continue  # missing, or ambiguous (two groups of a family differ in a family-defining key)
@@ -168,7 +185,11 @@ def gap_rows(runs: list, ignore=()) -> list[GapRow]:
                 continue
             wall = {f: statistics.fmean(r.summary.get("wall_clock_s", {}).get("total", math.nan) for r in by[f].values())
                     for f in ("online", "humanline-offline")}
+            # what tells this set apart from the other sets OF THE SAME OBJECTIVE (objective keys differ anyway)
+            differing = _differing_keys([s for (o, s) in sets if o == objective])
             label = ", ".join(f"{k}={v}" for k, v in (sig or ()) if k in differing)
+            scores = {f: {mode: mean_ci([v for r in by[f].values() if (v := _metric(r.summary, mode)) is not None])
+                          for mode in ("greedy accuracy", "accuracy", "win rate")} for f in by}
             curves = {f: {s: learning_curve(r.summary, r.metrics, metric) for s, r in by[f].items()}
                       for f in ("online", "humanline-offline")}
             mid = all(len(c) > 2 for f in curves for c in curves[f].values())  # at least one mid-run eval
@@ -177,7 +198,8 @@ def gap_rows(runs: list, ignore=()) -> list[GapRow]:
                                statistics.fmean(vals["humanline-offline"].values()),
                                gap_closed(vals["offline"], vals["online"], vals["humanline-offline"]),
                                wall["online"], wall["humanline-offline"],
-                               equal_quality(curves["online"], curves["humanline-offline"]) if mid else None))
+                               equal_quality(curves["online"], curves["humanline-offline"]) if mid else None,
+                               scores))
     return rows
 
 
@@ -235,6 +257,17 @@ def markdown(rows: list[GapRow]) -> list[str]:
                 eq += f" (online never reached it in {r.equal['never']} seed(s))"
         lines.append(f"| {r.task} | {r.objective} | {r.label or '–'} | {r.metric} | {r.offline:.3f} | {r.online:.3f} | "
                      f"{r.humanline_offline:.3f} | {gap} | {g['n']} | {speed} | {eq} |")
+    lines.append("")
+    lines += ["Scores per family, mean [95% t-interval across seeds]: greedy accuracy (temperature 0) and sampled "
+              "accuracy (eval.temperature), or the sampled win rate against the starting policy where the task "
+              "has no accuracy.", "",
+              "| task | objective | set | mode | offline | online | humanline-offline |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for mode, name in (("greedy accuracy", "greedy"), ("accuracy", "sampled"), ("win rate", "sampled win rate")):
+            cells = [(r.scores or {}).get(f, {}).get(mode) for f in ("offline", "online", "humanline-offline")]
+            if any(c is not None for c in cells) and not (mode == "win rate" and r.metric != "win rate"):
+                lines.append(f"| {r.task} | {r.objective} | {r.label or '–'} | {name} | "
+                             + " | ".join(_fmt(c) for c in cells) + " |")
     return lines + [""]
 
 

@@ -64,6 +64,8 @@ def test_report_has_the_gap_closed_section(tmp_path):
     assert "## Gap closed by humanline-offline" in md
     line = next(x for x in md.splitlines() if x.startswith("| arithmetic | grpo"))
     assert "| 0.700 | 0.900 | 0.830 | 65% [" in line and "| 3 | 4.00x |" in line
+    # the per-family scores: sampled accuracy, mean [t-interval]: offline 0.70 +- 4.303 * 0.02 / sqrt(3)
+    assert "| arithmetic | grpo | – | sampled | 0.700 [0.650, 0.750] | 0.900 [0.850, 0.950] |" in md
     rows = (root / "gap_closed.csv").read_text().splitlines()
     assert len(rows) == 2 and rows[1].split(",")[7] == "0.65"
     assert (root / "gap_closed.png").stat().st_size > 1000
