@@ -126,3 +126,30 @@ def test_report_gives_the_speedup_at_equal_quality_from_learning_curves(tmp_path
     assert line.endswith("| 2 | 1.80x | 3.00x |"), line
     csv_row = (root / "gap_closed.csv").read_text().splitlines()[1].split(",")
     assert csv_row[-2:] == ["3", "0"]
+
+
+def test_regime_map_table_and_figure_from_report_csvs(tmp_path):
+    from humanline_cli.regime_map import main
+
+    head = ("task,objective,set,metric,offline,online,humanline_offline,gap_closed,gap_closed_lo,gap_closed_hi,n_seeds,"
+            "online_wall_s,humanline_offline_wall_s,speedup,speedup_equal_quality,online_never_reached\n")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "gap_closed.csv").write_text(head + "arithmetic,grpo,,greedy accuracy,0.7,0.9,0.8,0.5,0.4,0.6,3,"
+                                                          "100,25,4,0.5,0\n")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "gap_closed.csv").write_text(head + "arithmetic,dpo,,greedy accuracy,0.8,0.9,0.79,-0.1,,,1,"
+                                                          "50,25,2,,\n")
+    out = tmp_path / "map.png"
+    assert main(["--out", str(out), f"groups={tmp_path / 'a'}", f"pairs={tmp_path / 'b'}"]) == 0
+    assert out.stat().st_size > 1000
+    assert main([f"x={tmp_path / 'missing'}"]) == 2 and main(["no-label"]) == 2
+
+
+def test_regime_map_markdown_rows():
+    from humanline_cli.regime_map import markdown
+
+    row = {"regime": "groups", "objective": "grpo", "metric": "greedy accuracy", "offline": "0.7", "online": "0.9",
+           "humanline_offline": "0.8", "gap_closed": "0.5", "gap_closed_lo": "0.4", "gap_closed_hi": "0.6",
+           "n_seeds": "3", "speedup": "4", "speedup_equal_quality": ""}
+    assert markdown([row])[2] == ("| groups | grpo | greedy accuracy | 0.700 | 0.900 | 0.800 | 50% [40%, 60%] | 3 | "
+                                  "4.00x | n/a |")
