@@ -14,9 +14,9 @@ setup:
 run *ARGS:
     {{venv}}/bin/humanline train {{ARGS}}
 
-# the test suite
+# the test suite: two worker processes (tests run torch on one thread each), whole files per worker
 test *ARGS:
-    {{py}} -m pytest -q {{ARGS}}
+    {{py}} -m pytest -q -n 2 --dist loadfile {{ARGS}}
 
 # the offline table in the README: dpo/kto/grpo x {plain, humanline}
 sweep *ARGS:
