@@ -31,16 +31,13 @@ times swing several-fold between runs.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import io
 import json
-import math
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -240,225 +237,6 @@ def _model_info(policy) -> dict:
             or 4 * int(cfg.hidden_size)}
 
 
-# -- TRL -------------------------------------------------------------------------------------------
-def trl_available() -> bool:
-    try:
-        with _quiet():
-            import trl  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def _quiet():
-    """TRL/datasets progress bars, its end-of-train metrics print and import-time warnings (e.g. about
-    the installed vLLM version) would bury the table; errors still raise."""
-    import datasets
-
-    was = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-                contextlib.redirect_stderr(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        if was:
-            datasets.enable_progress_bars()
-
-
-def _trl_rows(objective: str, units) -> list[dict]:
-    if objective == "dpo":
-        return [{"prompt": u.prompt, "chosen": u.chosen, "rejected": u.rejected} for u in units]
-    return [{"prompt": u.prompt, "completion": u.completion, "label": bool(u.desirable)} for u in units]
-
-
-def _as_chat(rows: list[dict], wrap: bool) -> list[dict]:
-    """Give TRL the conversation the project's encoder builds when it wraps plain strings in a chat turn."""
-    if not wrap:
-        return rows
-    role = {"prompt": "user"}
-    return [{k: ([{"role": role.get(k, "assistant"), "content": v}] if isinstance(v, str) else v) for k, v in r.items()}
-            for r in rows]
-
-
-class _CountingCollator:
-    """TRL's own collator, counting the tokens of each batch it builds (in order)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.tokens: list[int] = []
-        self.kl_tokens: list[int] = []
-
-    def __call__(self, examples):
-        batch = self.inner(examples)
-        self.tokens.append(int(batch["attention_mask"].sum()))
-        kl = batch.get("KL_attention_mask", batch.get("kl_attention_mask"))
-        self.kl_tokens.append(int(kl.sum()) if kl is not None else 0)
-        return batch
-
-
-def _trl_common(spec, backend, out_dir: str) -> dict:
-    tr = spec.train
-    return dict(output_dir=out_dir, max_steps=tr.steps, per_device_train_batch_size=tr.micro_batch_size,
-                gradient_accumulation_steps=tr.accumulation, learning_rate=tr.lr, weight_decay=tr.weight_decay,
-                warmup_steps=math.ceil(tr.warmup_ratio * tr.steps), max_grad_norm=tr.max_grad_norm,
-                lr_scheduler_type="cosine_with_min_lr" if tr.schedule == "cosine" else "constant_with_warmup",
-                **({"lr_scheduler_kwargs": {"min_lr": 0.0}} if tr.schedule == "cosine" else {}),
-                optim="adamw_torch", gradient_checkpointing=bool(getattr(tr, "gradient_checkpointing", False)),
-                bf16=backend.autocast_dtype == torch.bfloat16,
-                fp16=False, use_cpu=backend.device.type == "cpu", report_to="none", save_strategy="no",
-                logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=spec.seed,
-                max_length=tr.max_length, beta=spec.objective_cfg.beta)
-
-
-def trl_run(spec, info: dict, warmup: int, precompute: bool = False) -> Run:
-    """TRL's DPOTrainer / KTOTrainer.train on the project's units, model and settings; `precompute`:
-    precompute_ref_log_probs=True (TRL's reference pass over the data runs before the first step)."""
-    from datasets import Dataset
-    from transformers import TrainerCallback
-
-    from .build import make_encoder, model_paths
-    from .models import load_policy, load_tokenizer
-
-    backend = info["backend"]
-    model_path, tok_path = model_paths(spec)
-    tokenizer = load_tokenizer(tok_path, spec.model_cfg.trust_remote_code)
-    wrap = make_encoder(spec, tokenizer).wrap_strings
-    units = info["units"][: spec.train.batch_size * spec.train.steps]  # as many as the project's steps draw
-    data = Dataset.from_list(_as_chat(_trl_rows(spec.objective, units), wrap))
-    policy = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code)
-    ref = copy.deepcopy(policy).eval().requires_grad_(False)
-    ends: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            ends.append(_now(backend.device))
-
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        if spec.objective == "dpo":
-            from trl import DPOConfig, DPOTrainer
-
-            args = DPOConfig(**_trl_common(spec, backend, tmp), loss_type=["sigmoid"],
-                             precompute_ref_log_probs=precompute)
-            trainer = DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=data,
-                                 processing_class=tokenizer, callbacks=[Clock()])
-        else:
-            from trl import KTOConfig, KTOTrainer
-
-            o = spec.objective_cfg
-            args = KTOConfig(**_trl_common(spec, backend, tmp), desirable_weight=o.desirable_weight,
-                             undesirable_weight=o.undesirable_weight, precompute_ref_log_probs=precompute)
-            trainer = KTOTrainer(model=policy, ref_model=ref, args=args, train_dataset=data,
-                                 processing_class=tokenizer, callbacks=[Clock()])
-        counter = _CountingCollator(trainer.data_collator)
-        trainer.data_collator = counter
-        trainer.train()
-    acc = spec.train.accumulation
-    run = Run()
-    for k in range(warmup, len(ends)):  # step k+1 (1-based) ran between the ends of steps k and k+1
-        run.seconds.append(ends[k] - ends[k - 1])
-        run.units.append(spec.train.batch_size)
-        run.tokens.append(sum(counter.tokens[k * acc:(k + 1) * acc]))
-        run.kl_tokens.append(sum(counter.kl_tokens[k * acc:(k + 1) * acc]))
-    return run
-
-
-def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
-    """TRL's GRPO loss path (GRPOTrainer.compute_loss) on the project's fixed groups."""
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
-    from .build import make_encoder, model_paths
-    from .data.collate import Collator
-    from .models import load_policy, load_tokenizer
-
-    backend = info["backend"]
-    model_path, tok_path = model_paths(spec)
-    tokenizer = load_tokenizer(tok_path, spec.model_cfg.trust_remote_code)
-    encoder = make_encoder(spec, tokenizer)
-    collate = Collator(encoder, spec.objective_cfg)
-    units, tr, o = info["units"], spec.train, spec.objective_cfg
-    group = len(units[0].completions)
-    policy = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code)  # TRL loads its reference
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        common = _trl_common(spec, backend, tmp)
-        for key in ("max_length", "lr_scheduler_kwargs"):
-            common.pop(key, None)
-        n = tr.micro_batch_size * group
-        args = GRPOConfig(**common, num_generations=group, generation_batch_size=n,
-                          max_completion_length=tr.max_length - tr.max_prompt_length, epsilon=o.epsilon,
-                          loss_type="bnpo" if o.aggregation == "token_mean" else "grpo", scale_rewards="none")
-        args.per_device_train_batch_size = n
-        trainer = GRPOTrainer(model=policy, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
-                              args=args, train_dataset=Dataset.from_list([{"prompt": "x"}] * n),
-                              processing_class=tokenizer)
-        trainer.create_optimizer_and_scheduler(num_training_steps=tr.steps)
-        trainer.current_gradient_accumulation_steps = tr.accumulation
-        model, opt, sched = trainer.model, trainer.optimizer, trainer.lr_scheduler
-        model.train()
-        params = [p for p in model.parameters() if p.requires_grad]
-        g = torch.Generator().manual_seed(spec.seed)
-        order: list[int] = []
-        starts, sizes = [], []
-        for _step in range(tr.steps):
-            starts.append(_now(backend.device))
-            while len(order) < tr.batch_size:  # epochs of shuffled groups, like the offline source
-                order += torch.randperm(len(units), generator=g).tolist()
-            idx, order = order[:tr.batch_size], order[tr.batch_size:]
-            toks = units_ = 0
-            for s in range(0, tr.batch_size, tr.micro_batch_size):
-                mb = [units[i] for i in idx[s:s + tr.micro_batch_size]]
-                inputs = _grpo_inputs(collate(mb), tokenizer.pad_token_id, backend.device)
-                with backend.autocast():
-                    with torch.no_grad():
-                        inputs["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
-                            trainer.ref_model, inputs["input_ids"], inputs["attention_mask"],
-                            inputs["completion_ids"].shape[1])[0]
-                    loss = trainer.compute_loss(model, inputs)
-                loss.backward()
-                toks += int(inputs["attention_mask"].sum())
-                units_ += len(mb)
-            torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            float(loss.detach())  # the project's loop reads the loss every step too
-            sizes.append((units_, toks, 0))
-        end = _now(backend.device)
-    return _collect(starts, end, sizes, warmup)
-
-
-def _grpo_inputs(batch, pad_id: int, device) -> dict:
-    """The project's GroupBatch (right-padded prompt+completion) -> TRL's left-padded prompts and
-    right-padded completions with the same token ids and group-normalised advantages."""
-    seqs = batch.seqs
-    prompts, comps = [], []
-    for ids, att, lm in zip(seqs.input_ids.tolist(), seqs.attention_mask.tolist(), seqs.loss_mask.tolist()):
-        n = sum(att)
-        start = lm.index(True) if True in lm else n
-        prompts.append(ids[:start])
-        comps.append(ids[start:n])
-    pw, cw = max(map(len, prompts)), max(1, max(map(len, comps)))
-    pid = torch.full((len(prompts), pw), pad_id, dtype=torch.long)
-    pm = torch.zeros_like(pid)
-    cid = torch.full((len(comps), cw), pad_id, dtype=torch.long)
-    cm = torch.zeros_like(cid)
-    for i, (p, c) in enumerate(zip(prompts, comps)):
-        pid[i, pw - len(p):], pm[i, pw - len(p):] = torch.tensor(p), 1
-        if c:
-            cid[i, :len(c)], cm[i, :len(c)] = torch.tensor(c), 1
-    out = {"prompt_ids": pid, "prompt_mask": pm, "completion_ids": cid, "completion_mask": cm,
-           "advantages": batch.advantages.float()}
-    out = {k: v.to(device) for k, v in out.items()}
-    out["input_ids"] = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
-    out["attention_mask"] = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
-    return out
 
 
 # -- numbers ---------------------------------------------------------------------------------------
@@ -546,6 +324,8 @@ def sampler_bench(spec, info: dict, n_prompts: int) -> dict:
 
 # -- the command -----------------------------------------------------------------------------------
 def run_bench(opts: dict, overrides: list[str], console) -> dict:
+    from .bench_trl import _quiet, trl_available, trl_grpo_run, trl_run
+
     plain = compose_spec(overrides, opts, humanline=False, extra=("train.reference_cache=false",))
     cached = compose_spec(overrides, opts, humanline=False, extra=("train.reference_cache=true",))
     hl = compose_spec(overrides, opts, humanline=True)
