@@ -46,27 +46,13 @@ def markdown(rows: list[dict]) -> list[str]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .science import bar_chart
 
     rows = [r for r in rows if _num(r["gap_closed"]) is not None]
-    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(rows) + 2), 4.2))
-    means = [_num(r["gap_closed"]) for r in rows]
-    lo = [m - (_num(r["gap_closed_lo"]) if _num(r["gap_closed_lo"]) is not None else m) for m, r in zip(means, rows)]
-    hi = [(_num(r["gap_closed_hi"]) if _num(r["gap_closed_hi"]) is not None else m) - m for m, r in zip(means, rows)]
     colors = {"dpo": "#4c72b0", "kto": "#55a868", "grpo": "#c44e52"}
-    ax.bar(range(len(rows)), means, yerr=[lo, hi], capsize=4, color=[colors.get(r["objective"], "grey") for r in rows])
-    ax.axhline(0, color="black", lw=0.8)
-    ax.axhline(1, color="grey", lw=0.8, ls="--")
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([f"{r['objective']}\n" + "\n".join(textwrap.wrap(r["regime"], 16)) for r in rows], fontsize=7)
-    ax.set_ylabel("gap closed by humanline-offline")
-    ax.set_title("(humanline-offline - offline) / (online - offline), 95% CI over seeds")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    bar_chart([f"{r['objective']}\n" + "\n".join(textwrap.wrap(r["regime"], 16)) for r in rows],
+              [(_num(r["gap_closed"]), _num(r["gap_closed_lo"]), _num(r["gap_closed_hi"])) for r in rows], path,
+              [colors.get(r["objective"], "grey") for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,15 +48,9 @@ def gap_closed(offline: dict, online: dict, humanline: dict) -> dict:
             skipped += 1
             continue
         per_seed[s] = (humanline[s] - offline[s]) / gap
-    vals = list(per_seed.values())
-    out = {"n": len(vals), "per_seed": per_seed, "skipped": skipped, "mean": None, "lo": None, "hi": None}
-    if vals:
-        m = statistics.fmean(vals)
-        out["mean"] = m
-        if len(vals) >= 2:
-            half = t975(len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals))
-            out["lo"], out["hi"] = m - half, m + half
-    return out
+    ci = mean_ci(list(per_seed.values())) or {"mean": None, "lo": None, "hi": None}
+    return {"n": len(per_seed), "per_seed": per_seed, "skipped": skipped, "mean": ci["mean"], "lo": ci["lo"],
+            "hi": ci["hi"]}
 
 
 WORK = ("train", "sample", "label", "sync", "push")  # phases that are the cost of learning
@@ -276,24 +270,29 @@ def plot(rows: list[GapRow], path) -> bool:
     rows = [r for r in rows if r.gap["mean"] is not None]
     if not rows:
         return False
+    bar_chart([f"{r.task}/{r.objective}" + (f"\n{r.label}" if r.label else "") for r in rows],
+              [(r.gap["mean"], r.gap["lo"], r.gap["hi"]) for r in rows], path)
+    return True
+
+
+def bar_chart(labels: list[str], values: list[tuple], path, colors: list[str] | None = None) -> None:
+    """Gap closed per bar, (mean, lo, hi) each (lo/hi None: no interval), 0 and 1 marked (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(rows) + 2), 3.6))
-    xs = range(len(rows))
-    means = [r.gap["mean"] for r in rows]
-    err = [[m - (r.gap["lo"] if r.gap["lo"] is not None else m) for m, r in zip(means, rows)],
-           [(r.gap["hi"] if r.gap["hi"] is not None else m) - m for m, r in zip(means, rows)]]
-    ax.bar(xs, means, yerr=err, capsize=4, color="#4c72b0")
+    fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(values) + 2), 4.0))
+    means = [m for m, _, _ in values]
+    err = [[m - (lo if lo is not None else m) for m, lo, _ in values],
+           [(hi if hi is not None else m) - m for m, _, hi in values]]
+    ax.bar(range(len(values)), means, yerr=err, capsize=4, color=colors or "#4c72b0")
     ax.axhline(0, color="black", lw=0.8)
     ax.axhline(1, color="grey", lw=0.8, ls="--")
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels([f"{r.task}/{r.objective}" + (f"\n{r.label}" if r.label else "") for r in rows], fontsize=7)
+    ax.set_xticks(list(range(len(values))))
+    ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("gap closed by humanline-offline")
-    ax.set_title("(humanline-offline - offline) / (online - offline)")
+    ax.set_title("(humanline-offline - offline) / (online - offline), 95% CI over seeds")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True

@@ -204,8 +204,7 @@ def _decoder_and_head(model: torch.nn.Module):
     """(decoder, lm_head) modules when `model(x).logits == lm_head(decoder(x).last_hidden_state)`, else None."""
     if _is_fsdp_root(model):
         return None
-    peft_cfg = getattr(model, "active_peft_config", None)
-    if peft_cfg is not None and getattr(peft_cfg, "is_prompt_learning", False):
+    if _is_prompt_learning(model):
         return None
     config = getattr(model, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
