@@ -1,0 +1,192 @@
+"""Rerunning a command into a run dir that already has outputs (`is_complete`, `prepare_run_dir`, called by
+the CLI before any rank starts): the saved `resolved_config.json` is compared with the new config, minus keys
+that never change results (IGNORED). Same config and complete: nothing to do. Same config, incomplete: resume
+from the last checkpoint (step-indexed outputs rewound to it) or start over. Another config: refused
+(RunDirConflict) unless `resume=false`, which moves the old outputs to `previous-<n>/`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from .errors import UserError
+from .tracking import scrub
+
+# keys that never change results: a rerun that differs only in these resumes
+IGNORED = ("resume", "threads", "wandb", "world_cache", "hydra")
+IGNORED_TRAIN = ("checkpoint_every", "keep_checkpoints")  # exact resume makes checkpointing invisible
+RESOLVED = "resolved_config.json"
+HYDRA_COPY = ".hydra.saved"  # the accepted run's .hydra, to undo Hydra's rewrite when a rerun is refused
+STEP_FILES = ("metrics.jsonl", "logratios.jsonl")
+
+
+class RunDirConflict(UserError):
+    """The run dir holds a run made with another config (or one that cannot be checked)."""
+
+
+# ------------------------------------------------------------------ rerunning into a run dir
+def comparable(config: dict) -> dict:
+    """The resolved config minus the keys that never change results (secrets masked, as saved)."""
+    out = {k: v for k, v in scrub(config).items() if k not in IGNORED}
+    if isinstance(out.get("train"), dict):
+        out["train"] = {k: v for k, v in out["train"].items() if k not in IGNORED_TRAIN}
+    return out
+
+
+def _flat(d, prefix: str = "") -> dict:
+    if not isinstance(d, dict) or not d:
+        return {prefix: d}
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}" if not prefix else f"{prefix}.{k}"))
+    return out
+
+
+_UNSET = object()
+
+
+def _show(value) -> str:
+    text = "<unset>" if value is _UNSET else json.dumps(value, default=str)
+    return text if len(text) <= 24 else text[:21] + "..."
+
+
+def config_diff(old: dict, new: dict) -> list[str]:
+    """'key: old -> new' for every dotted key whose value differs (ignored keys left out), sorted."""
+    a, b = _flat(comparable(old)), _flat(comparable(new))
+    return [f"{k}: {_show(a.get(k, _UNSET))} -> {_show(b.get(k, _UNSET))}"
+            for k in sorted(a.keys() | b.keys()) if a.get(k, _UNSET) != b.get(k, _UNSET)]
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _restore_hydra(run_dir: Path, hydra_subdir: str | None) -> None:
+    """Hydra rewrote <run_dir>/.hydra before this job ran: put the accepted run's files back (mtimes too)."""
+    saved = run_dir / HYDRA_COPY
+    if not hydra_subdir or not saved.is_dir():
+        return
+    for f in saved.iterdir():
+        shutil.copy2(f, run_dir / hydra_subdir / f.name)
+
+
+def _conflict(run_dir: Path, config: dict, hydra_subdir: str | None) -> None:
+    """Raise RunDirConflict if the run dir's saved config differs from `config` (restoring .hydra first)."""
+    prev = _read_json(run_dir / RESOLVED)
+    if prev is None:
+        if _read_json(run_dir / "summary.json") is None:
+            return
+        raise RunDirConflict(f"{run_dir} holds a complete run without {RESOLVED} (made by an older humanline), so "
+                             f"its config cannot be checked; resume=false starts over (moves it to previous-<n>/)")
+    diff = config_diff(prev, config)
+    if diff:
+        _restore_hydra(run_dir, hydra_subdir)
+        more = f" and {len(diff) - 3} more" if len(diff) > 3 else ""
+        raise RunDirConflict(f"{run_dir} holds a run with another config ({'; '.join(diff[:3])}{more}); "
+                             f"resume=false starts over (moves its outputs to previous-<n>/)")
+
+
+def is_complete(run_dir: Path, config: dict, resume: bool, hydra_subdir: str | None = ".hydra") -> bool:
+    """True when the run dir holds a complete run of this same config (nothing to do: Hydra's rewrite of
+    .hydra is undone); RunDirConflict when it holds a run of another config; False otherwise."""
+    summary = _read_json(Path(run_dir) / "summary.json")
+    if not resume or not isinstance(summary, dict) or summary.get("status") != "complete":
+        return False
+    _conflict(Path(run_dir), config, hydra_subdir)
+    _restore_hydra(Path(run_dir), hydra_subdir)
+    return True
+
+
+def prepare_run_dir(run_dir: Path, config: dict, resume: bool, hydra_subdir: str | None = ".hydra") -> int | None:
+    """Make the run dir ready for a (new or resumed) run of `config`, once, before any rank starts.
+
+    resume=true: None (touching nothing) if it holds this config's complete run; refuse another
+    config's outputs; rewind step-indexed outputs to the last checkpoint (or clear them when there
+    is none). resume=false: move the old outputs to previous-<n>/. Then save this run's resolved
+    config and a copy of its .hydra. Returns the step the run continues after (0: from the start)."""
+    run_dir = Path(run_dir)
+    if is_complete(run_dir, config, resume, hydra_subdir):
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    step = 0
+    if resume:
+        from .checkpoint import Checkpoints  # checkpoint.py re-exports this module's names: import it late
+
+        _conflict(run_dir, config, hydra_subdir)
+        ckpts = Checkpoints(run_dir, 0)
+        for tmp in ckpts.root.glob(".tmp-step_*") if ckpts.root.is_dir() else ():
+            shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint the killed run did not finish
+        latest = ckpts.latest()
+        rounds = None
+        if latest is not None:
+            state = json.loads((latest / "state.json").read_text())
+            step = int(state["step"])
+            rounds = state["source"].get("round")
+        rewind_outputs(run_dir, step, rounds)
+    else:
+        move_aside(run_dir, hydra_subdir)
+    write_resolved(run_dir, config)
+    if hydra_subdir and (run_dir / hydra_subdir).is_dir():
+        shutil.rmtree(run_dir / HYDRA_COPY, ignore_errors=True)
+        shutil.copytree(run_dir / hydra_subdir, run_dir / HYDRA_COPY)
+    return step
+
+
+def write_resolved(run_dir: Path, config: dict) -> None:
+    """This run's resolved config (secret-named keys masked), what a rerun is compared with."""
+    tmp = run_dir / (RESOLVED + ".tmp")
+    tmp.write_text(json.dumps(scrub(config), indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, run_dir / RESOLVED)
+
+
+def _keep_rows(path: Path, keep) -> None:
+    """Keep the JSON lines for which keep(row) is true (a torn last line from a kill is dropped)."""
+    if not path.exists():
+        return
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if keep(row):
+            rows.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(rows))
+    os.replace(tmp, path)
+
+
+def rewind_outputs(run_dir: Path, step: int, rounds: int | None) -> None:
+    """Outputs as they were at the checkpoint: metrics/logratios rows up to `step`, online samples up
+    to round `rounds`; what only a finished or failed run writes is removed."""
+    for name in STEP_FILES:
+        _keep_rows(run_dir / name, lambda row: row.get("step", 0) <= step)
+    if step == 0:
+        (run_dir / "samples.jsonl").unlink(missing_ok=True)
+    else:
+        _keep_rows(run_dir / "samples.jsonl", lambda row: rounds is not None and row.get("round", 0) <= rounds)
+    for name in ("failed.json", "eval_samples.jsonl"):
+        (run_dir / name).unlink(missing_ok=True)
+
+
+def move_aside(run_dir: Path, hydra_subdir: str | None) -> Path | None:
+    """Move every output of the previous run into previous-<n>/ (never deleted); its .hydra comes back
+    from the saved copy (Hydra has already written this run's)."""
+    skip = {hydra_subdir, HYDRA_COPY}
+    items = [p for p in run_dir.iterdir()
+             if p.name not in skip and not p.name.startswith("previous-") and p.suffix != ".log"]
+    if not items:
+        return None
+    taken = [int(p.name.split("-", 1)[1]) for p in run_dir.glob("previous-*") if p.name.split("-", 1)[1].isdigit()]
+    dest = run_dir / f"previous-{max(taken, default=0) + 1}"
+    dest.mkdir()
+    for p in items:
+        os.replace(p, dest / p.name)
+    if (run_dir / HYDRA_COPY).is_dir():
+        os.replace(run_dir / HYDRA_COPY, dest / (hydra_subdir or ".hydra"))
+    return dest
