@@ -96,8 +96,8 @@ def is_complete(run_dir: Path, cfg, hydra_subdir: str | None = ".hydra") -> bool
     that never change results); a run of another config raises a one-line checkpoint.RunDirConflict
     (resume=false starts over); False otherwise: the job runs, after checkpoint.prepare_run_dir made
     the dir ready (resuming from its last checkpoint, or moving old outputs aside with resume=false)."""
-    from .rundir import is_complete as same_and_complete
     from .config import validate
+    from .rundir import is_complete as same_and_complete
 
     spec = validate(cfg)
     return same_and_complete(run_dir, spec.config, spec.resume, hydra_subdir)
@@ -125,8 +125,8 @@ def _train_app():
             if is_complete(run_dir, cfg, hydra_subdir):  # another config's run dir: RunDirConflict, one line
                 print(f"humanline: skipping {run_dir}: already complete (resume=false starts over)", file=sys.stderr)
                 return
-            from .rundir import prepare_run_dir
             from .config import validate
+            from .rundir import prepare_run_dir
 
             spec = validate(cfg)
             prepare_run_dir(run_dir, spec.config, spec.resume, hydra_subdir)  # before any rank starts
