@@ -240,3 +240,43 @@ def test_offline_knobs_change_the_data():
         for p in pref_rows["offline_pairs.jsonl"]
     )
     assert ideal > 120  # the labeller mostly, but not always, prefers the ideal reply
+
+
+def test_carry_drop_sets_the_teachers_carry_mistake_rate_and_names_a_new_world(tmp_path):
+    rng = random.Random(0)
+    for rate, expected in ((0.0, 0.0), (1.0, 1.0), (0.75, 0.75)):
+        replies = [arithmetic.teacher(rng, "19+05=", rate) for _ in range(4000)]
+        dropped = replies.count("14") / len(replies)
+        assert abs(dropped - expected) < 0.03, (rate, dropped)
+    assert arithmetic.dropped_carry("19+05=") == "14" and arithmetic.dropped_carry("12+05=") is None
+    # the default is left out of the hash (cached worlds keep their names); any other value renames
+    default = world_dir({"kind": "arithmetic"}, tmp_path)
+    assert world_dir({"kind": "arithmetic", "sft": {"carry_drop": 0.6}}, tmp_path) == default
+    assert world_dir({"kind": "arithmetic", "sft": {"carry_drop": 0.8}}, tmp_path) != default
+    with pytest.raises(ValueError, match=r"world.sft.carry_drop must be in \[0, 1\], not 1.5"):
+        world_dir({"kind": "arithmetic", "sft": {"carry_drop": 1.5}}, tmp_path)
+    with pytest.raises(ValueError, match="unknown key"):  # preference has no carry
+        world_dir({"kind": "preference", "sft": {"carry_drop": 0.8}}, tmp_path)
+
+
+def test_carry_margin_is_the_log_prob_gap_right_vs_dropped_carry(arith):
+    from humanline_cli.world.build import carry_margin
+
+    model = AutoModelForCausalLM.from_pretrained(arith / "policy").eval()
+    enc = policy.WorldCodec(AutoTokenizer.from_pretrained(arith / "policy"))
+    prompts = ["19+05=", "12+05=", "58+67=", "33+44="]  # two carry problems, two without
+
+    def logp(prompt: str, reply: str) -> float:  # one sequence at a time, by hand
+        p, r = enc.prompt(prompt), enc.reply(reply)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + r])).logits[0].log_softmax(-1)
+        return sum(logits[len(p) - 1 + i, t].item() for i, t in enumerate(r))
+
+    gaps = sorted(logp(p, arithmetic.answer(p)) - logp(p, arithmetic.dropped_carry(p)) for p in ("19+05=", "58+67="))
+    got = carry_margin(model, enc, prompts)
+    assert got["carry_margin_mean"] == pytest.approx(sum(gaps) / 2, abs=1e-4)
+    assert got["carry_margin_median"] == pytest.approx(gaps[1], abs=1e-4)
+    assert got["carry_margin_near"] == sum(-1 < g < 0 for g in gaps) / 2
+    assert carry_margin(model, enc, ["12+05="]) == {}
+    info = json.loads((arith / "world.json").read_text())
+    assert {"carry_margin_mean", "carry_margin_near"} <= set(info["base_metrics"])

@@ -36,16 +36,26 @@ def answer(prompt: str) -> str:
     return str(a + b)
 
 
-def teacher(rng: random.Random, prompt: str) -> str:
-    """Noisy teacher: on carry problems forgets the carry 60% of the time,
-    otherwise is off by one 20% of the time. Its mistakes are *plausible*, so
+CARRY_DROP = 0.6  # the noisy teacher's default (world.sft.carry_drop)
+
+
+def teacher(rng: random.Random, prompt: str, carry_drop: float = CARRY_DROP) -> str:
+    """Noisy teacher: on carry problems forgets the carry `carry_drop` of the time
+    (60%), otherwise is off by one 20% of the time. Its mistakes are *plausible*, so
     the student keeps the right answer in its support (alignment can sharpen it)."""
     a, b = operands(prompt)
-    if (a % 10) + (b % 10) >= 10 and rng.random() < 0.6:
+    if (a % 10) + (b % 10) >= 10 and rng.random() < carry_drop:
         return str(a + b - 10)  # the ones digit is right, the carry into tens is lost
     if rng.random() < 0.2:
         return str(max(0, a + b + rng.choice((-1, 1))))
     return str(a + b)
+
+
+def dropped_carry(prompt: str) -> str | None:
+    """The noisy teacher's typical mistake on a carry problem (the carry into the tens
+    lost), or None for a problem without a carry."""
+    a, b = operands(prompt)
+    return str(a + b - 10) if (a % 10) + (b % 10) >= 10 else None
 
 
 def n_correct(rng: random.Random, n: int, correct_rate: float) -> int:

@@ -38,16 +38,20 @@ RESCUE_ROUNDS = 2
 MAX_NEW = {"arithmetic": 5, "preference": 16}
 
 
-def _teacher(kind: str, name: str):
-    """The SFT teacher `name` (`noisy` | `clean`) of task `kind`: (rng, prompt) -> reply."""
+def _teacher(kind: str, name: str, carry_drop: float = arithmetic.CARRY_DROP):
+    """The SFT teacher `name` (`noisy` | `clean`) of task `kind`: (rng, prompt) -> reply.
+    `carry_drop`: how often arithmetic's noisy teacher forgets a carry."""
     if kind == "arithmetic":
-        return (lambda r, p: arithmetic.answer(p)) if name == "clean" else arithmetic.teacher
+        if name == "clean":
+            return lambda r, p: arithmetic.answer(p)
+        return lambda r, p: arithmetic.teacher(r, p, carry_drop)
     return (lambda r, p: preference.ideal(p)) if name == "clean" else preference.teacher
 
 
 def _prompts(cfg: dict, rng: random.Random):
     """(train, eval, sft_draw, teacher) for the task."""
-    kind, teacher = cfg["kind"], _teacher(cfg["kind"], cfg["sft"]["teacher"])
+    kind = cfg["kind"]
+    teacher = _teacher(kind, cfg["sft"]["teacher"], cfg["sft"].get("carry_drop", arithmetic.CARRY_DROP))
     if kind == "arithmetic":
         train, eval_, pool = arithmetic.split_prompts(rng, cfg["n_train_prompts"], cfg["n_eval_prompts"])
         return train, eval_, (lambda r: r.choice(pool)), teacher
@@ -93,7 +97,34 @@ def measure(kind: str, model, tok, prompts: list[str], seed: int) -> dict:
             lab = rewards.score(kind, "labeller", prompts, texts)
             out[f"{name}_labeller"] = sum(lab) / len(lab)
             out[f"{name}_exact"] = sum(t == preference.ideal(p) for p, t in zip(prompts, texts)) / len(texts)
+    if kind == "arithmetic":
+        out.update(carry_margin(model, enc, prompts))
     return out
+
+
+@torch.no_grad()
+def carry_margin(model, enc: "policy.WorldCodec", prompts: list[str]) -> dict:
+    """How far the policy is from getting arithmetic's hard subset right: on the carry
+    problems, log p(right answer) - log p(the same answer with the carry dropped), whole
+    reply + EOS. Negative: the dropped carry is preferred; a small negative margin is
+    what a little sharpening can flip. Mean, median and the share of problems whose
+    margin is within 1 nat of flipping (-1 < margin < 0)."""
+    carry = [p for p in prompts if arithmetic.dropped_carry(p) is not None]
+    if not carry:
+        return {}
+    logps = []
+    for replies in ([arithmetic.answer(p) for p in carry], [arithmetic.dropped_carry(p) for p in carry]):
+        ids, mask, labels = policy._batch(enc, carry, replies)
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        target = labels[:, 1:]
+        token = torch.log_softmax(logits, -1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        logps.append((token * (target != -100)).sum(-1))
+    margin = (logps[0] - logps[1]).sort().values
+    return {
+        "carry_margin_mean": margin.mean().item(),
+        "carry_margin_median": margin[len(margin) // 2].item(),
+        "carry_margin_near": ((margin > -1) & (margin < 0)).float().mean().item(),
+    }
 
 
 # Candidates drawn per kept reply in `sample_distinct`.

@@ -63,6 +63,9 @@ DEFAULTS = {
 # Preference sequences are ~1.6x longer and have no plateau to escape.
 DEFAULTS["preference"]["sft"]["steps"] = 800
 DEFAULTS["preference"]["offline"]["other_sft"]["steps"] = 400
+# Arithmetic's noisy teacher forgets a carry this often (see arithmetic.teacher);
+# at the default it is left out of the world's hash (world.hash_view).
+DEFAULTS["arithmetic"]["sft"]["carry_drop"] = 0.6
 
 
 def deep_merge(base: Mapping, override: Mapping) -> dict:
@@ -89,6 +92,8 @@ def resolve(cfg: Mapping) -> dict:
         raise ValueError(f"world.offline.style must be 'plain' or 'padded', not {full['offline']['style']!r}")
     if full["sft"]["teacher"] not in ("noisy", "clean"):
         raise ValueError(f"world.sft.teacher must be 'noisy' or 'clean', not {full['sft']['teacher']!r}")
+    if kind == "arithmetic" and not 0.0 <= full["sft"]["carry_drop"] <= 1.0:
+        raise ValueError(f"world.sft.carry_drop must be in [0, 1], not {full['sft']['carry_drop']!r}")
     if full["offline"]["n_per_prompt"] < 2:
         raise ValueError("world.offline.n_per_prompt must be >= 2 (pairs need two replies)")
     if full["offline"]["source"] not in ("rule", "model"):
