@@ -103,7 +103,7 @@ def measure(kind: str, model, tok, prompts: list[str], seed: int) -> dict:
 
 
 @torch.no_grad()
-def carry_margin(model, enc: "policy.WorldCodec", prompts: list[str]) -> dict:
+def carry_margin(model, enc: policy.WorldCodec, prompts: list[str]) -> dict:
     """How far the policy is from getting arithmetic's hard subset right: on the carry
     problems, log p(right answer) - log p(the same answer with the carry dropped), whole
     reply + EOS. Negative: the dropped carry is preferred; a small negative margin is
