@@ -280,3 +280,24 @@ def test_carry_margin_is_the_log_prob_gap_right_vs_dropped_carry(arith):
     assert carry_margin(model, enc, ["12+05="]) == {}
     info = json.loads((arith / "world.json").read_text())
     assert {"carry_margin_mean", "carry_margin_near"} <= set(info["base_metrics"])
+
+
+def test_plain_format_is_the_prototypes_prompt_without_chat_markers(tmp_path):
+    from humanline_cli.world.tokenizer import build_tokenizer
+
+    tok = build_tokenizer("plain")
+    msgs = [{"role": "user", "content": "37+45="}]
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == "<|bos|>37+45="
+    full = msgs + [{"role": "assistant", "content": "82"}]
+    assert tok.apply_chat_template(full, tokenize=False) == "<|bos|>37+45=82<|eos|>"
+    enc = policy.WorldCodec(tok)  # SFT's fast path matches the plain template too
+    for content in ("00+99=", "37+45="):
+        got = _ids(tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True))
+        assert got == enc.prompt(content) and len(got) == 7  # BOS + 6 characters, as in the prototype
+    default = world_dir({"kind": "arithmetic"}, tmp_path)
+    assert world_dir({"kind": "arithmetic", "format": "chat"}, tmp_path) == default
+    assert world_dir({"kind": "arithmetic", "format": "plain"}, tmp_path) != default
+    with pytest.raises(ValueError, match="world.format=plain needs the arithmetic task"):
+        world_dir({"kind": "preference", "format": "plain"}, tmp_path)
+    with pytest.raises(ValueError, match="world.format must be 'chat' or 'plain', not 'xml'"):
+        world_dir({"kind": "arithmetic", "format": "xml"}, tmp_path)

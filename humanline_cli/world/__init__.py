@@ -45,10 +45,13 @@ MODEL_SOURCE_KEYS = ("source", "other_sft")
 def hash_view(full: Mapping) -> dict:
     """The part of a resolved cfg that names (and describes) the world: all of it,
     less `offline.source`/`offline.other_sft` in a rule world, where they do nothing, and
-    less arithmetic's `sft.carry_drop` at its default (a knob added after worlds were named).
+    less the knobs added after worlds were named, at their defaults (`format`, arithmetic's
+    `sft.carry_drop`).
     So rule worlds keep their pre-`source` names (no WORLD_VERSION bump) and tuning
     `other_sft` never renames one."""
     view = copy.deepcopy(dict(full))
+    if view.get("format") == "chat":
+        del view["format"]
     if view["sft"].get("carry_drop") == DEFAULTS["arithmetic"]["sft"]["carry_drop"]:
         view["sft"] = {k: v for k, v in view["sft"].items() if k != "carry_drop"}
     if view["offline"]["source"] == "rule":

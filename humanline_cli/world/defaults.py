@@ -9,6 +9,9 @@ from collections.abc import Mapping
 
 _COMMON = {
     "seed": 0,
+    # `chat` (`<|user|>PROMPT<|assistant|>REPLY`) or `plain` (`PROMPT REPLY`, the prototype's format);
+    # left out of the hash at `chat` (world.hash_view)
+    "format": "chat",
     "n_train_prompts": 4096,  # prompts for offline data and online training
     "n_eval_prompts": 256,  # held out of SFT and offline data
     # head_dim >= 32 is needed for vLLM to load the policy
@@ -92,6 +95,10 @@ def resolve(cfg: Mapping) -> dict:
         raise ValueError(f"world.offline.style must be 'plain' or 'padded', not {full['offline']['style']!r}")
     if full["sft"]["teacher"] not in ("noisy", "clean"):
         raise ValueError(f"world.sft.teacher must be 'noisy' or 'clean', not {full['sft']['teacher']!r}")
+    if full["format"] not in ("chat", "plain"):
+        raise ValueError(f"world.format must be 'chat' or 'plain', not {full['format']!r}")
+    if full["format"] == "plain" and kind != "arithmetic":  # only arithmetic's prompts end in a marker ("=")
+        raise ValueError("world.format=plain needs the arithmetic task (preference prompts have no end marker)")
     if kind == "arithmetic" and not 0.0 <= full["sft"]["carry_drop"] <= 1.0:
         raise ValueError(f"world.sft.carry_drop must be in [0, 1], not {full['sft']['carry_drop']!r}")
     if full["offline"]["n_per_prompt"] < 2:

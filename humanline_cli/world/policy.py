@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from .tokenizer import PLAIN_TEMPLATE
+
 MAX_POSITIONS = 64
 
 
@@ -62,11 +64,13 @@ class WorldCodec:
 
     def __init__(self, tok: PreTrainedTokenizerFast):
         self.vocab = tok.get_vocab()
-        self.head = [tok.bos_token_id, self.vocab["<|user|>"]]
-        self.assistant, self.eos, self.pad = self.vocab["<|assistant|>"], tok.eos_token_id, tok.pad_token_id
+        plain = tok.chat_template == PLAIN_TEMPLATE  # world.format=plain: no chat markers
+        self.head = [tok.bos_token_id] + ([] if plain else [self.vocab["<|user|>"]])
+        self.open = [] if plain else [self.vocab["<|assistant|>"]]
+        self.eos, self.pad = tok.eos_token_id, tok.pad_token_id
 
     def prompt(self, content: str) -> list[int]:
-        return self.head + [self.vocab[c] for c in content] + [self.assistant]
+        return self.head + [self.vocab[c] for c in content] + self.open
 
     def reply(self, content: str) -> list[int]:
         return [self.vocab[c] for c in content] + [self.eos]

@@ -31,7 +31,21 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+# world.format=plain: the prototype's format, `{bos}PROMPT` then `REPLY{eos}` (no chat markers;
+# the generation prompt adds nothing, so the prefix property above still holds).
+PLAIN_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}"
+    "{% endif %}"
+    "{% endfor %}"
+)
+TEMPLATES = {"chat": CHAT_TEMPLATE, "plain": PLAIN_TEMPLATE}
+
+
+def build_tokenizer(fmt: str = "chat") -> PreTrainedTokenizerFast:
+    """`fmt`: `chat` (the markers above) or `plain` (PLAIN_TEMPLATE)."""
     vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
     # Split into single characters; spaces are ordinary tokens (no merging).
@@ -43,7 +57,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         bos_token=BOS,
         eos_token=EOS,
         additional_special_tokens=[USER, ASSISTANT],
-        chat_template=CHAT_TEMPLATE,
+        chat_template=TEMPLATES[fmt],
         model_max_length=64,
         clean_up_tokenization_spaces=False,
     )
