@@ -33,15 +33,18 @@ def _num(x: str) -> float | None:
 
 def markdown(rows: list[dict]) -> list[str]:
     out = ["| regime | objective | metric | offline | online | humanline-offline | gap closed | seeds "
-           "| speedup (equal steps) | at equal quality |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "| speedup (equal steps) | at equal quality | online sampling (bound) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         g, lo, hi = _num(r["gap_closed"]), _num(r["gap_closed_lo"]), _num(r["gap_closed_hi"])
         gap = "–" if g is None else f"{g:.0%}" + (f" [{lo:.0%}, {hi:.0%}]" if lo is not None else "")
         eq = _num(r.get("speedup_equal_quality", ""))
         sp = _num(r["speedup"])
+        share, bound = _num(r.get("online_sampling_share", "")), _num(r.get("speedup_bound_matched", ""))
+        sampling = "n/a" if share is None or bound is None else f"{share:.0%} ({bound:.2f}x)"
         out.append(f"| {r['regime']} | {r['objective']} | {r['metric']} | {float(r['offline']):.3f} | "
                    f"{float(r['online']):.3f} | {float(r['humanline_offline']):.3f} | {gap} | {r['n_seeds']} | "
-                   f"{'n/a' if sp is None else f'{sp:.2f}x'} | {'n/a' if eq is None else f'{eq:.2f}x'} |")
+                   f"{'n/a' if sp is None else f'{sp:.2f}x'} | {'n/a' if eq is None else f'{eq:.2f}x'} | {sampling} |")
     return out
 
 

@@ -13,6 +13,9 @@ number of steps. `equal_quality`: the paper's framing, from learning curves (eva
 the work time (train + sample + label + sync + push, i.e. without evaluation and setup) online needs to
 first reach the score humanline-offline ends at, divided by humanline-offline's work time to reach it,
 with linear interpolation between evaluation points (the starting policy's score at time 0).
+`online_sampling_share`: the part of online's work time spent producing data (sample + label +
+push), mean over seeds. 1 / (1 - share) bounds what any offline method can save against online
+training on the same sequences per step (offline skips exactly that part).
 """
 from __future__ import annotations
 
@@ -146,6 +149,13 @@ class GapRow:
     humanline_wall_s: float | None
     equal: dict | None = None  # equal_quality(...) when the runs have learning curves
     scores: dict | None = None  # family -> metric name -> mean_ci(...) over seeds
+    online_sampling_share: float | None = None  # (sample + label + push) / work time of online runs
+
+    @property
+    def matched_bound(self) -> float | None:
+        """The largest speedup skipping online's data production can give at matched sequences."""
+        share = self.online_sampling_share
+        return None if share is None or share >= 1 else 1.0 / (1.0 - share)
 
     @property
     def speedup(self) -> float | None:
@@ -187,14 +197,23 @@ def gap_rows(runs: list, ignore=()) -> list[GapRow]:
             curves = {f: {s: learning_curve(r.summary, r.metrics, metric) for s, r in by[f].items()}
                       for f in ("online", "humanline-offline")}
             mid = all(len(c) > 2 for f in curves for c in curves[f].values())  # at least one mid-run eval
+            share = [_sampling_share(r.summary.get("wall_clock_s") or {}) for r in by["online"].values()]
+            share = [x for x in share if x is not None]
             rows.append(GapRow(task, objective, label, metric, statistics.fmean(vals["offline"].values()),
                                statistics.fmean(vals["online"].values()),
                                statistics.fmean(vals["humanline-offline"].values()),
                                gap_closed(vals["offline"], vals["online"], vals["humanline-offline"]),
                                wall["online"], wall["humanline-offline"],
                                equal_quality(curves["online"], curves["humanline-offline"]) if mid else None,
-                               scores))
+                               scores, statistics.fmean(share) if share else None))
     return rows
+
+
+def _sampling_share(times: dict) -> float | None:
+    work = _work(times)
+    if work <= 0:
+        return None
+    return sum(float(times.get(k, 0.0) or 0.0) for k in ("sample", "label", "push")) / work
 
 
 def _differing_keys(signatures: list) -> set:
@@ -211,7 +230,8 @@ def write_csv(rows: list[GapRow], path) -> None:
         w = csv.writer(f)
         w.writerow(["task", "objective", "set", "metric", "offline", "online", "humanline_offline", "gap_closed",
                     "gap_closed_lo", "gap_closed_hi", "n_seeds", "online_wall_s", "humanline_offline_wall_s", "speedup",
-                    "speedup_equal_quality", "online_never_reached"])
+                    "speedup_equal_quality", "online_never_reached", "online_sampling_share",
+                    "speedup_bound_matched"])
         for r in rows:
             g = r.gap
             w.writerow([r.task, r.objective, r.label, r.metric, f"{r.offline:.6g}", f"{r.online:.6g}",
@@ -219,7 +239,9 @@ def write_csv(rows: list[GapRow], path) -> None:
                         "" if g["lo"] is None else f"{g['lo']:.6g}", "" if g["hi"] is None else f"{g['hi']:.6g}",
                         g["n"], r.online_wall_s, r.humanline_wall_s, "" if r.speedup is None else f"{r.speedup:.4g}",
                         "" if not r.equal or r.equal["mean"] is None else f"{r.equal['mean']:.4g}",
-                        "" if not r.equal else r.equal["never"]])
+                        "" if not r.equal else r.equal["never"],
+                        "" if r.online_sampling_share is None else f"{r.online_sampling_share:.4g}",
+                        "" if r.matched_bound is None else f"{r.matched_bound:.4g}"])
 
 
 def _metric(summary: dict, name: str) -> float | None:
@@ -235,10 +257,13 @@ def markdown(rows: list[GapRow]) -> list[str]:
     lines = ["gap closed = (humanline-offline - offline) / (online - offline), per seed (paired), mean "
              "[95% t-interval across seeds]; speedup = online wall-clock / humanline-offline wall-clock at equal "
              "steps; at equal quality = online's work time to reach humanline-offline's final score / "
-             "humanline-offline's (learning curves; n/a without mid-run evals, eval.every).", "",
+             "humanline-offline's (learning curves; n/a without mid-run evals, eval.every); online sampling = "
+             "share of online's work time spent sampling, labelling and pushing weights, and the speedup it bounds: "
+             "1 / (1 - share) is the most any offline run can save against online on the same sequences per step.",
+             "",
              "| task | objective | set | metric | offline | online | humanline-offline | gap closed | seeds | speedup "
-             "| at equal quality |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| at equal quality | online sampling (bound) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         g = r.gap
         gap = "–" if g["mean"] is None else f"{g['mean']:.0%}" + (
@@ -249,8 +274,9 @@ def markdown(rows: list[GapRow]) -> list[str]:
             eq = f"{r.equal['mean']:.2f}x" if r.equal["mean"] is not None else "–"
             if r.equal["never"]:
                 eq += f" (online never reached it in {r.equal['never']} seed(s))"
+        bound = "n/a" if r.matched_bound is None else f"{r.online_sampling_share:.0%} ({r.matched_bound:.2f}x)"
         lines.append(f"| {r.task} | {r.objective} | {r.label or '–'} | {r.metric} | {r.offline:.3f} | {r.online:.3f} | "
-                     f"{r.humanline_offline:.3f} | {gap} | {g['n']} | {speed} | {eq} |")
+                     f"{r.humanline_offline:.3f} | {gap} | {g['n']} | {speed} | {eq} | {bound} |")
     lines.append("")
     lines += ["Scores per family, mean [95% t-interval across seeds]: greedy accuracy (temperature 0) and sampled "
               "accuracy (eval.temperature), or the sampled win rate against the starting policy where the task "

@@ -116,16 +116,18 @@ def test_report_gives_the_speedup_at_equal_quality_from_learning_curves(tmp_path
             s = json.loads((d / "summary.json").read_text())
             s["eval"]["greedy"] = {"accuracy": final, "start_accuracy": 0.6}
             setup = 15.0 if name == "hl" else 5.0  # wall-clock speedup at equal steps: 45 / 25
-            s["wall_clock_s"] = {"train": work, "sample": 0.0, "label": 0.0, "total": work + setup}
+            sample = 10.0 if name == "on" else 0.0  # online: 10 of its 40 work seconds sampling
+            s["wall_clock_s"] = {"train": work - sample, "sample": sample, "label": 0.0, "total": work + setup}
             (d / "summary.json").write_text(json.dumps(s))
             rows = [{"step": 20, "loss": 0.1, "time/train": work / 2}, {"step": 20, "eval/greedy/accuracy": mid}]
             (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     md = build_report(root).markdown
     line = next(x for x in md.splitlines() if x.startswith("| arithmetic | grpo"))
     # online [(0, .6), (20, .8), (40, .9)] reaches .85 at 30 s; humanline-offline reaches it at its end, 10 s
-    assert line.endswith("| 2 | 1.80x | 3.00x |"), line
+    # online spent 10 / 40 of its work time sampling: at matched sequences offline saves at most 40 / 30
+    assert line.endswith("| 2 | 1.80x | 3.00x | 25% (1.33x) |"), line
     csv_row = (root / "gap_closed.csv").read_text().splitlines()[1].split(",")
-    assert csv_row[-2:] == ["3", "0"]
+    assert csv_row[-4:] == ["3", "0", "0.25", "1.333"]
 
 
 def test_regime_map_table_and_figure_from_report_csvs(tmp_path):
@@ -152,4 +154,6 @@ def test_regime_map_markdown_rows():
            "humanline_offline": "0.8", "gap_closed": "0.5", "gap_closed_lo": "0.4", "gap_closed_hi": "0.6",
            "n_seeds": "3", "speedup": "4", "speedup_equal_quality": ""}
     assert markdown([row])[2] == ("| groups | grpo | greedy accuracy | 0.700 | 0.900 | 0.800 | 50% [40%, 60%] | 3 | "
-                                  "4.00x | n/a |")
+                                  "4.00x | n/a | n/a |")  # a CSV from before the sampling columns
+    row.update(online_sampling_share="0.25", speedup_bound_matched="1.333")
+    assert markdown([row])[2].endswith("| 4.00x | n/a | 25% (1.33x) |")
