@@ -4,6 +4,15 @@ Each study is a `humanline report` output dir (its gap_closed.csv); a label name
 
     python -m humanline_cli.regime_map --out map.png "pairs (rule)=runs/pairs" "groups of 8=runs/g8" ...
 
+or one sweep over named regimes (`regime=...`, conf/regime/; `experiment=laptop_regimes`):
+
+    python -m humanline_cli.regime_map --sweep runs/experiments/laptop_regimes --out map.png
+
+where each humanline-offline regime `hl<suffix>` is compared with `offline<suffix>` and
+`online<suffix>` when the sweep has them, else with `offline` and `online` (hl_sync16: offline and
+online; hl_padded: offline_padded and online; hl_lr3e-5: offline_lr3e-5 and online_lr3e-5). The
+offline data (`task.world.offline`) may differ from online's, which does not read it.
+
 Prints a markdown table (regime, objective, offline / online / humanline-offline, gap closed with its
 interval, seeds, speedups) and writes a bar chart of gap closed per regime and objective (PNG).
 """
@@ -25,6 +34,68 @@ def load(studies: list[tuple[str, Path]]) -> list[dict]:
         with open(f, newline="") as fh:
             rows += [{**r, "regime": label} for r in csv.DictReader(fh)]
     return rows
+
+
+# Keys a regime's runs may differ in from the online runs they are compared with (online ignores them).
+SWEEP_IGNORE = ("task.world.offline",)
+
+
+def regime_of(run_dir: Path) -> str | None:
+    """The `regime=NAME` override a sweep job ran with (.hydra/overrides.yaml), if any."""
+    import yaml
+
+    f = run_dir / ".hydra" / "overrides.yaml"
+    if not f.is_file():
+        return None
+    for o in yaml.safe_load(f.read_text()) or []:
+        key, _, value = str(o).lstrip("+").partition("=")
+        if key == "regime":
+            return value
+    return None
+
+
+def _sweep_order(root: Path, names: set[str]) -> list[str]:
+    """Regimes in the order the sweep lists them (multirun.yaml), then any others alphabetically."""
+    import yaml
+
+    listed: list[str] = []
+    f = root / "multirun.yaml"
+    if f.is_file():
+        params = ((yaml.safe_load(f.read_text()) or {}).get("hydra") or {}).get("sweeper", {}).get("params") or {}
+        listed = [x.strip() for x in str(params.get("regime", "")).split(",") if x.strip()]
+    return [n for n in listed if n in names] + sorted(names - set(listed))
+
+
+def sweep_rows(root: Path) -> list[dict]:
+    """Gap-closed rows (gap_closed.csv's columns plus `regime`) of one sweep over named regimes."""
+    from .report import find_run_dirs, load_run
+    from .science import csv_row, gap_rows
+
+    by: dict[str, list] = {}
+    for d in find_run_dirs(root):
+        name, run = regime_of(d), load_run(d)
+        if name and run.status == "complete":
+            by.setdefault(name, []).append(run)
+    rows = []
+    for name in _sweep_order(root, set(by)):
+        if not name.startswith("hl"):
+            continue
+        suffix = name[2:]
+        offline = f"offline{suffix}" if f"offline{suffix}" in by else "offline"
+        online = f"online{suffix}" if f"online{suffix}" in by else "online"
+        if offline in by and online in by:
+            for g in gap_rows(by[name] + by[offline] + by[online], ignore=SWEEP_IGNORE):
+                rows.append({**csv_row(g), "regime": f"{name} (vs {offline}, {online})"})
+    return rows
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    from .science import CSV_COLUMNS
+
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["regime", *CSV_COLUMNS])
+        w.writeheader()
+        w.writerows(rows)
 
 
 def _num(x: str) -> float | None:
@@ -60,9 +131,28 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m humanline_cli.regime_map", description=__doc__.split("\n\n")[0])
-    p.add_argument("studies", nargs="+", help="LABEL=DIR: a regime's label and its `humanline report` dir")
-    p.add_argument("--out", default="regime_map.png", help="the PNG to write")
+    p.add_argument("studies", nargs="*", help="LABEL=DIR: a regime's label and its `humanline report` dir")
+    p.add_argument("--sweep", help="one sweep over named regimes (regime=...), e.g. runs/experiments/laptop_regimes")
+    p.add_argument("--out", default="regime_map.png", help="the PNG to write (and, with --sweep, a CSV next to it)")
     a = p.parse_args(argv)
+    if a.sweep:
+        root = Path(a.sweep)
+        if not root.is_dir():
+            print(f"regime_map: error: {root}: no such directory", file=sys.stderr)
+            return 2
+        rows = sweep_rows(root)
+        if not rows:
+            print(f"regime_map: error: {root}: no humanline-offline regime with its offline and online runs complete",
+                  file=sys.stderr)
+            return 2
+        print("\n".join(markdown(rows)))
+        plot(rows, Path(a.out))
+        write_csv(rows, Path(a.out).with_suffix(".csv"))
+        print(f"wrote {a.out} and {Path(a.out).with_suffix('.csv')}")
+        return 0
+    if not a.studies:
+        print("regime_map: error: give LABEL=DIR studies or --sweep DIR", file=sys.stderr)
+        return 2
     studies = []
     for s in a.studies:
         label, eq, path = s.partition("=")

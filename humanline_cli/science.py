@@ -223,25 +223,33 @@ def _differing_keys(signatures: list) -> set:
     return {k for k in keys if len({d.get(k) for d in dicts}) > 1}
 
 
+CSV_COLUMNS = ("task", "objective", "set", "metric", "offline", "online", "humanline_offline", "gap_closed",
+               "gap_closed_lo", "gap_closed_hi", "n_seeds", "online_wall_s", "humanline_offline_wall_s", "speedup",
+               "speedup_equal_quality", "online_never_reached", "online_sampling_share", "speedup_bound_matched")
+
+
+def csv_row(r: GapRow) -> dict:
+    """One gap-closed row as gap_closed.csv writes it (strings; empty where there is no value)."""
+    g = r.gap
+
+    def num(x, fmt=".6g"):
+        return "" if x is None else format(x, fmt)
+
+    values = (r.task, r.objective, r.label, r.metric, num(r.offline), num(r.online), num(r.humanline_offline),
+              num(g["mean"]), num(g["lo"]), num(g["hi"]), str(g["n"]), str(r.online_wall_s), str(r.humanline_wall_s),
+              num(r.speedup, ".4g"), "" if not r.equal else num(r.equal["mean"], ".4g"),
+              "" if not r.equal else str(r.equal["never"]), num(r.online_sampling_share, ".4g"),
+              num(r.matched_bound, ".4g"))
+    return dict(zip(CSV_COLUMNS, values))
+
+
 def write_csv(rows: list[GapRow], path) -> None:
     import csv
 
     with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["task", "objective", "set", "metric", "offline", "online", "humanline_offline", "gap_closed",
-                    "gap_closed_lo", "gap_closed_hi", "n_seeds", "online_wall_s", "humanline_offline_wall_s", "speedup",
-                    "speedup_equal_quality", "online_never_reached", "online_sampling_share",
-                    "speedup_bound_matched"])
-        for r in rows:
-            g = r.gap
-            w.writerow([r.task, r.objective, r.label, r.metric, f"{r.offline:.6g}", f"{r.online:.6g}",
-                        f"{r.humanline_offline:.6g}", "" if g["mean"] is None else f"{g['mean']:.6g}",
-                        "" if g["lo"] is None else f"{g['lo']:.6g}", "" if g["hi"] is None else f"{g['hi']:.6g}",
-                        g["n"], r.online_wall_s, r.humanline_wall_s, "" if r.speedup is None else f"{r.speedup:.4g}",
-                        "" if not r.equal or r.equal["mean"] is None else f"{r.equal['mean']:.4g}",
-                        "" if not r.equal else r.equal["never"],
-                        "" if r.online_sampling_share is None else f"{r.online_sampling_share:.4g}",
-                        "" if r.matched_bound is None else f"{r.matched_bound:.4g}"])
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        w.writerows(csv_row(r) for r in rows)
 
 
 def _metric(summary: dict, name: str) -> float | None:

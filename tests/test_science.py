@@ -83,10 +83,59 @@ def test_laptop_regimes_composes_and_has_the_stated_size():
     n = 1
     for v in sizes.values():
         n *= v
-    assert n == cfg.regime_study_size == 72  # the file states its size, and the sweep has it
+    assert n == cfg.regime_study_size == 117  # the file states its size, and the sweep has it
+    regimes = str(params["regime"]).split(",")
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        spec = validate(compose("train", overrides=["experiment=laptop_regimes"]))
-    assert spec.eval_cfg.every == 20 and spec.eval_cfg.greedy
+        specs = {r: validate(compose("train", overrides=["experiment=laptop_regimes", f"regime={r}"])) for r in regimes}
+    assert all(s.eval_cfg.every == 40 and s.eval_cfg.greedy for s in specs.values())
+    # each named regime is what its name says
+    assert {r for r, s in specs.items() if s.regime == "online"} == {"online", "online_lr3e-5"}
+    assert {r for r, s in specs.items() if s.humanline_on} == {r for r in regimes if r.startswith("hl")}
+    assert {r for r, s in specs.items() if s.train.lr == 3e-5} == {"offline_lr3e-5", "hl_lr3e-5", "online_lr3e-5"}
+    assert specs["hl_sync16"].humanline.sync_every == 16 and specs["hl"].humanline.sync_every == 1
+    assert (specs["hl_tight"].humanline.log_eps_P, specs["hl_tight"].humanline.log_eps_R) == (-0.05, 0.05)
+    world = {r: s.task_cfg.world["offline"] for r, s in specs.items()}
+    assert {r for r, w in world.items() if w.get("style") == "padded"} == {"offline_padded", "hl_padded"}
+    assert {r for r, w in world.items() if w.get("source") == "model"} == {"offline_model", "hl_model"}
+
+
+def test_regime_map_from_one_sweep_pairs_each_humanline_regime_with_its_baselines(tmp_path, capsys):
+    import yaml
+
+    from humanline_cli.regime_map import main
+
+    root = tmp_path / "laptop_regimes"
+    # (regime, config overrides, accuracy per seed)
+    plan = [("offline", {}, [0.70, 0.72, 0.68]), ("online", {"regime": "online"}, [0.90, 0.92, 0.88]),
+            ("hl", {"humanline": True}, [0.80, 0.87, 0.82]),
+            ("hl_sync16", {"humanline": True, "hl__sync_every": 16}, [0.90, 0.92, 0.88]),
+            ("offline_padded", {"task__world__offline": {"style": "padded"}}, [0.60, 0.60, 0.60]),
+            ("hl_padded", {"humanline": True, "task__world__offline": {"style": "padded"}}, [0.75, 0.76, 0.74]),
+            ("offline_lr3e-5", {"train__lr": 3e-5}, [0.80, 0.80, 0.80]),
+            ("hl_lr3e-5", {"humanline": True, "train__lr": 3e-5}, [0.70, 0.70, 0.70]),
+            ("online_lr3e-5", {"regime": "online", "train__lr": 3e-5}, [1.0, 1.0, 1.0])]
+    for name, over, accs in plan:
+        for seed, acc in enumerate(accs):
+            cfg = config(obj="grpo", seed=seed, **over)
+            d = run_dir(root, f"{name}/grpo_seed{seed}", cfg, win=0.6, wall=100.0 if "online" in name else 25.0, acc=acc)
+            (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"regime={name}", "objective=grpo"]))
+    (root / "multirun.yaml").write_text(yaml.safe_dump(
+        {"hydra": {"sweeper": {"params": {"regime": ",".join(n for n, _, _ in plan)}}}}))
+    out = tmp_path / "map.png"
+    assert main(["--sweep", str(root), "--out", str(out)]) == 0
+    table = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| hl")]
+    # sweep order; per-seed gaps: hl 0.5/0.75/0.7, sync16 1/1/1, padded vs offline_padded 0.5/0.5/0.5
+    # (online does not read the offline data), lr 3e-5 vs its own baselines -0.5 each
+    assert [x.split(" | ")[0] for x in table] == ["| hl (vs offline, online)", "| hl_sync16 (vs offline, online)",
+                                                  "| hl_padded (vs offline_padded, online)",
+                                                  "| hl_lr3e-5 (vs offline_lr3e-5, online_lr3e-5)"]
+    assert "| 0.700 | 0.900 | 0.830 | 65% [" in table[0] and "| 100% [100%, 100%] | 3 | 4.00x |" in table[1]
+    assert "| 0.600 | 0.900 | 0.750 | 50% [50%, 50%] | 3 |" in table[2]
+    assert "| 0.800 | 1.000 | 0.700 | -50% [-50%, -50%] | 3 |" in table[3]
+    assert out.stat().st_size > 1000
+    rows = (tmp_path / "map.csv").read_text().splitlines()
+    assert len(rows) == 5 and rows[0].startswith("regime,task,objective")
+    assert main(["--sweep", str(tmp_path / "nowhere")]) == 2 and main([]) == 2
 
 
 def test_learning_curves_and_speedup_at_equal_quality_hand_computed():
