@@ -68,7 +68,7 @@ def _sweep_order(root: Path, names: set[str]) -> list[str]:
 
 def sweep_rows(root: Path) -> list[dict]:
     """Gap-closed rows (gap_closed.csv's columns plus `regime`) of one sweep over named regimes."""
-    from .report import find_run_dirs, load_run
+    from .report_runs import find_run_dirs, load_run
     from .science import csv_row, gap_rows
 
     by: dict[str, list] = {}
