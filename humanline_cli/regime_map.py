@@ -85,7 +85,7 @@ def sweep_rows(root: Path) -> list[dict]:
         online = f"online{suffix}" if f"online{suffix}" in by else "online"
         if offline in by and online in by:
             for g in gap_rows(by[name] + by[offline] + by[online], ignore=SWEEP_IGNORE):
-                rows.append({**csv_row(g), "regime": f"{name} (vs {offline}, {online})"})
+                rows.append({**csv_row(g), "regime": name, "compared_with": f"{offline}, {online}"})
     return rows
 
 
@@ -93,7 +93,7 @@ def write_csv(rows: list[dict], path: Path) -> None:
     from .science import CSV_COLUMNS
 
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["regime", *CSV_COLUMNS])
+        w = csv.DictWriter(f, fieldnames=["regime", "compared_with", *CSV_COLUMNS])
         w.writeheader()
         w.writerows(rows)
 
@@ -113,7 +113,9 @@ def markdown(rows: list[dict]) -> list[str]:
         sp = _num(r["speedup"])
         share, bound = _num(r.get("online_sampling_share", "")), _num(r.get("speedup_bound_matched", ""))
         sampling = "n/a" if share is None or bound is None else f"{share:.0%} ({bound:.2f}x)"
-        out.append(f"| {r['regime']} | {r['objective']} | {r['metric']} | {float(r['offline']):.3f} | "
+        vs = r.get("compared_with")
+        regime = r["regime"] + (f" (vs {vs})" if vs and vs != "offline, online" else "")
+        out.append(f"| {regime} | {r['objective']} | {r['metric']} | {float(r['offline']):.3f} | "
                    f"{float(r['online']):.3f} | {float(r['humanline_offline']):.3f} | {gap} | {r['n_seeds']} | "
                    f"{'n/a' if sp is None else f'{sp:.2f}x'} | {'n/a' if eq is None else f'{eq:.2f}x'} | {sampling} |")
     return out

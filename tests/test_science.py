@@ -126,15 +126,14 @@ def test_regime_map_from_one_sweep_pairs_each_humanline_regime_with_its_baseline
     table = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| hl")]
     # sweep order; per-seed gaps: hl 0.5/0.75/0.7, sync16 1/1/1, padded vs offline_padded 0.5/0.5/0.5
     # (online does not read the offline data), lr 3e-5 vs its own baselines -0.5 each
-    assert [x.split(" | ")[0] for x in table] == ["| hl (vs offline, online)", "| hl_sync16 (vs offline, online)",
-                                                  "| hl_padded (vs offline_padded, online)",
+    assert [x.split(" | ")[0] for x in table] == ["| hl", "| hl_sync16", "| hl_padded (vs offline_padded, online)",
                                                   "| hl_lr3e-5 (vs offline_lr3e-5, online_lr3e-5)"]
     assert "| 0.700 | 0.900 | 0.830 | 65% [" in table[0] and "| 100% [100%, 100%] | 3 | 4.00x |" in table[1]
     assert "| 0.600 | 0.900 | 0.750 | 50% [50%, 50%] | 3 |" in table[2]
     assert "| 0.800 | 1.000 | 0.700 | -50% [-50%, -50%] | 3 |" in table[3]
     assert out.stat().st_size > 1000
     rows = (tmp_path / "map.csv").read_text().splitlines()
-    assert len(rows) == 5 and rows[0].startswith("regime,task,objective")
+    assert len(rows) == 5 and rows[0].startswith("regime,compared_with,task,objective")
     assert main(["--sweep", str(tmp_path / "nowhere")]) == 2 and main([]) == 2
 
 
