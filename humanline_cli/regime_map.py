@@ -124,8 +124,9 @@ def markdown(rows: list[dict]) -> list[str]:
 def plot(rows: list[dict], path: Path) -> None:
     from .science import bar_chart
 
-    rows = [r for r in rows if _num(r["gap_closed"]) is not None]
-    colors = {"dpo": "#4c72b0", "kto": "#55a868", "grpo": "#c44e52"}
+    colors = {"grpo": "#c44e52", "dpo": "#4c72b0", "kto": "#55a868"}
+    rank = {o: i for i, o in enumerate(colors)}  # bars grouped by objective, regimes in their given order
+    rows = sorted((r for r in rows if _num(r["gap_closed"]) is not None), key=lambda r: rank.get(r["objective"], 9))
     bar_chart([f"{r['objective']}\n" + "\n".join(textwrap.wrap(r["regime"], 16)) for r in rows],
               [(_num(r["gap_closed"]), _num(r["gap_closed_lo"]), _num(r["gap_closed_hi"])) for r in rows], path,
               [colors.get(r["objective"], "grey") for r in rows])

@@ -316,16 +316,26 @@ def bar_chart(labels: list[str], values: list[tuple], path, colors: list[str] | 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(values) + 2), 4.0))
     means = [m for m, _, _ in values]
     err = [[m - (lo if lo is not None else m) for m, lo, _ in values],
            [(hi if hi is not None else m) - m for m, _, hi in values]]
-    ax.bar(range(len(values)), means, yerr=err, capsize=4, color=colors or "#4c72b0")
-    ax.axhline(0, color="black", lw=0.8)
-    ax.axhline(1, color="grey", lw=0.8, ls="--")
-    ax.set_xticks(list(range(len(values))))
-    ax.set_xticklabels(labels, fontsize=7)
-    ax.set_ylabel("gap closed by humanline-offline")
+    if len(values) <= 10:  # vertical bars
+        fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(values) + 2), 4.0))
+        ax.bar(range(len(values)), means, yerr=err, capsize=4, color=colors or "#4c72b0")
+        ax.axhline(0, color="black", lw=0.8)
+        ax.axhline(1, color="grey", lw=0.8, ls="--")
+        ax.set_xticks(list(range(len(values))))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_ylabel("gap closed by humanline-offline")
+    else:  # many regimes: one row each, top to bottom in the given order
+        fig, ax = plt.subplots(figsize=(8.0, 0.32 * len(values) + 1.4))
+        ax.barh(range(len(values)), means, xerr=err, capsize=3, color=colors or "#4c72b0")
+        ax.axvline(0, color="black", lw=0.8)
+        ax.axvline(1, color="grey", lw=0.8, ls="--")
+        ax.set_yticks(list(range(len(values))))
+        ax.set_yticklabels([label.replace("\n", " ") for label in labels], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("gap closed by humanline-offline")
     ax.set_title("(humanline-offline - offline) / (online - offline), 95% CI over seeds")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -205,3 +205,18 @@ def test_regime_map_markdown_rows():
                                   "4.00x | n/a | n/a |")  # a CSV from before the sampling columns
     row.update(online_sampling_share="0.25", speedup_bound_matched="1.333")
     assert markdown([row])[2].endswith("| 4.00x | n/a | 25% (1.33x) |")
+
+
+def test_bar_chart_turns_horizontal_for_many_regimes(tmp_path):
+    import struct
+
+    from humanline_cli.science import bar_chart
+
+    def size(path):  # PNG IHDR: width, height
+        return struct.unpack(">II", path.read_bytes()[16:24])
+
+    few, many = tmp_path / "few.png", tmp_path / "many.png"
+    bar_chart(["a", "b", "c"], [(0.5, 0.4, 0.6), (0.1, None, None), (-0.2, -0.3, 0.0)], few)
+    bar_chart([f"grpo\nr{i}" for i in range(21)], [(0.02 * i, None, None) for i in range(21)], many)
+    (fw, fh), (mw, mh) = size(few), size(many)
+    assert fw > fh and mh > mw  # one column per bar for a few, one row per bar for many
