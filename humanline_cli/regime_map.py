@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -66,16 +67,21 @@ def _sweep_order(root: Path, names: set[str]) -> list[str]:
     return [n for n in listed if n in names] + sorted(names - set(listed))
 
 
-def sweep_rows(root: Path) -> list[dict]:
-    """Gap-closed rows (gap_closed.csv's columns plus `regime`) of one sweep over named regimes."""
-    from .report_runs import find_run_dirs, load_run
-    from .science import csv_row, gap_rows
+def regime_gap_rows(runs: list) -> list:
+    """science.GapRow per humanline-offline regime and objective, from complete runs of a sweep over named
+    regimes (`regime_of` their dirs): `hl<suffix>` against `offline<suffix>` / `online<suffix>` where the
+    sweep has them, else `offline` / `online`. The row's label is the regime (and its baselines when they
+    are not the plain ones). Empty when no run has a regime."""
+    from .science import gap_rows
 
     by: dict[str, list] = {}
-    for d in find_run_dirs(root):
-        name, run = regime_of(d), load_run(d)
+    for run in runs:
+        name = regime_of(run.path)
         if name and run.status == "complete":
             by.setdefault(name, []).append(run)
+    root = Path(os.path.commonpath([str(r.path) for r in runs])) if runs else Path(".")
+    while root != root.parent and not (root / "multirun.yaml").is_file():
+        root = root.parent  # the sweep dir, where multirun.yaml lists the regimes in order
     rows = []
     for name in _sweep_order(root, set(by)):
         if not name.startswith("hl"):
@@ -85,8 +91,20 @@ def sweep_rows(root: Path) -> list[dict]:
         online = f"online{suffix}" if f"online{suffix}" in by else "online"
         if offline in by and online in by:
             for g in gap_rows(by[name] + by[offline] + by[online], ignore=SWEEP_IGNORE):
-                rows.append({**csv_row(g), "regime": name, "compared_with": f"{offline}, {online}"})
+                vs = f"{offline}, {online}"
+                g.label = name + ("" if vs == "offline, online" else f" (vs {vs})")
+                g.regime, g.compared_with = name, vs
+                rows.append(g)
     return rows
+
+
+def sweep_rows(root: Path) -> list[dict]:
+    """Gap-closed rows (gap_closed.csv's columns plus `regime`, `compared_with`) of one regime sweep."""
+    from .report_runs import find_run_dirs, load_run
+    from .science import csv_row
+
+    rows = regime_gap_rows([load_run(d) for d in find_run_dirs(root)])
+    return [{**csv_row(g), "regime": g.regime, "compared_with": g.compared_with} for g in rows]
 
 
 def write_csv(rows: list[dict], path: Path) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
+from .regime_map import regime_gap_rows
 from .report_groups import (
     DEFAULT_IGNORE,
     Group,
@@ -304,7 +305,8 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     md = render_markdown(root, cells, runs, plots, skipped, out_dir, ignore)
     from . import science
 
-    gaps = science.gap_rows(complete, ignore)
+    # a sweep over named regimes (experiment=laptop_regimes) pairs each regime with its own baselines
+    gaps = regime_gap_rows(complete) or science.gap_rows(complete, ignore)
     files = {"report.md": out_dir / "report.md", "report.csv": out_dir / "report.csv", **plots,
              "gap_closed.csv": out_dir / "gap_closed.csv"}
     science.write_csv(gaps, files["gap_closed.csv"])

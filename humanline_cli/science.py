@@ -150,6 +150,8 @@ class GapRow:
     equal: dict | None = None  # equal_quality(...) when the runs have learning curves
     scores: dict | None = None  # family -> metric name -> mean_ci(...) over seeds
     online_sampling_share: float | None = None  # (sample + label + push) / work time of online runs
+    regime: str | None = None  # a regime sweep's humanline-offline regime (regime_map.regime_gap_rows)
+    compared_with: str | None = None  # ... and the offline, online regimes it was compared with
 
     @property
     def matched_bound(self) -> float | None:

@@ -135,6 +135,12 @@ def test_regime_map_from_one_sweep_pairs_each_humanline_regime_with_its_baseline
     rows = (tmp_path / "map.csv").read_text().splitlines()
     assert len(rows) == 5 and rows[0].startswith("regime,compared_with,task,objective")
     assert main(["--sweep", str(tmp_path / "nowhere")]) == 2 and main([]) == 2
+    # `humanline report` on the sweep pairs the regimes the same way (its gap section, one row per regime)
+    md = build_report(root, tmp_path / "rep").markdown
+    gap = [x for x in md.splitlines() if x.startswith("| arithmetic | grpo | hl") and " | accuracy | " in x]
+    assert [x.split(" | ")[2] for x in gap] == ["hl", "hl_sync16", "hl_padded (vs offline_padded, online)",
+                                                "hl_lr3e-5 (vs offline_lr3e-5, online_lr3e-5)"]
+    assert "| 0.700 | 0.900 | 0.830 | 65% [" in gap[0]
 
 
 def test_learning_curves_and_speedup_at_equal_quality_hand_computed():
