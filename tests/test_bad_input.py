@@ -22,7 +22,6 @@ from conftest import FAST, TINY_WORLD, run_cli
 from omegaconf import OmegaConf
 
 from humanline_cli.errors import UserError
-from humanline_cli.tracking import is_secret_key, mask_saved_configs, scrub, scrub_argv, scrub_override
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 BASE = [*TINY_WORLD, *(a for a in FAST if not a.startswith("threads="))]  # cases set threads themselves
@@ -321,60 +320,6 @@ def test_secrets_are_masked_in_every_file_a_run_writes(secret_run):
     data = wandb_file.read_bytes()
     assert b'"max_new_tokens":7' in data and b"eval.max_new_tokens=7" in data
     assert b"+hydra.job.env_set.WANDB_API_KEY=***" in data and b"+hydra.job.env_set.HF_TOKEN=***" in data
-
-
-@pytest.mark.parametrize("name", ["api_key", "apiKey", "APIKey", "apikey", "hf_token", "HF_TOKEN", "token",
-                                  "access_token", "password", "db_password", "passwd", "client_secret", "secret",
-                                  "key", "secret_access_key", "wandb.api_key", "task.judge.api_key", "credentials"])
-def test_secret_key_names(name):
-    assert is_secret_key(name)
-
-
-@pytest.mark.parametrize("name", ["max_new_tokens", "eval.max_new_tokens", "tokenizer", "model.tokenizer", "tokens",
-                                  "api_key_env", "eos_token", "pad_token", "sort_key", "private_key_path", "keys",
-                                  "monkey", "token_budget", "name_or_path", "secretary"])
-def test_harmless_key_names(name):
-    assert not is_secret_key(name)
-
-
-def test_scrub_masks_by_key_name_only():
-    cfg = {"wandb": {"api_key": "abc", "project": "p"}, "eval": {"max_new_tokens": 16},
-           "model": {"tokenizer": "t", "name_or_path": "m"}, "judge": {"api_key_env": "OPENAI_API_KEY", "token": None},
-           "list": [{"password": "pw"}, "token=xyz"]}
-    assert scrub(cfg) == {"wandb": {"api_key": "***", "project": "p"}, "eval": {"max_new_tokens": 16},
-                          "model": {"tokenizer": "t", "name_or_path": "m"},
-                          "judge": {"api_key_env": "OPENAI_API_KEY", "token": None},
-                          "list": [{"password": "***"}, "token=xyz"]}  # plain strings are values, left alone
-    assert cfg["wandb"]["api_key"] == "abc"  # a copy: the config itself is not mutated
-
-
-def test_scrub_overrides_and_argv():
-    assert scrub_argv(["humanline train", "+wandb.api_key=abc", "eval.max_new_tokens=7", "~hf_token=x",
-                       "+x.token=a,b", "model.tokenizer=t", "-m"]) == [
-        "humanline train", "+wandb.api_key=***", "eval.max_new_tokens=7", "~hf_token=***", "+x.token=***",
-        "model.tokenizer=t", "-m"]
-    assert scrub_override("+task.judge.api_key=S1,+task.labeller.hf_token=S2,eval.max_new_tokens=7,threads=1") == (
-        "+task.judge.api_key=***,+task.labeller.hf_token=***,eval.max_new_tokens=7,threads=1")
-    assert scrub_override("model.password=") == "model.password="  # nothing to hide
-
-
-def test_mask_saved_configs_rewrites_only_files_with_secrets(tmp_path):
-    sub = tmp_path / ".hydra"
-    sub.mkdir()
-    (sub / "config.yaml").write_text("eval:\n  max_new_tokens: 7\ntask:\n  judge:\n    api_key: S1\n"
-                                     "x: ${eval.max_new_tokens}\n")
-    (sub / "overrides.yaml").write_text("- +task.judge.api_key=S1\n- eval.max_new_tokens=7\n")
-    clean = "- threads=1\n"
-    (sub / "clean.yaml").write_text(clean)
-    changed = mask_saved_configs([sub / "config.yaml", sub / "overrides.yaml", sub / "clean.yaml", sub / "absent.yaml"])
-    assert changed == [sub / "config.yaml", sub / "overrides.yaml"]
-    cfg = OmegaConf.load(sub / "config.yaml")
-    assert cfg.task.judge.api_key == "***" and cfg.eval.max_new_tokens == 7
-    assert OmegaConf.to_container(cfg)["x"] == "${eval.max_new_tokens}"  # interpolations kept as written
-    assert OmegaConf.to_container(OmegaConf.load(sub / "overrides.yaml")) == ["+task.judge.api_key=***",
-                                                                               "eval.max_new_tokens=7"]
-    assert (sub / "clean.yaml").read_text() == clean
-    assert sorted(p.name for p in sub.iterdir()) == ["clean.yaml", "config.yaml", "overrides.yaml"]  # no temp files
 
 
 # ---- remote code --------------------------------------------------------------------------------------
