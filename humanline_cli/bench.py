@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from .bench_clock import _now, matmul_peak
 from .errors import UserError
 
 UNIT = {"dpo": "pairs", "kto": "examples", "grpo": "groups"}
@@ -125,12 +126,6 @@ class Run:
     tokens: list[int] = field(default_factory=list)
     kl_tokens: list[int] = field(default_factory=list)
     cache_hit_fraction: float | None = None  # reference-cache hits over the run's steps (cached rows)
-
-
-def _now(device) -> float:
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 class _TimedSource:
@@ -240,25 +235,6 @@ def _model_info(policy) -> dict:
 
 
 # -- numbers ---------------------------------------------------------------------------------------
-def matmul_peak(m: int, k: int, n: int, device, dtype, seconds: float = 0.3) -> float:
-    """Best FLOP/s of an (m x k) @ (k x n) matmul over three timing windows."""
-    a = torch.randn(m, k, device=device, dtype=dtype)
-    b = torch.randn(k, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    best = 0.0
-    for _ in range(3):
-        t0, reps = _now(device), 0
-        while True:
-            a @ b
-            reps += 1
-            t = _now(device) - t0
-            if t >= seconds / 3:
-                break
-        best = max(best, 2.0 * m * k * n * reps / t)
-    return best
-
-
 def summarise(name: str, runs: list[Run], matmul_params: int, peak: float) -> dict:
     seconds = sum(sum(r.seconds) for r in runs)
     units = sum(sum(r.units) for r in runs)
@@ -275,51 +251,6 @@ def summarise(name: str, runs: list[Run], matmul_params: int, peak: float) -> di
     if hits:
         row["reference_cache_hit_fraction"] = min(hits)
     return row
-
-
-def sampler_bench(spec, info: dict, n_prompts: int) -> dict:
-    """tokens/s of transformers generate vs the vLLM engine on the same prompts (second call timed)."""
-    from .build import make_encoder, model_paths
-    from .data.files import load_rows
-    from .models import load_policy
-    from .sampling.base import SamplingParams
-    from .sampling.hf import HFSampler
-
-    backend = info["backend"]
-    model_path, _ = model_paths(spec)
-    encoder = make_encoder(spec, info["tokenizer"])
-    p = spec.task_cfg.prompts
-    from .build import resolve_path
-
-    rows, _ = load_rows(resolve_path(p.train, spec), p.train_split, n_prompts, p.columns)
-    prompts = [encoder.prompt_ids(r["prompt"]) for r in rows]
-    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=spec.eval_cfg.max_new_tokens, seed=spec.seed)
-    out: dict = {"prompts": len(prompts), "max_new_tokens": params.max_new_tokens}
-
-    def timed(sampler) -> dict:
-        sampler.generate(prompts, params)
-        t0 = _now(backend.device)
-        c = sampler.generate(prompts, params)
-        dt = _now(backend.device) - t0
-        return {"tokens": c.n_tokens, "seconds": dt, "tokens_per_s": c.n_tokens / dt}
-
-    policy = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code)
-    out["hf"] = timed(HFSampler(policy, info["tokenizer"], spec.sampler_cfg.batch_size, backend.autocast))
-    try:
-        from .sampling.vllm import VLLMSampler
-
-        s = spec.sampler_cfg
-        t0 = time.perf_counter()
-        v = VLLMSampler(model_path, info["tokenizer"], seed=spec.seed, max_model_len=spec.train.max_length,
-                        cpu_kvcache_gb=getattr(s, "cpu_kvcache_gb", 1))
-        startup = time.perf_counter() - t0
-        try:
-            out["vllm"] = {**timed(v), "startup_s": startup}
-        finally:
-            v.close()
-    except (UserError, ImportError) as e:
-        out["vllm"] = {"error": str(e)}
-    return out
 
 
 # -- the command -----------------------------------------------------------------------------------
@@ -398,6 +329,8 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
         "versions": _versions(),
     }
     if opts["sampler"]:
+        from .bench_sampler import sampler_bench
+
         result["sampler"] = sampler_bench(plain, info, opts["prompts"])
     return result
 
@@ -422,45 +355,6 @@ def _versions() -> dict:
     return out
 
 
-def print_result(res: dict, console) -> None:
-    from rich.table import Table
-
-    unit = res["unit"]
-    t = Table(title=f"humanline bench: {res['objective']} on {res['task']}/{res['model']} "
-                    f"({res['params'] / 1e6:.2f}M params), {res['device']} {res['precision']}, "
-                    f"{res['threads']} threads, batch {res['batch_size']} {unit}, {res['steps']} steps x {res['repeats']}")
-    for col in ("system", f"{unit}/s", "tokens/s", "step ms", "model GFLOP/s", "% of matmul peak"):
-        t.add_column(col, justify="right" if col != "system" else "left")
-    names = {"project": "humanline (plain)", "project_cached": "humanline (plain, reference cached)",
-             "project_humanline": "humanline (+humanline)", "trl": "TRL",
-             "trl_cached": "TRL (precompute_ref_log_probs)"}
-    for key, row in res["rows"].items():
-        t.add_row(names[key], f"{row['units_per_s']:.1f}", f"{row['tokens_per_s']:.0f}", f"{1e3 * row['step_s']:.1f}",
-                  f"{row['flops_per_s'] / 1e9:.2f}", f"{100 * row['mfu']:.1f}")
-    console.print(t)
-    mp = res["matmul_peak"]
-    console.print(f"matmul peak ({mp['m']}x{mp['k']} @ {mp['k']}x{mp['n']} {mp['dtype']}): "
-                  f"{mp['flops_per_s'] / 1e9:.1f} GFLOP/s")
-    console.print(f"humanline overhead (step time +humanline / plain): {res['humanline_overhead']:.3f}x")
-    if res["trl_ratio"] is not None:
-        console.print(f"throughput vs TRL (project {unit}/s / TRL {unit}/s): plain {res['trl_ratio']:.2f}x, "
-                      f"+humanline {res['trl_humanline_ratio']:.2f}x")
-    if res.get("cache_speedup") is not None:
-        console.print(f"reference cache (plain step / cached step, epochs after the first): "
-                      f"{res['cache_speedup']:.2f}x")
-    if res.get("trl_cached_ratio") is not None:
-        console.print(f"cached reference vs TRL precompute_ref_log_probs ({unit}/s): {res['trl_cached_ratio']:.2f}x")
-    if res["trl_note"]:
-        console.print(f"note: {res['trl_note']}", markup=False)
-    s = res.get("sampler")
-    if s:
-        line = f"sampler on {s['prompts']} prompts: HF generate {s['hf']['tokens_per_s']:.0f} tokens/s"
-        v = s["vllm"]
-        line += (f", vLLM {v['tokens_per_s']:.0f} tokens/s (+{v['startup_s']:.1f} s start-up)" if "error" not in v
-                 else f", vLLM unavailable: {v['error']}")
-        console.print(line, markup=False)
-
-
 def main_bench(args: list[str]) -> int:
     from rich.console import Console
 
@@ -477,6 +371,8 @@ def main_bench(args: list[str]) -> int:
     out = Path(opts["out"] or f"runs/bench/{res['objective']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
+    from .bench_print import print_result
+
     print_result(res, console)
     console.print(f"wrote {out}")
     return 0

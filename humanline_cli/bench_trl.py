@@ -11,7 +11,8 @@ import warnings
 
 import torch
 
-from .bench import Run, _collect, _now
+from .bench import Run, _collect
+from .bench_clock import _now
 
 
 def trl_available() -> bool:

@@ -1,0 +1,53 @@
+"""`humanline bench sampler=true`: generation throughput of transformers' generate vs the vLLM engine
+on the task's prompts (the second call timed; vLLM's start-up reported apart)."""
+from __future__ import annotations
+
+import time
+
+from .bench_clock import _now
+from .errors import UserError
+
+
+def sampler_bench(spec, info: dict, n_prompts: int) -> dict:
+    """tokens/s of transformers generate vs the vLLM engine on the same prompts (second call timed)."""
+    from .build import make_encoder, model_paths
+    from .data.files import load_rows
+    from .models import load_policy
+    from .sampling.base import SamplingParams
+    from .sampling.hf import HFSampler
+
+    backend = info["backend"]
+    model_path, _ = model_paths(spec)
+    encoder = make_encoder(spec, info["tokenizer"])
+    p = spec.task_cfg.prompts
+    from .build import resolve_path
+
+    rows, _ = load_rows(resolve_path(p.train, spec), p.train_split, n_prompts, p.columns)
+    prompts = [encoder.prompt_ids(r["prompt"]) for r in rows]
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=spec.eval_cfg.max_new_tokens, seed=spec.seed)
+    out: dict = {"prompts": len(prompts), "max_new_tokens": params.max_new_tokens}
+
+    def timed(sampler) -> dict:
+        sampler.generate(prompts, params)
+        t0 = _now(backend.device)
+        c = sampler.generate(prompts, params)
+        dt = _now(backend.device) - t0
+        return {"tokens": c.n_tokens, "seconds": dt, "tokens_per_s": c.n_tokens / dt}
+
+    policy = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code)
+    out["hf"] = timed(HFSampler(policy, info["tokenizer"], spec.sampler_cfg.batch_size, backend.autocast))
+    try:
+        from .sampling.vllm import VLLMSampler
+
+        s = spec.sampler_cfg
+        t0 = time.perf_counter()
+        v = VLLMSampler(model_path, info["tokenizer"], seed=spec.seed, max_model_len=spec.train.max_length,
+                        cpu_kvcache_gb=getattr(s, "cpu_kvcache_gb", 1))
+        startup = time.perf_counter() - t0
+        try:
+            out["vllm"] = {**timed(v), "startup_s": startup}
+        finally:
+            v.close()
+    except (UserError, ImportError) as e:
+        out["vllm"] = {"error": str(e)}
+    return out
