@@ -40,20 +40,24 @@ __all__ = ["DEFAULTS", "WORLD_FILES", "WORLD_VERSION", "hash_view", "materialise
 # Keys that only a model-sourced offline set reads: a rule world leaves them out
 # of its hash (and world.json), so it keeps the name it had before they existed.
 MODEL_SOURCE_KEYS = ("source", "other_sft")
+# Knobs added after worlds were named, and the value every earlier world had: at that value
+# they are left out of the hash, so those worlds keep their names.
+LATER_KNOBS = {("format",): "chat", ("sft", "carry_drop"): 0.6}
 
 
 def hash_view(full: Mapping) -> dict:
     """The part of a resolved cfg that names (and describes) the world: all of it,
     less `offline.source`/`offline.other_sft` in a rule world, where they do nothing, and
-    less the knobs added after worlds were named, at their defaults (`format`, arithmetic's
-    `sft.carry_drop`).
+    less the knobs added after worlds were named at the value earlier worlds had (LATER_KNOBS).
     So rule worlds keep their pre-`source` names (no WORLD_VERSION bump) and tuning
     `other_sft` never renames one."""
     view = copy.deepcopy(dict(full))
-    if view.get("format") == "chat":
-        del view["format"]
-    if view["sft"].get("carry_drop") == DEFAULTS["arithmetic"]["sft"]["carry_drop"]:
-        view["sft"] = {k: v for k, v in view["sft"].items() if k != "carry_drop"}
+    for (*parents, key), old in LATER_KNOBS.items():
+        node = view
+        for name in parents:
+            node = node[name]
+        if node.get(key, old) == old:
+            node.pop(key, None)
     if view["offline"]["source"] == "rule":
         view["offline"] = {k: v for k, v in view["offline"].items() if k not in MODEL_SOURCE_KEYS}
     return view

@@ -206,7 +206,7 @@ def build(cfg: dict, out_dir: Path, version: int, progress: bool) -> dict:
     seed = int(cfg["seed"])
     train, eval_, draw, teacher = _prompts(cfg, random.Random(f"{seed}:prompts"))
 
-    tok = build_tokenizer(cfg.get("format", "chat"))
+    tok = build_tokenizer(cfg["format"])
     model = policy.new_model(cfg["model"], tok, seed)
     enc, sft_rng = policy.WorldCodec(tok), random.Random(f"{seed}:sft")
     losses = policy.sft(model, enc, cfg["sft"], draw, teacher, sft_rng, progress)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 
+from .arithmetic import CARRY_DROP
+
 _COMMON = {
     "seed": 0,
     # `chat` (`<|user|>PROMPT<|assistant|>REPLY`) or `plain` (`PROMPT REPLY`, the prototype's format);
@@ -68,7 +70,7 @@ DEFAULTS["preference"]["sft"]["steps"] = 800
 DEFAULTS["preference"]["offline"]["other_sft"]["steps"] = 400
 # Arithmetic's noisy teacher forgets a carry this often (see arithmetic.teacher);
 # at the default it is left out of the world's hash (world.hash_view).
-DEFAULTS["arithmetic"]["sft"]["carry_drop"] = 0.6
+DEFAULTS["arithmetic"]["sft"]["carry_drop"] = CARRY_DROP
 
 
 def deep_merge(base: Mapping, override: Mapping) -> dict:
