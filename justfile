@@ -28,7 +28,7 @@ grid *ARGS:
 
 # on a CUDA machine (after `pip install -e '.[vllm]'`): bf16, vLLM vs HF, throughput, FSDP/DDP, LoRA -> runs/gpu_check/gpu_check.json
 gpu-check *ARGS:
-    {{py}} -m humanline_cli.gpu_check {{ARGS}}
+    {{py}} -m humanline_cli.bench.gpu_check {{ARGS}}
 
 lint:
     {{venv}}/bin/ruff check humanline_cli tests

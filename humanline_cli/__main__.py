@@ -1,3 +1,3 @@
-from .cli import main
+from humanline_cli.cli.main import main
 
 main()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import UserError
+from humanline_cli.errors import UserError
 
 
 @dataclass(frozen=True)

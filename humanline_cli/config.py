@@ -16,9 +16,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from . import schema as S
-from .errors import UserError
-from .humanline import HumanlineSpec
+from humanline_cli import schema as S
+from humanline_cli.core.humanline import HumanlineSpec
+from humanline_cli.errors import UserError
 
 OBJECTIVES = ("dpo", "kto", "grpo")
 # where a missing value is really asked for: data.path defaults to task.offline.path, and so on

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from .errors import UserError
+from humanline_cli.errors import UserError
 
 
 def _where(path: str) -> str:
@@ -81,6 +81,6 @@ def load_policy(path: str, device: torch.device, trust_remote_code: bool = False
 
 def make_reference(policy: torch.nn.Module):
     """A frozen copy of the policy (the starting policy; humanline's sync updates it in place)."""
-    from .reference import FrozenCopy
+    from humanline_cli.core.reference import FrozenCopy
 
     return FrozenCopy(policy)

@@ -35,7 +35,7 @@ def _world_cfg() -> dict:
 
 @pytest.fixture(scope="module")
 def world(cache_dir) -> Path:
-    from humanline_cli.world import materialise
+    from humanline_cli.world.cache import materialise
 
     return materialise(_world_cfg(), cache_dir, progress=False)
 
@@ -194,7 +194,7 @@ def test_read_only_run_dir_is_one_line(tmp_path):
 def test_output_dir_problem_checks_an_existing_dir_without_writing(tmp_path, monkeypatch):
     from hydra import initialize_config_module
 
-    from humanline_cli.cli import output_dir_problem
+    from humanline_cli.cli.main import output_dir_problem
 
     monkeypatch.chdir(tmp_path)
     with initialize_config_module(config_module="conf", version_base="1.3"):
@@ -244,9 +244,9 @@ def test_ctrl_c_mid_training_is_one_line_exit_130_and_failed_json(world, tmp_pat
 
 
 def test_interrupted_step_reads_the_trainer_frame():
-    from humanline_cli import cli
+    from humanline_cli.cli import main as cli
 
-    ns = {"__name__": "humanline_cli.trainer"}  # a train() whose frame looks like the trainer's
+    ns = {"__name__": "humanline_cli.train.trainer"}  # a train() whose frame looks like the trainer's
     exec(compile("def train():\n    step = 7\n    raise KeyboardInterrupt\n", "trainer.py", "exec"), ns)
     with pytest.raises(KeyboardInterrupt) as e:
         ns["train"]()
@@ -286,7 +286,7 @@ def test_sweep_job_failure_in_a_launcher_process_is_one_compact_hydra_line(tmp_p
     the other jobs, then prints this exception as one line (CompactHydraException) and exits 1 (-> 2)."""
     from hydra.errors import CompactHydraException
 
-    from humanline_cli import cli
+    from humanline_cli.cli import main as cli
 
     monkeypatch.setitem(cli._SWEEP, "pid", -1)  # not the process that started the sweep
     monkeypatch.setitem(cli._SWEEP, "failed", [])
@@ -343,7 +343,7 @@ def test_ultrafeedback_and_paper_experiment_keep_remote_code_off():
     (None, "task.judge.trust_remote_code=true, task.labeller.trust_remote_code=true or reward.trust_remote_code=true"),
 ])
 def test_reward_model_remote_code_error_names_the_key(models, key, hint):
-    from humanline_cli.rewards.build import make_scorer
+    from humanline_cli.rewards.scorers import make_scorer
 
     with pytest.raises(UserError) as e:
         make_scorer({"kind": "model", "name_or_path": str(models["remote"])}, key=key)

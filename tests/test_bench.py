@@ -8,7 +8,8 @@ import json
 import pytest
 from conftest import TINY_WORLD, run_cli
 
-from humanline_cli.bench import Run, parse_args, summarise
+from humanline_cli.bench.clock import Run
+from humanline_cli.bench.project import parse_args, summarise
 from humanline_cli.errors import UserError
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
@@ -40,8 +41,8 @@ def test_summarise_arithmetic():
 @pytest.fixture(scope="module")
 def tiny_world(cache_dir):
     """Build the tiny world once, up front, so each CLI test below times only the bench."""
-    from humanline_cli.bench import compose_spec
-    from humanline_cli.build import resolve_path
+    from humanline_cli.bench.project import compose_spec
+    from humanline_cli.train.build import resolve_path
 
     opts, overrides = parse_args(["threads=1", *TINY_WORLD])
     return resolve_path("world://policy", compose_spec(overrides, opts, humanline=False), progress=False)

@@ -21,23 +21,24 @@ from conftest import TINY_WORLD, run_cli
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from humanline_cli import checkpoint as C
 from humanline_cli.backend import make_backend
-from humanline_cli.batches import PairBatch
-from humanline_cli.build import Parts
 from humanline_cli.config import TrainSpec
+from humanline_cli.core.batches import PairBatch
+from humanline_cli.core.humanline import HumanlineSpec
+from humanline_cli.core.reference import CachedReference
 from humanline_cli.data.collate import make_seqs
 from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample
-from humanline_cli.evaluate import Side
-from humanline_cli.humanline import HumanlineSpec
+from humanline_cli.eval.evaluator import Side
 from humanline_cli.models import make_reference
-from humanline_cli.reference import CachedReference
-from humanline_cli.sampling.base import SamplingParams
-from humanline_cli.sources import OfflineSource, OnlineSource, RoundSpec
-from humanline_cli.sources.online import TokenCompletion
-from humanline_cli.timing import PhaseTimer
-from humanline_cli.tracking import NullTracker, Tracker
-from humanline_cli.trainer import train
+from humanline_cli.sampling.sampler import SamplingParams
+from humanline_cli.sources.offline import OfflineSource
+from humanline_cli.sources.online import OnlineSource, RoundSpec, TokenCompletion
+from humanline_cli.train import checkpoint as C
+from humanline_cli.train import rundir as R
+from humanline_cli.train.build import Parts
+from humanline_cli.train.timing import PhaseTimer
+from humanline_cli.train.tracking import NullTracker, Tracker
+from humanline_cli.train.trainer import train
 
 # ------------------------------------------------------------------ in-process pieces
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
@@ -66,8 +67,8 @@ UNITS = [PairExample(f"q{i}", f"a{i * 7 % 10}b", f"c{i % 3}") for i in range(14)
 def _setup(lora: bool, moving: bool, cached: bool = False):
     policy = tiny_llama()
     if lora:
-        from humanline_cli.lora import apply_lora
-        from humanline_cli.reference import make_lora_reference
+        from humanline_cli.core.lora import apply_lora
+        from humanline_cli.core.reference import make_lora_reference
 
         policy = apply_lora(policy, 4, 8.0, 0.0)
         reference = make_lora_reference(policy, moving=moving)
@@ -177,7 +178,7 @@ def test_checkpoint_holds_every_piece(tmp_path):
     random.seed(99), np.random.seed(99), torch.manual_seed(99)
     fresh = _setup(lora=False, moving=True)
     fresh.evaluator.baseline = fresh.evaluator.greedy_baseline = None
-    from humanline_cli.optim import make_optimizer, make_scheduler
+    from humanline_cli.core.optim import make_optimizer, make_scheduler
 
     opt = make_optimizer(fresh.policy, 1e-2, 0.01)
     sched = make_scheduler(opt, 5, 0.5, "cosine")
@@ -227,19 +228,19 @@ def test_rewind_and_move_aside(tmp_path):
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "config.yaml").write_text("new: 1\n")
-    (run / C.HYDRA_COPY).mkdir()
-    (run / C.HYDRA_COPY / "config.yaml").write_text("old: 1\n")
+    (run / R.HYDRA_COPY).mkdir()
+    (run / R.HYDRA_COPY / "config.yaml").write_text("old: 1\n")
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": s / 10}) + "\n" for s in (1, 2, 3))
                                       + '{"step": 4, "lo')  # a line torn by the kill
     (run / "samples.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in (1, 1, 2, 3)))
     (run / "failed.json").write_text("{}")
-    C.rewind_outputs(run, step=2, rounds=2)
+    R.rewind_outputs(run, step=2, rounds=2)
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert [json.loads(x)["round"] for x in (run / "samples.jsonl").read_text().splitlines()] == [1, 1, 2]
     assert not (run / "failed.json").exists()
     (run / "train.log").write_text("log")
     (run / "previous-1").mkdir()
-    dest = C.move_aside(run, ".hydra")
+    dest = R.move_aside(run, ".hydra")
     assert dest.name == "previous-2"
     assert sorted(p.name for p in run.iterdir()) == [".hydra", "previous-1", "previous-2", "train.log"]
     assert (dest / ".hydra" / "config.yaml").read_text() == "old: 1\n" and (dest / "metrics.jsonl").exists()
@@ -251,7 +252,7 @@ def test_config_diff_names_keys_and_ignores_the_harmless_ones():
            "hl": {"clamp": True}}
     new = {"seed": 0, "threads": 2, "wandb": {"mode": "online"}, "train": {"lr": 1e-4, "checkpoint_every": 5},
            "hl": {"clamp": False}, "resume": False}
-    assert C.config_diff(old, new) == ["hl.clamp: true -> false", "train.lr: 1e-05 -> 0.0001"]
+    assert R.config_diff(old, new) == ["hl.clamp: true -> false", "train.lr: 1e-05 -> 0.0001"]
 
 
 def test_wandb_continues_the_same_run(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from humanline_cli.cli import normalize_overrides
+from humanline_cli.cli.main import normalize_overrides
 from humanline_cli.config import compose_error, validate
 from humanline_cli.errors import UserError
 
@@ -102,7 +102,7 @@ def test_bad_config_is_rejected_with_the_key_named(overrides, needle):
 @pytest.mark.parametrize("task", ["arithmetic", "preference"])
 def test_task_world_knobs_match_the_world_defaults(task):
     """The world knobs shown in conf/task/*.yaml are the package defaults (no silent drift)."""
-    from humanline_cli.world import resolve
+    from humanline_cli.world.defaults import resolve
 
     world = OmegaConf.to_container(_compose([f"task={task}"]).task.world)
     full = resolve(world)

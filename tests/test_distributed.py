@@ -77,7 +77,7 @@ def test_lora_humanline_run_trains_adapters_and_saves_a_plain_model(tmp_path, ca
 def test_slurm_multinode_launch_config_and_preset():
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.launch import first_host, launch_config
+    from humanline_cli.train.launch import first_host, launch_config
 
     assert first_host("gpu[003-005,010],cpu1") == "gpu003" and first_host("a01,a02") == "a01"
     assert first_host("node7") == "node7" and first_host("n[1,4]") == "n1"

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from humanline_cli.feedback import ScoredGroup, best_vs_worst, group_advantages, kto_examples
+from humanline_cli.core.feedback import ScoredGroup, best_vs_worst, group_advantages, kto_examples
 
 
 def approx_list(xs, rel=1e-6):

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from humanline_cli.humanline import (
+from humanline_cli.core.humanline import (
     HumanlineSpec,
     ReferenceRule,
     clamp_logratios,
     sync_reference,
     unclamped_fraction,
 )
-from humanline_cli.losses import dpo_loss, grpo_loss, kto_loss
+from humanline_cli.core.losses import dpo_loss, grpo_loss, kto_loss
 
 D = torch.float64
 ON = HumanlineSpec(clamp=True, sync=True)  # band [-1.0, 1.5]

@@ -14,8 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from humanline_cli.batches import Seqs
-from humanline_cli.lora import (
+from humanline_cli.core.batches import Seqs
+from humanline_cli.core.logprobs import completion_mask, token_logps
+from humanline_cli.core.lora import (
     POLICY_ADAPTER,
     REFERENCE_ADAPTER,
     adapter_tensors,
@@ -23,9 +24,8 @@ from humanline_cli.lora import (
     merged_state_dict,
     save_merged,
 )
-from humanline_cli.losses import dpo_loss
-from humanline_cli.reference import AdapterReference, BaseReference, make_lora_reference
-from humanline_cli.tensor_ops import completion_mask, token_logps
+from humanline_cli.core.losses import dpo_loss
+from humanline_cli.core.reference import AdapterReference, BaseReference, make_lora_reference
 
 ADAPTER_PARAMS = 2 * (4 * (4 * 64 + 64 * 4) + 2 * (4 * 64 + 128 * 4) + (4 * 128 + 64 * 4))  # 8704
 LN2 = math.log(2.0)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from humanline_cli.losses import dpo_loss, grpo_loss, kto_loss, kto_reference_point
+from humanline_cli.core.losses import dpo_loss, grpo_loss, kto_loss, kto_reference_point
 
 D = torch.float64
 

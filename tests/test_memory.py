@@ -50,7 +50,7 @@ def test_gpu_check_fails_in_one_line_without_cuda(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "humanline_cli.gpu_check", "--out", str(tmp_path / "g")],
+    r = subprocess.run([sys.executable, "-m", "humanline_cli.bench.gpu_check", "--out", str(tmp_path / "g")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip() == (
         "humanline: error: gpu-check needs a CUDA device (torch.cuda.is_available() is False on this machine)")

@@ -8,12 +8,12 @@ import pytest
 import torch
 from conftest import FAST, TINY_WORLD, run_cli
 
-from humanline_cli.batches import BinaryBatch, GroupBatch, PairBatch
+from humanline_cli.core.batches import BinaryBatch, GroupBatch, PairBatch
 from humanline_cli.data.collate import Collator, Encoder
 from humanline_cli.errors import RunFailed
-from humanline_cli.sampling.base import Completions, SamplingParams
-from humanline_cli.sources import OnlineSource, RoundSpec
-from humanline_cli.timing import PhaseTimer
+from humanline_cli.sampling.sampler import Completions, SamplingParams
+from humanline_cli.sources.online import OnlineSource, RoundSpec
+from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.world.tokenizer import build_tokenizer
 
 
@@ -147,8 +147,8 @@ def test_a_failed_vllm_run_releases_its_engine_before_the_next_run(cache_dir, tm
     second run in the same process (as in a single-process sweep) then completes."""
     from hydra import compose, initialize_config_module
 
-    import humanline_cli.run as run_mod
-    from humanline_cli.cli import normalize_overrides
+    import humanline_cli.train.run as run_mod
+    from humanline_cli.cli.main import normalize_overrides
     from humanline_cli.sampling.vllm import VLLMSampler
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -16,16 +16,17 @@ from test_tensor_ops import assert_same, close, random_seqs, tiny_llama, values_
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from humanline_cli import schema as S
-from humanline_cli.batches import BinaryBatch, GroupBatch, PairBatch, to_device
+from humanline_cli.core.batches import BinaryBatch, GroupBatch, PairBatch, to_device
+from humanline_cli.core.humanline import HumanlineSpec
+from humanline_cli.core.logprobs import _decoder_and_head, pack_seqs, runs_packed, token_logps
+from humanline_cli.core.objectives import compute_loss, loss_count, step_z0
+from humanline_cli.core.packing import padding_efficiency
+from humanline_cli.core.reference import FrozenCopy
 from humanline_cli.data.collate import Collator, Encoder, make_seqs
 from humanline_cli.data.examples import BinaryExample, GroupExample
 from humanline_cli.errors import UserError
-from humanline_cli.humanline import HumanlineSpec
-from humanline_cli.objectives import compute_loss, loss_count, step_z0
-from humanline_cli.packing import padding_efficiency
-from humanline_cli.reference import FrozenCopy
-from humanline_cli.sources import OfflineSource, Shard, micro_batches
-from humanline_cli.tensor_ops import _decoder_and_head, pack_seqs, runs_packed, token_logps
+from humanline_cli.sources.offline import OfflineSource
+from humanline_cli.sources.source import Shard, micro_batches
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
 
@@ -330,8 +331,8 @@ def test_a_real_run_with_packing_logs_the_same_losses(cache_dir, tmp_path):
     each objective with humanline on, packed vs padded (length-bucketed, 2 micro-batches per step)."""
     from hydra import compose, initialize_config_module
 
-    import humanline_cli.run as run_mod
-    from humanline_cli.cli import normalize_overrides
+    import humanline_cli.train.run as run_mod
+    from humanline_cli.cli.main import normalize_overrides
 
     for objective in ("dpo", "kto", "grpo"):
         rows = {}

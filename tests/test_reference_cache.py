@@ -13,17 +13,17 @@ import torch
 from test_tensor_ops import tiny_llama
 
 from humanline_cli.backend import make_backend
-from humanline_cli.batches import PairBatch
-from humanline_cli.build import Parts
 from humanline_cli.config import TrainSpec
+from humanline_cli.core.batches import PairBatch
+from humanline_cli.core.humanline import HumanlineSpec
+from humanline_cli.core.reference import CachedReference, FrozenCopy
 from humanline_cli.data.collate import make_seqs
-from humanline_cli.humanline import HumanlineSpec
 from humanline_cli.models import make_reference
-from humanline_cli.reference import CachedReference, FrozenCopy
-from humanline_cli.sources import OfflineSource
-from humanline_cli.timing import PhaseTimer
-from humanline_cli.tracking import Tracker
-from humanline_cli.trainer import train
+from humanline_cli.sources.offline import OfflineSource
+from humanline_cli.train.build import Parts
+from humanline_cli.train.timing import PhaseTimer
+from humanline_cli.train.tracking import Tracker
+from humanline_cli.train.trainer import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from humanline_cli.report import build_report, main_report, t975, win_rate_ci
+from humanline_cli.report.aggregate import build_report, main_report
+from humanline_cli.report.stats import t975, win_rate_ci
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -171,7 +172,7 @@ def test_pngs_are_valid(runs_dir, tmp_path):
 
 
 def test_eval_curve_and_late_histogram(runs_dir):
-    from humanline_cli.report_plots import eval_curve, late_histogram
+    from humanline_cli.report.plots import eval_curve, late_histogram
 
     rep = build_report(runs_dir)
     run = next(r for r in rep.complete if r.path.name == "4")

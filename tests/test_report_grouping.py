@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from humanline_cli.report import build_report, main_report, parse_ignore
+from humanline_cli.report.aggregate import build_report, main_report, parse_ignore
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTRA = {"data.path", "hl.sync_every", "model.name_or_path", "train.lr"}  # the keys that vary in `sweep`
@@ -241,11 +241,11 @@ def test_report_plots_does_not_import_report():
     tree = ast.parse((ROOT / "humanline_cli" / "report_plots.py").read_text())
     imported = {(n.level, n.module) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {(0, a.name) for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert not any(mod in ("report", "humanline_cli.report") for _, mod in imported), imported
+    assert not any(mod in ("report", "humanline_cli.report.aggregate") for _, mod in imported), imported
 
 
 def test_plots_keep_config_groups_apart(tmp_path, monkeypatch):
-    from humanline_cli import report_plots
+    from humanline_cli.report import plots as report_plots
 
     legends, save = {}, report_plots._save
 

@@ -7,7 +7,7 @@ import torch
 from conftest import build_tiny_reward_model
 
 from humanline_cli.errors import RunFailed, UserError
-from humanline_cli.rewards.build import checked, make_scorer
+from humanline_cli.rewards.scorers import checked, make_scorer
 
 
 def test_math_verifier_values():

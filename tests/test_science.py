@@ -9,8 +9,8 @@ import pytest
 from conftest import FAST, TINY_WORLD, run_cli
 from test_report_grouping import config, run_dir
 
-from humanline_cli.report import build_report
-from humanline_cli.science import gap_closed
+from humanline_cli.report.aggregate import build_report
+from humanline_cli.report.gap_closed import gap_closed
 from humanline_cli.world.rewards import subset
 
 
@@ -102,7 +102,7 @@ def test_laptop_regimes_composes_and_has_the_stated_size():
 def test_regime_map_from_one_sweep_pairs_each_humanline_regime_with_its_baselines(tmp_path, capsys):
     import yaml
 
-    from humanline_cli.regime_map import main
+    from humanline_cli.report.regime_map import main
 
     root = tmp_path / "laptop_regimes"
     # (regime, config overrides, accuracy per seed)
@@ -144,7 +144,7 @@ def test_regime_map_from_one_sweep_pairs_each_humanline_regime_with_its_baseline
 
 
 def test_learning_curves_and_speedup_at_equal_quality_hand_computed():
-    from humanline_cli.science import equal_quality, learning_curve, time_to
+    from humanline_cli.report.gap_closed import equal_quality, learning_curve, time_to
 
     summary = {"eval": {"greedy": {"accuracy": 0.9, "start_accuracy": 0.6}},
                "wall_clock_s": {"setup": 99.0, "train": 10.0, "sample": 30.0, "eval": 5.0, "total": 144.0}}
@@ -185,7 +185,7 @@ def test_report_gives_the_speedup_at_equal_quality_from_learning_curves(tmp_path
 
 
 def test_regime_map_table_and_figure_from_report_csvs(tmp_path):
-    from humanline_cli.regime_map import main
+    from humanline_cli.report.regime_map import main
 
     head = ("task,objective,set,metric,offline,online,humanline_offline,gap_closed,gap_closed_lo,gap_closed_hi,n_seeds,"
             "online_wall_s,humanline_offline_wall_s,speedup,speedup_equal_quality,online_never_reached\n")
@@ -202,7 +202,7 @@ def test_regime_map_table_and_figure_from_report_csvs(tmp_path):
 
 
 def test_regime_map_markdown_rows():
-    from humanline_cli.regime_map import markdown
+    from humanline_cli.report.regime_map import markdown
 
     row = {"regime": "groups", "objective": "grpo", "metric": "greedy accuracy", "offline": "0.7", "online": "0.9",
            "humanline_offline": "0.8", "gap_closed": "0.5", "gap_closed_lo": "0.4", "gap_closed_hi": "0.6",
@@ -216,7 +216,7 @@ def test_regime_map_markdown_rows():
 def test_bar_chart_turns_horizontal_for_many_regimes(tmp_path):
     import struct
 
-    from humanline_cli.science import bar_chart
+    from humanline_cli.report.gap_closed import bar_chart
 
     def size(path):  # PNG IHDR: width, height
         return struct.unpack(">II", path.read_bytes()[16:24])

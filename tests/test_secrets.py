@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from humanline_cli.tracking import is_secret_key, mask_saved_configs, scrub, scrub_argv, scrub_override
+from humanline_cli.train.tracking import is_secret_key, mask_saved_configs, scrub, scrub_argv, scrub_override
 
 SECRET = "SECRETVALUE123"
 

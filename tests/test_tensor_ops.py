@@ -11,14 +11,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from humanline_cli.data.collate import make_seqs
-from humanline_cli.tensor_ops import (
+from humanline_cli.core.logprobs import (
     LOGITS_PER_CHUNK,
     _decoder_and_head,
     _full_logits_token_logps,
     completion_mask,
     token_logps,
 )
+from humanline_cli.data.collate import make_seqs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from humanline_cli.errors import RunFailed, UserError
-from humanline_cli.sampling.base import SamplingParams
 from humanline_cli.sampling.hf import HFSampler
+from humanline_cli.sampling.sampler import SamplingParams
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz .,!?'")
 SPECIALS = ["[PAD]", "[BOS]", "[EOS]", "[UNK]"]

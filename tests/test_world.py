@@ -10,16 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from humanline_cli.world import (
-    DEFAULTS,
-    WORLD_FILES,
-    arithmetic,
-    materialise,
-    offline,
-    policy,
-    preference,
-    world_dir,
-)
+from humanline_cli.world import arithmetic, offline_data, policy, preference
+from humanline_cli.world.cache import materialise
+from humanline_cli.world.defaults import DEFAULTS
+from humanline_cli.world.naming import WORLD_FILES, world_dir
 from humanline_cli.world.rewards import score
 
 
@@ -214,14 +208,14 @@ def test_determinism_across_cache_roots(arith, tmp_path):
 
 def test_offline_knobs_change_the_data():
     prompts = arithmetic.all_prompts()[:500]
-    padded = offline.records(
+    padded = offline_data.records(
         "arithmetic", {"correct_rate": 0.5, "style": "padded", "n_per_prompt": 2}, prompts, random.Random(0)
     )
     for row in padded["offline_groups.jsonl"]:
         assert all(len(c[0]["content"]) == 3 and c[0]["content"].isdigit() for c in row["completions"])
     # padded answers are labelled by value, so pairs still carry signal
     assert all(p["score_chosen"] == 1.0 for p in padded["offline_pairs.jsonl"])
-    low = offline.records(
+    low = offline_data.records(
         "arithmetic", {"correct_rate": 0.1, "style": "plain", "n_per_prompt": 4}, prompts, random.Random(0)
     )
     rewards = [r for g in low["offline_groups.jsonl"] for r in g["rewards"]]
@@ -229,7 +223,7 @@ def test_offline_knobs_change_the_data():
     for g in low["offline_groups.jsonl"]:
         texts = [c[0]["content"] for c in g["completions"]]
         assert len(set(texts)) == 4
-    pref_rows = offline.records(
+    pref_rows = offline_data.records(
         "preference",
         {"correct_rate": 0.5, "style": "plain", "n_per_prompt": 2},
         ["qdka", "xyz", "bcdef"] * 50,
@@ -260,7 +254,7 @@ def test_carry_drop_sets_the_teachers_carry_mistake_rate_and_names_a_new_world(t
 
 
 def test_carry_margin_is_the_log_prob_gap_right_vs_dropped_carry(arith):
-    from humanline_cli.world.build import carry_margin
+    from humanline_cli.world.make import carry_margin
 
     model = AutoModelForCausalLM.from_pretrained(arith / "policy").eval()
     enc = policy.WorldCodec(AutoTokenizer.from_pretrained(arith / "policy"))

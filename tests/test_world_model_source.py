@@ -8,12 +8,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from humanline_cli.batches import Seqs
-from humanline_cli.sampling.base import SamplingParams
+from humanline_cli.core.batches import Seqs
+from humanline_cli.core.logprobs import token_logps
 from humanline_cli.sampling.hf import HFSampler
-from humanline_cli.tensor_ops import token_logps
-from humanline_cli.world import WORLD_FILES, materialise, policy, resolve, world_dir
-from humanline_cli.world import build as world_build
+from humanline_cli.sampling.sampler import SamplingParams
+from humanline_cli.world import make as world_build
+from humanline_cli.world import policy
+from humanline_cli.world.cache import materialise
+from humanline_cli.world.defaults import resolve
+from humanline_cli.world.naming import WORLD_FILES, world_dir
 from humanline_cli.world.rewards import score
 
 N_TRAIN, N_EVAL, N_PER = 96, 32, 3

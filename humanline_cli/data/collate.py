@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batches import BinaryBatch, GroupBatch, PairBatch, Seqs
-from ..errors import UserError
-from ..feedback import group_advantages
-from .examples import BinaryExample, GroupExample, PairExample, text_value
+from humanline_cli.core.batches import BinaryBatch, GroupBatch, PairBatch, Seqs
+from humanline_cli.core.feedback import group_advantages
+from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample, text_value
+from humanline_cli.errors import UserError
 
 
 def _ids(out) -> list[int]:

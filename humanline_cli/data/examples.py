@@ -12,8 +12,8 @@ import json
 import math
 from dataclasses import dataclass
 
-from ..errors import UserError
-from ..feedback import ScoredGroup, best_vs_worst, kto_examples
+from humanline_cli.core.feedback import ScoredGroup, best_vs_worst, kto_examples
+from humanline_cli.errors import UserError
 
 FORMATS = {
     "pairs": ("prompt", "chosen", "rejected"),

@@ -15,7 +15,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import UserError
+from humanline_cli.errors import UserError
 
 Rows = tuple[list[dict], Callable[[int], str]]
 

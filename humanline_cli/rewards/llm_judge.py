@@ -33,8 +33,8 @@ from importlib import resources
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ..errors import UserError
-from .verdict import combine, outcome_for_a, parse_verdict  # noqa: F401  (re-exported: the judge's public API)
+from humanline_cli.errors import UserError
+from humanline_cli.rewards.verdict import combine, outcome_for_a, parse_verdict  # noqa: F401  (re-exported: the judge's public API)
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "0.0.0.0")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from ..models import load_error
+from humanline_cli.models import load_error
 
 
 class RewardModel:

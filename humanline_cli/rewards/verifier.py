@@ -5,7 +5,7 @@ method=exact compares stripped strings. Reference answers come from the prompt r
 """
 from __future__ import annotations
 
-from ..errors import UserError
+from humanline_cli.errors import UserError
 
 
 def verify_batch(completions: list[str], answers: list | None, method: str = "math") -> list[float]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Completions, SamplingParams, cut_at_eos
+from humanline_cli.sampling.sampler import Completions, SamplingParams, cut_at_eos
 
 
 class HFSampler:

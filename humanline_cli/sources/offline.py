@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from .base import Shard, StepData, micro_batches
+from humanline_cli.sources.source import Shard, StepData, micro_batches
 
 
 class OfflineSource:

@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data.examples import units_from_group
-from ..feedback import ScoredGroup
-from ..rewards.build import checked
-from ..sampling.base import SamplingParams
-from .base import Shard, StepData, micro_batches
+from humanline_cli.core.feedback import ScoredGroup
+from humanline_cli.data.examples import units_from_group
+from humanline_cli.rewards.scorers import checked
+from humanline_cli.sampling.sampler import SamplingParams
+from humanline_cli.sources.source import Shard, StepData, micro_batches
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 
-from .arithmetic import CARRY_DROP
+from humanline_cli.world.arithmetic import CARRY_DROP
 
 _COMMON = {
     "seed": 0,

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from .tokenizer import PLAIN_TEMPLATE
+from humanline_cli.world.tokenizer import PLAIN_TEMPLATE
 
 MAX_POSITIONS = 64
 

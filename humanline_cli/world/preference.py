@@ -79,7 +79,7 @@ def other_model(rng: random.Random, prompt: str, n: int, correct_rate: float, st
     set with probability min(1, n * correct_rate), as for arithmetic) or a
     random scramble: a random subset of the prompt letters plus up to two
     foreign ones, shuffled. Style `padded` separates letters with ", "."""
-    from .arithmetic import n_correct
+    from humanline_cli.world.arithmetic import n_correct
 
     sep = ", " if style == "padded" else " "
     out = [sep.join(sorted(prompt))] * n_correct(rng, n, correct_rate)

@@ -19,9 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UserError
-from .regime_map import regime_gap_rows
-from .report_groups import (
+from humanline_cli.errors import UserError
+from humanline_cli.report.groups import (
     DEFAULT_IGNORE,
     Group,
     _under,
@@ -33,8 +32,16 @@ from .report_groups import (
     signature,
     varying_keys,
 )
-from .report_plots import FAMILIES, OBJECTIVES, log_to_wandb, make_plots, order
-from .report_runs import MARKERS, Run, find_run_dirs, load_run, read_config  # noqa: F401  (re-exported)
+from humanline_cli.report.plots import FAMILIES, OBJECTIVES, log_to_wandb, make_plots, order
+from humanline_cli.report.regime_map import regime_gap_rows
+from humanline_cli.report.runs import (
+    MARKERS,
+    Run,
+    find_run_dirs,
+    load_run,
+    read_config,  # noqa: F401  (re-exported)
+)
+from humanline_cli.report.stats import win_rate_ci
 
 CSV_COLUMNS = ("task", "objective", "family", "n_seeds", "win_rate_mean", "win_rate_std", "win_rate_lo", "win_rate_hi",
                "accuracy_mean", "accuracy_std", "reward_mean", "wall_clock_s", "sample_s", "label_s", "train_s",
@@ -45,9 +52,6 @@ CI_NOTE = ("Win rate is against the starting policy on the same eval prompts (pe
            "(mean ± 1.96·sd/√n); for two or more seeds, a Student-t interval across the seeds' win rates "
            "(mean ± t(0.975, k−1)·sd/√k, k = seeds). Both are clipped to [0, 1]. "
            "± is the sample standard deviation across seeds (omitted for one seed).")
-# two-sided 95% Student-t critical values t(0.975, df), df = 1..30
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
 class ReportError(UserError):
@@ -74,25 +78,6 @@ class Report:
     @property
     def problems(self):
         return [r for r in self.runs if r.status != "complete"]
-
-
-def t975(df: int) -> float:
-    if df < 1:
-        raise ValueError("df must be >= 1")
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = 1.959964  # Cornish-Fisher expansion; < 1e-4 error for df > 30
-    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-
-
-def win_rate_ci(win_rates: list[float], single_ci=None) -> tuple[float, float]:
-    """95% CI for a cell: the run's own CI for one seed, else a t-interval across seeds (clipped to [0, 1])."""
-    if len(win_rates) == 1:
-        lo, hi = single_ci if single_ci else (math.nan, math.nan)
-        return float(lo), float(hi)
-    k, m = len(win_rates), statistics.fmean(win_rates)
-    half = t975(k - 1) * statistics.stdev(win_rates) / math.sqrt(k)
-    return max(0.0, m - half), min(1.0, m + half)
 
 
 def _mean(xs):
@@ -303,7 +288,7 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     cells = aggregate(complete, ignore)
     plots, skipped = make_plots(complete, out_dir)
     md = render_markdown(root, cells, runs, plots, skipped, out_dir, ignore)
-    from . import science
+    from humanline_cli.report import gap_closed as science
 
     # a sweep over named regimes (experiment=laptop_regimes) pairs each regime with its own baselines
     gaps = regime_gap_rows(complete) or science.gap_rows(complete, ignore)

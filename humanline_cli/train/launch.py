@@ -15,7 +15,7 @@ import os
 import uuid
 from pathlib import Path
 
-from .errors import RunFailed, UserError
+from humanline_cli.errors import RunFailed, UserError
 
 
 def spawn_count(cfg) -> int:
@@ -33,7 +33,7 @@ def _rank_entry(config_yaml: str, run_dir: str):
     import torch.distributed as tdist
     from omegaconf import OmegaConf
 
-    from .run import run_job
+    from humanline_cli.train.run import run_job
 
     try:
         run_job(OmegaConf.create(config_yaml), Path(run_dir))
@@ -103,7 +103,7 @@ def shared_run_dir(run_dir: Path) -> Path:
     import torch
     import torch.distributed as tdist
 
-    from .backend import init_distributed
+    from humanline_cli.backend import init_distributed
 
     init_distributed("cuda" if torch.cuda.is_available() else "cpu")
     box = [str(run_dir)]

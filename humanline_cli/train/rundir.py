@@ -11,8 +11,9 @@ import os
 import shutil
 from pathlib import Path
 
-from .errors import UserError
-from .tracking import scrub
+from humanline_cli.errors import UserError
+from humanline_cli.train.checkpoint import Checkpoints
+from humanline_cli.train.tracking import scrub
 
 # keys that never change results: a rerun that differs only in these resumes
 IGNORED = ("resume", "threads", "wandb", "world_cache", "hydra")
@@ -115,8 +116,6 @@ def prepare_run_dir(run_dir: Path, config: dict, resume: bool, hydra_subdir: str
     run_dir.mkdir(parents=True, exist_ok=True)
     step = 0
     if resume:
-        from .checkpoint import Checkpoints  # checkpoint.py re-exports this module's names: import it late
-
         _conflict(run_dir, config, hydra_subdir)
         ckpts = Checkpoints(run_dir, 0)
         for tmp in ckpts.root.glob(".tmp-step_*") if ckpts.root.is_dir() else ():

@@ -11,18 +11,18 @@ import time
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .backend import all_reduce_sum, clip_grad_norm
-from .batches import n_units, to_device
-from .build import Parts
-from .checkpoint import Checkpoints
-from .config import RunSpec
-from .errors import RunFailed
-from .evaluate import flat_metrics
-from .humanline import ReferenceRule
-from .objectives import compute_loss, loss_count, step_z0
-from .optim import make_optimizer, make_scheduler
-from .timing import PhaseTimer
-from .tracking import Tracker
+from humanline_cli.backend import all_reduce_sum, clip_grad_norm
+from humanline_cli.config import RunSpec
+from humanline_cli.core.batches import n_units, to_device
+from humanline_cli.core.humanline import ReferenceRule
+from humanline_cli.core.objectives import compute_loss, loss_count, step_z0
+from humanline_cli.core.optim import make_optimizer, make_scheduler
+from humanline_cli.errors import RunFailed
+from humanline_cli.eval.evaluator import flat_metrics
+from humanline_cli.train.build import Parts
+from humanline_cli.train.checkpoint import Checkpoints
+from humanline_cli.train.timing import PhaseTimer
+from humanline_cli.train.tracking import Tracker
 
 SUMMED = ("_units", "_n_tokens", "_n_processed")  # counts: summed, not averaged
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .batches import BinaryBatch, GroupBatch, PairBatch, n_units
-from .humanline import HumanlineSpec, clamp_logratios, unclamped_fraction
-from .losses import dpo_loss, grpo_loss, kto_loss, kto_reference_point
-from .tensor_ops import completion_mask, masked_sum, processed_tokens, token_logps
+from humanline_cli.core.batches import BinaryBatch, GroupBatch, PairBatch, n_units
+from humanline_cli.core.humanline import HumanlineSpec, clamp_logratios, unclamped_fraction
+from humanline_cli.core.logprobs import completion_mask, masked_sum, processed_tokens, token_logps
+from humanline_cli.core.losses import dpo_loss, grpo_loss, kto_loss, kto_reference_point
 
 
 def _logratios(policy, reference, seqs, grad: bool = True):

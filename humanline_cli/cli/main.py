@@ -64,7 +64,7 @@ def _interrupted(e: BaseException, run_dir: Path | None):
 def _mask_secrets(hc, run_dir: Path, multirun: bool) -> None:
     """Hydra saved .hydra/*.yaml (and a sweep's multirun.yaml) before calling us: mask secret-named
     keys there, and in sys.argv, which Hydra has parsed and wandb records as the run's args."""
-    from .tracking import mask_saved_configs, scrub_argv
+    from humanline_cli.train.tracking import mask_saved_configs, scrub_argv
 
     sys.argv = scrub_argv(sys.argv)
     files = []
@@ -96,8 +96,8 @@ def is_complete(run_dir: Path, cfg, hydra_subdir: str | None = ".hydra") -> bool
     that never change results); a run of another config raises a one-line checkpoint.RunDirConflict
     (resume=false starts over); False otherwise: the job runs, after checkpoint.prepare_run_dir made
     the dir ready (resuming from its last checkpoint, or moving old outputs aside with resume=false)."""
-    from .config import validate
-    from .rundir import is_complete as same_and_complete
+    from humanline_cli.config import validate
+    from humanline_cli.train.rundir import is_complete as same_and_complete
 
     spec = validate(cfg)
     return same_and_complete(run_dir, spec.config, spec.resume, hydra_subdir)
@@ -110,23 +110,23 @@ def _train_app():
 
     @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="train")
     def app(cfg: DictConfig) -> None:
-        from .errors import RunFailed, UserError
-        from .run import run_job
+        from humanline_cli.errors import RunFailed, UserError
+        from humanline_cli.train.run import run_job
 
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         multirun = str(HydraConfig.get().mode) == "RunMode.MULTIRUN"
         _mask_secrets(HydraConfig.get(), run_dir, multirun)
         if multirun and _SWEEP["pid"] == os.getpid():
             _SWEEP["jobs"] += 1
-        from .launch import launch, shared_run_dir, spawn_count
+        from humanline_cli.train.launch import launch, shared_run_dir, spawn_count
 
         try:
             hydra_subdir = HydraConfig.get().output_subdir
             if is_complete(run_dir, cfg, hydra_subdir):  # another config's run dir: RunDirConflict, one line
                 print(f"humanline: skipping {run_dir}: already complete (resume=false starts over)", file=sys.stderr)
                 return
-            from .config import validate
-            from .rundir import prepare_run_dir
+            from humanline_cli.config import validate
+            from humanline_cli.train.rundir import prepare_run_dir
 
             spec = validate(cfg)
             prepare_run_dir(run_dir, spec.config, spec.resume, hydra_subdir)  # before any rank starts
@@ -188,15 +188,15 @@ def _main(argv: list[str] | None = None) -> None:
         case "train":
             _run_hydra()
         case "report":
-            from .report import main_report
+            from humanline_cli.report.aggregate import main_report
 
             sys.exit(main_report(rest))
         case "eval":
-            from .eval_cmd import main_eval
+            from humanline_cli.cli.eval import main_eval
 
             sys.exit(main_eval(rest))
         case "bench":
-            from .bench import main_bench
+            from humanline_cli.bench.project import main_bench
 
             sys.exit(main_bench(rest))
 
@@ -265,8 +265,8 @@ def precheck_overrides(args: list[str]) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from .config import compose_error, validate
-    from .errors import UserError
+    from humanline_cli.config import compose_error, validate
+    from humanline_cli.errors import UserError
 
     overrides = [a for a in args if not a.startswith("-")]
     keep = [a for a in overrides if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))
@@ -346,13 +346,13 @@ def _run_hydra():
         from hydra.errors import HydraException
         from omegaconf.errors import OmegaConfBaseException
 
-        from .errors import RunFailed, UserError
+        from humanline_cli.errors import RunFailed, UserError
 
         if not isinstance(e, (UserError, RunFailed, OSError, HydraException, OmegaConfBaseException)):
             raise  # a bug: Python's traceback and exit 1
         import traceback
 
-        from .config import compose_error
+        from humanline_cli.config import compose_error
 
         traceback.print_exc()
         _fail(compose_error(e) if isinstance(e, (HydraException, OmegaConfBaseException)) else _one_line(e))

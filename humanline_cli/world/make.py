@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 import transformers
 
-from ..sampling.base import SamplingParams
-from ..sampling.hf import HFSampler
-from . import arithmetic, offline, policy, preference, rewards
-from .tokenizer import build_tokenizer
+from humanline_cli.sampling.hf import HFSampler
+from humanline_cli.sampling.sampler import SamplingParams
+from humanline_cli.world import arithmetic, offline_data, policy, preference, rewards
+from humanline_cli.world.naming import hash_view
+from humanline_cli.world.tokenizer import build_tokenizer
 
 # SFT loss that means "stuck": arithmetic's ones digit (a mod-10 lookup) can sit
 # on a ~0.8-nat plateau for a seed-dependent number of steps (the noisy
@@ -200,8 +201,6 @@ def offline_stats(recs: dict[str, list[dict]]) -> dict:
 
 
 def build(cfg: dict, out_dir: Path, version: int, progress: bool) -> dict:
-    from . import hash_view  # deferred: the package imports this module lazily
-
     start = time.perf_counter()
     seed = int(cfg["seed"])
     train, eval_, draw, teacher = _prompts(cfg, random.Random(f"{seed}:prompts"))
@@ -220,14 +219,14 @@ def build(cfg: dict, out_dir: Path, version: int, progress: bool) -> dict:
 
     ocfg, other_info = cfg["offline"], None
     if ocfg["source"] == "rule":
-        recs = offline.records(cfg["kind"], ocfg, train, random.Random(f"{seed}:offline"))
+        recs = offline_data.records(cfg["kind"], ocfg, train, random.Random(f"{seed}:offline"))
     else:
         other_start = time.perf_counter()
         other, other_losses = other_policy(cfg, tok, draw, progress)
         replies = sample_distinct(
             cfg["kind"], other, tok, train, int(ocfg["n_per_prompt"]), _int_seed(f"{seed}:other:sample")
         )
-        recs = offline.model_records(cfg["kind"], train, replies)
+        recs = offline_data.model_records(cfg["kind"], train, replies)
         other_info = {
             "sft_final_loss": _tail(other_losses),
             "sft_steps_run": len(other_losses),
@@ -235,9 +234,9 @@ def build(cfg: dict, out_dir: Path, version: int, progress: bool) -> dict:
             "seconds": round(time.perf_counter() - other_start, 2),  # SFT, sampling and metrics
         }
     for name, rows in recs.items():
-        offline.write_jsonl(out_dir / name, rows)
-    offline.write_jsonl(out_dir / "prompts_train.jsonl", offline.prompt_rows(train))
-    offline.write_jsonl(out_dir / "prompts_eval.jsonl", offline.prompt_rows(eval_))
+        offline_data.write_jsonl(out_dir / name, rows)
+    offline_data.write_jsonl(out_dir / "prompts_train.jsonl", offline_data.prompt_rows(train))
+    offline_data.write_jsonl(out_dir / "prompts_eval.jsonl", offline_data.prompt_rows(eval_))
 
     metrics = measure(cfg["kind"], model, tok, eval_, seed)
     info = {

@@ -19,14 +19,14 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from . import __version__
-from .build import build_parts
-from .checkpoint import Checkpoints
-from .config import RunSpec, validate
-from .errors import RunFailed
-from .timing import PhaseTimer
-from .tracking import NullTracker, Tracker, write_json_atomic
-from .trainer import train
+from humanline_cli import __version__
+from humanline_cli.config import RunSpec, validate
+from humanline_cli.errors import RunFailed
+from humanline_cli.train.build import build_parts
+from humanline_cli.train.checkpoint import Checkpoints
+from humanline_cli.train.timing import PhaseTimer
+from humanline_cli.train.tracking import NullTracker, Tracker, write_json_atomic
+from humanline_cli.train.trainer import train
 
 UNIT = {"dpo": "pairs", "kto": "examples", "grpo": "groups"}
 
@@ -160,7 +160,7 @@ def save_model(parts, dest: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     try:
         if hasattr(parts.policy, "peft_config"):  # LoRA: a plain merged model (+ the adapter) that eval/vLLM load
-            from .lora import save_merged
+            from humanline_cli.core.lora import save_merged
 
             save_merged(parts.policy, parts.tokenizer, tmp)
         else:

@@ -4,23 +4,23 @@ from __future__ import annotations
 
 import time
 
-from .bench_clock import _now
-from .errors import UserError
+from humanline_cli.bench.clock import _now
+from humanline_cli.errors import UserError
 
 
 def sampler_bench(spec, info: dict, n_prompts: int) -> dict:
     """tokens/s of transformers generate vs the vLLM engine on the same prompts (second call timed)."""
-    from .build import make_encoder, model_paths
-    from .data.files import load_rows
-    from .models import load_policy
-    from .sampling.base import SamplingParams
-    from .sampling.hf import HFSampler
+    from humanline_cli.data.files import load_rows
+    from humanline_cli.models import load_policy
+    from humanline_cli.sampling.hf import HFSampler
+    from humanline_cli.sampling.sampler import SamplingParams
+    from humanline_cli.train.build import make_encoder, model_paths
 
     backend = info["backend"]
     model_path, _ = model_paths(spec)
     encoder = make_encoder(spec, info["tokenizer"])
     p = spec.task_cfg.prompts
-    from .build import resolve_path
+    from humanline_cli.train.build import resolve_path
 
     rows, _ = load_rows(resolve_path(p.train, spec), p.train_split, n_prompts, p.columns)
     prompts = [encoder.prompt_ids(r["prompt"]) for r in rows]
@@ -37,7 +37,7 @@ def sampler_bench(spec, info: dict, n_prompts: int) -> dict:
     policy = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code)
     out["hf"] = timed(HFSampler(policy, info["tokenizer"], spec.sampler_cfg.batch_size, backend.autocast))
     try:
-        from .sampling.vllm import VLLMSampler
+        from humanline_cli.sampling.vllm import VLLMSampler
 
         s = spec.sampler_cfg
         t0 = time.perf_counter()

@@ -38,13 +38,12 @@ import json
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .bench_clock import _now, matmul_peak
-from .errors import UserError
+from humanline_cli.bench.clock import Run, _now, collect, matmul_peak
+from humanline_cli.errors import UserError
 
 UNIT = {"dpo": "pairs", "kto": "examples", "grpo": "groups"}
 DEFAULTS = {"steps": 20, "warmup": 2, "repeats": 2, "batch_size": None, "threads": None, "trl": "auto",
@@ -94,7 +93,7 @@ def compose_spec(overrides: list[str], opts: dict, humanline: bool, extra: tuple
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from .config import compose_error, validate
+    from humanline_cli.config import compose_error, validate
 
     user = [o for o in overrides if o.lstrip("+~").split("=")[0] != "humanline"]
     mine = [f"train.steps={opts['warmup'] + opts['steps']}", "train.log_every=1000000", "train.save_model=false",
@@ -117,17 +116,6 @@ def compose_spec(overrides: list[str], opts: dict, humanline: bool, extra: tuple
 
 
 # -- timing records --------------------------------------------------------------------------------
-@dataclass
-class Run:
-    """Per-step wall times and sizes of the timed steps of one run."""
-
-    seconds: list[float] = field(default_factory=list)
-    units: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    kl_tokens: list[int] = field(default_factory=list)
-    cache_hit_fraction: float | None = None  # reference-cache hits over the run's steps (cached rows)
-
-
 class _TimedSource:
     """Wraps the project's offline source: each next_step call marks the start of a step. An offline
     step always holds batch_size units (pairs, examples or groups)."""
@@ -138,7 +126,7 @@ class _TimedSource:
         self.sizes: list[tuple[int, int, int]] = []
 
     def next_step(self, step: int):
-        from .batches import BinaryBatch
+        from humanline_cli.core.batches import BinaryBatch
 
         self.starts.append(_now(self.device))
         data = self.source.next_step(step)
@@ -165,23 +153,11 @@ class _ClockTracker:
         pass
 
 
-def _collect(starts: list[float], end: float, sizes: list[tuple], warmup: int) -> Run:
-    bounds = [*starts, end]
-    run = Run()
-    for k in range(warmup, len(starts)):
-        run.seconds.append(bounds[k + 1] - bounds[k])
-        u, t, kl = sizes[k]
-        run.units.append(u)
-        run.tokens.append(t)
-        run.kl_tokens.append(kl)
-    return run
-
-
 # -- the project's step ----------------------------------------------------------------------------
 def _prefill(parts, steps: int) -> None:
     """Compute the reference log-probs of every sequence the run's steps will draw (a copy of the
     source draws them), so the timed steps find them all in the cache, as epochs after the first do."""
-    from .batches import BinaryBatch
+    from humanline_cli.core.batches import BinaryBatch
 
     ghost = copy.deepcopy(parts.source)
     for step in range(1, steps + 1):
@@ -194,9 +170,9 @@ def _prefill(parts, steps: int) -> None:
 def project_run(spec, warmup: int, info: dict, prefill: bool = False) -> Run:
     from rich.console import Console
 
-    from .build import build_parts
-    from .timing import PhaseTimer
-    from .trainer import train
+    from humanline_cli.train.build import build_parts
+    from humanline_cli.train.timing import PhaseTimer
+    from humanline_cli.train.trainer import train
 
     with tempfile.TemporaryDirectory() as tmp:
         timer = PhaseTimer()
@@ -214,7 +190,7 @@ def project_run(spec, warmup: int, info: dict, prefill: bool = False) -> Run:
                 info["backend"] = parts.backend
                 info["units"] = parts.source.source.units
                 info["tokenizer"] = parts.tokenizer
-            run = _collect(parts.source.starts, tracker.end, parts.source.sizes, warmup)
+            run = collect(parts.source.starts, tracker.end, parts.source.sizes, warmup)
             if hasattr(parts.reference, "stats"):
                 run.cache_hit_fraction = parts.reference.stats()["reference_cache/hit_fraction"]
             return run
@@ -255,7 +231,7 @@ def summarise(name: str, runs: list[Run], matmul_params: int, peak: float) -> di
 
 # -- the command -----------------------------------------------------------------------------------
 def run_bench(opts: dict, overrides: list[str], console) -> dict:
-    from .bench_trl import _quiet, trl_available, trl_grpo_run, trl_run
+    from humanline_cli.bench.trl_runs import _quiet, trl_available, trl_grpo_run, trl_run
 
     plain = compose_spec(overrides, opts, humanline=False, extra=("train.reference_cache=false",))
     cached = compose_spec(overrides, opts, humanline=False, extra=("train.reference_cache=true",))
@@ -329,7 +305,7 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
         "versions": _versions(),
     }
     if opts["sampler"]:
-        from .bench_sampler import sampler_bench
+        from humanline_cli.bench.sampling_speed import sampler_bench
 
         result["sampler"] = sampler_bench(plain, info, opts["prompts"])
     return result
@@ -371,7 +347,7 @@ def main_bench(args: list[str]) -> int:
     out = Path(opts["out"] or f"runs/bench/{res['objective']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
-    from .bench_print import print_result
+    from humanline_cli.bench.table import print_result
 
     print_result(res, console)
     console.print(f"wrote {out}")

@@ -23,6 +23,9 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from humanline_cli.report.groups import derived_from, group_runs, signature
+from humanline_cli.report.stats import t975
+
 
 def metric_of(summary: dict) -> tuple[str, float | None]:
     ev = summary.get("eval") or {}
@@ -32,12 +35,6 @@ def metric_of(summary: dict) -> tuple[str, float | None]:
         if value is not None:
             return name, float(value)
     return "none", None
-
-
-def t975(df: int) -> float:
-    from .report import t975 as t
-
-    return t(df)
 
 
 def gap_closed(offline: dict, online: dict, humanline: dict) -> dict:
@@ -169,7 +166,6 @@ class GapRow:
 def gap_rows(runs: list, ignore=()) -> list[GapRow]:
     """From complete runs (report.Run objects), one row per comparison set holding all three of
     offline, online and humanline-offline groups."""
-    from .report_groups import derived_from, group_runs, signature
 
     groups = group_runs(runs, ignore)
     rows = []

@@ -9,7 +9,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .errors import UserError
+from humanline_cli.errors import UserError
 
 EVAL_KEYS = ("judge", "eval.")
 
@@ -21,7 +21,7 @@ def _run_spec(run_dir: Path, overrides: list[str] | None = None):
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from .config import validate
+    from humanline_cli.config import validate
 
     path = run_dir / ".hydra" / "config.yaml"
     if not path.exists():
@@ -55,10 +55,10 @@ def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperatur
                   seed: int, overrides: list[str] | None = None) -> dict:
     """Rebuilds the run's evaluator with the same builder `humanline train` used (its eval split,
     column names, chat-template wrapping and judge), so both evaluate identical prompts."""
-    from .backend import make_backend, seed_everything
-    from .build import build_evaluator, make_encoder, model_paths
-    from .models import load_policy, load_tokenizer
-    from .sampling.hf import HFSampler
+    from humanline_cli.backend import make_backend, seed_everything
+    from humanline_cli.models import load_policy, load_tokenizer
+    from humanline_cli.sampling.hf import HFSampler
+    from humanline_cli.train.build import build_evaluator, make_encoder, model_paths
 
     spec = _run_spec(run_dir, overrides)
     ev = spec.eval_cfg

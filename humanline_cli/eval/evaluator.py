@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .rewards.build import checked
-from .sampling.base import SamplingParams
+from humanline_cli.rewards.scorers import checked
+from humanline_cli.sampling.sampler import SamplingParams
 
 TIE_TOL = 1e-9
 

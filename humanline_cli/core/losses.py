@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .tensor_ops import masked_mean, masked_sum, seq_masked_mean
+from humanline_cli.core.logprobs import masked_mean, masked_sum, seq_masked_mean
 
 
 def dpo_loss(

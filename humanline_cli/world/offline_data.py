@@ -28,7 +28,7 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
-from . import arithmetic, preference, rewards
+from humanline_cli.world import arithmetic, preference, rewards
 
 
 def _label_fn(task: str, style: str):

@@ -2,11 +2,11 @@
 
 Each study is a `humanline report` output dir (its gap_closed.csv); a label names the regime:
 
-    python -m humanline_cli.regime_map --out map.png "pairs (rule)=runs/pairs" "groups of 8=runs/g8" ...
+    python -m humanline_cli.report.regime_map --out map.png "pairs (rule)=runs/pairs" "groups of 8=runs/g8" ...
 
 or one sweep over named regimes (`regime=...`, conf/regime/; `experiment=laptop_regimes`):
 
-    python -m humanline_cli.regime_map --sweep runs/experiments/laptop_regimes --out map.png
+    python -m humanline_cli.report.regime_map --sweep runs/experiments/laptop_regimes --out map.png
 
 where each humanline-offline regime `hl<suffix>` is compared with `offline<suffix>` and
 `online<suffix>` when the sweep has them, else with `offline` and `online` (hl_sync16: offline and
@@ -72,7 +72,7 @@ def regime_gap_rows(runs: list) -> list:
     regimes (`regime_of` their dirs): `hl<suffix>` against `offline<suffix>` / `online<suffix>` where the
     sweep has them, else `offline` / `online`. The row's label is the regime (and its baselines when they
     are not the plain ones). Empty when no run has a regime."""
-    from .science import gap_rows
+    from humanline_cli.report.gap_closed import gap_rows
 
     by: dict[str, list] = {}
     for run in runs:
@@ -100,15 +100,15 @@ def regime_gap_rows(runs: list) -> list:
 
 def sweep_rows(root: Path) -> list[dict]:
     """Gap-closed rows (gap_closed.csv's columns plus `regime`, `compared_with`) of one regime sweep."""
-    from .report_runs import find_run_dirs, load_run
-    from .science import csv_row
+    from humanline_cli.report.gap_closed import csv_row
+    from humanline_cli.report.runs import find_run_dirs, load_run
 
     rows = regime_gap_rows([load_run(d) for d in find_run_dirs(root)])
     return [{**csv_row(g), "regime": g.regime, "compared_with": g.compared_with} for g in rows]
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    from .science import CSV_COLUMNS
+    from humanline_cli.report.gap_closed import CSV_COLUMNS
 
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["regime", "compared_with", *CSV_COLUMNS])
@@ -140,7 +140,7 @@ def markdown(rows: list[dict]) -> list[str]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    from .science import bar_chart
+    from humanline_cli.report.gap_closed import bar_chart
 
     colors = {"grpo": "#c44e52", "dpo": "#4c72b0", "kto": "#55a868"}
     rank = {o: i for i, o in enumerate(colors)}  # bars grouped by objective, regimes in their given order
@@ -151,7 +151,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m humanline_cli.regime_map", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m humanline_cli.report.regime_map", description=__doc__.split("\n\n")[0])
     p.add_argument("studies", nargs="*", help="LABEL=DIR: a regime's label and its `humanline report` dir")
     p.add_argument("--sweep", help="one sweep over named regimes (regime=...), e.g. runs/experiments/laptop_regimes")
     p.add_argument("--out", default="regime_map.png", help="the PNG to write (and, with --sweep, a CSV next to it)")

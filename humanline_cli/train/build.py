@@ -14,18 +14,20 @@ from pathlib import Path
 
 import torch
 
-from .backend import Backend, Dist, init_distributed, make_backend, seed_everything, shard_model, wrap_policy
-from .config import RunSpec
-from .data.collate import Collator, Encoder
-from .data.examples import detect_format, to_units
-from .data.files import load_rows
-from .errors import UserError
-from .evaluate import Evaluator
-from .models import load_policy, load_tokenizer, make_reference
-from .reference import CachedReference
-from .rewards.build import make_scorer
-from .sampling.base import SamplingParams
-from .sources import OfflineSource, OnlineSource, RoundSpec, Shard
+from humanline_cli.backend import Backend, Dist, init_distributed, make_backend, seed_everything, shard_model, wrap_policy
+from humanline_cli.config import RunSpec
+from humanline_cli.core.reference import CachedReference
+from humanline_cli.data.collate import Collator, Encoder
+from humanline_cli.data.examples import detect_format, to_units
+from humanline_cli.data.files import load_rows
+from humanline_cli.errors import UserError
+from humanline_cli.eval.evaluator import Evaluator
+from humanline_cli.models import load_policy, load_tokenizer, make_reference
+from humanline_cli.rewards.scorers import make_scorer
+from humanline_cli.sampling.sampler import SamplingParams
+from humanline_cli.sources.offline import OfflineSource
+from humanline_cli.sources.online import OnlineSource, RoundSpec
+from humanline_cli.sources.source import Shard
 
 WORLD = "world://"
 
@@ -37,7 +39,7 @@ def resolve_path(path: str, spec: RunSpec, progress: bool = True) -> str:
     if spec.task_cfg.world is None:
         raise UserError(f"{path!r} refers to the bundled world, but task={spec.task} has no world "
                         f"(use model=... / data.path=... with real paths)")
-    from .world import materialise
+    from humanline_cli.world.cache import materialise
 
     root = materialise(dict(spec.task_cfg.world), Path(spec.world_cache).expanduser(), progress=progress)
     return str(root / path[len(WORLD):])
@@ -90,7 +92,7 @@ def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = 
     encoder.check_prompts(rows, where)
     seed = spec.seed if seed is None else seed
     if j.kind == "llm":
-        from .rewards.llm_judge import LLMJudge, LLMJudgeSpec
+        from humanline_cli.rewards.llm_judge import LLMJudge, LLMJudgeSpec
 
         judge = LLMJudge(LLMJudgeSpec(model=j.model, base_url=j.base_url, api_key_env=j.api_key_env, template=j.template,
                                       both_orders=j.both_orders, temperature=j.temperature, max_tokens=j.max_tokens,
@@ -101,7 +103,7 @@ def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = 
         return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge)
     subsets = [r.get("subset") for r in rows]
     if spec.task_cfg.world is not None and not any(subsets):  # the bundled tasks define theirs
-        from .world.rewards import subset
+        from humanline_cli.world.rewards import subset
 
         subsets = [subset(spec.task_cfg.world["kind"], encoder.prompt_text(r["prompt"])) for r in rows]
     return Evaluator(rows, encoder, make_scorer(asdict(spec.task_cfg.judge), device, "task.judge"), spec.eval_cfg,
@@ -112,11 +114,11 @@ def make_sampler(spec: RunSpec, policy, tokenizer, backend: Backend, model_path:
     s = spec.sampler_cfg
     match s.name:
         case "hf":
-            from .sampling.hf import HFSampler
+            from humanline_cli.sampling.hf import HFSampler
 
             return HFSampler(policy, tokenizer, s.batch_size, backend.autocast)
         case "vllm":
-            from .sampling.vllm import VLLMSampler
+            from humanline_cli.sampling.vllm import VLLMSampler
 
             return VLLMSampler(model_path, tokenizer, seed=spec.seed, gpu_memory_utilization=s.gpu_memory_utilization,
                                enforce_eager=s.enforce_eager, max_model_len=s.max_model_len, timeout_s=s.timeout_s,
@@ -194,7 +196,7 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device):
     that will not fit stops here with one line."""
     from transformers import AutoConfig
 
-    from .memory import check_fits, estimate
+    from humanline_cli.memory import check_fits, estimate
 
     try:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=spec.model_cfg.trust_remote_code)
@@ -216,7 +218,7 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device):
 
 def reference_moves(spec: RunSpec) -> bool:
     """Whether the reference can leave the starting weights (humanline sync, online round resets)."""
-    from .humanline import ReferenceRule
+    from humanline_cli.core.humanline import ReferenceRule
 
     rule = ReferenceRule.from_spec(spec.humanline, spec.regime)
     return rule.sync_every > 0 or rule.reset_each_round
@@ -252,8 +254,8 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     lora = spec.model_cfg.lora
     moving = reference_moves(spec)
     if lora.r > 0:  # adapters on the policy; the reference is the base model or a second adapter
-        from .lora import apply_lora
-        from .reference import make_lora_reference
+        from humanline_cli.core.lora import apply_lora
+        from humanline_cli.core.reference import make_lora_reference
 
         policy = apply_lora(policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
         reference = make_lora_reference(policy, moving=moving)
@@ -269,7 +271,7 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         source = _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist)
     eval_sampler = getattr(source, "sampler", None)  # online: evaluate with the round sampler
     if eval_sampler is None:
-        from .sampling.hf import HFSampler
+        from humanline_cli.sampling.hf import HFSampler
 
         eval_sampler = HFSampler(policy, tokenizer, spec.eval_cfg.batch_size, backend.autocast)
     return Parts(backend, tokenizer, encoder, policy, reference, source, evaluator, eval_sampler, train_model, dist,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from ..errors import RunFailed, UserError
+from humanline_cli.errors import RunFailed, UserError
 
 Scorer = Callable[[list[str], list[str], list | None], list[float]]
 
@@ -20,16 +20,16 @@ def make_scorer(spec, device=None, key: str | None = None) -> tuple[str, Scorer]
     kind = spec.get("kind")
     match kind:
         case "world":
-            from ..world.rewards import score
+            from humanline_cli.world.rewards import score
 
             task, role = spec["task"], spec["role"]
             return f"world/{task}/{role}", lambda p, c, a=None: score(task, role, p, c)
         case "verifier":
-            from .verifier import verify_batch
+            from humanline_cli.rewards.verifier import verify_batch
 
             return "verifier", lambda p, c, a=None: verify_batch(c, a, spec.get("method", "math"))
         case "model" | "reward_model":
-            from .reward_model import RewardModel
+            from humanline_cli.rewards.reward_model import RewardModel
 
             rm = RewardModel(spec["name_or_path"], device=device, batch_size=spec.get("batch_size", 16),
                              trust_remote_code=bool(spec.get("trust_remote_code", False)),

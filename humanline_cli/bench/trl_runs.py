@@ -11,8 +11,7 @@ import warnings
 
 import torch
 
-from .bench import Run, _collect
-from .bench_clock import _now
+from humanline_cli.bench.clock import Run, _now, collect
 
 
 def trl_available() -> bool:
@@ -93,8 +92,8 @@ def trl_run(spec, info: dict, warmup: int, precompute: bool = False) -> Run:
     from datasets import Dataset
     from transformers import TrainerCallback
 
-    from .build import make_encoder, model_paths
-    from .models import load_policy, load_tokenizer
+    from humanline_cli.models import load_policy, load_tokenizer
+    from humanline_cli.train.build import make_encoder, model_paths
 
     backend = info["backend"]
     model_path, tok_path = model_paths(spec)
@@ -146,9 +145,9 @@ def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from .build import make_encoder, model_paths
-    from .data.collate import Collator
-    from .models import load_policy, load_tokenizer
+    from humanline_cli.data.collate import Collator
+    from humanline_cli.models import load_policy, load_tokenizer
+    from humanline_cli.train.build import make_encoder, model_paths
 
     backend = info["backend"]
     model_path, tok_path = model_paths(spec)
@@ -205,7 +204,7 @@ def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
             float(loss.detach())  # the project's loop reads the loss every step too
             sizes.append((units_, toks, 0))
         end = _now(backend.device)
-    return _collect(starts, end, sizes, warmup)
+    return collect(starts, end, sizes, warmup)
 
 
 def _grpo_inputs(batch, pad_id: int, device) -> dict:

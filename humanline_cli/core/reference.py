@@ -16,9 +16,9 @@ from contextlib import contextmanager
 
 import torch
 
-from .batches import Seqs
-from .humanline import sync_reference
-from .tensor_ops import token_logps
+from humanline_cli.core.batches import Seqs
+from humanline_cli.core.humanline import sync_reference
+from humanline_cli.core.logprobs import token_logps
 
 
 class FrozenCopy:
@@ -70,7 +70,7 @@ class BaseReference:
     """
 
     def __init__(self, peft_model: torch.nn.Module):
-        from .lora import base_model_of
+        from humanline_cli.core.lora import base_model_of
 
         base_model_of(peft_model)  # type check: a PeftModel
         self.model = peft_model
@@ -99,7 +99,7 @@ class AdapterReference:
     """
 
     def __init__(self, peft_model: torch.nn.Module):
-        from .lora import POLICY_ADAPTER, REFERENCE_ADAPTER, base_model_of
+        from humanline_cli.core.lora import POLICY_ADAPTER, REFERENCE_ADAPTER, base_model_of
 
         base_model_of(peft_model)  # type check: a PeftModel
         if POLICY_ADAPTER not in peft_model.peft_config:
@@ -115,14 +115,14 @@ class AdapterReference:
         self.sync(peft_model)
 
     def _tensors(self, adapter: str) -> dict[str, torch.Tensor]:
-        from .lora import adapter_tensors
+        from humanline_cli.core.lora import adapter_tensors
 
         # looked up on every call, never cached: FSDP2 replaces parameters after construction
         return adapter_tensors(self.model, adapter)
 
     @torch.no_grad()
     def logps(self, seqs: Seqs) -> torch.Tensor:
-        from .lora import POLICY_ADAPTER, REFERENCE_ADAPTER
+        from humanline_cli.core.lora import POLICY_ADAPTER, REFERENCE_ADAPTER
 
         with _reference_pass(self.model):
             self.model.set_adapter(REFERENCE_ADAPTER)  # (no inference_mode: peft < 0.15 lacks it; flags restored)
@@ -135,7 +135,7 @@ class AdapterReference:
     @torch.no_grad()
     def sync(self, policy: torch.nn.Module) -> None:
         """reference adapter <- policy adapter, in place. `policy` must be this model (or DDP around it)."""
-        from .lora import POLICY_ADAPTER, REFERENCE_ADAPTER
+        from humanline_cli.core.lora import POLICY_ADAPTER, REFERENCE_ADAPTER
 
         target = policy
         while target is not self.model and hasattr(target, "module"):
@@ -149,7 +149,7 @@ class AdapterReference:
             dst[key].copy_(p.detach())
 
     def n_params(self) -> int:
-        from .lora import REFERENCE_ADAPTER
+        from humanline_cli.core.lora import REFERENCE_ADAPTER
 
         return sum(p.numel() for p in self._tensors(REFERENCE_ADAPTER).values())
 

@@ -19,8 +19,8 @@ from dataclasses import replace
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .batches import Seqs
-from .errors import UserError
+from humanline_cli.core.batches import Seqs
+from humanline_cli.errors import UserError
 
 # Float32 elements in one chunk's logits (2**25 = 128 MiB): 261 tokens at a 128k vocabulary,
 # the whole batch at once for a small one. The backward holds about four such buffers.

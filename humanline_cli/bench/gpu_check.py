@@ -1,4 +1,4 @@
-"""`just gpu-check` (python -m humanline_cli.gpu_check [--out DIR]): the checks only a CUDA machine can
+"""`just gpu-check` (python -m humanline_cli.bench.gpu_check [--out DIR]): the checks only a CUDA machine can
 run, in a few minutes on one GPU, written to one JSON file; exit 1 if any check failed, 2 (one line)
 without CUDA.
 
@@ -52,21 +52,21 @@ def _vllm_checks(out: Path) -> list[dict]:
     try:
         from hydra import compose, initialize_config_module
 
-        from .build import make_encoder, model_paths
-        from .config import validate
-        from .models import load_policy, load_tokenizer
-        from .sampling.base import SamplingParams
-        from .sampling.hf import HFSampler
-        from .sampling.vllm import VLLMSampler
-        from .tensor_ops import token_logps
+        from humanline_cli.config import validate
+        from humanline_cli.core.logprobs import token_logps
+        from humanline_cli.models import load_policy, load_tokenizer
+        from humanline_cli.sampling.hf import HFSampler
+        from humanline_cli.sampling.sampler import SamplingParams
+        from humanline_cli.sampling.vllm import VLLMSampler
+        from humanline_cli.train.build import make_encoder, model_paths
 
         with initialize_config_module(config_module="conf", version_base="1.3"):
             spec = validate(compose("train", overrides=["backend=cuda"]))
         model_path, tok_path = model_paths(spec)
         tok = load_tokenizer(tok_path)
         enc = make_encoder(spec, tok)
-        from .build import resolve_path
-        from .data.files import load_rows
+        from humanline_cli.data.files import load_rows
+        from humanline_cli.train.build import resolve_path
 
         rows_, _ = load_rows(resolve_path(spec.task_cfg.prompts.eval, spec), "train", 256)
         prompts = [enc.prompt_ids(r["prompt"]) for r in rows_]
@@ -80,8 +80,8 @@ def _vllm_checks(out: Path) -> list[dict]:
         vllm.push_weights(policy)
         greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=16)
         outs = vllm.generate(prompts[:64], greedy)
-        from .batches import Seqs
-        from .data.collate import make_seqs
+        from humanline_cli.core.batches import Seqs
+        from humanline_cli.data.collate import make_seqs
 
         seqs = make_seqs(prompts[:64], outs.token_ids, tok.pad_token_id)
         seqs = Seqs(seqs.input_ids.cuda(), seqs.attention_mask.cuda(), seqs.loss_mask.cuda())

@@ -28,25 +28,10 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from .backend import Dist
-from .data.examples import BinaryExample, GroupExample, PairExample
-from .errors import UserError
-from .rundir import (  # noqa: F401  (the rerun rules' names, importable from here as before)
-    HYDRA_COPY,
-    IGNORED,
-    IGNORED_TRAIN,
-    RESOLVED,
-    STEP_FILES,
-    RunDirConflict,
-    comparable,
-    config_diff,
-    is_complete,
-    move_aside,
-    prepare_run_dir,
-    rewind_outputs,
-    write_resolved,
-)
-from .sources.online import TokenCompletion
+from humanline_cli.backend import Dist
+from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample
+from humanline_cli.errors import UserError
+from humanline_cli.sources.online import TokenCompletion
 
 FORMAT = 1
 UNIT_TYPES = {c.__name__: c for c in (PairExample, BinaryExample, GroupExample, TokenCompletion)}
@@ -89,7 +74,7 @@ def from_json(obj):
 def policy_tensors(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The policy's trainable parameters: a peft LoRA policy's adapter, else every trainable parameter."""
     if hasattr(policy, "peft_config"):
-        from .lora import POLICY_ADAPTER, adapter_tensors
+        from humanline_cli.core.lora import POLICY_ADAPTER, adapter_tensors
 
         return adapter_tensors(policy, POLICY_ADAPTER)
     return {n: p for n, p in policy.named_parameters() if p.requires_grad}
@@ -101,10 +86,10 @@ def reference_tensors(reference, moving: bool) -> dict[str, torch.Tensor]:
     offline FrozenCopy, BaseReference) is rebuilt from the starting weights, so nothing is saved."""
     if not moving:
         return {}
-    from .reference import AdapterReference
+    from humanline_cli.core.reference import AdapterReference
 
     if isinstance(reference, AdapterReference):
-        from .lora import REFERENCE_ADAPTER, adapter_tensors
+        from humanline_cli.core.lora import REFERENCE_ADAPTER, adapter_tensors
 
         return adapter_tensors(reference.model, REFERENCE_ADAPTER)
     return dict(reference.model.named_parameters())
@@ -196,7 +181,7 @@ class Checkpoints:
             cache_keys, cache = parts.reference.export()
             tensors.update({f"reference_cache.{k}": v for k, v in cache.items()})
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-        from .evaluate import Side
+        from humanline_cli.eval.evaluator import Side
 
         # the starting policy's evaluation samples (sampled, and greedy when configured; scores are None
         # under a pairwise judge): its weights are gone once training starts, so a resumed run reads them here
@@ -254,7 +239,7 @@ class Checkpoints:
         parts.source.load_state_dict(state["source"])
         timer.load_state_dict(state["timer"])
         if parts.evaluator is not None:
-            from .evaluate import Side
+            from humanline_cli.eval.evaluator import Side
 
             for name, side in state["baselines"].items():  # baseline, greedy_baseline
                 setattr(parts.evaluator, name, Side(side["texts"], side["scores"]))

@@ -1,0 +1,57 @@
+"""The bench's clocks: wall time that waits for the device (CUDA work is asynchronous), the per-step
+timing record of one run (ours or TRL's), and the best FLOP/s of one matmul shape, the peak a model's
+FLOP/s is reported against."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+def _now(device) -> float:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def matmul_peak(m: int, k: int, n: int, device, dtype, seconds: float = 0.3) -> float:
+    """Best FLOP/s of an (m x k) @ (k x n) matmul over three timing windows."""
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    best = 0.0
+    for _ in range(3):
+        t0, reps = _now(device), 0
+        while True:
+            a @ b
+            reps += 1
+            t = _now(device) - t0
+            if t >= seconds / 3:
+                break
+        best = max(best, 2.0 * m * k * n * reps / t)
+    return best
+
+
+@dataclass
+class Run:
+    """Per-step wall times and sizes of the timed steps of one run."""
+
+    seconds: list[float] = field(default_factory=list)
+    units: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    kl_tokens: list[int] = field(default_factory=list)
+    cache_hit_fraction: float | None = None  # reference-cache hits over the run's steps (cached rows)
+
+
+def collect(starts: list[float], end: float, sizes: list[tuple], warmup: int) -> Run:
+    bounds = [*starts, end]
+    run = Run()
+    for k in range(warmup, len(starts)):
+        run.seconds.append(bounds[k + 1] - bounds[k])
+        u, t, kl = sizes[k]
+        run.units.append(u)
+        run.tokens.append(t)
+        run.kl_tokens.append(kl)
+    return run

@@ -1,0 +1,93 @@
+"""The content-addressed world cache: `materialise` returns `cache_root/<kind>-<hash12>/` holding
+`WORLD_FILES`, building the world first (world/make.py) when it is missing, under a per-world lock."""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+from humanline_cli.world import make
+from humanline_cli.world.defaults import resolve
+from humanline_cli.world.naming import WORLD_FILES, WORLD_VERSION, world_hash
+
+
+def _complete(path: Path) -> bool:
+    return all((path / name).exists() for name in WORLD_FILES)
+
+
+def materialise(cfg: Mapping, cache_root: str | os.PathLike, progress: bool = True) -> Path:
+    """Return the world's folder, building it first if missing.
+
+    The build goes to a temporary sibling then is renamed into place, so a
+    crash never leaves a half world; a per-world lock file makes a second
+    process wait for the first build instead of repeating it. A build that
+    was killed (no `finally`) leaves its `.tmp-*` sibling behind: the next
+    build removes those whose builder is gone (`_remove_stale_tmp`).
+    """
+    full = resolve(cfg)
+    root = Path(cache_root)
+    target = root / f"{full['kind']}-{world_hash(full)}"
+    if _complete(target):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if _complete(target):  # another process built it while we waited
+            return target
+        _remove_stale_tmp(root, target.name)
+        tmp = root / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            _build(full, tmp, progress)
+            if target.exists():  # an incomplete leftover (not from us): replace it
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _remove_stale_tmp(root: Path, holding: str) -> list[Path]:
+    """Remove `.tmp-<world>-<pid>-<hex>` dirs left by killed builds; called while holding the lock
+    of world `holding`. A dir is stale when its builder's pid is not alive and no one holds its
+    world's lock (ours, for `holding`; for other worlds a non-blocking try of theirs, so a build in
+    progress elsewhere, even on another host sharing the cache, is never touched)."""
+    removed = []
+    for tmp in root.glob(".tmp-*"):
+        name, _, rest = tmp.name[len(".tmp-"):].rpartition("-")  # rest: the uuid part
+        name, _, pid = name.rpartition("-")
+        if not tmp.is_dir() or not name or not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        if name == holding:
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+            continue
+        lock_path = root / f".{name}.lock"
+        if not lock_path.exists():
+            continue
+        with open(lock_path, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # that world is being built right now
+                continue
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
+
+
+def _build(full: dict, tmp: Path, progress: bool) -> None:
+    make.build(full, tmp, WORLD_VERSION, progress)

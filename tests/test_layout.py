@@ -1,0 +1,143 @@
+"""The package's architecture, enforced: imports (top-level and deferred ones inside functions alike)
+form no cycle between modules, and point down the layers only. A layer may import from layers below
+it and from its own; never from above.
+
+    cli            the commands: parse, validate once, dispatch
+    report, bench  read finished runs / time the training step
+    train          build the parts of a run, the loop, checkpoints, run dirs, launch
+    sources, eval  offline and online unit sources; the evaluator (generate + judge)
+    world, rewards the bundled laptop world; verifiers, reward models, the LLM judge
+    data, sampling files and collation; HF and vLLM samplers
+    backend, config, memory, models   devices and ranks, the typed spec, the memory estimate, loading
+    core           the method: losses, objectives, humanline, the reference, log-probs, batches
+    errors, schema leaves
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "humanline_cli"
+
+LAYERS = {
+    "errors": 0, "schema": 0,
+    "core": 1,
+    "backend": 2, "config": 2, "memory": 2, "models": 2,
+    "data": 3, "sampling": 3,
+    "world": 4, "rewards": 4,
+    "sources": 5, "eval": 5,
+    "train": 6,
+    "report": 7, "bench": 7,
+    "cli": 8, "__main__": 8, "__init__": 8,
+}
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _imports(path: Path, mod: str, known: set[str]) -> set[str]:
+    """Every project module `path` imports, wherever the import statement stands."""
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # `from pkg import name`: name is a module when one of that name exists
+            names = [f"{target}.{a.name}" if f"{target}.{a.name}" in known else target for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != mod and name != "humanline_cli":
+                out.add(name)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    known = set(mods)
+    return {m: _imports(p, m, known) for m, p in mods.items()}
+
+
+def _layer(mod: str) -> int:
+    top = mod.split(".")[1] if "." in mod else "__init__"
+    assert top in LAYERS, f"{mod}: a new top-level module or folder needs a layer in LAYERS"
+    return LAYERS[top]
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_import_walker_sees_deferred_and_relative_imports(tmp_path):
+    pkg = tmp_path / "humanline_cli"
+    (pkg / "core").mkdir(parents=True)
+    (pkg / "core" / "__init__.py").write_text("")
+    (pkg / "core" / "a.py").write_text("def f():\n    from . import b\n    from humanline_cli.train import run\n")
+    known = {"humanline_cli.core", "humanline_cli.core.a", "humanline_cli.core.b", "humanline_cli.train.run"}
+    assert _imports(pkg / "core" / "a.py", "humanline_cli.core.a", known) == {"humanline_cli.core.b",
+                                                                             "humanline_cli.train.run"}
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles():
+    assert _cycles(_graph()) == []
+
+
+def test_imports_point_down_the_layers():
+    graph = _graph()
+    upward = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if _layer(d) > _layer(m))
+    assert upward == []
+
+
+def test_no_two_modules_share_a_name():
+    """One name, one module: `build.py` in three folders (or `base.py` in two) is a guess for the reader."""
+    stems: dict[str, list[str]] = {}
+    for mod in _modules():
+        leaf = mod.rsplit(".", 1)[-1]
+        if mod != "humanline_cli" and not (PKG / Path(*mod.split(".")[1:])).is_dir() and leaf != "__main__":
+            stems.setdefault(leaf, []).append(mod)
+    assert {k: v for k, v in stems.items() if len(v) > 1} == {}
