@@ -1,4 +1,4 @@
-"""The typed schemas: the README's config reference names every key, saved configs re-validate, and
+"""The typed schemas: the config reference (docs/config.md) names every key, saved configs re-validate, and
 typed errors are one line through the real CLI (single runs and every sweep point)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from conftest import run_cli
 
 from humanline_cli import schema as S
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "humanline_cli" / "docs" / "config.md"  # the config reference
 
 
 def _reference_section() -> str:
