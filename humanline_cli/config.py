@@ -40,14 +40,15 @@ class TrainSpec:
     max_prompt_length: int
     log_every: int
     save_model: bool
-    gradient_checkpointing: bool = False
-    packing: bool = False    # padding-free micro-batches (tensor_ops.token_logps packs each into one row)
-    length_bucketing: bool = True  # unpacked micro-batches drawn from length-sorted units
-    reference_cache: bool = True   # reuse reference log-probs while the reference cannot move
+    # defaults: the schema's (one source); validate passes every one of them explicitly
+    gradient_checkpointing: bool = S.TrainConfig.gradient_checkpointing
+    packing: bool = S.TrainConfig.packing    # padding-free micro-batches (core/logprobs.token_logps packs each into one row)
+    length_bucketing: bool = S.TrainConfig.length_bucketing  # unpacked micro-batches drawn from length-sorted units
+    reference_cache: bool = S.TrainConfig.reference_cache    # reuse reference log-probs while the reference cannot move
     ranks: int = 1           # processes sharing each global batch (backend.nproc under ddp/fsdp)
-    checkpoint_every: int = 0  # write a resumable checkpoint every N optimizer steps (0 = never)
-    keep_checkpoints: int = 2  # the newest K checkpoints are kept
-    max_truncated_fraction: float = 0.01  # offline completions cut to fit max_length: more than this stops the run
+    checkpoint_every: int = S.TrainConfig.checkpoint_every  # a resumable checkpoint every N optimizer steps (0 = never)
+    keep_checkpoints: int = S.TrainConfig.keep_checkpoints  # the newest K checkpoints are kept
+    max_truncated_fraction: float = S.TrainConfig.max_truncated_fraction  # more offline completions cut: stop
 
     @property
     def accumulation(self) -> int:
@@ -75,11 +76,11 @@ class RunSpec:
     judge_cfg: Any = None
     eval_cfg: Any = None
     wandb: dict = dataclasses.field(default_factory=dict)
-    chat_template: Any = "auto"
-    world_cache: str = "~/.cache/humanline"
-    threads: int | None = None
-    resume: bool = True
-    check_model_task: str = "error"
+    chat_template: Any = S.RootConfig.chat_template
+    world_cache: str = S.RootConfig.world_cache
+    threads: int | None = S.RootConfig.threads
+    resume: bool = S.RootConfig.resume
+    check_model_task: str = S.RootConfig.check_model_task
     notes: tuple = ()      # one-line notices for the run header (derived settings the user should know)
     config: dict = dataclasses.field(default_factory=dict)  # the full resolved config, for logging
 
@@ -135,6 +136,11 @@ def _group(cfg: dict, group: str, option_key: str | None):
     return _typed(node, options[option], group)
 
 
+def _set_keys(node: dict) -> dict:
+    """A nested dict without its None leaves (sub-dicts stay, possibly empty)."""
+    return {k: _set_keys(v) if isinstance(v, dict) else v for k, v in node.items() if v is not None}
+
+
 def _positive(value, key: str):
     if value is None or isinstance(value, bool) or not value > 0 or (isinstance(value, float) and not math.isfinite(value)):
         raise UserError(f"config key '{key}' must be > 0, got {value}")
@@ -157,6 +163,8 @@ def validate(cfg: DictConfig) -> RunSpec:
     objective = _group(cfg, "objective", "name")
     data = _group(cfg, "data", "regime")
     task = _group(cfg, "task", None)
+    if task.world is not None:  # the knobs set (None: the world kind's default, in world/defaults.py)
+        task = dataclasses.replace(task, world=_set_keys(dataclasses.asdict(task.world)))
     model = _group(cfg, "model", None)
     backend = _group(cfg, "backend", None)
     sampler = _group(cfg, "sampler", "name")
@@ -167,6 +175,8 @@ def validate(cfg: DictConfig) -> RunSpec:
     root_keys = {f.name for f in dataclasses.fields(S.RootConfig)} - set(S.GROUP_SCHEMAS)
     root = _typed({k: cfg[k] for k in root_keys if k in cfg}, S.RootConfig, "")
 
+    # the task's renames for its offline data, under the user's own (data.columns wins per key)
+    data = dataclasses.replace(data, columns={**(task.offline.columns or {}), **(data.columns or {})})
     name, regime = objective.name, data.regime
     if regime == "offline" and not data.path:
         raise UserError("config key 'data.path' is missing (set data.path=FILE on the command line)")
@@ -292,6 +302,8 @@ def validate(cfg: DictConfig) -> RunSpec:
         raise UserError("sampler=vllm with backend.strategy=ddp|fsdp is not supported yet; use sampler=hf")
     if backend.nproc < 1:
         raise UserError(f"config key 'backend.nproc' must be >= 1, got {backend.nproc}")
+    if not backend.timeout_s > 0:
+        raise UserError(f"config key 'backend.timeout_s' must be > 0 seconds, got {backend.timeout_s}")
     return RunSpec(objective=name, regime=regime, task=task.name, model=model_display_name(model), seed=root.seed,
                    humanline=hl, humanline_on=hl_on, train=train, objective_cfg=objective, data_cfg=data, task_cfg=task,
                    model_cfg=model, backend_cfg=backend, sampler_cfg=sampler, reward_cfg=reward, judge_cfg=judge,

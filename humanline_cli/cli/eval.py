@@ -58,7 +58,7 @@ def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperatur
     from humanline_cli.backend import make_backend, seed_everything
     from humanline_cli.models import load_policy, load_tokenizer
     from humanline_cli.sampling.hf import HFSampler
-    from humanline_cli.train.build import build_evaluator, make_encoder, model_paths
+    from humanline_cli.train.build import build_evaluator, make_encoder, model_paths, prepare_world
 
     spec = _run_spec(run_dir, overrides)
     ev = spec.eval_cfg
@@ -66,6 +66,7 @@ def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperatur
     if changes:
         spec = replace(spec, eval_cfg=replace(ev, **changes))
     if against == "start":
+        prepare_world(spec)  # the bundled world, built first if it is not cached
         other_path, other_name = model_paths(spec)[0], "start"
     else:
         other_dir = Path(against)

@@ -9,8 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
+from humanline_cli.schema import GRPOConfig
 
-def group_advantages(scores: torch.Tensor, std_ddof: int = 0, std_eps: float = 0.01) -> torch.Tensor:
+
+def group_advantages(scores: torch.Tensor, std_ddof: int = GRPOConfig.std_ddof,
+                     std_eps: float = GRPOConfig.std_eps) -> torch.Tensor:
     """A_i = (s_i - mean(s)) / (std(s) + std_eps) within one group. (G,) -> (G,).
 
     ddof=0 is the reference code's population std; TRL/verl use ddof=1 and a tiny eps. A group of

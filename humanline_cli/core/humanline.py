@@ -15,14 +15,18 @@ from dataclasses import dataclass
 
 import torch
 
+from humanline_cli.schema import HumanlineConfig
+
 
 @dataclass(frozen=True)
 class HumanlineSpec:
+    """What a run does: clamp and sync are on only with +humanline=true (and hl.clamp / hl.sync); the band
+    and the sync period default to the schema's (one source of every default)."""
     clamp: bool = False
     sync: bool = False
-    log_eps_P: float = -1.0
-    log_eps_R: float = 1.5
-    sync_every: int = 1
+    log_eps_P: float = HumanlineConfig.log_eps_P
+    log_eps_R: float = HumanlineConfig.log_eps_R
+    sync_every: int = HumanlineConfig.sync_every
 
 
 def clamp_logratios(token_logratio: torch.Tensor, spec: HumanlineSpec) -> torch.Tensor:

@@ -24,6 +24,7 @@ from humanline_cli.report.groups import (
     DEFAULT_IGNORE,
     Group,
     _under,
+    collapse_duplicates,
     derived_from,
     family_defining,
     group_labels,
@@ -39,7 +40,6 @@ from humanline_cli.report.runs import (
     Run,
     find_run_dirs,
     load_run,
-    read_config,  # noqa: F401  (re-exported)
 )
 from humanline_cli.report.stats import win_rate_ci
 
@@ -70,6 +70,7 @@ class Report:
     wandb_error: str | None = None
     columns: tuple = CSV_COLUMNS  # report.csv's header: CSV_COLUMNS with the varying config keys after "family"
     unused_ignores: tuple = ()  # --ignore keys that matched no config key (likely typos)
+    duplicates: tuple = ()  # groups.Duplicate: run dirs that are another dir's run again, counted once
 
     @property
     def complete(self):
@@ -207,12 +208,19 @@ def grouping_note(ignore) -> str:
             "without `.hydra/config.yaml` are grouped by their summary.json labels (task, objective, data, humanline).")
 
 
-def render_markdown(rep_root: Path, cells, runs, plots: dict, skipped: dict, out_dir: Path, ignore=()) -> str:
+def render_markdown(rep_root: Path, cells, runs, plots: dict, skipped: dict, out_dir: Path, ignore=(),
+                    duplicates=()) -> str:
     complete = [r for r in runs if r.status == "complete"]
     lines = [f"# humanline report: `{rep_root}`", "",
              (f"{len(runs)} run dirs: {len(complete)} complete, "
               f"{sum(r.status == 'failed' for r in runs)} failed, {sum(r.status == 'incomplete' for r in runs)} "
               "incomplete (only complete runs are aggregated)."), ""]
+    if duplicates:
+        lines += [f"{len(duplicates)} complete run dirs are another dir's run again (same config and seed) and are "
+                  "counted once:", "", *(f"- `{_rel(d.dropped.path, rep_root)}` duplicates "
+                                         f"`{_rel(d.kept.path, rep_root)}` "
+                                         f"({'identical outputs' if d.same_outputs else 'outputs differ'})"
+                                         for d in duplicates), ""]
     if not cells:
         lines += ["No complete runs to aggregate.", ""]
     for task in sorted({c["task"] for c in cells}):
@@ -284,10 +292,11 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     out_dir = Path(out_dir) if out_dir is not None else root
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = [load_run(d) for d in run_dirs]
-    complete = [r for r in runs if r.status == "complete"]
+    # a copied run dir is the same run, never a second seed (n=2 with a zero-width interval)
+    complete, duplicates = collapse_duplicates([r for r in runs if r.status == "complete"])
     cells = aggregate(complete, ignore)
     plots, skipped = make_plots(complete, out_dir)
-    md = render_markdown(root, cells, runs, plots, skipped, out_dir, ignore)
+    md = render_markdown(root, cells, runs, plots, skipped, out_dir, ignore, duplicates)
     from humanline_cli.report import gap_closed as science
 
     # a sweep over named regimes (experiment=laptop_regimes) pairs each regime with its own baselines
@@ -306,7 +315,7 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     known = {k for r in complete if r.config for k in r.config}
     unused = tuple(p for p in ignore if not any(_under(k, (p,)) for k in known))
     rep = Report(root=root, out_dir=out_dir, runs=runs, cells=cells, markdown=md, files=files, skipped_plots=skipped,
-                 columns=columns, unused_ignores=unused)
+                 columns=columns, unused_ignores=unused, duplicates=tuple(duplicates))
     if wandb_mode is not None:
         rep.wandb_error = log_to_wandb(rep, wandb_mode)
     return rep
@@ -331,6 +340,8 @@ def print_report(rep: Report, console=None) -> None:
         console.print("no complete runs to aggregate")
     for r in rep.problems:
         console.print(f"[red]{r.status}[/] {r.path}: {r.reason}", highlight=False, markup=True)
+    for d in rep.duplicates:
+        console.print(f"duplicate run dir: {d.describe()}", highlight=False)
     for name, why in rep.skipped_plots.items():
         console.print(f"skipped {name}: {why}")
     for k in rep.unused_ignores:

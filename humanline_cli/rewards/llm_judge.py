@@ -34,7 +34,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from humanline_cli.errors import UserError
-from humanline_cli.rewards.verdict import combine, outcome_for_a, parse_verdict  # noqa: F401  (re-exported: the judge's public API)
+from humanline_cli.rewards.verdict import combine, outcome_for_a, parse_verdict
+from humanline_cli.schema import JudgeConfig
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
@@ -45,21 +46,22 @@ CACHE_VERSION = 1
 
 @dataclass(frozen=True)
 class LLMJudgeSpec:
-    model: str = "gpt-4.1"
-    base_url: str | None = None  # None: $OPENAI_BASE_URL, else the OpenAI API
-    api_key_env: str = "OPENAI_API_KEY"  # the NAME of the variable; a local base_url may go without
-    template: str | None = None  # a file path; None: the bundled templates/pairwise.txt
-    both_orders: bool = True
-    temperature: float = 0.0
-    max_tokens: int = 16
-    max_concurrency: int = 8
-    timeout_s: float = 60.0
-    max_retries: int = 6  # on 408/409/429/5xx, timeouts and refused connections
+    """The judge's settings; defaults are the schema's (judge=llm), in one place."""
+    model: str = JudgeConfig.model
+    base_url: str | None = JudgeConfig.base_url  # None: $OPENAI_BASE_URL, else the OpenAI API
+    api_key_env: str = JudgeConfig.api_key_env  # the NAME of the variable; a local base_url may go without
+    template: str | None = JudgeConfig.template  # a file path; None: the bundled templates/pairwise.txt
+    both_orders: bool = JudgeConfig.both_orders
+    temperature: float = JudgeConfig.temperature
+    max_tokens: int = JudgeConfig.max_tokens
+    max_concurrency: int = JudgeConfig.max_concurrency
+    timeout_s: float = JudgeConfig.timeout_s
+    max_retries: int = JudgeConfig.max_retries  # on 408/409/429/5xx, timeouts and refused connections
     backoff_base_s: float = 1.0  # exponential backoff base; a Retry-After header overrides it
     backoff_max_s: float = 60.0
-    price_input_per_mtok: float = 2.00  # USD per million tokens (gpt-4.1 list price)
-    price_output_per_mtok: float = 8.00
-    cache_dir: str | None = None  # None: no cache
+    price_input_per_mtok: float = JudgeConfig.price_input_per_mtok  # USD per million tokens (gpt-4.1 list price)
+    price_output_per_mtok: float = JudgeConfig.price_output_per_mtok
+    cache_dir: str | None = JudgeConfig.cache_dir  # None: no cache
 
     def __post_init__(self):
         bad = [f"{k}={getattr(self, k)!r}" for k, ok in [

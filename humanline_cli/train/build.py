@@ -2,8 +2,8 @@
 source (offline units or online rounds with their sampler and labeller), the evaluator.
 
 Everything the trainer needs is assembled here from the spec (never from a DictConfig); the trainer
-never sees config group names. `world://NAME` paths point into the bundled world, built and cached
-on first use. `build_evaluator` is the one evaluator builder, shared by `humanline train` and
+never sees config group names. `world://NAME` paths point into the bundled world, which `prepare_world` builds (a named
+setup phase) and caches on first use. `build_evaluator` is the one evaluator builder, shared by `humanline train` and
 `humanline eval`, so both evaluate the same prompts the same way.
 """
 from __future__ import annotations
@@ -14,7 +14,16 @@ from pathlib import Path
 
 import torch
 
-from humanline_cli.backend import Backend, Dist, init_distributed, make_backend, seed_everything, shard_model, wrap_policy
+from humanline_cli.backend import (
+    Backend,
+    Dist,
+    all_agree,
+    init_distributed,
+    make_backend,
+    seed_everything,
+    shard_model,
+    wrap_policy,
+)
 from humanline_cli.config import RunSpec
 from humanline_cli.core.reference import CachedReference
 from humanline_cli.data.collate import Collator, Encoder
@@ -32,16 +41,35 @@ from humanline_cli.sources.source import Shard
 WORLD = "world://"
 
 
-def resolve_path(path: str, spec: RunSpec, progress: bool = True) -> str:
-    """Turn world://NAME into a real path inside the (built-on-demand) bundled world."""
+def prepare_world(spec: RunSpec, progress: bool = True) -> Path | None:
+    """Setup phase `world`: the bundled world's folder (None for a task without one), checked against the
+    world's own rules and built first when it is not cached (minutes: SFT of the starting policy, the
+    offline data; progress bars from the build). Call it before resolving any world:// path."""
+    if spec.task_cfg.world is None:
+        return None
+    from humanline_cli.world.cache import materialise
+    from humanline_cli.world.defaults import resolve
+
+    try:
+        resolve(spec.task_cfg.world)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"config key 'task.{str(e).split(' ', 1)[0]}' is invalid: {e}" if str(e).startswith("world.")
+                        else f"config key 'task.world': {e}") from None
+    return materialise(dict(spec.task_cfg.world), Path(spec.world_cache).expanduser(), progress=progress)
+
+
+def resolve_path(path: str, spec: RunSpec) -> str:
+    """Turn world://NAME into a real path inside the bundled world (built by `prepare_world`)."""
     if not path.startswith(WORLD):
         return path
     if spec.task_cfg.world is None:
         raise UserError(f"{path!r} refers to the bundled world, but task={spec.task} has no world "
                         f"(use model=... / data.path=... with real paths)")
-    from humanline_cli.world.cache import materialise
+    from humanline_cli.world.naming import world_dir
 
-    root = materialise(dict(spec.task_cfg.world), Path(spec.world_cache).expanduser(), progress=progress)
+    root = world_dir(dict(spec.task_cfg.world), Path(spec.world_cache).expanduser())
+    if not root.is_dir():
+        raise RuntimeError(f"{path}: the bundled world is not built yet (prepare_world comes first)")
     return str(root / path[len(WORLD):])
 
 
@@ -227,11 +255,17 @@ def reference_moves(spec: RunSpec) -> bool:
 def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     b = spec.backend_cfg
     backend = make_backend(b.device.value, b.precision.value, spec.threads)
-    dist = init_distributed(backend.device.type)
+    dist = init_distributed(backend.device.type, b.timeout_s)
     if dist.enabled and backend.device.type == "cuda":
         backend = make_backend(f"cuda:{dist.local_rank}", b.precision.value, spec.threads)
     seed_everything(spec.seed)
     check_model_task(spec)
+    if dist.enabled and not dist.is_main:  # rank 0 builds a bundled world first: two builders of one cache race
+        all_agree(True, dist)
+    with timer.phase("world"):  # the bundled world: built on first use (minutes), cached after
+        prepare_world(spec)
+    if dist.enabled and dist.is_main:
+        all_agree(True, dist)
     model_path, tok_path = model_paths(spec)
     memory = memory_estimate(spec, model_path, backend.device)
     trust = spec.model_cfg.trust_remote_code
@@ -265,7 +299,8 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     if strategy == "fsdp" and lora.r == 0:
         shard_model(reference.model)  # the same sharding: the sync copies each rank's local shards
     if spec.train.reference_cache and not moving:  # plain offline: each sequence's reference log-probs once
-        reference = CachedReference(reference)
+        # under FSDP the reference forward all-gathers shards: every rank skips it or none does
+        reference = CachedReference(reference, agree=(lambda f: all_agree(f, dist)) if strategy == "fsdp" else None)
     train_model = wrap_policy(policy, strategy, dist, backend.device)
     if spec.regime == "online":
         source = _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist)

@@ -1,4 +1,5 @@
-"""Wall-clock per phase (setup, sample, label, train, sync, push, eval, save, checkpoint).
+"""Wall-clock per phase (setup, world (the bundled world's build, within setup), sample, label, train,
+sync, push, eval, save, checkpoint).
 
 A resumed run continues the interrupted run's timers (`state_dict` / `load_state_dict`): each phase
 and the total then count the time spent up to the checkpoint plus this process's own.
@@ -11,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-PHASES = ("setup", "sample", "label", "train", "sync", "push", "eval", "save", "checkpoint")
+PHASES = ("setup", "world", "sample", "label", "train", "sync", "push", "eval", "save", "checkpoint")
 
 
 class PhaseTimer:
