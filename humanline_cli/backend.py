@@ -54,6 +54,7 @@ class Dist:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    timeout_s: float | None = None  # the process group's: a collective that waits longer fails
 
     @property
     def is_main(self) -> bool:
@@ -64,10 +65,17 @@ class Dist:
         return self.world_size > 1
 
 
-def init_distributed(device: str) -> Dist:
+DEFAULT_TIMEOUT_S = 300.0  # backend.timeout_s: long enough for a checkpoint write, short enough to notice
+
+
+def init_distributed(device: str, timeout_s: float | None = None) -> Dist:
     """Join the process group that torch's launcher (elastic launch / torchrun) described in the
-    environment: NCCL with one GPU per rank under CUDA, gloo on CPU. A no-op without WORLD_SIZE."""
+    environment: NCCL with one GPU per rank under CUDA, gloo on CPU. A no-op without WORLD_SIZE.
+
+    `timeout_s` bounds every collective (torch's default is 10-30 min): a rank that froze or died
+    without a word makes the others fail after that long instead of hanging the job."""
     import os
+    from datetime import timedelta
 
     import torch.distributed as tdist
 
@@ -78,9 +86,23 @@ def init_distributed(device: str) -> Dist:
     cuda = device in ("cuda", "auto") and torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(local)
+    timeout_s = float(timeout_s or DEFAULT_TIMEOUT_S)
     if not tdist.is_initialized():
-        tdist.init_process_group(backend="nccl" if cuda else "gloo")
-    return Dist(rank, world, local)
+        tdist.init_process_group(backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return Dist(rank, world, local, timeout_s)
+
+
+def all_agree(flag: bool, dist: Dist) -> bool:
+    """True on every rank iff `flag` is True on every rank: a decision that gates a collective (skip a
+    forward that is an FSDP all-gather, stop on a NaN) must be the same on all ranks, or the ranks
+    that go on wait for the ones that did not."""
+    if not dist.enabled:
+        return flag
+    import torch.distributed as tdist
+
+    x = torch.tensor([0.0 if flag else 1.0], device="cuda" if tdist.get_backend() == "nccl" else "cpu")
+    tdist.all_reduce(x)
+    return float(x) == 0.0
 
 
 def all_reduce_sum(x: torch.Tensor, dist: Dist) -> torch.Tensor:

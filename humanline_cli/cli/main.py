@@ -134,7 +134,7 @@ def _train_app():
             if nproc:
                 launch(cfg, run_dir, nproc)
             else:
-                run_job(cfg, shared_run_dir(run_dir))
+                run_job(cfg, shared_run_dir(run_dir, cfg))
         except KeyboardInterrupt as e:
             _interrupted(e, run_dir)
         except (UserError, RunFailed, OSError) as e:

@@ -178,8 +178,11 @@ class CachedReference:
     (Online rounds use each sample in one step, so there is nothing to reuse there.)
     """
 
-    def __init__(self, inner):
+    def __init__(self, inner, agree=None):
         self.inner = inner
+        # agree(flag) -> flag on every rank (backend.all_agree): under FSDP the forward is a collective,
+        # so whether to skip it must be the same decision on all ranks
+        self.agree = agree or (lambda flag: flag)
         self.store: dict[bytes, torch.Tensor] = {}
         self.hits = 0    # sequences served from the store (since construction)
         self.misses = 0  # sequences the reference model computed
@@ -204,7 +207,7 @@ class CachedReference:
         keys = self._keys(seqs)
         known = [self.store.get(k) for k in keys]
         mask = seqs.loss_mask[:, 1:]
-        if all(v is not None for v in known):
+        if self.agree(all(v is not None for v in known)):
             self.hits += len(keys)
             out = torch.zeros(mask.shape, dtype=torch.float32, device=seqs.input_ids.device)
             rows, cols = mask.nonzero(as_tuple=True)

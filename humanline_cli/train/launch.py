@@ -11,11 +11,12 @@ writes outputs.
 """
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from pathlib import Path
 
-from humanline_cli.errors import RunFailed, UserError
+from humanline_cli.errors import RunFailed
 
 
 def spawn_count(cfg) -> int:
@@ -29,22 +30,33 @@ def spawn_count(cfg) -> int:
 
 
 def _rank_entry(config_yaml: str, run_dir: str):
-    """One rank: rebuild the resolved config, run the job; errors come back as values (one line)."""
+    """One rank: rebuild the resolved config, run the job. A failure is recorded (failures.record,
+    done by run_job) and ends this process at once with the CLI's exit code: the elastic agent then
+    stops every other rank, and the launching process reports this rank's own message."""
+    import sys
+
     import torch.distributed as tdist
     from omegaconf import OmegaConf
 
+    from humanline_cli.train.failures import EXIT, kind_of
     from humanline_cli.train.run import run_job
 
     try:
         run_job(OmegaConf.create(config_yaml), Path(run_dir))
-        return None
-    except UserError as e:
-        return ("user", str(e))
-    except RunFailed as e:
-        return ("run", str(e))
-    finally:
-        if tdist.is_initialized():
-            tdist.destroy_process_group()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - every failure ends the rank the same way
+        if kind_of(e) == "bug":  # a bug: its traceback on this rank's stderr, as one process would show it
+            import traceback
+
+            traceback.print_exception(e, file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # no destroy_process_group: under NCCL it can wait on the peers this failure left in a collective
+        os._exit(EXIT[kind_of(e)])
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+    return None
 
 
 def first_host(nodelist: str) -> str:
@@ -78,26 +90,41 @@ def launch_config(nproc: int, env=None):
 
 
 def launch(cfg, run_dir: Path, nproc: int) -> None:
-    """Run the job on `nproc` ranks per node; raise UserError / RunFailed with rank 0's message."""
+    """Run the job on `nproc` ranks per node. If any rank fails, every rank ends (the elastic agent
+    stops them) and this raises the FAILING rank's own message, as UserError (exit 2), RunFailed
+    (exit 2) or failures.RankCrashed (a bug, exit 1), after writing it to failed.json."""
     from omegaconf import OmegaConf
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    from humanline_cli.train import failures
+    from humanline_cli.train.tracking import write_json_atomic
+
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     conf = launch_config(nproc)
+    # the agent logs each dead rank's exit as a multi-line traceback of its own polling code; the
+    # failing rank's message (and a bug's traceback, on that rank's stderr) is what the user needs
+    quiet = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
-        results = elastic_launch(conf, _rank_entry)(config_yaml, str(run_dir))
+        elastic_launch(conf, _rank_entry)(config_yaml, str(run_dir))
     except ChildFailedError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "ChildFailedError"
-        raise RunFailed(f"a rank crashed: {first}") from None
-    errors = [results[r] for r in sorted(results) if results[r] is not None]
-    if errors:
-        kind, msg = errors[0]
-        raise (UserError if kind == "user" else RunFailed)(msg)
+        rec = failures.root_cause(run_dir, conf.run_id)
+        if rec is None:  # killed without a word (kill -9, out of memory, a segfault)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else "ChildFailedError"
+            raise RunFailed(f"a rank crashed: {first}") from None
+        if Path(run_dir).is_dir():  # rank 0 may have died second, on the transport error: the cause is rec
+            write_json_atomic(Path(run_dir) / "failed.json", failures.failed_json(rec))
+        raise failures.as_exception(rec) from None
+    finally:
+        quiet.setLevel(level)
+        failures.clear(run_dir, conf.run_id)
 
 
-def shared_run_dir(run_dir: Path) -> Path:
-    """Under an external launcher (torchrun), every rank adopts rank 0's run dir."""
+def shared_run_dir(run_dir: Path, cfg=None) -> Path:
+    """Under an external launcher (torchrun), every rank adopts rank 0's run dir (joining the process
+    group here, with the job's backend.timeout_s)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return run_dir
     import torch
@@ -105,7 +132,8 @@ def shared_run_dir(run_dir: Path) -> Path:
 
     from humanline_cli.backend import init_distributed
 
-    init_distributed("cuda" if torch.cuda.is_available() else "cpu")
+    backend = (cfg.get("backend") if cfg is not None else None) or {}
+    init_distributed("cuda" if torch.cuda.is_available() else "cpu", backend.get("timeout_s"))
     box = [str(run_dir)]
     tdist.broadcast_object_list(box, src=0)
     return Path(box[0])

@@ -128,9 +128,18 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
             print_summary(summary, run_dir, console)
         return summary
     except BaseException as e:
+        failed = {"status": "failed", "error": f"{type(e).__name__}: {e}", "wall_clock_s": timer.report()}
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not isinstance(e, KeyboardInterrupt):
+            from humanline_cli.train import failures
+
+            # every rank records its own cause; rank 0 reports the root one (another rank's, when
+            # rank 0's own error only says that rank went away)
+            failures.record(run_dir, int(os.environ.get("RANK", "0")), e, timer.report(),
+                            parts.dist.timeout_s if parts is not None else None)
+            rec = failures.root_cause(run_dir) if main else None
+            failed = failures.failed_json(rec) if rec is not None else failed
         if main and run_dir.is_dir():
-            write_json_atomic(run_dir / "failed.json", {"status": "failed", "error": f"{type(e).__name__}: {e}",
-                                                        "wall_clock_s": timer.report()})
+            write_json_atomic(run_dir / "failed.json", failed)
         if tracker is not None:
             tracker.finish(1)
         raise

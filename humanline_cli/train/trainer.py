@@ -11,7 +11,7 @@ import time
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from humanline_cli.backend import all_reduce_sum, clip_grad_norm
+from humanline_cli.backend import all_agree, all_reduce_sum, clip_grad_norm
 from humanline_cli.config import RunSpec
 from humanline_cli.core.batches import n_units, to_device
 from humanline_cli.core.humanline import ReferenceRule
@@ -21,6 +21,7 @@ from humanline_cli.errors import RunFailed
 from humanline_cli.eval.evaluator import flat_metrics
 from humanline_cli.train.build import Parts
 from humanline_cli.train.checkpoint import Checkpoints
+from humanline_cli.train.failures import Fault, PeerFailed
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.train.tracking import Tracker
 
@@ -72,6 +73,7 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
     if resume_from is not None:  # weights, optimizer, scheduler, data position, RNGs, timers, baseline
         start, last = checkpoints.load(resume_from, parts, opt, sched, timer)
     moving = rule.sync_every > 0 or rule.reset_each_round  # the reference can leave the starting weights
+    fault = Fault.from_env(dist.rank)  # inert unless a test sets HUMANLINE_TEST_FAULT
 
     def checkpoint(step: int) -> None:  # at the very end of a step: nothing of step `step` is left to do
         if checkpoints is not None and checkpoints.due(step):
@@ -83,6 +85,7 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
     with progress:
         bar = progress.add_task("train", total=tr.steps, completed=start, info="")
         for step in range(start + 1, tr.steps + 1):
+            fault.at_step(step)
             data = parts.source.next_step(step)  # online sources sample/label here (their own timers)
             if not data.micro_batches:
                 tracker.log(step, {"skipped": 1.0, **data.info})
@@ -108,8 +111,14 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
                     with _grad_sync(model, i, len(mbs)):
                         with parts.backend.autocast():
                             loss, m = compute_loss(objective_cfg, model, reference, mb, spec.humanline, log_now, z0)
-                        if not torch.isfinite(loss):
-                            raise RunFailed(f"loss is {float(loss.detach())} at step {step} (try a lower train.lr)")
+                        loss = fault.loss(step, loss)
+                        # agreed by all ranks: one rank stopping here would leave the others in backward's
+                        # gradient reduce; the rank that saw the NaN names it, the others stop quietly
+                        finite = bool(torch.isfinite(loss))
+                        if not all_agree(finite, dist):
+                            if not finite:
+                                raise RunFailed(f"loss is {float(loss.detach())} at step {step} (try a lower train.lr)")
+                            raise PeerFailed(f"another rank's loss is not finite at step {step}")
                         (loss * (counts[i] / max(total, 1.0) * dist.world_size)).backward()
                     m["loss"] = float(loss.detach())
                     m["_units"] = n_units(mb)

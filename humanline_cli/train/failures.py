@@ -1,0 +1,168 @@
+"""When one rank of a distributed job fails, every rank ends and the job reports THAT rank's message.
+
+Why a file per rank: a rank that raises never reaches the other ranks' collectives, so they learn
+about it only as a transport error (gloo: "Connection closed by peer"; NCCL: a collective that waits
+until the process-group timeout). The failing rank therefore writes its own one-line cause here
+(`<run_dir>/.failures/<job id>/rank<N>.json`) BEFORE it exits, then leaves with os._exit (no
+destroy_process_group, which can itself wait on peers); torch's elastic agent sees a non-zero exit
+and stops the other ranks (SIGTERM, SIGKILL after 30 s). Whoever reports the job (the launching
+process, or rank 0 under an external torchrun) picks the root cause: the earliest record that is not
+a consequence of another rank's death (a transport error or a collective timeout), else the earliest.
+
+`HUMANLINE_TEST_FAULT=rank:step:kind` (kind: user | run | bug | nan | hang) is a test-only fault hook,
+read here and nowhere else: on that rank at that step the trainer raises a UserError / RunFailed /
+RuntimeError, makes the loss NaN, or freezes (a rank that stops answering, for the process-group
+timeout).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from humanline_cli.errors import RunFailed, UserError
+
+FAILURES = ".failures"
+EXIT = {"user": 2, "run": 2, "bug": 1}  # the CLI's codes: bad input / a run that cannot go on -> 2, a bug -> 1
+# substrings of torch.distributed errors that only say a PEER went away or stopped answering
+SECONDARY = ("connection closed by peer", "connection reset by peer", "timed out", "timeout", "broken pipe",
+             "nccl communicator was aborted", "process group watchdog")
+
+
+def job_id() -> str:
+    """The id every rank of this job shares: torch's elastic run id (our launcher's uuid, torchrun's)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "job")
+
+
+def failures_dir(run_dir: Path, job: str | None = None) -> Path:
+    return Path(run_dir) / FAILURES / (job or job_id())
+
+
+def kind_of(e: BaseException) -> str:
+    """user (bad input), run (cannot go on: NaN, a peer that died or froze) or bug."""
+    if isinstance(e, UserError):
+        return "user"
+    return "run" if isinstance(e, RunFailed) or is_secondary(e) else "bug"
+
+
+def one_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return " ".join(lines) if lines else type(e).__name__
+
+
+def is_secondary(e: BaseException) -> bool:
+    """A torch.distributed error that reports another rank's death or silence, not a cause of its own."""
+    try:
+        from torch.distributed import DistError
+    except ImportError:  # pragma: no cover - torch without distributed
+        DistError = ()  # noqa: N806
+    text = str(e).lower()
+    return isinstance(e, (DistError, PeerFailed)) or (isinstance(e, RuntimeError) and any(s in text for s in SECONDARY))
+
+
+def record(run_dir: Path, rank: int, e: BaseException, wall_clock_s: dict | None = None,
+           timeout_s: float | None = None) -> None:
+    """Write this rank's failure (atomically: a reader never sees half a record). Never raises: a
+    failure to record must not hide the failure itself."""
+    kind, msg = kind_of(e), one_line(e)
+    secondary = is_secondary(e)
+    if secondary and timeout_s is not None and any(s in msg.lower() for s in ("timed out", "timeout")):
+        msg = (f"a collective waited longer than backend.timeout_s={timeout_s:g} s (another rank is frozen or "
+               f"died): {msg}")
+    rec = {"rank": rank, "kind": kind, "type": type(e).__name__, "message": msg, "secondary": secondary,
+           "time": time.time(), "wall_clock_s": wall_clock_s or {}}
+    if kind == "bug":
+        rec["traceback"] = "".join(traceback.format_exception(e))[-4000:]
+    try:
+        d = failures_dir(run_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".rank{rank}.json.tmp"
+        tmp.write_text(json.dumps(rec, default=str))
+        os.replace(tmp, d / f"rank{rank}.json")
+    except OSError:
+        pass
+
+
+def root_cause(run_dir: Path, job: str | None = None) -> dict | None:
+    """The record to report: the earliest primary failure, else the earliest of all; None if none."""
+    d = failures_dir(run_dir, job)
+    recs = []
+    for p in sorted(d.glob("rank*.json")) if d.is_dir() else []:
+        try:
+            recs.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not recs:
+        return None
+    primary = [r for r in recs if not r.get("secondary")]
+    return min(primary or recs, key=lambda r: r["time"])
+
+
+def clear(run_dir: Path, job: str | None = None) -> None:
+    shutil.rmtree(failures_dir(run_dir, job), ignore_errors=True)
+    with contextlib.suppress(OSError):
+        (Path(run_dir) / FAILURES).rmdir()  # only when no other job's records are left
+
+
+def failed_json(rec: dict) -> dict:
+    """failed.json's content for a rank's record (the same keys a one-process failure writes, plus rank)."""
+    return {"status": "failed", "error": f"{rec['type']}: rank {rec['rank']}: {rec['message']}", "rank": rec["rank"],
+            "wall_clock_s": rec.get("wall_clock_s", {})}
+
+
+def as_exception(rec: dict) -> BaseException:
+    """The exception the launching process raises for a rank's record (the CLI maps it to exit 2 or 1)."""
+    msg = f"rank {rec['rank']}: {rec['message']}"
+    if rec["kind"] == "user":
+        return UserError(msg)
+    if rec["kind"] == "run":
+        return RunFailed(msg)
+    return RankCrashed(f"{msg} (rank {rec['rank']}'s traceback is above)")
+
+
+class PeerFailed(RunFailed):
+    """This rank stops because another one failed (agreed by a collective): that rank names the cause."""
+
+
+class RankCrashed(RuntimeError):
+    """A rank of a distributed job hit a bug (not bad input): the CLI lets it through, exit 1."""
+
+
+# ---------------------------------------------------------------- test-only fault hook
+@dataclass(frozen=True)
+class Fault:
+    """HUMANLINE_TEST_FAULT=rank:step:kind, for this rank; inert (step 0) when unset or another rank's."""
+
+    step: int = 0
+    kind: str = ""
+
+    @classmethod
+    def from_env(cls, rank: int) -> Fault:
+        spec = os.environ.get("HUMANLINE_TEST_FAULT", "")
+        if not spec:
+            return cls()
+        r, step, kind = spec.split(":")
+        return cls(int(step), kind) if int(r) == rank else cls()
+
+    def at_step(self, step: int) -> None:
+        if step != self.step:
+            return
+        msg = f"injected fault on this rank at step {step}"
+        match self.kind:
+            case "user":
+                raise UserError(msg)
+            case "run":
+                raise RunFailed(msg)
+            case "bug":
+                raise RuntimeError(msg)
+            case "hang":
+                while True:
+                    time.sleep(60)
+
+    def loss(self, step: int, loss):
+        return loss * float("nan") if self.kind == "nan" and step == self.step else loss
