@@ -238,7 +238,7 @@ def test_run_dirs_without_config_fall_back_to_summary_labels(tmp_path):
 
 
 def test_report_plots_does_not_import_report():
-    tree = ast.parse((ROOT / "humanline_cli" / "report_plots.py").read_text())
+    tree = ast.parse((ROOT / "humanline_cli" / "report" / "plots.py").read_text())
     imported = {(n.level, n.module) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {(0, a.name) for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not any(mod in ("report", "humanline_cli.report.aggregate") for _, mod in imported), imported

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from humanline_cli.errors import UserError
+from humanline_cli.report import gap_closed
 from humanline_cli.report.groups import (
     DEFAULT_IGNORE,
     Group,
@@ -297,16 +298,15 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     cells = aggregate(complete, ignore)
     plots, skipped = make_plots(complete, out_dir)
     md = render_markdown(root, cells, runs, plots, skipped, out_dir, ignore, duplicates)
-    from humanline_cli.report import gap_closed as science
 
     # a sweep over named regimes (experiment=laptop_regimes) pairs each regime with its own baselines
-    gaps = regime_gap_rows(complete) or science.gap_rows(complete, ignore)
+    gaps = regime_gap_rows(complete) or gap_closed.gap_rows(complete, ignore)
     files = {"report.md": out_dir / "report.md", "report.csv": out_dir / "report.csv", **plots,
              "gap_closed.csv": out_dir / "gap_closed.csv"}
-    science.write_csv(gaps, files["gap_closed.csv"])
-    if science.plot(gaps, out_dir / "gap_closed.png"):
+    gap_closed.write_csv(gaps, files["gap_closed.csv"])
+    if gap_closed.plot(gaps, out_dir / "gap_closed.png"):
         files["gap_closed.png"] = out_dir / "gap_closed.png"
-    md += "\n## Gap closed by humanline-offline\n\n" + "\n".join(science.markdown(gaps))
+    md += "\n## Gap closed by humanline-offline\n\n" + "\n".join(gap_closed.markdown(gaps))
     if "gap_closed.png" in files:
         md += "\n![gap closed](gap_closed.png)\n"
     files["report.md"].write_text(md)

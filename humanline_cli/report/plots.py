@@ -1,7 +1,7 @@
 """PNG plots for `humanline report` (matplotlib, Agg) and the optional wandb upload of the report.
 
-Consumes report.Run objects (duck-typed: task, objective, family, variant, summary, metrics, logratios) and never
-imports report.py (imports point one way: report -> report_plots). Runs of different config groups at the same
+Consumes runs.Run objects (duck-typed: task, objective, family, variant, summary, metrics, logratios) and never
+imports aggregate.py (imports point one way: aggregate -> plots). Runs of different config groups at the same
 (task, objective, family) are told apart by their `variant` label (and line style), never summed together."""
 from __future__ import annotations
 

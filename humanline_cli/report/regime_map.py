@@ -68,7 +68,7 @@ def _sweep_order(root: Path, names: set[str]) -> list[str]:
 
 
 def regime_gap_rows(runs: list) -> list:
-    """science.GapRow per humanline-offline regime and objective, from complete runs of a sweep over named
+    """gap_closed.GapRow per humanline-offline regime and objective, from complete runs of a sweep over named
     regimes (`regime_of` their dirs): `hl<suffix>` against `offline<suffix>` / `online<suffix>` where the
     sweep has them, else `offline` / `online`. The row's label is the regime (and its baselines when they
     are not the plain ones). Empty when no run has a regime."""
@@ -101,9 +101,11 @@ def regime_gap_rows(runs: list) -> list:
 def sweep_rows(root: Path) -> list[dict]:
     """Gap-closed rows (gap_closed.csv's columns plus `regime`, `compared_with`) of one regime sweep."""
     from humanline_cli.report.gap_closed import csv_row
+    from humanline_cli.report.groups import collapse_duplicates
     from humanline_cli.report.runs import find_run_dirs, load_run
 
-    rows = regime_gap_rows([load_run(d) for d in find_run_dirs(root)])
+    runs = [load_run(d) for d in find_run_dirs(root)]
+    rows = regime_gap_rows(collapse_duplicates([r for r in runs if r.status == "complete"])[0])  # a copy is not a seed
     return [{**csv_row(g), "regime": g.regime, "compared_with": g.compared_with} for g in rows]
 
 

@@ -12,7 +12,7 @@ from humanline_cli.world.arithmetic import CARRY_DROP
 _COMMON = {
     "seed": 0,
     # `chat` (`<|user|>PROMPT<|assistant|>REPLY`) or `plain` (`PROMPT REPLY`, the prototype's format);
-    # left out of the hash at `chat` (world.hash_view)
+    # left out of the hash at `chat` (naming.hash_view)
     "format": "chat",
     "n_train_prompts": 4096,  # prompts for offline data and online training
     "n_eval_prompts": 256,  # held out of SFT and offline data
@@ -37,9 +37,9 @@ _COMMON = {
     # (correct_rate = chance the right reply is in a prompt's set, see
     # arithmetic.n_correct; style `plain` or `padded`). source `model`: T=1
     # samples of a second tiny policy trained by `other_sft` (see
-    # build.other_policy; correct_rate does not apply, style must be plain).
+    # make.other_policy; correct_rate does not apply, style must be plain).
     # `source` and `other_sft` are left out of a rule world's hash (see
-    # world.hash_view), so rule worlds keep their names.
+    # naming.hash_view), so rule worlds keep their names.
     "offline": {
         "source": "rule",
         "correct_rate": 0.5,
@@ -48,7 +48,7 @@ _COMMON = {
         # the other model's recipe (its own seed "<seed>:other:*"): the clean
         # teacher, stopped once its loss is below stop_loss, i.e. just past
         # arithmetic's ones-digit plateau (at most half the policy's SFT steps);
-        # why: see build.other_policy
+        # why: see make.other_policy
         "other_sft": {
             "steps": 600,
             "batch_size": 64,
@@ -69,7 +69,7 @@ DEFAULTS = {
 DEFAULTS["preference"]["sft"]["steps"] = 800
 DEFAULTS["preference"]["offline"]["other_sft"]["steps"] = 400
 # Arithmetic's noisy teacher forgets a carry this often (see arithmetic.teacher);
-# at the default it is left out of the world's hash (world.hash_view).
+# at the default it is left out of the world's hash (naming.hash_view).
 DEFAULTS["arithmetic"]["sft"]["carry_drop"] = CARRY_DROP
 
 

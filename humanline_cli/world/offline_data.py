@@ -3,7 +3,7 @@
 Consumes the task name, the resolved `offline` cfg and the training prompts,
 plus a seeded `random.Random` (source `rule`, `records`) or the replies
 sampled from the other policy (source `model`, `model_records`; the sampling
-lives in `build.sample_distinct`); produces the records of
+lives in `make.sample_distinct`); produces the records of
 `offline_pairs.jsonl`, `offline_groups.jsonl` and `offline_unpaired.jsonl`
 (chat-message format). Both sources go through `assemble`, so they share the
 labelling, pairing, grouping and unpaired logic.
