@@ -305,7 +305,7 @@ ONLINE = ["data=online", "data.prompts_per_round=8", "data.n=4", "data.max_new_t
 
 def _files(run: Path) -> dict:
     return {str(p.relative_to(run)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(run.rglob("*"))
-            if p.is_file()}
+            if p.is_file() and p.name != ".lock"}  # every job takes (and rewrites) the run dir's lock
 
 
 def _one_error_line(stderr: str) -> str:

@@ -119,9 +119,20 @@ def _train_app():
         if multirun and _SWEEP["pid"] == os.getpid():
             _SWEEP["jobs"] += 1
         from humanline_cli.train.launch import launch, shared_run_dir, spawn_count
+        from humanline_cli.train.lock import RunDirBusy, RunDirLock
+        from humanline_cli.train.rundir import restore_hydra
 
+        lock = RunDirLock(run_dir)
         try:
             hydra_subdir = HydraConfig.get().output_subdir
+            try:  # one job per run dir, held until this job ends (ranks included), before anything is read
+                lock.acquire()
+            except RunDirBusy:
+                restore_hydra(run_dir, hydra_subdir)  # Hydra rewrote .hydra/ of the live job before we ran
+                raise
+            if lock.stale:
+                print(f"humanline: note: {run_dir} was locked by a job that is gone ({lock.stale}); taking it over",
+                      file=sys.stderr)
             if is_complete(run_dir, cfg, hydra_subdir):  # another config's run dir: RunDirConflict, one line
                 print(f"humanline: skipping {run_dir}: already complete (resume=false starts over)", file=sys.stderr)
                 return
@@ -149,6 +160,8 @@ def _train_app():
         except Exception:  # not the user's mistake: a bug keeps Hydra's traceback and exits 1
             _SWEEP["bug"] = True
             raise
+        finally:
+            lock.release()
 
     return app
 

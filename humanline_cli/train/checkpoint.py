@@ -18,6 +18,7 @@ Rerunning a command into a run dir that has outputs (resume, refuse, start over)
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -27,6 +28,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 from humanline_cli.backend import Dist
 from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample
@@ -34,6 +36,8 @@ from humanline_cli.errors import UserError
 from humanline_cli.sources.online import TokenCompletion
 
 FORMAT = 1
+FILES = ("tensors.safetensors", "state.json")
+CHECKSUMS = "checksums.json"  # {file: sha256 hex}, written after FILES and before the rename
 UNIT_TYPES = {c.__name__: c for c in (PairExample, BinaryExample, GroupExample, TokenCompletion)}
 
 
@@ -199,10 +203,12 @@ class Checkpoints:
             save_file(tensors, tmp / "tensors.safetensors")
             _write_synced(tmp / "state.json", json.dumps(to_json(state)))
             _fsync(tmp / "tensors.safetensors")
+            # written last, from the bytes on disk: a checkpoint proves itself on resume (verify)
+            _write_synced(tmp / CHECKSUMS, json.dumps({n: _sha256(tmp / n) for n in FILES}, indent=1))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             _fsync(self.root)
-        except OSError as e:  # a full disk must not kill the run: the previous checkpoint stays
+        except (OSError, SafetensorError) as e:  # a full disk must not kill the run: the previous one stays
             shutil.rmtree(tmp, ignore_errors=True)
             if self.console is not None:
                 self.console.print(f"humanline: warning: checkpoint at step {step} not written ({type(e).__name__}: "
@@ -217,6 +223,9 @@ class Checkpoints:
         """Restore everything `save` wrote; returns (step, the last logged train metrics)."""
         from safetensors.torch import load_file
 
+        damage = verify(path)
+        if damage:
+            raise UserError(f"checkpoint {path} is damaged ({damage}); resume=false starts over")
         state = read_state(path)
         if state.get("format") != FORMAT:
             raise UserError(f"{path}: checkpoint format {state.get('format')} is not {FORMAT}")
@@ -247,6 +256,38 @@ class Checkpoints:
             parts.reference.restore(state["reference_cache_keys"], part("reference_cache."))
         _set_rng_state({k: v for k, v in tensors.items() if k.startswith("rng.")}, state["rng"])
         return int(state["step"]), dict(state["last_metrics"])
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be trusted (a missing, truncated or altered file, checked
+    against the sha256 sums written with it), or None when every file is as written."""
+    path = Path(path)
+    try:
+        sums = json.loads((path / CHECKSUMS).read_text())
+    except FileNotFoundError:
+        return f"no {CHECKSUMS} (unfinished, or written by an older humanline)"
+    except (OSError, ValueError) as e:
+        return f"{CHECKSUMS} unreadable ({type(e).__name__})"
+    if not isinstance(sums, dict) or set(sums) != set(FILES):
+        return f"{CHECKSUMS} does not list {', '.join(FILES)}"
+    for name in FILES:
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size == 0:
+            return f"{name} is empty"
+        if _sha256(f) != sums[name]:
+            return f"{name} ({size} bytes) does not match its sha256 (truncated or altered)"
+    return None
 
 
 def read_state(path: Path) -> dict:

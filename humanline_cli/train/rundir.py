@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from humanline_cli.errors import UserError
-from humanline_cli.train.checkpoint import Checkpoints
+from humanline_cli.train.checkpoint import Checkpoints, verify
+from humanline_cli.train.lock import LOCK
 from humanline_cli.train.tracking import scrub
 
 # keys that never change results: a rerun that differs only in these resumes
@@ -67,7 +69,7 @@ def _read_json(path: Path):
         return None
 
 
-def _restore_hydra(run_dir: Path, hydra_subdir: str | None) -> None:
+def restore_hydra(run_dir: Path, hydra_subdir: str | None) -> None:
     """Hydra rewrote <run_dir>/.hydra before this job ran: put the accepted run's files back (mtimes too)."""
     saved = run_dir / HYDRA_COPY
     if not hydra_subdir or not saved.is_dir():
@@ -86,7 +88,7 @@ def _conflict(run_dir: Path, config: dict, hydra_subdir: str | None) -> None:
                              f"its config cannot be checked; resume=false starts over (moves it to previous-<n>/)")
     diff = config_diff(prev, config)
     if diff:
-        _restore_hydra(run_dir, hydra_subdir)
+        restore_hydra(run_dir, hydra_subdir)
         more = f" and {len(diff) - 3} more" if len(diff) > 3 else ""
         raise RunDirConflict(f"{run_dir} holds a run with another config ({'; '.join(diff[:3])}{more}); "
                              f"resume=false starts over (moves its outputs to previous-<n>/)")
@@ -99,11 +101,39 @@ def is_complete(run_dir: Path, config: dict, resume: bool, hydra_subdir: str | N
     if not resume or not isinstance(summary, dict) or summary.get("status") != "complete":
         return False
     _conflict(Path(run_dir), config, hydra_subdir)
-    _restore_hydra(Path(run_dir), hydra_subdir)
+    restore_hydra(Path(run_dir), hydra_subdir)
     return True
 
 
-def prepare_run_dir(run_dir: Path, config: dict, resume: bool, hydra_subdir: str | None = ".hydra") -> int | None:
+def _warn(msg: str) -> None:
+    print(f"humanline: warning: {msg}", file=sys.stderr)
+
+
+def newest_intact(ckpts: Checkpoints, say=_warn) -> Path | None:
+    """The newest checkpoint whose files match their checksums. Damaged newer ones are moved to
+    `checkpoints/damaged-step_<N>/` (kept for inspection, never loaded again) and named in one line
+    with the reason; with none intact, the line says the run starts over."""
+    skipped = []
+    for step in reversed(ckpts.steps()):
+        path = ckpts.root / f"step_{step}"
+        damage = verify(path)
+        if damage is None:
+            if skipped:
+                say(f"checkpoint(s) skipped as damaged: {'; '.join(skipped)}; resuming from {path.name} instead "
+                    f"(the damaged ones are kept as checkpoints/damaged-step_<N>)")
+            return path
+        skipped.append(f"{path.name}: {damage}")
+        aside = ckpts.root / f"damaged-{path.name}"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(path, aside)
+    if skipped:
+        say(f"no intact checkpoint in {ckpts.root} ({'; '.join(skipped)}); starting over from step 0 "
+            f"(the damaged ones are kept as checkpoints/damaged-step_<N>)")
+    return None
+
+
+def prepare_run_dir(run_dir: Path, config: dict, resume: bool, hydra_subdir: str | None = ".hydra",
+                    say=_warn) -> int | None:
     """Make the run dir ready for a (new or resumed) run of `config`, once, before any rank starts.
 
     resume=true: None (touching nothing) if it holds this config's complete run; refuse another
@@ -120,7 +150,7 @@ def prepare_run_dir(run_dir: Path, config: dict, resume: bool, hydra_subdir: str
         ckpts = Checkpoints(run_dir, 0)
         for tmp in ckpts.root.glob(".tmp-step_*") if ckpts.root.is_dir() else ():
             shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint the killed run did not finish
-        latest = ckpts.latest()
+        latest = newest_intact(ckpts, say)
         rounds = None
         if latest is not None:
             state = json.loads((latest / "state.json").read_text())
@@ -176,7 +206,7 @@ def rewind_outputs(run_dir: Path, step: int, rounds: int | None) -> None:
 def move_aside(run_dir: Path, hydra_subdir: str | None) -> Path | None:
     """Move every output of the previous run into previous-<n>/ (never deleted); its .hydra comes back
     from the saved copy (Hydra has already written this run's)."""
-    skip = {hydra_subdir, HYDRA_COPY}
+    skip = {hydra_subdir, HYDRA_COPY, LOCK}  # the lock stays: this job holds it
     items = [p for p in run_dir.iterdir()
              if p.name not in skip and not p.name.startswith("previous-") and p.suffix != ".log"]
     if not items:

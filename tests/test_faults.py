@@ -1,0 +1,178 @@
+"""Faults, round 2 (issue 22): a run-dir lock, checkpoints that prove themselves, signals, full disks,
+bad numbers blamed on their source, degenerate online rounds. Through the real CLI where the promise
+is about the CLI (one line, exit code, files left), in-process where a piece can be checked alone."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+from test_checkpoint import BASE
+
+from humanline_cli.train.lock import RunDirBusy, RunDirLock
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.startswith("humanline: error:")]
+
+
+def _wait_for_rows(proc: subprocess.Popen, metrics: Path, n: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before {n} metrics rows"
+        try:
+            if metrics.read_text().count("\n") >= n:
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"no {n} metrics rows within {timeout} s")
+
+
+# ---- 1. the run-dir lock ------------------------------------------------------------------------------
+
+def test_lock_names_a_live_holder_and_takes_over_a_dead_ones(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from humanline_cli.train.lock import RunDirLock\n"
+        f"lock = RunDirLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirBusy) as e:
+            RunDirLock(tmp_path).acquire()
+        assert f"pid {holder.pid} on {socket.gethostname()}" in str(e.value)
+        assert (tmp_path / ".lock").read_text() == f"{holder.pid} {socket.gethostname()}\n"  # refused: untouched
+    finally:
+        holder.kill()  # kill -9: no clean release; the kernel drops the flock with the process
+        holder.wait()
+    assert (tmp_path / ".lock").read_text().startswith(str(holder.pid))  # a stale file of a dead pid
+    with RunDirLock(tmp_path) as lock:
+        assert lock.stale == f"pid {holder.pid} on {socket.gethostname()}"
+        assert (tmp_path / ".lock").read_text() == f"{os.getpid()} {socket.gethostname()}\n"
+    assert (tmp_path / ".lock").read_text() == ""  # released cleanly: nothing left to call stale
+    with RunDirLock(tmp_path) as lock:
+        assert lock.stale is None
+
+
+def test_two_concurrent_jobs_on_one_run_dir(cache_dir, tmp_path):
+    """The same command twice at once: the second stops in one line naming the first (exit 2) and
+    touches nothing; the first goes on alone (one metrics row per step, then Ctrl-C ends it)."""
+    run = tmp_path / "run"
+    args = ["train", *BASE, "train.steps=100000", "train.checkpoint_every=5", "train.save_model=false",
+            f"hydra.run.dir={run}"]
+    first = subprocess.Popen([sys.executable, "-m", "humanline_cli", *args], cwd=tmp_path,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for_rows(first, run / "metrics.jsonl", 2)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()  # what the live job does not rewrite
+              and "checkpoints" not in p.parts and p.suffix not in (".log", ".jsonl")}
+    assert {p.name for p in before} >= {".lock", "config.yaml", "resolved_config.json"}
+    second = run_cli(args, tmp_path, timeout=180)  # without a lock it would train on: a timeout is a failure
+    assert first.poll() is None, "the first job ended before the second started: nothing was tested"
+    lines = [ln for ln in second.stderr.splitlines() if ln.strip()]
+    assert second.returncode == 2 and len(lines) == 1, second.stderr[-2000:]
+    assert lines[0].startswith(f"humanline: error: {run} is in use by another job (pid {first.pid} on "
+                               f"{socket.gethostname()}"), lines[0]
+    assert {p: p.read_bytes() for p in before} == before  # .hydra (rewritten by its Hydra, restored), lock
+    first.send_signal(signal.SIGINT)
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 130, err[-3000:]
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1))  # one writer: no step twice
+
+
+# ---- 2. checkpoints that prove themselves -------------------------------------------------------------
+
+def _truncate(f: Path) -> None:
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _empty(f: Path) -> None:
+    f.write_bytes(b"")
+
+
+def _zero_4k(f: Path) -> None:  # 4 KB zeroed inside the tensors: still a valid safetensors file
+    data = bytearray(f.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 4096] = bytes(4096)
+    f.write_bytes(bytes(data))
+
+
+def _flip_bit(f: Path) -> None:
+    data = bytearray(f.read_bytes())
+    data[len(data) - 7] ^= 0x01
+    f.write_bytes(bytes(data))
+
+
+DAMAGE = {"truncated": (_truncate, "does not match its sha256"), "emptied": (_empty, "is empty"),
+          "zeroed-4k": (_zero_4k, "does not match its sha256"), "bit-flipped": (_flip_bit, "does not match its sha256")}
+
+
+@pytest.fixture(scope="module")
+def three_checkpoints(tmp_path_factory):
+    """A 6-step run with checkpoints at steps 2, 4, 6 (written once; each test copies it)."""
+    import torch
+    from test_checkpoint import _setup, _spec, _train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared machine
+    run = tmp_path_factory.mktemp("ckpt") / "run"
+    _train(run, _setup(lora=False, moving=True), _spec(6, True, every=2, keep=3))
+    torch.set_num_threads(threads)
+    return run
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+@pytest.mark.parametrize("victim", ["tensors.safetensors", "state.json"])
+def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_one(three_checkpoints, tmp_path, damage, victim):
+    import shutil
+
+    from humanline_cli.train import checkpoint as C
+    from humanline_cli.train import rundir as R
+
+    run = tmp_path / "run"
+    shutil.copytree(three_checkpoints, run)
+    ckpts = C.Checkpoints(run, 2)
+    assert ckpts.steps() == [2, 4, 6] and all(C.verify(ckpts.root / f"step_{s}") is None for s in (2, 4, 6))
+    hurt, reason = DAMAGE[damage]
+    hurt(ckpts.root / "step_6" / victim)
+    with pytest.raises(Exception) as e:  # never loaded silently, even past prepare_run_dir
+        C.Checkpoints(run, 2).load(ckpts.root / "step_6", None, None, None, None)
+    assert f"checkpoint {ckpts.root / 'step_6'} is damaged ({victim}" in str(e.value)
+    said = []
+    step = R.prepare_run_dir(run, {"seed": 0}, resume=True, hydra_subdir=None, say=said.append)
+    assert step == 4 and ckpts.steps() == [2, 4] and (ckpts.root / "damaged-step_6" / victim).exists()
+    assert len(said) == 1 and said[0].startswith(f"checkpoint(s) skipped as damaged: step_6: {victim}")
+    assert reason in said[0] and "resuming from step_4 instead" in said[0], said
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]  # rewound to the checkpoint actually used
+
+
+def test_nothing_intact_starts_over_and_says_so(three_checkpoints, tmp_path):
+    import shutil
+
+    from humanline_cli.train import checkpoint as C
+    from humanline_cli.train import rundir as R
+
+    run = tmp_path / "run"
+    shutil.copytree(three_checkpoints, run)
+    root = run / "checkpoints"
+    _flip_bit(root / "step_6" / "tensors.safetensors")
+    _empty(root / "step_4" / "state.json")
+    (root / "step_2" / C.CHECKSUMS).unlink()  # as a checkpoint of an older humanline would be
+    said = []
+    assert R.prepare_run_dir(run, {"seed": 0}, resume=True, hydra_subdir=None, say=said.append) == 0
+    size = (root / "damaged-step_6" / "tensors.safetensors").stat().st_size
+    assert len(said) == 1 and said[0] == (
+        f"no intact checkpoint in {root} (step_6: tensors.safetensors ({size} "
+        f"bytes) does not match its sha256 (truncated or altered); step_4: state.json is empty; step_2: no "
+        f"checksums.json (unfinished, or written by an older humanline)); starting over from step 0 (the damaged "
+        f"ones are kept as checkpoints/damaged-step_<N>)")
+    assert C.Checkpoints(run, 2).latest() is None and (run / "metrics.jsonl").read_text() == ""
