@@ -280,8 +280,12 @@ def validate(cfg: DictConfig) -> RunSpec:
         raise UserError(f"config key 'train.max_truncated_fraction' must be in [0, 1], got {t.max_truncated_fraction}")
     if root.check_model_task not in ("error", "warn"):
         raise UserError(f"config key 'check_model_task' must be error or warn; got {root.check_model_task!r}")
-    if not task.prompts.eval and judge.kind != "none" and task.judge.kind != "none":
-        raise UserError(f"task {task.name!r} has no task.prompts.eval (held-out prompts for evaluation)")
+    evaluates = judge.kind in ("llm", "alpaca_eval") or (judge.kind == "task" and task.judge.kind != "none")
+    if not task.prompts.eval and evaluates:  # every judge needs them (the LLM judge too)
+        raise UserError(f"config key 'task.prompts.eval' is missing: task {task.name!r} has no held-out prompts for "
+                        f"{f'judge={judge.kind}' if judge.kind != 'task' else f'task.judge.kind={task.judge.kind}'} (set "
+                        f"task.prompts.eval=FILE, or judge=none to train without evaluation)")
+    check_lengths(t, data, ev, sampler, regime, evaluates)
     for role in ("labeller", "judge"):
         scorer = getattr(task, role)
         if scorer.kind not in ("none", "world", "verifier", "model", "reward_model"):
@@ -311,6 +315,23 @@ def validate(cfg: DictConfig) -> RunSpec:
                    wandb=dataclasses.asdict(root.wandb), chat_template=root.chat_template,
                    world_cache=root.world_cache, threads=root.threads, resume=root.resume,
                    check_model_task=root.check_model_task, notes=tuple(notes), config=config)
+
+
+def check_lengths(t, data, ev, sampler, regime: str, evaluates: bool) -> None:
+    """The lengths against each other (the model's own limit is checked in train.lengths, before any
+    weight loads): a prompt of train.max_prompt_length plus what is sampled after it must fit in
+    train.max_length, and in the vLLM engine's max_model_len when vLLM samples (online)."""
+    if evaluates and t.max_prompt_length + ev.max_new_tokens > t.max_length:
+        raise UserError(f"train.max_prompt_length ({t.max_prompt_length}) + eval.max_new_tokens ({ev.max_new_tokens}) "
+                        f"> train.max_length ({t.max_length}): evaluation would sample past the lengths this run "
+                        f"is set up for; lower eval.max_new_tokens or raise train.max_length")
+    if sampler.name == "vllm" and regime == "online":
+        new = max(data.max_new_tokens, ev.max_new_tokens if evaluates else 0)  # online evaluates with vLLM too
+        if t.max_prompt_length + new > sampler.max_model_len:
+            key = "data.max_new_tokens" if new == data.max_new_tokens else "eval.max_new_tokens"
+            raise UserError(f"sampler.max_model_len ({sampler.max_model_len}) < train.max_prompt_length "
+                            f"({t.max_prompt_length}) + {key} ({new}): vLLM would refuse the longest prompts; "
+                            f"raise sampler.max_model_len")
 
 
 def model_display_name(model) -> str:

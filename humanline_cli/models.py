@@ -51,6 +51,33 @@ def load_error(what: str, path: str, e: BaseException, trust_key: str) -> UserEr
     return UserError(f"cannot load {what} from {_where(path)}: {first}")
 
 
+def check_loaded(what: str, path: str, info: dict, key: str) -> None:
+    """Refuse weights the checkpoint did not hold: transformers initialises a missing tensor at random
+    and only prints a load report, so a causal LM given as a reward model would score with a random
+    `score` head (every win rate 0.5, exit 0). `info` is from_pretrained's output_loading_info."""
+    missing = sorted(info.get("missing_keys") or ())
+    mismatched = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys") or ())
+    if not (missing or mismatched):
+        return
+    names = missing or mismatched
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    hint = ("; a causal LM given where a reward model is expected? its score head was never trained"
+            if any(n.split(".")[0] in ("score", "classifier") for n in names) else "")
+    state = "lacks weights" if missing else "has weights of another shape than those"
+    raise UserError(f"{key}={path}: the checkpoint {state} the {what} needs: {shown} (they would start "
+                    f"random{hint})")
+
+
+def quiet_load(fn, *args, **kwargs):
+    """from_pretrained without transformers' multi-line load report (check_loaded says it in one line)."""
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False, trust_key: str = "model.trust_remote_code"):
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -64,17 +91,21 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, trust_key: str = 
 
 
 def load_policy(path: str, device: torch.device, trust_remote_code: bool = False,
-                trust_key: str = "model.trust_remote_code") -> torch.nn.Module:
-    """fp32 master weights on `device` (autocast handles bf16 compute); weights via safetensors."""
+                trust_key: str = "model.trust_remote_code", key: str = "model.name_or_path",
+                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """fp32 master weights on `device` (autocast handles bf16 compute); weights via safetensors.
+    Every weight must come from the checkpoint (check_loaded); `key` names the path in that error.
+    `dtype` float64: backend.precision=fp64 (Backend.weights_dtype)."""
     from safetensors import SafetensorError
 
     hf_logging.disable_progress_bar()  # our own progress display is enough
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, use_safetensors=True, dtype=torch.float32, trust_remote_code=trust_remote_code
-        )
+        model, info = quiet_load(AutoModelForCausalLM.from_pretrained,
+                                 path, use_safetensors=True, dtype=dtype, trust_remote_code=trust_remote_code,
+                                 output_loading_info=True)
     except (OSError, ValueError, SafetensorError) as e:
         raise load_error("model", path, e, trust_key) from None
+    check_loaded("policy (a causal LM)", path, info, key)
     model.config.use_cache = False
     return model.to(device).train()
 

@@ -73,7 +73,7 @@ def test_custom_task_offline_with_a_reward_model_judge(world, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     s = _summary(run)
     assert s["task"] == "custom" and s["model"] == "qwen"  # named after what ran, not the option's `tiny`
-    assert s["eval"]["judge"] == f"model/{world['rm']}" and s["eval"]["n_prompts"] == 4
+    assert s["eval"]["judge"] == f"model:{world['rm']}" and s["eval"]["n_prompts"] == 4
     assert s["eval"]["accuracy"] is None and s["eval"]["reward_mean"] != 0.0  # a real RM score, not a verifier's
     assert "no completion cut" in r.stderr  # the header reports truncation
 

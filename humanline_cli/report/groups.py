@@ -63,6 +63,38 @@ def group_runs(runs: list, ignore=()) -> list[Group]:
     return list(groups.values())
 
 
+@dataclass(frozen=True)
+class Duplicate:
+    """A run dir counted once: `dropped` is the same run as `kept` (same config and seed)."""
+    dropped: object
+    kept: object
+    same_outputs: bool  # a copy (identical summary.json and metrics.jsonl) or a rerun of the same seed
+
+    def describe(self) -> str:
+        how = "a copy: identical outputs" if self.same_outputs else "a rerun of the same seed: outputs differ"
+        return f"{self.dropped.path} duplicates {self.kept.path} ({how}); counted once"
+
+
+def collapse_duplicates(runs: list) -> tuple[list, list[Duplicate]]:
+    """One run per identity, so a copied run dir (to re-judge it, say) is never a second seed.
+
+    Identity: the resolved config (less the keys that never change results, DEFAULT_IGNORE, but with the
+    seed) when the run has one, else the fingerprint of its outputs. The first dir (sorted) is kept."""
+    kept: dict[tuple, object] = {}
+    out, dups = [], []
+    for r in sorted(runs, key=lambda r: str(r.path)):
+        if r.config is not None:
+            ident = ("config", r.task, r.objective, r.family, _canon(r.seed), _canon(comparable_config(r)))
+        else:
+            ident = ("outputs", r.fingerprint)
+        first = kept.setdefault(ident, r)
+        if first is r:
+            out.append(r)
+        else:
+            dups.append(Duplicate(r, first, r.fingerprint == first.fingerprint))
+    return out, dups
+
+
 def derived_from(groups: list[Group]) -> dict[str, str]:
     """key -> the one other subtree its value interpolates in every group that has the key
     (train.batch_size: ${objective.batch_size}). A key that is a literal anywhere is its own."""

@@ -27,6 +27,7 @@ class Run:
     config: dict | None = None  # resolved .hydra/config.yaml flattened to dotted keys; None if absent/unreadable
     raw: dict = field(default_factory=dict)  # the same keys unresolved (interpolation text), to see derived keys
     variant: str = ""  # what tells this run's group apart from others at the same table position (set by aggregate)
+    fingerprint: str = ""  # sha256 of the run's outputs (summary.json, metrics.jsonl): equal for a copied run dir
 
     @property
     def family(self) -> str:
@@ -129,8 +130,21 @@ def _label_from_config(run: Run) -> None:
     run.humanline = cfg.get("humanline") is True  # only present when the user passed +humanline=true
 
 
+def outputs_fingerprint(path: Path) -> str:
+    """What a run produced, by content: a copy of a run dir has the same fingerprint, a rerun of the same
+    config and seed (its own wall-clock in metrics.jsonl and summary.json) another one."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in ("summary.json", "metrics.jsonl"):
+        f = path / name
+        h.update(name.encode() + b"\0" + (f.read_bytes() if f.is_file() else b"") + b"\0")
+    return h.hexdigest()
+
+
 def load_run(path: Path) -> Run:
     run = Run(path=path, status="incomplete")
+    run.fingerprint = outputs_fingerprint(path)
     _label_from_config(run)
     run.metrics = _read_jsonl(path / "metrics.jsonl")
     run.logratios = _read_jsonl(path / "logratios.jsonl")

@@ -8,20 +8,25 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from humanline_cli.models import load_error
+from humanline_cli.models import check_loaded, load_error, quiet_load
 
 
 class RewardModel:
     def __init__(self, path: str, device=None, batch_size: int = 16, trust_remote_code: bool = False,
-                 max_length: int = 4096, trust_key: str = "reward.trust_remote_code"):
+                 max_length: int = 4096, trust_key: str = "reward.trust_remote_code",
+                 key: str = "reward.name_or_path"):
         """`trust_key` is the config key that turns remote code on for this model, named in the
-        one-line error when the model needs it (task.judge..., task.labeller..., reward...)."""
+        one-line error when the model needs it (task.judge..., task.labeller..., reward...); `key` is
+        the key naming the model, in the error for a checkpoint without a trained score head."""
         try:
             self.tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-            self.model = AutoModelForSequenceClassification.from_pretrained(
-                path, use_safetensors=True, trust_remote_code=trust_remote_code).eval()
+            model, info = quiet_load(AutoModelForSequenceClassification.from_pretrained,
+                                     path, use_safetensors=True, trust_remote_code=trust_remote_code,
+                                     output_loading_info=True)
         except Exception as e:  # OSError, ValueError, a corrupted safetensors or tokenizer file
             raise load_error("reward model", path, e, trust_key) from None
+        check_loaded("reward model (AutoModelForSequenceClassification)", path, info, key)
+        self.model = model.eval()
         self.device = device or torch.device("cpu")
         self.model.to(self.device)
         self.batch_size, self.max_length = batch_size, max_length

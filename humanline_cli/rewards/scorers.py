@@ -33,8 +33,9 @@ def make_scorer(spec, device=None, key: str | None = None) -> tuple[str, Scorer]
 
             rm = RewardModel(spec["name_or_path"], device=device, batch_size=spec.get("batch_size", 16),
                              trust_remote_code=bool(spec.get("trust_remote_code", False)),
-                             trust_key=f"{key}.trust_remote_code" if key else TRUST_KEYS)
-            return f"model/{spec['name_or_path']}", rm
+                             trust_key=f"{key}.trust_remote_code" if key else TRUST_KEYS,
+                             key=f"{key}.name_or_path" if key else "the reward model path")
+            return f"model:{spec['name_or_path']}", rm
         case _:
             raise UserError(f"unknown reward kind {kind!r} in {key or 'reward'}.kind "
                             f"(verifier | model | none; world for the bundled tasks)")

@@ -115,8 +115,10 @@ class VLLMSampler:
             err = box["error"]
             if isinstance(err, (UserError, RunFailed)):
                 raise err
-            first = (str(err).strip().splitlines() or [""])[0]
-            raise RunFailed(f"vLLM {what} failed: {type(err).__name__}: {first}") from err
+            # whole, on one line: a pydantic ValidationError's first line ("1 validation error for
+            # ModelConfig") names no cause; the cause is on the lines after it
+            whole = "; ".join(ln.strip() for ln in str(err).splitlines() if ln.strip())
+            raise RunFailed(f"vLLM {what} failed: {type(err).__name__}: {whole}") from err
         return box.get("value")
 
     # -- Sampler interface -----------------------------------------------------------------------

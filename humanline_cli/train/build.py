@@ -37,6 +37,7 @@ from humanline_cli.sampling.sampler import SamplingParams
 from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.online import OnlineSource, RoundSpec
 from humanline_cli.sources.source import Shard
+from humanline_cli.train.lengths import check_model_lengths
 
 WORLD = "world://"
 
@@ -267,6 +268,7 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     if dist.enabled and dist.is_main:
         all_agree(True, dist)
     model_path, tok_path = model_paths(spec)
+    check_model_lengths(spec, model_path)  # config.json only: before any data or weight loads
     memory = memory_estimate(spec, model_path, backend.device)
     trust = spec.model_cfg.trust_remote_code
     tokenizer = load_tokenizer(tok_path, trust)

@@ -145,7 +145,13 @@ def prepare_run_dir(run_dir: Path, config: dict, resume: bool, hydra_subdir: str
         return None
     run_dir.mkdir(parents=True, exist_ok=True)
     step = 0
-    if resume:
+    if resume and _failed_another_config_no_checkpoint(run_dir, config):
+        # nothing of it can be resumed (a data error fixed by a changed key, say): refusing would only make
+        # the user type resume=false; its outputs are kept aside all the same
+        dest = move_aside(run_dir, hydra_subdir)
+        say(f"{run_dir} held a failed run of another config with no checkpoint: starting over "
+            f"(its outputs moved to {dest.name}/)")  # failed.json was there: dest is never None
+    elif resume:
         _conflict(run_dir, config, hydra_subdir)
         ckpts = Checkpoints(run_dir, 0)
         for tmp in ckpts.root.glob(".tmp-step_*") if ckpts.root.is_dir() else ():
@@ -164,6 +170,13 @@ def prepare_run_dir(run_dir: Path, config: dict, resume: bool, hydra_subdir: str
         shutil.rmtree(run_dir / HYDRA_COPY, ignore_errors=True)
         shutil.copytree(run_dir / hydra_subdir, run_dir / HYDRA_COPY)
     return step
+
+
+def _failed_another_config_no_checkpoint(run_dir: Path, config: dict) -> bool:
+    """The run dir holds a failed run (failed.json) of another config that left no checkpoint."""
+    prev = _read_json(run_dir / RESOLVED)
+    return ((run_dir / "failed.json").is_file() and prev is not None and not Checkpoints(run_dir, 0).steps()
+            and bool(config_diff(prev, config)))
 
 
 def write_resolved(run_dir: Path, config: dict) -> None:
