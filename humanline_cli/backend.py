@@ -1,4 +1,6 @@
-"""Device, precision and seeding. CUDA runs keep fp32 master weights under bf16 autocast."""
+"""Device, precision and seeding. CUDA runs keep fp32 master weights under bf16 autocast; under FSDP2,
+bf16 is FSDP's own mixed precision instead (bf16 weights gathered for forward/backward, gradients
+reduced in fp32 into fp32 sharded master weights; no autocast)."""
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +16,14 @@ from humanline_cli.errors import UserError
 @dataclass(frozen=True)
 class Backend:
     device: torch.device
-    autocast_dtype: torch.dtype | None  # None = full fp32
+    autocast_dtype: torch.dtype | None  # None = no autocast
+    # FSDP2 MixedPrecisionPolicy(param_dtype=this, reduce_dtype=fp32): the sharded master weights and
+    # AdamW states stay fp32, FSDP casts each gathered layer to this dtype; autocast is then off
+    # (it would make a second bf16 copy of weights that already are bf16)
+    param_dtype: torch.dtype | None = None
+    # the dtype the policy is loaded and trained in (master weights, AdamW): float64 for precision=fp64
+    # (numerical checks: two computations equal in exact arithmetic agree to ~1e-9), else float32
+    weights_dtype: torch.dtype = torch.float32
 
     def autocast(self):
         if self.autocast_dtype is None:
@@ -22,11 +31,17 @@ class Backend:
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     def describe(self) -> str:
-        prec = "fp32" if self.autocast_dtype is None else f"{self.autocast_dtype} autocast"
+        prec = "fp64" if self.weights_dtype == torch.float64 else "fp32"
+        prec = prec if self.autocast_dtype is None else f"{self.autocast_dtype} autocast"
+        if self.param_dtype is not None:
+            prec = (f"FSDP2 mixed precision: {str(self.param_dtype).removeprefix('torch.')} compute, "
+                    f"fp32 master weights, gradient reduce and AdamW")
         return f"{self.device.type} ({prec}, {torch.get_num_threads()} CPU threads)"
 
 
-def make_backend(device: str, precision: str, threads: int | None = None) -> Backend:
+def make_backend(device: str, precision: str, threads: int | None = None, strategy: str = "single") -> Backend:
+    """`strategy` is the one the job really runs (fsdp only with 2+ ranks): bf16 under FSDP2 is its
+    mixed-precision policy (on CPU too: gloo all-gathers bf16), elsewhere autocast (CUDA only)."""
     if threads:
         torch.set_num_threads(int(threads))
     if device == "auto":
@@ -35,8 +50,13 @@ def make_backend(device: str, precision: str, threads: int | None = None) -> Bac
         raise UserError("backend=cuda but torch sees no CUDA device (use backend=cpu or backend=auto)")
     if precision == "auto":
         precision = "bf16" if device.startswith("cuda") else "fp32"
+    if precision == "bf16" and strategy == "fsdp":
+        return Backend(torch.device(device), None, torch.bfloat16)
     if precision == "bf16" and device == "cpu":
-        raise UserError("backend.precision=bf16 is only supported on cuda here; use fp32 on cpu")
+        raise UserError("backend.precision=bf16 is only supported on cuda here, or on cpu under FSDP2 "
+                        "(backend.strategy=fsdp backend.nproc>=2); use fp32 on cpu")
+    if precision == "fp64":  # float64 end to end: rounding ~1e-16, so equal-in-exact-arithmetic runs agree to ~1e-9
+        return Backend(torch.device(device), None, weights_dtype=torch.float64)
     return Backend(torch.device(device), torch.bfloat16 if precision == "bf16" else None)
 
 
@@ -115,7 +135,8 @@ def all_reduce_sum(x: torch.Tensor, dist: Dist) -> torch.Tensor:
     return x
 
 
-def wrap_policy(policy: torch.nn.Module, strategy: str, dist: Dist, device: torch.device) -> torch.nn.Module:
+def wrap_policy(policy: torch.nn.Module, strategy: str, dist: Dist, device: torch.device,
+                param_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Hand the policy to torch's own engine: DDP (replicated weights, averaged gradients) or FSDP2
     `fully_shard` (each decoder layer, then the root: parameters, gradients and AdamW states sharded).
     Returns the module to train (the same module for FSDP2, which shards in place)."""
@@ -129,17 +150,24 @@ def wrap_policy(policy: torch.nn.Module, strategy: str, dist: Dist, device: torc
                 if device.type == "cuda" else None
             return DistributedDataParallel(policy, device_ids=ids)
         case "fsdp":
-            shard_model(policy)
+            shard_model(policy, param_dtype)
             return policy
     raise UserError(f"unknown backend.strategy {strategy!r} (single | ddp | fsdp)")
 
 
-def shard_model(model: torch.nn.Module) -> None:
-    """FSDP2: one shard group per decoder layer, then the root (embeddings, norm, head)."""
-    from torch.distributed.fsdp import fully_shard
+def shard_model(model: torch.nn.Module, param_dtype: torch.dtype | None = None) -> None:
+    """FSDP2: one shard group per decoder layer, then the root (embeddings, norm, head).
 
     for layer in decoder_layers(model):
         fully_shard(layer)
+    With `param_dtype` (bf16): MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32): each layer's
+    weights are all-gathered in bf16 (half the traffic and memory of fp32) and its gradients
+    reduce-scattered in fp32 into the fp32 shards that AdamW updates. A model whose own weights are
+    already bf16 (the frozen reference) needs no policy: it is sharded as it is."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+    kwargs = {"mp_policy": mp} if mp is not None else {}
     fully_shard(model)
 
 

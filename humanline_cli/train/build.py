@@ -255,10 +255,11 @@ def reference_moves(spec: RunSpec) -> bool:
 
 def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     b = spec.backend_cfg
-    backend = make_backend(b.device.value, b.precision.value, spec.threads)
+    backend = make_backend(b.device.value, b.precision.value, spec.threads, b.strategy.value)
     dist = init_distributed(backend.device.type, b.timeout_s)
-    if dist.enabled and backend.device.type == "cuda":
-        backend = make_backend(f"cuda:{dist.local_rank}", b.precision.value, spec.threads)
+    strategy = b.strategy.value if dist.enabled else "single"  # the one this job runs
+    device = f"cuda:{dist.local_rank}" if dist.enabled and backend.device.type == "cuda" else str(backend.device)
+    backend = make_backend(device, b.precision.value, spec.threads, strategy)
     seed_everything(spec.seed)
     check_model_task(spec)
     if dist.enabled and not dist.is_main:  # rank 0 builds a bundled world first: two builders of one cache race
@@ -297,13 +298,15 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         reference = make_lora_reference(policy, moving=moving)
     else:
         reference = make_reference(policy)  # from the unwrapped, unsharded policy
-    strategy = b.strategy.value if dist.enabled else "single"
     if strategy == "fsdp" and lora.r == 0:
-        shard_model(reference.model)  # the same sharding: the sync copies each rank's local shards
+        if backend.param_dtype is not None:  # bf16 under FSDP2: the frozen reference is bf16 itself (no fp32
+            for param in reference.model.parameters():  # master copy: it never gets gradients or AdamW). Buffers
+                param.data = param.data.to(backend.param_dtype)  # (RoPE inv_freq) stay fp32, as the policy's do
+        shard_model(reference.model)  # the same sharding: the sync copies (and casts) each rank's local shards
     if spec.train.reference_cache and not moving:  # plain offline: each sequence's reference log-probs once
         # under FSDP the reference forward all-gathers shards: every rank skips it or none does
         reference = CachedReference(reference, agree=(lambda f: all_agree(f, dist)) if strategy == "fsdp" else None)
-    train_model = wrap_policy(policy, strategy, dist, backend.device)
+    train_model = wrap_policy(policy, strategy, dist, backend.device, backend.param_dtype)
     if spec.regime == "online":
         source = _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist)
     eval_sampler = getattr(source, "sampler", None)  # online: evaluate with the round sampler

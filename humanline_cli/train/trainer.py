@@ -44,7 +44,11 @@ def _mean_metrics(rows: list[dict], reduce_sum=None) -> dict:
 
 
 def _grad_sync(model, micro_batch: int, n_micro: int):
-    """Gradient accumulation under DDP/FSDP2: reduce gradients across ranks only on the last micro-batch."""
+    """Gradient accumulation under DDP/FSDP2. DDP: all-reduce only on the last micro-batch (replicas
+    hold full gradients anyway). FSDP2: reduce-scatter EVERY micro-batch, so between micro-batches each
+    rank holds only its fp32 gradient shard (1/N of the model) instead of a full unsharded gradient
+    (~32 GB more per rank for 8B); the sum of per-micro-batch reduce-scatters is the reduce-scatter of
+    the sum, the same update up to float addition order, for N-1 more reduce-scatters per step."""
     last = micro_batch == n_micro - 1
     if hasattr(model, "no_sync") and not last:  # DDP
         return model.no_sync()
