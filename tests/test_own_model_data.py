@@ -239,3 +239,104 @@ def test_a_rerun_after_a_failed_run_starts_over_without_resume_false(world, tmp_
     assert "held a failed run of another config with no checkpoint: starting over" in r.stderr
     assert (run / "previous-1" / "failed.json").is_file() and not (run / "failed.json").exists()
     assert json.loads((run / "summary.json").read_text())["status"] == "complete"
+
+
+# ---------------------------------------------------------------- 4: judging later, with any judge
+@pytest.fixture(scope="module")
+def judgeless_run(world, tmp_path_factory):
+    """The README's online-style case: a run trained with task.judge.kind=none and no eval prompts."""
+    root = tmp_path_factory.mktemp("judgeless")
+    run = root / "run"
+    r = run_cli(["train", "task=custom", f"model.name_or_path={world['policy']}", f"data.path={world['pairs']}",
+                 "task.judge.kind=none", "train.steps=1", "train.batch_size=4", "threads=1", "train.max_length=96",
+                 "train.max_prompt_length=48", f"hydra.run.dir={run}"], root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    questions = root / "questions.jsonl"  # eval prompts under another field name, renamed on the command line
+    questions.write_text("".join(json.dumps({"question": json.loads(x)["prompt"]}) + "\n"
+                                 for x in world["prompts"].read_text().splitlines()))
+    return {"run": run, "questions": questions, "root": root}
+
+
+def _eval(run, *args, capsys):
+    """`humanline eval RUN --against start ...` in this process (the CLI's own entry, no interpreter start-up):
+    (exit code, stderr lines)."""
+    from humanline_cli.cli.eval import main_eval
+
+    capsys.readouterr()
+    code = main_eval([str(run), "--against", "start", "eval.n_prompts=4", "eval.max_new_tokens=8", "eval.greedy=false",
+                      *args])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_eval_after_training_without_a_judge_names_what_to_add(judgeless_run, capsys):
+    run = judgeless_run["run"]
+    code, err = _eval(run, capsys=capsys)
+    assert code == 2 and err == [
+        f"humanline: error: {run} was trained without a judge (task.judge.kind=none): name one, e.g. "
+        f"task.judge.kind=model task.judge.name_or_path=DIR, task.judge.kind=verifier, or judge=llm "
+        f"(and task.prompts.eval=FILE if the run had no eval prompts)"], err
+    for judge in (["judge=llm"], ["task.judge.kind=model", "task.judge.name_or_path=x"]):
+        code, err = _eval(run, *judge, capsys=capsys)  # no eval prompts: one line for every judge
+        assert code == 2 and len(err) == 1 and "config key 'task.prompts.eval' is missing" in err[0], err
+
+
+def test_eval_with_a_reward_model_named_on_the_command_line(world, judgeless_run, capsys):
+    run, prompts = judgeless_run["run"], [f"task.prompts.eval={judgeless_run['questions']}",
+                                          "task.prompts.columns={question: prompt}"]
+    code, err = _eval(run, *prompts, "task.judge.kind=model", f"task.judge.name_or_path={world['rm']}", capsys=capsys)
+    assert code == 0, err
+    res = json.loads((run / "eval_vs_start.json").read_text())
+    assert res["judge"] == f"model:{world['rm']}" and res["n_prompts"] == 4
+    assert 0.0 <= res["win_rate"] <= 1.0 and res["reward_mean"] is not None
+    code, err = _eval(run, *prompts, "task.judge.kind=model", f"task.judge.name_or_path={world['policy']}",
+                      capsys=capsys)
+    assert code == 2 and err[-1].startswith(f"humanline: error: task.judge.name_or_path={world['policy']}: ")
+    assert "score.weight" in err[-1]
+
+
+def test_eval_with_every_judgment_unparsable_exits_2_with_the_count(judgeless_run, capsys):
+    from test_llm_judge import Stub, completion
+
+    run = judgeless_run["run"]
+    with Stub(lambda body, n, headers: (200, {}, completion("I cannot decide."))) as stub:
+        code, err = _eval(run, f"task.prompts.eval={judgeless_run['questions']}",
+                          "task.prompts.columns={question: prompt}", "judge=llm", f"judge.base_url={stub.url}",
+                          "judge.model=stub", "judge.cache_dir=null", capsys=capsys)
+    assert code == 2, err
+    assert err[-1].startswith(f"humanline: error: {run} vs start: no parsable judgment, 4 of 4 pairs unparsable"), err
+    assert len(stub.requests) >= 4  # every pair was asked
+
+
+# ---------------------------------------------------------------- 5: third-party INFO off the console
+def test_third_party_info_goes_to_the_log_file_not_the_console(tmp_path):
+    """The real composed job-logging config: httpx's INFO line per judge call reaches train.log only."""
+    import io
+    import logging
+    import logging.config
+
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose("train", return_hydra_config=True)
+    conf = OmegaConf.to_container(cfg.hydra.job_logging, resolve=False)
+    conf["handlers"]["file"]["filename"] = str(tmp_path / "train.log")
+    console = io.StringIO()
+    conf["handlers"]["console"]["stream"] = console
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        logging.config.dictConfig(conf)
+        logging.getLogger("httpx").info('HTTP Request: POST http://127.0.0.1/v1/chat/completions "HTTP/1.1 200 OK"')
+        logging.getLogger("httpx").warning("retrying")
+        logging.getLogger("humanline_cli.train.run").info("our own line")
+        for h in root.handlers:
+            h.flush()
+    finally:
+        for h in root.handlers:
+            h.close()
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+    shown, logged = console.getvalue(), (tmp_path / "train.log").read_text()
+    assert "HTTP Request" not in shown and "retrying" in shown and "our own line" in shown
+    assert "HTTP Request" in logged and "retrying" in logged and "our own line" in logged

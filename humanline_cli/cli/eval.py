@@ -11,7 +11,9 @@ from pathlib import Path
 
 from humanline_cli.errors import UserError
 
-EVAL_KEYS = ("judge", "eval.")
+# what a later evaluation may choose: the judge (judge=..., or the task's own: task.judge.*), the held-out
+# prompts (task.prompts.eval, its split and column renames) and the sampling (eval.*); never what was trained
+EVAL_KEYS = ("judge", "eval.", "task.judge.", "task.prompts.", "task.verifiable")
 
 
 def _run_spec(run_dir: Path, overrides: list[str] | None = None):
@@ -33,7 +35,8 @@ def _run_spec(run_dir: Path, overrides: list[str] | None = None):
     for o in overrides or []:
         key, sep, value = o.partition("=")
         if not sep or not key.startswith(EVAL_KEYS):
-            raise UserError(f"humanline eval takes judge=NAME, judge.KEY=VALUE and eval.KEY=VALUE overrides; got {o!r}")
+            raise UserError(f"humanline eval takes judge=NAME, judge.KEY=VALUE, task.judge.KEY=VALUE, "
+                            f"task.prompts.KEY=VALUE, task.verifiable=BOOL and eval.KEY=VALUE overrides; got {o!r}")
         if key == "judge":
             option = files("conf").joinpath("judge", f"{value}.yaml")
             if not option.is_file():
@@ -78,8 +81,12 @@ def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperatur
     trust = spec.model_cfg.trust_remote_code
     tok = load_tokenizer(str(run_dir / "model"), trust)
     evaluator = build_evaluator(spec, make_encoder(spec, tok), backend.device, seed)
-    if evaluator is None:
+    if evaluator is None and spec.judge_cfg.kind == "none":
         raise UserError("judge=none: nothing to evaluate with (choose judge=task or judge=llm)")
+    if evaluator is None:  # judge=task, and the run was trained without one (task.judge.kind=none)
+        raise UserError(f"{run_dir} was trained without a judge (task.judge.kind=none): name one, e.g. "
+                        f"task.judge.kind=model task.judge.name_or_path=DIR, task.judge.kind=verifier, or judge=llm "
+                        f"(and task.prompts.eval=FILE if the run had no eval prompts)")
     batch = spec.eval_cfg.batch_size
     other = load_policy(other_path, backend.device, trust).eval()
     evaluator.set_baseline(HFSampler(other, tok, batch, backend.autocast))
@@ -115,9 +122,11 @@ def main_eval(argv: list[str]) -> int:
         u = r["judge_usage"]
         metric = (f"{r['judge']}: {u['n_calls']} calls, {u['n_cache_hits']} cached, {u['n_unparsable']} unparsable "
                   f"pairs, {u['prompt_tokens']} + {u['completion_tokens']} tokens, ${u['cost_usd']:.4f}")
-    if r["win_rate"] is None:
-        print(f"{args.run_dir} vs {r['against']}: no parsable judgment (n={r['n_prompts']}); {metric}")
-        return 0
+    if r["win_rate"] is None:  # every judgment unparsable: no result, however the run went
+        print(f"humanline: error: {args.run_dir} vs {r['against']}: no parsable judgment, "
+              f"{(r.get('judge_usage') or {}).get('n_unparsable', r['n_prompts'])} of {r['n_prompts']} pairs "
+              f"unparsable; {metric}", file=sys.stderr)
+        return 2
     lo, hi = r["win_rate_ci"]
     print(f"{args.run_dir} vs {r['against']}: win rate {r['win_rate']:.3f} [{lo:.3f}, {hi:.3f}] "
           f"(n={r['n_prompts']}, ties = 1/2, normal-approx 95% CI); {metric}")

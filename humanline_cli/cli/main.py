@@ -7,6 +7,7 @@ line and exits 130. A multirun sweep runs every job; failed ones are named in on
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -24,6 +25,14 @@ USAGE = "usage: humanline {" + ",".join(COMMANDS) + "} ...\n" + "\n".join(f"  {k
 # this process's multirun: the jobs it ran in-process and the ones that failed (a launcher that
 # runs jobs in other processes reports their failures through Hydra instead, see SweepJobFailed)
 _SWEEP: dict = {"pid": None, "jobs": 0, "failed": []}
+
+
+class QuietConsole(logging.Filter):
+    """The console handler of Hydra's job logging (conf/train.yaml): third-party INFO and below (httpx's
+    line per LLM-judge request, ...) stays out of the console; the run's train.log keeps every record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.name.split(".")[0] in ("humanline_cli", "__main__")
 
 
 def _fail(msg: str, code: int = 2):
