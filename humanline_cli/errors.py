@@ -7,3 +7,8 @@ class UserError(Exception):
 
 class RunFailed(Exception):
     """Raised when a run cannot continue (NaN loss, sampler timeout); the run dir is marked incomplete."""
+
+
+class Preempted(RunFailed):
+    """SIGTERM (SLURM preemption or time limit) stopped the run at a step boundary, after a checkpoint
+    when checkpointing is configured; the CLI prints one line and exits 143 (128 + SIGTERM)."""

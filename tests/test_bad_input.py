@@ -244,16 +244,16 @@ def test_ctrl_c_mid_training_is_one_line_exit_130_and_failed_json(world, tmp_pat
 
 
 def test_interrupted_step_reads_the_trainer_frame():
-    from humanline_cli.cli import main as cli
+    from humanline_cli.train.signals import interrupted_where
 
     ns = {"__name__": "humanline_cli.train.trainer"}  # a train() whose frame looks like the trainer's
     exec(compile("def train():\n    step = 7\n    raise KeyboardInterrupt\n", "trainer.py", "exec"), ns)
     with pytest.raises(KeyboardInterrupt) as e:
         ns["train"]()
-    assert cli._interrupted_step(e.value) == "at step 7"
+    assert interrupted_where(e.value) == "at step 7"
     with pytest.raises(KeyboardInterrupt) as e:
         raise KeyboardInterrupt
-    assert cli._interrupted_step(e.value) == "before training"
+    assert interrupted_where(e.value) == "before training"
 
 
 # ---- a sweep with a failed job ----------------------------------------------------------------------

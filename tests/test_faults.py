@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -176,3 +177,62 @@ def test_nothing_intact_starts_over_and_says_so(three_checkpoints, tmp_path):
         f"checksums.json (unfinished, or written by an older humanline)); starting over from step 0 (the damaged "
         f"ones are kept as checkpoints/damaged-step_<N>)")
     assert C.Checkpoints(run, 2).latest() is None and (run / "metrics.jsonl").read_text() == ""
+
+
+# ---- 3. signals: SIGTERM (SLURM preemption) and Ctrl-C, one process and 2 gloo ranks -----------------
+
+def _long_run(tmp_path: Path, extra: list[str]) -> tuple[subprocess.Popen, Path]:
+    run = tmp_path / "run"
+    args = ["train", *BASE, "train.steps=100000", "train.checkpoint_every=1000", "train.save_model=false",
+            "backend=cpu", f"hydra.run.dir={run}", *extra]
+    proc = subprocess.Popen([sys.executable, "-m", "humanline_cli", *args], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own process group
+    _wait_for_rows(proc, run / "metrics.jsonl", 3)
+    return proc, run
+
+
+def _humanline_lines(err: str) -> list[str]:
+    return [ln for ln in err.splitlines() if ln.startswith("humanline:") and not ln.startswith("humanline train")
+            and not ln.startswith("humanline: note")]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_sigterm_checkpoints_at_the_step_boundary_and_says_resume(cache_dir, tmp_path, ranks):
+    """SIGTERM to the job's process group (what SLURM does): the step in flight finishes, a checkpoint of
+    it is written (checkpoint_every=1000 is not due), one line says a rerun resumes, exit 143."""
+    from humanline_cli.train import checkpoint as C
+
+    proc, run = _long_run(tmp_path, ["backend.strategy=ddp", "backend.nproc=2"] if ranks == 2 else [])
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    lines = _humanline_lines(err)
+    assert len(lines) == 1, err[-3000:]
+    m = re.fullmatch(r"humanline: stopped by SIGTERM after step (\d+) of 100000; checkpoint checkpoints/step_\1 "
+                     r"written: rerun the same command to resume \(failed\.json written\)", lines[0])
+    assert m, lines[0]
+    step = int(m[1])
+    ckpts = C.Checkpoints(run, 1000)
+    assert ckpts.steps() == [step] and C.verify(ckpts.latest()) is None
+    assert C.read_state(ckpts.latest())["step"] == step and C.read_state(ckpts.latest())["world_size"] == ranks
+    logged = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, step + 1))  # the checkpoint's step is the last one done
+    failed = json.loads((run / "failed.json").read_text())
+    assert failed["status"] == "failed" and failed["error"].startswith("Preempted: ")
+    assert not list((run / "checkpoints").glob(".tmp-*")) and not (run / "summary.json").exists()
+
+
+def test_ctrl_c_under_ddp_is_exit_130_with_the_step(cache_dir, tmp_path):
+    """Ctrl-C in a terminal signals the whole foreground process group: the launcher and both ranks."""
+    proc, run = _long_run(tmp_path, ["backend.strategy=ddp", "backend.nproc=2"])
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    lines = _humanline_lines(err)
+    assert len(lines) == 1, err[-3000:]
+    m = re.fullmatch(r"humanline: interrupted at step (\d+) \(failed\.json written\)", lines[0])
+    assert m, lines[0]
+    logged = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged[-1] <= int(m[1]) <= logged[-1] + 1
+    failed = json.loads((run / "failed.json").read_text())
+    assert failed["error"].startswith("KeyboardInterrupt") and failed["interrupted"] == f"at step {m[1]}"

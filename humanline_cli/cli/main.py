@@ -49,24 +49,24 @@ def _one_line(e: BaseException) -> str:
     return " ".join(lines) if lines else type(e).__name__
 
 
-def _interrupted_step(e: BaseException) -> str:
-    """Where a KeyboardInterrupt landed, from the frames it unwound: the trainer's step, or after it."""
-    tb, where = e.__traceback__, "before training"
-    while tb is not None:
-        frame = tb.tb_frame
-        module = frame.f_globals.get("__name__", "")
-        if module.endswith(".run") and frame.f_code.co_name == "run_job" and "last" in frame.f_locals:
-            where = "after training"  # train() returned: evaluating or saving
-        if module.endswith(".trainer") and frame.f_code.co_name == "train" and "step" in frame.f_locals:
-            return f"at step {frame.f_locals['step']}"
-        tb = tb.tb_next
-    return where
+def _read_failed(run_dir: Path | None) -> dict | None:
+    import json
+
+    try:
+        return json.loads((run_dir / "failed.json").read_text()) if run_dir is not None else None
+    except (OSError, ValueError):
+        return None
 
 
 def _interrupted(e: BaseException, run_dir: Path | None):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt this report
-    note = " (failed.json written)" if run_dir is not None and (run_dir / "failed.json").is_file() else ""
-    print(f"humanline: interrupted {_interrupted_step(e)}{note}", file=sys.stderr)
+    from humanline_cli.train.signals import interrupted_where
+
+    failed = _read_failed(run_dir)
+    note = " (failed.json written)" if failed is not None else ""
+    # under DDP/FSDP the step is rank 0's (it recorded it in failed.json); in one process, this traceback's
+    where = failed.get("interrupted") if failed is not None and failed.get("interrupted") else interrupted_where(e)
+    print(f"humanline: interrupted {where}{note}", file=sys.stderr)
     sys.exit(130)
 
 
@@ -119,7 +119,7 @@ def _train_app():
 
     @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="train")
     def app(cfg: DictConfig) -> None:
-        from humanline_cli.errors import RunFailed, UserError
+        from humanline_cli.errors import Preempted, RunFailed, UserError
         from humanline_cli.train.run import run_job
 
         run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -157,6 +157,10 @@ def _train_app():
                 run_job(cfg, shared_run_dir(run_dir, cfg))
         except KeyboardInterrupt as e:
             _interrupted(e, run_dir)
+        except Preempted as e:  # SIGTERM (SLURM): the whole process is going away, a sweep included
+            note = " (failed.json written)" if _read_failed(run_dir) is not None else ""
+            print(f"humanline: {e}{note}", file=sys.stderr)
+            sys.exit(143)
         except (UserError, RunFailed, OSError) as e:
             if _full_error():
                 raise

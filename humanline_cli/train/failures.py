@@ -25,7 +25,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from humanline_cli.errors import RunFailed, UserError
+from humanline_cli.errors import Preempted, RunFailed, UserError
 
 FAILURES = ".failures"
 EXIT = {"user": 2, "run": 2, "bug": 1}  # the CLI's codes: bad input / a run that cannot go on -> 2, a bug -> 1
@@ -118,6 +118,8 @@ def failed_json(rec: dict) -> dict:
 def as_exception(rec: dict) -> BaseException:
     """The exception the launching process raises for a rank's record (the CLI maps it to exit 2 or 1)."""
     msg = f"rank {rec['rank']}: {rec['message']}"
+    if rec["type"] == "Preempted":  # every rank stopped on SIGTERM at the same step: not one rank's failure
+        return Preempted(rec["message"])
     if rec["kind"] == "user":
         return UserError(msg)
     if rec["kind"] == "run":

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import uuid
 from pathlib import Path
 
-from humanline_cli.errors import RunFailed
+from humanline_cli.errors import Preempted, RunFailed
 
 
 def spawn_count(cfg) -> int:
@@ -43,7 +44,11 @@ def _rank_entry(config_yaml: str, run_dir: str):
 
     try:
         run_job(OmegaConf.create(config_yaml), Path(run_dir))
-    except (KeyboardInterrupt, SystemExit):
+    except KeyboardInterrupt:  # Ctrl-C: rank 0 wrote failed.json (with the step); leave at once, as a
+        sys.stdout.flush()       # failure does (a normal exit can wait on the process group's threads)
+        sys.stderr.flush()
+        os._exit(130)
+    except SystemExit:
         raise
     except BaseException as e:  # noqa: BLE001 - every failure ends the rank the same way
         if kind_of(e) == "bug":  # a bug: its traceback on this rank's stderr, as one process would show it
@@ -94,6 +99,7 @@ def launch(cfg, run_dir: Path, nproc: int) -> None:
     stops them) and this raises the FAILING rank's own message, as UserError (exit 2), RunFailed
     (exit 2) or failures.RankCrashed (a bug, exit 1), after writing it to failed.json."""
     from omegaconf import OmegaConf
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
@@ -107,8 +113,22 @@ def launch(cfg, run_dir: Path, nproc: int) -> None:
     quiet = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
+    agent = logging.getLogger("torch.distributed.elastic.agent.server.api")  # "Received 2 death signal": we
+    agent_level = agent.level                                                 # say it in our one line
+    agent.setLevel(logging.ERROR)
     try:
         elastic_launch(conf, _rank_entry)(config_yaml, str(run_dir))
+    except SignalException as e:
+        # this process got SIGINT/SIGTERM: the agent forwarded it to every rank and waited (30 s at most)
+        # for them to stop: after a checkpoint (SIGTERM, signals.StopSignal) or with "interrupted" in
+        # rank 0's failed.json (Ctrl-C). Report it as one process would.
+        rec = failures.root_cause(run_dir, conf.run_id)
+        if rec is not None and rec["type"] == "Preempted":
+            raise failures.as_exception(rec) from None
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise Preempted(f"stopped by {signal.Signals(e.sigval).name} (the ranks ended without a checkpoint); "
+                        f"rerun the same command to resume from the last checkpoint") from None
     except ChildFailedError as e:
         rec = failures.root_cause(run_dir, conf.run_id)
         if rec is None:  # killed without a word (kill -9, out of memory, a segfault)
@@ -119,6 +139,7 @@ def launch(cfg, run_dir: Path, nproc: int) -> None:
         raise failures.as_exception(rec) from None
     finally:
         quiet.setLevel(level)
+        agent.setLevel(agent_level)
         failures.clear(run_dir, conf.run_id)
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import torch
@@ -24,6 +26,7 @@ from humanline_cli.config import RunSpec, validate
 from humanline_cli.errors import RunFailed
 from humanline_cli.train.build import build_parts
 from humanline_cli.train.checkpoint import Checkpoints
+from humanline_cli.train.signals import StopSignal, interrupted_where
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.train.tracking import NullTracker, Tracker, write_json_atomic
 from humanline_cli.train.trainer import train
@@ -71,6 +74,7 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
     tracker = parts = None
+    stop = StopSignal().__enter__()  # SIGTERM: a checkpoint at the next step boundary, then Preempted
     try:
         spec = validate(cfg)
         with timer.phase("setup"):
@@ -91,7 +95,7 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
         if resume_from is None and parts.evaluator is not None:  # a resumed run: from the checkpoint
             with timer.phase("eval"):
                 parts.evaluator.set_baseline(parts.eval_sampler)
-        last = train(spec, parts, tracker, timer, console, checkpoints, resume_from)
+        last = train(spec, parts, tracker, timer, console, checkpoints, resume_from, stop=stop)
         ev = None  # judge=none: train only
         if parts.evaluator is not None:
             with timer.phase("eval"):
@@ -129,6 +133,10 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
         return summary
     except BaseException as e:
         failed = {"status": "failed", "error": f"{type(e).__name__}: {e}", "wall_clock_s": timer.report()}
+        if isinstance(e, KeyboardInterrupt):  # the step it landed in, for the launching process to report
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C (the agent forwards one) must not
+            failed["interrupted"] = interrupted_where(e)  # cut failed.json short
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not isinstance(e, KeyboardInterrupt):
             from humanline_cli.train import failures
 
@@ -144,6 +152,7 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
             tracker.finish(1)
         raise
     finally:  # engines, samplers and wandb are released whatever happened (a sweep runs on in this process)
+        stop.__exit__()
         if parts is not None:
             parts.close()
         if tracker is not None:

@@ -17,11 +17,12 @@ from humanline_cli.core.batches import n_units, to_device
 from humanline_cli.core.humanline import ReferenceRule
 from humanline_cli.core.objectives import compute_loss, loss_count, step_z0
 from humanline_cli.core.optim import make_optimizer, make_scheduler
-from humanline_cli.errors import RunFailed
+from humanline_cli.errors import Preempted, RunFailed
 from humanline_cli.eval.evaluator import flat_metrics
 from humanline_cli.train.build import Parts
 from humanline_cli.train.checkpoint import Checkpoints
 from humanline_cli.train.failures import Fault, PeerFailed
+from humanline_cli.train.signals import StopSignal
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.train.tracking import Tracker
 
@@ -53,12 +54,12 @@ def _grad_sync(model, micro_batch: int, n_micro: int):
     if hasattr(model, "no_sync") and not last:  # DDP
         return model.no_sync()
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(last)
+        model.set_requires_gradient_sync(True)
     return contextlib.nullcontext()
 
 
 def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, console=None,
-          checkpoints: Checkpoints | None = None, resume_from=None) -> dict:
+          checkpoints: Checkpoints | None = None, resume_from=None, stop: StopSignal | None = None) -> dict:
     """Run optimizer steps 1..train.steps (or, with `resume_from`, a checkpoint dir, the steps after
     it); write a checkpoint every `checkpoints.every` steps. Returns the last logged train metrics."""
     policy, reference, tr = parts.policy, parts.reference, spec.train
@@ -79,15 +80,31 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
     moving = rule.sync_every > 0 or rule.reset_each_round  # the reference can leave the starting weights
     fault = Fault.from_env(dist.rank)  # inert unless a test sets HUMANLINE_TEST_FAULT
 
-    def checkpoint(step: int) -> None:  # at the very end of a step: nothing of step `step` is left to do
-        if checkpoints is not None and checkpoints.due(step):
+    def checkpoint(step: int, now: bool = False) -> None:  # at the very end of a step: nothing of it is left to do
+        if checkpoints is not None and (checkpoints.due(step) or (now and checkpoints.every > 0)):
             with timer.phase("checkpoint"):
                 checkpoints.save(step, parts, opt, sched, timer, last, moving)
+        if not now and stop is not None and not all_agree(not stop.requested, dist):
+            stop_here(step)
+
+    def stop_here(step: int) -> None:
+        """SIGTERM reached some rank during this step: every rank stops here, after a checkpoint."""
+        if not (checkpoints is not None and checkpoints.due(step)):
+            checkpoint(step, now=True)
+        where = f"stopped by SIGTERM after step {step} of {tr.steps}"
+        if checkpoints is None or checkpoints.every <= 0:
+            raise Preempted(f"{where}; no checkpoint (train.checkpoint_every=0), so a rerun starts over")
+        if not (checkpoints.root / f"step_{step}" / "state.json").is_file():  # a full disk (warned above)
+            raise Preempted(f"{where}; its checkpoint could not be written: rerun the same command to resume "
+                            f"from the last one written")
+        raise Preempted(f"{where}; checkpoint checkpoints/step_{step} written: rerun the same command to resume")
 
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.fields[info]}"), console=console, transient=False)
     with progress:
         bar = progress.add_task("train", total=tr.steps, completed=start, info="")
+        if stop is not None:
+            stop.arm(True)  # from here SIGTERM waits for the step boundary
         for step in range(start + 1, tr.steps + 1):
             fault.at_step(step)
             data = parts.source.next_step(step)  # online sources sample/label here (their own timers)
@@ -166,4 +183,6 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
                 info += f"  unclamped {metrics['humanline/unclamped_fraction']:.3f}"
             progress.update(bar, advance=1, info=info)
             checkpoint(step)
+        if stop is not None:
+            stop.arm(False)
     return last

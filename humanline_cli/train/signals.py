@@ -1,0 +1,62 @@
+"""SIGTERM and Ctrl-C during a job, on every rank.
+
+SIGTERM is what SLURM sends before it preempts a job or at its time limit (`--signal`), and what torch's
+elastic agent forwards to every rank when the launching process gets one. During training it only sets
+a flag (`StopSignal.requested`); at the next step boundary every rank agrees to stop (one tiny
+collective per step under DDP/FSDP, so no rank stops alone), a checkpoint of that step is written
+when `train.checkpoint_every > 0`, and the run ends with `Preempted`: one line saying the run can be
+resumed by rerunning the same command, exit 143, `failed.json`. Outside the training loop (setup,
+final eval, model save) SIGTERM raises `Preempted` at once: there is no step to save.
+
+Ctrl-C raises KeyboardInterrupt as Python does; `interrupted_where` reads the step it landed in from
+the frames it unwound, so rank 0 can record it in failed.json for the launching process to report.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+
+from humanline_cli.errors import Preempted
+
+
+class StopSignal:
+    """`with StopSignal() as stop:` handles SIGTERM in this (main) thread; the previous handler comes
+    back on exit. `stop.arm(True)` while the training loop can stop at a step boundary."""
+
+    def __init__(self):
+        self.requested = False
+        self.armed = False
+        self._old = None
+
+    def _handler(self, signum, frame) -> None:
+        self.requested = True
+        if not self.armed:
+            raise Preempted("stopped by SIGTERM outside training (nothing to checkpoint); rerun the same command to "
+                            "resume from the last checkpoint")
+
+    def arm(self, on: bool) -> None:
+        self.armed = on
+
+    def __enter__(self) -> StopSignal:
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+            self._old = None
+
+
+def interrupted_where(e: BaseException) -> str:
+    """Where a KeyboardInterrupt landed, from the frames it unwound: the trainer's step, or after it."""
+    tb, where = e.__traceback__, "before training"
+    while tb is not None:
+        frame = tb.tb_frame
+        module = frame.f_globals.get("__name__", "")
+        if module.endswith(".run") and frame.f_code.co_name == "run_job" and "last" in frame.f_locals:
+            where = "after training"  # train() returned: evaluating or saving
+        if module.endswith(".trainer") and frame.f_code.co_name == "train" and "step" in frame.f_locals:
+            return f"at step {frame.f_locals['step']}"
+        tb = tb.tb_next
+    return where
