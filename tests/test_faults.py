@@ -3,6 +3,7 @@ bad numbers blamed on their source, degenerate online rounds. Through the real C
 is about the CLI (one line, exit code, files left), in-process where a piece can be checked alone."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import run_cli
@@ -236,3 +238,104 @@ def test_ctrl_c_under_ddp_is_exit_130_with_the_step(cache_dir, tmp_path):
     assert logged[-1] <= int(m[1]) <= logged[-1] + 1
     failed = json.loads((run / "failed.json").read_text())
     assert failed["error"].startswith("KeyboardInterrupt") and failed["interrupted"] == f"at step {m[1]}"
+
+
+# ---- 4. a full disk anywhere: one line naming the path, no temp files, failed.json if a byte fits ------
+
+def _enospc(*a, **k):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_full_disk_at_summary_and_failed_json(tmp_path, monkeypatch):
+    from humanline_cli.errors import RunFailed
+    from humanline_cli.train import tracking as T
+
+    real_write_text = Path.write_text
+    full = {"summary.json.tmp", "failed.json.tmp"}  # the temp files of atomic writes cannot be written
+    monkeypatch.setattr(Path, "write_text",
+                        lambda self, *a, **k: _enospc() if self.name in full else real_write_text(self, *a, **k))
+    with pytest.raises(RunFailed) as e:
+        T.write_json_atomic(tmp_path / "summary.json", {"status": "complete"})
+    assert str(e.value) == f"cannot write {tmp_path / 'summary.json'}: No space left on device"
+    # the full record does not fit, a short one does (written in place)
+    note = T.write_failed_json(tmp_path / "failed.json", {"status": "failed", "error": "RunFailed: x" * 100})
+    assert note == "failed.json shortened (No space left on device)"
+    assert json.loads((tmp_path / "failed.json").read_text()) == {"status": "failed", "error": ("RunFailed: x" * 100)[:200]}
+    # not one byte fits: nothing is left, and the note says so
+    monkeypatch.setattr("builtins.open", lambda path, mode="r", *a, **k: _enospc())
+    (tmp_path / "failed.json").unlink()
+    assert T.write_failed_json(tmp_path / "failed.json", {"status": "failed"}) == (
+        "failed.json could not be written (No space left on device)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no summary.json.tmp, no failed.json(.tmp)
+
+
+def test_full_disk_at_metrics_names_the_file(tmp_path):
+    from humanline_cli.errors import RunFailed
+    from humanline_cli.train.tracking import Tracker
+
+    tracker = Tracker(tmp_path, {}, {"mode": "disabled"}, "t")
+    tracker.log(1, {"loss": 0.5})
+    tracker._f = SimpleNamespace(write=_enospc, flush=_enospc, close=_enospc)  # the disk fills up
+    with pytest.raises(RunFailed) as e:
+        tracker.log(2, {"loss": 0.4})
+    assert str(e.value) == f"cannot write {tmp_path / 'metrics.jsonl'}: No space left on device"
+    with pytest.raises(RunFailed) as e:
+        _hist_full(tracker)
+    assert str(e.value) == f"cannot write {tmp_path / 'logratios.jsonl'}: No space left on device"
+    tracker.finish(1)  # closing the full file does not raise over the error being reported
+
+
+def _hist_full(tracker):
+    import builtins
+
+    real = builtins.open
+    builtins.open = lambda *a, **k: _enospc()
+    try:
+        tracker.log_histogram(2, [0] * 62)
+    finally:
+        builtins.open = real
+
+
+def test_safetensors_full_disk_at_model_save_is_one_line(tmp_path):
+    from safetensors import SafetensorError
+
+    from humanline_cli.backend import Dist
+    from humanline_cli.errors import RunFailed
+    from humanline_cli.train.run import save_model
+
+    class Policy:
+        def save_pretrained(self, path, **kwargs):
+            Path(path).mkdir(parents=True)
+            (Path(path) / "model.safetensors").write_bytes(b"half")
+            raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    dest = tmp_path / "model"
+    with pytest.raises(RunFailed) as e:
+        save_model(SimpleNamespace(dist=Dist(), policy=Policy(), tokenizer=None), dest)
+    assert str(e.value).startswith(f"cannot save the model to {dest}: Error while serializing")
+    assert list(tmp_path.iterdir()) == []  # no model.tmp
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (the writers above are covered without)")
+def test_a_real_full_disk_through_the_cli(cache_dir, tmp_path):
+    """A 1 MB tmpfs: the 3.4 MB checkpoint does not fit (a warning naming it, training goes on), then the
+    model save does not fit: one error line naming the model dir, exit 2, no temp dirs, failed.json."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]).returncode != 0:
+        pytest.skip("this root cannot mount a tmpfs (no CAP_SYS_ADMIN)")
+    try:
+        run = disk / "run"
+        r = run_cli(["train", *BASE, "train.steps=2", "train.checkpoint_every=1", "eval.n_prompts=4",
+                     f"hydra.run.dir={run}"], tmp_path)
+        errors = _error_lines(r.stderr)
+        assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert errors[0].startswith(f"humanline: error: run failed ({run}): cannot save the model to {run / 'model'}: ")
+        assert "No space left on device" in errors[0] or "StorageFull" in errors[0], errors[0]
+        warned = [ln for ln in r.stderr.splitlines() if "humanline: warning: checkpoint at step 1 not written to" in ln]
+        assert len(warned) == 1, r.stderr[-3000:]
+        left = sorted(str(p.relative_to(run)) for p in run.rglob("*") if ".tmp" in p.name or p.name.endswith(".old"))
+        assert left == [] and not (run / "model").exists()
+        assert json.loads((run / "failed.json").read_text())["status"] == "failed"
+    finally:
+        subprocess.run(["umount", str(disk)])

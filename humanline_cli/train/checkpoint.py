@@ -211,8 +211,9 @@ class Checkpoints:
         except (OSError, SafetensorError) as e:  # a full disk must not kill the run: the previous one stays
             shutil.rmtree(tmp, ignore_errors=True)
             if self.console is not None:
-                self.console.print(f"humanline: warning: checkpoint at step {step} not written ({type(e).__name__}: "
-                                   f"{e}); training goes on, a rerun would resume from an earlier checkpoint",
+                self.console.print(f"humanline: warning: checkpoint at step {step} not written to {final} "
+                                   f"({type(e).__name__}: {e}); training goes on, a rerun would resume from an "
+                                   f"earlier checkpoint",
                                    soft_wrap=True, markup=False, highlight=False)
             return None
         for old in self.steps()[:-self.keep]:

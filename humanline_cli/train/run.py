@@ -20,15 +20,16 @@ import transformers
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
+from safetensors import SafetensorError
 
 from humanline_cli import __version__
 from humanline_cli.config import RunSpec, validate
-from humanline_cli.errors import RunFailed
+from humanline_cli.errors import RunFailed, UserError
 from humanline_cli.train.build import build_parts
 from humanline_cli.train.checkpoint import Checkpoints
 from humanline_cli.train.signals import StopSignal, interrupted_where
 from humanline_cli.train.timing import PhaseTimer
-from humanline_cli.train.tracking import NullTracker, Tracker, write_json_atomic
+from humanline_cli.train.tracking import NullTracker, Tracker, write_failed_json
 from humanline_cli.train.trainer import train
 
 UNIT = {"dpo": "pairs", "kto": "examples", "grpo": "groups"}
@@ -146,10 +147,11 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
                             parts.dist.timeout_s if parts is not None else None)
             rec = failures.root_cause(run_dir) if main else None
             failed = failures.failed_json(rec) if rec is not None else failed
-        if main and run_dir.is_dir():
-            write_json_atomic(run_dir / "failed.json", failed)
+        note = write_failed_json(run_dir / "failed.json", failed) if main and run_dir.is_dir() else None
         if tracker is not None:
             tracker.finish(1)
+        if note is not None and isinstance(e, (UserError, RunFailed)):  # a full disk: the error line says so
+            raise type(e)(f"{e}; {note}") from e
         raise
     finally:  # engines, samplers and wandb are released whatever happened (a sweep runs on in this process)
         stop.__exit__()
@@ -193,8 +195,8 @@ def save_model(parts, dest: Path) -> None:
             if old.exists() and not dest.exists():
                 os.replace(old, dest)
             raise
-    except OSError as e:
-        raise RunFailed(f"cannot save the model to {dest}: {e.strerror or e}") from e
+    except (OSError, SafetensorError) as e:  # safetensors reports a full disk as its own error
+        raise RunFailed(f"cannot save the model to {dest}: {getattr(e, 'strerror', None) or e}") from e
     finally:
         for path in leftovers:
             shutil.rmtree(path, ignore_errors=True)

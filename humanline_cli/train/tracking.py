@@ -16,6 +16,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from humanline_cli.errors import RunFailed
+
 MASK = "***"
 # the last word of a key's name that marks its value as a credential ...
 SECRET_WORDS = frozenset({"token", "secret", "password", "passwd", "passphrase", "apikey", "key", "credential",
@@ -95,10 +97,43 @@ def mask_saved_configs(paths) -> list[Path]:
     return changed
 
 
+def cannot_write(path: Path, e: BaseException) -> RunFailed:
+    """A failed write (a full disk, a quota, a read-only mount) as one line naming the file."""
+    return RunFailed(f"cannot write {path}: {getattr(e, 'strerror', None) or e}")
+
+
 def write_json_atomic(path: Path, obj) -> None:
+    """Write a temp file, then rename it over `path`: a reader sees the old file or the new one, never
+    half of one. On failure the temp file is removed and RunFailed names `path`."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise cannot_write(path, e) from e
+
+
+def write_failed_json(path: Path, obj: dict) -> str | None:
+    """failed.json, whatever the disk allows: the full record; else (a full disk) as short a record as
+    fits, written in place; else nothing. Returns None when the full record was written, else a note
+    for the error line saying what happened. Never raises: the failure being recorded comes first."""
+    try:
+        write_json_atomic(path, obj)
+        return None
+    except RunFailed as e:
+        why = str(e.__cause__.strerror if isinstance(e.__cause__, OSError) and e.__cause__.strerror else e)
+    short = json.dumps({"status": "failed", "error": str(obj.get("error", ""))[:200]})
+    for text in (short, '{"status":"failed"}'):
+        try:
+            with open(path, "w") as f:
+                f.write(text)
+            return f"failed.json shortened ({why})"
+        except OSError:
+            with contextlib.suppress(OSError):
+                path.unlink()
+    return f"failed.json could not be written ({why})"
 
 
 WANDB_ID = "wandb_id.txt"  # the run's wandb id: a resumed run continues the same wandb run
@@ -144,14 +179,21 @@ class Tracker:
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **metrics}
-        self._f.write(json.dumps(row) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(row) + "\n")
+            self._f.flush()
+        except OSError as e:
+            raise cannot_write(self.metrics_path, e) from e
         self._wandb_call("log", metrics, step=step)
 
     def log_histogram(self, step: int, counts: list[int]) -> None:
         """Token log-ratio histogram (logratios.jsonl): underflow, 60 bins over [-3, 3], overflow."""
-        with open(self.run_dir / "logratios.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "lo": -3.0, "hi": 3.0, "counts": counts}) + "\n")
+        path = self.run_dir / "logratios.jsonl"
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps({"step": step, "lo": -3.0, "hi": 3.0, "counts": counts}) + "\n")
+        except OSError as e:
+            raise cannot_write(path, e) from e
 
     def summary(self, summary: dict) -> None:
         write_json_atomic(self.run_dir / "summary.json", summary)
@@ -173,7 +215,8 @@ class Tracker:
             self.wandb = None
 
     def finish(self, exit_code: int = 0) -> None:
-        self._f.close()
+        with contextlib.suppress(OSError):  # a full disk was reported when the row was written
+            self._f.close()
         if self.wandb is not None:
             try:
                 self.wandb.finish(exit_code=exit_code)
