@@ -339,3 +339,58 @@ def test_a_real_full_disk_through_the_cli(cache_dir, tmp_path):
         assert json.loads((run / "failed.json").read_text())["status"] == "failed"
     finally:
         subprocess.run(["umount", str(disk)])
+
+
+# ---- 5. bad numbers blamed on their source ------------------------------------------------------------
+
+def test_huge_rewards_are_refused_at_their_line(tmp_path):
+    from humanline_cli.data.examples import to_units
+    from humanline_cli.data.files import load_rows
+    from humanline_cli.errors import UserError
+
+    row = {"prompt": "1+1=", "completions": ["2", "3", "4"], "rewards": [1.0, 0.0, 0.5]}
+    bad = {**row, "rewards": [1.7e308, 1.7e308, 0]}  # finite, but the group's variance overflows to inf
+    path = tmp_path / "g.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (row, row, bad, row)))
+    rows, where = load_rows(str(path))
+    with pytest.raises(UserError) as e:
+        to_units(rows, where, "grpo")
+    assert str(e.value) == (f"{path}:3: field 'rewards' is 1.7e+308, outside the sane range [-1e+06, 1e+06] "
+                            f"(rescale the scores)")
+    pairs = tmp_path / "p.jsonl"
+    pairs.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c", "score_chosen": -2e6,
+                                 "score_rejected": 0}) + "\n")
+    with pytest.raises(UserError) as e:
+        to_units(*load_rows(str(pairs)), "dpo")
+    assert str(e.value).startswith(f"{pairs}:1: field 'score_chosen' is -2000000.0, outside the sane range")
+    assert len(to_units(*load_rows(str(path), limit=2), "grpo")) == 2  # in range: accepted
+
+
+def test_a_non_finite_loss_names_its_micro_batch_units(tmp_path):
+    import torch
+    from test_checkpoint import _setup, _spec
+
+    from humanline_cli.errors import RunFailed
+    from humanline_cli.train.timing import PhaseTimer
+    from humanline_cli.train.tracking import NullTracker
+    from humanline_cli.train.trainer import train
+
+    parts = _setup(lora=False, moving=False)
+    seen = []
+    real = parts.source.next_step
+
+    def watch(step):
+        data = real(step)
+        seen.append(data)
+        if step == 2:  # the step's only micro-batch gives a NaN loss
+            with torch.no_grad():
+                parts.policy.lm_head.weight.fill_(float("nan"))
+        return data
+
+    parts.source.next_step = watch
+    with pytest.raises(RunFailed) as e:
+        train(_spec(4, False, every=0), parts, NullTracker(), PhaseTimer())
+    units = seen[-1].micro_batches[0].units
+    assert len(seen) == 2 and len(units) == 2
+    assert str(e.value) == (f"loss is nan at step 2, micro-batch 1 of 1, units: prompt {units[0].prompt!r}; "
+                            f"prompt {units[1].prompt!r} (check their scores, or try a lower train.lr)")

@@ -72,9 +72,17 @@ def _show(value) -> str:
     return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
 
 
+# |score| above this is a unit or parsing mistake, not a reward: group advantages subtract means and
+# square deviations (1.7e308 overflows to inf and the advantages become NaN, far from this row)
+MAX_SCORE = 1e6
+
+
 def _score(value, field: str, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise UserError(f"{where}: field '{field}' must be a finite number, got {value!r}")
+    if abs(value) > MAX_SCORE:
+        raise UserError(f"{where}: field '{field}' is {value!r}, outside the sane range [-{MAX_SCORE:g}, "
+                        f"{MAX_SCORE:g}] (rescale the scores)")
     return float(value)
 
 

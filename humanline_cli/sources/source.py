@@ -1,6 +1,7 @@
 """The one interface every data source implements."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -46,4 +47,10 @@ def micro_batches(units: list, collate, micro: int, shard: Shard = Shard(), leng
     if length is not None:
         order = sorted(range(len(mine)), key=lambda i: -length(mine[i]))
         mine, theirs = [mine[i] for i in order], [theirs[i] for i in order]
-    return [collate(mine[i:i + micro], theirs[i:i + micro]) for i in range(0, len(mine), micro)]
+    out = []
+    for i in range(0, len(mine), micro):
+        batch = collate(mine[i:i + micro], theirs[i:i + micro])
+        with contextlib.suppress(AttributeError):  # its units, named if its loss is not finite (trainer)
+            batch.units = mine[i:i + micro]
+        out.append(batch)
+    return out

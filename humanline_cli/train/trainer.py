@@ -44,6 +44,25 @@ def _mean_metrics(rows: list[dict], reduce_sum=None) -> dict:
     return {k: float(n / d) if d > 0 else 0.0 for k, n, d in zip(keys, num.tolist(), den.tolist())}
 
 
+def _short(x) -> str:
+    text = x if isinstance(x, str) else getattr(x, "text", None) or repr(x)
+    return repr(text[:30] + "..." if len(text) > 30 else text)
+
+
+def blame(batch, most: int = 3) -> str:
+    """', units: prompt '...' (rewards [...]), ...': the units a micro-batch was built from (sources attach
+    them as `batch.units`), for the message of a non-finite loss; '' when the batch does not carry them."""
+    units = getattr(batch, "units", None)
+    if not units:
+        return ""
+    names = []
+    for u in units[:most]:
+        extra = f" (rewards {list(u.rewards)})" if hasattr(u, "rewards") else ""
+        names.append(f"prompt {_short(u.prompt)}{extra}")
+    more = f" and {len(units) - most} more" if len(units) > most else ""
+    return f", units: {'; '.join(names)}{more}"
+
+
 def _grad_sync(model, micro_batch: int, n_micro: int):
     """Gradient accumulation under DDP/FSDP2. DDP: all-reduce only on the last micro-batch (replicas
     hold full gradients anyway). FSDP2: reduce-scatter EVERY micro-batch, so between micro-batches each
@@ -138,7 +157,9 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
                         finite = bool(torch.isfinite(loss))
                         if not all_agree(finite, dist):
                             if not finite:
-                                raise RunFailed(f"loss is {float(loss.detach())} at step {step} (try a lower train.lr)")
+                                raise RunFailed(f"loss is {float(loss.detach())} at step {step}, micro-batch {i + 1} of "
+                                                f"{len(mbs)}{blame(data.micro_batches[i])} (check their scores, "
+                                                f"or try a lower train.lr)")
                             raise PeerFailed(f"another rank's loss is not finite at step {step}")
                         (loss * (counts[i] / max(total, 1.0) * dist.world_size)).backward()
                     m["loss"] = float(loss.detach())
