@@ -127,3 +127,59 @@ def test_bf16_without_fsdp_on_cpu_is_refused_in_one_line(tmp_path, cache_dir):
                 tmp_path)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("humanline: error: backend.precision=bf16 is only supported")
+
+
+def _rank_logps(rank: int, store: str, out: str) -> None:
+    """token_logps on an FSDP2 root (2 ranks, float64): the chunked path (the full-logits path is
+    made to fail), its log-probs and the gradients of their sum."""
+    from humanline_cli.core import logprobs
+
+    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    try:
+        def no_full_logits(*a, **k):
+            raise AssertionError("full (N, T, V) logits under FSDP")
+
+        logprobs._full_logits_token_logps = no_full_logits
+        model = _model(torch.float64)
+        shard_model(model)
+        seqs = _seqs()
+        with torch.no_grad():
+            frozen = logprobs.token_logps(model, seqs, chunk_size=3)  # no grad: the reference's route
+        lp = logprobs.token_logps(model, seqs, chunk_size=3)  # 3 positions per chunk: several chunks
+        lp.sum().backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        if rank == 0:
+            torch.save({"logps": lp.detach(), "frozen": frozen, "grads": grads}, out)
+    finally:
+        tdist.destroy_process_group()
+
+
+def _seqs():
+    from humanline_cli.core.batches import Seqs
+
+    ids = _data()
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # one right-padded row
+    loss = torch.zeros_like(ids, dtype=torch.bool)
+    loss[:, 3:] = True
+    return Seqs(ids, mask, loss & mask.bool())
+
+
+def test_chunked_logps_under_fsdp_match_one_process(tmp_path):
+    """Under FSDP2 token_logps no longer falls back to full logits: the chunked head runs inside the
+    root's forward (its hooks gather the head) and the log-probs (with and without grad) and the
+    gradients equal one process's to float64 addition-order rounding (1e-12)."""
+    from humanline_cli.core.logprobs import token_logps
+
+    out = str(tmp_path / "logps.out")
+    mp.spawn(_rank_logps, args=(str(tmp_path / "logps.store"), out), nprocs=WORLD, join=True)
+    got = torch.load(out)
+    model = _model(torch.float64)
+    lp = token_logps(model, _seqs(), chunk_size=3)
+    lp.sum().backward()
+    assert float((got["logps"] - lp.detach()).abs().max()) < 1e-12
+    assert float((got["frozen"] - lp.detach()).abs().max()) < 1e-12
+    assert float(lp.detach().abs().sum()) > 1.0  # real log-probs on the completion positions
+    for name, p in model.named_parameters():
+        assert float((got["grads"][name] - p.grad).abs().max()) < 1e-12, name

@@ -54,13 +54,16 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
     a wrapper's forward hooks on lm_head) fire as in `model(...)`.
 
     Falls back to the full-logits path (`_full_logits_token_logps`) when the model does not expose a
-    separate decoder and output embedding (e.g. a DDP wrapper), is an FSDP2 root (whose pre-forward
-    hook gathers the head), is a peft prompt-learning model (virtual tokens live in its forward), or
-    its config declares a logit transform listed in _HEAD_EXTRAS.
+    separate decoder and output embedding (e.g. a DDP wrapper), is a peft prompt-learning model
+    (virtual tokens live in its forward), or its config declares a logit transform listed in
+    _HEAD_EXTRAS. An FSDP2 root is chunked too: the computation runs as the root's forward
+    (_through_fsdp_root), so FSDP's hooks gather the head and arm the backward.
 
     `seqs.pack` (see the module docstring) takes the packed path, on either route, except for peft
     prompt-learning models (padded); the first packed call per model verifies packing (_check_packing).
     """
+    if _is_fsdp_root(model) and model not in _INSIDE_ROOT:
+        return _through_fsdp_root(model, seqs, chunk_size)
     if runs_packed(model, seqs):
         _check_packing(model, seqs, chunk_size)
         return _packed_token_logps(model, seqs, chunk_size)
@@ -77,6 +80,28 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
     logps = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1, dtype=torch.float32,
                         device=picked.device)
     return logps.index_put((rows, cols), picked)
+
+
+# FSDP2 roots whose forward is, right now, token_logps itself (see _through_fsdp_root)
+_INSIDE_ROOT: weakref.WeakSet = weakref.WeakSet()
+
+
+def _through_fsdp_root(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None) -> torch.Tensor:
+    """token_logps on an FSDP2 root, chunked as in one process. FSDP2 all-gathers the root's own
+    weights (embeddings, final norm, LM head) and arms its backward (gradient reduce-scatter, reshard)
+    in hooks around the root's __call__; calling get_decoder() and the head directly would skip them.
+    So the chunked computation runs AS the root's forward for this one call: the hooks fire exactly as
+    for model(...), and no (N, T, V) logits are built (one chunk at a time, as without FSDP)."""
+    def forward(input_ids, attention_mask):  # the tensors pass through __call__ (FSDP's input handling)
+        return token_logps(model, seqs, chunk_size)
+
+    _INSIDE_ROOT.add(model)
+    model.forward = forward  # an instance attribute: shadows the class's forward for this call only
+    try:
+        return model(seqs.input_ids, seqs.attention_mask)
+    finally:
+        del model.forward
+        _INSIDE_ROOT.discard(model)
 
 
 def _head_logps(model: torch.nn.Module, head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor,
@@ -202,7 +227,7 @@ def _full_logits_token_logps(model: torch.nn.Module, seqs: Seqs) -> torch.Tensor
 
 def _decoder_and_head(model: torch.nn.Module):
     """(decoder, lm_head) modules when `model(x).logits == lm_head(decoder(x).last_hidden_state)`, else None."""
-    if _is_fsdp_root(model):
+    if _is_fsdp_root(model) and model not in _INSIDE_ROOT:  # inside: the root's hooks gathered its weights
         return None
     if _is_prompt_learning(model):
         return None
