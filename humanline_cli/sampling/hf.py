@@ -35,6 +35,9 @@ class HFSampler:
     def push_weights(self, policy) -> None:
         self.model = policy
 
+    def sleep(self) -> None:
+        pass  # samples from the live policy: nothing to free
+
     def close(self) -> None:
         pass
 

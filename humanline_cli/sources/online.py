@@ -5,6 +5,10 @@ sampler, sample N completions per prompt, score them with the task's labeller, t
 groups into the objective's units (DPO best vs worst if the gap exceeds min_gap; KTO the same pair
 split; GRPO the whole group), then yield one epoch of optimizer steps over them. Yields the same
 StepData as the offline source.
+
+Under DDP/FSDP each rank samples and labels only its share of the round's prompts (Shard.share), with
+per-completion seeds from (seed, round, prompt index, sample index); the shares are then gathered in
+prompt order, so every rank holds exactly the one-process round and builds the same units from it.
 """
 from __future__ import annotations
 
@@ -78,26 +82,46 @@ class OnlineSource:
             out.append(self.rows[self._order.pop()])
         return out
 
+    def _sample_share(self, rows: list[dict], params: SamplingParams) -> list[tuple]:
+        """Sample and label this rank's share of the round; gather every rank's, in prompt order.
+        Returns per prompt of the whole round: (token ids, texts, log-probs, scores) of its n completions."""
+        n = params.n
+        mine = self.shard.share(len(rows))
+        prompts = [rows[i]["prompt"] for i in mine]
+        with self.timer.phase("sample"):
+            t = time.perf_counter()
+            out = self.sampler.generate([self.encoder.prompt_ids(p) for p in prompts], params, indices=mine)
+            self._sample_seconds += time.perf_counter() - t
+        with self.timer.phase("label"):
+            texts = [self.encoder.prompt_text(p) for p in prompts for _ in range(n)]
+            answers = [rows[i].get("answer") for i in mine for _ in range(n)] if "answer" in rows[0] else None
+            scores = checked(self.labeller_name, self.labeller, texts, out.texts, answers) if mine else []
+        local = [(i, out.token_ids[a * n:(a + 1) * n], out.texts[a * n:(a + 1) * n], out.logps[a * n:(a + 1) * n],
+                  scores[a * n:(a + 1) * n]) for a, i in enumerate(mine)]
+        groups = sorted((g for part in self.shard.gather(local) for g in part), key=lambda g: g[0])
+        if [g[0] for g in groups] != list(range(len(rows))):
+            raise RuntimeError("the ranks' shares of the round do not cover its prompts exactly once")
+        return [g[1:] for g in groups]
+
     def _run_round(self) -> None:
         self.round += 1
         rows = self._next_prompts()
         prompts = [r["prompt"] for r in rows]
         with self.timer.phase("push"):
             self.sampler.push_weights(self.policy)
-        with self.timer.phase("sample"):
-            t = time.perf_counter()
-            params = SamplingParams(**{**vars(self.params), "seed": self.seed * 100003 + self.round})
-            out = self.sampler.generate([self.encoder.prompt_ids(p) for p in prompts], params)
-            self._sample_seconds += time.perf_counter() - t
-            self._sample_tokens += out.n_tokens
+        params = SamplingParams(**{**vars(self.params), "seed": self.seed * 100003 + self.round})
+        groups = self._sample_share(rows, params)
+        self.sampler.sleep()  # the round is sampled: its engine's GPU memory goes to training until the next push
         n = params.n
-        with self.timer.phase("label"):
-            texts = [self.encoder.prompt_text(p) for p in prompts for _ in range(n)]
-            answers = [r.get("answer") for r in rows for _ in range(n)] if "answer" in rows[0] else None
-            scores = checked(self.labeller_name, self.labeller, texts, out.texts, answers)
+        out_ids = [ids for g in groups for ids in g[0]]
+        out_texts = [t for g in groups for t in g[1]]
+        out_logps = [lp for g in groups for lp in g[2]]
+        scores = [x for g in groups for x in g[3]]
+        texts = [self.encoder.prompt_text(p) for p in prompts for _ in range(n)]
+        self._sample_tokens += sum(len(ids) for ids in out_ids)  # the round's, over all ranks
         units, dropped = [], 0
         for i, p in enumerate(prompts):
-            comps = [TokenCompletion(tuple(out.token_ids[k]), out.texts[k], tuple(out.logps[k]))
+            comps = [TokenCompletion(tuple(out_ids[k]), out_texts[k], tuple(out_logps[k]))
                      for k in range(i * n, (i + 1) * n)]
             u = units_from_group(self.objective, ScoredGroup(p, comps, scores[i * n:(i + 1) * n]), self.min_gap)
             dropped += not u
@@ -107,10 +131,10 @@ class OnlineSource:
         self._round_info = {"online/round": self.round, "online/epoch": self.epoch,
                             "online/label_reward_mean": sum(scores) / len(scores),
                             "online/dropped_prompts": dropped, "online/units": len(units),
-                            "online/empty_completions": sum(1 for t in out.texts if not t.strip())}
+                            "online/empty_completions": sum(1 for t in out_texts if not t.strip())}
         if self.samples_path is not None:
             with open(self.samples_path, "a") as f:
-                for k, text in enumerate(out.texts):
+                for k, text in enumerate(out_texts):
                     f.write(json.dumps({"round": self.round, "prompt": texts[k], "completion": text,
                                         "score": scores[k]}) + "\n")
 
@@ -132,7 +156,8 @@ class OnlineSource:
         """Where the rounds stand: round and epoch, what is left of the prompt order, the current round's
         remaining queued units (PairExample / BinaryExample / GroupExample holding TokenCompletions; the
         checkpoint writes them as JSON), its info, the shuffle RNG and the sampling counters. The
-        sampler's seed is derived from the round (seed * 100003 + round), so the round restores it."""
+        sampler's seed is derived from the round (seed * 100003 + round; each completion's from that, its
+        prompt's index in the round and its sample index), so the round restores it."""
         return {"n_prompts": len(self.rows), "round": self.round, "epoch": self.epoch, "order": list(self._order),
                 "queue": [list(batch) for batch in self._queue], "round_info": dict(self._round_info),
                 "rng": self.rng.getstate(), "sample_tokens": self._sample_tokens,

@@ -23,10 +23,40 @@ class Source(Protocol):
 
 @dataclass(frozen=True)
 class Shard:
-    """Which share of every global batch this process trains on (rank r of w)."""
+    """Which share of every global batch this process trains on (rank r of w), and the two collectives
+    that sharded sampling and evaluation need (no-ops for one process)."""
 
     rank: int = 0
     world_size: int = 1
+
+    def share(self, n: int) -> list[int]:
+        """This rank's items of n: the r-th contiguous block, the first n % w ranks one longer
+        (n = 10, w = 4: 0-2, 3-5, 6-7, 8-9)."""
+        per, extra = divmod(n, self.world_size)
+        start = self.rank * per + min(self.rank, extra)
+        return list(range(start, start + per + (self.rank < extra)))
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order (torch.distributed.all_gather_object; [obj] alone)."""
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as tdist
+
+        out: list = [None] * self.world_size
+        tdist.all_gather_object(out, obj)
+        return out
+
+    def max_int(self, x: int) -> int:
+        """The largest x over ranks: keeps ranks in lockstep where each forward is a collective (FSDP)."""
+        if self.world_size == 1:
+            return int(x)
+        import torch
+        import torch.distributed as tdist
+
+        device = f"cuda:{torch.cuda.current_device()}" if tdist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([int(x)], dtype=torch.long, device=device)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)  # once per decoding step: a tensor, not a pickle
+        return int(t.item())
 
 
 def micro_batches(units: list, collate, micro: int, shard: Shard = Shard(), length=None) -> list:

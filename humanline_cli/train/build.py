@@ -109,9 +109,11 @@ def make_encoder(spec: RunSpec, tokenizer) -> Encoder:
     return Encoder(tokenizer, spec.train.max_prompt_length, spec.train.max_length, wrap_strings=wrap)
 
 
-def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = None) -> Evaluator | None:
+def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = None,
+                    shard: Shard = Shard()) -> Evaluator | None:
     """The task's held-out prompts (its eval split, its column names) and the judge: the task's own
-    (judge=task), a pairwise LLM judge (judge=llm), or none (judge=none / task.judge.kind=none)."""
+    (judge=task), a pairwise LLM judge (judge=llm), or none (judge=none / task.judge.kind=none).
+    Under DDP/FSDP (`shard`) each rank generates its share of the prompts and rank 0 judges."""
     j = spec.judge_cfg
     if j.kind == "none" or (j.kind == "task" and spec.task_cfg.judge.kind == "none"):
         return None
@@ -129,29 +131,32 @@ def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = 
                                       max_retries=j.max_retries, price_input_per_mtok=j.price_input_per_mtok,
                                       price_output_per_mtok=j.price_output_per_mtok,
                                       cache_dir=str(Path(j.cache_dir).expanduser()) if j.cache_dir else None), seed)
-        return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge)
+        return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge, shard=shard)
     subsets = [r.get("subset") for r in rows]
     if spec.task_cfg.world is not None and not any(subsets):  # the bundled tasks define theirs
         from humanline_cli.world.rewards import subset
 
         subsets = [subset(spec.task_cfg.world["kind"], encoder.prompt_text(r["prompt"])) for r in rows]
     return Evaluator(rows, encoder, make_scorer(asdict(spec.task_cfg.judge), device, "task.judge"), spec.eval_cfg,
-                     spec.task_cfg.verifiable, seed, subsets=subsets)
+                     spec.task_cfg.verifiable, seed, subsets=subsets, shard=shard)
 
 
-def make_sampler(spec: RunSpec, policy, tokenizer, backend: Backend, model_path: str):
+def make_sampler(spec: RunSpec, policy, tokenizer, backend: Backend, model_path: str, shard: Shard = Shard()):
+    """Under FSDP the transformers sampler runs the sharded policy, whose every forward is a collective:
+    its ranks decode in lockstep (shard.max_int). A vLLM engine runs inside each rank."""
     s = spec.sampler_cfg
     match s.name:
         case "hf":
             from humanline_cli.sampling.hf import HFSampler
 
-            return HFSampler(policy, tokenizer, s.batch_size, backend.autocast)
+            fsdp = shard.world_size > 1 and spec.backend_cfg.strategy.value == "fsdp"
+            return HFSampler(policy, tokenizer, s.batch_size, backend.autocast, lockstep=shard.max_int if fsdp else None)
         case "vllm":
             from humanline_cli.sampling.vllm import VLLMSampler
 
             return VLLMSampler(model_path, tokenizer, seed=spec.seed, gpu_memory_utilization=s.gpu_memory_utilization,
                                enforce_eager=s.enforce_eager, max_model_len=s.max_model_len, timeout_s=s.timeout_s,
-                               cpu_kvcache_gb=s.cpu_kvcache_gb)
+                               cpu_kvcache_gb=s.cpu_kvcache_gb, sleep=s.sleep)
     raise UserError(f"unknown sampler {s.name!r} (hf | vllm)")
 
 
@@ -189,13 +194,14 @@ def _offline_source(spec: RunSpec, encoder: Encoder, collate: Collator, shard: S
 
 
 def _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist: Dist) -> OnlineSource:
-    """Every rank samples and labels the whole round (same seed, same weights: identical units),
-    then trains on its share; only rank 0 writes samples.jsonl."""
+    """Every rank samples and labels its share of the round's prompts with its own sampler; the shares are
+    gathered (every rank then holds the one-process round) and each trains on its share of each step;
+    only rank 0 writes samples.jsonl."""
     d, p = spec.data_cfg, spec.task_cfg.prompts
     rows, where = load_rows(resolve_path(d.prompts, spec), p.train_split, d.limit, p.columns, limit_key="data.limit")
     encoder.check_prompts(rows, where)
     labeller = make_labeller(spec, backend.device)
-    sampler = make_sampler(spec, policy, encoder.tok, backend, model_path)
+    sampler = make_sampler(spec, policy, encoder.tok, backend, model_path, Shard(dist.rank, dist.world_size))
     params = SamplingParams(n=d.n, temperature=d.temperature, top_p=d.top_p, max_new_tokens=d.max_new_tokens,
                             seed=spec.seed)
     rounds = RoundSpec(spec.objective, spec.train.batch_size, spec.train.micro_batch_size, params,
@@ -279,10 +285,10 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     match spec.regime:
         case "offline":
             source = _offline_source(spec, encoder, collate, shard)
-            evaluator = build_evaluator(spec, encoder, backend.device)
+            evaluator = build_evaluator(spec, encoder, backend.device, shard=shard)
             policy = load_policy(model_path, backend.device, trust)  # after the data: bad data fails fast
         case "online":
-            evaluator = build_evaluator(spec, encoder, backend.device)
+            evaluator = build_evaluator(spec, encoder, backend.device, shard=shard)
             policy = load_policy(model_path, backend.device, trust)
         case other:
             raise UserError(f"unknown data regime {other!r}")
@@ -313,6 +319,8 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     if eval_sampler is None:
         from humanline_cli.sampling.hf import HFSampler
 
-        eval_sampler = HFSampler(policy, tokenizer, spec.eval_cfg.batch_size, backend.autocast)
+        fsdp = strategy == "fsdp" and dist.enabled  # the sharded policy's forwards are collectives: lockstep
+        eval_sampler = HFSampler(policy, tokenizer, spec.eval_cfg.batch_size, backend.autocast,
+                                 lockstep=shard.max_int if fsdp else None)
     return Parts(backend, tokenizer, encoder, policy, reference, source, evaluator, eval_sampler, train_model, dist,
                  memory)
