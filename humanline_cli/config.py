@@ -170,8 +170,8 @@ def validate(cfg: DictConfig) -> RunSpec:
     sampler = _group(cfg, "sampler", "name")
     reward = _group(cfg, "reward", None)
     judge = _group(cfg, "judge", None) if "judge" in cfg else S.JudgeConfig()  # runs saved before the group
-    if judge.kind not in ("task", "llm", "none"):
-        raise UserError(f"config key 'judge.kind' must be one of task, llm, none; got {judge.kind!r}")
+    if judge.kind not in ("task", "llm", "alpaca_eval", "none"):
+        raise UserError(f"config key 'judge.kind' must be one of task, llm, alpaca_eval, none; got {judge.kind!r}")
     root_keys = {f.name for f in dataclasses.fields(S.RootConfig)} - set(S.GROUP_SCHEMAS)
     root = _typed({k: cfg[k] for k in root_keys if k in cfg}, S.RootConfig, "")
 

@@ -270,7 +270,8 @@ class RewardConfig:
 @dataclass
 class JudgeConfig:
     """Evaluation judge: `task` (the task's own judge, task.judge), `llm` (pairwise LLM judge over an
-    OpenAI-compatible API, humanline_cli/rewards/llm_judge.py) or `none` (no evaluation)."""
+    OpenAI-compatible API, humanline_cli/rewards/llm_judge.py), `alpaca_eval` (AlpacaEval 2 WR and LC
+    through the alpaca-eval package, humanline_cli/rewards/alpaca.py) or `none` (no evaluation)."""
     kind: str = "task"
     model: str = "gpt-4.1"
     base_url: Optional[str] = None        # None: $OPENAI_BASE_URL, else the OpenAI API
@@ -285,6 +286,7 @@ class JudgeConfig:
     price_input_per_mtok: float = 2.0     # USD per million tokens (gpt-4.1 list price)
     price_output_per_mtok: float = 8.0
     cache_dir: Optional[str] = None       # content-addressed judgment cache (None: no cache)
+    annotator: str = "alpaca_eval_gpt-4.1"  # judge=alpaca_eval: the authors' config, an alpaca_eval one, or a YAML
 
 
 # ------------------------------------------------------------------ root

@@ -105,6 +105,7 @@ SPECS = {  # derived spec class (module) -> the schema class holding its default
     ("config.py", "RunSpec"): S.RootConfig,
     ("core/humanline.py", "HumanlineSpec"): S.HumanlineConfig,
     ("rewards/llm_judge.py", "LLMJudgeSpec"): S.JudgeConfig,
+    ("rewards/alpaca.py", "AlpacaEvalSpec"): S.JudgeConfig,
 }
 # Fields whose meaning differs from the schema key of the same name (so a default of their own is right):
 # HumanlineSpec.clamp/sync are "on in this run" (+humanline=true and hl.clamp), false unless validate says so.

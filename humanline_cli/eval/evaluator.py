@@ -55,7 +55,8 @@ class Evaluator:
         self.prompt_text = [encoder.prompt_text(p) for p in self.prompts]
         self.prompt_ids = [encoder.prompt_ids(p, f"eval prompt {i + 1}") for i, p in enumerate(self.prompts)]
         self.pairwise = pairwise
-        self.judge_name, self.judge = judge if pairwise is None else (f"llm/{pairwise.spec.model}", None)
+        self.judge_name, self.judge = judge if pairwise is None else (
+            getattr(pairwise, "name", None) or f"llm/{pairwise.spec.model}", None)
         self.params = SamplingParams(n=1, temperature=cfg.temperature, top_p=cfg.top_p,
                                      max_new_tokens=cfg.max_new_tokens, seed=seed + 99991)
         self.verifiable = verifiable and pairwise is None
@@ -156,7 +157,10 @@ class Evaluator:
             "judge": self.judge_name,
             "temperature": self.params.temperature,
             "judge_usage": res.totals(),
+            **(res.sections() if hasattr(res, "sections") else {}),  # judge=alpaca_eval: its WR and LC
         }
+        if samples_path is not None and hasattr(res, "save"):
+            res.save(samples_path)  # the judge's own annotations file, next to the samples
         if samples_path is not None:
             with open(samples_path, "w") as f:
                 for i, rec in enumerate(res.records):

