@@ -49,6 +49,7 @@ class TrainSpec:
     checkpoint_every: int = S.TrainConfig.checkpoint_every  # a resumable checkpoint every N optimizer steps (0 = never)
     keep_checkpoints: int = S.TrainConfig.keep_checkpoints  # the newest K checkpoints are kept
     max_truncated_fraction: float = S.TrainConfig.max_truncated_fraction  # more offline completions cut: stop
+    max_skipped_fraction: float = S.TrainConfig.max_skipped_fraction  # more steps skipped (no usable unit): fail
 
     @property
     def accumulation(self) -> int:
@@ -152,6 +153,12 @@ def _at_least(value, low, key: str):
         raise UserError(f"config key '{key}' must be >= {low}, got {value}")
 
 
+def _fraction(value, key: str) -> float:
+    if value is None or not 0.0 <= value <= 1.0:
+        raise UserError(f"config key '{key}' must be in [0, 1], got {value}")
+    return float(value)
+
+
 def validate(cfg: DictConfig) -> RunSpec:
     # resolve every interpolation once (a bad one is reported here), then type each part
     try:
@@ -216,6 +223,10 @@ def validate(cfg: DictConfig) -> RunSpec:
         # more ranks than micro-batches (paper_math's micro-batch of 8 on 8 GPUs): each rank's share of a
         # step is one micro-batch; the update does not depend on the split, so derive instead of refusing
         capped, micro = micro, batch // ranks
+    if micro > 0 and ranks > 1 and (batch % ranks or (batch // ranks) % micro):  # the rule is about both
+        raise UserError(f"train.batch_size ({batch}) must be a multiple of backend.nproc x train.micro_batch_size = "
+                        f"{ranks} x {micro} = {ranks * micro} (each rank trains batch_size / nproc units per step, "
+                        f"in micro-batches of micro_batch_size)")
     if micro <= 0 or (batch // ranks) % micro:
         raise UserError(f"train.batch_size ({batch}) must be a positive multiple of train.micro_batch_size ({micro})")
     if name == "kto" and micro < 2:
@@ -247,7 +258,8 @@ def validate(cfg: DictConfig) -> RunSpec:
                       gradient_checkpointing=t.gradient_checkpointing, ranks=ranks,
                       packing=t.packing, length_bucketing=t.length_bucketing, reference_cache=t.reference_cache,
                       checkpoint_every=checkpoint_every, keep_checkpoints=t.keep_checkpoints,
-                      max_truncated_fraction=t.max_truncated_fraction)
+                      max_truncated_fraction=t.max_truncated_fraction,
+                      max_skipped_fraction=_fraction(t.max_skipped_fraction, "train.max_skipped_fraction"))
     if ranks > 1:
         n = ranks
         if batch % n or (batch // n) % micro:

@@ -318,6 +318,7 @@ class TrainConfig:
     length_bucketing: bool = True   # unpacked: micro-batches of similar lengths (sorted within each rank's share)
     reference_cache: bool = True    # fixed reference (plain offline): each sequence's reference log-probs computed once
     max_truncated_fraction: float = 0.01   # more offline completions cut than this: stop (1.0 allows any)
+    max_skipped_fraction: float = 0.5      # more steps skipped (online rounds with no usable unit) than this: fail
     checkpoint_every: int = 50      # resumable checkpoint every N optimizer steps (0 = off)
     keep_checkpoints: int = 2       # newest checkpoints kept in <run_dir>/checkpoints/
 

@@ -4,6 +4,7 @@ is about the CLI (one line, exit code, files left), in-process where a piece can
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import run_cli
+from rich.console import Console
 from test_checkpoint import BASE
 
 from humanline_cli.train.lock import RunDirBusy, RunDirLock
@@ -394,3 +396,70 @@ def test_a_non_finite_loss_names_its_micro_batch_units(tmp_path):
     assert len(seen) == 2 and len(units) == 2
     assert str(e.value) == (f"loss is nan at step 2, micro-batch 1 of 1, units: prompt {units[0].prompt!r}; "
                             f"prompt {units[1].prompt!r} (check their scores, or try a lower train.lr)")
+
+
+# ---- 6. degenerate online rounds do not pass as success ------------------------------------------------
+
+def _tied_online_run(tmp_path, steps: int, max_skipped: float):
+    import dataclasses
+
+    from test_checkpoint import _setup, _spec
+    from test_online import _source
+
+    from humanline_cli.train.timing import PhaseTimer
+    from humanline_cli.train.tracking import Tracker
+    from humanline_cli.train.trainer import train
+
+    parts = _setup(lora=False, moving=False)
+    # a real online source whose labeller gives every sample the same score: DPO finds no pair in any round
+    parts.source = _source("dpo", ["1", "22", "333"], lambda prompts, completions, answers=None: [0.5] * len(completions))
+    spec = _spec(steps, False, every=0)
+    spec.train = dataclasses.replace(spec.train, max_skipped_fraction=max_skipped)
+    out = io.StringIO()
+    console = Console(file=out, width=400)
+    tracker = Tracker(tmp_path, {}, {"mode": "disabled"}, "t")
+    try:
+        last = train(spec, parts, tracker, PhaseTimer(), console)
+    finally:
+        tracker.finish()
+    return last, [ln for ln in out.getvalue().splitlines() if ln.startswith("humanline")]
+
+
+def test_every_score_tied_fails_the_run_once_too_many_steps_are_skipped(tmp_path):
+    from humanline_cli.errors import RunFailed
+
+    with pytest.raises(RunFailed) as e:
+        _tied_online_run(tmp_path, steps=10, max_skipped=0.5)
+    assert str(e.value) == ("6 of 10 steps skipped by step 6 (online rounds with no usable pair/example: every score "
+                            "tied, or gaps below the data's min_gap), more than train.max_skipped_fraction=0.5 of the run")
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["skipped"], r["skipped_steps"], r["online/skipped_round"]) for r in rows] == [
+        (s, 1.0, s, 1) for s in range(1, 7)]  # counted and logged, each round's own row
+    assert all(r["online/dropped_prompts"] == 2 for r in rows)
+
+
+def test_skipped_steps_within_the_allowance_are_counted_not_fatal(tmp_path):
+    last, printed = _tied_online_run(tmp_path, steps=3, max_skipped=1.0)
+    assert last == {"skipped_steps": 3}  # what summary.json's final_train_metrics reports
+    assert len(printed) == 1 and printed[0].startswith("humanline: warning: step 1 skipped: its round gave no usable")
+
+
+# ---- 7. smaller: the batch-size rule, long path components, the prefix ---------------------------------
+
+@pytest.mark.parametrize("overrides,message", [
+    (["train.batch_size=33", "train.micro_batch_size=3", "backend.strategy=ddp", "backend.nproc=2"],
+     "train.batch_size (33) must be a multiple of backend.nproc x train.micro_batch_size = 2 x 3 = 6 (each rank "
+     "trains batch_size / nproc units per step, in micro-batches of micro_batch_size)"),
+    (["train.batch_size=32", "train.micro_batch_size=3"],
+     "train.batch_size (32) must be a positive multiple of train.micro_batch_size (3)"),
+    (["train.max_skipped_fraction=1.5"], "config key 'train.max_skipped_fraction' must be in [0, 1], got 1.5"),
+])
+def test_config_rules_name_the_real_rule(overrides, message):
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.config import validate
+    from humanline_cli.errors import UserError
+
+    with initialize_config_module(config_module="conf", version_base="1.3"), pytest.raises(UserError) as e:
+        validate(compose("train", overrides=overrides))
+    assert str(e.value) == message

@@ -96,13 +96,15 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
     start = 0
     if resume_from is not None:  # weights, optimizer, scheduler, data position, RNGs, timers, baseline
         start, last = checkpoints.load(resume_from, parts, opt, sched, timer)
+    skipped = int(last.pop("skipped_steps", 0))  # steps with no usable unit so far (train.max_skipped_fraction)
     moving = rule.sync_every > 0 or rule.reset_each_round  # the reference can leave the starting weights
     fault = Fault.from_env(dist.rank)  # inert unless a test sets HUMANLINE_TEST_FAULT
 
     def checkpoint(step: int, now: bool = False) -> None:  # at the very end of a step: nothing of it is left to do
         if checkpoints is not None and (checkpoints.due(step) or (now and checkpoints.every > 0)):
             with timer.phase("checkpoint"):
-                checkpoints.save(step, parts, opt, sched, timer, last, moving)
+                checkpoints.save(step, parts, opt, sched, timer, {**last, "skipped_steps": skipped} if skipped else last,
+                                 moving)
         if not now and stop is not None and not all_agree(not stop.requested, dist):
             stop_here(step)
 
@@ -127,8 +129,18 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
         for step in range(start + 1, tr.steps + 1):
             fault.at_step(step)
             data = parts.source.next_step(step)  # online sources sample/label here (their own timers)
-            if not data.micro_batches:
-                tracker.log(step, {"skipped": 1.0, **data.info})
+            if not data.micro_batches:  # an online round with no usable pair/example (every score tied)
+                skipped += 1
+                tracker.log(step, {"skipped": 1.0, "skipped_steps": skipped, **data.info})
+                if skipped > tr.max_skipped_fraction * tr.steps:  # the run can no longer pass: stop now
+                    raise RunFailed(f"{skipped} of {tr.steps} steps skipped by step {step} (online rounds with no "
+                                    f"usable pair/example: every score tied, or gaps below the data's min_gap), more "
+                                    f"than train.max_skipped_fraction={tr.max_skipped_fraction:g} of the run")
+                if skipped == 1 and console is not None:
+                    console.print(f"humanline: warning: step {step} skipped: its round gave no usable pair/example "
+                                  f"(skipped steps are counted in metrics.jsonl; more than "
+                                  f"train.max_skipped_fraction={tr.max_skipped_fraction:g} of the run fails it)",
+                                  soft_wrap=True, markup=False, highlight=False)
                 progress.advance(bar)
                 checkpoint(step)
                 continue
@@ -206,4 +218,4 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
             checkpoint(step)
         if stop is not None:
             stop.arm(False)
-    return last
+    return {**last, "skipped_steps": skipped} if skipped else last
