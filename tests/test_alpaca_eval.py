@@ -307,3 +307,23 @@ def test_train_and_eval_commands_with_alpaca_eval(server, tmp_path, cache_dir):
     for f in run.rglob("*"):
         if f.is_file():
             assert server["key"] not in f.read_bytes().decode("utf-8", "replace"), f
+
+
+def test_report_shows_lc_next_to_wr(tmp_path):
+    """`humanline report`: a cell whose runs carry eval.alpaca_eval shows LC (as a fraction, like WR:
+    alpaca_eval's percent / 100, mean ± sd over seeds) next to the win rate; cells without it do not."""
+    from test_report import make_run
+
+    from humanline_cli.report.aggregate import build_report
+
+    root = tmp_path / "runs"
+    for seed, lc in ((0, 41.0), (1, 45.0)):
+        d = make_run(root, f"a{seed}", "dpo", "offline", False, seed, task="summarize", win=0.6, wall=10.0)
+        s = json.loads((d / "summary.json").read_text())
+        s["eval"]["alpaca_eval"] = {"win_rate": 60.0, "lc_win_rate": lc, "lc_standard_error": 1.0}
+        (d / "summary.json").write_text(json.dumps(s))
+    make_run(root, "c", "kto", "online", True, 0, task="arithmetic", win=0.6, acc=0.9, wall=12.0)
+    md = build_report(root).markdown
+    summ = md.split("## Task `summarize`", 1)[1].split("##", 1)[0]
+    assert f"LC 0.430 ± {math.sqrt(2 * 0.02 ** 2):.3f}" in summ  # mean 0.43, sd of (0.41, 0.45) = 0.0283
+    assert "LC" not in md.split("## Task `arithmetic`", 1)[1].split("##", 1)[0]

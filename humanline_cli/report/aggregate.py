@@ -133,6 +133,8 @@ def aggregate(runs: list[Run], ignore=()) -> list[dict]:
             cells.append({
                 "task": task, "objective": g.objective, "family": g.family, "n_seeds": len(runs_),
                 "win_rate_mean": _mean(wr), "win_rate_std": _std(wr), "win_rate_lo": lo, "win_rate_hi": hi,
+                # judge=alpaca_eval: its length-controlled win rate (percent there), as a fraction like WR
+                "lc_win_rate_mean": _mean(_lc(e) for e in ev), "lc_win_rate_std": _std(_lc(e) for e in ev),
                 "accuracy_mean": _mean(e.get("accuracy") for e in ev) if has_verifier else None,
                 "accuracy_std": _std(e.get("accuracy") for e in ev) if has_verifier else None,
                 "reward_mean": _mean(e.get("reward_mean") for e in ev),
@@ -153,6 +155,11 @@ def aggregate(runs: list[Run], ignore=()) -> list[dict]:
     return cells
 
 
+def _lc(ev: dict) -> float | None:
+    lc = (ev.get("alpaca_eval") or {}).get("lc_win_rate")
+    return None if lc is None else float(lc) / 100
+
+
 # ---------------------------------------------------------------- formatting
 def _pm(mean, std, digits=3) -> str:
     if mean is None:
@@ -164,6 +171,8 @@ def cell_lines(c: dict) -> list[str]:
     wr = _pm(c["win_rate_mean"], c["win_rate_std"])
     if c["win_rate_lo"] is not None and not math.isnan(c["win_rate_lo"]):
         wr += f" [{c['win_rate_lo']:.3f}, {c['win_rate_hi']:.3f}]"
+    if c.get("lc_win_rate_mean") is not None:
+        wr += ", LC " + _pm(c["lc_win_rate_mean"], c["lc_win_rate_std"])
     if c["metric"] == "accuracy":
         metric = "acc " + _pm(c["accuracy_mean"], c["accuracy_std"])
     else:
