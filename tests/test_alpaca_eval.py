@@ -327,3 +327,19 @@ def test_report_shows_lc_next_to_wr(tmp_path):
     summ = md.split("## Task `summarize`", 1)[1].split("##", 1)[0]
     assert f"LC 0.430 ± {math.sqrt(2 * 0.02 ** 2):.3f}" in summ  # mean 0.43, sd of (0.41, 0.45) = 0.0283
     assert "LC" not in md.split("## Task `arithmetic`", 1)[1].split("##", 1)[0]
+
+
+def test_eval_command_prints_wr_and_lc(monkeypatch, capsys, tmp_path):
+    """The console line of `humanline eval ... judge=alpaca_eval` (the result dict as the evaluator writes it)."""
+    import humanline_cli.cli.eval as cli_eval
+
+    result = {"run": "r", "against": "start", "n_prompts": 8, "win_rate": 0.425, "win_rate_ci": [0.1, 0.7],
+              "accuracy": None, "reward_mean": None, "judge": f"alpaca_eval/{SERVED}",
+              "judge_usage": {"n_pairs": 8, "n_unparsable": 0, "n_calls": 8, "n_cache_hits": 0, "n_retries": None,
+                              "prompt_tokens": None, "completion_tokens": None, "total_tokens": 4000, "cost_usd": 0.008},
+              "alpaca_eval": {"win_rate": 42.5, "standard_error": 5.0, "lc_win_rate": 40.25, "lc_standard_error": 1.5}}
+    monkeypatch.setattr(cli_eval, "evaluate_pair", lambda *a, **k: result)
+    assert cli_eval.main_eval([str(tmp_path), "judge=alpaca_eval"]) == 0
+    out = capsys.readouterr().out
+    assert f"alpaca_eval/{SERVED}: 8 calls, 0 cached, 0 unparsed pairs, 4000 tokens, $0.0080" in out
+    assert "AlpacaEval WR 42.50 ± 5.00, LC 40.25 ± 1.50" in out and "win rate 0.425" in out
