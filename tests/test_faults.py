@@ -463,3 +463,42 @@ def test_config_rules_name_the_real_rule(overrides, message):
     with initialize_config_module(config_module="conf", version_base="1.3"), pytest.raises(UserError) as e:
         validate(compose("train", overrides=overrides))
     assert str(e.value) == message
+
+
+def test_long_path_component_and_unquoted_unicode_are_one_line(tmp_path):
+    long = tmp_path / ("a" * 300)
+    r = run_cli(["train", f"hydra.run.dir={long}"], tmp_path, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"humanline: error: cannot write the run dir {long}: File name too long (set hydra.run.dir=...)"], r.stderr
+    r = run_cli(["train", f"hydra.run.dir={tmp_path}/é"], tmp_path, timeout=300)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(
+        f"humanline: error: LexerNoViableAltException: hydra.run.dir={tmp_path}/é"), r.stderr
+    assert lines[0].endswith("quote a value with spaces or non-ASCII characters: key='\"value\"'")
+    assert not os.path.exists(long) and not (tmp_path / "é").exists()  # Path.exists raises: name too long
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried "
+                 "to allocate 1073741824 bytes.\nError code 12 (Cannot allocate memory)"),  # torch's words
+    MemoryError(),
+])
+def test_out_of_memory_is_one_line_and_failed_json(tmp_path, monkeypatch, error):
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.errors import RunFailed
+    from humanline_cli.train import run as R
+
+    def build_parts(*a, **k):
+        raise error
+
+    monkeypatch.setattr(R, "build_parts", build_parts)
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose("train", overrides=["wandb.mode=disabled"])
+    with pytest.raises(RunFailed) as e:
+        R.run_job(cfg, tmp_path / "run")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"out of memory ({type(error).__name__}") and msg.endswith(
+        "lower train.micro_batch_size, or turn on train.gradient_checkpointing or LoRA, or use more ranks")
+    assert json.loads((tmp_path / "run" / "failed.json").read_text())["error"] == f"RunFailed: {msg}"
+    assert R.out_of_memory(ValueError("out of memory")) is None  # only memory errors

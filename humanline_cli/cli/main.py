@@ -301,8 +301,14 @@ def precheck_overrides(args: list[str]) -> None:
         _fail("humanline is set more than once (+humanline=true or humanline=false, not both)")
     try:
         points = sweep_points(keep)
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        # the hydra.* overrides too: an unquoted non-ASCII run dir is a lexer error Hydra prints in 4 lines
+        OverridesParser.create().parse_overrides([a for a in overrides if a not in keep])
     except (HydraException, OmegaConfBaseException, ValueError) as e:
-        _fail(compose_error(e))
+        hint = ("; quote a value with spaces or non-ASCII characters: key='\"value\"'"
+                if "LexerNoViableAlt" in str(e) else "")
+        _fail(compose_error(e).split("; See https://hydra.cc")[0] + hint)
     with initialize_config_module(config_module="conf", version_base="1.3"):
         for label, point in points:
             where = f"sweep point {label}: " if label else ""
@@ -324,7 +330,6 @@ def output_dir_problem(overrides: list[str], multirun: bool) -> str | None:
     Hydra starts (Hydra's own failure there is a multi-line traceback). `${now:}` is resolved now, a
     second or so before Hydra does: only the parents matter, and they are the same. Creates nothing
     that stays (a probe dir is removed at once); an existing dir is only checked, never written."""
-    import tempfile
 
     from hydra import compose
     from omegaconf import OmegaConf
@@ -336,6 +341,15 @@ def output_dir_problem(overrides: list[str], multirun: bool) -> str | None:
         return None
     path = path.absolute()
     where = f"cannot write the run dir {path}"
+    try:
+        return _dir_problem(path, key, where)
+    except OSError as e:  # a path component over the file system's limit (255 bytes), a loop of links
+        return f"{where}: {e.strerror} (set {key}=...)"
+
+
+def _dir_problem(path: Path, key: str, where: str) -> str | None:
+    import tempfile
+
     if path.exists():
         if not path.is_dir():
             return f"{where}: it is a file, not a directory (set {key}=...)"

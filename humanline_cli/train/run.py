@@ -132,7 +132,8 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
         if main:
             print_summary(summary, run_dir, console)
         return summary
-    except BaseException as e:
+    except BaseException as caught:
+        e = out_of_memory(caught) or caught  # one line instead of torch's allocator traceback
         failed = {"status": "failed", "error": f"{type(e).__name__}: {e}", "wall_clock_s": timer.report()}
         if isinstance(e, KeyboardInterrupt):  # the step it landed in, for the launching process to report
             if threading.current_thread() is threading.main_thread():
@@ -151,7 +152,9 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
         if tracker is not None:
             tracker.finish(1)
         if note is not None and isinstance(e, (UserError, RunFailed)):  # a full disk: the error line says so
-            raise type(e)(f"{e}; {note}") from e
+            raise type(e)(f"{e}; {note}") from caught
+        if e is not caught:
+            raise e from caught
         raise
     finally:  # engines, samplers and wandb are released whatever happened (a sweep runs on in this process)
         stop.__exit__()
@@ -159,6 +162,19 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
             parts.close()
         if tracker is not None:
             tracker.finish(0)
+
+
+def out_of_memory(e: BaseException) -> RunFailed | None:
+    """Out of memory (host RAM under a ulimit or cgroup, or a GPU's) as one RunFailed line, else None."""
+    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
+                                  getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
+    text = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
+    if not (isinstance(e, (MemoryError, *oom_types)) or (
+            isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower()))):
+        return None
+    text = text if len(text) <= 160 else text[:157] + "..."
+    return RunFailed(f"out of memory ({type(e).__name__}{': ' + text if text else ''}): lower "
+                     f"train.micro_batch_size, or turn on train.gradient_checkpointing or LoRA, or use more ranks")
 
 
 def save_model(parts, dest: Path) -> None:
