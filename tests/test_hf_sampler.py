@@ -4,8 +4,11 @@ nucleus draw picks the tokens the hand-computed CDF says."""
 from __future__ import annotations
 
 import math
+import socket
 
+import pytest
 import torch
+import torch.multiprocessing as mp
 from test_vllm_sampler import PROMPTS, build_model, build_tokenizer
 
 from humanline_cli.sampling.hf import HFSampler, _draw
@@ -71,3 +74,52 @@ def test_nucleus_draw_by_hand():
     assert _draw(logits, nucleus, u).tolist() == [0, 1, 1]
     assert _draw(logits, SamplingParams(temperature=1.0, top_p=1.0), u).tolist() == [1, 1, 2]
     assert _draw(logits[:2], SamplingParams(temperature=0.5, top_p=1.0), u[:2]).tolist() == [0, 1]
+
+
+def _fsdp_rank(rank: int, port: int, result: dict) -> None:
+    import os
+
+    import torch.distributed as tdist
+
+    from humanline_cli.backend import shard_model
+    from humanline_cli.sources.source import Shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        model, tok = _tiny64()
+        shard_model(model)
+        shard = Shard(rank, 2)
+        mine = shard.share(7)  # 4 and 3 prompts: unequal shares, rows finishing at different steps
+        out = HFSampler(model, tok, batch_size=3, lockstep=shard.max_int).generate(
+            [PROMPTS[i] for i in mine], SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW, seed=9),
+            indices=mine)
+        result[rank] = (mine, out.token_ids, out.logps)
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp_ranks_sample_their_shares_in_lockstep():
+    """Under FSDP every forward all-gathers the layer's shards, so ranks with unequal shares (4 vs 3
+    prompts, 3 vs 2 batches, different stopping steps) must decode in lockstep (Shard.max_int); their
+    completions are the one-process ones (tokens exact, float64 log-probs to 1e-10)."""
+    model, tok = _tiny64()
+    p = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW, seed=9)
+    whole = HFSampler(model, tok, batch_size=16).generate(PROMPTS[:7], p)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = mp.Manager().dict()
+    mp.spawn(_fsdp_rank, args=(port, result), nprocs=2, join=True)
+    got = {}
+    for rank in (0, 1):
+        mine, ids, lps = result[rank]
+        for a, i in enumerate(mine):
+            for j in range(2):
+                got[i * 2 + j] = (ids[a * 2 + j], lps[a * 2 + j])
+    assert sorted(got) == list(range(14))
+    assert [got[k][0] for k in range(14)] == whole.token_ids
+    assert max(abs(x - y) for k in range(14) for x, y in zip(got[k][1], whole.logps[k])) < 1e-10
+    assert len({len(t) for t in whole.token_ids}) > 1  # rows stop at different steps

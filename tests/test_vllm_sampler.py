@@ -210,6 +210,30 @@ def test_no_stale_prefix_cache_after_a_push(tiny, sampler):
         sampler.push_weights(model)  # restore for the other tests
 
 
+def test_lora_push_equals_the_merged_model(tiny, sampler):
+    """A peft LoRA policy pushes its merged weights (base + B A * alpha / r, under the base names): the
+    engine then generates what the merged plain model generates (greedy tokens; log-probs to LOGP_TOL,
+    the HF-vs-vLLM bound test_greedy_matches_hf pins for a fresh engine)."""
+    from humanline_cli.core.lora import apply_lora
+
+    _, model, tok = tiny
+    before = sampler.generate(PROMPTS, greedy())
+    lora = apply_lora(copy.deepcopy(model), r=4, alpha=8.0, dropout=0.0)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:  # B starts at zero (a no-op adapter): make it move the outputs
+                p.normal_(0.0, 0.3)
+    merged = copy.deepcopy(lora).merge_and_unload()
+    try:
+        sampler.push_weights(lora)
+        v = sampler.generate(PROMPTS, greedy())
+        assert_same(v, HFSampler(merged, tok).generate(PROMPTS, greedy()))
+        assert max_logp_diff(v, before) > 1e-2  # the adapter really changed the engine's outputs
+    finally:
+        sampler.push_weights(model)  # restore for the other tests
+
+
 def test_a_shard_of_the_prompts_gets_the_same_completions(tiny, sampler):
     """Per-request seeds come from (seed, prompt index, sample index): sampling prompts 5, 2 and 6 alone
     (as a rank's share would) gives exactly their completions in the whole call."""
@@ -241,6 +265,23 @@ def test_timeout_raises_run_failed(sampler, monkeypatch):
     finally:
         release.set()
         sampler._broken = None  # only the stub was stuck; the real engine is fine
+
+
+def test_a_vllm_without_the_push_api_fails_at_start_in_one_line(sampler):
+    """The real engine's workers have reload_weights(weights_iterator=...); a worker whose reload_weights
+    takes only a path (older vLLM) is caught at engine start with the installed version named."""
+    from types import SimpleNamespace
+
+    from humanline_cli.sampling.vllm import _has_push_api, check_push_api
+
+    check_push_api(sampler.llm, sampler._vllm)  # the installed vLLM passes
+    old_worker = SimpleNamespace(model_runner=SimpleNamespace(reload_weights=lambda weights_path=None: None))
+    assert not _has_push_api(old_worker)
+    old_llm = SimpleNamespace(collective_rpc=lambda fn: [fn(old_worker)])
+    with pytest.raises(UserError) as e:
+        check_push_api(old_llm, SimpleNamespace(__version__="0.9.2"))
+    assert str(e.value) == ("vLLM 0.9.2 has no in-place weight push (reload_weights(weights_iterator=...)); "
+                            "install vllm>=0.32,<0.33 (pip install -e '.[vllm]')")
 
 
 def test_missing_vllm_is_a_user_error(monkeypatch):

@@ -97,11 +97,11 @@ class VLLMSampler:
             return llm, torch.get_num_threads()
 
         self.llm, self._engine_threads = self._call(start, "start")
-        if not all(self.llm.collective_rpc(_has_push_api)):
-            version = getattr(vllm, "__version__", "?")
+        try:
+            check_push_api(self.llm, vllm)
+        except UserError:
             self.close()
-            raise UserError(f"vLLM {version} has no in-place weight push (reload_weights(weights_iterator=...)); "
-                            f"install vllm{TESTED_VLLM} (pip install -e '.[vllm]')")
+            raise
 
     # -- engine calls with a timeout -------------------------------------------------------------
     def _call(self, fn: Callable[[], Any], what: str) -> Any:
@@ -239,6 +239,15 @@ def policy_weights(policy):
     for name, p in policy.named_parameters():
         t = p.detach()
         yield name, t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def check_push_api(llm, vllm) -> None:
+    """One line naming the installed version when its workers cannot reload weights from an iterator
+    (older vLLM: a TypeError at the first push otherwise)."""
+    if not all(llm.collective_rpc(_has_push_api)):
+        version = getattr(vllm, "__version__", "?")
+        raise UserError(f"vLLM {version} has no in-place weight push (reload_weights(weights_iterator=...)); "
+                        f"install vllm{TESTED_VLLM} (pip install -e '.[vllm]')")
 
 
 def _has_push_api(worker) -> bool:

@@ -255,9 +255,15 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device):
                    ranks=b.nproc if b.strategy.value != "single" else 1,
                    gradient_checkpointing=spec.train.gradient_checkpointing)
     if device.type == "cuda":
-        reason = check_fits(est, torch.cuda.get_device_properties(device).total_memory)
+        total = torch.cuda.get_device_properties(device).total_memory
+        # an online vLLM engine takes sampler.gpu_memory_utilization of the GPU at start (the policy is
+        # already loaded then) and again whenever it wakes to sample, beside the optimizer state
+        share = spec.sampler_cfg.gpu_memory_utilization if spec.regime == "online" and spec.sampler_cfg.name == "vllm" \
+            else 0.0
+        reason = check_fits(est, total * (1.0 - share))
         if reason:
-            raise UserError(reason)
+            raise UserError(reason + (f" (what is left of the GPU after sampler.gpu_memory_utilization={share:g} "
+                                      f"for vLLM)" if share else ""))
     return est
 
 
