@@ -1,7 +1,8 @@
 """Rerunning a command into a run dir that already has outputs (`is_complete`, `prepare_run_dir`, called by
 the CLI before any rank starts): the saved `resolved_config.json` is compared with the new config, minus keys
 that never change results (IGNORED). Same config and complete: nothing to do. Same config, incomplete: resume
-from the last checkpoint (step-indexed outputs rewound to it) or start over. Another config: refused
+from the newest intact checkpoint (damaged ones, whose checksums fail, are moved to damaged-step_<N>/ and
+named in one line; step-indexed outputs rewound to the one used) or start over. Another config: refused
 (RunDirConflict) unless `resume=false`, which moves the old outputs to `previous-<n>/`.
 """
 from __future__ import annotations
