@@ -182,8 +182,10 @@ def validate(cfg: DictConfig) -> RunSpec:
     root_keys = {f.name for f in dataclasses.fields(S.RootConfig)} - set(S.GROUP_SCHEMAS)
     root = _typed({k: cfg[k] for k in root_keys if k in cfg}, S.RootConfig, "")
 
-    # the task's renames for its offline data, under the user's own (data.columns wins per key)
-    data = dataclasses.replace(data, columns={**(task.offline.columns or {}), **(data.columns or {})})
+    # the task's renames for its offline data, under the user's own (data.columns wins per key);
+    # data.columns=null turns every rename off (data.path then names a file already in our fields)
+    if data.columns is not None:
+        data = dataclasses.replace(data, columns={**(task.offline.columns or {}), **data.columns})
     name, regime = objective.name, data.regime
     if regime == "offline" and not data.path:
         raise UserError("config key 'data.path' is missing (set data.path=FILE on the command line)")

@@ -33,7 +33,9 @@ def test_eval_command_uses_the_tasks_eval_split_columns_and_chat_template(tmp_pa
     run = tmp_path / "run"
     r = run_cli(["train", "task=math", f"model.name_or_path={model_dir}", f"task.prompts.eval={tmp_path / 'ds'}",
                  f"data.path={pairs}", "data.columns=null", "train.steps=2", "train.batch_size=4", "threads=1",
-                 "eval.n_prompts=4", "eval.temperature=0", f"hydra.run.dir={run}"], tmp_path)
+                 "eval.n_prompts=4", "eval.temperature=0", f"hydra.run.dir={run}",
+                 # within the model's 64 positions (task=math's 2048/512/1024 would be refused)
+                 "train.max_length=64", "train.max_prompt_length=32", "eval.max_new_tokens=16"], tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     in_run = [json.loads(x)["prompt"] for x in (run / "eval_samples.jsonl").read_text().splitlines()]
     assert in_run == [row["problem"] for row in test[:4]]  # the test split, renamed columns, first n

@@ -61,7 +61,7 @@ def test_paper_studies_use_the_paper_settings():
     assert (cfg.data.n, cfg.data.temperature, cfg.data.top_p, cfg.data.min_gap) == (8, 0.7, 0.95, 0.01)
     assert cfg.sampler.name == "vllm" and cfg.backend.name == "cuda"
     m = _compose(["experiment=paper_math"])
-    assert m.task.judge.kind == "verifier" and m.data.columns["instruction"] == "prompt"
+    assert m.task.judge.kind == "verifier" and validate(m).data_cfg.columns["instruction"] == "prompt"
 
 
 @pytest.mark.parametrize("launcher,target", [("local", "JoblibLauncher"), ("slurm", "SlurmLauncher")])

@@ -119,6 +119,9 @@ def test_the_data_renames_stack_on_the_tasks_own():
     assert spec.data_cfg.columns == {"a": "prompt", "b": "rejected", "c": "chosen"}  # data.columns wins per key
     assert math.data_cfg.columns["instruction"] == "prompt"                        # the task's own still apply
     assert math.task_cfg.prompts.columns == {"problem": "prompt", "solution": "answer"}
+    with initialize_config_module(config_module="conf", version_base="1.3"):  # null: no renames at all
+        plain = validate(compose("train", overrides=["task=math", "model.name_or_path=m", "data.columns=null"]))
+    assert plain.data_cfg.columns is None
 
 
 def test_renamed_training_data_and_eval_prompts_train_from_the_command_line(world, tmp_path):
