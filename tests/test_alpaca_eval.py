@@ -278,8 +278,10 @@ def test_unreachable_server_is_one_line_error(tmp_path):
 @pytest.mark.slow
 def test_train_and_eval_commands_with_alpaca_eval(server, tmp_path, cache_dir):
     """`humanline train ... judge=alpaca_eval` writes WR and LC into summary.json's eval and the
-    annotations into the run dir; `humanline eval RUN --against start judge=alpaca_eval` against an
-    unreachable judge is one line and exit 2; the key is never written under the run dir."""
+    annotations into the run dir; `humanline eval RUN --against FILE judge=alpaca_eval` judges the policy
+    against reference outputs in AlpacaEval's format; against an unreachable judge it is one line and
+    exit 2; the key is never written under the run dir. (`--against start` runs the evaluator path that
+    train uses; each CLI run costs ~30 s here, so it is not repeated.)"""
     from conftest import FAST, TINY_WORLD, run_cli
 
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(server["hf"])}
@@ -296,11 +298,25 @@ def test_train_and_eval_commands_with_alpaca_eval(server, tmp_path, cache_dir):
     ann = json.loads((run / "eval_samples_alpaca_eval_annotations.json").read_text())
     assert len(ann) == 8 and all(x["generator_2"] == "model" for x in ann)
 
-    # `humanline eval RUN --against start judge=alpaca_eval ...` goes through the same evaluator (its judge
-    # built from the overrides); one run of it, against an unreachable judge (each run costs ~30 s here)
+    # `humanline eval RUN --against FILE judge=alpaca_eval ...`: reference outputs in AlpacaEval's format
+    # (the benchmark's way: the policy against fixed reference replies), matched by instruction
+    prompts = [json.loads(x)["prompt"] for x in (run / "eval_samples.jsonl").read_text().splitlines()]
+    ref = tmp_path / "reference_outputs.json"
+    ref.write_text(json.dumps([{"instruction": p, "output": f"The answer is {i}.", "generator": "ref", "dataset": "x"}
+                               for i, p in enumerate(reversed(prompts))]))
+    r = run_cli(["eval", str(run), "--against", str(ref), "--temperature", "0", *judge], tmp_path, env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads((run / "eval_vs_reference_outputs.json").read_text())
+    assert out["against"] == "reference_outputs" and out["alpaca_eval"]["n"] == 8
+    assert "AlpacaEval WR" in r.stdout and math.isfinite(out["alpaca_eval"]["lc_win_rate"])
+    ann = json.loads((run / "eval_vs_reference_outputs_samples_alpaca_eval_annotations.json").read_text())
+    by_prompt = {p: f"The answer is {i}." for i, p in enumerate(reversed(prompts))}
+    assert all(x["output_1"] == by_prompt[x["instruction"]] and x["generator_1"] == "reference" for x in ann)
+
+    # the same against an unreachable judge: one line, exit 2
     bad = [x if not x.startswith("judge.base_url=") else f"judge.base_url=http://127.0.0.1:{free_port()}/v1"
            for x in judge]
-    r = run_cli(["eval", str(run), "--against", "start", "--temperature", "0", *bad], tmp_path, env)
+    r = run_cli(["eval", str(run), "--against", str(ref), "--temperature", "0", *bad], tmp_path, env)
     assert r.returncode == 2
     lines = [x for x in r.stderr.splitlines() if x.startswith("humanline: error:")]
     assert len(lines) == 1 and "alpaca_eval judge: cannot reach" in lines[0], r.stderr[-2000:]
@@ -343,3 +359,19 @@ def test_eval_command_prints_wr_and_lc(monkeypatch, capsys, tmp_path):
     out = capsys.readouterr().out
     assert f"alpaca_eval/{SERVED}: 8 calls, 0 cached, 0 unparsed pairs, 4000 tokens, $0.0080" in out
     assert "AlpacaEval WR 42.50 ± 5.00, LC 40.25 ± 1.50" in out and "win rate 0.425" in out
+
+
+def test_reference_outputs_file(tmp_path):
+    """--against FILE: AlpacaEval's format read by instruction, in the eval prompts' order; a prompt
+    without an output, or a row without the fields, is one line naming the file."""
+    from humanline_cli.rewards.alpaca import read_reference_outputs
+
+    f = tmp_path / "ref.jsonl"
+    f.write_text("".join(json.dumps({"instruction": p, "output": o, "dataset": "d"}) + "\n"
+                         for p, o in zip(PROMPTS, REFERENCE)))
+    assert read_reference_outputs(str(f), PROMPTS[::-1]) == REFERENCE[::-1]
+    with pytest.raises(UserError, match=r"no output for 1 of 2 eval prompts \(first: eval prompt 2, 'Not there'\)"):
+        read_reference_outputs(str(f), PROMPTS[:1] + ["Not there"])
+    f.write_text(json.dumps({"instruction": "x"}) + "\n")
+    with pytest.raises(UserError, match=r"ref.jsonl:1: a reference output needs string fields"):
+        read_reference_outputs(str(f), ["x"])

@@ -1,6 +1,7 @@
-"""`humanline eval RUN_DIR [--against RUN_DIR|start]`: pairwise win rate of one trained policy
-against another run's policy or the starting policy, under the run's task judge, on the task's
-held-out prompts, with a 95% CI. Writes eval_vs_<name>.json into RUN_DIR."""
+"""`humanline eval RUN_DIR [--against RUN_DIR|start|FILE]`: pairwise win rate of one trained policy
+against another run's policy, the starting policy or a file of reference outputs (AlpacaEval's
+format), under the run's task judge, on the task's held-out prompts, with a 95% CI. Writes
+eval_vs_<name>.json into RUN_DIR."""
 from __future__ import annotations
 
 import argparse
@@ -68,9 +69,12 @@ def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperatur
     changes = {k: v for k, v in (("n_prompts", n_prompts), ("temperature", temperature)) if v is not None}
     if changes:
         spec = replace(spec, eval_cfg=replace(ev, **changes))
+    against_file = against != "start" and Path(against).is_file()  # reference outputs (AlpacaEval's format)
     if against == "start":
         prepare_world(spec)  # the bundled world, built first if it is not cached
         other_path, other_name = model_paths(spec)[0], "start"
+    elif against_file:
+        other_path, other_name = None, Path(against).stem
     else:
         other_dir = Path(against)
         _run_spec(other_dir)
@@ -88,9 +92,14 @@ def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperatur
                         f"task.judge.kind=model task.judge.name_or_path=DIR, task.judge.kind=verifier, or judge=llm "
                         f"(and task.prompts.eval=FILE if the run had no eval prompts)")
     batch = spec.eval_cfg.batch_size
-    other = load_policy(other_path, backend.device, trust).eval()
-    evaluator.set_baseline(HFSampler(other, tok, batch, backend.autocast))
-    del other
+    if against_file:
+        from humanline_cli.rewards.alpaca import read_reference_outputs
+
+        evaluator.set_baseline_texts(read_reference_outputs(against, evaluator.prompt_text))
+    else:
+        other = load_policy(other_path, backend.device, trust).eval()
+        evaluator.set_baseline(HFSampler(other, tok, batch, backend.autocast))
+        del other
     policy = load_policy(str(run_dir / "model"), backend.device, trust).eval()
     result = evaluator.evaluate(HFSampler(policy, tok, batch, backend.autocast),
                                 run_dir / f"eval_vs_{other_name}_samples.jsonl")
@@ -102,7 +111,8 @@ def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperatur
 def main_eval(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="humanline eval", description=__doc__)
     p.add_argument("run_dir", type=Path)
-    p.add_argument("--against", default="start", help="another run dir, or 'start' (default)")
+    p.add_argument("--against", default="start", help="another run dir, 'start' (default), or a file of reference "
+                   "outputs in AlpacaEval's format ({instruction, output} per eval prompt, .json or .jsonl)")
     p.add_argument("--n-prompts", type=int, default=None)
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)

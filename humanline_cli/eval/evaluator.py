@@ -87,6 +87,18 @@ class Evaluator:
         if self.greedy_params is not None:
             self.greedy_baseline = self.sample(sampler, self.greedy_params)
 
+    def set_baseline_texts(self, texts: list[str]) -> None:
+        """A baseline given as replies (e.g. a benchmark's reference outputs), one per eval prompt; scored
+        by a pointwise judge like sampled ones. A file has one reply per prompt: no greedy comparison."""
+        if len(texts) != len(self.prompt_text):
+            raise ValueError(f"{len(texts)} baseline replies for {len(self.prompt_text)} prompts")
+        scores = None
+        if self.pairwise is None:
+            scores = checked(self.judge_name, self.judge, self.prompt_text, texts, self.answers) \
+                if self.shard.rank == 0 else None
+            scores = self.shard.gather(scores)[0]
+        self.baseline, self.greedy_params, self.greedy_baseline = Side(list(texts), scores), None, None
+
     def evaluate(self, sampler, samples_path: Path | None = None) -> dict:
         """The main result (eval.temperature) at the top level, as the summary contract has it, and
         the same numbers under `sampled` and, with eval.greedy, `greedy`; per-subset where the task

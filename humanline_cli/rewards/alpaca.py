@@ -193,6 +193,25 @@ class AlpacaEvalResult:
         return path
 
 
+def read_reference_outputs(path: str, instructions: list[str]) -> list[str]:
+    """The reference reply for each eval prompt from a file in AlpacaEval's format (a .json list or .jsonl
+    of {instruction, output, ...}, e.g. the benchmark's own baseline outputs), matched by instruction."""
+    from humanline_cli.data.files import load_rows
+
+    rows, where = load_rows(path)
+    by_instruction: dict[str, str] = {}
+    for i, r in enumerate(rows):
+        if not isinstance(r.get("instruction"), str) or not isinstance(r.get("output"), str):
+            raise UserError(f"{where(i)}: a reference output needs string fields 'instruction' and 'output'")
+        by_instruction.setdefault(r["instruction"], r["output"])
+    missing = [i for i, p in enumerate(instructions) if p not in by_instruction]
+    if missing:
+        first = instructions[missing[0]]
+        raise UserError(f"{path}: no output for {len(missing)} of {len(instructions)} eval prompts (first: eval prompt "
+                        f"{missing[0] + 1}, {first[:60]!r})")
+    return [by_instruction[p] for p in instructions]
+
+
 def _num(x) -> float | None:
     try:
         x = float(x)
