@@ -158,22 +158,35 @@ def short_model(world):
     return path
 
 
-@pytest.mark.parametrize("extra,key", [
-    ([], "train.max_length (1024)"),                                       # task=custom defaults 1024/512/512
-    (["data=online", "task.prompts.train={prompts}", "task.labeller.kind=verifier", "sampler=vllm",
-      "train.max_length=256", "train.max_prompt_length=128", "data.max_new_tokens=64", "eval.max_new_tokens=64",
-      "sampler.max_model_len=1024"], "sampler.max_model_len (1024)"),
-], ids=["train.max_length", "sampler.max_model_len"])
-def test_lengths_past_the_models_positions_stop_in_one_line(world, short_model, tmp_path, extra, key):
-    run = tmp_path / "run"
-    extra = [e.replace("{prompts}", str(world["prompts"])) for e in extra]
+def test_lengths_past_the_models_positions_stop_in_one_line(world, short_model, tmp_path):
+    run = tmp_path / "run"  # task=custom's default lengths 1024/512/512 on a 256-position model
     r = run_cli(["train", "task=custom", f"model.name_or_path={short_model}", f"data.path={world['pairs']}",
-                 "task.judge.kind=none", "threads=1", *extra, f"hydra.run.dir={run}"], tmp_path)
+                 "task.judge.kind=none", "threads=1", f"hydra.run.dir={run}"], tmp_path)
     assert r.returncode == 2, r.stderr[-3000:]
     line = r.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"humanline: error: {key} > the model's max_position_embeddings (256, {short_model}/"
-                           f"config.json)"), line
-    assert "<=256" in line and "Traceback" not in r.stderr
+    assert line.startswith(f"humanline: error: train.max_length (1024) > the model's max_position_embeddings (256, "
+                           f"{short_model}/config.json): set train.max_length<=256"), line
+    assert "Traceback" not in r.stderr and not (run / "model").exists()
+
+
+def test_the_vllm_engines_length_is_checked_against_the_model_too(world, short_model):
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.config import validate
+    from humanline_cli.errors import UserError
+    from humanline_cli.train.lengths import check_model_lengths, model_positions
+
+    assert model_positions(str(short_model)) == 256  # GPT-2's n_positions, read from config.json alone
+    base = ["task=custom", f"model.name_or_path={short_model}", "data=online", f"task.prompts.train={world['prompts']}",
+            "task.labeller.kind=verifier", "sampler=vllm", "train.max_length=256", "train.max_prompt_length=128",
+            "data.max_new_tokens=64"]
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        fits = validate(compose("train", overrides=base))             # max_model_len = train.max_length = 256
+        too_long = validate(compose("train", overrides=[*base, "sampler.max_model_len=1024"]))
+    check_model_lengths(fits, str(short_model))
+    with pytest.raises(UserError) as e:
+        check_model_lengths(too_long, str(short_model))
+    assert str(e.value).startswith("sampler.max_model_len (1024) > the model's max_position_embeddings (256, ")
 
 
 @pytest.mark.parametrize("overrides,message", [
