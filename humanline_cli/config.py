@@ -247,11 +247,7 @@ def validate(cfg: DictConfig) -> RunSpec:
     if capped is not None:
         notes.append(f"train.micro_batch_size={capped} > the {micro} units each of {ranks} ranks trains per step: "
                      f"micro-batches of {micro}")
-    checkpoint_every = t.checkpoint_every
-    if checkpoint_every > 0 and backend.strategy == "fsdp":  # derived, the composed config is left as it is
-        checkpoint_every = 0
-        notes.append(f"checkpoints off: train.checkpoint_every={t.checkpoint_every} is not supported with "
-                     f"backend.strategy=fsdp yet (this run cannot be resumed mid-way)")
+    checkpoint_every = t.checkpoint_every  # FSDP2 too: sharded checkpoints (train/fsdp_checkpoint.py)
     train = TrainSpec(steps=_positive(t.steps, "train.steps"), batch_size=batch, micro_batch_size=micro,
                       lr=_positive(t.lr, "train.lr"), weight_decay=t.weight_decay, warmup_ratio=t.warmup_ratio,
                       schedule=t.schedule.value, max_grad_norm=_positive(t.max_grad_norm, "train.max_grad_norm"),

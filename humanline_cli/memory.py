@@ -2,8 +2,9 @@
 
 Counts parameters exactly by building the model on the meta device. Bytes per parameter follow what
 the trainer keeps: fp32 master weights (bf16 autocast computes, it does not store), fp32 gradients and
-AdamW's two fp32 moments for every trainable parameter, the reference (a full fp32 copy; with LoRA the
-base model with adapters off, or one more adapter). FSDP divides weights, gradients and optimizer
+AdamW's two fp32 moments for every trainable parameter, the reference (a full fp32 copy, or bf16 under
+FSDP2 mixed precision, `reference_bytes=2`; with LoRA the base model with adapters off, or one more
+adapter). FSDP divides weights, gradients and optimizer
 states by the number of ranks; DDP replicates them. Activations use the usual transformer estimate
 per layer of 34 * s * b * h bytes (16-bit activations, Korthikanti et al. 2022, with the attention
 scores kept by a fused SDPA/flash kernel, which transformers uses by default) for s tokens, b sequences
@@ -72,7 +73,8 @@ def lora_params(config, r: int) -> int:
 
 def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, moving_reference: bool = True,
              strategy: str = "single", ranks: int = 1, gradient_checkpointing: bool = False,
-             vocab_chunk_bytes: int = 2**27, params: int | None = None) -> MemoryEstimate:
+             vocab_chunk_bytes: int = 2**27, params: int | None = None,
+             reference_bytes: float = 4.0) -> MemoryEstimate:
     n = params if params is not None else count_params(config)
     shard = ranks if strategy == "fsdp" else 1
     trainable = lora_params(config, lora_r) if lora_r > 0 else n
@@ -82,7 +84,7 @@ def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, m
     if lora_r > 0:
         reference = 4.0 * trainable / shard if moving_reference else 0.0
     else:
-        reference = 4.0 * n / shard
+        reference = reference_bytes * n / shard
     s, b, h, layers = max_length, seqs_per_micro, config.hidden_size, config.num_hidden_layers
     per_layer = (2.0 if gradient_checkpointing else 34.0) * s * b * h
     activations = per_layer * layers + vocab_chunk_bytes

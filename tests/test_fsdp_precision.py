@@ -183,3 +183,17 @@ def test_chunked_logps_under_fsdp_match_one_process(tmp_path):
     assert float(lp.detach().abs().sum()) > 1.0  # real log-probs on the completion positions
     for name, p in model.named_parameters():
         assert float((got["grads"][name] - p.grad).abs().max()) < 1e-12, name
+
+
+def test_memory_estimate_counts_a_bf16_reference_under_fsdp():
+    """bf16 under FSDP2 keeps the frozen reference in bf16: 2 bytes per parameter over the ranks
+    instead of 4 (Llama-3-8B's shape, 8 ranks: 8.03e9 * 2 / 8 bytes = 1.87 GiB instead of 3.74)."""
+    from humanline_cli.memory import GB, estimate
+
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
+    n = 8_030_261_248  # Llama-3-8B's parameter count (memory.count_params on this config)
+    kw = dict(seqs_per_micro=8, max_length=2048, strategy="fsdp", ranks=8, gradient_checkpointing=True, params=n)
+    fp32, bf16 = estimate(cfg, **kw), estimate(cfg, **kw, reference_bytes=2.0)
+    assert fp32.reference == 4.0 * n / 8 and bf16.reference == 2.0 * n / 8
+    assert round(bf16.reference / GB, 2) == 1.87 and fp32.total - bf16.total == 2.0 * n / 8

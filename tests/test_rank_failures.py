@@ -83,3 +83,28 @@ def test_bad_timeout_is_one_line(tmp_path, cache_dir):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == \
         "humanline: error: config key 'backend.timeout_s' must be > 0 seconds, got 0.0"
+
+
+def test_a_rank_that_died_without_a_record_is_named(tmp_path, monkeypatch):
+    """kill -9 leaves no record; when torch's ChildFailedError only saw a survivor exit, the rank with
+    no record among those that recorded a transport error is the one named."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job2")
+    failures.record(tmp_path, 0, RuntimeError("Connection closed by peer [127.0.0.1]:713"))
+
+    class Seen:  # torch's ProcessFailure as the agent saw rank 0: a normal exit with code 2
+        exitcode = 2
+
+        def signal_name(self):
+            return "<N/A>"
+
+    rec = failures.killed(type("E", (), {"failures": {0: Seen()}})(), tmp_path, "job2", 2)
+    assert rec["rank"] == 1 and rec["message"].startswith("ended without a word (kill -9")
+
+    class Killed(Seen):
+        exitcode = -9
+
+        def signal_name(self):
+            return "SIGKILL"
+
+    rec = failures.killed(type("E", (), {"failures": {1: Killed()}})(), tmp_path, "job2", 2)
+    assert rec["rank"] == 1 and rec["message"].startswith("killed by SIGKILL without a word")

@@ -253,7 +253,10 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device):
     est = estimate(config, seqs_per_micro=seqs, max_length=spec.train.max_length, lora_r=spec.model_cfg.lora.r,
                    moving_reference=reference_moves(spec), strategy=b.strategy.value,
                    ranks=b.nproc if b.strategy.value != "single" else 1,
-                   gradient_checkpointing=spec.train.gradient_checkpointing)
+                   gradient_checkpointing=spec.train.gradient_checkpointing,
+                   # bf16 under FSDP2: the frozen reference is kept in bf16 (build_parts)
+                   reference_bytes=2.0 if b.strategy.value == "fsdp" and b.nproc > 1 and (
+                       b.precision.value == "bf16" or (b.precision.value == "auto" and device.type == "cuda")) else 4.0)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         # an online vLLM engine takes sampler.gpu_memory_utilization of the GPU at start (the policy is

@@ -15,6 +15,9 @@ rename, so a kill mid-write never leaves half a checkpoint; older ones are prune
   them; a resume skips a checkpoint whose files were truncated, emptied or altered (rundir.newest_intact)
   and `load` refuses one, so damage is never loaded silently.
 Loading reads safetensors and JSON only, never pickle. Rank 0 writes, every rank loads.
+Under FSDP2 (state.json `"sharded": true`) the policy, AdamW and a moving reference are not in
+tensors.safetensors but in `shards/`, every rank's own, written and read with torch.distributed.checkpoint
+(train/fsdp_checkpoint.py) inside the same temp dir before the rename.
 
 Rerunning a command into a run dir that has outputs (resume, refuse, start over): rundir.py.
 """
@@ -37,6 +40,7 @@ from humanline_cli.backend import Dist
 from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample
 from humanline_cli.errors import UserError
 from humanline_cli.sources.online import TokenCompletion
+from humanline_cli.train import fsdp_checkpoint
 
 FORMAT = 1
 FILES = ("tensors.safetensors", "state.json")
@@ -154,17 +158,44 @@ class Checkpoints:
         return self.root / f"step_{steps[-1]}" if steps else None
 
     def save(self, step: int, parts, opt, sched, timer, last: dict, moving: bool) -> Path | None:
-        """Rank 0 writes; every rank waits for it (a barrier), so no rank runs ahead of a checkpoint."""
+        """Rank 0 writes; every rank waits for it (a barrier), so no rank runs ahead of a checkpoint.
+        Under FSDP2 every rank first writes its own shards into the temp dir (fsdp_checkpoint)."""
         path = None
+        sharded = fsdp_checkpoint.is_sharded(parts)
+        if sharded and not self._save_shards(step, parts, opt, moving):
+            return None
         if self.dist.is_main:
-            path = self._write(step, parts, opt, sched, timer, last, moving)
+            path = self._write(step, parts, opt, sched, timer, last, moving, sharded)
         if self.dist.enabled:
             import torch.distributed as tdist
 
             tdist.barrier()
         return path
 
-    def _write(self, step, parts, opt, sched, timer, last, moving) -> Path | None:
+    def _save_shards(self, step: int, parts, opt, moving: bool) -> bool:
+        """All ranks: the FSDP2 shards into the temp dir rank 0 made empty. False (on every rank: DCP
+        raises on all of them) when a write failed; the previous checkpoint stays, training goes on."""
+        import torch.distributed as tdist
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        tmp = self.root / f".tmp-step_{step}"
+        if self.dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        tdist.barrier()
+        try:
+            fsdp_checkpoint.save_shards(tmp, parts, opt, moving)
+            return True
+        except (OSError, CheckpointException) as e:
+            if self.dist.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if self.console is not None:
+                    self.console.print(f"humanline: warning: checkpoint at step {step} not written ({type(e).__name__}: "
+                                       f"{str(e).splitlines()[0] if str(e) else ''}); training goes on",
+                                       soft_wrap=True, markup=False, highlight=False)
+            return False
+
+    def _write(self, step, parts, opt, sched, timer, last, moving, sharded: bool = False) -> Path | None:
         from safetensors.torch import save_file
 
         source_state = getattr(parts.source, "state_dict", None)
@@ -174,6 +205,8 @@ class Checkpoints:
         tensors = {f"policy.{k}": v for k, v in policy_tensors(parts.policy).items()}
         tensors.update({f"reference.{k}": v for k, v in reference_tensors(parts.reference, moving).items()})
         osd = opt.state_dict()
+        if sharded:  # policy, reference and AdamW are in shards/ (every rank's, fsdp_checkpoint)
+            tensors, osd = {}, {"state": {}, "param_groups": None}
         extra = {}
         for i, st in osd["state"].items():
             for k, v in st.items():
@@ -197,12 +230,14 @@ class Checkpoints:
         state = {"format": FORMAT, "step": step, "world_size": self.dist.world_size, "reference_saved": moving,
                  "optimizer": {"param_groups": osd["param_groups"], "state_extra": extra},
                  "scheduler": sched.state_dict(), "rng": rng, "source": source_state(), "timer": timer.state_dict(),
-                 "last_metrics": last, "baselines": baselines, "reference_cache_keys": cache_keys}
+                 "last_metrics": last, "baselines": baselines, "reference_cache_keys": cache_keys,
+                 "sharded": sharded}
         final = self.root / f"step_{step}"
         tmp = self.root / f".tmp-step_{step}"
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            if not sharded:  # sharded: tmp already holds every rank's shards
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
             save_file(tensors, tmp / "tensors.safetensors")
             _write_synced(tmp / "state.json", json.dumps(to_json(state)))
             _fsync(tmp / "tensors.safetensors")
@@ -238,16 +273,22 @@ class Checkpoints:
                             f"{self.dist.world_size}; resume=false starts over")
         tensors = load_file(path / "tensors.safetensors")
         part = lambda prefix: {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}  # noqa: E731
-        _copy_into(policy_tensors(parts.policy), part("policy."), "policy")
-        if state["reference_saved"]:
-            _copy_into(reference_tensors(parts.reference, True), part("reference."), "reference")
-        opt_state: dict[int, dict] = {}
-        for key, v in part("optimizer.").items():
-            i, name = key.split(".", 1)
-            opt_state.setdefault(int(i), {})[name] = v
-        for i, extra in state["optimizer"]["state_extra"].items():
-            opt_state.setdefault(int(i), {}).update(extra)
-        opt.load_state_dict({"state": opt_state, "param_groups": state["optimizer"]["param_groups"]})
+        if bool(state.get("sharded")) != fsdp_checkpoint.is_sharded(parts):
+            raise UserError(f"{path} was written {'with' if state.get('sharded') else 'without'} FSDP sharding and "
+                            f"this run is {'not ' if state.get('sharded') else ''}sharded; resume=false starts over")
+        if state.get("sharded"):  # every rank reads its own shards (a collective)
+            fsdp_checkpoint.load_shards(path, parts, opt, state["reference_saved"])
+        else:
+            _copy_into(policy_tensors(parts.policy), part("policy."), "policy")
+            if state["reference_saved"]:
+                _copy_into(reference_tensors(parts.reference, True), part("reference."), "reference")
+            opt_state: dict[int, dict] = {}
+            for key, v in part("optimizer.").items():
+                i, name = key.split(".", 1)
+                opt_state.setdefault(int(i), {})[name] = v
+            for i, extra in state["optimizer"]["state_extra"].items():
+                opt_state.setdefault(int(i), {}).update(extra)
+            opt.load_state_dict({"state": opt_state, "param_groups": state["optimizer"]["param_groups"]})
         sched.load_state_dict(state["scheduler"])
         parts.source.load_state_dict(state["source"])
         timer.load_state_dict(state["timer"])

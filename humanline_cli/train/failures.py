@@ -9,10 +9,10 @@ and stops the other ranks (SIGTERM, SIGKILL after 30 s). Whoever reports the job
 process, or rank 0 under an external torchrun) picks the root cause: the earliest record that is not
 a consequence of another rank's death (a transport error or a collective timeout), else the earliest.
 
-`HUMANLINE_TEST_FAULT=rank:step:kind` (kind: user | run | bug | nan | hang) is a test-only fault hook,
+`HUMANLINE_TEST_FAULT=rank:step:kind` (kind: user | run | bug | nan | hang | kill) is a test-only fault hook,
 read here and nowhere else: on that rank at that step the trainer raises a UserError / RunFailed /
-RuntimeError, makes the loss NaN, or freezes (a rank that stops answering, for the process-group
-timeout).
+RuntimeError, makes the loss NaN, freezes (a rank that stops answering, for the process-group
+timeout) or kills itself with SIGKILL.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -103,6 +104,30 @@ def root_cause(run_dir: Path, job: str | None = None) -> dict | None:
     return min(primary or recs, key=lambda r: r["time"])
 
 
+def killed(child_failed, run_dir: Path, job: str, world: int) -> dict | None:
+    """A record for a rank that died without writing one (kill -9, the OOM killer, a lost machine),
+    when the others only saw it go: the rank torch's ChildFailedError saw die by a signal other than
+    the agent's own SIGTERM, else the ranks with no record (the agent reports only the first exit it
+    polls, which may be a survivor's)."""
+    what = ("without a word (kill -9, out of host memory, a lost machine); rerun the same command to resume "
+            "from the last checkpoint")
+    for rank, f in sorted(getattr(child_failed, "failures", {}).items()):
+        if f.exitcode < 0 and f.signal_name() not in ("SIGTERM", "SIGINT"):
+            return _silent(rank, f"killed by {f.signal_name()} {what}")
+    d = failures_dir(run_dir, job)
+    recorded = {int(p.stem.removeprefix("rank")) for p in d.glob("rank*.json")} if d.is_dir() else set()
+    silent = [r for r in range(world) if r not in recorded]
+    if recorded and silent:
+        return _silent(silent[0], f"ended {what}" if len(silent) == 1 else
+                       f"ended {what} (so did ranks {', '.join(map(str, silent[1:]))})")
+    return None
+
+
+def _silent(rank: int, message: str) -> dict:
+    return {"rank": rank, "kind": "run", "type": "RunFailed", "secondary": False, "time": 0.0, "message": message,
+            "wall_clock_s": {}}
+
+
 def clear(run_dir: Path, job: str | None = None) -> None:
     shutil.rmtree(failures_dir(run_dir, job), ignore_errors=True)
     with contextlib.suppress(OSError):
@@ -165,6 +190,8 @@ class Fault:
             case "hang":
                 while True:
                     time.sleep(60)
+            case "kill":  # kill -9 of this rank: no Python cleanup, no record (a lost machine, the OOM killer)
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def loss(self, step: int, loss):
         return loss * float("nan") if self.kind == "nan" and step == self.step else loss

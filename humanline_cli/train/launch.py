@@ -131,6 +131,9 @@ def launch(cfg, run_dir: Path, nproc: int) -> None:
                         f"rerun the same command to resume from the last checkpoint") from None
     except ChildFailedError as e:
         rec = failures.root_cause(run_dir, conf.run_id)
+        dead = failures.killed(e, run_dir, conf.run_id, conf.nproc_per_node * conf.max_nodes)
+        if dead is not None and (rec is None or rec.get("secondary")):  # the others only saw it go
+            rec = {**dead, "wall_clock_s": (rec or {}).get("wall_clock_s", {})}
         if rec is None:  # killed without a word (kill -9, out of memory, a segfault)
             first = str(e).strip().splitlines()[0] if str(e).strip() else "ChildFailedError"
             raise RunFailed(f"a rank crashed: {first}") from None
