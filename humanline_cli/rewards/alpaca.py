@@ -225,8 +225,9 @@ class AlpacaEvalJudge:
         try:
             import alpaca_eval  # noqa: F401
             import openai
-        except ImportError:
-            raise UserError("judge=alpaca_eval needs the alpaca-eval package: pip install 'humanline[alpaca]'") from None
+        except ImportError as e:  # the package, or one it imports (e.g. setuptools' pkg_resources)
+            raise UserError(f"judge=alpaca_eval needs the alpaca-eval package and its dependencies "
+                            f"(pip install 'humanline[alpaca]'): cannot import {e.name or e}") from None
         self.spec, self.seed, self._openai = spec, seed, openai
         self.name = f"alpaca_eval/{spec.model}"
         self.base_url = spec.base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
