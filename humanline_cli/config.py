@@ -49,6 +49,7 @@ class TrainSpec:
     checkpoint_every: int = S.TrainConfig.checkpoint_every  # a resumable checkpoint every N optimizer steps (0 = never)
     keep_checkpoints: int = S.TrainConfig.keep_checkpoints  # the newest K checkpoints are kept
     max_truncated_fraction: float = S.TrainConfig.max_truncated_fraction  # more offline completions cut: stop
+    save_dtype: str = S.TrainConfig.save_dtype.value  # auto | fp32 | bf16 (run.saved_dtype resolves auto)
     max_skipped_fraction: float = S.TrainConfig.max_skipped_fraction  # more steps skipped (no usable unit): fail
 
     @property
@@ -256,7 +257,7 @@ def validate(cfg: DictConfig) -> RunSpec:
                       gradient_checkpointing=t.gradient_checkpointing, ranks=ranks,
                       packing=t.packing, length_bucketing=t.length_bucketing, reference_cache=t.reference_cache,
                       checkpoint_every=checkpoint_every, keep_checkpoints=t.keep_checkpoints,
-                      max_truncated_fraction=t.max_truncated_fraction,
+                      max_truncated_fraction=t.max_truncated_fraction, save_dtype=t.save_dtype.value,
                       max_skipped_fraction=_fraction(t.max_skipped_fraction, "train.max_skipped_fraction"))
     if ranks > 1:
         n = ranks

@@ -33,6 +33,12 @@ class Schedule(str, Enum):
     cosine = "cosine"
 
 
+class SaveDtype(str, Enum):
+    auto = "auto"  # bf16 when training computes in bf16 (backend.precision=bf16, or auto on CUDA), else fp32
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 class Device(str, Enum):
     auto = "auto"
     cpu = "cpu"
@@ -313,6 +319,7 @@ class TrainConfig:
     max_prompt_length: int = 48
     log_every: int = 10
     save_model: bool = True
+    save_dtype: SaveDtype = SaveDtype.auto  # dtype of the saved model's weights (model/model.safetensors)
     gradient_checkpointing: bool = False
     packing: bool = False           # each micro-batch's sequences as one padding-free row (position ids reset per sequence)
     length_bucketing: bool = True   # unpacked: micro-batches of similar lengths (sorted within each rank's share)

@@ -104,7 +104,8 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
                 ev = parts.evaluator.evaluate(parts.eval_sampler, run_dir / "eval_samples.jsonl" if main else None)
         if spec.train.save_model:
             with timer.phase("save"):
-                save_model(parts, run_dir / "model")  # a collective under FSDP (gathers the full weights)
+                # a collective under FSDP (gathers the full weights)
+                save_model(parts, run_dir / "model", saved_dtype(spec.train.save_dtype, parts.backend))
         summary = {
             "status": "complete",
             "objective": spec.objective,
@@ -123,6 +124,7 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
             "wall_clock_s": timer.report(),
             "tokens_per_s": {"train": last.get("tokens_per_s"),
                              "sample": getattr(parts.source, "sample_tokens_per_s", lambda: None)()},
+            "memory_gib": peak_memory(parts),
             "versions": {"humanline": __version__, "torch": torch.__version__,
                          "transformers": transformers.__version__},
             "git_commit": _git_commit(),
@@ -177,11 +179,29 @@ def out_of_memory(e: BaseException) -> RunFailed | None:
                      f"train.micro_batch_size, or turn on train.gradient_checkpointing or LoRA, or use more ranks")
 
 
-def save_model(parts, dest: Path) -> None:
+def peak_memory(parts) -> dict:
+    """The memory estimate printed in the header and, on CUDA, what this rank's allocator really peaked
+    at (torch.cuda.max_memory_allocated: tensors only, not the CUDA context or allocator slack)."""
+    est = getattr(parts, "memory", None)
+    out = {"estimate": round(est.total / 1024**3, 3) if est is not None else None, "cuda_max_allocated": None}
+    if parts.backend.device.type == "cuda":
+        out["cuda_max_allocated"] = round(torch.cuda.max_memory_allocated(parts.backend.device) / 1024**3, 3)
+    return out
+
+
+def saved_dtype(save_dtype: str, backend) -> torch.dtype:
+    """train.save_dtype: auto = bf16 when training computes in bf16 (autocast or FSDP2 mixed
+    precision), else fp32 (fp64 checks included: a saved model is for eval and vLLM)."""
+    if save_dtype == "auto":
+        return torch.bfloat16 if torch.bfloat16 in (backend.autocast_dtype, backend.param_dtype) else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[save_dtype]
+
+
+def save_model(parts, dest: Path, dtype: torch.dtype = torch.float32) -> None:
     """Write to `dest`.tmp then swap it in, so a crash or a full disk never leaves a half-saved model:
     on any failure the temp dir is removed and an existing `dest` is left as it was (a failed write
     becomes RunFailed, one line). Under FSDP every rank joins the gather of the full weights; rank 0
-    writes them."""
+    writes them. Floating-point weights are written in `dtype` (train.save_dtype; config.json says so)."""
     state = None
     if parts.dist.enabled:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -189,6 +209,11 @@ def save_model(parts, dest: Path) -> None:
         state = get_model_state_dict(parts.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not parts.dist.is_main:
         return
+    lora = hasattr(parts.policy, "peft_config")
+    if not lora and isinstance(parts.policy, torch.nn.Module) and any(
+            p.is_floating_point() and p.dtype != dtype for p in parts.policy.parameters()):
+        state = state if state is not None else parts.policy.state_dict()
+        state = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     tmp = dest.with_name(dest.name + ".tmp")
     old = dest.with_name(dest.name + ".old")
     leftovers = (tmp, tmp.with_name(tmp.name + ".tmp"))  # save_merged stages in <its dest>.tmp itself
@@ -201,6 +226,8 @@ def save_model(parts, dest: Path) -> None:
             save_merged(parts.policy, parts.tokenizer, tmp)
         else:
             parts.policy.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+            if (tmp / "config.json").is_file():
+                _config_dtype(tmp / "config.json", dtype)
             parts.tokenizer.save_pretrained(tmp)
         if dest.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -217,6 +244,19 @@ def save_model(parts, dest: Path) -> None:
         for path in leftovers:
             shutil.rmtree(path, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _config_dtype(config: Path, dtype: torch.dtype) -> None:
+    """config.json names the dtype the weights were saved in (vLLM and from_pretrained(dtype="auto")
+    read it); save_pretrained writes the live model's, fp32 master weights."""
+    import json
+
+    cfg = json.loads(config.read_text())
+    name = str(dtype).removeprefix("torch.")
+    for key in ("torch_dtype", "dtype"):
+        if key in cfg:
+            cfg[key] = name
+    config.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def print_summary(s: dict, run_dir: Path, console: Console) -> None:
