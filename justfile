@@ -18,6 +18,21 @@ run *ARGS:
 test *ARGS:
     {{py}} -m pytest -q -n 2 --dist loadfile {{ARGS}}
 
+# tests comparing two computations equal in exact arithmetic (packed vs padded, N ranks vs 1, micro-batches,
+# chunked vs full logits, cached reference, LoRA): they run in float64 (backend.precision=fp64)
+equivalence := "tests/test_packing.py tests/test_distributed.py tests/test_tensor_ops.py tests/test_reference_cache.py tests/test_lora.py tests/test_trainer.py"
+
+# the equivalence tests under every CPU kernel set torch can pick here: default, avx2, and avx512 where the CPU has it
+test-kernels *ARGS:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    kernels="default avx2"
+    if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then kernels="$kernels avx512"; fi
+    for k in $kernels; do
+        echo "== ATEN_CPU_CAPABILITY=$k"
+        ATEN_CPU_CAPABILITY=$k {{py}} -m pytest -q -n 2 --dist loadfile {{equivalence}} {{ARGS}}
+    done
+
 # the offline table in the README: dpo/kto/grpo x {plain, humanline}
 sweep *ARGS:
     {{venv}}/bin/humanline train -m objective=dpo,kto,grpo +humanline=true,false {{ARGS}}

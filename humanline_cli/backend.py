@@ -190,7 +190,8 @@ def clip_grad_norm(params: list, max_norm: float, dist: Dist) -> float:
     if not any(hasattr(g, "to_local") for g in grads):
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    sq = torch.stack([t.detach().float().pow(2).sum() for t in local]).sum() if local else torch.zeros(())
+    sq = torch.stack([t.detach().to(torch.promote_types(t.dtype, torch.float32)).pow(2).sum()  # fp64 stays fp64
+                      for t in local]).sum() if local else torch.zeros(())
     sq = all_reduce_sum(sq, dist)
     norm = float(sq.sqrt())
     coef = min(1.0, max_norm / (norm + 1e-6))

@@ -49,6 +49,7 @@ class Precision(str, Enum):
     auto = "auto"
     fp32 = "fp32"
     bf16 = "bf16"
+    fp64 = "fp64"  # float64 weights and compute: numerical checks (two ways equal in exact arithmetic)
 
 
 class Strategy(str, Enum):
@@ -109,6 +110,10 @@ class DataConfig:
     # online: rounds of sample -> label -> train
     prompts: Optional[str] = None
     prompts_per_round: int = 64
+    # stale on-policy rounds (the authors' math "offline"): optimizer steps one generation serves; the round then
+    # samples K x batch_size / (units per prompt: 2 for kto, else 1) prompts, overriding prompts_per_round.
+    # None: prompts_per_round decides (64 prompts at batch 32 = a round every 2 steps for dpo/grpo)
+    generate_every: Optional[int] = None
     n: int = 8                       # samples per prompt (paper: 8)
     temperature: float = 1.0         # the bundled world needs T=1 for diverse groups (paper: 0.7)
     top_p: float = 1.0               # paper: 0.95

@@ -75,7 +75,8 @@ def test_kto_round_splits_pairs_and_grpo_keeps_groups():
     assert isinstance(grpo, GroupBatch) and len(grpo.seqs) == 6
     # scores .1 .2 .3: mean .2, population std sqrt(2/300) -> A = +-0.1 / (0.08165 + 0.01)
     a = 0.1 / ((2 / 300) ** 0.5 + 0.01)
-    assert sorted(grpo.advantages.tolist()) == pytest.approx(sorted([-a, 0.0, a] * 2), abs=1e-5)
+    # float64 arithmetic, then one float32 rounding of |A| ~ 1.1 (<= 6e-8)
+    assert sorted(grpo.advantages.tolist()) == pytest.approx(sorted([-a, 0.0, a] * 2), abs=1e-7)
     assert grpo.sampler_logps is not None and float(grpo.sampler_logps.min()) == -0.5
 
 

@@ -1,6 +1,7 @@
 """token_logps: the chunked LM-head path gives the full-logits values and gradients (plain Llama,
 LoRA PeftModel, hooks on the head, autocast), falls back where the plain head would be wrong, and
-cuts the peak memory of a forward+backward at a 128k vocabulary by more than 4x."""
+cuts the peak memory of a forward+backward at a 128k vocabulary by more than 4x. Path-vs-path
+comparisons run the model in float64 (close: relative 1e-10), so they hold on any CPU kernel set."""
 from __future__ import annotations
 
 import weakref
@@ -23,7 +24,9 @@ from humanline_cli.data.collate import make_seqs
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
 
 
-def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, tie: bool = False, seed: int = 0):
+def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, tie: bool = False, seed: int = 0,
+               dtype: torch.dtype = torch.float32):
+    """float64 (dtype) for tests that compare two computations equal in exact arithmetic (see close)."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=2, num_key_value_heads=2, head_dim=hidden // 2, max_position_embeddings=64,
@@ -31,7 +34,7 @@ def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, tie: bool = F
     model = LlamaForCausalLM(cfg).float().train()
     with torch.no_grad():  # a random init gives near-uniform logits; spread them so the test means something
         model.get_output_embeddings().weight.mul_(20.0)
-    return model
+    return model.to(dtype)  # the same float32 init, then (for float64) widened exactly
 
 
 def random_seqs(vocab: int, n: int = 5, seed: int = 1):
@@ -56,13 +59,21 @@ def values_and_grads(fn, model, seqs):
     return logps.detach(), grads
 
 
-def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-6) -> bool:
-    """max |a - b| <= tol * max(1, max |b|): 1e-6 on the tensor's own scale, i.e. a few float32 ulps
-    (gradients here reach ~60, where one ulp is 4e-6; the two paths only differ in matmul blocking)."""
+F64_TOL = 1e-10
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = F64_TOL) -> bool:
+    """max |a - b| <= tol * max(1, max |b|), for two float64 computations equal in exact arithmetic.
+
+    Why 1e-10: the two paths differ only in summation order (matmul blocking, chunking, packing), each
+    sum has n <= a few hundred terms, so each result is off by at most ~n * 1.1e-16 * sum|terms|; with
+    terms up to ~100x the result (log-softmax over spread logits) that is < 1e-11 of the scale. In
+    float32 the same argument gives ~1e-3, too loose to mean anything, hence float64 (observed: ~1e-15)."""
+    assert a.dtype == b.dtype == torch.float64, "compare float64 computations (tiny_llama(dtype=torch.float64))"
     return float((a - b).abs().max()) <= tol * max(1.0, float(b.abs().max()))
 
 
-def assert_same(a, b, tol=1e-6):
+def assert_same(a, b, tol=F64_TOL):
     (va, ga), (vb, gb) = a, b
     assert close(va, vb, tol), float((va - vb).abs().max())
     assert ga.keys() == gb.keys() and ga
@@ -72,26 +83,27 @@ def assert_same(a, b, tol=1e-6):
 
 @pytest.mark.parametrize("chunk_size", [1, 7, None])
 def test_chunked_matches_full_logits_values_and_gradients(chunk_size):
-    model = tiny_llama()
+    model = tiny_llama(dtype=torch.float64)
     seqs = random_seqs(64)
     chunked = values_and_grads(lambda m, s: token_logps(m, s, chunk_size=chunk_size), model, seqs)
     full = values_and_grads(_full_logits_token_logps, model, seqs)
     assert_same(chunked, full)
     logps, _ = chunked
     mask = completion_mask(seqs)
-    assert logps.dtype == torch.float32 and logps.shape == (5, seqs.input_ids.shape[1] - 1)
+    assert logps.dtype == torch.float64 and logps.shape == (5, seqs.input_ids.shape[1] - 1)  # float64 kept
+    assert token_logps(tiny_llama(), seqs, chunk_size=chunk_size).dtype == torch.float32  # a float32 model
     assert torch.all(logps[mask == 0] == 0) and torch.all(logps[mask == 1] < 0)
     assert logps[-1].abs().sum() == 0  # the row with no completion
     # one entry by hand: log softmax of the model's own logits at that position
     i, t = (mask == 1).nonzero()[0].tolist()
     with torch.no_grad():
         logits = model(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask).logits
-    expected = torch.log_softmax(logits[i, t].double(), -1)[seqs.input_ids[i, t + 1]]
-    assert abs(float(logps[i, t]) - float(expected)) < 1e-5
+    expected = torch.log_softmax(logits[i, t], -1)[seqs.input_ids[i, t + 1]]
+    assert abs(float(logps[i, t]) - float(expected)) < 1e-12  # float64 log-softmax of ~64 terms
 
 
 def test_tied_embeddings_and_no_grad():
-    model = tiny_llama(tie=True)
+    model = tiny_llama(tie=True, dtype=torch.float64)
     seqs = random_seqs(64, seed=3)
     assert_same(values_and_grads(lambda m, s: token_logps(m, s, chunk_size=4), model, seqs),
                 values_and_grads(_full_logits_token_logps, model, seqs))
@@ -113,10 +125,10 @@ def test_empty_completion_mask_still_backpropagates():
 def test_head_is_called_as_a_module_so_its_hooks_fire():
     """A forward hook on lm_head (as a wrapper or adapter would install) changes the logits; the chunked
     path must see the change exactly like the model's own forward does."""
-    model = tiny_llama()
+    model = tiny_llama(dtype=torch.float64)
     seqs = random_seqs(64, seed=4)
     calls = []
-    bias = torch.linspace(-3.0, 3.0, 64)
+    bias = torch.linspace(-3.0, 3.0, 64, dtype=torch.float64)
 
     def hook(module, args, output):
         calls.append(args[0].shape[0])
@@ -135,7 +147,7 @@ def test_head_is_called_as_a_module_so_its_hooks_fire():
 
 def test_lora_peft_model_matches_full_path():
     peft = pytest.importorskip("peft")
-    model = tiny_llama(seed=5)
+    model = tiny_llama(seed=5, dtype=torch.float64)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"],
                            init_lora_weights=False, lora_dropout=0.0)
     pm = peft.get_peft_model(model, lora)
@@ -251,5 +263,6 @@ def test_peak_memory_at_128k_vocab_is_4x_lower():
     assert before > 3 * logits_bytes  # the full path really holds several (N, T, V) float32 buffers
     assert after < 6 * 32 * 128_256 * 4 + 2 * 128_256 * 16 * 4  # a few chunk-sized buffers + weight grads
     assert before / after >= 4.0, (before, after)
-    with torch.no_grad():  # and the values agree at this vocabulary too
+    model.double()  # and the values agree at this vocabulary too (float64: see close)
+    with torch.no_grad():
         assert close(token_logps(model, seqs, chunk_size=32), _full_logits_token_logps(model, seqs))

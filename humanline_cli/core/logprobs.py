@@ -43,7 +43,8 @@ _PACK_VERIFIED: weakref.WeakSet = weakref.WeakSet()
 
 
 def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = None) -> torch.Tensor:
-    """log p(x_t | x_<t) for t = 1..T-1, shape (N, T-1), float32, zero where the completion mask is 0.
+    """log p(x_t | x_<t) for t = 1..T-1, shape (N, T-1), float32 (float64 for a float64 model), zero where
+    the completion mask is 0.
 
     input_ids/attention_mask (N, T) -> hidden states (N, T, H) from `model.get_decoder()` -> the M
     positions with completion_mask 1 -> `model.get_output_embeddings()` on chunks of `chunk_size`
@@ -77,7 +78,7 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
     h = hidden[rows, cols]  # (M, H)
     targets = seqs.input_ids[rows, cols + 1]  # (M,)
     picked = _head_logps(model, head, h, targets, chunk_size)
-    logps = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1, dtype=torch.float32,
+    logps = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1, dtype=picked.dtype,
                         device=picked.device)
     return logps.index_put((rows, cols), picked)
 
@@ -149,14 +150,14 @@ def _packed_token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | No
     split = _decoder_and_head(model)
     if split is None:  # DDP wrappers, FSDP2 roots, logit transforms: the model's own forward
         logits = model(input_ids=packed, position_ids=pos, use_cache=False).logits[0]
-        sel = logits[at].float()  # (M, V)
+        sel = _at_least_fp32(logits[at])  # (M, V)
         picked = sel.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(sel, dim=-1)
     else:
         decoder, head = split
         out = decoder(input_ids=packed, position_ids=pos, use_cache=False)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         picked = _head_logps(model, head, hidden[0, at], targets, chunk_size)
-    logps = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1, dtype=torch.float32,
+    logps = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1, dtype=picked.dtype,
                         device=picked.device)
     return logps.index_put((rows, cols), picked)
 
@@ -210,19 +211,24 @@ def _is_prompt_learning(model: torch.nn.Module) -> bool:
 
 
 def _chunk_logps(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(C, H) hidden states, (C,) targets -> (C,) float32 log-probs."""
-    logits = head(h).float()
+    """(C, H) hidden states, (C,) targets -> (C,) float32 log-probs (float64 for a float64 model)."""
+    logits = _at_least_fp32(head(h))
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def _full_logits_token_logps(model: torch.nn.Module, seqs: Seqs) -> torch.Tensor:
-    """The reference path: the model's own forward, the full (N, T, V) logits cast to float32."""
+    """The reference path: the model's own forward, the full (N, T, V) logits cast to float32 (at least)."""
     logits = model(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, use_cache=False).logits
-    logits = logits[:, :-1].float()
+    logits = _at_least_fp32(logits[:, :-1])
     targets = seqs.input_ids[:, 1:]
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     logps = picked - torch.logsumexp(logits, dim=-1)
     return logps * completion_mask(seqs)
+
+
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """16-bit logits -> float32 for the log-softmax; float64 (backend.precision=fp64) stays float64."""
+    return x if x.dtype == torch.float64 else x.float()
 
 
 def _decoder_and_head(model: torch.nn.Module):

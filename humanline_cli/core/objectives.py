@@ -35,7 +35,8 @@ def step_z0(objective_cfg, policy, reference, micro_batches, hl: HumanlineSpec, 
         total += torch.stack([r.sum().double().cpu(), torch.tensor(float(len(r)), dtype=torch.float64)])
     if reduce_sum is not None:
         total = reduce_sum(total)
-    return (total[0] / total[1].clamp(min=1.0)).clamp(min=0.0).float()
+    # float64: kto_loss casts z0 to the log-ratios' dtype (float32, or float64 under precision=fp64)
+    return (total[0] / total[1].clamp(min=1.0)).clamp(min=0.0)
 
 
 def loss_count(objective_cfg, batch) -> float:

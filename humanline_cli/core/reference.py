@@ -209,9 +209,9 @@ class CachedReference:
         mask = seqs.loss_mask[:, 1:]
         if self.agree(all(v is not None for v in known)):
             self.hits += len(keys)
-            out = torch.zeros(mask.shape, dtype=torch.float32, device=seqs.input_ids.device)
-            rows, cols = mask.nonzero(as_tuple=True)
             values = torch.cat(known) if known else torch.zeros(0)
+            out = torch.zeros(mask.shape, dtype=values.dtype, device=seqs.input_ids.device)  # as computed
+            rows, cols = mask.nonzero(as_tuple=True)
             return out.index_put((rows, cols), values.to(out.device))
         out = self.inner.logps(seqs)
         host = out.cpu()

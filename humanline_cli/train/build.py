@@ -305,10 +305,11 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         case "offline":
             source = _offline_source(spec, encoder, collate, shard)
             evaluator = build_evaluator(spec, encoder, backend.device, shard=shard)
-            policy = load_policy(model_path, backend.device, trust)  # after the data: bad data fails fast
+            # after the data: bad data fails fast
+            policy = load_policy(model_path, backend.device, trust, dtype=backend.weights_dtype)
         case "online":
             evaluator = build_evaluator(spec, encoder, backend.device, shard=shard)
-            policy = load_policy(model_path, backend.device, trust)
+            policy = load_policy(model_path, backend.device, trust, dtype=backend.weights_dtype)
         case other:
             raise UserError(f"unknown data regime {other!r}")
     if spec.train.gradient_checkpointing:
