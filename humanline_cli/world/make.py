@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from humanline_cli.sampling.hf import HFSampler
 from humanline_cli.sampling.sampler import SamplingParams
 from humanline_cli.world import arithmetic, offline_data, policy, preference, rewards
+from humanline_cli.world.frozen_sampler import FrozenWorldSampler
 from humanline_cli.world.naming import hash_view
 from humanline_cli.world.tokenizer import build_tokenizer
 
@@ -80,7 +80,7 @@ def _tail(losses: list[float], n: int = 50) -> float:
 def measure(kind: str, model, tok, prompts: list[str], seed: int) -> dict:
     """Base-policy metrics on the eval prompts: greedy and T=1 sampled."""
     enc = policy.WorldCodec(tok)
-    sampler = HFSampler(model, tok, batch_size=len(prompts))  # the project's own sampler, as in eval
+    sampler = FrozenWorldSampler(model, tok, batch_size=len(prompts))  # the world's frozen sampler (world/frozen_sampler.py)
     prompt_ids = [enc.prompt(p) for p in prompts]
     out: dict = {"n_eval": len(prompts)}
     for name, temperature in (("greedy", 0.0), ("sampled", 1.0)):
@@ -169,12 +169,12 @@ def sample_distinct(
     kind: str, model, tok, prompts: list[str], n: int, seed: int, batch_size: int = 1024, oversample: int = OVERSAMPLE
 ) -> list[list[str]]:
     """n replies per prompt from `model` at temperature 1, distinct where possible: the project's
-    HF sampler (as in `measure`) draws n * oversample candidates per prompt, batched, seeded by
+    frozen world sampler (as in `measure`) draws n * oversample candidates per prompt, batched, seeded by
     `seed`; the first n distinct texts are kept in draw order, and a prompt with fewer distinct
     candidates repeats them in that order (those replies tie, as ties are written today).
     Deterministic for a given model, prompts, seed, batch_size and torch thread count."""
     enc = policy.WorldCodec(tok)
-    sampler = HFSampler(model, tok, batch_size=batch_size)
+    sampler = FrozenWorldSampler(model, tok, batch_size=batch_size)
     k = n * oversample
     params = SamplingParams(n=k, temperature=1.0, max_new_tokens=MAX_NEW[kind], seed=seed)
     texts = sampler.generate([enc.prompt(p) for p in prompts], params).texts  # prompt-major
