@@ -143,6 +143,15 @@ def _set_keys(node: dict) -> dict:
     return {k: _set_keys(v) if isinstance(v, dict) else v for k, v in node.items() if v is not None}
 
 
+def round_prompts(objective: str, batch_size: int, generate_every: int) -> int:
+    """Prompts a round samples so that its units fill `generate_every` optimizer steps of `batch_size` units:
+    ceil(K x B / u), u = units one prompt's group gives (kto: a desirable and an undesirable example, 2; dpo: a
+    best-vs-worst pair, 1; grpo: the group, 1). DPO/KTO groups whose score gap is <= data.min_gap give none, so
+    such a round serves fewer steps (never more)."""
+    per_prompt = 2 if objective == "kto" else 1
+    return -(-generate_every * batch_size // per_prompt)
+
+
 def _positive(value, key: str):
     if value is None or isinstance(value, bool) or not value > 0 or (isinstance(value, float) and not math.isfinite(value)):
         raise UserError(f"config key '{key}' must be > 0, got {value}")
@@ -277,9 +286,16 @@ def validate(cfg: DictConfig) -> RunSpec:
     _at_least(root.threads, 1, "threads")
     _at_least(data.limit, 1, "data.limit")
     _at_least(data.min_gap, 0.0, "data.min_gap")
+    if regime != "online" and data.generate_every is not None:
+        raise UserError("data.generate_every needs data=online (it sizes the on-policy sampling rounds)")
     if regime == "online":
         _positive(data.n, "data.n")
         _positive(data.prompts_per_round, "data.prompts_per_round")
+        if data.generate_every is not None:
+            ppr = round_prompts(name, batch, _positive(data.generate_every, "data.generate_every"))
+            data = dataclasses.replace(data, prompts_per_round=ppr)
+            notes.append(f"data.generate_every={data.generate_every}: rounds of {ppr} prompts x {data.n} samples, "
+                         f"one generation per {data.generate_every} optimizer steps of {batch} units")
         _positive(data.max_new_tokens, "data.max_new_tokens")
         if data.temperature < 0:
             raise UserError("data.temperature must be >= 0")

@@ -164,8 +164,9 @@ class GapRow:
 
 
 def gap_rows(runs: list, ignore=()) -> list[GapRow]:
-    """From complete runs (report.Run objects), one row per comparison set holding all three of
-    offline, online and humanline-offline groups."""
+    """From complete runs (report.Run objects), one row per comparison: a set holding an online group, a
+    baseline (offline, or stale-K on-policy rounds) and humanline runs on that baseline's data (one row per
+    humanline hl.* setting; see _comparisons)."""
 
     groups = group_runs(runs, ignore)
     rows = []
@@ -176,35 +177,64 @@ def gap_rows(runs: list, ignore=()) -> list[GapRow]:
         for g in tg:
             sets.setdefault((g.objective, signature(g, derived)[2]), {}).setdefault(g.family, []).append(g)
         for (objective, sig), fams in sorted(sets.items(), key=lambda kv: str(kv[0])):
-            if not all(len(fams.get(f, [])) == 1 for f in ("offline", "online", "humanline-offline")):
-                continue  # missing, or ambiguous (two groups of a family differ in a family-defining key)
-            by = {f: {r.seed: r for r in fams[f][0].runs} for f in ("offline", "online", "humanline-offline")}
-            names = {metric_of(r.summary)[0] for f in by for r in by[f].values()}
-            metric = sorted(names)[0] if len(names) == 1 else "win rate"
-            vals = {f: {s: _metric(r.summary, metric) for s, r in by[f].items()} for f in by}
-            vals = {f: {s: v for s, v in d.items() if v is not None} for f, d in vals.items()}
-            if not all(vals.values()):
-                continue
-            wall = {f: statistics.fmean(r.summary.get("wall_clock_s", {}).get("total", math.nan) for r in by[f].values())
-                    for f in ("online", "humanline-offline")}
-            # what tells this set apart from the other sets OF THE SAME OBJECTIVE (objective keys differ anyway)
+            # differing = what tells this set apart from the other sets OF THE SAME OBJECTIVE
             differing = _differing_keys([s for (o, s) in sets if o == objective])
-            label = ", ".join(f"{k}={v}" for k, v in (sig or ()) if k in differing)
-            scores = {f: {mode: mean_ci([v for r in by[f].values() if (v := _metric(r.summary, mode)) is not None])
-                          for mode in ("greedy accuracy", "accuracy", "win rate")} for f in by}
-            curves = {f: {s: learning_curve(r.summary, r.metrics, metric) for s, r in by[f].items()}
-                      for f in ("online", "humanline-offline")}
-            mid = all(len(c) > 2 for f in curves for c in curves[f].values())  # at least one mid-run eval
-            share = [_sampling_share(r.summary.get("wall_clock_s") or {}) for r in by["online"].values()]
-            share = [x for x in share if x is not None]
-            rows.append(GapRow(task, objective, label, metric, statistics.fmean(vals["offline"].values()),
-                               statistics.fmean(vals["online"].values()),
-                               statistics.fmean(vals["humanline-offline"].values()),
-                               gap_closed(vals["offline"], vals["online"], vals["humanline-offline"]),
-                               wall["online"], wall["humanline-offline"],
-                               equal_quality(curves["online"], curves["humanline-offline"]) if mid else None,
-                               scores, statistics.fmean(share) if share else None))
+            set_label = ", ".join(f"{k}={v}" for k, v in (sig or ()) if k in differing)
+            for base, hl_group, hl_label in _comparisons(fams):
+                by = {"offline": {r.seed: r for r in fams[base][0].runs},
+                      "online": {r.seed: r for r in fams["online"][0].runs},
+                      "humanline-offline": {r.seed: r for r in hl_group.runs}}
+                label = ", ".join(x for x in (set_label, "" if base == "offline" else base, hl_label) if x)
+                row = _gap_row(task, objective, label, by)
+                if row is not None:
+                    rows.append(row)
     return rows
+
+
+def _comparisons(fams: dict) -> list[tuple]:
+    """(baseline family, humanline group, label) per comparison in one set: the baseline is plain offline or
+    stale on-policy rounds (`stale-K`, data.generate_every=K), each compared with online and with every humanline
+    group of the same data (`humanline-<baseline>`); several such groups (hl.* settings) are told apart by the hl
+    keys that differ between them. A baseline or online that is ambiguous (two groups of the family differ in
+    a family-defining key) gives nothing."""
+    out = []
+    if len(fams.get("online", [])) != 1:
+        return out
+    for base in sorted(f for f in fams if f == "offline" or f.startswith("stale-")):
+        hls = fams.get(f"humanline-{base}", [])
+        if len(fams[base]) != 1 or not hls:
+            continue
+        differ = _differing_keys([tuple(sorted((k, str(v)) for k, v in (g.cfg or {}).items() if k.startswith("hl.")))
+                                  for g in hls]) if len(hls) > 1 else set()
+        for g in hls:
+            out.append((base, g, ", ".join(f"{k}={(g.cfg or {}).get(k)}" for k in sorted(differ))))
+    return out
+
+
+def _gap_row(task: str, objective: str, label: str, by: dict) -> GapRow | None:
+    """One comparison: `by` maps offline (the baseline), online and humanline-offline to {seed: run}."""
+    names = {metric_of(r.summary)[0] for f in by for r in by[f].values()}
+    metric = sorted(names)[0] if len(names) == 1 else "win rate"
+    vals = {f: {s: _metric(r.summary, metric) for s, r in by[f].items()} for f in by}
+    vals = {f: {s: v for s, v in d.items() if v is not None} for f, d in vals.items()}
+    if not all(vals.values()):
+        return None
+    wall = {f: statistics.fmean(r.summary.get("wall_clock_s", {}).get("total", math.nan) for r in by[f].values())
+            for f in ("online", "humanline-offline")}
+    scores = {f: {mode: mean_ci([v for r in by[f].values() if (v := _metric(r.summary, mode)) is not None])
+                  for mode in ("greedy accuracy", "accuracy", "win rate")} for f in by}
+    curves = {f: {s: learning_curve(r.summary, r.metrics, metric) for s, r in by[f].items()}
+              for f in ("online", "humanline-offline")}
+    mid = all(len(c) > 2 for f in curves for c in curves[f].values())  # at least one mid-run eval
+    share = [_sampling_share(r.summary.get("wall_clock_s") or {}) for r in by["online"].values()]
+    share = [x for x in share if x is not None]
+    return GapRow(task, objective, label, metric, statistics.fmean(vals["offline"].values()),
+                  statistics.fmean(vals["online"].values()),
+                  statistics.fmean(vals["humanline-offline"].values()),
+                  gap_closed(vals["offline"], vals["online"], vals["humanline-offline"]),
+                  wall["online"], wall["humanline-offline"],
+                  equal_quality(curves["online"], curves["humanline-offline"]) if mid else None,
+                  scores, statistics.fmean(share) if share else None)
 
 
 def _sampling_share(times: dict) -> float | None:

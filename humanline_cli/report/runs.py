@@ -116,6 +116,14 @@ def read_config(path: Path) -> tuple[dict, dict] | None:
     return flat, raw
 
 
+def data_family(regime: str, cfg: dict) -> str:
+    """The data part of a run's family: the regime, except online rounds that serve K > 1 optimizer steps per
+    generation (data.generate_every=K), which are `stale-K` (the authors' math "offline"): a baseline of their
+    own, compared with online and with humanline on the same stale rounds."""
+    k = cfg.get("data.generate_every")
+    return f"stale-{k}" if regime == "online" and isinstance(k, int) and k > 1 else regime
+
+
 def _label_from_config(run: Run) -> None:
     path = run.path / ".hydra" / "config.yaml"
     got = read_config(path) if path.is_file() else None
@@ -124,7 +132,7 @@ def _label_from_config(run: Run) -> None:
     run.config, run.raw = got
     cfg = run.config
     run.objective = str(cfg.get("objective.name") or run.objective)
-    run.data = str(cfg.get("data.regime") or run.data)
+    run.data = data_family(str(cfg.get("data.regime") or run.data), cfg)
     run.task = str(cfg.get("task.name") or run.task)
     run.seed = cfg["seed"] if cfg.get("seed") is not None else run.seed
     run.humanline = cfg.get("humanline") is True  # only present when the user passed +humanline=true
@@ -153,6 +161,7 @@ def load_run(path: Path) -> Run:
         if isinstance(s, dict) and s.get("status") == "complete":
             run.status, run.summary = "complete", s
             run.objective, run.data, run.task = str(s.get("objective")), str(s.get("data")), str(s.get("task"))
+            run.data = data_family(run.data, run.config or {})
             run.humanline, run.seed = bool(s.get("humanline")), s.get("seed")
             return run
         run.status = "failed"

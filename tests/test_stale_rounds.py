@@ -1,0 +1,88 @@
+"""Stale on-policy rounds (issue 24): data.generate_every=K sizes each online round to serve K optimizer
+steps (the authors' math "offline": one generation per 64 steps). K=1 is online with a round per step, exactly;
+K>1 reuses one generation for K steps; reports call the family stale-K and pair it with online and humanline."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from conftest import FAST, TINY_WORLD, run_cli
+from safetensors.torch import load_file
+
+from humanline_cli.config import round_prompts
+
+
+def test_round_prompts_fill_k_steps_of_units():
+    # grpo: one group per prompt; the authors' recipe: 64 steps x 32 groups = 2048 prompts
+    assert round_prompts("grpo", 32, 64) == 2048
+    assert round_prompts("dpo", 32, 1) == 32        # one best-vs-worst pair per prompt
+    assert round_prompts("kto", 64, 16) == 512      # a desirable and an undesirable example per prompt
+    assert round_prompts("kto", 7, 1) == 4          # ceil(7 / 2): never fewer units than one step needs
+
+
+def _validate(*overrides):
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.config import validate
+
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return validate(compose("train", overrides=["task=arithmetic", *overrides]))
+
+
+def test_generate_every_sets_the_round_and_is_refused_offline():
+    from humanline_cli.errors import UserError
+
+    spec = _validate("data=online", "objective=grpo", "data.generate_every=64")
+    assert spec.data_cfg.prompts_per_round == 64 * spec.train.batch_size == 2048
+    assert any("data.generate_every=64" in n for n in spec.notes)
+    with pytest.raises(UserError, match="data.generate_every needs data=online"):
+        _validate("data=offline", "data.generate_every=4")
+    with pytest.raises(UserError, match="data.generate_every"):
+        _validate("data=online", "data.generate_every=0")
+
+
+def _train(tmp_path, name, *extra):
+    run = tmp_path / name
+    r = run_cli(["train", *TINY_WORLD, *FAST, "objective=grpo", "data=online", "train.steps=4", "eval.n_prompts=8",
+                 "data.n=4", "train.checkpoint_every=0", f"hydra.run.dir={run}", *extra], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [m for m in metrics if "loss" in m]
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    return train_rows, samples, load_file(str(run / "model" / "model.safetensors"))
+
+
+def test_generate_every_1_is_online_and_k_reuses_one_generation(cache_dir, tmp_path):
+    # K=1 vs today's online with the same round size (batch 8 groups = 8 prompts): same samples, losses, weights
+    base_rows, base_samples, base_w = _train(tmp_path, "online", "data.prompts_per_round=8")
+    k1_rows, k1_samples, k1_w = _train(tmp_path, "k1", "data.generate_every=1")
+    assert k1_samples == base_samples and len({s["round"] for s in base_samples}) == 4
+    assert [r["loss"] for r in k1_rows] == [r["loss"] for r in base_rows]
+    assert base_w.keys() == k1_w.keys() and all(base_w[k].equal(k1_w[k]) for k in base_w)
+    # K=2: two generations for four steps, each of 2 x 8 prompts x 4 samples, each serving two steps
+    k2_rows, k2_samples, _ = _train(tmp_path, "k2", "data.generate_every=2")
+    assert [s["round"] for s in k2_samples] == [1] * 64 + [2] * 64
+    assert [r["online/round"] for r in k2_rows] == [1, 1, 2, 2]
+
+
+def test_report_pairs_stale_k_with_its_humanline_runs_and_online(tmp_path):
+    from test_report_grouping import config, run_dir
+
+    from humanline_cli.report.aggregate import build_report
+
+    root = tmp_path / "sweep"
+    acc = {"online": [0.90, 0.92, 0.88], "stale": [0.80, 0.82, 0.78], "s16": [0.89, 0.90, 0.86], "s1": [0.60, 0.62, 0.58]}
+    for seed in range(3):
+        run_dir(root, f"on{seed}", config(obj="grpo", regime="online", seed=seed), win=0.7, wall=100.0,
+                acc=acc["online"][seed])
+        stale = dict(obj="grpo", regime="online", seed=seed, data__generate_every=64)
+        run_dir(root, f"stale{seed}", config(**stale), win=0.6, wall=90.0, acc=acc["stale"][seed])
+        run_dir(root, f"s16_{seed}", config(**stale, humanline=True, hl__sync_every=16), win=0.6, wall=90.0,
+                acc=acc["s16"][seed])
+        run_dir(root, f"s1_{seed}", config(**stale, humanline=True), win=0.6, wall=90.0, acc=acc["s1"][seed])
+    build_report(root)
+    with open(root / "gap_closed.csv") as f:
+        got = {r["set"]: float(r["gap_closed"]) for r in csv.DictReader(f)}
+    # per seed (hl - stale) / (online - stale): sync 16 closes 0.9, 0.8, 0.8; sync 1 closes -2, -2, -2
+    assert got == pytest.approx({"stale-64, hl.sync_every=1": -2.0, "stale-64, hl.sync_every=16": 2.5 / 3})
