@@ -62,6 +62,8 @@ def is_secondary(e: BaseException) -> bool:
         from torch.distributed import DistError
     except ImportError:  # pragma: no cover - torch without distributed
         DistError = ()  # noqa: N806
+    if isinstance(e, Preempted):  # SIGTERM: the agent's after another rank failed, or SLURM's to every rank
+        return True
     text = str(e).lower()
     return isinstance(e, (DistError, PeerFailed)) or (isinstance(e, RuntimeError) and any(s in text for s in SECONDARY))
 

@@ -105,8 +105,6 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
             with timer.phase("checkpoint"):
                 checkpoints.save(step, parts, opt, sched, timer, {**last, "skipped_steps": skipped} if skipped else last,
                                  moving)
-        if not now and stop is not None and not all_agree(not stop.requested, dist):
-            stop_here(step)
 
     def stop_here(step: int) -> None:
         """SIGTERM reached some rank during this step: every rank stops here, after a checkpoint."""
@@ -128,6 +126,10 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
             stop.arm(True)  # from here SIGTERM waits for the step boundary
         for step in range(start + 1, tr.steps + 1):
             fault.at_step(step)
+            # SIGTERM during the previous step, on any rank: all stop before this one. Agreed at the top of
+            # a step (where every rank waits for the others anyway, at the step's first collective)
+            if stop is not None and step > start + 1 and not all_agree(not stop.requested, dist):
+                stop_here(step - 1)
             data = parts.source.next_step(step)  # online sources sample/label here (their own timers)
             if not data.micro_batches:  # an online round with no usable pair/example (every score tied)
                 skipped += 1
