@@ -189,7 +189,8 @@ class WorldSFTConfig:
 
 @dataclass
 class WorldOfflineConfig:
-    source: Optional[str] = None            # rule (rule-based replies) | model (T=1 samples of a second tiny policy)
+    # rule (rule-based) | model (T=1 samples of a second tiny policy) | policy (T=1 samples of the starting policy)
+    source: Optional[str] = None
     correct_rate: Optional[float] = None    # source=rule: how often it is right / good
     style: Optional[str] = None             # source=rule: plain | padded (a format the policy never writes)
     n_per_prompt: Optional[int] = None      # replies per prompt

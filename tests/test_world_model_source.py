@@ -126,7 +126,7 @@ def test_sampling_is_seeded(model_world):
 
 
 def test_source_is_validated_and_rule_names_are_kept(tmp_path):
-    with pytest.raises(ValueError, match="world.offline.source must be 'rule' or 'model', not 'bogus'"):
+    with pytest.raises(ValueError, match="world.offline.source must be 'rule', 'model' or 'policy', not 'bogus'"):
         resolve({"kind": "arithmetic", "offline": {"source": "bogus"}})
     with pytest.raises(ValueError, match="source=rule"):
         resolve({"kind": "preference", "offline": {"source": "model", "style": "padded"}})

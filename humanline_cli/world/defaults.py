@@ -105,9 +105,9 @@ def resolve(cfg: Mapping) -> dict:
         raise ValueError(f"world.sft.carry_drop must be in [0, 1], not {full['sft']['carry_drop']!r}")
     if full["offline"]["n_per_prompt"] < 2:
         raise ValueError("world.offline.n_per_prompt must be >= 2 (pairs need two replies)")
-    if full["offline"]["source"] not in ("rule", "model"):
-        raise ValueError(f"world.offline.source must be 'rule' or 'model', not {full['offline']['source']!r}")
-    if full["offline"]["source"] == "model" and full["offline"]["style"] != "plain":
+    if full["offline"]["source"] not in ("rule", "model", "policy"):
+        raise ValueError(f"world.offline.source must be 'rule', 'model' or 'policy', not {full['offline']['source']!r}")
+    if full["offline"]["source"] in ("model", "policy") and full["offline"]["style"] != "plain":
         raise ValueError("world.offline.style=padded needs world.offline.source=rule (a model writes its own format)")
     if full["offline"]["other_sft"]["teacher"] not in ("noisy", "clean"):
         raise ValueError(

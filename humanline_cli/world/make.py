@@ -10,7 +10,9 @@ the offline data does not depend on the starting policy's SFT.
 Offline source `rule` draws the offline replies from the task's rule-based
 other model; source `model` trains a second tiny policy (`other_policy`: its
 own init and SFT stream, recipe `offline.other_sft`), samples its replies
-(`sample_distinct`) and records its own base metrics in `world.json`.
+(`sample_distinct`) and records its own base metrics in `world.json`; source
+`policy` samples the starting policy itself (`sample_iid`, n_per_prompt
+independent replies per prompt): self-sampled offline data, as in the paper.
 """
 
 from __future__ import annotations
@@ -165,6 +167,17 @@ def other_policy(cfg: dict, tok, draw, progress: bool) -> tuple[transformers.Pre
     return model, losses
 
 
+def sample_iid(kind: str, model, tok, prompts: list[str], n: int, seed: int, batch_size: int = 1024) -> list[list[str]]:
+    """Source `policy`: n independent replies per prompt from `model` at temperature 1 (the world's sampling
+    temperature), duplicates kept, as a policy's own samples come (the paper's llama3-ultrafeedback-armorm: the
+    starting policy's samples, scored, best vs worst). Prompt-major; seeded like `sample_distinct`."""
+    enc = policy.WorldCodec(tok)
+    sampler = FrozenWorldSampler(model, tok, batch_size=batch_size)
+    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=MAX_NEW[kind], seed=seed)
+    texts = sampler.generate([enc.prompt(p) for p in prompts], params).texts
+    return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+
 def sample_distinct(
     kind: str, model, tok, prompts: list[str], n: int, seed: int, batch_size: int = 1024, oversample: int = OVERSAMPLE
 ) -> list[list[str]]:
@@ -220,6 +233,9 @@ def build(cfg: dict, out_dir: Path, version: int, progress: bool) -> dict:
     ocfg, other_info = cfg["offline"], None
     if ocfg["source"] == "rule":
         recs = offline_data.records(cfg["kind"], ocfg, train, random.Random(f"{seed}:offline"))
+    elif ocfg["source"] == "policy":  # the paper's instruction-following offline data: the starting policy's own
+        replies = sample_iid(cfg["kind"], model, tok, train, int(ocfg["n_per_prompt"]), _int_seed(f"{seed}:policy:sample"))
+        recs = offline_data.model_records(cfg["kind"], train, replies)
     else:
         other_start = time.perf_counter()
         other, other_losses = other_policy(cfg, tok, draw, progress)

@@ -47,6 +47,8 @@ def hash_view(full: Mapping) -> dict:
             node.pop(key, None)
     if view["offline"]["source"] == "rule":
         view["offline"] = {k: v for k, v in view["offline"].items() if k not in MODEL_SOURCE_KEYS}
+    elif view["offline"]["source"] == "policy":  # the starting policy samples: no other model to train
+        view["offline"] = {k: v for k, v in view["offline"].items() if k != "other_sft"}
     return view
 
 
