@@ -86,3 +86,63 @@ def test_report_pairs_stale_k_with_its_humanline_runs_and_online(tmp_path):
         got = {r["set"]: float(r["gap_closed"]) for r in csv.DictReader(f)}
     # per seed (hl - stale) / (online - stale): sync 16 closes 0.9, 0.8, 0.8; sync 1 closes -2, -2, -2
     assert got == pytest.approx({"stale-64, hl.sync_every=1": -2.0, "stale-64, hl.sync_every=16": 2.5 / 3})
+
+
+def test_laptop_paper_regimes_composes_and_has_the_stated_size():
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.config import validate
+
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=laptop_paper_regimes"], return_hydra_config=True)
+        params = cfg.hydra.sweeper.params
+        sizes = {k: len(str(v).split(",")) for k, v in params.items()}
+        assert sizes == {"objective": 3, "regime": 13, "seed": 3}
+        assert 3 * 13 * 3 == cfg.regime_study_size == 117
+        regimes = str(params["regime"]).split(",")
+        specs = {(o, r): validate(compose("train", overrides=["experiment=laptop_paper_regimes", f"regime={r}",
+                                                               f"objective={o}"]))
+                 for o in ("grpo", "kto") for r in regimes}
+    grpo = {r: s for (o, r), s in specs.items() if o == "grpo"}
+    # every run shares one world: its offline data are the starting policy's own 8 samples per prompt
+    assert all(s.task_cfg.world["offline"] == {"source": "policy", "n_per_prompt": 8, "other_sft": {}}
+               for s in specs.values())
+    assert all(s.eval_cfg.every == 40 and s.eval_cfg.greedy and s.threads == 1 for s in specs.values())
+    assert {r for r, s in grpo.items() if s.regime == "offline"} == {"offline", "hl"}
+    # online: the data=online defaults; stale K: rounds of K steps (grpo: K x 32 groups; kto: K x 64 / 2 prompts)
+    assert grpo["online"].data_cfg.generate_every is None and grpo["online"].data_cfg.prompts_per_round == 64
+    for k in (16, 64):
+        assert grpo[f"stale{k}"].data_cfg.prompts_per_round == k * 32 and not grpo[f"stale{k}"].humanline_on
+        assert specs[("kto", f"stale{k}")].data_cfg.prompts_per_round == k * 64 // 2
+        for sync in (1, 16):
+            for lo, band in (("lo1", -1.0), ("lo15", -1.5)):
+                s = grpo[f"hl_stale{k}_sync{sync}_{lo}"]
+                assert s.humanline_on and s.data_cfg.prompts_per_round == k * 32
+                assert (s.humanline.sync_every, s.humanline.log_eps_P, s.humanline.log_eps_R) == (sync, band, 1.5)
+    assert grpo["hl"].humanline_on and grpo["hl"].humanline.sync_every == 1
+
+
+def test_regime_map_pairs_humanline_on_stale_rounds_with_the_stale_baseline(tmp_path, capsys):
+    import yaml
+    from test_report_grouping import config, run_dir
+
+    from humanline_cli.report.regime_map import main
+
+    root = tmp_path / "laptop_paper_regimes"
+    stale = {"regime": "online", "data__generate_every": 64}
+    plan = [("online", {"regime": "online"}, [0.90, 0.92, 0.88]), ("stale64", stale, [0.80, 0.82, 0.78]),
+            ("hl_stale64_sync16_lo15", {**stale, "humanline": True, "hl__sync_every": 16, "hl__log_eps_P": -1.5},
+             [0.90, 0.92, 0.88]),
+            ("offline", {}, [0.70, 0.70, 0.70]), ("hl", {"humanline": True}, [0.75, 0.76, 0.74])]
+    for name, over, accs in plan:
+        for seed, acc in enumerate(accs):
+            d = run_dir(root, f"{name}/grpo_seed{seed}", config(obj="grpo", seed=seed, **over), win=0.6, wall=50.0,
+                        acc=acc)
+            (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"regime={name}", "objective=grpo"]))
+    (root / "multirun.yaml").write_text(yaml.safe_dump(
+        {"hydra": {"sweeper": {"params": {"regime": ",".join(n for n, _, _ in plan)}}}}))
+    assert main(["--sweep", str(root), "--out", str(tmp_path / "map.png")]) == 0
+    table = [x.split(" | ") for x in capsys.readouterr().out.splitlines() if x.startswith("| hl")]
+    # hl_stale64 vs stale64 (0.80 -> online 0.90): closes 100%; hl vs offline: (0.05, 0.06, 0.04) / 0.2 each
+    assert [r[0] for r in table] == ["| hl_stale64_sync16_lo15 (vs stale64, online)", "| hl"]
+    assert table[0][3:6] == ["0.800", "0.900", "0.900"] and table[1][3:6] == ["0.700", "0.900", "0.750"]

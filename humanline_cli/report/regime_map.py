@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -67,6 +68,16 @@ def _sweep_order(root: Path, names: set[str]) -> list[str]:
     return [n for n in listed if n in names] + sorted(names - set(listed))
 
 
+def _baseline(suffix: str, by: dict) -> str:
+    """The plain regime a humanline regime `hl<suffix>` is compared with: `offline<suffix>` where the sweep has
+    it; for humanline on stale rounds (`hl_stale<K>_...`, experiment=laptop_paper_regimes) the plain stale rounds
+    `stale<K>`; else `offline`."""
+    if f"offline{suffix}" in by:
+        return f"offline{suffix}"
+    m = re.match(r"_(stale\d+)(_|$)", suffix)
+    return m.group(1) if m and m.group(1) in by else "offline"
+
+
 def regime_gap_rows(runs: list) -> list:
     """gap_closed.GapRow per humanline-offline regime and objective, from complete runs of a sweep over named
     regimes (`regime_of` their dirs): `hl<suffix>` against `offline<suffix>` / `online<suffix>` where the
@@ -87,7 +98,7 @@ def regime_gap_rows(runs: list) -> list:
         if not name.startswith("hl"):
             continue
         suffix = name[2:]
-        offline = f"offline{suffix}" if f"offline{suffix}" in by else "offline"
+        offline = _baseline(suffix, by)
         online = f"online{suffix}" if f"online{suffix}" in by else "online"
         if offline in by and online in by:
             for g in gap_rows(by[name] + by[offline] + by[online], ignore=SWEEP_IGNORE):
