@@ -117,7 +117,13 @@ ONLINE = [*TINY_WORLD, *FAST, "data=online", "data.prompts_per_round=8", "data.n
 
 
 @pytest.mark.parametrize("objective,extra", [("grpo", []), ("dpo", ["+humanline=true"]), ("kto", []),
-                                             ("dpo", ["sampler=vllm"])])
+                                             # the 40-step world policy answers ~2% of sums right: a round of
+                                             # 32 samples can hold no right one (every pair tied, the step
+                                             # skipped; test_faults.py tests that rule); this case tests the route
+                                             ("dpo", ["sampler=vllm", "train.max_skipped_fraction=1.0"]),
+                                             # LoRA + vLLM: the merged weights are pushed each round
+                                             # (test_vllm_sampler.py pins them to the merged model's samples)
+                                             ("grpo", ["sampler=vllm", "model.lora.r=4", "+humanline=true"])])
 def test_online_end_to_end(cache_dir, tmp_path, objective, extra):
     run = tmp_path / "run"
     r = run_cli(["train", f"objective={objective}", *ONLINE, *extra, f"hydra.run.dir={run}"], cwd=tmp_path,
