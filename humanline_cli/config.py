@@ -286,8 +286,6 @@ def validate(cfg: DictConfig) -> RunSpec:
     _at_least(root.threads, 1, "threads")
     _at_least(data.limit, 1, "data.limit")
     _at_least(data.min_gap, 0.0, "data.min_gap")
-    if regime != "online" and data.generate_every is not None:
-        raise UserError("data.generate_every needs data=online (it sizes the on-policy sampling rounds)")
     if regime == "online":
         _positive(data.n, "data.n")
         _positive(data.prompts_per_round, "data.prompts_per_round")

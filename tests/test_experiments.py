@@ -30,7 +30,8 @@ def _sweep_points(name):
 
 
 def test_the_documented_studies_exist():
-    assert {"laptop_arithmetic", "laptop_preference", "paper_instruction_following", "paper_math"} <= set(EXPERIMENTS)
+    assert {"laptop_arithmetic", "laptop_preference", "paper_instruction_following", "paper_math",
+            "paper_math_pairs", "laptop_paper_regimes"} <= set(EXPERIMENTS)
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
@@ -48,6 +49,8 @@ def test_every_sweep_point_composes_and_validates(name):
     grid = {(o, d, h) for o in ("dpo", "kto", "grpo") for d in ("offline", "online") for h in (True, False)}
     if name == "laptop_regimes":
         grid = {(o, d, h) for o, d, h in grid if not (d == "online" and h)}
+    if name == "paper_math":  # the authors' GRPO recipe: online, stale rounds plain and humanline (issue 24)
+        grid = {("grpo", "online", False), ("grpo", "online", True)}
     assert seen == grid
 
 
@@ -60,7 +63,7 @@ def test_paper_studies_use_the_paper_settings():
     assert cfg.task.offline.path == "princeton-nlp/llama3-ultrafeedback-armorm"
     assert (cfg.data.n, cfg.data.temperature, cfg.data.top_p, cfg.data.min_gap) == (8, 0.7, 0.95, 0.01)
     assert cfg.sampler.name == "vllm" and cfg.backend.name == "cuda"
-    m = _compose(["experiment=paper_math"])
+    m = _compose(["experiment=paper_math_pairs"])
     assert m.task.judge.kind == "verifier" and validate(m).data_cfg.columns["instruction"] == "prompt"
 
 

@@ -30,14 +30,15 @@ def _validate(*overrides):
         return validate(compose("train", overrides=["task=arithmetic", *overrides]))
 
 
-def test_generate_every_sets_the_round_and_is_refused_offline():
+def test_generate_every_sets_the_round_and_offline_ignores_it():
     from humanline_cli.errors import UserError
 
     spec = _validate("data=online", "objective=grpo", "data.generate_every=64")
     assert spec.data_cfg.prompts_per_round == 64 * spec.train.batch_size == 2048
     assert any("data.generate_every=64" in n for n in spec.notes)
-    with pytest.raises(UserError, match="data.generate_every needs data=online"):
-        _validate("data=offline", "data.generate_every=4")
+    # an online knob, like data.n: offline runs read only their own keys (one study sweeps data=offline,online)
+    off = _validate("data=offline", "data.generate_every=4")
+    assert off.regime == "offline" and not any("generate_every" in n for n in off.notes)
     with pytest.raises(UserError, match="data.generate_every"):
         _validate("data=online", "data.generate_every=0")
 
@@ -146,3 +147,31 @@ def test_regime_map_pairs_humanline_on_stale_rounds_with_the_stale_baseline(tmp_
     # hl_stale64 vs stale64 (0.80 -> online 0.90): closes 100%; hl vs offline: (0.05, 0.06, 0.04) / 0.2 each
     assert [r[0] for r in table] == ["| hl_stale64_sync16_lo15 (vs stale64, online)", "| hl"]
     assert table[0][3:6] == ["0.800", "0.900", "0.900"] and table[1][3:6] == ["0.700", "0.900", "0.750"]
+
+
+def test_paper_math_is_the_authors_recipe():
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.config import validate
+
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=paper_math"], return_hydra_config=True)
+        assert str(cfg.hydra.sweeper.params.regime).split(",") == ["online", "stale64", "hl_stale64_sync16_lo15"]
+        s = {r: validate(compose("train", overrides=["experiment=paper_math", f"regime={r}"]))
+             for r in ("online", "stale64", "hl_stale64_sync16_lo15")}
+    on, stale, hl = s["online"], s["stale64"], s["hl_stale64_sync16_lo15"]
+    assert cfg.model.name_or_path == "Qwen/Qwen2.5-1.5B-Instruct" and cfg.sampler.name == "vllm"
+    assert cfg.task.prompts.train == "simplescaling/openaimath" and cfg.task.prompts.eval == "HuggingFaceH4/MATH-500"
+    assert on.task_cfg.prompts.columns == {"problem": "prompt", "solution": "solution"}  # verified against `answer`
+    assert on.task_cfg.labeller.kind == on.task_cfg.judge.kind == "verifier" and on.eval_cfg.n_prompts == 500
+    o, t = on.objective_cfg, on.train
+    assert (on.objective, o.beta, o.batch_size, o.epsilon, o.std_ddof, o.std_eps) == ("grpo", 1e-4, 32, 0.2, 1, 1e-4)
+    assert (t.steps, t.lr, t.warmup_ratio, t.schedule, t.weight_decay, t.micro_batch_size) == (
+        1600, 1e-6, 0.1, "constant", 0.0, 1)
+    assert (t.max_prompt_length, t.max_length, on.data_cfg.max_new_tokens) == (512, 2560, 2048)
+    assert (on.data_cfg.n, on.data_cfg.temperature, on.data_cfg.top_p) == (8, 0.7, 1.0)
+    # 32 groups a step; online: a generation every step; stale: every 64 steps; humanline: sync 16, [-1.5, 1.5]
+    assert (on.data_cfg.prompts_per_round, stale.data_cfg.prompts_per_round, hl.data_cfg.prompts_per_round) == (
+        32, 2048, 2048)
+    assert not on.humanline_on and not stale.humanline_on and hl.humanline_on
+    assert (hl.humanline.sync_every, hl.humanline.log_eps_P, hl.humanline.log_eps_R) == (16, -1.5, 1.5)
