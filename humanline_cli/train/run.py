@@ -75,7 +75,14 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
     tracker = parts = None
-    stop = StopSignal().__enter__()  # SIGTERM: a checkpoint at the next step boundary, then Preempted
+    peer_failed = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from humanline_cli.train import failures
+
+        def peer_failed() -> bool:  # a rank recorded a failure (a Preempted record is the same signal, not one)
+            rec = failures.root_cause(run_dir)
+            return rec is not None and rec["type"] != "Preempted"
+    stop = StopSignal(peer_failed).__enter__()  # SIGTERM: a checkpoint at the next step boundary, then Preempted
     try:
         spec = validate(cfg)
         with timer.phase("setup"):

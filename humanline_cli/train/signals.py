@@ -13,6 +13,7 @@ the frames it unwound, so rank 0 can record it in failed.json for the launching 
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -23,12 +24,19 @@ class StopSignal:
     """`with StopSignal() as stop:` handles SIGTERM in this (main) thread; the previous handler comes
     back on exit. `stop.arm(True)` while the training loop can stop at a step boundary."""
 
-    def __init__(self):
+    def __init__(self, peer_failed=None):
+        self.peer_failed = peer_failed  # () -> bool: another rank recorded a failure (DDP/FSDP)
         self.requested = False
         self.armed = False
         self._old = None
 
     def _handler(self, signum, frame) -> None:
+        if self.peer_failed is not None and self.peer_failed():
+            # torch's agent stops the other ranks with SIGTERM when one fails: that is no preemption, die
+            # as SIGTERM's default would (no checkpoint wait; the failing rank's record names the cause)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         self.requested = True
         if not self.armed:
             raise Preempted("stopped by SIGTERM outside training (nothing to checkpoint); rerun the same command to "
