@@ -18,6 +18,7 @@ COMMANDS = {
     "report": "paper-style table (Markdown, CSV) and plots from a sweep or runs dir",
     "eval": "win rate of one trained run against another run or the starting policy",
     "bench": "training throughput (plain, humanline, vs TRL) and model FLOP/s; KEY=VALUE args, --help",
+    "sample": "offline dataset from a model's own samples, scored (pairs, groups, unpaired, card); out=DIR, --help",
 }
 USAGE = "usage: humanline {" + ",".join(COMMANDS) + "} ...\n" + "\n".join(f"  {k:8s} {v}" for k, v in COMMANDS.items())
 
@@ -225,6 +226,10 @@ def _main(argv: list[str] | None = None) -> None:
             from humanline_cli.bench.project import main_bench
 
             sys.exit(main_bench(rest))
+        case "sample":
+            from humanline_cli.cli.sample import main_sample
+
+            sys.exit(main_sample(rest))
 
 
 def normalize_overrides(args: list[str]) -> list[str]:
