@@ -10,8 +10,9 @@ or one sweep over named regimes (`regime=...`, conf/regime/; `experiment=laptop_
 
 where each humanline-offline regime `hl<suffix>` is compared with `offline<suffix>` and
 `online<suffix>` when the sweep has them, else with `offline` and `online` (hl_sync16: offline and
-online; hl_padded: offline_padded and online; hl_lr3e-5: offline_lr3e-5 and online_lr3e-5). The
-offline data (`task.world.offline`) may differ from online's, which does not read it.
+online; hl_padded: offline_padded and online; hl_lr3e-5: offline_lr3e-5 and online_lr3e-5); humanline on
+stale rounds, `hl_stale<K>_...` (experiment=laptop_paper_regimes), with the plain stale rounds `stale<K>` and
+`online`. The offline data (`task.world.offline`) may differ from online's, which does not read it.
 
 Prints a markdown table (regime, objective, offline / online / humanline-offline, gap closed with its
 interval, seeds, speedups) and writes a bar chart of gap closed per regime and objective (PNG).
