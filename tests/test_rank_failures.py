@@ -30,7 +30,9 @@ def _fsdp_run(tmp_path, name: str, fault: str, extra=()):
     ("bug", 1, "rank 1: injected fault on this rank at step 2"),
 ])
 def test_failure_on_rank_1_ends_the_job_with_its_message(tmp_path, cache_dir, kind, code, msg):
-    r, out, wall = _fsdp_run(tmp_path, kind, f"1:2:{kind}")
+    # backend.timeout_s=600 > run_cli's 300 s limit: the job can only end in time through the failure path
+    # (the failing rank exits, the agent stops the other), never through a collective's timeout
+    r, out, wall = _fsdp_run(tmp_path, kind, f"1:2:{kind}", ["backend.timeout_s=600"])
     assert r.returncode == code, r.stderr[-3000:]
     assert msg in r.stderr
     assert "Connection closed by peer" not in r.stderr.splitlines()[-1]
@@ -39,20 +41,19 @@ def test_failure_on_rank_1_ends_the_job_with_its_message(tmp_path, cache_dir, ki
     assert failed["wall_clock_s"]["train"] > 0  # rank 1's own timers
     assert not (out / "summary.json").exists()
     assert not (out / failures.FAILURES).exists()  # the per-rank records are cleaned up
-    # both ranks start, build and evaluate the start in ~10 s here; the failure itself ends them at once
-    assert wall < 90, wall
 
 
 def test_a_frozen_rank_ends_the_job_after_backend_timeout_s(tmp_path, cache_dir):
-    """Rank 1 stops answering at step 2; rank 0's next collective fails after timeout_s=5 s, the
-    agent stops rank 1, and the message says which timeout fired (exit 2, failed.json)."""
-    r, out, wall = _fsdp_run(tmp_path, "hang", "1:2:hang", ["backend.timeout_s=5"])
+    """Rank 1 stops answering at step 2; rank 0's next collective fails after timeout_s=20 s, the
+    agent stops rank 1, and the message says which timeout fired (exit 2, failed.json). (20 s, not
+    less: on a busy CI machine one rank's setup can legitimately run seconds ahead of the other's.)"""
+    r, out, wall = _fsdp_run(tmp_path, "hang", "1:2:hang", ["backend.timeout_s=20"])
     assert r.returncode == 2, r.stderr[-3000:]
     line = r.stderr.strip().splitlines()[-1]
-    assert line.startswith("humanline: error: run failed") and "backend.timeout_s=5 s" in line, line
+    assert line.startswith("humanline: error: run failed") and "backend.timeout_s=20 s" in line, line
     failed = json.loads((out / "failed.json").read_text())
-    assert failed["rank"] == 0 and "backend.timeout_s=5 s" in failed["error"]
-    assert wall < 120, wall
+    assert failed["rank"] == 0 and "backend.timeout_s=20 s" in failed["error"]
+    assert wall < 150, wall
 
 
 def test_root_cause_prefers_the_rank_that_failed_over_ranks_that_saw_it_go(tmp_path, monkeypatch):

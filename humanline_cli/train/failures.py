@@ -74,11 +74,12 @@ def record(run_dir: Path, rank: int, e: BaseException, wall_clock_s: dict | None
     failure to record must not hide the failure itself."""
     kind, msg = kind_of(e), one_line(e)
     secondary = is_secondary(e)
-    if secondary and timeout_s is not None and any(s in msg.lower() for s in ("timed out", "timeout")):
+    timed_out = secondary and any(s in msg.lower() for s in ("timed out", "timeout"))
+    if timed_out and timeout_s is not None:
         msg = (f"a collective waited longer than backend.timeout_s={timeout_s:g} s (another rank is frozen or "
                f"died): {msg}")
     rec = {"rank": rank, "kind": kind, "type": type(e).__name__, "message": msg, "secondary": secondary,
-           "time": time.time(), "wall_clock_s": wall_clock_s or {}}
+           "timeout": timed_out, "time": time.time(), "wall_clock_s": wall_clock_s or {}}
     if kind == "bug":
         rec["traceback"] = "".join(traceback.format_exception(e))[-4000:]
     try:

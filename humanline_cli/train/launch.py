@@ -103,9 +103,14 @@ def launch(cfg, run_dir: Path, nproc: int) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    from humanline_cli.config import validate
     from humanline_cli.train import failures
+    from humanline_cli.train.build import prepare_world
     from humanline_cli.train.tracking import write_json_atomic
 
+    # the bundled world is built here, once, on first use (minutes of CPU SFT), before any rank exists:
+    # ranks waiting for another rank's build would sit in a collective past backend.timeout_s
+    prepare_world(validate(cfg))
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     conf = launch_config(nproc)
     # the agent logs each dead rank's exit as a multi-line traceback of its own polling code; the
@@ -132,7 +137,9 @@ def launch(cfg, run_dir: Path, nproc: int) -> None:
     except ChildFailedError as e:
         rec = failures.root_cause(run_dir, conf.run_id)
         dead = failures.killed(e, run_dir, conf.run_id, conf.nproc_per_node * conf.max_nodes)
-        if dead is not None and (rec is None or rec.get("secondary")):  # the others only saw it go
+        # the others only saw it go; a timeout is the better message (the silent rank froze, then the
+        # agent killed it)
+        if dead is not None and (rec is None or (rec.get("secondary") and not rec.get("timeout"))):
             rec = {**dead, "wall_clock_s": (rec or {}).get("wall_clock_s", {})}
         if rec is None:  # killed without a word (kill -9, out of memory, a segfault)
             first = str(e).strip().splitlines()[0] if str(e).strip() else "ChildFailedError"

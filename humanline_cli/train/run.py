@@ -153,8 +153,8 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
 
             # every rank records its own cause; rank 0 reports the root one (another rank's, when
             # rank 0's own error only says that rank went away)
-            failures.record(run_dir, int(os.environ.get("RANK", "0")), e, timer.report(),
-                            parts.dist.timeout_s if parts is not None else None)
+            timeout_s = (cfg.get("backend") or {}).get("timeout_s")  # the spec may not exist yet
+            failures.record(run_dir, int(os.environ.get("RANK", "0")), e, timer.report(), timeout_s)
             rec = failures.root_cause(run_dir) if main else None
             failed = failures.failed_json(rec) if rec is not None else failed
         note = write_failed_json(run_dir / "failed.json", failed) if main and run_dir.is_dir() else None
