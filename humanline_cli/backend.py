@@ -158,8 +158,6 @@ def wrap_policy(policy: torch.nn.Module, strategy: str, dist: Dist, device: torc
 def shard_model(model: torch.nn.Module, param_dtype: torch.dtype | None = None) -> None:
     """FSDP2: one shard group per decoder layer, then the root (embeddings, norm, head).
 
-    for layer in decoder_layers(model):
-        fully_shard(layer)
     With `param_dtype` (bf16): MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32): each layer's
     weights are all-gathered in bf16 (half the traffic and memory of fp32) and its gradients
     reduce-scattered in fp32 into the fp32 shards that AdamW updates. A model whose own weights are
@@ -168,7 +166,9 @@ def shard_model(model: torch.nn.Module, param_dtype: torch.dtype | None = None) 
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     kwargs = {"mp_policy": mp} if mp is not None else {}
-    fully_shard(model)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
 
 
 def decoder_layers(model: torch.nn.Module) -> list:

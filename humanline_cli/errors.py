@@ -1,4 +1,5 @@
 """UserError: a mistake the user can fix (bad config, bad data). The CLI prints it as one line, exit 2."""
+import sys
 
 
 class UserError(Exception):
@@ -12,3 +13,18 @@ class RunFailed(Exception):
 class Preempted(RunFailed):
     """SIGTERM (SLURM preemption or time limit) stopped the run at a step boundary, after a checkpoint
     when checkpointing is configured; the CLI prints one line and exits 143 (128 + SIGTERM)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, carrying where it landed (`at step N`, `after training`), so the CLI reports it from the
+    exception itself. A KeyboardInterrupt and still caught as one."""
+
+    def __init__(self, where: str):
+        super().__init__(where)
+        self.where = where
+
+
+def fail(msg: str, code: int = 2):
+    """The CLI's way out for a mistake the user can fix: one stderr line with the prefix, exit 2."""
+    print(f"humanline: error: {msg}", file=sys.stderr)
+    sys.exit(code)

@@ -108,10 +108,3 @@ def load_policy(path: str, device: torch.device, trust_remote_code: bool = False
     check_loaded("policy (a causal LM)", path, info, key)
     model.config.use_cache = False
     return model.to(device).train()
-
-
-def make_reference(policy: torch.nn.Module):
-    """A frozen copy of the policy (the starting policy; humanline's sync updates it in place)."""
-    from humanline_cli.core.reference import FrozenCopy
-
-    return FrozenCopy(policy)

@@ -194,7 +194,7 @@ def test_read_only_run_dir_is_one_line(tmp_path):
 def test_output_dir_problem_checks_an_existing_dir_without_writing(tmp_path, monkeypatch):
     from hydra import initialize_config_module
 
-    from humanline_cli.cli.main import output_dir_problem
+    from humanline_cli.cli.overrides import output_dir_problem
 
     monkeypatch.chdir(tmp_path)
     with initialize_config_module(config_module="conf", version_base="1.3"):
@@ -243,17 +243,22 @@ def test_ctrl_c_mid_training_is_one_line_exit_130_and_failed_json(world, tmp_pat
     assert not (run / "summary.json").exists()
 
 
-def test_interrupted_step_reads_the_trainer_frame():
-    from humanline_cli.train.signals import interrupted_where
+def test_an_interruption_carries_its_step():
+    """Ctrl-C inside the training loop (StepMarker) becomes Interrupted("at step N"); elsewhere the job
+    says before or after training. No frame is read."""
+    from humanline_cli.errors import Interrupted
+    from humanline_cli.train.signals import StepMarker, interrupted_where
 
-    ns = {"__name__": "humanline_cli.train.trainer"}  # a train() whose frame looks like the trainer's
-    exec(compile("def train():\n    step = 7\n    raise KeyboardInterrupt\n", "trainer.py", "exec"), ns)
-    with pytest.raises(KeyboardInterrupt) as e:
-        ns["train"]()
-    assert interrupted_where(e.value) == "at step 7"
+    with pytest.raises(Interrupted) as e, StepMarker() as at:
+        for step in range(1, 10):
+            at.step = step
+            if step == 7:
+                raise KeyboardInterrupt
+    assert isinstance(e.value, KeyboardInterrupt) and interrupted_where(e.value) == "at step 7"
     with pytest.raises(KeyboardInterrupt) as e:
         raise KeyboardInterrupt
     assert interrupted_where(e.value) == "before training"
+    assert interrupted_where(e.value, trained=True) == "after training"
 
 
 # ---- a sweep with a failed job ----------------------------------------------------------------------
@@ -286,18 +291,17 @@ def test_sweep_job_failure_in_a_launcher_process_is_one_compact_hydra_line(tmp_p
     the other jobs, then prints this exception as one line (CompactHydraException) and exits 1 (-> 2)."""
     from hydra.errors import CompactHydraException
 
-    from humanline_cli.cli import main as cli
+    from humanline_cli.cli.train import Sweep, _sweep_job_failed
 
-    monkeypatch.setitem(cli._SWEEP, "pid", -1)  # not the process that started the sweep
-    monkeypatch.setitem(cli._SWEEP, "failed", [])
+    elsewhere = Sweep(pid=-1)  # a job in another process than the one that started the sweep
     job = tmp_path / "3_arithmetic_dpo_offline_hl-False"
     with pytest.raises(CompactHydraException) as e:
-        cli._sweep_job_failed(job, "data file x.jsonl does not exist")
+        _sweep_job_failed(elsewhere, job, "data file x.jsonl does not exist")
     assert str(e.value) == f"humanline: error: sweep job {job} failed: data file x.jsonl does not exist"
     assert capsys.readouterr().err == f"humanline: sweep job {job.name} failed: data file x.jsonl does not exist\n"
-    monkeypatch.setitem(cli._SWEEP, "pid", os.getpid())  # in-process (the basic launcher): recorded, no raise
-    cli._sweep_job_failed(job, "boom")
-    assert cli._SWEEP["failed"] == [(job, "boom")]
+    here = Sweep()  # in-process (the basic launcher): recorded, no raise
+    _sweep_job_failed(here, job, "boom")
+    assert here.failed == [(job, "boom")] and elsewhere.failed == []
 
 
 # ---- secrets ----------------------------------------------------------------------------------------

@@ -25,11 +25,10 @@ from humanline_cli.backend import make_backend
 from humanline_cli.config import TrainSpec
 from humanline_cli.core.batches import PairBatch
 from humanline_cli.core.humanline import HumanlineSpec
-from humanline_cli.core.reference import CachedReference
+from humanline_cli.core.reference import CachedReference, FrozenCopy
 from humanline_cli.data.collate import make_seqs
 from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample
 from humanline_cli.eval.evaluator import Side
-from humanline_cli.models import make_reference
 from humanline_cli.sampling.sampler import SamplingParams
 from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.online import OnlineSource, RoundSpec, TokenCompletion
@@ -73,7 +72,7 @@ def _setup(lora: bool, moving: bool, cached: bool = False):
         policy = apply_lora(policy, 4, 8.0, 0.0)
         reference = make_lora_reference(policy, moving=moving)
     else:
-        reference = make_reference(policy)
+        reference = FrozenCopy(policy)
     if cached:  # a fixed reference's log-prob cache, over 3-step epochs: steps 4-6 reuse cached numbers
         reference = CachedReference(reference)
     source = OfflineSource(UNITS[:6] if cached else UNITS, _collate, batch_size=2, micro_batch_size=2, seed=3)

@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from humanline_cli.cli.main import normalize_overrides
+from humanline_cli.cli.overrides import normalize_overrides
 from humanline_cli.config import compose_error, validate
 from humanline_cli.errors import UserError
 

@@ -123,6 +123,16 @@ def test_malformed_data_names_file_and_line(tmp_path, cache_dir):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+def test_a_relative_data_path_is_found_with_hydra_job_chdir(tmp_path, cache_dir):
+    """hydra.job.chdir=true moves the job into its run dir: a relative data.path still means the file next
+    to where the command was typed (the malformed line 2 proves it was found and read)."""
+    (tmp_path / "prefs.jsonl").write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n'
+                                          '{"prompt": "1+2=", "chosen": 3\n')
+    r = run_cli(["train", "data.path=prefs.jsonl", "hydra.job.chdir=true", *TINY_WORLD, *FAST,
+                 f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert r.returncode == 2 and f"{tmp_path / 'prefs.jsonl'}:2: malformed JSON" in r.stderr, r.stderr[-2000:]
+
+
 def test_eval_command_against_start_and_against_itself(sweep, tmp_path):
     run = _runs(sweep)[0]
     r = run_cli(["eval", str(run), "--against", "start", "--n-prompts", "16"], cwd=tmp_path)

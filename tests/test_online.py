@@ -158,7 +158,7 @@ def test_a_failed_vllm_run_releases_its_engine_before_the_next_run(cache_dir, tm
     from hydra import compose, initialize_config_module
 
     import humanline_cli.train.run as run_mod
-    from humanline_cli.cli.main import normalize_overrides
+    from humanline_cli.cli.overrides import normalize_overrides
     from humanline_cli.sampling.vllm import VLLMSampler
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")

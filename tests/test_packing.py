@@ -335,7 +335,7 @@ def test_a_real_run_with_packing_logs_the_same_losses(cache_dir, tmp_path):
     from hydra import compose, initialize_config_module
 
     import humanline_cli.train.run as run_mod
-    from humanline_cli.cli.main import normalize_overrides
+    from humanline_cli.cli.overrides import normalize_overrides
 
     for objective in ("dpo", "kto", "grpo"):
         rows = {}

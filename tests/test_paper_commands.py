@@ -15,7 +15,7 @@ import yaml
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from humanline_cli.cli.main import normalize_overrides
+from humanline_cli.cli.overrides import normalize_overrides
 from humanline_cli.config import validate
 from humanline_cli.schema import GROUP_SCHEMAS
 

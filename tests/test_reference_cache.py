@@ -19,7 +19,6 @@ from humanline_cli.core.batches import PairBatch
 from humanline_cli.core.humanline import HumanlineSpec
 from humanline_cli.core.reference import CachedReference, FrozenCopy
 from humanline_cli.data.collate import make_seqs
-from humanline_cli.models import make_reference
 from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.train.build import Parts
 from humanline_cli.train.timing import PhaseTimer
@@ -91,7 +90,7 @@ def test_a_cached_reference_refuses_to_move():
 
 def _run(tmp_path, cached: bool, steps=6):
     policy = tiny_llama(vocab=64, hidden=64, seed=3, dtype=torch.float64)  # float64: compared to 1e-9 below
-    reference = make_reference(policy)
+    reference = FrozenCopy(policy)
     if cached:
         reference = CachedReference(reference)
     source = OfflineSource(_units(8), _collate, batch_size=4, micro_batch_size=2, seed=0)  # 2 steps per epoch

@@ -15,9 +15,9 @@ from humanline_cli.backend import make_backend
 from humanline_cli.config import TrainSpec
 from humanline_cli.core.batches import PairBatch
 from humanline_cli.core.humanline import HumanlineSpec
+from humanline_cli.core.reference import FrozenCopy
 from humanline_cli.data.collate import make_seqs
 from humanline_cli.errors import RunFailed
-from humanline_cli.models import make_reference
 from humanline_cli.sources.source import StepData
 from humanline_cli.train.build import Parts
 from humanline_cli.train.timing import PhaseTimer
@@ -63,7 +63,7 @@ def _spec(steps, hl=HumanlineSpec(), beta=0.1, online=False):
 
 def _run(tmp_path, steps, hl=HumanlineSpec(), beta=0.1, resets=False, round_every=0):
     policy = tiny_llama()
-    reference = make_reference(policy)
+    reference = FrozenCopy(policy)
     start = {k: v.clone() for k, v in policy.state_dict().items()}
     source = SnapshotSource(policy, round_every)
     parts = Parts(make_backend("cpu", "fp32"), None, None, policy, reference, source, None, None, policy)

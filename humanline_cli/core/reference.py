@@ -6,18 +6,21 @@ sync and the online round reset):
   parameter in place; under FSDP each rank copies its own shard (no gather).
 - LoRA references (see lora.py): the base model with adapters disabled, or a second frozen
   "reference" adapter that the sync overwrites with the policy adapter; no second model copy.
-When it moves is decided elsewhere, in one place (humanline.ReferenceRule).
+- `CachedReference`: either kind, its log-probs stored per sequence while it cannot move.
+`build_reference` is the one place a run's reference is made (which kind, its dtype and sharding under
+FSDP, whether it is cached); `reference_moves` says whether it can move, from the rule that moves it
+(humanline.ReferenceRule: the humanline sync and the online round reset), which the trainer applies.
 """
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 
 from humanline_cli.core.batches import Seqs
-from humanline_cli.core.humanline import sync_reference
+from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule, sync_reference
 from humanline_cli.core.logprobs import token_logps
 
 
@@ -253,3 +256,31 @@ class CachedReference:
         hits, misses = self.hits - self._seen[0], self.misses - self._seen[1]
         self._seen = (self.hits, self.misses)
         return {"reference_cache/hit_fraction": hits / (hits + misses) if hits + misses else 0.0}
+
+
+def reference_moves(humanline: HumanlineSpec, regime: str) -> bool:
+    """Whether the reference can leave the starting weights (humanline sync, online round resets)."""
+    rule = ReferenceRule.from_spec(humanline, regime)
+    return rule.sync_every > 0 or rule.reset_each_round
+
+
+def build_reference(policy: torch.nn.Module, *, lora: bool, moving: bool, cache: bool,
+                    shard: Callable[[torch.nn.Module], None] | None = None, dtype: torch.dtype | None = None,
+                    agree: Callable[[bool], bool] | None = None):
+    """The run's reference, from the unwrapped, unsharded policy (a peft model when `lora`):
+    - LoRA: the base model with adapters disabled (fixed) or a second "reference" adapter (`moving`);
+    - else a frozen copy, cast to `dtype` (bf16 under FSDP2: it never gets gradients or AdamW, so no fp32
+      master copy; buffers such as RoPE's inv_freq stay fp32, as the policy's do) and sharded with
+      `shard` as the policy is, so the sync copies (and casts) each rank's local shards;
+    - `cache` and not `moving` (plain offline): each sequence's log-probs computed once (`agree`: under
+      FSDP the forward all-gathers shards, so every rank skips it or none does)."""
+    if lora:
+        reference = make_lora_reference(policy, moving=moving)
+    else:
+        reference = FrozenCopy(policy)
+        if dtype is not None:
+            for param in reference.model.parameters():
+                param.data = param.data.to(dtype)
+        if shard is not None:
+            shard(reference.model)
+    return CachedReference(reference, agree=agree) if cache and not moving else reference

@@ -8,6 +8,7 @@ setup phase) and caches on first use. `build_evaluator` is the one evaluator bui
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,13 +26,13 @@ from humanline_cli.backend import (
     wrap_policy,
 )
 from humanline_cli.config import RunSpec
-from humanline_cli.core.reference import CachedReference
+from humanline_cli.core.reference import build_reference, reference_moves
 from humanline_cli.data.collate import Collator, Encoder
 from humanline_cli.data.examples import detect_format, to_units
 from humanline_cli.data.files import load_rows
 from humanline_cli.errors import UserError
 from humanline_cli.eval.evaluator import Evaluator
-from humanline_cli.models import load_policy, load_tokenizer, make_reference
+from humanline_cli.models import load_policy, load_tokenizer
 from humanline_cli.rewards.scorers import make_scorer
 from humanline_cli.sampling.sampler import SamplingParams
 from humanline_cli.sources.offline import OfflineSource
@@ -40,6 +41,7 @@ from humanline_cli.sources.source import Shard
 from humanline_cli.train.lengths import check_model_lengths
 
 WORLD = "world://"
+ORIGINAL_CWD = "HUMANLINE_ORIGINAL_CWD"  # the directory `humanline train` was started in
 
 
 def prepare_world(spec: RunSpec, progress: bool = True) -> Path | None:
@@ -60,8 +62,13 @@ def prepare_world(spec: RunSpec, progress: bool = True) -> Path | None:
 
 
 def resolve_path(path: str, spec: RunSpec) -> str:
-    """Turn world://NAME into a real path inside the bundled world (built by `prepare_world`)."""
+    """Turn world://NAME into a real path inside the bundled world (built by `prepare_world`); a relative
+    path the user gave is relative to where they typed the command, also when `hydra.job.chdir=true`
+    moved the job into its run dir (ORIGINAL_CWD, set by the train command; a hub id stays as it is)."""
     if not path.startswith(WORLD):
+        base = os.environ.get(ORIGINAL_CWD)
+        if base and not os.path.isabs(path) and (Path(base) / path).exists():
+            return str(Path(base) / path)
         return path
     if spec.task_cfg.world is None:
         raise UserError(f"{path!r} refers to the bundled world, but task={spec.task} has no world "
@@ -251,7 +258,7 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device):
     seqs = {"dpo": 2 * micro, "kto": micro}.get(spec.objective, micro * (spec.data_cfg.n if spec.regime == "online" else 2))
     b = spec.backend_cfg
     est = estimate(config, seqs_per_micro=seqs, max_length=spec.train.max_length, lora_r=spec.model_cfg.lora.r,
-                   moving_reference=reference_moves(spec), strategy=b.strategy.value,
+                   moving_reference=reference_moves(spec.humanline, spec.regime), strategy=b.strategy.value,
                    ranks=b.nproc if b.strategy.value != "single" else 1,
                    gradient_checkpointing=spec.train.gradient_checkpointing,
                    # bf16 under FSDP2: the frozen reference is kept in bf16 (build_parts)
@@ -268,14 +275,6 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device):
             raise UserError(reason + (f" (what is left of the GPU after sampler.gpu_memory_utilization={share:g} "
                                       f"for vLLM)" if share else ""))
     return est
-
-
-def reference_moves(spec: RunSpec) -> bool:
-    """Whether the reference can leave the starting weights (humanline sync, online round resets)."""
-    from humanline_cli.core.humanline import ReferenceRule
-
-    rule = ReferenceRule.from_spec(spec.humanline, spec.regime)
-    return rule.sync_every > 0 or rule.reset_each_round
 
 
 def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
@@ -315,23 +314,15 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     if spec.train.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = spec.model_cfg.lora
-    moving = reference_moves(spec)
     if lora.r > 0:  # adapters on the policy; the reference is the base model or a second adapter
         from humanline_cli.core.lora import apply_lora
-        from humanline_cli.core.reference import make_lora_reference
 
         policy = apply_lora(policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
-        reference = make_lora_reference(policy, moving=moving)
-    else:
-        reference = make_reference(policy)  # from the unwrapped, unsharded policy
-    if strategy == "fsdp" and lora.r == 0:
-        if backend.param_dtype is not None:  # bf16 under FSDP2: the frozen reference is bf16 itself (no fp32
-            for param in reference.model.parameters():  # master copy: it never gets gradients or AdamW). Buffers
-                param.data = param.data.to(backend.param_dtype)  # (RoPE inv_freq) stay fp32, as the policy's do
-        shard_model(reference.model)  # the same sharding: the sync copies (and casts) each rank's local shards
-    if spec.train.reference_cache and not moving:  # plain offline: each sequence's reference log-probs once
-        # under FSDP the reference forward all-gathers shards: every rank skips it or none does
-        reference = CachedReference(reference, agree=(lambda f: all_agree(f, dist)) if strategy == "fsdp" else None)
+    fsdp_full = strategy == "fsdp" and lora.r == 0
+    reference = build_reference(policy, lora=lora.r > 0, moving=reference_moves(spec.humanline, spec.regime),
+                                cache=spec.train.reference_cache, shard=shard_model if fsdp_full else None,
+                                dtype=backend.param_dtype if fsdp_full else None,
+                                agree=(lambda f: all_agree(f, dist)) if strategy == "fsdp" else None)
     train_model = wrap_policy(policy, strategy, dist, backend.device, backend.param_dtype)
     if spec.regime == "online":
         source = _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist)

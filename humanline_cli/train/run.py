@@ -65,9 +65,10 @@ def header(spec: RunSpec, parts, console: Console) -> None:
                   f"({tr.schedule}, warm-up {tr.warmup_ratio:.0%})")
 
 
-def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict:
+def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None, spec: RunSpec | None = None) -> dict:
     """One job in this process. Under torch.distributed every rank calls it with the same config and
-    run dir; only rank 0 writes outputs (metrics, samples, summary, wandb, model, failed.json)."""
+    run dir; only rank 0 writes outputs (metrics, samples, summary, wandb, model, failed.json). `spec`:
+    the config already validated by the caller (one process); ranks validate their own copy."""
     console = console or Console(stderr=True)
     transformers.utils.logging.disable_progress_bar()  # our rich bars are the progress display
     timer = PhaseTimer()
@@ -82,9 +83,10 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
         def peer_failed() -> bool:  # a rank recorded a failure (a Preempted record is the same signal, not one)
             rec = failures.root_cause(run_dir)
             return rec is not None and rec["type"] != "Preempted"
+    trained = False
     stop = StopSignal(peer_failed).__enter__()  # SIGTERM: a checkpoint at the next step boundary, then Preempted
     try:
-        spec = validate(cfg)
+        spec = spec if spec is not None else validate(cfg)
         with timer.phase("setup"):
             parts = build_parts(spec, timer, run_dir)
             if not main:
@@ -104,6 +106,7 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
             with timer.phase("eval"):
                 parts.evaluator.set_baseline(parts.eval_sampler)
         last = train(spec, parts, tracker, timer, console, checkpoints, resume_from, stop=stop)
+        trained = True  # an interruption from here on lands after training
         ev = None  # judge=none: train only
         if parts.evaluator is not None:
             with timer.phase("eval"):
@@ -147,7 +150,8 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> d
         if isinstance(e, KeyboardInterrupt):  # the step it landed in, for the launching process to report
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C (the agent forwards one) must not
-            failed["interrupted"] = interrupted_where(e)  # cut failed.json short
+            failed["interrupted"] = interrupted_where(e, trained)  # cut failed.json short
+            failed["error"] = "KeyboardInterrupt"  # Ctrl-C (the step is in "interrupted")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not isinstance(e, KeyboardInterrupt):
             from humanline_cli.train import failures
 

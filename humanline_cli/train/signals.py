@@ -8,8 +8,9 @@ when `train.checkpoint_every > 0`, and the run ends with `Preempted`: one line s
 resumed by rerunning the same command, exit 143, `failed.json`. Outside the training loop (setup,
 final eval, model save) SIGTERM raises `Preempted` at once: there is no step to save.
 
-Ctrl-C raises KeyboardInterrupt as Python does; `interrupted_where` reads the step it landed in from
-the frames it unwound, so rank 0 can record it in failed.json for the launching process to report.
+Ctrl-C raises KeyboardInterrupt as Python does; inside the training loop `StepMarker` turns it into
+`Interrupted("at step N")`, so rank 0 can record the step in failed.json for the launching process to
+report (no frame is read).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import os
 import signal
 import threading
 
-from humanline_cli.errors import Preempted
+from humanline_cli.errors import Interrupted, Preempted
 
 
 class StopSignal:
@@ -56,15 +57,23 @@ class StopSignal:
             self._old = None
 
 
-def interrupted_where(e: BaseException) -> str:
-    """Where a KeyboardInterrupt landed, from the frames it unwound: the trainer's step, or after it."""
-    tb, where = e.__traceback__, "before training"
-    while tb is not None:
-        frame = tb.tb_frame
-        module = frame.f_globals.get("__name__", "")
-        if module.endswith(".run") and frame.f_code.co_name == "run_job" and "last" in frame.f_locals:
-            where = "after training"  # train() returned: evaluating or saving
-        if module.endswith(".trainer") and frame.f_code.co_name == "train" and "step" in frame.f_locals:
-            return f"at step {frame.f_locals['step']}"
-        tb = tb.tb_next
-    return where
+class StepMarker:
+    """`with StepMarker() as at:` around the training loop, `at.step = step` at the top of each step: a
+    Ctrl-C inside becomes `Interrupted("at step N")`, which carries the step to whoever reports it."""
+
+    step: int | None = None
+
+    def __enter__(self) -> StepMarker:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is KeyboardInterrupt and self.step is not None:
+            raise Interrupted(f"at step {self.step}") from exc
+        return False
+
+
+def interrupted_where(e: BaseException, trained: bool = False) -> str:
+    """Where a KeyboardInterrupt landed: the step it carries (StepMarker), else after or before training."""
+    if isinstance(e, Interrupted):
+        return e.where
+    return "after training" if trained else "before training"

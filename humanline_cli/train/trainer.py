@@ -22,7 +22,7 @@ from humanline_cli.eval.evaluator import flat_metrics
 from humanline_cli.train.build import Parts
 from humanline_cli.train.checkpoint import Checkpoints
 from humanline_cli.train.failures import Fault, PeerFailed
-from humanline_cli.train.signals import StopSignal
+from humanline_cli.train.signals import StepMarker, StopSignal
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.train.tracking import Tracker
 
@@ -120,11 +120,12 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
 
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.fields[info]}"), console=console, transient=False)
-    with progress:
+    with progress, StepMarker() as at:  # a Ctrl-C in the loop carries its step (Interrupted)
         bar = progress.add_task("train", total=tr.steps, completed=start, info="")
         if stop is not None:
             stop.arm(True)  # from here SIGTERM waits for the step boundary
         for step in range(start + 1, tr.steps + 1):
+            at.step = step
             fault.at_step(step)
             # SIGTERM during the previous step, on any rank: all stop before this one. Agreed at the top of
             # a step (where every rank waits for the others anyway, at the step's first collective)
