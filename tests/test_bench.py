@@ -42,10 +42,12 @@ def test_summarise_arithmetic():
 def tiny_world(cache_dir):
     """Build the tiny world once, up front, so each CLI test below times only the bench."""
     from humanline_cli.bench.project import compose_spec
-    from humanline_cli.train.build import resolve_path
+    from humanline_cli.train.build import prepare_world, resolve_path
 
     opts, overrides = parse_args(["threads=1", *TINY_WORLD])
-    return resolve_path("world://policy", compose_spec(overrides, opts, humanline=False), progress=False)
+    spec = compose_spec(overrides, opts, humanline=False)
+    prepare_world(spec, progress=False)
+    return resolve_path("world://policy", spec)
 
 
 def _bench(tmp_path, objective: str) -> tuple[dict, str]:
