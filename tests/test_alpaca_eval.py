@@ -34,8 +34,7 @@ def build_rigged_judge(path: Path) -> None:
     prompt: the served top logprobs are the same for every pair."""
     import torch
     from alpaca_eval import constants
-    from conftest import build_bpe_tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import build_bpe_tokenizer, two_layer_llama
 
     template = (Path(constants.EVALUATORS_CONFIG_DIR) / "alpaca_eval_clf_gpt4_turbo/alpaca_eval_clf.txt").read_text()
     corpus = [template, "What is 12 + 7? The answer is 19.", "Paris is the capital of France."] * 3
@@ -44,12 +43,7 @@ def build_rigged_judge(path: Path) -> None:
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"))
     m_id, big_m_id = tok.convert_tokens_to_ids("m"), tok.convert_tokens_to_ids("M")
     assert tok.decode([m_id]) == "m" and tok.decode([big_m_id]) == "M"
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
-                      tie_word_embeddings=False, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).float().eval()
+    model = two_layer_llama(tok, 4096)
     d = 7
     with torch.no_grad():
         model.model.embed_tokens.weight.zero_()

@@ -34,20 +34,14 @@ def build_tiny_judge(path: Path) -> tuple[str, int]:
     untied lm_head reads only channel D, into the "A" logit. So max_tokens=1 gives "A" (always the first
     position: a maximally position-biased judge) and max_tokens=2 gives "AA" (unparsable)."""
     import torch
-    from conftest import build_bpe_tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import build_bpe_tokenizer, two_layer_llama
 
     corpus = [TEMPLATE, "The quick brown fox jumps over the lazy dog.", "Paris is the capital of France."] * 3
     tok = build_bpe_tokenizer(corpus, 400, 1024, (
         "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"))
     a_id = tok.convert_tokens_to_ids("A")
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-                      tie_word_embeddings=False, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).float().eval()
+    model = two_layer_llama(tok, 1024)
     d = 7
     with torch.no_grad():
         model.model.embed_tokens.weight[:, d] = 10.0
