@@ -92,6 +92,30 @@ def record(run_dir: Path, rank: int, e: BaseException, wall_clock_s: dict | None
         pass
 
 
+def record_interrupt(run_dir: Path, rank: int, where: str) -> None:
+    """This rank got Ctrl-C (`where`: "at step N", ...). A rank the others' exit reaches first sees only a
+    peer gone; this record lets rank 0 still report the interruption. Never raises."""
+    try:
+        d = failures_dir(run_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".interrupted{rank}.json.tmp"
+        tmp.write_text(json.dumps({"rank": rank, "interrupted": where}))
+        os.replace(tmp, d / f"interrupted{rank}.json")
+    except OSError:
+        pass
+
+
+def interrupted(run_dir: Path) -> str | None:
+    """Where Ctrl-C landed, as the lowest rank that recorded it says; None when no rank did."""
+    d = failures_dir(run_dir)
+    for p in sorted(d.glob("interrupted*.json")) if d.is_dir() else []:
+        try:
+            return json.loads(p.read_text())["interrupted"]
+        except (OSError, ValueError, KeyError):
+            continue
+    return None
+
+
 def root_cause(run_dir: Path, job: str | None = None) -> dict | None:
     """The record to report: the earliest primary failure, else the earliest of all; None if none."""
     d = failures_dir(run_dir, job)

@@ -152,6 +152,10 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None, spec
                 signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C (the agent forwards one) must not
             failed["interrupted"] = interrupted_where(e, trained)  # cut failed.json short
             failed["error"] = "KeyboardInterrupt"  # Ctrl-C (the step is in "interrupted")
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                from humanline_cli.train import failures
+
+                failures.record_interrupt(run_dir, int(os.environ.get("RANK", "0")), failed["interrupted"])
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not isinstance(e, KeyboardInterrupt):
             from humanline_cli.train import failures
 
@@ -161,6 +165,10 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None, spec
             failures.record(run_dir, int(os.environ.get("RANK", "0")), e, timer.report(), timeout_s)
             rec = failures.root_cause(run_dir) if main else None
             failed = failures.failed_json(rec) if rec is not None else failed
+            where = failures.interrupted(run_dir) if main and failures.is_secondary(e) else None
+            if where is not None:  # Ctrl-C reached another rank first: rank 0 only saw it leave
+                failed = {"status": "failed", "error": "KeyboardInterrupt", "interrupted": where,
+                          "wall_clock_s": timer.report()}
         note = write_failed_json(run_dir / "failed.json", failed) if main and run_dir.is_dir() else None
         if tracker is not None:
             tracker.finish(1)
