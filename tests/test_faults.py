@@ -502,3 +502,22 @@ def test_out_of_memory_is_one_line_and_failed_json(tmp_path, monkeypatch, error)
         "lower train.micro_batch_size, or turn on train.gradient_checkpointing or LoRA, or use more ranks")
     assert json.loads((tmp_path / "run" / "failed.json").read_text())["error"] == f"RunFailed: {msg}"
     assert R.out_of_memory(ValueError("out of memory")) is None  # only memory errors
+
+
+def test_checksums_cover_fsdp_shards(tmp_path):
+    """An FSDP2 checkpoint keeps the model and AdamW in shards/ (one file per rank): those files are
+    summed too, so a damaged, missing or added shard is never loaded silently."""
+    from humanline_cli.train import checkpoint as C
+
+    ck = tmp_path / "step_4"
+    (ck / "shards").mkdir(parents=True)
+    for name, data in [("tensors.safetensors", b"t" * 64), ("state.json", b"{}"), ("shards/__0_0.distcp", b"a" * 64),
+                       ("shards/__1_0.distcp", b"b" * 64), ("shards/.metadata", b"m" * 16)]:
+        (ck / name).write_bytes(data)
+    (ck / C.CHECKSUMS).write_text(json.dumps(C.checksums(ck)))
+    assert C.verify(ck) is None
+    (ck / "shards/__1_0.distcp").write_bytes(b"b" * 63 + b"c")  # one byte altered
+    assert C.verify(ck) == "shards/__1_0.distcp (64 bytes) does not match its sha256 (truncated or altered)"
+    (ck / "shards/__1_0.distcp").unlink()
+    assert C.verify(ck) == "shards/__1_0.distcp is missing"
+

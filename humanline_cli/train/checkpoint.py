@@ -11,7 +11,8 @@ rename, so a kill mid-write never leaves half a checkpoint; older ones are prune
 - `state.json`: the step, optimizer param groups, scheduler, python/numpy RNG states, the data
   source's `state_dict()` (units as tagged JSON), the phase timers, the last logged train metrics
   and the evaluator's baselines (the starting policy's eval texts and scores, sampled and greedy).
-- `checksums.json`: the sha256 of both files above, written last (before the rename). `verify` checks
+- `checksums.json`: the sha256 of every file (both above, and FSDP2's `shards/`), written last (before the
+  rename). `verify` checks
   them; a resume skips a checkpoint whose files were truncated, emptied or altered (rundir.newest_intact)
   and `load` refuses one, so damage is never loaded silently.
 Loading reads safetensors and JSON only, never pickle. Rank 0 writes, every rank loads.
@@ -242,7 +243,7 @@ class Checkpoints:
             _write_synced(tmp / "state.json", json.dumps(to_json(state)))
             _fsync(tmp / "tensors.safetensors")
             # written last, from the bytes on disk: a checkpoint proves itself on resume (verify)
-            _write_synced(tmp / CHECKSUMS, json.dumps({n: _sha256(tmp / n) for n in FILES}, indent=1))
+            _write_synced(tmp / CHECKSUMS, json.dumps(checksums(tmp), indent=1))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             _fsync(self.root)
@@ -311,6 +312,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _files(path: Path) -> list[str]:
+    """Every file of a checkpoint dir (FSDP2's `shards/` included), as relative paths, checksums.json aside."""
+    return sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+
+
+def checksums(path: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file in the checkpoint dir, from the bytes on disk."""
+    return {name: _sha256(path / name) for name in _files(Path(path))}
+
+
 def verify(path: Path) -> str | None:
     """Why the checkpoint at `path` cannot be trusted (a missing, truncated or altered file, checked
     against the sha256 sums written with it), or None when every file is as written."""
@@ -321,9 +332,12 @@ def verify(path: Path) -> str | None:
         return f"no {CHECKSUMS} (unfinished, or written by an older humanline)"
     except (OSError, ValueError) as e:
         return f"{CHECKSUMS} unreadable ({type(e).__name__})"
-    if not isinstance(sums, dict) or set(sums) != set(FILES):
+    if not isinstance(sums, dict) or not set(FILES) <= set(sums):
         return f"{CHECKSUMS} does not list {', '.join(FILES)}"
-    for name in FILES:
+    extra = sorted(set(_files(path)) - set(sums))
+    if extra:
+        return f"{extra[0]} is not in {CHECKSUMS} (written after the checkpoint)"
+    for name in sorted(sums):
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
