@@ -17,6 +17,7 @@ from humanline_cli.core.batches import n_units, to_device
 from humanline_cli.core.humanline import ReferenceRule
 from humanline_cli.core.objectives import compute_loss, loss_count, step_z0
 from humanline_cli.core.optim import make_optimizer, make_scheduler
+from humanline_cli.core.reference import reference_moves
 from humanline_cli.errors import Preempted, RunFailed
 from humanline_cli.eval.evaluator import flat_metrics
 from humanline_cli.train.build import Parts
@@ -97,7 +98,7 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
     if resume_from is not None:  # weights, optimizer, scheduler, data position, RNGs, timers, baseline
         start, last = checkpoints.load(resume_from, parts, opt, sched, timer)
     skipped = int(last.pop("skipped_steps", 0))  # steps with no usable unit so far (train.max_skipped_fraction)
-    moving = rule.sync_every > 0 or rule.reset_each_round  # the reference can leave the starting weights
+    moving = reference_moves(spec.humanline, spec.regime)  # the reference can leave the starting weights
     fault = Fault.from_env(dist.rank)  # inert unless a test sets HUMANLINE_TEST_FAULT
 
     def checkpoint(step: int, now: bool = False) -> None:  # at the very end of a step: nothing of it is left to do
