@@ -13,6 +13,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# a pinned ATEN_CPU_CAPABILITY gets its own inductor cache (vLLM's compiled sampler ops; `vllm serve` too)
+from humanline_cli.sampling.vllm import inductor_cache_per_kernel_set  # noqa: E402
+
+inductor_cache_per_kernel_set()
 
 # A world small enough to build in seconds; tests override the task's world with these.
 TINY_WORLD = ["task.world.sft.steps=40", "task.world.n_train_prompts=256", "task.world.n_eval_prompts=32"]

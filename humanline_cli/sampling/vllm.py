@@ -37,11 +37,24 @@ def _import_vllm():
     # In-process engine core: fast startup, and weights can be pushed as plain tensors.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # per-push weight-loader warnings are noise
+    inductor_cache_per_kernel_set()
     try:
         import vllm
     except ImportError as e:  # also raised when sys.modules["vllm"] is None
         raise UserError(_MISSING_VLLM) from e
     return vllm
+
+
+def inductor_cache_per_kernel_set() -> None:
+    """vLLM compiles a few sampler ops with torch.compile even with enforce_eager. torch 2.13's inductor
+    cache key ignores ATEN_CPU_CAPABILITY, so C++ compiled under avx512 is reloaded under `default`, where
+    it does not build ("'at::vec' has not been declared"). A pinned kernel set gets its own cache dir."""
+    cap = os.environ.get("ATEN_CPU_CAPABILITY")
+    if cap and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        import getpass
+        import tempfile
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+            tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{cap}")
 
 
 def _on_cpu(vllm) -> bool:
