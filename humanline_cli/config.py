@@ -283,6 +283,7 @@ def validate(cfg: DictConfig) -> RunSpec:
         raise UserError(f"config key 'eval.top_p' must be in (0, 1], got {ev.top_p}")
     _at_least(ev.n_prompts, 1, "eval.n_prompts")
     _at_least(ev.every, 0, "eval.every")
+    check_math500(ev.math500)
     _at_least(root.threads, 1, "threads")
     _at_least(data.limit, 1, "data.limit")
     _at_least(data.min_gap, 0.0, "data.min_gap")
@@ -313,12 +314,12 @@ def validate(cfg: DictConfig) -> RunSpec:
         raise UserError(f"config key 'train.max_truncated_fraction' must be in [0, 1], got {t.max_truncated_fraction}")
     if root.check_model_task not in ("error", "warn"):
         raise UserError(f"config key 'check_model_task' must be error or warn; got {root.check_model_task!r}")
-    evaluates = judge.kind in ("llm", "alpaca_eval") or (judge.kind == "task" and task.judge.kind != "none")
+    evaluates = judge_evaluates(judge, task)
     if not task.prompts.eval and evaluates:  # every judge needs them (the LLM judge too)
         raise UserError(f"config key 'task.prompts.eval' is missing: task {task.name!r} has no held-out prompts for "
                         f"{f'judge={judge.kind}' if judge.kind != 'task' else f'task.judge.kind={task.judge.kind}'} (set "
                         f"task.prompts.eval=FILE, or judge=none to train without evaluation)")
-    check_lengths(t, data, ev, sampler, regime, evaluates)
+    sampler = check_lengths(t, data, ev, sampler, regime, evaluates)
     for role in ("labeller", "judge"):
         scorer = getattr(task, role)
         if scorer.kind not in ("none", "world", "verifier", "model", "reward_model"):
@@ -347,21 +348,59 @@ def validate(cfg: DictConfig) -> RunSpec:
                    check_model_task=root.check_model_task, notes=tuple(notes), config=config)
 
 
-def check_lengths(t, data, ev, sampler, regime: str, evaluates: bool) -> None:
+def check_math500(m) -> None:
+    """eval.math500 (off while its prompts are unset): something to generate, a real temperature for the
+    sampled pass (greedy is its own), a template that places the problem."""
+    if not m.prompts:
+        return
+    _at_least(m.n_prompts, 1, "eval.math500.n_prompts")
+    _at_least(m.n_samples, 0, "eval.math500.n_samples")
+    if m.max_new_tokens is not None:
+        _positive(m.max_new_tokens, "eval.math500.max_new_tokens")
+    if not m.greedy and m.n_samples == 0:
+        raise UserError("eval.math500.greedy=false with eval.math500.n_samples=0 evaluates nothing; set one")
+    if m.n_samples > 0 and not m.temperature > 0:
+        raise UserError(f"config key 'eval.math500.temperature' must be > 0 for the sampled pass, got {m.temperature} "
+                        f"(greedy_accuracy is the temperature-0 result; eval.math500.n_samples=0 turns sampling off)")
+    if not 0.0 < m.top_p <= 1.0:
+        raise UserError(f"config key 'eval.math500.top_p' must be in (0, 1], got {m.top_p}")
+    if "{problem}" not in m.template:
+        raise UserError(f"config key 'eval.math500.template' must contain {{problem}}, got {m.template!r}")
+
+
+def judge_evaluates(judge, task) -> bool:
+    """Whether the run's main evaluation runs (a judge is named: the LLM ones, or the task's own)."""
+    return judge.kind in ("llm", "alpaca_eval") or (judge.kind == "task" and task.judge.kind != "none")
+
+
+def eval_new_tokens(ev, evaluates: bool) -> int:
+    """The longest completion evaluation samples: eval.max_new_tokens (when a judge evaluates) and
+    eval.math500's budget (when set); 0 when the run does not evaluate."""
+    m = ev.math500
+    return max(ev.max_new_tokens if evaluates else 0, (m.max_new_tokens or ev.max_new_tokens) if m.prompts else 0)
+
+
+def check_lengths(t, data, ev, sampler, regime: str, evaluates: bool):
     """The lengths against each other (the model's own limit is checked in train.lengths, before any
-    weight loads): a prompt of train.max_prompt_length plus what is sampled after it must fit in
-    train.max_length, and in the vLLM engine's max_model_len when vLLM samples (online)."""
-    if evaluates and t.max_prompt_length + ev.max_new_tokens > t.max_length:
-        raise UserError(f"train.max_prompt_length ({t.max_prompt_length}) + eval.max_new_tokens ({ev.max_new_tokens}) "
-                        f"> train.max_length ({t.max_length}): evaluation would sample past the lengths this run "
-                        f"is set up for; lower eval.max_new_tokens or raise train.max_length")
+    weight loads). Training sequences (prompt + completion) are cut to train.max_length; evaluation only
+    samples, so its budget is bounded by the model's positions and, where vLLM samples (online), by the
+    engine's max_model_len, not by train.max_length (the paper's AlpacaEval generation: prompt 1024 +
+    2048 new tokens, training at 2048). sampler.max_model_len unset (vLLM): the longest sequence the run
+    samples, max(train.max_length, train.max_prompt_length + every sampling budget). Returns the sampler
+    config with that value filled in."""
     if sampler.name == "vllm" and regime == "online":
-        new = max(data.max_new_tokens, ev.max_new_tokens if evaluates else 0)  # online evaluates with vLLM too
+        new = max(data.max_new_tokens, eval_new_tokens(ev, evaluates))  # online evaluates with vLLM too
+        if sampler.max_model_len is None:
+            return dataclasses.replace(sampler, max_model_len=max(t.max_length, t.max_prompt_length + new))
         if t.max_prompt_length + new > sampler.max_model_len:
-            key = "data.max_new_tokens" if new == data.max_new_tokens else "eval.max_new_tokens"
+            key = "data.max_new_tokens" if new == data.max_new_tokens else (
+                "eval.max_new_tokens" if new == ev.max_new_tokens else "eval.math500.max_new_tokens")
             raise UserError(f"sampler.max_model_len ({sampler.max_model_len}) < train.max_prompt_length "
                             f"({t.max_prompt_length}) + {key} ({new}): vLLM would refuse the longest prompts; "
                             f"raise sampler.max_model_len")
+    if sampler.name == "vllm" and sampler.max_model_len is None:  # offline: vLLM does not sample; as unset online
+        return dataclasses.replace(sampler, max_model_len=max(t.max_length, t.max_prompt_length + data.max_new_tokens))
+    return sampler
 
 
 def model_display_name(model) -> str:

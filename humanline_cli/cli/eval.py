@@ -1,7 +1,8 @@
 """`humanline eval RUN_DIR [--against RUN_DIR|start|FILE]`: pairwise win rate of one trained policy
 against another run's policy, the starting policy or a file of reference outputs (AlpacaEval's
 format), under the run's task judge, on the task's held-out prompts, with a 95% CI. Writes
-eval_vs_<name>.json into RUN_DIR."""
+eval_vs_<name>.json into RUN_DIR. With eval.math500.prompts set (in the run or as an override), also the
+benchmark accuracy of the run's policy: eval_math500.json, and `eval.math500` in the run's summary.json."""
 from __future__ import annotations
 
 import argparse
@@ -62,16 +63,55 @@ def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperatur
     from humanline_cli.backend import make_backend, seed_everything
     from humanline_cli.models import load_policy, load_tokenizer
     from humanline_cli.sampling.hf import HFSampler
-    from humanline_cli.train.build import build_evaluator, make_encoder, model_paths, prepare_world
+    from humanline_cli.train.build import build_evaluator, build_math500, make_encoder, prepare_world
+    from humanline_cli.train.lengths import check_model_lengths
 
     spec = _run_spec(run_dir, overrides)
     ev = spec.eval_cfg
     changes = {k: v for k, v in (("n_prompts", n_prompts), ("temperature", temperature)) if v is not None}
     if changes:
         spec = replace(spec, eval_cfg=replace(ev, **changes))
+    check_model_lengths(spec, str(run_dir / "model"))  # evaluation budgets against the model's positions
+    if against == "start":
+        prepare_world(spec)  # the bundled world, built first if it is not cached (its paths resolve after)
+    b = spec.backend_cfg
+    backend = make_backend(b.device.value, b.precision.value, spec.threads)
+    seed_everything(seed)
+    trust = spec.model_cfg.trust_remote_code
+    tok = load_tokenizer(str(run_dir / "model"), trust)
+    encoder = make_encoder(spec, tok)
+    math500 = build_math500(spec, encoder, seed)  # eval.math500.prompts set: benchmark accuracy too
+    if spec.judge_cfg.kind == "none" and math500 is None:
+        raise UserError("judge=none: nothing to evaluate with (choose judge=task or judge=llm, or set "
+                        "eval.math500.prompts=FILE)")
+    evaluator = build_evaluator(spec, encoder, backend.device, seed) if spec.judge_cfg.kind != "none" else None
+    if evaluator is None and math500 is None:  # judge=task, and the run was trained without one
+        raise UserError(f"{run_dir} was trained without a judge (task.judge.kind=none): name one, e.g. "
+                        f"task.judge.kind=model task.judge.name_or_path=DIR, task.judge.kind=verifier, or judge=llm "
+                        f"(and task.prompts.eval=FILE if the run had no eval prompts)")
+    batch = spec.eval_cfg.batch_size
+    result = {"run": str(run_dir), "seed": seed}
+    if evaluator is not None:
+        result.update(_pairwise(spec, run_dir, against, evaluator, backend, tok, seed))
+    if math500 is not None:
+        policy = load_policy(str(run_dir / "model"), backend.device, trust).eval()
+        m = math500.evaluate(HFSampler(policy, tok, batch, backend.autocast), run_dir / "eval_math500_samples.jsonl")
+        del policy
+        _save_math500(run_dir, m, seed)
+        result["math500"] = m
+    return result
+
+
+def _pairwise(spec, run_dir: Path, against: str, evaluator, backend, tok, seed: int) -> dict:
+    """The trained policy against another run's, the start or a file of reference outputs: eval_vs_<name>.json."""
+    from humanline_cli.models import load_policy
+    from humanline_cli.sampling.hf import HFSampler
+    from humanline_cli.train.build import model_paths
+
+    trust = spec.model_cfg.trust_remote_code
+    batch = spec.eval_cfg.batch_size
     against_file = against != "start" and Path(against).is_file()  # reference outputs (AlpacaEval's format)
     if against == "start":
-        prepare_world(spec)  # the bundled world, built first if it is not cached
         other_path, other_name = model_paths(spec)[0], "start"
     elif against_file:
         other_path, other_name = None, Path(against).stem
@@ -79,19 +119,6 @@ def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperatur
         other_dir = Path(against)
         _run_spec(other_dir)
         other_path, other_name = str(other_dir / "model"), other_dir.name
-    b = spec.backend_cfg
-    backend = make_backend(b.device.value, b.precision.value, spec.threads)
-    seed_everything(seed)
-    trust = spec.model_cfg.trust_remote_code
-    tok = load_tokenizer(str(run_dir / "model"), trust)
-    evaluator = build_evaluator(spec, make_encoder(spec, tok), backend.device, seed)
-    if evaluator is None and spec.judge_cfg.kind == "none":
-        raise UserError("judge=none: nothing to evaluate with (choose judge=task or judge=llm)")
-    if evaluator is None:  # judge=task, and the run was trained without one (task.judge.kind=none)
-        raise UserError(f"{run_dir} was trained without a judge (task.judge.kind=none): name one, e.g. "
-                        f"task.judge.kind=model task.judge.name_or_path=DIR, task.judge.kind=verifier, or judge=llm "
-                        f"(and task.prompts.eval=FILE if the run had no eval prompts)")
-    batch = spec.eval_cfg.batch_size
     if against_file:
         from humanline_cli.rewards.alpaca import read_reference_outputs
 
@@ -108,6 +135,19 @@ def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperatur
     return result
 
 
+def _save_math500(run_dir: Path, m: dict, seed: int) -> None:
+    """eval_math500.json, and the run's summary.json `eval.math500` (where `humanline report` reads it), each
+    written whole (a temp file renamed over the old one)."""
+    from humanline_cli.train.tracking import write_json_atomic
+
+    write_json_atomic(run_dir / "eval_math500.json", {"run": str(run_dir), "seed": seed, "math500": m})
+    path = run_dir / "summary.json"
+    if path.is_file():
+        summary = json.loads(path.read_text())
+        summary["eval"] = {**(summary.get("eval") or {}), "math500": {**m, "by": "humanline eval", "seed": seed}}
+        write_json_atomic(path, summary)
+
+
 def main_eval(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="humanline eval", description=__doc__)
     p.add_argument("run_dir", type=Path)
@@ -117,13 +157,20 @@ def main_eval(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("overrides", nargs="*", help="judge=llm|task, judge.KEY=VALUE (e.g. judge.model=gpt-4.1, "
-                   "judge.base_url=http://127.0.0.1:8000/v1), eval.KEY=VALUE")
+                   "judge.base_url=http://127.0.0.1:8000/v1), eval.KEY=VALUE (eval.math500.prompts=FILE|HUB_ID: "
+                   "benchmark accuracy; judge=none for that alone)")
     args = p.parse_intermixed_args(argv)
     try:
         r = evaluate_pair(args.run_dir, args.against, args.n_prompts, args.temperature, args.seed, args.overrides)
     except UserError as e:
         print(f"humanline: error: {e}", file=sys.stderr)
         return 2
+    if r.get("math500"):
+        from humanline_cli.eval.math500 import summary_line
+
+        print(f"{args.run_dir}: {summary_line(r['math500'])}")
+    if "win_rate" not in r:  # eval.math500 alone (judge=none)
+        return 0
     if r["accuracy"] is not None:
         metric = f"accuracy {r['accuracy']:.3f} vs {r['start_accuracy']:.3f}"
     elif r["reward_mean"] is not None:

@@ -135,6 +135,9 @@ def aggregate(runs: list[Run], ignore=()) -> list[dict]:
                 "win_rate_mean": _mean(wr), "win_rate_std": _std(wr), "win_rate_lo": lo, "win_rate_hi": hi,
                 # judge=alpaca_eval: its length-controlled win rate (percent there), as a fraction like WR
                 "lc_win_rate_mean": _mean(_lc(e) for e in ev), "lc_win_rate_std": _std(_lc(e) for e in ev),
+                # eval.math500: benchmark accuracy of the trained policy, greedy and sampled (mean ± sd over seeds)
+                **{f"math500_{k}_{stat}": fn(_m500(e, k) for e in ev) for k in ("greedy", "sampled")
+                   for stat, fn in (("mean", _mean), ("std", _std))},
                 "accuracy_mean": _mean(e.get("accuracy") for e in ev) if has_verifier else None,
                 "accuracy_std": _std(e.get("accuracy") for e in ev) if has_verifier else None,
                 "reward_mean": _mean(e.get("reward_mean") for e in ev),
@@ -153,6 +156,10 @@ def aggregate(runs: list[Run], ignore=()) -> list[dict]:
     cells.sort(key=lambda c: (c["task"], obj_rank[c["objective"]], [_natural(v) for _, v in c["row"]],
                               fam_rank[c["family"]], c["label"]))
     return cells
+
+
+def _m500(ev: dict, mode: str) -> float | None:
+    return (ev.get("math500") or {}).get(f"{mode}_accuracy")
 
 
 def _lc(ev: dict) -> float | None:
@@ -177,9 +184,12 @@ def cell_lines(c: dict) -> list[str]:
         metric = "acc " + _pm(c["accuracy_mean"], c["accuracy_std"])
     else:
         metric = "judge reward " + _pm(c["reward_mean"], c["reward_std"])
+    m500 = [f"{mode} " + _pm(c[f"math500_{mode}_mean"], c[f"math500_{mode}_std"]) for mode in ("greedy", "sampled")
+            if c.get(f"math500_{mode}_mean") is not None]
+    metric_lines = [metric] + (["MATH-500 " + ", ".join(m500)] if m500 else [])
     speed = f"{c['speedup_vs_online']:.2f}x" if c["speedup_vs_online"] is not None else "n/a"
     wall = f"{c['wall_clock_s']:.1f} s" if c["wall_clock_s"] is not None else "–"
-    return ([c["label"]] if c["label"] else []) + [f"win {wr}", metric, f"{wall} ({speed} vs online)",
+    return ([c["label"]] if c["label"] else []) + [f"win {wr}", *metric_lines, f"{wall} ({speed} vs online)",
                                                    f"n={c['n_seeds']}"]
 
 

@@ -94,6 +94,7 @@ class Parts:
     train_model: object = None  # the module the loss differentiates: a DDP wrapper under DDP, else the policy
     dist: Dist = Dist()
     memory: object = None       # memory.MemoryEstimate, printed in the run header
+    math500: object = None      # eval/math500.Math500Eval (eval.math500.prompts set), else None
 
     def close(self) -> None:
         """Release engines and samplers (a vLLM engine holds its memory until closed)."""
@@ -156,6 +157,21 @@ def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = 
         subsets = [subset(spec.task_cfg.world["kind"], encoder.prompt_text(r["prompt"])) for r in rows]
     return Evaluator(rows, encoder, make_scorer(asdict(spec.task_cfg.judge), device, "task.judge"), spec.eval_cfg,
                      spec.task_cfg.verifiable, seed, subsets=subsets, shard=shard)
+
+
+def build_math500(spec: RunSpec, encoder: Encoder, seed: int | None = None, shard: Shard = Shard()):
+    """eval.math500's problems and answers (a file or hub id), or None while eval.math500.prompts is unset;
+    shared by `humanline train` and `humanline eval` like build_evaluator."""
+    from humanline_cli.eval.math500 import Math500Eval, load_problems
+
+    m = spec.eval_cfg.math500
+    if not m.prompts:
+        return None
+    source = resolve_path(m.prompts, spec)
+    rows, where = load_rows(source, m.split, m.n_prompts, None, limit_key="eval.math500.n_prompts")
+    prompts, answers = load_problems(rows, where, m)
+    return Math500Eval(prompts, answers, where, encoder, m, m.max_new_tokens or spec.eval_cfg.max_new_tokens,
+                       spec.seed if seed is None else seed, m.prompts, shard)
 
 
 def make_sampler(spec: RunSpec, policy, tokenizer, backend: Backend, model_path: str, shard: Shard = Shard()):
@@ -300,6 +316,7 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     encoder = make_encoder(spec, tokenizer)
     collate = Collator(encoder, spec.objective_cfg, packing=spec.train.packing, bucketing=spec.train.length_bucketing)
     shard = Shard(dist.rank, dist.world_size)
+    math500 = build_math500(spec, encoder, shard=shard)  # before any weights: a bad file fails fast
     match spec.regime:
         case "offline":
             source = _offline_source(spec, encoder, collate, shard)
@@ -334,4 +351,4 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         eval_sampler = HFSampler(policy, tokenizer, spec.eval_cfg.batch_size, backend.autocast,
                                  lockstep=shard.max_int if fsdp else None)
     return Parts(backend, tokenizer, encoder, policy, reference, source, evaluator, eval_sampler, train_model, dist,
-                 memory)
+                 memory, math500)

@@ -25,6 +25,7 @@ from safetensors import SafetensorError
 from humanline_cli import __version__
 from humanline_cli.config import RunSpec, validate
 from humanline_cli.errors import RunFailed, UserError
+from humanline_cli.eval.evaluator import flat_metrics
 from humanline_cli.train.build import build_parts
 from humanline_cli.train.checkpoint import Checkpoints
 from humanline_cli.train.signals import StopSignal, interrupted_where
@@ -112,6 +113,13 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None, spec
             with timer.phase("eval"):
                 parts.eval_sampler.push_weights(parts.policy)  # a vLLM engine holds the last round's weights
                 ev = parts.evaluator.evaluate(parts.eval_sampler, run_dir / "eval_samples.jsonl" if main else None)
+        if parts.math500 is not None:  # eval.math500: benchmark accuracy of the trained policy
+            with timer.phase("eval"):
+                if parts.evaluator is None:
+                    parts.eval_sampler.push_weights(parts.policy)
+                m500 = parts.math500.evaluate(parts.eval_sampler, run_dir / "math500_samples.jsonl" if main else None)
+            ev = {**(ev or {}), "math500": m500}
+            tracker.log(spec.train.steps, {**flat_metrics({"math500": m500}), "wall_s": timer.elapsed()})
         if spec.train.save_model:
             with timer.phase("save"):
                 # a collective under FSDP (gathers the full weights)
@@ -295,6 +303,10 @@ def print_summary(s: dict, run_dir: Path, console: Console) -> None:
         u = ev["judge_usage"]
         t.add_row("judge calls / cost", "", f"{u['n_calls']} calls, {u['n_cache_hits']} cached, "
                   f"{u['n_unparsable']} unparsable, ${u['cost_usd']:.4f}")
+    if ev.get("math500"):
+        from humanline_cli.eval.math500 import summary_text
+
+        t.add_row("math500", "", summary_text(ev["math500"]))
     if not ev:
         t.add_row("evaluation", "", "none (judge=none)")
     w = s["wall_clock_s"]
