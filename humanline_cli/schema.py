@@ -299,6 +299,7 @@ class JudgeConfig:
     price_output_per_mtok: float = 8.0
     cache_dir: Optional[str] = None       # content-addressed judgment cache (None: no cache)
     annotator: str = "alpaca_eval_gpt-4.1"  # judge=alpaca_eval: the authors' config, an alpaca_eval one, or a YAML
+    lc_data: Optional[str] = None         # judge=alpaca_eval: a local df_gamed.csv for LC (None: hub / HF cache)
 
 
 # ------------------------------------------------------------------ root

@@ -330,3 +330,50 @@ def test_reference_outputs_file(tmp_path):
     f.write_text(json.dumps({"instruction": "x"}) + "\n")
     with pytest.raises(UserError, match=r"ref.jsonl:1: a reference output needs string fields"):
         read_reference_outputs(str(f), ["x"])
+
+
+def test_lc_offline_from_judge_lc_data_or_one_line_saying_what_to_do(tmp_path, monkeypatch):
+    """alpaca_eval's LC reads df_gamed.csv from the hub dataset (it is not in the package). Offline with an empty
+    HF cache: LC is null and lc_error says how to get the file, WR stands; with judge.lc_data=a local copy, LC is
+    alpaca_eval's own number, the same as read through the HF cache; a missing or foreign file is one line."""
+    import huggingface_hub.constants as hc
+    from alpaca_eval import constants, metrics
+    from alpaca_eval.metrics import glm_winrate
+
+    from humanline_cli.rewards.alpaca import gamed_data
+
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "DEFAULT_CACHE_DIR", str(tmp_path / "empty-hf"))
+    hf = write_gamed_cache(tmp_path / "hf")
+    csv_path = hf / "datasets--tatsu-lab--alpaca_eval" / "snapshots" / GAMED_REVISION / "df_gamed.csv"
+    prefs = [1.2, 1.9, 1.1, 1.7, 1.4, 1.95, 1.05, 1.6]  # output_2 (the model) wins preference - 1
+    rows = [{"instruction": p, "output_1": r, "output_2": m, "generator_1": "reference", "generator_2": "model",
+             "annotator": "a", "preference": q} for p, m, r, q in zip(PROMPTS, MODEL, REFERENCE, prefs)]
+    original = glm_winrate.hf_hub_download
+    judge = AlpacaEvalJudge(AlpacaEvalSpec(base_url="http://127.0.0.1:9/v1", cache_dir=None))
+    m = judge._metrics(rows, metrics, 0.0, 0, None)
+    assert m["win_rate"] == pytest.approx(100 * sum(q - 1 for q in prefs) / 8, abs=1e-9)
+    assert m["lc_win_rate"] is None and m["lc_error"].startswith(
+        "LC needs df_gamed.csv from the hub dataset tatsu-lab/alpaca_eval, which could not be fetched (")
+    assert m["lc_error"].endswith("or point judge.lc_data at a copy") and "\n" not in m["lc_error"]
+    assert glm_winrate.hf_hub_download is original  # restored after the call
+
+    judge = AlpacaEvalJudge(AlpacaEvalSpec(base_url="http://127.0.0.1:9/v1", cache_dir=None, lc_data=str(csv_path)))
+    m = judge._metrics(rows, metrics, 0.0, 0, None)
+    monkeypatch.setattr(constants, "DEFAULT_CACHE_DIR", str(hf))  # the same file through the HF cache
+    via_cache = metrics.get_length_controlled_winrate(rows, save_weights_dir=None)
+    assert m["lc_error"] is None and math.isfinite(m["lc_win_rate"])
+    assert m["lc_win_rate"] == via_cache["length_controlled_winrate"]
+    assert m["lc_standard_error"] == via_cache["lc_standard_error"]
+    with gamed_data(str(csv_path)):
+        assert glm_winrate.hf_hub_download(repo_id="x", filename="y") == str(csv_path)  # no hub call at all
+    assert glm_winrate.hf_hub_download is original
+
+    with pytest.raises(UserError, match=r"^judge.lc_data .*nope.csv does not exist"):
+        AlpacaEvalSpec(lc_data=str(tmp_path / "nope.csv"))
+    foreign = tmp_path / "foreign.csv"
+    foreign.write_text("model,index,preference\nx,0,0.5\n")
+    with pytest.raises(UserError) as e:
+        AlpacaEvalSpec(lc_data=str(foreign))
+    assert str(e.value) == (f"{foreign}:1: judge.lc_data has no column(s) ['instruction_difficulty', "
+                            f"'std_delta_len', 'not_gamed_baseline']: not alpaca_eval's df_gamed.csv")

@@ -181,7 +181,8 @@ def main_eval(argv: list[str]) -> int:
                   f"pairs, {u['prompt_tokens']} + {u['completion_tokens']} tokens, ${u['cost_usd']:.4f}")
     if r.get("alpaca_eval"):  # judge=alpaca_eval: the paper's numbers, in alpaca_eval's percent
         u, a = r["judge_usage"], r["alpaca_eval"]
-        lc = "n/a" if a["lc_win_rate"] is None else f"{a['lc_win_rate']:.2f} ± {a['lc_standard_error']:.2f}"
+        lc = f"n/a ({a.get('lc_error') or 'no parsed pair'})" if a["lc_win_rate"] is None else \
+            f"{a['lc_win_rate']:.2f} ± {a['lc_standard_error']:.2f}"
         wr = "n/a" if a["win_rate"] is None else f"{a['win_rate']:.2f} ± {a['standard_error'] or 0:.2f}"
         metric = (f"{r['judge']}: {u['n_calls']} calls, {u['n_cache_hits']} cached, {u['n_unparsable']} unparsed "
                   f"pairs, {u['total_tokens']} tokens, ${u['cost_usd']:.4f}; AlpacaEval WR {wr}, LC {lc}")

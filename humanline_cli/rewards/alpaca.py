@@ -13,7 +13,8 @@ an annotator config, and reads the results with alpaca_eval's own metrics:
   fitted on tanh of the standardised length difference, the instruction difficulty and the gamed
   baselines, which it reads from the hub dataset tatsu-lab/alpaca_eval's df_gamed.csv; the difficulties
   are indexed by position in the 805 AlpacaEval prompts, so LC means what the paper's LC means only on
-  that set in its order). Where that file cannot be had (offline, no HF cache) LC is null with the cause.
+  that set in its order). `lc_data` (judge.lc_data) names a local copy of that file, for offline machines;
+  where it cannot be had (offline, no HF cache, no lc_data) LC is null and `lc_error` says what to do.
 
 The default annotator is the authors' (templates/alpaca_eval_gpt-4.1.yaml: weighted AlpacaEval 2 with
 gpt-4.1, max_tokens 1, logprobs, top_logprobs 5); `annotator` may also name one of alpaca_eval's own
@@ -66,6 +67,7 @@ class AlpacaEvalSpec:
     max_retries: int = JudgeConfig.max_retries  # the openai client's own retries (429, 5xx, connection)
     price_input_per_mtok: float = JudgeConfig.price_input_per_mtok  # USD per million tokens
     cache_dir: str | None = JudgeConfig.cache_dir  # None: no cache
+    lc_data: str | None = JudgeConfig.lc_data  # a local df_gamed.csv for LC (None: the hub dataset / HF cache)
 
     def __post_init__(self):
         bad = [f"{k}={getattr(self, k)!r}" for k, ok in [
@@ -74,6 +76,61 @@ class AlpacaEvalSpec:
             ("max_retries", self.max_retries >= 0), ("price_input_per_mtok", self.price_input_per_mtok >= 0)] if not ok]
         if bad:
             raise UserError(f"bad alpaca_eval judge setting: {', '.join(bad)}")
+        if self.lc_data is not None:
+            check_gamed_file(self.lc_data)
+
+
+GAMED_COLUMNS = ("index", "instruction_difficulty", "preference", "std_delta_len", "not_gamed_baseline", "model")
+GAMED_HINT = ("fetch it once (huggingface-cli download tatsu-lab/alpaca_eval df_gamed.csv --repo-type dataset) "
+              "or point judge.lc_data at a copy")
+
+
+def check_gamed_file(path: str) -> None:
+    """judge.lc_data: a readable CSV with the columns alpaca_eval's LC GLM reads from df_gamed.csv."""
+    import csv
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"judge.lc_data {path} does not exist (a copy of tatsu-lab/alpaca_eval's df_gamed.csv)")
+    try:
+        with open(p, newline="", encoding="utf-8") as f:
+            header = next(csv.reader(f), [])
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise UserError(f"judge.lc_data {path}: cannot read it as CSV ({e})") from None
+    missing = [c for c in GAMED_COLUMNS if c not in header]
+    if missing:
+        raise UserError(f"{path}:1: judge.lc_data has no column(s) {missing}: not alpaca_eval's df_gamed.csv")
+
+
+class GamedDataMissing(Exception):
+    """alpaca_eval's LC could not get df_gamed.csv (offline, not in the HF cache)."""
+
+
+@contextmanager
+def gamed_data(lc_data: str | None):
+    """alpaca_eval's LC GLM reads the gamed baselines and instruction difficulties (df_gamed.csv of the hub
+    dataset tatsu-lab/alpaca_eval; not in the package) only through `glm_winrate.hf_hub_download`: the hub,
+    or the HF cache offline. With `lc_data` it is handed that local copy instead (nothing downloaded); a
+    download that fails becomes GamedDataMissing with one line saying what to do."""
+    from alpaca_eval.metrics import glm_winrate
+
+    original = glm_winrate.hf_hub_download
+
+    def fetch(*args, **kwargs):
+        if lc_data is not None:
+            return str(lc_data)
+        try:
+            return original(*args, **kwargs)
+        except Exception as e:
+            cause = " ".join(str(e).split())[:160]
+            raise GamedDataMissing(f"LC needs df_gamed.csv from the hub dataset tatsu-lab/alpaca_eval, which could "
+                                   f"not be fetched ({type(e).__name__}: {cause}); {GAMED_HINT}") from None
+
+    glm_winrate.hf_hub_download = fetch
+    try:
+        yield
+    finally:
+        glm_winrate.hf_hub_download = original
 
 
 def _configs_dir() -> Path:
@@ -344,11 +401,14 @@ class AlpacaEvalJudge:
                "total_tokens_this_run": tokens}
         if out["n_unparsed"] < len(rows):
             try:
-                lc = metrics.get_length_controlled_winrate(df.copy(), save_weights_dir=None,
-                                                           is_add_glm_preference_inplace=False)
+                with gamed_data(self.spec.lc_data):
+                    lc = metrics.get_length_controlled_winrate(df.copy(), save_weights_dir=None,
+                                                               is_add_glm_preference_inplace=False)
                 out["lc_win_rate"], out["lc_standard_error"] = _num(lc["length_controlled_winrate"]), \
                     _num(lc["lc_standard_error"])
-            except Exception as e:  # the GLM's hub file (df_gamed.csv) unavailable, a degenerate fit: WR stands
+            except GamedDataMissing as e:  # offline without the file: WR stands, LC says why
+                out["lc_error"] = str(e)
+            except Exception as e:  # a degenerate fit: WR stands
                 out["lc_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
         return out
 

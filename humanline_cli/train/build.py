@@ -147,7 +147,9 @@ def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = 
                                                annotator=j.annotator, max_concurrency=j.max_concurrency,
                                                timeout_s=j.timeout_s, max_retries=j.max_retries,
                                                price_input_per_mtok=j.price_input_per_mtok,
-                                               cache_dir=str(Path(j.cache_dir).expanduser()) if j.cache_dir else None),
+                                               cache_dir=str(Path(j.cache_dir).expanduser()) if j.cache_dir else None,
+                                               lc_data=str(Path(resolve_path(j.lc_data, spec)).expanduser())
+                                               if j.lc_data else None),
                                 seed)
         return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge, shard=shard)
     subsets = [r.get("subset") for r in rows]
