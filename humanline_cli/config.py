@@ -299,6 +299,12 @@ def validate(cfg: DictConfig) -> RunSpec:
             raise UserError("data.temperature must be >= 0")
         if not 0.0 < data.top_p <= 1.0:
             raise UserError(f"config key 'data.top_p' must be in (0, 1], got {data.top_p}")
+        if objective.tempered_logps and sampler.name == "vllm" and data.top_p < 1.0:
+            raise UserError(f"objective.tempered_logps with sampler=vllm needs data.top_p=1 (vLLM's tempered log-probs "
+                            f"are renormalised over the top-p nucleus, the policy's are not); got {data.top_p}")
+    if objective.tempered_logps and not data.temperature > 0:
+        raise UserError(f"objective.tempered_logps divides the logits by data.temperature, which must be > 0; got "
+                        f"{data.temperature}")
     if root.chat_template not in ("auto", True, False):
         raise UserError(f"config key 'chat_template' must be auto, true or false; got {root.chat_template!r}")
     if regime == "online":

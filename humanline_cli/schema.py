@@ -70,6 +70,9 @@ class ObjectiveConfig:
     name: str = MISSING
     beta: float = 0.1
     batch_size: int = 32   # units per optimizer step: pairs (dpo), examples (kto), groups (grpo; a scored pair: 2)
+    # log-probs of softmax(logits / data.temperature) for the policy, the reference and the sampler (TRL's
+    # convention, the authors' math code); false: of softmax(logits)
+    tempered_logps: bool = False
 
 
 @dataclass
