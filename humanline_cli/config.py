@@ -169,6 +169,18 @@ def _fraction(value, key: str) -> float:
     return float(value)
 
 
+def check_reward_weights(scorer, key: str) -> None:
+    """`weights` (a verifier's weighted sum of accuracy, format and tag_count): known names, finite numbers."""
+    if scorer.kind != "verifier":
+        raise UserError(f"config key '{key}.weights' needs {key}.kind=verifier, got {scorer.kind!r}")
+    unknown = sorted(set(scorer.weights) - set(S.REWARD_COMPONENTS))
+    if unknown or not scorer.weights:
+        raise UserError(f"config key '{key}.weights' must map some of {', '.join(S.REWARD_COMPONENTS)} to "
+                        f"numbers; got {dict(scorer.weights)}")
+    if not all(math.isfinite(w) for w in scorer.weights.values()):
+        raise UserError(f"config key '{key}.weights' must be finite numbers; got {dict(scorer.weights)}")
+
+
 def validate(cfg: DictConfig) -> RunSpec:
     # resolve every interpolation once (a bad one is reported here), then type each part
     try:
@@ -307,6 +319,9 @@ def validate(cfg: DictConfig) -> RunSpec:
                         f"{data.temperature}")
     if root.chat_template not in ("auto", True, False):
         raise UserError(f"config key 'chat_template' must be auto, true or false; got {root.chat_template!r}")
+    if task.system_prompt and root.chat_template is False:
+        raise UserError("task.system_prompt needs the chat template (the system message goes through it); drop "
+                        "chat_template=false")
     if regime == "online":
         if task.labeller.kind == "none" and reward.kind == "task":
             raise UserError(f"data=online needs a labeller: set task.labeller.kind=model|verifier (task={task.name}) "
@@ -330,6 +345,8 @@ def validate(cfg: DictConfig) -> RunSpec:
         if scorer.kind not in ("none", "world", "verifier", "model", "reward_model"):
             raise UserError(f"config key 'task.{role}.kind' must be one of model, verifier, none (world: bundled "
                             f"tasks); got {scorer.kind!r}")
+        if scorer.weights is not None:
+            check_reward_weights(scorer, f"task.{role}")
         if scorer.kind in ("model", "reward_model") and not scorer.name_or_path:
             raise UserError(f"task.{role}.kind={scorer.kind} needs task.{role}.name_or_path (a local dir or hub id)")
     if reward.kind == "model" and not reward.name_or_path:

@@ -155,6 +155,10 @@ class TaskLengths:
     max_new_tokens: int = 16
 
 
+# the rewards a verifier's `weights` may name (rewards/think_format.py computes format and tag_count)
+REWARD_COMPONENTS = ("accuracy", "format", "tag_count")
+
+
 @dataclass
 class ScorerConfig:
     """A labeller (training signal) or judge (evaluation): kind model (any
@@ -165,6 +169,10 @@ class ScorerConfig:
     batch_size: int = 16
     trust_remote_code: bool = False
     method: str = "math"
+    # verifier only: sum of weight x reward over accuracy (the method's verdict, 1/0), format and tag_count
+    # (rewards/think_format.py), e.g. the authors' math recipe {accuracy: 8, format: 1, tag_count: 1};
+    # None: accuracy alone
+    weights: Optional[dict[str, float]] = None
     task: Optional[str] = None    # world scorers: which bundled task
     role: Optional[str] = None    # world scorers: labeller | judge
 
@@ -225,6 +233,9 @@ class TaskConfig:
     labeller: ScorerConfig = field(default_factory=ScorerConfig)
     judge: ScorerConfig = field(default_factory=ScorerConfig)
     verifiable: bool = False
+    # a system message before every string prompt (training, sampling, evaluation): [system, user] through the
+    # tokenizer's chat template, as open-r1's make_conversation; conversational prompts keep their own messages
+    system_prompt: Optional[str] = None
 
 
 # ------------------------------------------------------------------ model/ backend/ sampler/ reward/

@@ -28,9 +28,11 @@ class Encoder:
     characters. The check costs one membership test per text; characters are only examined, one at a
     time and cached, once a text fails. Byte-level BPE tokenizers encode everything and never fail."""
 
-    def __init__(self, tokenizer, max_prompt_length: int, max_length: int, wrap_strings: bool = False):
+    def __init__(self, tokenizer, max_prompt_length: int, max_length: int, wrap_strings: bool = False,
+                 system_prompt: str | None = None):
         self.tok = tokenizer
         self.wrap_strings = wrap_strings
+        self.system_prompt = system_prompt  # task.system_prompt: string prompts become [system, user] messages
         self.max_prompt_length = max_prompt_length
         self.max_length = max_length
         self._cache: dict = {}
@@ -90,12 +92,17 @@ class Encoder:
         key = repr(prompt)
         if key not in self._cache:
             text_value(prompt, "prompt", where)  # online and eval prompt rows are not validated elsewhere
-            if isinstance(prompt, str) and not self.wrap_strings:
+            if isinstance(prompt, str) and not (self.wrap_strings or self.system_prompt):
                 ids = self._text_ids(prompt, "prompt", where, add_special_tokens=True)
             else:
                 if getattr(self.tok, "chat_template", None) is None:
-                    raise UserError("conversational data needs a tokenizer with a chat template")
-                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+                    raise UserError("task.system_prompt needs a tokenizer with a chat template" if self.system_prompt
+                                    and isinstance(prompt, str) else
+                                    "conversational data needs a tokenizer with a chat template")
+                messages = prompt
+                if isinstance(prompt, str):
+                    system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+                    messages = system + [{"role": "user", "content": prompt}]
                 for m in messages:  # name the characters, not the chat template's internals
                     self._text_ids(m["content"], "prompt" if isinstance(prompt, str) else
                                    f"prompt ({m['role']} message)", where)

@@ -113,7 +113,8 @@ def make_encoder(spec: RunSpec, tokenizer) -> Encoder:
     """chat_template=auto: string prompts become a user message when the tokenizer has a template."""
     mode = spec.chat_template
     wrap = getattr(tokenizer, "chat_template", None) is not None if mode == "auto" else bool(mode)
-    return Encoder(tokenizer, spec.train.max_prompt_length, spec.train.max_length, wrap_strings=wrap)
+    return Encoder(tokenizer, spec.train.max_prompt_length, spec.train.max_length, wrap_strings=wrap,
+                   system_prompt=spec.task_cfg.system_prompt)
 
 
 def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = None,
