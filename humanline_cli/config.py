@@ -233,6 +233,9 @@ def validate(cfg: DictConfig) -> RunSpec:
         if objective.ratio_denominator == "sampler" and regime == "offline":
             raise UserError("objective.ratio_denominator=sampler needs data=online (offline data has no "
                             "sampling log-probs)")
+        if objective.aggregation == "dapo" and regime != "online":
+            raise UserError("objective.aggregation=dapo needs data=online (it divides by the completion tokens per "
+                            "step of the round a step's data were sampled in)")
         if objective.std_ddof not in (0, 1):
             raise UserError("objective.std_ddof must be 0 or 1")
         if objective.std_eps < 0:

@@ -21,6 +21,7 @@ from omegaconf import MISSING
 class Aggregation(str, Enum):
     token_mean = "token_mean"
     seq_mean = "seq_mean"
+    dapo = "dapo"  # TRL's loss_type=dapo: the step's token sum / the round's completion tokens per step
 
 
 class RatioDenominator(str, Enum):
@@ -96,7 +97,7 @@ class GRPOConfig(ObjectiveConfig):
     std_eps: float = 0.01          # A = (s - mean) / (std + std_eps)
     # reference (the reference code: the reference plays pi_old) | sampler (online only)
     ratio_denominator: RatioDenominator = RatioDenominator.reference
-    aggregation: Aggregation = Aggregation.token_mean   # token_mean (reference code) | seq_mean
+    aggregation: Aggregation = Aggregation.token_mean   # token_mean (reference code) | seq_mean | dapo (online)
 
 
 # ------------------------------------------------------------------ data/
