@@ -169,6 +169,18 @@ def _fraction(value, key: str) -> float:
     return float(value)
 
 
+def check_reward_weights(scorer, key: str) -> None:
+    """`weights` (a verifier's weighted sum of accuracy, format and tag_count): known names, finite numbers."""
+    if scorer.kind != "verifier":
+        raise UserError(f"config key '{key}.weights' needs {key}.kind=verifier, got {scorer.kind!r}")
+    unknown = sorted(set(scorer.weights) - set(S.REWARD_COMPONENTS))
+    if unknown or not scorer.weights:
+        raise UserError(f"config key '{key}.weights' must map some of {', '.join(S.REWARD_COMPONENTS)} to "
+                        f"numbers; got {dict(scorer.weights)}")
+    if not all(math.isfinite(w) for w in scorer.weights.values()):
+        raise UserError(f"config key '{key}.weights' must be finite numbers; got {dict(scorer.weights)}")
+
+
 def validate(cfg: DictConfig) -> RunSpec:
     # resolve every interpolation once (a bad one is reported here), then type each part
     try:
@@ -221,6 +233,9 @@ def validate(cfg: DictConfig) -> RunSpec:
         if objective.ratio_denominator == "sampler" and regime == "offline":
             raise UserError("objective.ratio_denominator=sampler needs data=online (offline data has no "
                             "sampling log-probs)")
+        if objective.aggregation == "dapo" and regime != "online":
+            raise UserError("objective.aggregation=dapo needs data=online (it divides by the completion tokens per "
+                            "step of the round a step's data were sampled in)")
         if objective.std_ddof not in (0, 1):
             raise UserError("objective.std_ddof must be 0 or 1")
         if objective.std_eps < 0:
@@ -300,8 +315,17 @@ def validate(cfg: DictConfig) -> RunSpec:
             raise UserError("data.temperature must be >= 0")
         if not 0.0 < data.top_p <= 1.0:
             raise UserError(f"config key 'data.top_p' must be in (0, 1], got {data.top_p}")
+        if objective.tempered_logps and sampler.name == "vllm" and data.top_p < 1.0:
+            raise UserError(f"objective.tempered_logps with sampler=vllm needs data.top_p=1 (vLLM's tempered log-probs "
+                            f"are renormalised over the top-p nucleus, the policy's are not); got {data.top_p}")
+    if objective.tempered_logps and not data.temperature > 0:
+        raise UserError(f"objective.tempered_logps divides the logits by data.temperature, which must be > 0; got "
+                        f"{data.temperature}")
     if root.chat_template not in ("auto", True, False):
         raise UserError(f"config key 'chat_template' must be auto, true or false; got {root.chat_template!r}")
+    if task.system_prompt and root.chat_template is False:
+        raise UserError("task.system_prompt needs the chat template (the system message goes through it); drop "
+                        "chat_template=false")
     if regime == "online":
         if task.labeller.kind == "none" and reward.kind == "task":
             raise UserError(f"data=online needs a labeller: set task.labeller.kind=model|verifier (task={task.name}) "
@@ -325,6 +349,8 @@ def validate(cfg: DictConfig) -> RunSpec:
         if scorer.kind not in ("none", "world", "verifier", "model", "reward_model"):
             raise UserError(f"config key 'task.{role}.kind' must be one of model, verifier, none (world: bundled "
                             f"tasks); got {scorer.kind!r}")
+        if scorer.weights is not None:
+            check_reward_weights(scorer, f"task.{role}")
         if scorer.kind in ("model", "reward_model") and not scorer.name_or_path:
             raise UserError(f"task.{role}.kind={scorer.kind} needs task.{role}.name_or_path (a local dir or hub id)")
     if reward.kind == "model" and not reward.name_or_path:

@@ -21,6 +21,7 @@ from omegaconf import MISSING
 class Aggregation(str, Enum):
     token_mean = "token_mean"
     seq_mean = "seq_mean"
+    dapo = "dapo"  # TRL's loss_type=dapo: the step's token sum / the round's completion tokens per step
 
 
 class RatioDenominator(str, Enum):
@@ -70,6 +71,9 @@ class ObjectiveConfig:
     name: str = MISSING
     beta: float = 0.1
     batch_size: int = 32   # units per optimizer step: pairs (dpo), examples (kto), groups (grpo; a scored pair: 2)
+    # log-probs of softmax(logits / data.temperature) for the policy, the reference and the sampler (TRL's
+    # convention, the authors' math code); false: of softmax(logits)
+    tempered_logps: bool = False
 
 
 @dataclass
@@ -93,7 +97,7 @@ class GRPOConfig(ObjectiveConfig):
     std_eps: float = 0.01          # A = (s - mean) / (std + std_eps)
     # reference (the reference code: the reference plays pi_old) | sampler (online only)
     ratio_denominator: RatioDenominator = RatioDenominator.reference
-    aggregation: Aggregation = Aggregation.token_mean   # token_mean (reference code) | seq_mean
+    aggregation: Aggregation = Aggregation.token_mean   # token_mean (reference code) | seq_mean | dapo (online)
 
 
 # ------------------------------------------------------------------ data/
@@ -152,6 +156,10 @@ class TaskLengths:
     max_new_tokens: int = 16
 
 
+# the rewards a verifier's `weights` may name (rewards/think_format.py computes format and tag_count)
+REWARD_COMPONENTS = ("accuracy", "format", "tag_count")
+
+
 @dataclass
 class ScorerConfig:
     """A labeller (training signal) or judge (evaluation): kind model (any
@@ -162,6 +170,10 @@ class ScorerConfig:
     batch_size: int = 16
     trust_remote_code: bool = False
     method: str = "math"
+    # verifier only: sum of weight x reward over accuracy (the method's verdict, 1/0), format and tag_count
+    # (rewards/think_format.py), e.g. the authors' math recipe {accuracy: 8, format: 1, tag_count: 1};
+    # None: accuracy alone
+    weights: Optional[dict[str, float]] = None
     task: Optional[str] = None    # world scorers: which bundled task
     role: Optional[str] = None    # world scorers: labeller | judge
 
@@ -222,6 +234,9 @@ class TaskConfig:
     labeller: ScorerConfig = field(default_factory=ScorerConfig)
     judge: ScorerConfig = field(default_factory=ScorerConfig)
     verifiable: bool = False
+    # a system message before every string prompt (training, sampling, evaluation): [system, user] through the
+    # tokenizer's chat template, as open-r1's make_conversation; conversational prompts keep their own messages
+    system_prompt: Optional[str] = None
 
 
 # ------------------------------------------------------------------ model/ backend/ sampler/ reward/

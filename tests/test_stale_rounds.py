@@ -61,6 +61,12 @@ def test_generate_every_1_is_online_and_k_reuses_one_generation(cache_dir, tmp_p
     assert k1_samples == base_samples and len({s["round"] for s in base_samples}) == 4
     assert [r["loss"] for r in k1_rows] == [r["loss"] for r in base_rows]
     assert base_w.keys() == k1_w.keys() and all(base_w[k].equal(k1_w[k]) for k in base_w)
+    # objective.aggregation=dapo (TRL's loss_type=dapo): a round of one step divides the step's token sum by
+    # that step's own completion tokens, i.e. token_mean: the same losses and bitwise the same weights
+    dapo_rows, dapo_samples, dapo_w = _train(tmp_path, "k1_dapo", "data.generate_every=1", "objective.aggregation=dapo")
+    assert dapo_samples == k1_samples and [r["loss"] for r in dapo_rows] == [r["loss"] for r in k1_rows]
+    assert all(k1_w[k].equal(dapo_w[k]) for k in k1_w)
+    assert all(r["online/round_tokens_per_step"] >= 8 * 4 for r in dapo_rows)  # 8 groups of 4, >= 1 token each
     # K=2: two generations for four steps, each of 2 x 8 prompts x 4 samples, each serving two steps
     k2_rows, k2_samples, _ = _train(tmp_path, "k2", "data.generate_every=2")
     assert [s["round"] for s in k2_samples] == [1] * 64 + [2] * 64

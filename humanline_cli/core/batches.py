@@ -18,6 +18,7 @@ class Seqs:
     attention_mask: torch.Tensor  # (N, T) long, 1 on real tokens
     loss_mask: torch.Tensor  # (N, T) bool, 1 on completion tokens
     pack: bool = False  # token_logps runs the rows as one padding-free packed row (train.packing)
+    temperature: float = 1.0  # token_logps gives log softmax(logits / temperature) (objective.tempered_logps)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -9,6 +9,10 @@ With `seqs.pack` (train.packing) the decoder runs on ONE padding-free row holdin
 tokens back to back, position ids restarting at 0 per sequence and no attention mask: transformers then
 builds a block-diagonal causal mask (sdpa/eager) or runs varlen flash-attention from the position ids.
 The result is gathered back to the same (N, T-1) padded coordinates, so every loss is unchanged.
+
+`seqs.temperature` T (objective.tempered_logps: data.temperature, else 1) divides the logits before the
+log-softmax on every path: log p(x_t) = z[x_t] / T - logsumexp(z / T), TRL's convention. The policy, the
+reference (reference.py calls this function on the same Seqs) and the KTO mismatched pairs all get it.
 """
 from __future__ import annotations
 
@@ -49,10 +53,10 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
     input_ids/attention_mask (N, T) -> hidden states (N, T, H) from `model.get_decoder()` -> the M
     positions with completion_mask 1 -> `model.get_output_embeddings()` on chunks of `chunk_size`
     of them (default: LOGITS_PER_CHUNK // vocab), logits cast to float32 per chunk (bf16 autocast
-    included), log p = logit[target] - logsumexp(logits). With grad enabled each chunk is
-    checkpointed, so the backward recomputes one chunk's logits at a time (one extra head matmul,
-    no (N, T, V) buffer). The decoder and head are called as modules, so hooks on them (LoRA layers,
-    a wrapper's forward hooks on lm_head) fire as in `model(...)`.
+    included) and divided by T = seqs.temperature, log p = logit[target] / T - logsumexp(logits / T).
+    With grad enabled each chunk is checkpointed, so the backward recomputes one chunk's logits at a
+    time (one extra head matmul, no (N, T, V) buffer). The decoder and head are called as modules, so
+    hooks on them (LoRA layers, a wrapper's forward hooks on lm_head) fire as in `model(...)`.
 
     Falls back to the full-logits path (`_full_logits_token_logps`) when the model does not expose a
     separate decoder and output embedding (e.g. a DDP wrapper), is a peft prompt-learning model
@@ -77,7 +81,7 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
     rows, cols = seqs.loss_mask[:, 1:].nonzero(as_tuple=True)  # position t predicts token t+1
     h = hidden[rows, cols]  # (M, H)
     targets = seqs.input_ids[rows, cols + 1]  # (M,)
-    picked = _head_logps(model, head, h, targets, chunk_size)
+    picked = _head_logps(model, head, h, targets, chunk_size, seqs.temperature)
     logps = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1, dtype=picked.dtype,
                         device=picked.device)
     return logps.index_put((rows, cols), picked)
@@ -106,17 +110,19 @@ def _through_fsdp_root(model: torch.nn.Module, seqs: Seqs, chunk_size: int | Non
 
 
 def _head_logps(model: torch.nn.Module, head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor,
-                chunk_size: int | None) -> torch.Tensor:
-    """(M, H) hidden states, (M,) targets -> (M,) float32 log-probs, the head applied chunk by chunk."""
+                chunk_size: int | None, temperature: float = 1.0) -> torch.Tensor:
+    """(M, H) hidden states, (M,) targets -> (M,) float32 log-probs of softmax(logits / temperature), the
+    head applied chunk by chunk."""
     size = chunk_size or max(1, LOGITS_PER_CHUNK // _vocab_size(model))
     grad = torch.is_grad_enabled()
     pieces = []
     for start in range(0, max(len(targets), 1), size):  # one (empty) chunk keeps an empty batch in the graph
         h_c, t_c = h[start : start + size], targets[start : start + size]
         if grad:
-            pieces.append(checkpoint(_chunk_logps, head, h_c, t_c, use_reentrant=False, preserve_rng_state=False))
+            pieces.append(checkpoint(_chunk_logps, head, h_c, t_c, temperature, use_reentrant=False,
+                                     preserve_rng_state=False))
         else:
-            pieces.append(_chunk_logps(head, h_c, t_c))
+            pieces.append(_chunk_logps(head, h_c, t_c, temperature))
     return torch.cat(pieces)
 
 
@@ -150,13 +156,13 @@ def _packed_token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | No
     split = _decoder_and_head(model)
     if split is None:  # DDP wrappers, FSDP2 roots, logit transforms: the model's own forward
         logits = model(input_ids=packed, position_ids=pos, use_cache=False).logits[0]
-        sel = _at_least_fp32(logits[at])  # (M, V)
+        sel = _tempered(_at_least_fp32(logits[at]), seqs.temperature)  # (M, V)
         picked = sel.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(sel, dim=-1)
     else:
         decoder, head = split
         out = decoder(input_ids=packed, position_ids=pos, use_cache=False)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        picked = _head_logps(model, head, hidden[0, at], targets, chunk_size)
+        picked = _head_logps(model, head, hidden[0, at], targets, chunk_size, seqs.temperature)
     logps = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1, dtype=picked.dtype,
                         device=picked.device)
     return logps.index_put((rows, cols), picked)
@@ -210,20 +216,28 @@ def _is_prompt_learning(model: torch.nn.Module) -> bool:
     return False
 
 
-def _chunk_logps(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(C, H) hidden states, (C,) targets -> (C,) float32 log-probs (float64 for a float64 model)."""
-    logits = _at_least_fp32(head(h))
+def _chunk_logps(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor,
+                 temperature: float = 1.0) -> torch.Tensor:
+    """(C, H) hidden states, (C,) targets -> (C,) float32 log-probs (float64 for a float64 model) of
+    softmax(logits / temperature)."""
+    logits = _tempered(_at_least_fp32(head(h)), temperature)
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def _full_logits_token_logps(model: torch.nn.Module, seqs: Seqs) -> torch.Tensor:
     """The reference path: the model's own forward, the full (N, T, V) logits cast to float32 (at least)."""
     logits = model(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, use_cache=False).logits
-    logits = _at_least_fp32(logits[:, :-1])
+    logits = _tempered(_at_least_fp32(logits[:, :-1]), seqs.temperature)
     targets = seqs.input_ids[:, 1:]
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     logps = picked - torch.logsumexp(logits, dim=-1)
     return logps * completion_mask(seqs)
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / T (TRL divides the logits by the sampling temperature before the log-softmax); T = 1 is
+    returned as is, so runs without objective.tempered_logps compute exactly what they did before."""
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:

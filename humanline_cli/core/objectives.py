@@ -43,9 +43,31 @@ def loss_count(objective_cfg, batch) -> float:
     """What the objective's loss averages over in this micro-batch: completion tokens for GRPO's
     token mean, else units (pairs, examples, sequences). The trainer weights each micro-batch's loss
     by count / (count over the global batch), so micro-batching and ranks only change memory."""
-    if isinstance(batch, GroupBatch) and objective_cfg.aggregation == "token_mean":
+    if isinstance(batch, GroupBatch) and objective_cfg.aggregation in ("token_mean", "dapo"):
         return float(completion_mask(batch.seqs).sum())
     return float(n_units(batch))
+
+
+def micro_batch_weights(objective_cfg, counts: list[float], total: float, world_size: int,
+                        round_tokens_per_step: float | None = None) -> list[float]:
+    """What each micro-batch's mean loss is multiplied by before backward, so that the summed (and, under
+    DDP/FSDP, rank-averaged) gradient is the gradient of the step's loss.
+
+    counts[i] = loss_count of micro-batch i of this rank; total = the sum over every rank's micro-batches.
+    Default: w_i = counts[i] / total x world_size, so the step's loss is the mean over the GLOBAL batch's
+    units or tokens (DDP/FSDP average over ranks, hence x world_size).
+    aggregation=dapo (TRL's loss_type=dapo): w_i = counts[i] / D x world_size, D = round_tokens_per_step,
+    the completion tokens of the round (generation) this step's data came from per optimizer step it serves:
+    step loss = (sum over the step's completion tokens of the per-token loss) / D. TRL: num_items_in_batch
+    (the generation batch's tokens over all processes) x gradient_accumulation_steps / steps_per_generation.
+    A round of one step gives D = total (token_mean); a stale round of K steps gives its mean, so a step
+    with longer completions than its round's average weighs more."""
+    den = total
+    if objective_cfg.name == "grpo" and objective_cfg.aggregation == "dapo":
+        if round_tokens_per_step is None:
+            raise ValueError("aggregation=dapo needs the round's completion tokens per step (online data)")
+        den = round_tokens_per_step
+    return [c / max(den, 1.0) * world_size for c in counts]
 
 
 def logratio_histogram(token_logratio: torch.Tensor, mask: torch.Tensor) -> list[int]:

@@ -28,9 +28,11 @@ class Encoder:
     characters. The check costs one membership test per text; characters are only examined, one at a
     time and cached, once a text fails. Byte-level BPE tokenizers encode everything and never fail."""
 
-    def __init__(self, tokenizer, max_prompt_length: int, max_length: int, wrap_strings: bool = False):
+    def __init__(self, tokenizer, max_prompt_length: int, max_length: int, wrap_strings: bool = False,
+                 system_prompt: str | None = None):
         self.tok = tokenizer
         self.wrap_strings = wrap_strings
+        self.system_prompt = system_prompt  # task.system_prompt: string prompts become [system, user] messages
         self.max_prompt_length = max_prompt_length
         self.max_length = max_length
         self._cache: dict = {}
@@ -90,12 +92,17 @@ class Encoder:
         key = repr(prompt)
         if key not in self._cache:
             text_value(prompt, "prompt", where)  # online and eval prompt rows are not validated elsewhere
-            if isinstance(prompt, str) and not self.wrap_strings:
+            if isinstance(prompt, str) and not (self.wrap_strings or self.system_prompt):
                 ids = self._text_ids(prompt, "prompt", where, add_special_tokens=True)
             else:
                 if getattr(self.tok, "chat_template", None) is None:
-                    raise UserError("conversational data needs a tokenizer with a chat template")
-                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+                    raise UserError("task.system_prompt needs a tokenizer with a chat template" if self.system_prompt
+                                    and isinstance(prompt, str) else
+                                    "conversational data needs a tokenizer with a chat template")
+                messages = prompt
+                if isinstance(prompt, str):
+                    system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+                    messages = system + [{"role": "user", "content": prompt}]
                 for m in messages:  # name the characters, not the chat template's internals
                     self._text_ids(m["content"], "prompt" if isinstance(prompt, str) else
                                    f"prompt ({m['role']} message)", where)
@@ -206,10 +213,13 @@ def make_seqs(prompts: list[list[int]], completions: list[list[int]], pad_id: in
 class Collator:
     """Units -> batches. `packing` (train.packing) marks every Seqs for token_logps' padding-free path;
     `bucketing` (train.length_bucketing, only without packing) makes `bucket_length` available to the
-    sources, which sort each rank's share of a step by it before cutting micro-batches."""
+    sources, which sort each rank's share of a step by it before cutting micro-batches. `temperature`
+    (objective.tempered_logps: data.temperature, else 1) marks every Seqs: token_logps divides the logits by it."""
 
-    def __init__(self, encoder: Encoder, objective_cfg, packing: bool = False, bucketing: bool = False):
+    def __init__(self, encoder: Encoder, objective_cfg, packing: bool = False, bucketing: bool = False,
+                 temperature: float = 1.0):
         self.enc = encoder
+        self.temperature = temperature
         self.pad = encoder.tok.pad_token_id
         self.cfg = objective_cfg
         self.packing = packing
@@ -221,6 +231,7 @@ class Collator:
         c_ids = [self.enc.completion_ids(p, c) for p, c in zip(prompts, completions)]
         seqs = make_seqs(p_ids, c_ids, self.pad)
         seqs.pack = self.packing
+        seqs.temperature = self.temperature
         return seqs
 
     @property

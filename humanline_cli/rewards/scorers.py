@@ -27,7 +27,13 @@ def make_scorer(spec, device=None, key: str | None = None) -> tuple[str, Scorer]
         case "verifier":
             from humanline_cli.rewards.verifier import verify_batch
 
-            return "verifier", lambda p, c, a=None: verify_batch(c, a, spec.get("method", "math"))
+            method = spec.get("method", "math")
+            if spec.get("weights"):  # the authors' math recipe: 8 x accuracy + format + tag_count
+                from humanline_cli.rewards.think_format import weighted
+
+                combined = weighted(spec["weights"], lambda c, a: verify_batch(c, a, method))
+                return "verifier+format", lambda p, c, a=None: combined(c, a)
+            return "verifier", lambda p, c, a=None: verify_batch(c, a, method)
         case "model" | "reward_model":
             from humanline_cli.rewards.reward_model import RewardModel
 

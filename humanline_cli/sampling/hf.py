@@ -1,4 +1,4 @@
-"""transformers sampler: batched, left-padded decoding with the KV cache; returns ids, text and raw log-probs.
+"""transformers sampler: batched, left-padded decoding with the KV cache; returns ids, text and log-probs.
 
 It samples from the live policy module, so pushing weights is free (a no-op). The decoding loop is our
 own (not `generate`) for two reasons:
@@ -83,7 +83,8 @@ class HFSampler:
     def _generate_batch(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams):
         """Rows of prompts -> (ids, raw log-probs) per row.
 
-        Per step: logits (B, V) of the last position; raw log-probs log_softmax(logits) (no temperature);
+        Per step: logits (B, V) of the last position; log-probs log_softmax(logits) (raw), or
+        log_softmax(logits / T) with params.tempered_logps (not greedy);
         the next token is the argmax (greedy) or the inverse-CDF draw from softmax(logits / T) restricted
         to the top-p nucleus, with the row's own uniform for that step. Only the chosen token's log-prob
         is kept, (B,) per step."""
@@ -99,6 +100,7 @@ class HFSampler:
         input_ids, attention = input_ids.to(device), attention.to(device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         greedy = params.temperature == 0
+        tempered = params.tempered_logps and not greedy
         uniforms = None
         if not greedy:  # (B, T) uniforms, each row from its own generator (CPU: the same on every device)
             uniforms = torch.stack([torch.rand(T, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
@@ -110,7 +112,7 @@ class HFSampler:
         with ctx:
             for t in range(T):
                 logits, past = self._forward(step_ids, attention, positions, past)
-                raw = torch.log_softmax(logits, dim=-1)
+                raw = torch.log_softmax(logits / params.temperature if tempered else logits, dim=-1)
                 nxt = logits.argmax(-1) if greedy else _draw(logits, params, uniforms[:, t])
                 nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
                 tokens.append(nxt)

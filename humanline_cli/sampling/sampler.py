@@ -10,7 +10,8 @@ class Completions:
     """n completions per prompt, prompt-major: completion j of prompt i is at i * n + j.
 
     token_ids end at (and include) the first EOS; a completion that hit max_new_tokens has none.
-    logps are the sampler model's raw (temperature-free) per-token log-probs of those ids.
+    logps are the sampler model's per-token log-probs of those ids: raw, log_softmax(logits), or with
+    SamplingParams.tempered_logps log_softmax(logits / temperature) (greedy: always raw).
     """
 
     n: int
@@ -30,6 +31,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 16
     seed: int = 0
+    tempered_logps: bool = False  # logps of softmax(logits / temperature) (objective.tempered_logps), else raw
 
 
 class Sampler(Protocol):

@@ -72,8 +72,12 @@ class VLLMSampler:
                  max_model_len: int = VLLMSamplerConfig.max_model_len,
                  timeout_s: float = VLLMSamplerConfig.timeout_s, dtype: str = "auto",
                  cpu_kvcache_gb: int = VLLMSamplerConfig.cpu_kvcache_gb, block_size: int | None = None,
-                 sleep: bool = VLLMSamplerConfig.sleep):
+                 sleep: bool = VLLMSamplerConfig.sleep, tempered_logps: bool = False):
+        """`tempered_logps` (objective.tempered_logps): the engine returns log-probs of softmax(logits / T)
+        (vLLM's processed_logprobs; with top_p < 1 they would be renormalised over the nucleus, so config
+        validation allows it with data.top_p=1 only); otherwise raw log_softmax(logits)."""
         vllm = _import_vllm()
+        self.tempered_logps = tempered_logps
         self._vllm = vllm
         self.tok = tokenizer
         self.eos_id = tokenizer.eos_token_id
@@ -104,7 +108,8 @@ class VLLMSampler:
             llm = vllm.LLM(
                 model=model_path, skip_tokenizer_init=True, trust_remote_code=False, seed=seed,
                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                max_model_len=max_model_len, dtype=dtype, logprobs_mode="raw_logprobs",
+                max_model_len=max_model_len, dtype=dtype,
+                logprobs_mode="processed_logprobs" if tempered_logps else "raw_logprobs",
                 enable_sleep_mode=self._can_sleep,
                 **ranks, **({"block_size": block_size} if block_size else {}))  # KV cache block (None: vLLM's; CPU >= 32)
             return llm, torch.get_num_threads()
@@ -156,6 +161,9 @@ class VLLMSampler:
         n = params.n
         indices = list(range(len(prompt_ids))) if indices is None else list(indices)
         greedy = params.temperature == 0
+        if params.tempered_logps != self.tempered_logps and not greedy:  # the mode is the engine's, fixed at start
+            raise ValueError(f"SamplingParams.tempered_logps={params.tempered_logps} but the engine was started with "
+                             f"tempered_logps={self.tempered_logps}")
         stop = [self.eos_id] if self.eos_id is not None else None
         # one request per completion, seeded by (seed, prompt index, sample index) alone, so a shard of
         # the prompts gets the same completions as the whole round (the prefix cache shares the prompt)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from humanline_cli.core.feedback import ScoredGroup
-from humanline_cli.data.examples import units_from_group
+from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample, units_from_group
 from humanline_cli.rewards.scorers import checked
 from humanline_cli.sampling.sampler import SamplingParams
 from humanline_cli.sources.source import Shard, StepData, micro_batches
@@ -128,10 +128,15 @@ class OnlineSource:
             units += u
         self.rng.shuffle(units)
         self._queue = [units[i:i + self.batch_size] for i in range(0, len(units), self.batch_size)]
+        # completion tokens (as collated: the sampled ids) per optimizer step, averaged over the round:
+        # tokens x batch_size / units (TRL's dapo normaliser; exact when the round is one step)
+        tokens = sum(len(c.ids) for u in units for c in _completions(u))
+        per_step = float(tokens * self.batch_size) / len(units) if units else None
         self._round_info = {"online/round": self.round, "online/epoch": self.epoch,
                             "online/label_reward_mean": sum(scores) / len(scores),
                             "online/dropped_prompts": dropped, "online/units": len(units),
-                            "online/empty_completions": sum(1 for t in out_texts if not t.strip())}
+                            "online/empty_completions": sum(1 for t in out_texts if not t.strip()),
+                            "online/round_tokens_per_step": per_step}
         if self.samples_path is not None:
             with open(self.samples_path, "a") as f:
                 for k, text in enumerate(out_texts):
@@ -150,7 +155,8 @@ class OnlineSource:
             self._queue = []
             return self.next_step(step)
         return StepData(micro_batches(units, self.collate, self.micro, self.shard, self.length), new_round=new_round,
-                        info=dict(self._round_info))
+                        info=dict(self._round_info),
+                        round_tokens_per_step=self._round_info.get("online/round_tokens_per_step"))
 
     def state_dict(self) -> dict:
         """Where the rounds stand: round and epoch, what is left of the prompt order, the current round's
@@ -180,3 +186,15 @@ class OnlineSource:
 
     def close(self) -> None:
         self.sampler.close()
+
+
+def _completions(unit) -> list:
+    """The completions a unit trains on (their loss-mask tokens are the dapo normaliser's count)."""
+    match unit:
+        case PairExample():
+            return [unit.chosen, unit.rejected]
+        case BinaryExample():
+            return [unit.completion]
+        case GroupExample():
+            return list(unit.completions)
+    raise TypeError(type(unit))

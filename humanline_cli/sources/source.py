@@ -10,6 +10,8 @@ from typing import Protocol
 class StepData:
     micro_batches: list            # batches for one optimizer step
     new_round: bool = False        # online: the first step of a sampling round
+    # online: the round's completion tokens per optimizer step it serves (objective.aggregation=dapo divides by it)
+    round_tokens_per_step: float | None = None
     info: dict = field(default_factory=dict)
 
 

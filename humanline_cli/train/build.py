@@ -114,7 +114,8 @@ def make_encoder(spec: RunSpec, tokenizer) -> Encoder:
     """chat_template=auto: string prompts become a user message when the tokenizer has a template."""
     mode = spec.chat_template
     wrap = getattr(tokenizer, "chat_template", None) is not None if mode == "auto" else bool(mode)
-    return Encoder(tokenizer, spec.train.max_prompt_length, spec.train.max_length, wrap_strings=wrap)
+    return Encoder(tokenizer, spec.train.max_prompt_length, spec.train.max_length, wrap_strings=wrap,
+                   system_prompt=spec.task_cfg.system_prompt)
 
 
 def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = None,
@@ -176,6 +177,12 @@ def build_math500(spec: RunSpec, encoder: Encoder, seed: int | None = None, shar
                        spec.seed if seed is None else seed, m.prompts, shard)
 
 
+def logps_temperature(spec: RunSpec) -> float:
+    """T that divides the logits of every training log-prob: data.temperature under objective.tempered_logps
+    (TRL's convention), else 1."""
+    return spec.data_cfg.temperature if spec.objective_cfg.tempered_logps else 1.0
+
+
 def make_sampler(spec: RunSpec, policy, tokenizer, backend: Backend, model_path: str, shard: Shard = Shard()):
     """Under FSDP the transformers sampler runs the sharded policy, whose every forward is a collective:
     its ranks decode in lockstep (shard.max_int). A vLLM engine runs inside each rank."""
@@ -191,7 +198,8 @@ def make_sampler(spec: RunSpec, policy, tokenizer, backend: Backend, model_path:
 
             return VLLMSampler(model_path, tokenizer, seed=spec.seed, gpu_memory_utilization=s.gpu_memory_utilization,
                                enforce_eager=s.enforce_eager, max_model_len=s.max_model_len, timeout_s=s.timeout_s,
-                               cpu_kvcache_gb=s.cpu_kvcache_gb, sleep=s.sleep)
+                               cpu_kvcache_gb=s.cpu_kvcache_gb, sleep=s.sleep,
+                               tempered_logps=spec.objective_cfg.tempered_logps)
     raise UserError(f"unknown sampler {s.name!r} (hf | vllm)")
 
 
@@ -238,7 +246,7 @@ def _online_source(spec, encoder, collate, policy, backend, model_path, timer, r
     labeller = make_labeller(spec, backend.device)
     sampler = make_sampler(spec, policy, encoder.tok, backend, model_path, Shard(dist.rank, dist.world_size))
     params = SamplingParams(n=d.n, temperature=d.temperature, top_p=d.top_p, max_new_tokens=d.max_new_tokens,
-                            seed=spec.seed)
+                            seed=spec.seed, tempered_logps=spec.objective_cfg.tempered_logps)
     rounds = RoundSpec(spec.objective, spec.train.batch_size, spec.train.micro_batch_size, params,
                        d.prompts_per_round, d.min_gap, spec.seed)
     return OnlineSource(rows, encoder, collate, sampler, labeller, rounds, timer, policy,
@@ -316,7 +324,8 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     trust = spec.model_cfg.trust_remote_code
     tokenizer = load_tokenizer(tok_path, trust)
     encoder = make_encoder(spec, tokenizer)
-    collate = Collator(encoder, spec.objective_cfg, packing=spec.train.packing, bucketing=spec.train.length_bucketing)
+    collate = Collator(encoder, spec.objective_cfg, packing=spec.train.packing, bucketing=spec.train.length_bucketing,
+                       temperature=logps_temperature(spec))
     shard = Shard(dist.rank, dist.world_size)
     math500 = build_math500(spec, encoder, shard=shard)  # before any weights: a bad file fails fast
     match spec.regime:

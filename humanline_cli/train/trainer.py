@@ -15,7 +15,7 @@ from humanline_cli.backend import all_agree, all_reduce_sum, clip_grad_norm
 from humanline_cli.config import RunSpec
 from humanline_cli.core.batches import n_units, to_device
 from humanline_cli.core.humanline import ReferenceRule
-from humanline_cli.core.objectives import compute_loss, loss_count, step_z0
+from humanline_cli.core.objectives import compute_loss, loss_count, micro_batch_weights, step_z0
 from humanline_cli.core.optim import make_optimizer, make_scheduler
 from humanline_cli.core.reference import reference_moves
 from humanline_cli.errors import Preempted, RunFailed
@@ -161,6 +161,7 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
                 counts = [loss_count(objective_cfg, mb) for mb in mbs]
                 total = torch.tensor([sum(counts)], dtype=torch.float64)
                 total = float(reduce_sum(total)[0]) if reduce_sum else float(total[0])
+                weights = micro_batch_weights(objective_cfg, counts, total, dist.world_size, data.round_tokens_per_step)
                 with parts.backend.autocast():
                     z0 = step_z0(objective_cfg, policy, reference, mbs, spec.humanline, reduce_sum)
                 for i, mb in enumerate(mbs):
@@ -177,7 +178,7 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
                                                 f"{len(mbs)}{blame(data.micro_batches[i])} (check their scores, "
                                                 f"or try a lower train.lr)")
                             raise PeerFailed(f"another rank's loss is not finite at step {step}")
-                        (loss * (counts[i] / max(total, 1.0) * dist.world_size)).backward()
+                        (loss * weights[i]).backward()
                     m["loss"] = float(loss.detach())
                     m["_units"] = n_units(mb)
                     m["_weight"] = counts[i]
