@@ -23,16 +23,35 @@ def test_bytes_per_component_are_the_trainers():
     n = 8_030_261_248
     full = estimate(LLAMA3_8B, seqs_per_micro=8, max_length=2048, params=n)
     assert (full.policy, full.grads, full.optimizer, full.reference) == (4 * n, 4 * n, 8 * n, 4 * n)
-    assert full.activations == 34 * 2048 * 8 * 4096 * 32 + 2**27
+    # saved activations per token, bf16: per layer 2 * (4 * 14336 + 3 * 4096 + 2 * 4096 + 2 * 1024) + 4 * (2 * 4096
+    # + 32 + 2) = 192_648 bytes (module docstring), outside the layers 2 * 3 * 4096 + 4 * 2 * 4096 = 57_344
+    tokens = 8 * 2048
+    assert full.activations == (192_648 * 32 + 57_344) * tokens
+    chunk = (2**25 // 128256) * 128256 * 4  # 261 positions of fp32 logits
+    assert full.transient == 4 * chunk
+    assert full.step_extra == 4 * n and full.loading == 8 * n  # the policy and its deep copy
+    assert full.total == full.training == 20 * n + full.activations + 4 * chunk
     fsdp = estimate(LLAMA3_8B, seqs_per_micro=8, max_length=2048, params=n, strategy="fsdp", ranks=8,
                     gradient_checkpointing=True)
     assert fsdp.policy == 4 * n / 8 and fsdp.optimizer == 8 * n / 8
-    assert fsdp.activations == 2 * 2048 * 8 * 4096 * 32 + 2**27
+    # checkpointing: each layer keeps its input (2 * 4096 bytes per token), plus one layer's full set
+    assert fsdp.activations == (2 * 4096 * 32 + 192_648 + 57_344) * tokens
+    root = 2 * 128256 * 4096 + 4096
+    layer = (n - root) / 32
+    assert fsdp.transient == 4 * chunk + 2 * root + 2 * 128256 * 4096 + 3 * 2 * layer
+    assert fsdp.loading == 8 * n and fsdp.total == fsdp.loading  # the whole model twice on every rank, then sharded
+    sharded = estimate(LLAMA3_8B, seqs_per_micro=8, max_length=2048, params=n, strategy="fsdp", ranks=8,
+                       gradient_checkpointing=True, loading="sharded", reference_bytes=2.0)
+    assert sharded.loading == 4 * n / 8 + 2 * n / 8 + 4 * 128256 * 4096 / 8 and sharded.total == sharded.training
     lora = estimate(LLAMA3_8B, seqs_per_micro=8, max_length=2048, params=n, lora_r=16, moving_reference=False)
     a = 41_943_040
     assert (lora.policy, lora.grads, lora.optimizer, lora.reference) == (4 * (n + a), 4 * a, 8 * a, 0.0)
     moving = estimate(LLAMA3_8B, seqs_per_micro=8, max_length=2048, params=n, lora_r=16, moving_reference=True)
     assert moving.reference == 4 * a  # humanline: a second, frozen reference adapter
+    fp32 = estimate(LLAMA3_8B, seqs_per_micro=8, max_length=2048, params=n, activation_bytes=4)
+    assert fp32.activations - full.activations == 2 * (79_872 * 32 + 3 * 4096) * tokens  # the a-scaled terms double
+    autocast = estimate(LLAMA3_8B, seqs_per_micro=8, max_length=2048, params=n, autocast=True)
+    assert autocast.transient - full.transient == 2 * (n - 128256 * 4096)  # bf16 copies of the matmul weights
 
 
 def test_a_run_that_will_not_fit_says_so_in_one_line():
@@ -43,7 +62,9 @@ def test_a_run_that_will_not_fit_says_so_in_one_line():
                      moving_reference=False, gradient_checkpointing=True)
     n, a = 8_030_261_248, 41_943_040
     assert check_fits(small, 80 * GB) is None
-    assert small.total == pytest.approx(4 * (n + a) + 4 * a + 8 * a + 2 * 512 * 2 * 4096 * 32 + 2**27)  # 30.9 GiB
+    per_token = 2 * 4096 * 32 + 192_648 + 57_344  # checkpointed layers' inputs + one layer + outside the layers
+    chunk = (2**25 // 128256) * 128256 * 4
+    assert small.total == pytest.approx(4 * (n + a) + 4 * a + 8 * a + per_token * 2 * 512 + 4 * chunk)  # 31.0 GiB
 
 
 def test_gpu_check_fails_in_one_line_without_cuda(tmp_path):
