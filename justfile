@@ -41,6 +41,11 @@ sweep *ARGS:
 grid *ARGS:
     {{venv}}/bin/humanline train -m objective=dpo,kto,grpo data=offline,online +humanline=true,false {{ARGS}}
 
+# CPU: the memory estimate against each gloo rank's measured peak RSS (FSDP2, a 58.5M-param random-weight Llama,
+# full vs sharded loading) -> runs/memory_check/memory_check.json; exit 1 when off by more than 25%
+memory-check *ARGS:
+    {{py}} -m humanline_cli.bench.memory_check {{ARGS}}
+
 # on a CUDA machine (after `pip install -e '.[vllm]'`): bf16, vLLM vs HF, throughput, FSDP/DDP, LoRA -> runs/gpu_check/gpu_check.json
 gpu-check *ARGS:
     {{py}} -m humanline_cli.bench.gpu_check {{ARGS}}
