@@ -76,3 +76,35 @@ def test_gpu_check_fails_in_one_line_without_cuda(tmp_path):
     assert r.returncode == 2 and r.stderr.strip() == (
         "humanline: error: gpu-check needs a CUDA device (torch.cuda.is_available() is False on this machine)")
     assert not (tmp_path / "g").exists()
+
+
+def test_gpu_check_step_checks_run_on_cpu_and_fail_with_exit_1(tmp_path):
+    """`gpu-check --device cpu`: the step checks (bench/step_bench.py) on the tiny shape: one row per objective x
+    humanline with step time, tokens/s and the memory estimate, JSON written, exit 0; a diverging run
+    (AdamW lr 1e30: non-finite loss) is a failed row and exit 1. (The CUDA-only fields, MFU and
+    max_memory_allocated, are None here: this is not a substitute for a GPU run.)"""
+    import json
+    import math
+    import subprocess
+    import sys
+
+    def check(out, *extra):
+        r = subprocess.run([sys.executable, "-m", "humanline_cli.bench.gpu_check", "--device", "cpu", "--out", str(out),
+                            *extra], capture_output=True, text=True, timeout=300)
+        return r, json.loads((out / "gpu_check.json").read_text())
+
+    r, res = check(tmp_path / "ok")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert res["ok"] is True and res["device"] == "cpu" and res["gpus"] == 0
+    names = [c["check"] for c in res["checks"]]
+    assert names == [f"step_{o}_hl-{h}" for o in ("dpo", "kto", "grpo") for h in ("false", "true")]
+    seqs = {"dpo": 4, "kto": 2, "grpo": 8}  # 2 x micro pairs, micro, micro x n samples (micro 2, n 4)
+    for c in res["checks"]:
+        assert c["ok"] and c["shape"] == "tiny" and c["seqs_per_micro"] == seqs[c["check"].split("_")[1]]
+        assert c["step_s"] > 0 and c["tokens_per_s"] == pytest.approx(c["seqs_per_micro"] * 64 / c["step_s"], rel=1e-3)
+        assert math.isfinite(c["loss"]) and c["estimate_gib"] > 0 and c["mfu"] is None and c["peak_gib"] is None
+    r, res = check(tmp_path / "bad", "--lr", "1e30")
+    assert r.returncode == 1 and res["ok"] is False
+    bad = [c for c in res["checks"] if not c["ok"]]
+    assert bad and all("non-finite loss" in c["error"] for c in bad)
+    assert "FAIL step_" in r.stdout
