@@ -46,7 +46,9 @@ grid *ARGS:
 memory-check *ARGS:
     {{py}} -m humanline_cli.bench.memory_check {{ARGS}}
 
-# on a CUDA machine (after `pip install -e '.[vllm]'`): bf16, vLLM vs HF, throughput, FSDP/DDP, LoRA -> runs/gpu_check/gpu_check.json
+# on a CUDA machine (after `pip install -e '.[vllm]'`): Qwen2.5-1.5B-shaped random-weight step checks (step time,
+# tokens/s, MFU, peak memory vs estimate), bf16 training runs, bf16 vLLM vs HF, throughput, FSDP/DDP vs one GPU, LoRA
+# -> runs/gpu_check/gpu_check.json, exit 1 on any failure (`--device cpu`: the step checks on a tiny shape)
 gpu-check *ARGS:
     {{py}} -m humanline_cli.bench.gpu_check {{ARGS}}
 
