@@ -16,7 +16,7 @@ three moments of a run, each the sum of what is alive then (bytes per device):
 - **loading** (before training): what `build_parts` holds while it loads and shards: the full policy
   plus its full reference copy on every rank, before FSDP2 shards them (`loading="full"`), or, with
   sharded loading (`loading="sharded"`, meta-device build then each rank loads only its own shards), the
-  shards plus the largest tensor read at a time.
+  shards plus this rank's rows of the largest tensor (the embeddings) read at a time.
 
 Saved activations per decoder layer and token, counted on transformers' Llama/Qwen2 layer with
 torch.autograd's saved-tensor hooks (h hidden, i intermediate, q = heads x head_dim, kv = kv_heads x

@@ -14,7 +14,7 @@ starting weights as the full-copy path's deepcopy does.
 Peak per rank while loading: the policy's and the reference's shards plus one tensor's rows at a time
 (memory.estimate(loading="sharded")). Against the full path (every rank loads the whole policy and
 deep-copies it before sharding: 2 x the model in the weights' dtype) this is measured by
-`just memory-check --loading sharded`.
+`just memory-check` (`--loading both`: full, then sharded).
 
 A checkpoint whose tensor names do not match the model's own (transformers renames some legacy
 checkpoints while loading) returns None: the caller takes the full path.
