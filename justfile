@@ -41,7 +41,14 @@ sweep *ARGS:
 grid *ARGS:
     {{venv}}/bin/humanline train -m objective=dpo,kto,grpo data=offline,online +humanline=true,false {{ARGS}}
 
-# on a CUDA machine (after `pip install -e '.[vllm]'`): bf16, vLLM vs HF, throughput, FSDP/DDP, LoRA -> runs/gpu_check/gpu_check.json
+# CPU: the memory estimate against each gloo rank's measured peak RSS (FSDP2, a 58.5M-param random-weight Llama,
+# full vs sharded loading) -> runs/memory_check/memory_check.json; exit 1 when off by more than 25%
+memory-check *ARGS:
+    {{py}} -m humanline_cli.bench.memory_check {{ARGS}}
+
+# on a CUDA machine (after `pip install -e '.[vllm]'`): Qwen2.5-1.5B-shaped random-weight step checks (step time,
+# tokens/s, MFU, peak memory vs estimate), bf16 training runs, bf16 vLLM vs HF, throughput, FSDP/DDP vs one GPU, LoRA
+# -> runs/gpu_check/gpu_check.json, exit 1 on any failure (`--device cpu`: the step checks on a tiny shape)
 gpu-check *ARGS:
     {{py}} -m humanline_cli.bench.gpu_check {{ARGS}}
 

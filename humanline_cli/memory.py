@@ -1,22 +1,41 @@
 """Per-device memory estimate of a run, from the model's config alone (no weights loaded).
 
-Counts parameters exactly by building the model on the meta device. Bytes per parameter follow what
-the trainer keeps: fp32 master weights (bf16 autocast computes, it does not store), fp32 gradients and
-AdamW's two fp32 moments for every trainable parameter, the reference (a full fp32 copy, or bf16 under
-FSDP2 mixed precision, `reference_bytes=2`; with LoRA the base model with adapters off, or one more
-adapter). FSDP divides weights, gradients and optimizer
-states by the number of ranks; DDP replicates them. Activations use the usual transformer estimate
-per layer of 34 * s * b * h bytes (16-bit activations, Korthikanti et al. 2022, with the attention
-scores kept by a fused SDPA/flash kernel, which transformers uses by default) for s tokens, b sequences
-and hidden size h, or about 2 * s * b * h bytes per layer with gradient checkpointing, plus one chunk
-of fp32 logits (token_logps computes log-probs in chunks).
-It is an estimate (allocator slack, CUDA context and vLLM's own share are not included).
+Counts parameters exactly by building the model on the meta device. The estimate is the largest of
+three moments of a run, each the sum of what is alive then (bytes per device):
+
+- **backward** (the start of a micro-batch's backward, usually the peak): the steady state (policy
+  weights, fp32 gradients, AdamW's two fp32 moments, the reference; FSDP divides each by the ranks, DDP
+  replicates them) + the saved activations of one micro-batch + `transient` buffers: the LM head's
+  logits chunks, under FSDP2 the unsharded root (embeddings, final norm, head: kept gathered from the
+  forward to the end of the backward), the head's unsharded gradient and two gathered decoder layers
+  (the current one and the prefetched next one) with one layer's unsharded gradient; under DDP the
+  gradient buckets (a second copy of the gradients); under bf16 autocast the bf16 copies of the weights
+  that the forward saves for the backward.
+- **step** (optimizer.step): the steady state + one gradient-sized temporary of AdamW's foreach
+  implementation (sqrt of the second moment).
+- **loading** (before training): what `build_parts` holds while it loads and shards: the full policy
+  plus its full reference copy on every rank, before FSDP2 shards them (`loading="full"`), or, with
+  sharded loading (`loading="sharded"`, meta-device build then each rank loads only its own shards), the
+  shards plus this rank's rows of the largest tensor (the embeddings) read at a time.
+
+Saved activations per decoder layer and token, counted on transformers' Llama/Qwen2 layer with
+torch.autograd's saved-tensor hooks (h hidden, i intermediate, q = heads x head_dim, kv = kv_heads x
+head_dim, a = bytes per activation element, 2 for bf16, 4 for fp32):
+    a * (4i + 3h + 2q + 2kv) + 4 * (2h + heads + 2)
+(the MLP's gate, up, SiLU and product; the attention's normed input, q/k/v after RoPE, its output
+and o_proj's input; RMSNorm keeps an fp32 copy of its input whatever the compute dtype, and SDPA's
+fp32 log-sum-exp per head). With gradient checkpointing each layer keeps only its input (a * h) and
+the backward recomputes one layer at a time (+ one layer's full set). Outside the layers: the
+embeddings' output, the final norm and the gathered completion positions, a * 3h + 4 * 2h per token.
+It is an estimate: allocator slack, the CUDA context and vLLM's own share are not included. Measured
+against a real peak with `just memory-check` (CPU, gloo ranks, see humanline_cli/bench/memory_check.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 GB = 1024**3
+LOGITS_PER_CHUNK = 2**25  # core.logprobs.LOGITS_PER_CHUNK: elements of one chunk of logits (kept equal by a test)
 
 
 @dataclass(frozen=True)
@@ -32,20 +51,33 @@ class MemoryEstimate:
     sharded: bool
     seqs: int = 0        # sequences per micro-batch
     tokens: int = 0      # max_length
+    transient: float = 0.0   # buffers alive around the backward's start (see the module docstring)
+    step_extra: float = 0.0  # AdamW's temporary during optimizer.step
+    loading: float = 0.0     # peak while loading (and sharding) the policy and reference
+
+    @property
+    def steady(self) -> float:
+        return self.policy + self.grads + self.optimizer + self.reference
+
+    @property
+    def training(self) -> float:
+        """The larger of the backward's and the optimizer step's peak."""
+        return self.steady + max(self.activations + self.transient, self.step_extra)
 
     @property
     def total(self) -> float:
-        return self.policy + self.grads + self.optimizer + self.reference + self.activations
+        """The predicted peak per device: training or loading, whichever is larger."""
+        return max(self.training, self.loading)
 
     def describe(self) -> str:
         parts = [f"policy {self.policy / GB:.2f}", f"grads {self.grads / GB:.2f}", f"AdamW {self.optimizer / GB:.2f}",
-                 f"reference {self.reference / GB:.2f}", f"activations {self.activations / GB:.2f}"]
+                 f"reference {self.reference / GB:.2f}", f"activations {self.activations / GB:.2f}",
+                 f"transient {self.transient / GB:.2f}"]
         how = f", FSDP over {self.ranks} ranks" if self.sharded else (f", DDP x{self.ranks}" if self.ranks > 1 else "")
-        return (f"memory per device (estimate{how}): {' + '.join(parts)} = {self.total / GB:.2f} GiB "
+        load = f"; loading {self.loading / GB:.2f}" if self.loading > self.training else ""
+        return (f"memory per device (estimate{how}): {' + '.join(parts)} = {self.training / GB:.2f} GiB{load} "
                 f"({_count(self.params)} params, {_count(self.trainable)} trainable, {self.seqs} x "
                 f"{self.tokens}-token sequences per micro-batch)")
-
-
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
@@ -71,33 +103,86 @@ def lora_params(config, r: int) -> int:
     return r * per_layer * config.num_hidden_layers
 
 
+def _dims(config) -> tuple[int, int, int, int, int, int, int]:
+    """(h, i, q, kv, heads, vocab, layers) of a decoder config (Llama/Qwen/Mistral naming)."""
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", heads) or heads
+    d = getattr(config, "head_dim", None) or h // heads
+    inter = getattr(config, "intermediate_size", None) or 4 * h
+    return h, inter, heads * d, kv_heads * d, heads, config.vocab_size, config.num_hidden_layers
+
+
+def activation_bytes_per_token(config, act_bytes: float, gradient_checkpointing: bool = False) -> float:
+    """Saved activations of the whole decoder for one token (module docstring for the formula)."""
+    h, inter, q, kv, heads, _, layers = _dims(config)
+    layer = act_bytes * (4 * inter + 3 * h + 2 * q + 2 * kv) + 4 * (2 * h + heads + 2)
+    outside = act_bytes * 3 * h + 4 * 2 * h
+    if gradient_checkpointing:  # each layer keeps its input; the backward recomputes one layer at a time
+        return act_bytes * h * layers + layer + outside
+    return layer * layers + outside
+
+
 def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, moving_reference: bool = True,
              strategy: str = "single", ranks: int = 1, gradient_checkpointing: bool = False,
-             vocab_chunk_bytes: int = 2**27, params: int | None = None,
-             reference_bytes: float = 4.0) -> MemoryEstimate:
+             params: int | None = None, reference_bytes: float | None = None, activation_bytes: float = 2.0,
+             weight_bytes: float = 4.0, autocast: bool = False, loading: str = "full") -> MemoryEstimate:
+    """Bytes per device (see the module docstring). `weight_bytes`: the master weights' dtype (4 fp32, 8 for
+    backend.precision=fp64); `activation_bytes`: the compute dtype (2 under bf16 autocast or FSDP2 mixed
+    precision, else weight_bytes); `reference_bytes`: the frozen copy's dtype (default weight_bytes; 2 under
+    FSDP2 bf16); `autocast`: bf16 autocast over fp32 weights (its bf16 weight copies live until the
+    backward); `loading`: "full" (every rank loads the whole model, then shards) or "sharded"."""
     n = params if params is not None else count_params(config)
-    shard = ranks if strategy == "fsdp" else 1
+    fsdp = strategy == "fsdp"
+    shard = ranks if fsdp else 1
+    w = weight_bytes
+    ref_b = w if reference_bytes is None else reference_bytes
     trainable = lora_params(config, lora_r) if lora_r > 0 else n
-    policy = 4.0 * (n + (trainable if lora_r > 0 else 0)) / shard
-    grads = 4.0 * trainable / shard
-    optimizer = 8.0 * trainable / shard
+    policy = w * (n + (trainable if lora_r > 0 else 0)) / shard
+    grads = 4.0 * trainable * (w / 4) / shard
+    optimizer = 8.0 * trainable * (w / 4) / shard
     if lora_r > 0:
-        reference = 4.0 * trainable / shard if moving_reference else 0.0
+        reference = w * trainable / shard if moving_reference else 0.0
     else:
-        reference = reference_bytes * n / shard
-    s, b, h, layers = max_length, seqs_per_micro, config.hidden_size, config.num_hidden_layers
-    per_layer = (2.0 if gradient_checkpointing else 34.0) * s * b * h
-    activations = per_layer * layers + vocab_chunk_bytes
-    return MemoryEstimate(n, trainable, policy, grads, optimizer, reference, activations, ranks, strategy == "fsdp",
-                          b, s)
+        reference = ref_b * n / shard
+    h, _, _, _, _, vocab, layers = _dims(config)
+    tokens = seqs_per_micro * max_length
+    activations = activation_bytes_per_token(config, activation_bytes, gradient_checkpointing) * tokens
+    logit_b = max(4.0, w)  # log-probs are computed in fp32 (fp64 for an fp64 model)
+    chunk = min(tokens, max(1, LOGITS_PER_CHUNK // vocab)) * vocab * logit_b
+    transient = 4 * chunk  # the backward of one checkpointed chunk: its logits, softmax, their gradient
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    root = vocab * h * (1 if tied else 2) + h  # embeddings, head, final norm: FSDP2's root group
+    if fsdp:
+        p = activation_bytes  # FSDP2 gathers weights in the compute dtype (bf16 under mixed precision)
+        per_layer = max(0.0, (n - root) / layers)
+        # the gathered root (kept from forward to backward) + the head's unsharded gradient + two gathered
+        # layers (current and prefetched) + one layer's unsharded gradient before its reduce-scatter
+        transient += p * root + p * vocab * h + 3 * p * per_layer
+    elif strategy == "ddp":
+        transient += 4.0 * trainable * (w / 4)  # DDP's gradient buckets: a second copy of the gradients
+    if autocast:
+        transient += 2.0 * max(0, n - vocab * h)  # bf16 copies of every matmul weight, saved for the backward
+    step_extra = 4.0 * trainable * (w / 4) / shard  # AdamW foreach: sqrt(exp_avg_sq), one gradient-sized list
+    full_reference = 0.0 if lora_r > 0 else w * n  # the copy is made in the weights' dtype, then cast and sharded
+    if loading == "sharded" and fsdp:
+        # the shards of policy and reference + the rows of the largest tensor (embeddings) read at once
+        load = policy + reference + w * vocab * h / shard
+    else:
+        load = w * n + full_reference + (w * trainable if lora_r > 0 else 0.0)
+    return MemoryEstimate(n, trainable, policy, grads, optimizer, reference, activations, ranks, fsdp,
+                          seqs_per_micro, max_length, transient, step_extra, load)
 
 
 def check_fits(est: MemoryEstimate, device_bytes: float, headroom: float = 0.9) -> str | None:
     """A one-line reason when the estimate exceeds `headroom` of the device, else None."""
     if est.total <= headroom * device_bytes:
         return None
+    what = (f"loading {est.loading / GB:.1f} (every rank loads the whole model before sharding)"
+            if est.loading > est.training else "")
     return (f"the run will not fit: {est.total / GB:.1f} GiB estimated per device > {headroom:.0%} of "
             f"{device_bytes / GB:.1f} GiB (policy {est.policy / GB:.1f}, grads {est.grads / GB:.1f}, AdamW "
-            f"{est.optimizer / GB:.1f}, reference {est.reference / GB:.1f}, activations {est.activations / GB:.1f}); "
+            f"{est.optimizer / GB:.1f}, reference {est.reference / GB:.1f}, activations {est.activations / GB:.1f}, "
+            f"transient {est.transient / GB:.1f}{', ' + what if what else ''}); "
             f"try backend.strategy=fsdp backend.nproc=N, model.lora.r=16, train.gradient_checkpointing=true or a "
             f"smaller train.micro_batch_size")

@@ -199,4 +199,4 @@ def test_memory_estimate_counts_a_bf16_reference_under_fsdp():
     kw = dict(seqs_per_micro=8, max_length=2048, strategy="fsdp", ranks=8, gradient_checkpointing=True, params=n)
     fp32, bf16 = estimate(cfg, **kw), estimate(cfg, **kw, reference_bytes=2.0)
     assert fp32.reference == 4.0 * n / 8 and bf16.reference == 2.0 * n / 8
-    assert round(bf16.reference / GB, 2) == 1.87 and fp32.total - bf16.total == 2.0 * n / 8
+    assert round(bf16.reference / GB, 2) == 1.87 and fp32.training - bf16.training == 2.0 * n / 8

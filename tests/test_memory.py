@@ -23,16 +23,35 @@ def test_bytes_per_component_are_the_trainers():
     n = 8_030_261_248
     full = estimate(LLAMA3_8B, seqs_per_micro=8, max_length=2048, params=n)
     assert (full.policy, full.grads, full.optimizer, full.reference) == (4 * n, 4 * n, 8 * n, 4 * n)
-    assert full.activations == 34 * 2048 * 8 * 4096 * 32 + 2**27
+    # saved activations per token, bf16: per layer 2 * (4 * 14336 + 3 * 4096 + 2 * 4096 + 2 * 1024) + 4 * (2 * 4096
+    # + 32 + 2) = 192_648 bytes (module docstring), outside the layers 2 * 3 * 4096 + 4 * 2 * 4096 = 57_344
+    tokens = 8 * 2048
+    assert full.activations == (192_648 * 32 + 57_344) * tokens
+    chunk = (2**25 // 128256) * 128256 * 4  # 261 positions of fp32 logits
+    assert full.transient == 4 * chunk
+    assert full.step_extra == 4 * n and full.loading == 8 * n  # the policy and its deep copy
+    assert full.total == full.training == 20 * n + full.activations + 4 * chunk
     fsdp = estimate(LLAMA3_8B, seqs_per_micro=8, max_length=2048, params=n, strategy="fsdp", ranks=8,
                     gradient_checkpointing=True)
     assert fsdp.policy == 4 * n / 8 and fsdp.optimizer == 8 * n / 8
-    assert fsdp.activations == 2 * 2048 * 8 * 4096 * 32 + 2**27
+    # checkpointing: each layer keeps its input (2 * 4096 bytes per token), plus one layer's full set
+    assert fsdp.activations == (2 * 4096 * 32 + 192_648 + 57_344) * tokens
+    root = 2 * 128256 * 4096 + 4096
+    layer = (n - root) / 32
+    assert fsdp.transient == 4 * chunk + 2 * root + 2 * 128256 * 4096 + 3 * 2 * layer
+    assert fsdp.loading == 8 * n and fsdp.total == fsdp.loading  # the whole model twice on every rank, then sharded
+    sharded = estimate(LLAMA3_8B, seqs_per_micro=8, max_length=2048, params=n, strategy="fsdp", ranks=8,
+                       gradient_checkpointing=True, loading="sharded", reference_bytes=2.0)
+    assert sharded.loading == 4 * n / 8 + 2 * n / 8 + 4 * 128256 * 4096 / 8 and sharded.total == sharded.training
     lora = estimate(LLAMA3_8B, seqs_per_micro=8, max_length=2048, params=n, lora_r=16, moving_reference=False)
     a = 41_943_040
     assert (lora.policy, lora.grads, lora.optimizer, lora.reference) == (4 * (n + a), 4 * a, 8 * a, 0.0)
     moving = estimate(LLAMA3_8B, seqs_per_micro=8, max_length=2048, params=n, lora_r=16, moving_reference=True)
     assert moving.reference == 4 * a  # humanline: a second, frozen reference adapter
+    fp32 = estimate(LLAMA3_8B, seqs_per_micro=8, max_length=2048, params=n, activation_bytes=4)
+    assert fp32.activations - full.activations == 2 * (79_872 * 32 + 3 * 4096) * tokens  # the a-scaled terms double
+    autocast = estimate(LLAMA3_8B, seqs_per_micro=8, max_length=2048, params=n, autocast=True)
+    assert autocast.transient - full.transient == 2 * (n - 128256 * 4096)  # bf16 copies of the matmul weights
 
 
 def test_a_run_that_will_not_fit_says_so_in_one_line():
@@ -43,7 +62,9 @@ def test_a_run_that_will_not_fit_says_so_in_one_line():
                      moving_reference=False, gradient_checkpointing=True)
     n, a = 8_030_261_248, 41_943_040
     assert check_fits(small, 80 * GB) is None
-    assert small.total == pytest.approx(4 * (n + a) + 4 * a + 8 * a + 2 * 512 * 2 * 4096 * 32 + 2**27)  # 30.9 GiB
+    per_token = 2 * 4096 * 32 + 192_648 + 57_344  # checkpointed layers' inputs + one layer + outside the layers
+    chunk = (2**25 // 128256) * 128256 * 4
+    assert small.total == pytest.approx(4 * (n + a) + 4 * a + 8 * a + per_token * 2 * 512 + 4 * chunk)  # 31.0 GiB
 
 
 def test_gpu_check_fails_in_one_line_without_cuda(tmp_path):
@@ -55,3 +76,35 @@ def test_gpu_check_fails_in_one_line_without_cuda(tmp_path):
     assert r.returncode == 2 and r.stderr.strip() == (
         "humanline: error: gpu-check needs a CUDA device (torch.cuda.is_available() is False on this machine)")
     assert not (tmp_path / "g").exists()
+
+
+def test_gpu_check_step_checks_run_on_cpu_and_fail_with_exit_1(tmp_path):
+    """`gpu-check --device cpu`: the step checks (bench/step_bench.py) on the tiny shape: one row per objective x
+    humanline with step time, tokens/s and the memory estimate, JSON written, exit 0; a diverging run
+    (AdamW lr 1e30: non-finite loss) is a failed row and exit 1. (The CUDA-only fields, MFU and
+    max_memory_allocated, are None here: this is not a substitute for a GPU run.)"""
+    import json
+    import math
+    import subprocess
+    import sys
+
+    def check(out, *extra):
+        r = subprocess.run([sys.executable, "-m", "humanline_cli.bench.gpu_check", "--device", "cpu", "--out", str(out),
+                            *extra], capture_output=True, text=True, timeout=300)
+        return r, json.loads((out / "gpu_check.json").read_text())
+
+    r, res = check(tmp_path / "ok")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert res["ok"] is True and res["device"] == "cpu" and res["gpus"] == 0
+    names = [c["check"] for c in res["checks"]]
+    assert names == [f"step_{o}_hl-{h}" for o in ("dpo", "kto", "grpo") for h in ("false", "true")]
+    seqs = {"dpo": 4, "kto": 2, "grpo": 8}  # 2 x micro pairs, micro, micro x n samples (micro 2, n 4)
+    for c in res["checks"]:
+        assert c["ok"] and c["shape"] == "tiny" and c["seqs_per_micro"] == seqs[c["check"].split("_")[1]]
+        assert c["step_s"] > 0 and c["tokens_per_s"] == pytest.approx(c["seqs_per_micro"] * 64 / c["step_s"], rel=1e-3)
+        assert math.isfinite(c["loss"]) and c["estimate_gib"] > 0 and c["mfu"] is None and c["peak_gib"] is None
+    r, res = check(tmp_path / "bad", "--lr", "1e30")
+    assert r.returncode == 1 and res["ok"] is False
+    bad = [c for c in res["checks"] if not c["ok"]]
+    assert bad and all("non-finite loss" in c["error"] for c in bad)
+    assert "FAIL step_" in r.stdout

@@ -25,13 +25,17 @@ from humanline_cli.core.logprobs import token_logps
 
 
 class FrozenCopy:
-    def __init__(self, policy: torch.nn.Module):
-        self.model = copy.deepcopy(policy).eval()
+    def __init__(self, policy: torch.nn.Module, built: torch.nn.Module | None = None):
+        """A deep copy of `policy`, or `built`: a copy made elsewhere (sharded loading builds it sharded)."""
+        self.model = (copy.deepcopy(policy) if built is None else built).eval()
         self.model.requires_grad_(False)
 
     @torch.no_grad()
     def logps(self, seqs: Seqs) -> torch.Tensor:
-        return token_logps(self.model, seqs)
+        out = token_logps(self.model, seqs)
+        if hasattr(self.model, "reshard"):  # FSDP2 keeps a root unsharded after forward, and a frozen copy has
+            self.model.reshard()            # no backward to reshard it: its gathered embeddings and head would
+        return out                          # stay alive through the policy's forward and backward (measured)
 
     def sync(self, policy: torch.nn.Module) -> None:
         for m in (policy, self.model):  # FSDP2 keeps the root unsharded after forward: back to shards
@@ -266,16 +270,19 @@ def reference_moves(humanline: HumanlineSpec, regime: str) -> bool:
 
 def build_reference(policy: torch.nn.Module, *, lora: bool, moving: bool, cache: bool,
                     shard: Callable[[torch.nn.Module], None] | None = None, dtype: torch.dtype | None = None,
-                    agree: Callable[[bool], bool] | None = None):
+                    agree: Callable[[bool], bool] | None = None, built: torch.nn.Module | None = None):
     """The run's reference, from the unwrapped, unsharded policy (a peft model when `lora`):
     - LoRA: the base model with adapters disabled (fixed) or a second "reference" adapter (`moving`);
     - else a frozen copy, cast to `dtype` (bf16 under FSDP2: it never gets gradients or AdamW, so no fp32
       master copy; buffers such as RoPE's inv_freq stay fp32, as the policy's do) and sharded with
-      `shard` as the policy is, so the sync copies (and casts) each rank's local shards;
+      `shard` as the policy is, so the sync copies (and casts) each rank's local shards; `built`: that
+      copy already made, cast and sharded (sharded loading: train/sharded_load.py);
     - `cache` and not `moving` (plain offline): each sequence's log-probs computed once (`agree`: under
       FSDP the forward all-gathers shards, so every rank skips it or none does)."""
     if lora:
         reference = make_lora_reference(policy, moving=moving)
+    elif built is not None:
+        reference = FrozenCopy(policy, built)
     else:
         reference = FrozenCopy(policy)
         if dtype is not None:

@@ -39,6 +39,7 @@ from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.online import OnlineSource, RoundSpec
 from humanline_cli.sources.source import Shard
 from humanline_cli.train.lengths import check_model_lengths
+from humanline_cli.train.sharded_load import load_policy_sharded, sharded_reference
 
 WORLD = "world://"
 ORIGINAL_CWD = "HUMANLINE_ORIGINAL_CWD"  # the directory `humanline train` was started in
@@ -283,13 +284,18 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device):
     micro = spec.train.micro_batch_size
     seqs = {"dpo": 2 * micro, "kto": micro}.get(spec.objective, micro * (spec.data_cfg.n if spec.regime == "online" else 2))
     b = spec.backend_cfg
+    fsdp = b.strategy.value == "fsdp" and b.nproc > 1
+    bf16 = b.precision.value == "bf16" or (b.precision.value == "auto" and device.type == "cuda")
+    weight_bytes = 8.0 if b.precision.value == "fp64" else 4.0
     est = estimate(config, seqs_per_micro=seqs, max_length=spec.train.max_length, lora_r=spec.model_cfg.lora.r,
                    moving_reference=reference_moves(spec.humanline, spec.regime), strategy=b.strategy.value,
                    ranks=b.nproc if b.strategy.value != "single" else 1,
                    gradient_checkpointing=spec.train.gradient_checkpointing,
                    # bf16 under FSDP2: the frozen reference is kept in bf16 (build_parts)
-                   reference_bytes=2.0 if b.strategy.value == "fsdp" and b.nproc > 1 and (
-                       b.precision.value == "bf16" or (b.precision.value == "auto" and device.type == "cuda")) else 4.0)
+                   reference_bytes=2.0 if fsdp and bf16 else None, weight_bytes=weight_bytes,
+                   activation_bytes=2.0 if bf16 else weight_bytes, autocast=bf16 and not fsdp,
+                   loading="sharded" if fsdp and spec.model_cfg.lora.r == 0 and not spec.model_cfg.trust_remote_code
+                   else "full")
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         # an online vLLM engine takes sampler.gpu_memory_utilization of the GPU at start (the policy is
@@ -301,6 +307,24 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device):
             raise UserError(reason + (f" (what is left of the GPU after sampler.gpu_memory_utilization={share:g} "
                                       f"for vLLM)" if share else ""))
     return est
+
+
+def _checkpointing(model: torch.nn.Module) -> None:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _load_policy(spec: RunSpec, model_path: str, backend: Backend, strategy: str) -> tuple[torch.nn.Module, bool]:
+    """(policy, sharded). FSDP2 full fine-tuning loads sharded (train/sharded_load.py: no rank holds the whole
+    model; gradient checkpointing set before sharding), else the whole model on every rank (LoRA, remote
+    code, a checkpoint whose tensor names transformers renames while loading)."""
+    trust = spec.model_cfg.trust_remote_code
+    if strategy == "fsdp" and spec.model_cfg.lora.r == 0 and not trust:
+        policy = load_policy_sharded(model_path, backend.device, backend.weights_dtype,
+                                     lambda m: shard_model(m, backend.param_dtype),
+                                     _checkpointing if spec.train.gradient_checkpointing else None)
+        if policy is not None:
+            return policy, True
+    return load_policy(model_path, backend.device, trust, dtype=backend.weights_dtype), False
 
 
 def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
@@ -333,14 +357,14 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
             source = _offline_source(spec, encoder, collate, shard)
             evaluator = build_evaluator(spec, encoder, backend.device, shard=shard)
             # after the data: bad data fails fast
-            policy = load_policy(model_path, backend.device, trust, dtype=backend.weights_dtype)
+            policy, sharded = _load_policy(spec, model_path, backend, strategy)
         case "online":
             evaluator = build_evaluator(spec, encoder, backend.device, shard=shard)
-            policy = load_policy(model_path, backend.device, trust, dtype=backend.weights_dtype)
+            policy, sharded = _load_policy(spec, model_path, backend, strategy)
         case other:
             raise UserError(f"unknown data regime {other!r}")
-    if spec.train.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if spec.train.gradient_checkpointing and not sharded:
+        _checkpointing(policy)
     lora = spec.model_cfg.lora
     if lora.r > 0:  # adapters on the policy; the reference is the base model or a second adapter
         from humanline_cli.core.lora import apply_lora
@@ -350,8 +374,10 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     reference = build_reference(policy, lora=lora.r > 0, moving=reference_moves(spec.humanline, spec.regime),
                                 cache=spec.train.reference_cache, shard=shard_model if fsdp_full else None,
                                 dtype=backend.param_dtype if fsdp_full else None,
-                                agree=(lambda f: all_agree(f, dist)) if strategy == "fsdp" else None)
-    train_model = wrap_policy(policy, strategy, dist, backend.device, backend.param_dtype)
+                                agree=(lambda f: all_agree(f, dist)) if strategy == "fsdp" else None,
+                                built=sharded_reference(policy, backend.param_dtype or backend.weights_dtype,
+                                                        backend.device, shard_model) if sharded else None)
+    train_model = policy if sharded else wrap_policy(policy, strategy, dist, backend.device, backend.param_dtype)
     if spec.regime == "online":
         source = _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist)
     eval_sampler = getattr(source, "sampler", None)  # online: evaluate with the round sampler

@@ -1,0 +1,262 @@
+"""`just memory-check` (python -m humanline_cli.bench.memory_check): the memory estimate against a
+measured peak, on CPU with gloo ranks (or one process), for a random-weight Llama built locally.
+
+The launching process writes the model (safetensors, random weights, no hub) to a temporary folder and
+starts `--nproc` ranks. Each rank loads it with the trainer's own parts (load_policy, build_reference,
+wrap_policy, token_logps, AdamW, clip_grad_norm) and runs `--steps` DPO-shaped steps (reference
+log-probs, policy log-probs with gradient, backward, clip, AdamW). A thread samples the rank's resident
+memory (/proc/self/statm) every millisecond; measured = peak RSS minus the RSS just before the weights
+are loaded (the Python interpreter, torch and the process group are not the run's). The launcher sets
+glibc's MALLOC_MMAP_THRESHOLD_ (fixed, so large freed tensors go back to the OS at once instead of
+staying in malloc's heap: RSS then follows the live tensors, as a CUDA allocator's
+max_memory_allocated does) unless the caller set it.
+
+Prints one line per phase (loading, training) and writes a JSON file (--out) with the estimate's
+components, each rank's measured peaks and the ratio measured / estimate; exit 1 when a ratio is outside
+[1 - tol, 1 + tol] (--tol, default 0.25).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+GB = 1024**3
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Samples this process's RSS every `period` seconds in a thread; `mark()` starts a new phase."""
+
+    def __init__(self, period: float = 0.001):
+        self.period, self.peak, self._stop = period, _rss(), threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(self.period)
+
+    def mark(self) -> int:
+        """The peak since the last mark (the current RSS included); the next phase starts now."""
+        peak = max(self.peak, _rss())
+        self.peak = _rss()
+        return peak
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def llama_config(hidden: int, layers: int, vocab: int, inter: int, heads: int, kv_heads: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=False,
+                       max_position_embeddings=4096)
+
+
+def write_random_model(config, path: Path, seed: int = 0) -> None:
+    """A causal LM with random weights (transformers' own init), saved as safetensors: no hub."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path, safe_serialization=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_main(args) -> dict:
+    import torch
+    from transformers import AutoConfig
+
+    from humanline_cli.backend import clip_grad_norm, init_distributed, shard_model, wrap_policy
+    from humanline_cli.core.batches import Seqs
+    from humanline_cli.core.logprobs import token_logps
+    from humanline_cli.core.reference import build_reference
+    from humanline_cli.memory import estimate
+    from humanline_cli.models import load_policy
+
+    torch.set_num_threads(1)
+    dist = init_distributed("cpu", 600)
+    strategy = "fsdp" if dist.enabled else "single"
+    config = AutoConfig.from_pretrained(args.model)
+    torch.manual_seed(1234 + dist.rank)
+    n, t = args.seqs, args.tokens
+    ids = torch.randint(0, config.vocab_size, (n, t))
+    seqs = Seqs(ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))
+    import gc
+
+    fsdp = strategy == "fsdp"
+    prepare = ((lambda m: m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}))
+               if args.gradient_checkpointing else None)
+
+    def load(how: str):
+        if fsdp and how == "sharded":
+            from humanline_cli.train.sharded_load import load_policy_sharded, sharded_reference
+
+            policy = load_policy_sharded(args.model, torch.device("cpu"), torch.float32, shard_model, prepare)
+            built = sharded_reference(policy, torch.float32, torch.device("cpu"), shard_model)
+            return policy, build_reference(policy, lora=False, moving=True, cache=False, built=built)
+        policy = load_policy(args.model, torch.device("cpu"))
+        if prepare is not None:
+            prepare(policy)
+        reference = build_reference(policy, lora=False, moving=True, cache=False, shard=shard_model if fsdp else None)
+        return wrap_policy(policy, strategy, dist, torch.device("cpu")), reference
+
+    meter = PeakRSS()
+    loading_full = None
+    if args.loading == "both":  # the full path first, measured and freed, then the sharded one that trains
+        gc.collect()
+        meter.mark()
+        base = _rss()
+        model, reference = load("full")
+        gc.collect()
+        loading_full = meter.mark() - base
+        del model, reference
+    gc.collect()
+    meter.mark()
+    base = _rss()
+    model, reference = load("full" if args.loading == "full" else "sharded")
+    gc.collect()
+    loading = meter.mark() - base
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    steps = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        for _ in range(args.micro):  # gradient accumulation, as the trainer does
+            ref = reference.logps(seqs)
+            logps = token_logps(model, seqs)
+            loss = -torch.nn.functional.logsigmoid((logps - ref).sum(-1)).mean() / args.micro
+            loss.backward()
+        clip_grad_norm(list(model.parameters()), 1.0, dist)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        steps.append(round(time.perf_counter() - t0, 2))
+    training = meter.mark() - base
+    meter.stop()
+    est = estimate(config, seqs_per_micro=n, max_length=t, strategy=strategy, ranks=dist.world_size,
+                   gradient_checkpointing=args.gradient_checkpointing, activation_bytes=4,
+                   loading="full" if args.loading == "full" else "sharded")
+    full = estimate(config, seqs_per_micro=n, max_length=t, strategy=strategy, ranks=dist.world_size, params=est.params,
+                    gradient_checkpointing=args.gradient_checkpointing, activation_bytes=4, loading="full")
+    out = {"rank": dist.rank, "loading_gib": loading / GB,
+           "loading_full_gib": loading_full / GB if loading_full is not None else None, "training_gib": training / GB,
+           "peak_gib": max(loading, training) / GB, "step_s": steps}
+    if dist.enabled:
+        import torch.distributed as tdist
+
+        rows = [None] * dist.world_size
+        tdist.all_gather_object(rows, out)
+        tdist.destroy_process_group()
+    else:
+        rows = [out]
+    if dist.rank == 0:
+        report = {"model": {"params": est.params, "hidden": config.hidden_size, "layers": config.num_hidden_layers,
+                            "vocab": config.vocab_size, "intermediate": config.intermediate_size},
+                  "ranks": dist.world_size, "strategy": strategy, "seqs_per_micro": n, "tokens": t,
+                  "gradient_checkpointing": args.gradient_checkpointing, "loading": args.loading,
+                  "estimate_gib": {k: getattr(est, k) / GB for k in
+                                   ("policy", "grads", "optimizer", "reference", "activations", "transient",
+                                    "loading", "training", "total")} | {"loading_full": full.loading / GB},
+                  "measured": rows}
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="humanline memory-check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--inter", type=int, default=1408)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--seqs", type=int, default=4, help="sequences per micro-batch")
+    p.add_argument("--tokens", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--micro", type=int, default=2, help="micro-batches per step (gradient accumulation)")
+    p.add_argument("--nproc", type=int, default=2, help="gloo ranks (FSDP2); 1 = one process")
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--loading", choices=("full", "sharded", "both"), default="both",
+                   help="full: every rank loads the whole model, then shards (build_parts' path for a model it cannot "
+                        "load sharded); sharded: meta-device build, each rank reads only its own shards (FSDP's "
+                        "default); both: full measured, freed, then sharded (which trains)")
+    p.add_argument("--tol", type=float, default=0.25)
+    p.add_argument("--out", default="runs/memory_check/memory_check.json")
+    p.add_argument("--rank-of", default=None, help=argparse.SUPPRESS)  # internal: run as one rank
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.rank_of is not None:
+        rank_main(args)
+        return 0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="humanline-memcheck-") as tmp:
+        model = Path(tmp) / "model"
+        write_random_model(llama_config(args.hidden, args.layers, args.vocab, args.inter, args.heads, args.kv_heads),
+                           model)
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(args.nproc),
+                   OMP_NUM_THREADS="1")
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+        json_path = Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "humanline_cli.bench.memory_check", "--model", str(model), "--json",
+               str(json_path), *(argv if argv is not None else sys.argv[1:])]
+        procs = [subprocess.Popen([*cmd, "--rank-of", str(r)],
+                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r)) if args.nproc > 1 else
+                                  {k: v for k, v in env.items() if k != "WORLD_SIZE"})
+                 for r in range(args.nproc)]
+        codes = [proc.wait() for proc in procs]
+        if any(codes):
+            print(f"humanline: error: memory-check: a rank failed (exit codes {codes})", file=sys.stderr)
+            return 1
+        report = json.loads(json_path.read_text())
+    est = report["estimate_gib"]
+    failures = []
+    for row in report["measured"]:
+        row["ratio"] = row["peak_gib"] / est["total"]
+        if abs(row["ratio"] - 1) > args.tol:
+            failures.append(f"rank {row['rank']}: measured {row['peak_gib']:.3f} GiB vs estimate "
+                            f"{est['total']:.3f} GiB (ratio {row['ratio']:.2f}, tolerance {args.tol:.0%})")
+        if row["loading_full_gib"] is not None and row["loading_gib"] >= row["loading_full_gib"]:
+            failures.append(f"rank {row['rank']}: sharded loading peaked at {row['loading_gib']:.3f} GiB, not below "
+                            f"the full path's {row['loading_full_gib']:.3f} GiB")
+    report["tol"], report["ok"], report["failures"] = args.tol, not failures, failures
+    out.write_text(json.dumps(report, indent=1))
+    m = report["model"]
+    print(f"memory-check: Llama {m['params'] / 1e6:.1f}M params, {report['ranks']} rank(s) {report['strategy']}, "
+          f"{report['seqs_per_micro']} x {report['tokens']} tokens per micro-batch")
+    full = f" (the full path: {est['loading_full']:.3f})" if report["loading"] == "both" else ""
+    print(f"  estimate per rank: loading {est['loading']:.3f} GiB{full}, training {est['training']:.3f} GiB "
+          f"(policy {est['policy']:.3f} + grads {est['grads']:.3f} + AdamW {est['optimizer']:.3f} + reference "
+          f"{est['reference']:.3f} + activations {est['activations']:.3f} + transient {est['transient']:.3f}); "
+          f"peak {est['total']:.3f} GiB")
+    for row in report["measured"]:
+        full = f" (the full path: {row['loading_full_gib']:.3f})" if row["loading_full_gib"] is not None else ""
+        print(f"  measured rank {row['rank']}: loading {row['loading_gib']:.3f} GiB{full}, training "
+              f"{row['training_gib']:.3f} GiB; peak {row['peak_gib']:.3f} GiB = {row['ratio']:.2f} x estimate "
+              f"(steps {row['step_s']} s)")
+    print(f"  {'ok' if not failures else 'FAILED'} (tolerance {args.tol:.0%}); {out}")
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
