@@ -358,9 +358,8 @@ def validate(cfg: DictConfig) -> RunSpec:
     if model.lora.r < 0:
         raise UserError(f"config key 'model.lora.r' must be >= 0 (0 = full fine-tuning), got {model.lora.r}")
     # the sampler is used by online rounds only (offline runs evaluate with the transformers sampler), and
-    # vLLM runs with LoRA (merged weights pushed) and under DDP/FSDP (one engine per rank, sharded rounds)
-    if model.lora.r > 0 and backend.strategy == "fsdp":
-        raise UserError("model.lora.r > 0 with backend.strategy=fsdp is not supported yet; use ddp or one process")
+    # vLLM runs with LoRA (merged weights pushed) and under DDP/FSDP (one engine per rank, sharded rounds);
+    # LoRA under FSDP2 shards the peft model (frozen base and adapters) layer by layer
     if backend.nproc < 1:
         raise UserError(f"config key 'backend.nproc' must be >= 1, got {backend.nproc}")
     if not backend.timeout_s > 0:

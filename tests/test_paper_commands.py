@@ -29,6 +29,9 @@ PINNED = [
     "humanline train backend=cuda model.lora.r=16 experiment=paper_instruction_following data=online",
     "humanline train backend=cuda experiment=paper_math data=online",
     "humanline train backend=cuda backend.strategy=fsdp backend.nproc=8 experiment=paper_math data=online sampler=hf",
+    # LoRA under FSDP2 (adapters on the sharded base; merged weights gathered layer by layer for vLLM)
+    "humanline train -m backend=cuda backend.strategy=fsdp backend.nproc=8 model.lora.r=16 "
+    "experiment=paper_instruction_following",
 ]
 GROUPS = set(GROUP_SCHEMAS) | {"experiment", "regime"}
 EXPERIMENTS = sorted(p.name[:-5] for p in files("conf").joinpath("experiment").iterdir() if p.name.endswith(".yaml"))

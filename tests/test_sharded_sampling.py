@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FAST, TINY_WORLD, run_cli
+from numerics import FP64, SAVED_REL, assert_same_rows, max_weight_diff
 from safetensors.torch import load_file
 
 ONLINE = ["data=online", "data.prompts_per_round=8", "data.n=4", "data.max_new_tokens=6"]
@@ -65,6 +66,62 @@ def test_two_fsdp_ranks_each_with_a_vllm_engine_match_one_process(tmp_path, cach
     one = _run(tmp_path, "one", common)
     two = _run(tmp_path, "two", [*common, "backend.strategy=fsdp", "backend.nproc=2", "train.checkpoint_every=0"])
     _compare(one, two)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("objective", "humanline", "strategy", "task", "units"),
+                         [("dpo", True, "fsdp", "arithmetic", [1, 1, None]), ("kto", False, "ddp", "preference", [8, 8, 8])])
+def test_two_ranks_with_the_hf_sampler_match_one_process(tmp_path, cache_dir, objective, humanline, strategy, task,
+                                                         units):
+    """Online DPO / KTO, float64, the transformers sampler in every rank (in lockstep under FSDP, where each
+    forward is a collective): each rank samples and labels 4 of the 8 prompts per round, yet the samples,
+    per-step units, losses and gradient norms (relative 1e-9), the sharded evaluation and the final weights
+    (one float32 ulp: saved in float32) equal one process's. The arithmetic world's rounds give ONE pair
+    a step (binary scores, few right answers; step 3's round none: skipped on both), so rank 1 trains
+    only weight-0 fillers; the preference world's graded scores give 8 units a step (4 per rank). GRPO
+    online on 2 ranks: test_distributed.py (DDP, HF) and the vLLM test above (FSDP + humanline)."""
+    common = [f"objective={objective}", f"+humanline={str(humanline).lower()}", *ONLINE, f"task={task}", *FP64,
+              "train.max_skipped_fraction=0.5"]
+    one = _run(tmp_path, "one", common)
+    two = _run(tmp_path, "two", [*common, f"backend.strategy={strategy}", "backend.nproc=2",
+                                 "train.checkpoint_every=0"])
+    (one_rows, one_samples, one_sum, one_w), (two_rows, two_samples, two_sum, two_w) = one, two
+    a, b = _keyed(one_samples, 4), _keyed(two_samples, 4)
+    assert len(a) == len(b) >= 16 and a == b  # every (round, prompt, sample): same prompt, completion, score
+    assert [r.get("units") for r in two_rows] == [r.get("units") for r in one_rows] == units  # nothing dropped
+    assert [r.get("skipped") for r in two_rows] == [r.get("skipped") for r in one_rows]
+    one_rows, two_rows = [r for r in one_rows if "loss" in r], [r for r in two_rows if "loss" in r]
+    assert [r.get("humanline/unclamped_fraction") is not None for r in one_rows] == [humanline] * len(one_rows)
+    assert_same_rows(one_rows, two_rows, keys=("loss", "grad_norm", "online/label_reward_mean"))
+    if "lm_head.weight" in two_w and "lm_head.weight" not in one_w:  # FSDP's full state dict spells out the tie
+        two_w.pop("lm_head.weight")
+    assert max_weight_diff(one_w, two_w) <= SAVED_REL
+    e1, e2 = one_sum["eval"], two_sum["eval"]  # sharded: each rank generated 8 of the 16 eval prompts
+    assert e2["n_prompts"] == e1["n_prompts"] == 16
+    for key in ("reward_mean", "start_reward_mean", "win_rate"):
+        assert e2[key] == pytest.approx(e1[key], rel=1e-9, abs=1e-12), key
+
+
+@pytest.mark.parametrize(("n", "rank0", "rank1"), [(5, [[0, 1], [2]], [[3, 4], "filler"]), (1, [[0]], ["filler"]),
+                                                   (8, [[0, 1], [2, 3]], [[4, 5], [6, 7]])])
+def test_every_unit_is_trained_once_and_ranks_cut_the_same_number_of_micro_batches(n, rank0, rank1):
+    """An online step's unit count need not be a multiple of the ranks: rank r takes Shard.share (the
+    first n % w ranks one more), and a shorter share pads with fillers (a copy of unit 0, flagged) so both
+    ranks run the same number of forwards; KTO partners stay the global batch's next unit."""
+    from types import SimpleNamespace
+
+    from humanline_cli.sources.source import Shard, is_filler, micro_batches
+
+    units = list(range(n))
+
+    def collate(mine, theirs):
+        assert theirs == [(u + 1) % n for u in mine]
+        return SimpleNamespace(ids=list(mine))
+
+    for rank, want in ((0, rank0), (1, rank1)):
+        got = micro_batches(units, collate, 2, Shard(rank, 2))
+        assert ["filler" if is_filler(b) else b.ids for b in got] == want
+        assert all(b.ids == [0] for b in got if is_filler(b))
 
 
 def test_the_memory_check_counts_the_vllm_share(tmp_path, monkeypatch):

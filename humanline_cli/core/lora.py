@@ -20,6 +20,7 @@ from peft.tuners.lora import LoraLayer
 
 POLICY_ADAPTER = "policy"
 REFERENCE_ADAPTER = "reference"
+_PEFT_PREFIX = "base_model.model."  # a PeftModel's state-dict keys = this + the base model's
 
 
 def apply_lora(model: torch.nn.Module, r: int, alpha: float, dropout: float,
@@ -66,21 +67,33 @@ def adapter_tensors(peft_model: torch.nn.Module, adapter: str = POLICY_ADAPTER) 
 
 @torch.no_grad()
 def merged_state_dict(peft_model: PeftModel, adapter: str = POLICY_ADAPTER) -> dict[str, torch.Tensor]:
-    """The full weights with `adapter` merged in, keyed by the base model's own parameter names.
+    """The full weights with `adapter` merged in, keyed by the base model's own parameter names
+    (`dict(merged_weights(...))`; see there). The live model is never changed (no merge/unmerge)."""
+    return dict(merged_weights(peft_model, adapter))
 
-    For a LoRA layer at prefix P: P.weight = base weight + the adapter's delta (peft's
-    `get_delta_weight`, the same sum `merge_and_unload` performs), P.bias = the base bias; the
-    adapters' own tensors (P.lora_*) are left out, whatever adapters exist. Every other entry is the
-    live tensor itself (not a copy; detach-only), so the caller must not modify them in place. The
-    live model is never changed (no merge/unmerge).
+
+@torch.no_grad()
+def merged_weights(peft_model: PeftModel, adapter: str = POLICY_ADAPTER,
+                   state: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(base name, full tensor) for every weight with `adapter` merged in, one entry at a time.
+
+    For a LoRA layer at prefix P: P.weight = base weight + the adapter's delta, transpose(B A) * (alpha / r)
+    (peft's `get_delta_weight`, the sum `merge_and_unload` performs), P.bias = the base bias; the adapters'
+    own tensors (P.lora_*) are left out, whatever adapters exist. Read from `state` (the base model's
+    state dict, e.g. a gathered full one; default: the live model's own tensors). An unsharded live entry
+    is yielded as the live tensor itself (detach-only: the caller must not modify it in place).
+
+    FSDP2 (DTensor shards): each entry is gathered with `full_tensor()` as it is consumed, the base weight
+    and the adapter's A and B together, so at most one layer's full tensors exist beside the shards; every
+    rank must consume the whole iterator (the gathers are collectives, in the same order on every rank).
     """
     base = base_model_of(peft_model)
     layers = dict(lora_layers(peft_model))
-    out: dict[str, torch.Tensor] = {}
-    for key, value in base.state_dict(keep_vars=True).items():
+    state = base.state_dict(keep_vars=True) if state is None else state
+    for key, value in state.items():
         owner = _owning_layer(key, layers)
         if owner is None:
-            out[key] = value.detach()
+            yield key, _full(value)
             continue
         prefix, layer = owner
         rest = key[len(prefix) + 1:]
@@ -88,14 +101,43 @@ def merged_state_dict(peft_model: PeftModel, adapter: str = POLICY_ADAPTER) -> d
             continue  # the adapters' own tensors (lora_A, lora_B, ... of every adapter)
         rest = rest[len("base_layer."):]
         if rest == "weight" and adapter in _adapter_names(layer):
-            out[f"{prefix}.weight"] = value.detach() + layer.get_delta_weight(adapter).to(value.dtype)
+            weight = _full(value)
+            yield f"{prefix}.weight", weight + _delta(layer, adapter, state, prefix, value).to(weight.dtype)
         else:
-            out[f"{prefix}.{rest}"] = value.detach()
-    return out
+            yield f"{prefix}.{rest}", _full(value)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor shard gathered (a collective), anything else detached as it is."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _delta(layer: LoraLayer, adapter: str, state: dict, prefix: str, weight: torch.Tensor) -> torch.Tensor:
+    """The adapter's delta for one layer. A live, unsharded layer: peft's own get_delta_weight (every
+    LoRA variant). Sharded or read from a state dict: transpose(B A, fan_in_fan_out) * scaling from the
+    full A and B, which is peft's formula for a plain (non-DoRA) LoRA Linear, the only kind checked here."""
+    a_key, b_key = f"{prefix}.lora_A.{adapter}.weight", f"{prefix}.lora_B.{adapter}.weight"
+    live = state.get(a_key) is _live_param(layer, "lora_A", adapter) and not hasattr(weight, "full_tensor")
+    if live:
+        return layer.get_delta_weight(adapter)
+    if a_key not in state or b_key not in state or layer.use_dora.get(adapter, False):
+        raise NotImplementedError(f"merging the LoRA adapter of {prefix} ({type(layer).__name__}) from sharded or "
+                                  f"saved tensors: only plain LoRA Linear layers (no DoRA, no embeddings) are supported")
+    from peft.utils.other import transpose
+
+    b, a = _full(state[b_key]), _full(state[a_key])
+    return transpose(b @ a, layer.fan_in_fan_out) * layer.scaling[adapter]
+
+
+def _live_param(layer: LoraLayer, attr: str, adapter: str):
+    container = getattr(layer, attr, None)
+    item = container[adapter] if container is not None and adapter in container else None
+    return getattr(item, "weight", None)
 
 
 def save_merged(peft_model: PeftModel, tokenizer, dest: str | Path, save_adapter: bool = True,
-                adapter: str = POLICY_ADAPTER) -> Path:
+                adapter: str = POLICY_ADAPTER, state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write a plain transformers model dir (config + safetensors + tokenizer) with `adapter` merged in.
 
     The result loads with `AutoModelForCausalLM.from_pretrained(dest, use_safetensors=True)` like any
@@ -103,6 +145,10 @@ def save_merged(peft_model: PeftModel, tokenizer, dest: str | Path, save_adapter
     device and filled with `merged_state_dict` (no second copy of the live model, which is not
     changed). With `save_adapter`, the adapter alone also goes to dest/adapter/<adapter name>/ (peft
     puts a non-"default" adapter in a subfolder named after it). Writes to dest.tmp, then renames.
+
+    `state`: the peft model's full state dict (its own keys, `base_model.model.` + the base model's),
+    when the live model is FSDP2-sharded: gathered by the caller (torch.distributed.checkpoint's
+    get_model_state_dict(full_state_dict=True)), merged and saved from there.
     """
     from transformers import AutoModelForCausalLM
 
@@ -110,11 +156,12 @@ def save_merged(peft_model: PeftModel, tokenizer, dest: str | Path, save_adapter
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     base = base_model_of(peft_model)
-    state = {k: v.to("cpu") for k, v in merged_state_dict(peft_model, adapter).items()}
+    base_state = None if state is None else {k.removeprefix(_PEFT_PREFIX): v for k, v in state.items()}
+    merged = {k: v.to("cpu") for k, v in merged_weights(peft_model, adapter, base_state)}
     config = copy.deepcopy(base.config)
     with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(config)
-    plain.load_state_dict(state, strict=True, assign=True)
+    plain.load_state_dict(merged, strict=True, assign=True)
     plain.tie_weights()  # assign=True replaced tied Parameters by two tensors; tie them again
     if getattr(base, "generation_config", None) is not None:
         plain.generation_config = copy.deepcopy(base.generation_config)
@@ -122,7 +169,8 @@ def save_merged(peft_model: PeftModel, tokenizer, dest: str | Path, save_adapter
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if save_adapter:
-        peft_model.save_pretrained(tmp / "adapter", selected_adapters=[adapter], safe_serialization=True)
+        peft_model.save_pretrained(tmp / "adapter", selected_adapters=[adapter], safe_serialization=True,
+                                   **({"state_dict": state} if state is not None else {}))
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
     return dest

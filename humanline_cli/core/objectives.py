@@ -21,17 +21,22 @@ def _logratios(policy, reference, seqs, grad: bool = True):
     return pol - ref, completion_mask(seqs), pol
 
 
-def step_z0(objective_cfg, policy, reference, micro_batches, hl: HumanlineSpec, reduce_sum=None) -> torch.Tensor | None:
+def step_z0(objective_cfg, policy, reference, micro_batches, hl: HumanlineSpec, reduce_sum=None,
+            fillers: list[bool] | None = None) -> torch.Tensor | None:
     """KTO's z0 for a whole optimizer step: max(0, mean r(x_i, y_partner(i))) over every mismatched
     pair of every micro-batch on every rank (`reduce_sum` sums a tensor across ranks), without
     gradient and with the humanline clamp. So z0, like the loss, does not depend on how the global
-    batch is split into micro-batches or processes. None for DPO/GRPO."""
+    batch is split into micro-batches or processes. None for DPO/GRPO. `fillers[i]`: micro-batch i only
+    pads a rank's share (sources.source.micro_batches): its forward runs (a collective under FSDP), its
+    pairs are not counted."""
     if objective_cfg.name != "kto":
         return None
     total = torch.zeros(2, dtype=torch.float64)
-    for mb in micro_batches:
+    for i, mb in enumerate(micro_batches):
         kl_logratio, kl_mask, _ = _logratios(policy, reference, mb.kl_seqs, grad=False)
         r = masked_sum(clamp_logratios(kl_logratio, hl), kl_mask)
+        if fillers is not None and fillers[i]:
+            continue
         total += torch.stack([r.sum().double().cpu(), torch.tensor(float(len(r)), dtype=torch.float64)])
     if reduce_sum is not None:
         total = reduce_sum(total)

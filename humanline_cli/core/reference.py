@@ -149,6 +149,8 @@ class AdapterReference:
             target = target.module
         if target is not self.model:
             raise ValueError("AdapterReference.sync: `policy` is not the peft model this reference lives in")
+        if hasattr(self.model, "reshard"):  # FSDP2: copy shard to shard, never a gathered (unsharded) root
+            self.model.reshard()
         src, dst = self._tensors(POLICY_ADAPTER), self._tensors(REFERENCE_ADAPTER)
         if src.keys() != dst.keys():
             raise RuntimeError("policy and reference adapters do not have the same tensors")

@@ -249,13 +249,14 @@ class VLLMSampler:
 def policy_weights(policy):
     """(checkpoint name, full tensor) pairs of the policy's current weights, one at a time.
 
-    A peft LoRA policy: its merged weights under the base model's names (core.lora.merged_state_dict).
+    A peft LoRA policy: its merged weights under the base model's names (core.lora.merged_weights; an
+    FSDP2-sharded one gathers each base weight with its adapter's A and B as it is consumed).
     An FSDP2-sharded policy: each DTensor parameter gathered with full_tensor() as it is consumed, so
     at most one full parameter exists beside the shards. Anything else: its parameters as they are."""
-    if hasattr(policy, "get_base_model"):  # peft
-        from humanline_cli.core.lora import merged_state_dict
+    if hasattr(policy, "get_base_model"):  # peft (under FSDP2: gathered layer by layer, as it is consumed)
+        from humanline_cli.core.lora import merged_weights
 
-        yield from merged_state_dict(policy).items()
+        yield from merged_weights(policy)
         return
     for name, p in policy.named_parameters():
         t = p.detach()

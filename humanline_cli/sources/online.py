@@ -150,10 +150,7 @@ class OnlineSource:
             new_round = True
             if not self._queue:  # every prompt dropped by the threshold: log and skip this step
                 return StepData([], new_round=True, info={**self._round_info, "online/skipped_round": 1})
-        units = self._queue.pop(0)
-        if len(units) < self.shard.world_size:  # too few left for every rank: the round ends here
-            self._queue = []
-            return self.next_step(step)
+        units = self._queue.pop(0)  # any count: ranks with a shorter share pad with fillers (micro_batches)
         return StepData(micro_batches(units, self.collate, self.micro, self.shard, self.length), new_round=new_round,
                         info=dict(self._round_info),
                         round_tokens_per_step=self._round_info.get("online/round_tokens_per_step"))

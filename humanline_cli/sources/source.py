@@ -62,20 +62,22 @@ class Shard:
 
 
 def micro_batches(units: list, collate, micro: int, shard: Shard = Shard(), length=None) -> list:
-    """A global batch of units -> this rank's micro-batches. Rank r takes the r-th contiguous
-    block of len(units) // world_size units (every rank the same count, so collectives stay in
-    lockstep; an online round's last step drops at most world_size - 1 units). KTO partners (the
-    completion each prompt is mismatched with for z0) are the next unit of the GLOBAL batch, so z0
-    does not depend on how the batch is split into micro-batches or ranks.
+    """A global batch of units -> this rank's micro-batches. Rank r takes the r-th contiguous block
+    (Shard.share: the first len(units) % world_size ranks one unit more), so every unit is trained
+    once, as in one process. Every rank cuts the same number of micro-batches, ceil(ceil(n / w) / micro),
+    so collectives (FSDP's gathers, DDP's gradient reduce) stay in lockstep: a rank whose share is
+    shorter (an online round with fewer units, or a remainder, not a multiple of the ranks) pads with
+    FILLER micro-batches (one copy of unit 0, `batch.filler = True`) that the trainer runs with weight 0.
+    KTO partners (the completion each prompt is mismatched with for z0) are the next unit of the GLOBAL
+    batch, so z0 does not depend on how the batch is split into micro-batches or ranks.
 
     `length` (unit -> tokens; train.length_bucketing): this rank's share is sorted by it, longest first
     (stable, so deterministic), before it is cut, each unit keeping its partner; micro-batches of similar
     lengths carry less padding. The step's loss and gradient do not depend on the order (each micro-batch
     is weighted by its share of the step), only their float32 summation order does."""
-    per = len(units) // shard.world_size
-    start = shard.rank * per
+    share = shard.share(len(units))
     partners = units[1:] + units[:1]
-    mine, theirs = units[start:start + per], partners[start:start + per]
+    mine, theirs = [units[i] for i in share], [partners[i] for i in share]
     if length is not None:
         order = sorted(range(len(mine)), key=lambda i: -length(mine[i]))
         mine, theirs = [mine[i] for i in order], [theirs[i] for i in order]
@@ -85,4 +87,14 @@ def micro_batches(units: list, collate, micro: int, shard: Shard = Shard(), leng
         with contextlib.suppress(AttributeError):  # its units, named if its loss is not finite (trainer)
             batch.units = mine[i:i + micro]
         out.append(batch)
+    most = -(-len(units) // shard.world_size)  # the longest share
+    while len(out) < -(-most // micro):  # same count on every rank: pad with weight-0 fillers
+        batch = collate(units[:1], partners[:1])
+        batch.filler = True
+        out.append(batch)
     return out
+
+
+def is_filler(batch) -> bool:
+    """A padding micro-batch (micro_batches): it runs the collectives, it trains nothing (weight 0)."""
+    return getattr(batch, "filler", False)

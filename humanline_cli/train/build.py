@@ -342,6 +342,7 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         prepare_world(spec)
     if dist.enabled and dist.is_main:
         all_agree(True, dist)
+    seed_everything(spec.seed)  # a world built just now drew from the RNGs: LoRA's init must not depend on it
     model_path, tok_path = model_paths(spec)
     check_model_lengths(spec, model_path)  # config.json only: before any data or weight loads
     memory = memory_estimate(spec, model_path, backend.device)

@@ -249,8 +249,9 @@ def save_model(parts, dest: Path, dtype: torch.dtype = torch.float32) -> None:
     try:
         if hasattr(parts.policy, "peft_config"):  # LoRA: a plain merged model (+ the adapter) that eval/vLLM load
             from humanline_cli.core.lora import save_merged
+            from humanline_cli.train.fsdp_checkpoint import is_sharded
 
-            save_merged(parts.policy, parts.tokenizer, tmp)
+            save_merged(parts.policy, parts.tokenizer, tmp, state=state if is_sharded(parts) else None)
         else:
             parts.policy.save_pretrained(tmp, safe_serialization=True, state_dict=state)
             if (tmp / "config.json").is_file():

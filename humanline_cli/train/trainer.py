@@ -20,6 +20,7 @@ from humanline_cli.core.optim import make_optimizer, make_scheduler
 from humanline_cli.core.reference import reference_moves
 from humanline_cli.errors import Preempted, RunFailed
 from humanline_cli.eval.evaluator import flat_metrics
+from humanline_cli.sources.source import is_filler
 from humanline_cli.train.build import Parts
 from humanline_cli.train.checkpoint import Checkpoints
 from humanline_cli.train.failures import Fault, PeerFailed
@@ -157,13 +158,15 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
                 rows = []
                 mbs = [to_device(mb, parts.backend.device) for mb in data.micro_batches]
                 # each micro-batch's mean loss weighted by its share of the GLOBAL batch's units or
-                # tokens (times world_size: DDP/FSDP average gradients over ranks)
-                counts = [loss_count(objective_cfg, mb) for mb in mbs]
+                # tokens (times world_size: DDP/FSDP average gradients over ranks); a filler (padding a
+                # rank's shorter share, so collectives stay in lockstep) runs with weight 0
+                fillers = [is_filler(mb) for mb in data.micro_batches]
+                counts = [0.0 if f else loss_count(objective_cfg, mb) for mb, f in zip(mbs, fillers)]
                 total = torch.tensor([sum(counts)], dtype=torch.float64)
                 total = float(reduce_sum(total)[0]) if reduce_sum else float(total[0])
                 weights = micro_batch_weights(objective_cfg, counts, total, dist.world_size, data.round_tokens_per_step)
                 with parts.backend.autocast():
-                    z0 = step_z0(objective_cfg, policy, reference, mbs, spec.humanline, reduce_sum)
+                    z0 = step_z0(objective_cfg, policy, reference, mbs, spec.humanline, reduce_sum, fillers)
                 for i, mb in enumerate(mbs):
                     with _grad_sync(model, i, len(mbs)):
                         with parts.backend.autocast():
@@ -182,6 +185,10 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
                     m["loss"] = float(loss.detach())
                     m["_units"] = n_units(mb)
                     m["_weight"] = counts[i]
+                    if fillers[i]:  # counts nothing: summed counts and the histogram zeroed, weight 0 for the rest
+                        m.update({k: 0.0 for k in SUMMED if k in m})
+                        if "_logratio_hist" in m:
+                            m["_logratio_hist"] = [0] * len(m["_logratio_hist"])
                     rows.append(m)
                 grad_norm = clip_grad_norm(params, tr.max_grad_norm, dist)
                 if not math.isfinite(grad_norm):
