@@ -26,7 +26,7 @@ import torch
 from humanline_cli.errors import RunFailed
 from humanline_cli.sampling.sampler import Completions, SamplingParams
 
-FAULT_ENV = "HUMANLINE_TEST_SAMPLER_FAULT"  # tests only: "kill@R" / "raise@R" in the child at round R
+FAULT_ENV = "HUMANLINE_TEST_SAMPLER_FAULT"  # tests only: "kill@R" / "raise@R" / "hang@R" in the child at round R
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,7 @@ class SamplerProcess:
             if kind == "ready":
                 self._ready = True
                 start_s = time.perf_counter() - t
+                deadline = time.perf_counter() + self.timeout_s  # the round's own time starts now
                 continue
             out, sample_s, idle_s = payload
             self._held.pop(k, None)
@@ -193,6 +194,8 @@ def _child(spec: ChildSpec, requests, results) -> None:
         idle = time.perf_counter() - idle_from if idle_from is not None else 0.0
         if fault == f"kill@{key}":
             os.kill(os.getpid(), signal.SIGKILL)
+        while fault == f"hang@{key}":
+            time.sleep(1.0)  # alive and silent: the parent's timeout must end the run
         t = time.perf_counter()
         try:
             if fault == f"raise@{key}":

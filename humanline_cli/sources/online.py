@@ -161,8 +161,7 @@ class OnlineSource:
         rows = [self.rows[i] for i in job["prompts"]]
         out = self._collect(self.round)
         groups = self._label_share(rows, list(range(len(rows))), out, self.params.n)
-        return rows, groups, {"online/policy_version": job["version"],
-                              "online/staleness_steps": self._steps_done - job["version"]}
+        return rows, groups, {"online/policy_version": job["version"]}
 
     def _run_round(self) -> None:
         self.round += 1
@@ -215,8 +214,11 @@ class OnlineSource:
         if len(units) < self.shard.world_size:  # too few left for every rank: the round ends here
             self._queue = []
             return self.next_step(step)
+        info = dict(self._round_info)
+        if self.lag:  # optimizer steps between the weights that sampled this step's units and the live ones
+            info["online/staleness_steps"] = self._steps_done - info["online/policy_version"]
         return StepData(micro_batches(units, self.collate, self.micro, self.shard, self.length), new_round=new_round,
-                        info=dict(self._round_info))
+                        info=info)
 
     def state_dict(self) -> dict:
         """Where the rounds stand: round and epoch, what is left of the prompt order, the current round's
