@@ -26,6 +26,7 @@ import torch
 from humanline_cli.errors import RunFailed
 from humanline_cli.sampling.sampler import Completions, SamplingParams
 
+START_TIMEOUT_S = 600.0  # the child's start (imports, model load) may take minutes for a large model
 FAULT_ENV = "HUMANLINE_TEST_SAMPLER_FAULT"  # tests only: "kill@R" / "raise@R" / "hang@R" in the child at round R
 
 
@@ -42,9 +43,40 @@ class RoundTiming:
     sampler_start_s: float = 0.0
 
 
-def snapshot(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A private CPU copy of the policy's weights: later optimizer steps do not change it."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in policy.state_dict().items()}
+@dataclass(frozen=True)
+class Snapshot:
+    """A private CPU copy of the policy's weights, packed into one flat buffer per dtype (so sending it to
+    the child moves one shared-memory segment per dtype, not one file descriptor per tensor)."""
+
+    buffers: dict[str, torch.Tensor]                      # dtype name -> 1-D tensor
+    index: tuple[tuple[str, str, int, tuple[int, ...]], ...]  # (name, dtype name, offset, shape)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Views into the buffers, by the policy's state_dict names."""
+        return {name: self.buffers[dt][off:off + _numel(shape)].view(shape) for name, dt, off, shape in self.index}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def snapshot(policy: torch.nn.Module) -> Snapshot:
+    """The policy's weights now; later optimizer steps do not change the copy."""
+    state = {k: v.detach() for k, v in policy.state_dict().items()}
+    sizes: dict[str, int] = {}
+    index = []
+    for name, t in state.items():
+        dt = str(t.dtype).removeprefix("torch.")
+        index.append((name, dt, sizes.get(dt, 0), tuple(t.shape)))
+        sizes[dt] = sizes.get(dt, 0) + t.numel()
+    dtypes = {str(t.dtype).removeprefix("torch."): t.dtype for t in state.values()}
+    buffers = {dt: torch.empty(n, dtype=dtypes[dt]) for dt, n in sizes.items()}
+    for (_, dt, off, _), t in zip(index, state.values()):
+        buffers[dt][off:off + t.numel()].copy_(t.reshape(-1))
+    return Snapshot(buffers, tuple(index))
 
 
 class InlineRounds:
@@ -55,13 +87,13 @@ class InlineRounds:
         self.sampler, self.model = sampler, model
         self._jobs: dict[int, tuple] = {}
 
-    def submit(self, key: int, weights: dict, prompt_ids: list[list[int]], params: SamplingParams) -> None:
+    def submit(self, key: int, weights: Snapshot, prompt_ids: list[list[int]], params: SamplingParams) -> None:
         self._jobs[key] = (weights, prompt_ids, params)
 
     def result(self, key: int) -> tuple[Completions, RoundTiming]:
         weights, prompt_ids, params = self._jobs.pop(key)
         t = time.perf_counter()
-        self.model.load_state_dict(weights)
+        self.model.load_state_dict(weights.state_dict())
         out = self.sampler.generate(prompt_ids, params)
         return out, RoundTiming(sample_s=time.perf_counter() - t)
 
@@ -88,14 +120,14 @@ class SamplerProcess:
         ctx = mp.get_context("spawn")
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self._requests, self._results = ctx.Queue(), ctx.Queue()
-        self._held: dict[int, dict] = {}  # each in-flight round's snapshot, alive until its result arrives
+        self._held: dict[int, Snapshot] = {}  # each in-flight round's snapshot, alive until its result arrives
         self._done: dict[int, tuple[Completions, RoundTiming]] = {}
         self._ready = False
         self.proc = ctx.Process(target=_child, args=(spec, self._requests, self._results), daemon=True,
                                 name="humanline-sampler")
         self.proc.start()
 
-    def submit(self, key: int, weights: dict, prompt_ids: list[list[int]], params: SamplingParams) -> None:
+    def submit(self, key: int, weights: Snapshot, prompt_ids: list[list[int]], params: SamplingParams) -> None:
         self._check_alive(f"before round {key}")
         self._held[key] = weights
         self._requests.put((key, weights, prompt_ids, params))
@@ -103,7 +135,7 @@ class SamplerProcess:
     def result(self, key: int) -> tuple[Completions, RoundTiming]:
         """Block (timed: wait_for_sample) until round `key` is sampled."""
         t = time.perf_counter()
-        deadline = t + self.timeout_s
+        deadline = t + (self.timeout_s if self._ready else max(self.timeout_s, START_TIMEOUT_S))
         start_s = 0.0
         while key not in self._done:
             try:
@@ -111,6 +143,9 @@ class SamplerProcess:
             except queue.Empty:
                 self._check_alive(f"while sampling round {key}")
                 if time.perf_counter() > deadline:
+                    if not self._ready:
+                        raise RunFailed(f"the sampler process did not start within "
+                                        f"{max(self.timeout_s, START_TIMEOUT_S):g}s") from None
                     raise RunFailed(f"the sampler process gave no round {key} within sampler.timeout_s="
                                     f"{self.timeout_s:g}s (raise it for slow sampling)") from None
                 continue
@@ -132,14 +167,16 @@ class SamplerProcess:
         if not self.proc.is_alive():
             code = self.proc.exitcode
             how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            raise RunFailed(f"the sampler process died ({how}) {when}")
+            busy = [k for k in sorted(self._held) if k not in self._done]  # sent, not returned: it died on the first
+            raise RunFailed(f"the sampler process died ({how}) " + (f"while sampling round {busy[0]}" if busy else when))
 
     def close(self) -> None:
-        """Ask the child to stop; a child that does not within 10 s is killed. Never blocks longer."""
+        """Ask the child to stop; a child that has not within 2 s is killed (what it holds is lost
+        anyway: the checkpoint has the rounds it needs). Never blocks longer."""
         if self.proc.is_alive():
             with contextlib.suppress(Exception):
                 self._requests.put(None)
-            self.proc.join(timeout=10)
+            self.proc.join(timeout=2)  # a child mid-round finishes it first: not worth waiting for
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(timeout=5)
@@ -200,7 +237,7 @@ def _child(spec: ChildSpec, requests, results) -> None:
         try:
             if fault == f"raise@{key}":
                 raise RuntimeError(f"injected sampler fault at round {key}")
-            model.load_state_dict(weights)
+            model.load_state_dict(weights.state_dict())
             del weights
             out = sampler.generate(prompt_ids, params)
         except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
