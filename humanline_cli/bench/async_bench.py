@@ -119,14 +119,14 @@ def print_async(res: dict, console) -> None:
 
     t = Table(title=f"humanline bench async: {res['objective']} on {res['task']}, {res['threads']} training "
                     f"thread(s) + the sampler process's, rounds 2..{res['rounds']} timed (a round = one step)")
-    for col in ("run", "s/round", "rounds/s", "sample s/round", "train s/round", "wait_for_sample s/round"):
-        t.add_column(col, justify="left" if col == "run" else "right")
+    for col in ("data.async_lag", "s/round", "rounds/s", "sample s/round", "train s/round", "wait s/round"):
+        t.add_column(col, justify="left" if col == "data.async_lag" else "right")
     for lag in (0, 1):
         r = res[f"lag{lag}"]
         per = r["phase_s_per_round"]
-        t.add_row(f"data.async_lag={lag}", f"{r['round_s']:.3f}", f"{r['rounds_per_s']:.3f}",
+        t.add_row(f"lag {lag}", f"{r['round_s']:.3f}", f"{r['rounds_per_s']:.3f}",
                   f"{sum(per.get(k, 0.0) for k in SAMPLE_PHASES):.3f}",
                   f"{sum(per.get(k, 0.0) for k in TRAIN_PHASES):.3f}", f"{per.get('wait_for_sample', 0.0):.3f}")
-    t.add_row("bound max(sample, train)", f"{res['bound_round_s']:.3f}", f"{1 / res['bound_round_s']:.3f}", "", "", "")
+    t.add_row("bound", f"{res['bound_round_s']:.3f}", f"{1 / res['bound_round_s']:.3f}", "", "", "")
     console.print(t)
     console.print(f"lag 1 / bound: {res['lag1_over_bound']:.3f}x; lag 0 / lag 1 (speed-up): {res['speedup']:.3f}x")
