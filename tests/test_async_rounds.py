@@ -131,7 +131,7 @@ def _gone(pid: int, within: float) -> bool:
 def test_kill9_mid_round_then_resume_equals_uninterrupted(cache_dir, tmp_path):
     """KTO + humanline, lag 1, rounds of 2 steps, checkpoints every 3 steps: killed after step 4 (mid-round,
     a round in flight in the sampler process), the rerun resumes from step 3 and ends identical."""
-    args = ["train", *BASE, "objective=kto", "+humanline=true", *ONLINE, "data.async_lag=1", "train.steps=8",
+    args = ["train", *BASE, "objective=kto", "+humanline=true", *ONLINE, "data.async_lag=1", "train.steps=6",
             "train.checkpoint_every=3"]
     straight_dir, cut_dir = tmp_path / "straight", tmp_path / "cut"
     straight = _spawn([*args, f"hydra.run.dir={straight_dir}"], tmp_path / "straight.log")
