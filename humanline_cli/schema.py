@@ -118,6 +118,11 @@ class DataConfig:
     # samples K x batch_size / (units per prompt: 2 for kto, else 1) prompts, overriding prompts_per_round.
     # None: prompts_per_round decides (64 prompts at batch 32 = a round every 2 steps for dpo/grpo)
     generate_every: Optional[int] = None
+    # asynchronous rounds (online): round r + L is sampled, from the weights at the start of round r, while
+    # round r trains (L rounds stale; 0: synchronous, today's online exactly). process: the sampler in a child
+    # process (the overlap); inline: the same stale rounds sampled in this process, one after the other
+    async_lag: int = 0
+    async_worker: str = "process"
     n: int = 8                       # samples per prompt (paper: 8)
     temperature: float = 1.0         # the bundled world needs T=1 for diverse groups (paper: 0.7)
     top_p: float = 1.0               # paper: 0.95

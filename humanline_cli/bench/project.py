@@ -11,6 +11,8 @@ model=..., backend=cuda, train.max_length=..., train.micro_batch_size=..., hl.sy
     threads=        torch CPU threads (torch's default)    trl=auto     auto | true | false
     cache=true      also time the cached-reference step (and TRL's precompute_ref_log_probs for DPO/KTO)
     sampler=false   also time HF generate vs vLLM          prompts=64   prompts for the sampler timing
+    async_rounds=0  N > 0: instead, online rounds/s at data.async_lag=0 vs 1 over N rounds, against the
+                    bound max(sample, train) per round (bench/async_bench.py)
     out=runs/bench/<objective>-<time>.json
 
 Systems run interleaved (project, project+humanline, TRL, project, ...) so a shared machine's drift
@@ -47,7 +49,7 @@ from humanline_cli.errors import UserError
 
 UNIT = {"dpo": "pairs", "kto": "examples", "grpo": "groups"}
 DEFAULTS = {"steps": 20, "warmup": 2, "repeats": 2, "batch_size": None, "threads": None, "trl": "auto",
-            "cache": True, "sampler": False, "prompts": 64, "out": None}
+            "cache": True, "sampler": False, "prompts": 64, "out": None, "async_rounds": 0}
 GRPO_NOTE = ("TRL's GRPOTrainer only trains on its own generations (no offline groups): its row times "
              "GRPOTrainer.compute_loss on the same fixed groups (reference forward, loss, backward, clip, AdamW "
              "step in the bench's loop), not GRPOTrainer.train")
@@ -331,6 +333,20 @@ def _versions() -> dict:
     return out
 
 
+def _main_async(opts: dict, overrides: list[str], console) -> int:
+    from humanline_cli.bench.async_bench import async_bench, print_async
+
+    if opts["threads"]:
+        overrides = [*overrides, f"threads={opts['threads']}"]
+    res = async_bench(overrides, opts["async_rounds"], console)
+    out = Path(opts["out"] or f"runs/bench/async-{res['objective']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print_async(res, console)
+    console.print(f"wrote {out}")
+    return 0
+
+
 def main_bench(args: list[str]) -> int:
     from rich.console import Console
 
@@ -340,6 +356,8 @@ def main_bench(args: list[str]) -> int:
     console = Console()
     try:
         opts, overrides = parse_args(args)
+        if opts["async_rounds"]:
+            return _main_async(opts, overrides, console)
         res = run_bench(opts, overrides, console)
     except UserError as e:
         print(f"humanline: error: {e}", file=sys.stderr)

@@ -9,6 +9,13 @@ StepData as the offline source.
 Under DDP/FSDP each rank samples and labels only its share of the round's prompts (Shard.share), with
 per-completion seeds from (seed, round, prompt index, sample index); the shares are then gathered in
 prompt order, so every rank holds exactly the one-process round and builds the same units from it.
+
+Asynchronous rounds (data.async_lag = L > 0, one process): a `producer` (sampling/rounds_worker.py)
+samples each round from a snapshot of the weights taken L rounds before it trains: at the start of round
+r the source submits round r + L with the current weights (round 1 submits rounds 1..1+L, all from the
+starting weights) and collects round r, sampled meanwhile. Each round's info carries the optimizer step
+of the weights that sampled it (online/policy_version) and its staleness in steps. A checkpoint holds the
+in-flight rounds' completions (it waits for them), so a resumed run trains on exactly the same samples.
 """
 from __future__ import annotations
 
@@ -21,7 +28,8 @@ from pathlib import Path
 from humanline_cli.core.feedback import ScoredGroup
 from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample, units_from_group
 from humanline_cli.rewards.scorers import checked
-from humanline_cli.sampling.sampler import SamplingParams
+from humanline_cli.sampling.rounds_worker import snapshot
+from humanline_cli.sampling.sampler import Completions, SamplingParams
 from humanline_cli.sources.source import Shard, StepData, micro_batches
 
 
@@ -49,8 +57,14 @@ class RoundSpec:
 
 class OnlineSource:
     def __init__(self, rows, encoder, collate, sampler, labeller, spec: RoundSpec, timer, policy,
-                 samples_path: Path | None = None, shard: Shard = Shard(), length=None):
+                 samples_path: Path | None = None, shard: Shard = Shard(), length=None, lag: int = 0,
+                 producer=None):
         self.shard = shard
+        # asynchronous rounds: `lag` rounds stale, sampled by `producer` (InlineRounds or SamplerProcess)
+        self.lag, self.producer = lag, producer
+        self._pending: dict[int, dict] = {}   # submitted rounds: their prompt indices and policy version
+        self._done: dict[int, Completions] = {}  # rounds already collected from the producer (a checkpoint's)
+        self._steps_done = 0                  # optimizer steps behind the live weights (the policy version)
         self.length = length  # unit -> tokens: length bucketing in micro_batches (None: off)
         self.rows, self.encoder, self.collate = rows, encoder, collate
         self.sampler, (self.labeller_name, self.labeller) = sampler, labeller
@@ -73,13 +87,16 @@ class OnlineSource:
                 f"sampler {type(self.sampler).__name__}, labeller {self.labeller_name}")
 
     def _next_prompts(self) -> list[dict]:
+        return [self.rows[i] for i in self._next_prompt_indices()]
+
+    def _next_prompt_indices(self) -> list[int]:
         out = []
         while len(out) < self.ppr:
             if not self._order:  # each prompt once per epoch, reshuffled per epoch
                 self._order = list(range(len(self.rows)))
                 self.rng.shuffle(self._order)
                 self.epoch += 1
-            out.append(self.rows[self._order.pop()])
+            out.append(self._order.pop())
         return out
 
     def _sample_share(self, rows: list[dict], params: SamplingParams) -> list[tuple]:
@@ -92,6 +109,10 @@ class OnlineSource:
             t = time.perf_counter()
             out = self.sampler.generate([self.encoder.prompt_ids(p) for p in prompts], params, indices=mine)
             self._sample_seconds += time.perf_counter() - t
+        return self._label_share(rows, mine, out, n)
+
+    def _label_share(self, rows: list[dict], mine: list[int], out: Completions, n: int) -> list[tuple]:
+        prompts = [rows[i]["prompt"] for i in mine]
         with self.timer.phase("label"):
             texts = [self.encoder.prompt_text(p) for p in prompts for _ in range(n)]
             answers = [rows[i].get("answer") for i in mine for _ in range(n)] if "answer" in rows[0] else None
@@ -103,16 +124,58 @@ class OnlineSource:
             raise RuntimeError("the ranks' shares of the round do not cover its prompts exactly once")
         return [g[1:] for g in groups]
 
+    def _round_params(self, round_no: int) -> SamplingParams:
+        return SamplingParams(**{**vars(self.params), "seed": self.seed * 100003 + round_no})
+
+    def _submit(self, round_no: int, weights: dict) -> None:
+        """Asynchronous rounds: draw round `round_no`'s prompts now and hand them to the producer with
+        `weights` (the snapshot that must sample them)."""
+        idx = self._next_prompt_indices()
+        prompt_ids = [self.encoder.prompt_ids(self.rows[i]["prompt"]) for i in idx]
+        self.producer.submit(round_no, weights, prompt_ids, self._round_params(round_no))
+        self._pending[round_no] = {"prompts": idx, "version": self._steps_done}
+
+    def _collect(self, round_no: int) -> Completions:
+        if round_no in self._done:
+            return self._done.pop(round_no)
+        out, timing = self.producer.result(round_no)
+        self.timer.add("sample", timing.sample_s)  # in a child process: overlapped with training
+        self.timer.add("wait_for_sample", timing.wait_for_sample_s)
+        self.timer.add("wait_for_trainer", timing.wait_for_trainer_s)
+        if timing.sampler_start_s:
+            self.timer.add("sampler_start", timing.sampler_start_s)
+        self._sample_seconds += timing.sample_s
+        return out
+
+    def _lagged_round(self) -> tuple[list[dict], list[tuple], dict]:
+        """Round `self.round` of an asynchronous run: keep rounds up to round + lag submitted (never
+        more: the queue is bounded), then collect this one."""
+        weights = None
+        for r in range(self.round, self.round + self.lag + 1):
+            if r not in self._pending:
+                if weights is None:
+                    with self.timer.phase("push"):
+                        weights = snapshot(self.policy)
+                self._submit(r, weights)
+        job = self._pending.pop(self.round)
+        rows = [self.rows[i] for i in job["prompts"]]
+        out = self._collect(self.round)
+        groups = self._label_share(rows, list(range(len(rows))), out, self.params.n)
+        return rows, groups, {"online/policy_version": job["version"]}
+
     def _run_round(self) -> None:
         self.round += 1
-        rows = self._next_prompts()
+        extra: dict = {}
+        if self.lag:
+            rows, groups, extra = self._lagged_round()
+        else:
+            rows = self._next_prompts()
+            with self.timer.phase("push"):
+                self.sampler.push_weights(self.policy)
+            groups = self._sample_share(rows, self._round_params(self.round))
+            self.sampler.sleep()  # the round is sampled: its engine's GPU memory goes to training until the next push
         prompts = [r["prompt"] for r in rows]
-        with self.timer.phase("push"):
-            self.sampler.push_weights(self.policy)
-        params = SamplingParams(**{**vars(self.params), "seed": self.seed * 100003 + self.round})
-        groups = self._sample_share(rows, params)
-        self.sampler.sleep()  # the round is sampled: its engine's GPU memory goes to training until the next push
-        n = params.n
+        n = self.params.n
         out_ids = [ids for g in groups for ids in g[0]]
         out_texts = [t for g in groups for t in g[1]]
         out_logps = [lp for g in groups for lp in g[2]]
@@ -136,14 +199,16 @@ class OnlineSource:
                             "online/label_reward_mean": sum(scores) / len(scores),
                             "online/dropped_prompts": dropped, "online/units": len(units),
                             "online/empty_completions": sum(1 for t in out_texts if not t.strip()),
-                            "online/round_tokens_per_step": per_step}
+                            "online/round_tokens_per_step": per_step, **extra}
+        version = {"policy_version": extra["online/policy_version"]} if extra else {}
         if self.samples_path is not None:
             with open(self.samples_path, "a") as f:
                 for k, text in enumerate(out_texts):
                     f.write(json.dumps({"round": self.round, "prompt": texts[k], "completion": text,
-                                        "score": scores[k]}) + "\n")
+                                        "score": scores[k], **version}) + "\n")
 
     def next_step(self, step: int) -> StepData:
+        self._steps_done = step - 1
         new_round = False
         if not self._queue:
             self._run_round()
@@ -151,9 +216,11 @@ class OnlineSource:
             if not self._queue:  # every prompt dropped by the threshold: log and skip this step
                 return StepData([], new_round=True, info={**self._round_info, "online/skipped_round": 1})
         units = self._queue.pop(0)  # any count: ranks with a shorter share pad with fillers (micro_batches)
+        info = dict(self._round_info)
+        if self.lag:  # optimizer steps between the weights that sampled this step's units and the live ones
+            info["online/staleness_steps"] = self._steps_done - info["online/policy_version"]
         return StepData(micro_batches(units, self.collate, self.micro, self.shard, self.length), new_round=new_round,
-                        info=dict(self._round_info),
-                        round_tokens_per_step=self._round_info.get("online/round_tokens_per_step"))
+                        info=info, round_tokens_per_step=self._round_info.get("online/round_tokens_per_step"))
 
     def state_dict(self) -> dict:
         """Where the rounds stand: round and epoch, what is left of the prompt order, the current round's
@@ -161,10 +228,17 @@ class OnlineSource:
         checkpoint writes them as JSON), its info, the shuffle RNG and the sampling counters. The
         sampler's seed is derived from the round (seed * 100003 + round; each completion's from that, its
         prompt's index in the round and its sample index), so the round restores it."""
-        return {"n_prompts": len(self.rows), "round": self.round, "epoch": self.epoch, "order": list(self._order),
-                "queue": [list(batch) for batch in self._queue], "round_info": dict(self._round_info),
-                "rng": self.rng.getstate(), "sample_tokens": self._sample_tokens,
-                "sample_seconds": self._sample_seconds}
+        state = {"n_prompts": len(self.rows), "round": self.round, "epoch": self.epoch, "order": list(self._order),
+                 "queue": [list(batch) for batch in self._queue], "round_info": dict(self._round_info),
+                 "rng": self.rng.getstate(), "sample_tokens": self._sample_tokens,
+                 "sample_seconds": self._sample_seconds}
+        if self.lag:  # the in-flight rounds, sampled: waits for them (a resumed run has no old weights to redo them)
+            for r in sorted(self._pending):
+                if r not in self._done:
+                    self._done[r] = self._collect(r)
+            state["pending"] = [{"round": r, "prompts": job["prompts"], "version": job["version"],
+                                 "completions": vars(self._done[r])} for r, job in sorted(self._pending.items())]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state["n_prompts"] != len(self.rows):
@@ -177,12 +251,22 @@ class OnlineSource:
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
         self._sample_tokens, self._sample_seconds = int(state["sample_tokens"]), float(state["sample_seconds"])
+        for job in state.get("pending", []):
+            r = int(job["round"])
+            self._pending[r] = {"prompts": [int(i) for i in job["prompts"]], "version": int(job["version"])}
+            c = job["completions"]
+            self._done[r] = (Completions(int(c["n"]), [list(x) for x in c["token_ids"]], [list(x) for x in c["logps"]],
+                                         list(c["texts"])))
 
     def sample_tokens_per_s(self) -> float | None:
         return self._sample_tokens / self._sample_seconds if self._sample_seconds else None
 
     def close(self) -> None:
-        self.sampler.close()
+        try:
+            if self.producer is not None:
+                self.producer.close()
+        finally:
+            self.sampler.close()
 
 
 def _completions(unit) -> list:

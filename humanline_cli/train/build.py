@@ -250,9 +250,27 @@ def _online_source(spec, encoder, collate, policy, backend, model_path, timer, r
                             seed=spec.seed, tempered_logps=spec.objective_cfg.tempered_logps)
     rounds = RoundSpec(spec.objective, spec.train.batch_size, spec.train.micro_batch_size, params,
                        d.prompts_per_round, d.min_gap, spec.seed)
+    producer = make_round_producer(spec, encoder.tok, backend) if d.async_lag else None
     return OnlineSource(rows, encoder, collate, sampler, labeller, rounds, timer, policy,
                         run_dir / "samples.jsonl" if dist.is_main else None, Shard(dist.rank, dist.world_size),
-                        length=collate.bucket_length)
+                        length=collate.bucket_length, lag=d.async_lag, producer=producer)
+
+
+def make_round_producer(spec: RunSpec, tokenizer, backend: Backend):
+    """data.async_lag > 0: who samples the stale rounds. process: the transformers sampler in a child
+    process (started now: it loads the model while this one builds the rest); inline: the same sampler in
+    this process over a private copy of the starting model (validate allows one process, CPU, no LoRA)."""
+    from humanline_cli.sampling import rounds_worker as rw
+    from humanline_cli.sampling.hf import HFSampler
+
+    s = spec.sampler_cfg
+    model_path, tok_path = model_paths(spec)
+    if spec.data_cfg.async_worker == "inline":
+        model = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code, dtype=backend.weights_dtype)
+        return rw.InlineRounds(HFSampler(model, tokenizer, s.batch_size, backend.autocast), model)
+    child = rw.ChildSpec(model_path, tok_path, spec.model_cfg.trust_remote_code, spec.backend_cfg.precision.value,
+                         spec.threads, s.batch_size)
+    return rw.SamplerProcess(child, s.timeout_s)
 
 
 def check_model_task(spec: RunSpec) -> None:

@@ -1,0 +1,247 @@
+"""Round producers for asynchronous online training (data.async_lag > 0): a round is submitted with a
+snapshot of the weights that must sample it, and its completions are collected later.
+
+- `SamplerProcess`: the transformers sampler in a child process (torch.multiprocessing, spawn context),
+  so sampling round r+lag overlaps training round r. The child loads the model once from its files; each
+  request carries a weight snapshot (CPU tensors the parent cloned: torch's queue moves their storage to
+  shared memory, so nothing is copied through the pipe and the parent's live weights are never shared).
+  A bounded queue: the caller never submits more than `lag` rounds ahead of the one it trains.
+- `InlineRounds`: the same rounds sampled sequentially in this process from a private copy of the model
+  (data.async_worker=inline): the staleness without the overlap. It is what the child must equal exactly.
+
+Both return, per round, (Completions, RoundTiming). Every wait has a timeout and watches the child's
+liveness: a dead or silent sampler becomes one RunFailed line, never a hang.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+
+from humanline_cli.errors import RunFailed
+from humanline_cli.sampling.sampler import Completions, SamplingParams
+
+START_TIMEOUT_S = 600.0  # the child's start (imports, model load) may take minutes for a large model
+FAULT_ENV = "HUMANLINE_TEST_SAMPLER_FAULT"  # tests only: "kill@R" / "raise@R" / "hang@R" in the child at round R
+
+
+@dataclass(frozen=True)
+class RoundTiming:
+    """Seconds a round cost: sampling it (in the child: overlapped with training), the trainer blocked
+    waiting for it (wait_for_sample), the sampler idle before it, waiting for the trainer's request
+    (wait_for_trainer), and, once, the trainer blocked on the child's start (sampler_start: importing
+    torch and loading the model, when that outlasts the parent's own setup)."""
+
+    sample_s: float = 0.0
+    wait_for_sample_s: float = 0.0
+    wait_for_trainer_s: float = 0.0
+    sampler_start_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A private CPU copy of the policy's weights, packed into one flat buffer per dtype (so sending it to
+    the child moves one shared-memory segment per dtype, not one file descriptor per tensor)."""
+
+    buffers: dict[str, torch.Tensor]                      # dtype name -> 1-D tensor
+    index: tuple[tuple[str, str, int, tuple[int, ...]], ...]  # (name, dtype name, offset, shape)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Views into the buffers, by the policy's state_dict names."""
+        return {name: self.buffers[dt][off:off + _numel(shape)].view(shape) for name, dt, off, shape in self.index}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def snapshot(policy: torch.nn.Module) -> Snapshot:
+    """The policy's weights now; later optimizer steps do not change the copy."""
+    state = {k: v.detach() for k, v in policy.state_dict().items()}
+    sizes: dict[str, int] = {}
+    index = []
+    for name, t in state.items():
+        dt = str(t.dtype).removeprefix("torch.")
+        index.append((name, dt, sizes.get(dt, 0), tuple(t.shape)))
+        sizes[dt] = sizes.get(dt, 0) + t.numel()
+    dtypes = {str(t.dtype).removeprefix("torch."): t.dtype for t in state.values()}
+    buffers = {dt: torch.empty(n, dtype=dtypes[dt]) for dt, n in sizes.items()}
+    for (_, dt, off, _), t in zip(index, state.values()):
+        buffers[dt][off:off + t.numel()].copy_(t.reshape(-1))
+    return Snapshot(buffers, tuple(index))
+
+
+class InlineRounds:
+    """Sequential and in-process: a round is sampled, when collected, from its submitted snapshot loaded
+    into a private copy of the model (`sampler` samples from that copy)."""
+
+    def __init__(self, sampler, model: torch.nn.Module):
+        self.sampler, self.model = sampler, model
+        self._jobs: dict[int, tuple] = {}
+
+    def submit(self, key: int, weights: Snapshot, prompt_ids: list[list[int]], params: SamplingParams) -> None:
+        self._jobs[key] = (weights, prompt_ids, params)
+
+    def result(self, key: int) -> tuple[Completions, RoundTiming]:
+        weights, prompt_ids, params = self._jobs.pop(key)
+        t = time.perf_counter()
+        self.model.load_state_dict(weights.state_dict())
+        out = self.sampler.generate(prompt_ids, params)
+        return out, RoundTiming(sample_s=time.perf_counter() - t)
+
+    def close(self) -> None:
+        self._jobs.clear()
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """What the child needs to build its sampler (all picklable)."""
+
+    model_path: str
+    tokenizer_path: str
+    trust_remote_code: bool
+    precision: str
+    threads: int
+    batch_size: int
+
+
+class SamplerProcess:
+    def __init__(self, spec: ChildSpec, timeout_s: float, poll_s: float = 0.5):
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self._requests, self._results = ctx.Queue(), ctx.Queue()
+        self._held: dict[int, Snapshot] = {}  # each in-flight round's snapshot, alive until its result arrives
+        self._done: dict[int, tuple[Completions, RoundTiming]] = {}
+        self._ready = False
+        self.proc = ctx.Process(target=_child, args=(spec, self._requests, self._results), daemon=True,
+                                name="humanline-sampler")
+        self.proc.start()
+
+    def submit(self, key: int, weights: Snapshot, prompt_ids: list[list[int]], params: SamplingParams) -> None:
+        self._check_alive(f"before round {key}")
+        self._held[key] = weights
+        self._requests.put((key, weights, prompt_ids, params))
+
+    def result(self, key: int) -> tuple[Completions, RoundTiming]:
+        """Block (timed: wait_for_sample) until round `key` is sampled."""
+        t = time.perf_counter()
+        deadline = t + (self.timeout_s if self._ready else max(self.timeout_s, START_TIMEOUT_S))
+        start_s = 0.0
+        while key not in self._done:
+            try:
+                kind, k, payload = self._results.get(timeout=self.poll_s)
+            except queue.Empty:
+                self._check_alive(f"while sampling round {key}")
+                if time.perf_counter() > deadline:
+                    if not self._ready:
+                        raise RunFailed(f"the sampler process did not start within "
+                                        f"{max(self.timeout_s, START_TIMEOUT_S):g}s") from None
+                    raise RunFailed(f"the sampler process gave no round {key} within sampler.timeout_s="
+                                    f"{self.timeout_s:g}s (raise it for slow sampling)") from None
+                continue
+            if kind == "error":
+                raise RunFailed(f"the sampler process failed{f' on round {k}' if k is not None else ''}: {payload}")
+            if kind == "ready":
+                self._ready = True
+                start_s = time.perf_counter() - t
+                deadline = time.perf_counter() + self.timeout_s  # the round's own time starts now
+                continue
+            out, sample_s, idle_s = payload
+            self._held.pop(k, None)
+            self._done[k] = (out, RoundTiming(sample_s=sample_s, wait_for_trainer_s=idle_s))
+        out, timing = self._done.pop(key)
+        waited = time.perf_counter() - t - start_s
+        return out, RoundTiming(timing.sample_s, waited, timing.wait_for_trainer_s, start_s)
+
+    def _check_alive(self, when: str) -> None:
+        if not self.proc.is_alive():
+            code = self.proc.exitcode
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            busy = [k for k in sorted(self._held) if k not in self._done]  # sent, not returned: it died on the first
+            raise RunFailed(f"the sampler process died ({how}) " + (f"while sampling round {busy[0]}" if busy else when))
+
+    def close(self) -> None:
+        """Ask the child to stop; a child that has not within 2 s is killed (what it holds is lost
+        anyway: the checkpoint has the rounds it needs). Never blocks longer."""
+        if self.proc.is_alive():
+            with contextlib.suppress(Exception):
+                self._requests.put(None)
+            self.proc.join(timeout=2)  # a child mid-round finishes it first: not worth waiting for
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(timeout=5)
+        for q in (self._requests, self._results):
+            q.cancel_join_thread()  # never wait on a feeder thread for a child that is gone
+            q.close()
+        self._held.clear()
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends SIGKILL to this process when its parent dies (kill -9 included)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+
+def _child(spec: ChildSpec, requests, results) -> None:
+    """The sampler process: build the sampler, then sample each requested round from its snapshot.
+    SIGINT/SIGTERM are left to the parent (it checkpoints, then stops this process)."""
+    import multiprocessing
+
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    fault = os.environ.get(FAULT_ENV, "")
+    try:
+        from humanline_cli.backend import make_backend
+        from humanline_cli.models import load_policy, load_tokenizer
+        from humanline_cli.sampling.hf import HFSampler
+
+        backend = make_backend("cpu", spec.precision, spec.threads)
+        model = load_policy(spec.model_path, backend.device, spec.trust_remote_code, dtype=backend.weights_dtype)
+        tok = load_tokenizer(spec.tokenizer_path, spec.trust_remote_code)
+        sampler = HFSampler(model, tok, spec.batch_size, backend.autocast)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
+        results.put(("error", None, f"{type(e).__name__}: {e}"))
+        return
+    results.put(("ready", None, None))
+    idle_from = None
+    while True:
+        try:
+            msg = requests.get(timeout=1.0)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return
+            continue
+        if msg is None:
+            return
+        key, weights, prompt_ids, params = msg
+        idle = time.perf_counter() - idle_from if idle_from is not None else 0.0
+        if fault == f"kill@{key}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while fault == f"hang@{key}":
+            time.sleep(1.0)  # alive and silent: the parent's timeout must end the run
+        t = time.perf_counter()
+        try:
+            if fault == f"raise@{key}":
+                raise RuntimeError(f"injected sampler fault at round {key}")
+            model.load_state_dict(weights.state_dict())
+            del weights
+            out = sampler.generate(prompt_ids, params)
+        except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
+            results.put(("error", key, f"{type(e).__name__}: {e}"))
+            return
+        results.put(("done", key, (out, time.perf_counter() - t, idle)))
+        idle_from = time.perf_counter()

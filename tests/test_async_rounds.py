@@ -1,0 +1,212 @@
+"""Asynchronous online rounds (issue 26): data.async_lag=L samples round r + L, from the weights at the start
+of round r, while round r trains. The sampler runs in a spawn child process (data.async_worker=process) or,
+for reference, sequentially in this process (inline). Lag 0 is the synchronous path itself (test_online.py,
+test_stale_rounds.py and test_kill9_resume.py pin it)."""
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TINY_WORLD, run_cli
+from safetensors.torch import load_file
+from test_checkpoint import BASE, ONLINE, _rows
+from test_kill9_resume import _outputs, _spawn
+
+ASYNC = ["objective=dpo", *ONLINE, "data.async_lag=1"]
+
+
+def _validate(*overrides):
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.config import validate
+
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return validate(compose("train", overrides=["task=arithmetic", "data=online", *overrides]))
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["data.async_lag=-1"], "data.async_lag"),
+    (["data.async_lag=1", "data.async_worker=thread"], "data.async_worker"),
+    (["data.async_lag=1", "sampler=vllm"], "not supported with sampler=vllm"),
+    (["data.async_lag=1", "model.lora.r=4"], "not supported with model.lora.r"),
+    (["data.async_lag=1", "backend.strategy=ddp", "backend.nproc=2"], "not supported with backend.nproc=2"),
+])
+def test_async_lag_validation(overrides, needle):
+    from humanline_cli.errors import UserError
+
+    with pytest.raises(UserError, match=needle):
+        _validate(*overrides)
+    spec = _validate("data.async_lag=2")
+    assert spec.data_cfg.async_lag == 2 and any("data.async_lag=2" in n for n in spec.notes)
+    assert not any("async" in n for n in _validate().notes)  # the default: synchronous, no note
+
+
+def _run(tmp_path: Path, name: str, *extra: str) -> Path:
+    run = tmp_path / name
+    r = run_cli(["train", *BASE, *ASYNC, "train.steps=6", f"hydra.run.dir={run}", *extra], tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run
+
+
+def _samples(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+
+
+def test_lag1_process_equals_inline_and_samples_one_round_old_weights(cache_dir, tmp_path):
+    proc = _run(tmp_path, "process", "train.checkpoint_every=1", "train.keep_checkpoints=10")
+    inline = _run(tmp_path, "inline", "data.async_worker=inline", "train.checkpoint_every=0")
+    # the child process gives exactly the sequential in-process run's samples, losses and weights
+    assert _samples(proc) == _samples(inline)
+    rows = [r for r in _rows(proc / "metrics.jsonl") if "loss" in r]
+    assert rows == [r for r in _rows(inline / "metrics.jsonl") if "loss" in r]
+    a, b = load_file(proc / "model" / "model.safetensors"), load_file(inline / "model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+    # each round was sampled from the weights at the start of the round before it (rounds 1 and 2: the start)
+    start = {}
+    for r in rows:
+        start.setdefault(r["online/round"], r["step"] - 1)
+    rounds = sorted(start)
+    assert len(rounds) >= 3, start
+    version = {r["online/round"]: r["online/policy_version"] for r in rows}
+    assert version == {k: start[max(1, k - 1)] for k in rounds} and version[3] > 0
+    assert all(r["online/staleness_steps"] == r["step"] - 1 - version[r["online/round"]] for r in rows)
+    samples = _samples(proc)
+    assert all(s["policy_version"] == version[s["round"]] for s in samples)
+
+    # independently: round 3 resampled here from the checkpointed weights of its policy version
+    import torch
+
+    from humanline_cli.models import load_policy, load_tokenizer
+    from humanline_cli.sampling.hf import HFSampler
+    from humanline_cli.sampling.sampler import SamplingParams
+    from humanline_cli.train.build import make_encoder, model_paths
+
+    spec = _validate(*TINY_WORLD, "task=preference", *ASYNC)
+    model_path, tok_path = model_paths(spec)
+    tok = load_tokenizer(tok_path)
+    model = load_policy(model_path, torch.device("cpu"))
+    ckpt = load_file(proc / "checkpoints" / f"step_{version[3]}" / "tensors.safetensors")
+    model.load_state_dict({k.removeprefix("policy."): v for k, v in ckpt.items() if k.startswith("policy.")},
+                          strict=False)
+    enc = make_encoder(spec, tok)
+    n = spec.data_cfg.n
+    round3 = [s for s in samples if s["round"] == 3]
+    prompts = [round3[i]["prompt"] for i in range(0, len(round3), n)]
+    d = spec.data_cfg
+    params = SamplingParams(n=n, temperature=d.temperature, top_p=d.top_p, max_new_tokens=d.max_new_tokens,
+                            seed=spec.seed * 100003 + 3)
+    torch.set_num_threads(1)
+    out = HFSampler(model, tok, spec.sampler_cfg.batch_size).generate([enc.prompt_ids(p) for p in prompts], params)
+    assert out.texts == [s["completion"] for s in round3]
+    summary = json.loads((proc / "summary.json").read_text())
+    assert {"wait_for_sample", "wait_for_trainer"} <= summary["wall_clock_s"].keys()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        out += [int(x) for x in text]
+    return out
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.time() + within
+    while time.time() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":  # exited; its new parent (init) has not reaped it yet
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.slow
+def test_kill9_mid_round_then_resume_equals_uninterrupted(cache_dir, tmp_path):
+    """KTO + humanline, lag 1, rounds of 2 steps, checkpoints every 3 steps: killed after step 4 (mid-round,
+    a round in flight in the sampler process), the rerun resumes from step 3 and ends identical."""
+    args = ["train", *BASE, "objective=kto", "+humanline=true", *ONLINE, "data.async_lag=1", "train.steps=6",
+            "train.checkpoint_every=3"]
+    straight_dir, cut_dir = tmp_path / "straight", tmp_path / "cut"
+    straight = _spawn([*args, f"hydra.run.dir={straight_dir}"], tmp_path / "straight.log")
+    cut = _spawn([*args, f"hydra.run.dir={cut_dir}"], tmp_path / "cut.log")
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        assert cut.poll() is None, (tmp_path / "cut.log").read_text()[-3000:]
+        metrics = cut_dir / "metrics.jsonl"
+        steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if x.endswith("}")] \
+            if metrics.exists() else []
+        if steps and max(steps) >= 4:
+            break
+        time.sleep(0.005)
+    children = _children(cut.pid)
+    assert children, "no sampler process"
+    cut.send_signal(signal.SIGKILL)
+    cut.wait()
+    assert all(_gone(c, 10.0) for c in children), "the sampler process outlived its killed trainer"
+    assert not (cut_dir / "summary.json").exists()
+    final = run_cli([*args, f"hydra.run.dir={cut_dir}"], tmp_path)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert "resuming" in final.stderr and "from step 3 " in final.stderr, final.stderr[-3000:]
+    assert straight.wait(timeout=300) == 0, (tmp_path / "straight.log").read_text()[-3000:]
+    a, b = _outputs(straight_dir), _outputs(cut_dir)
+    assert b == a  # every metrics row, sample and weight
+    assert [r["online/policy_version"] for r in a["metrics.jsonl"] if "loss" in r][:3] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("fault,needle", [
+    ("kill@2", "the sampler process died (killed by signal 9) while sampling round 2"),
+    ("raise@2", "the sampler process failed on round 2: RuntimeError: injected sampler fault at round 2"),
+    ("hang@2", "the sampler process gave no round 2 within sampler.timeout_s=3s"),
+])
+def test_a_failing_sampler_process_is_one_runfailed_line_never_a_hang(cache_dir, monkeypatch, fault, needle):
+    """The real child (the world's model): round 1 comes back; round 2 dies, raises or hangs."""
+    from humanline_cli.errors import RunFailed
+    from humanline_cli.sampling.rounds_worker import FAULT_ENV, ChildSpec, SamplerProcess, snapshot
+    from humanline_cli.sampling.sampler import SamplingParams
+    from humanline_cli.train.build import model_paths, prepare_world
+
+    spec = _validate(*TINY_WORLD, "task=preference")
+    prepare_world(spec, progress=False)
+    model_path, tok_path = model_paths(spec)
+    monkeypatch.setenv(FAULT_ENV, fault)  # the spawn child inherits it
+    proc = SamplerProcess(ChildSpec(model_path, tok_path, False, "fp32", 1, 8), timeout_s=3.0)
+    try:
+        import torch
+
+        from humanline_cli.models import load_policy
+
+        weights = snapshot(load_policy(model_path, torch.device("cpu")))
+        params = SamplingParams(n=2, max_new_tokens=4, seed=1)
+        proc.submit(1, weights, [[5, 6, 7]], params)
+        proc.submit(2, weights, [[5, 6, 7]], params)
+        out, timing = proc.result(1)
+        assert len(out.token_ids) == 2 and timing.sampler_start_s > 0 and timing.sample_s > 0
+        t = time.time()
+        with pytest.raises(RunFailed) as e:
+            proc.result(2)
+        assert str(e.value) == needle or str(e.value).startswith(needle), str(e.value)
+        assert time.time() - t < 60
+    finally:
+        t = time.time()
+        proc.close()
+        assert time.time() - t < 10 and not proc.proc.is_alive()  # close never waits on a hung child
+
+
+def test_a_dead_sampler_process_is_one_line_and_exit_2(cache_dir, tmp_path):
+    run = tmp_path / "run"
+    r = run_cli(["train", *BASE, *ASYNC, "train.steps=4", "train.checkpoint_every=0", f"hydra.run.dir={run}"],
+                tmp_path, env_extra={"HUMANLINE_TEST_SAMPLER_FAULT": "kill@2"}, timeout=240)
+    assert r.returncode == 2, r.stderr[-3000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("humanline: error:")]
+    assert len(errors) == 1 and errors[0].endswith(
+        "the sampler process died (killed by signal 9) while sampling round 2"), r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert json.loads((run / "failed.json").read_text())["status"] == "failed"
+    assert not (run / "summary.json").exists()
