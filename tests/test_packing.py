@@ -88,7 +88,7 @@ def test_packed_forward_is_one_padding_free_row_with_restarting_positions():
 
 
 def test_prompt_learning_models_are_not_packed():
-    peft = pytest.importorskip("peft")
+    import peft  # installed by `just setup` (test extra): a missing peft is a failure, not a skip
     pm = peft.get_peft_model(tiny_llama(seed=15), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
     seqs = packed(random_seqs(64, seed=16))
     assert not runs_packed(pm, seqs) and runs_packed(tiny_llama(seed=15), seqs)

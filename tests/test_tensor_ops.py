@@ -146,7 +146,7 @@ def test_head_is_called_as_a_module_so_its_hooks_fire():
 
 
 def test_lora_peft_model_matches_full_path():
-    peft = pytest.importorskip("peft")
+    import peft  # installed by `just setup` (test extra): a missing peft is a failure, not a skip
     model = tiny_llama(seed=5, dtype=torch.float64)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"],
                            init_lora_weights=False, lora_dropout=0.0)
