@@ -14,7 +14,7 @@ import io
 import tempfile
 from pathlib import Path
 
-from humanline_cli.bench.clock import _now
+from humanline_cli.bench.clock import EndClock, _now
 from humanline_cli.errors import UserError
 
 SAMPLE_PHASES = ("sample", "label", "push")
@@ -38,20 +38,6 @@ def _spec(overrides: list[str], rounds: int, lag: int):
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise UserError(compose_error(e)) from None
     return validate(cfg)
-
-
-class _EndClock:
-    """Stands in for tracking.Tracker: the last step's log call marks the end of the run."""
-
-    def __init__(self, last_step: int, device):
-        self.last_step, self.device, self.end = last_step, device, None
-
-    def log(self, step: int, metrics: dict) -> None:
-        if step == self.last_step:
-            self.end = _now(self.device)
-
-    def log_histogram(self, step: int, counts) -> None:
-        pass
 
 
 class _RoundClock:
@@ -84,7 +70,7 @@ def _run(spec) -> dict:
         try:
             device = parts.backend.device
             parts.source = clock = _RoundClock(parts.source, timer, device)
-            tracker = _EndClock(spec.train.steps, device)
+            tracker = EndClock(spec.train.steps, device)
             train(spec, parts, tracker, timer, Console(file=io.StringIO()))
             end = dict(timer.seconds)
         finally:

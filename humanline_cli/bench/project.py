@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from humanline_cli.bench.clock import Run, _now, collect, matmul_peak
+from humanline_cli.bench.clock import EndClock, Run, _now, collect, matmul_peak
 from humanline_cli.errors import UserError
 
 UNIT = {"dpo": "pairs", "kto": "examples", "grpo": "groups"}
@@ -141,20 +141,6 @@ class _TimedSource:
         return getattr(self.source, name)
 
 
-class _ClockTracker:
-    """Stands in for tracking.Tracker: the last step's log call marks the end of the run."""
-
-    def __init__(self, last_step: int, device):
-        self.last_step, self.device, self.end = last_step, device, None
-
-    def log(self, step: int, metrics: dict) -> None:
-        if step == self.last_step:
-            self.end = _now(self.device)
-
-    def log_histogram(self, step: int, counts) -> None:
-        pass
-
-
 # -- the project's step ----------------------------------------------------------------------------
 def _prefill(parts, steps: int) -> None:
     """Compute the reference log-probs of every sequence the run's steps will draw (a copy of the
@@ -185,7 +171,7 @@ def project_run(spec, warmup: int, info: dict, prefill: bool = False) -> Run:
                 _prefill(parts, spec.train.steps)
                 parts.reference.hits = parts.reference.misses = 0
             parts.source = _TimedSource(parts.source, device, spec.train.batch_size)
-            tracker = _ClockTracker(spec.train.steps, device)
+            tracker = EndClock(spec.train.steps, device)
             train(spec, parts, tracker, timer, Console(file=io.StringIO()))
             if "matmul_params" not in info:
                 info.update(_model_info(parts.policy))
