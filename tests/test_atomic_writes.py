@@ -65,7 +65,7 @@ def test_disk_full_lora_save_cleans_both_temp_dirs(tmp_path, monkeypatch):
     from humanline_cli.core import lora
     from humanline_cli.train.run import save_model
 
-    def full_disk(model, tok, dest):  # save_merged stages in <dest>.tmp; fail half-way like a full disk
+    def full_disk(model, tok, dest, state=None):  # save_merged stages in <dest>.tmp; fail half-way like a full disk
         staging = Path(str(dest) + ".tmp")
         staging.mkdir()
         (staging / "model.safetensors").write_text("half")
