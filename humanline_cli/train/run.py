@@ -28,7 +28,7 @@ from humanline_cli.errors import RunFailed, UserError
 from humanline_cli.eval.evaluator import flat_metrics
 from humanline_cli.train.build import build_parts
 from humanline_cli.train.checkpoint import Checkpoints
-from humanline_cli.train.signals import StopSignal, interrupted_where
+from humanline_cli.train.signals import StepMarker, StopSignal, interrupted_where
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.train.tracking import NullTracker, Tracker, write_failed_json
 from humanline_cli.train.trainer import train
@@ -73,6 +73,7 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None, spec
     console = console or Console(stderr=True)
     transformers.utils.logging.disable_progress_bar()  # our rich bars are the progress display
     timer = PhaseTimer()
+    StepMarker.unwound = None  # a previous job's loop (multirun in one process) says nothing about this one
     main = int(os.environ.get("RANK", "0")) == 0
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -62,18 +62,27 @@ class StepMarker:
     Ctrl-C inside becomes `Interrupted("at step N")`, which carries the step to whoever reports it."""
 
     step: int | None = None
+    # The loop a failure left: under DDP, Ctrl-C can reach this rank just after a peer's exit broke the step's
+    # collective, i.e. while the loop's error unwinds, outside the marker; the step is still the one in flight.
+    unwound: StepMarker | None = None
 
     def __enter__(self) -> StepMarker:
+        StepMarker.unwound = None
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            StepMarker.unwound = self
         if exc_type is KeyboardInterrupt and self.step is not None:
             raise Interrupted(f"at step {self.step}") from exc
         return False
 
 
 def interrupted_where(e: BaseException, trained: bool = False) -> str:
-    """Where a KeyboardInterrupt landed: the step it carries (StepMarker), else after or before training."""
+    """Where a KeyboardInterrupt landed: the step it carries (StepMarker), the step of a loop that was
+    unwinding from an error when it landed, else after or before training."""
     if isinstance(e, Interrupted):
         return e.where
+    if not trained and StepMarker.unwound is not None and StepMarker.unwound.step is not None:
+        return f"at step {StepMarker.unwound.step}"
     return "after training" if trained else "before training"
