@@ -325,10 +325,15 @@ def _main_async(opts: dict, overrides: list[str], console) -> int:
     if opts["threads"]:
         overrides = [*overrides, f"threads={opts['threads']}"]
     res = async_bench(overrides, opts["async_rounds"], console)
-    out = Path(opts["out"] or f"runs/bench/async-{res['objective']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    return _write_result(res, opts, "async-", print_async, console)
+
+
+def _write_result(res: dict, opts: dict, prefix: str, printer, console) -> int:
+    """The bench's JSON (`out=` or runs/bench/<prefix><objective>-<time>.json), then its table."""
+    out = Path(opts["out"] or f"runs/bench/{prefix}{res['objective']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
-    print_async(res, console)
+    printer(res, console)
     console.print(f"wrote {out}")
     return 0
 
@@ -348,12 +353,7 @@ def main_bench(args: list[str]) -> int:
     except UserError as e:
         print(f"humanline: error: {e}", file=sys.stderr)
         return 2
-    out = Path(opts["out"] or f"runs/bench/{res['objective']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
     from humanline_cli.bench.table import print_result
 
-    print_result(res, console)
-    console.print(f"wrote {out}")
-    return 0
+    return _write_result(res, opts, "", print_result, console)
 
