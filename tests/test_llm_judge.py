@@ -67,6 +67,13 @@ class Stub:
                     time.sleep(delay_s)
                     status, headers, payload = respond(body, n, {k.lower(): v for k, v in self.headers.items()})
                     data = json.dumps(payload).encode()
+                finally:
+                    # leave the count before any byte goes back: once the client reads its answer its worker may
+                    # send the next request before this thread runs again (under load the next request was
+                    # counted while this one was still "in flight": 4 with max_concurrency=3)
+                    with lock:
+                        stub.inflight -= 1
+                try:
                     self.send_response(status)
                     for k, v in {"Content-Type": "application/json", **headers}.items():
                         self.send_header(k, v)
@@ -75,9 +82,6 @@ class Stub:
                     self.wfile.write(data)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up (timeout test)
-                finally:
-                    with lock:
-                        stub.inflight -= 1
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True

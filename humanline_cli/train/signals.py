@@ -71,8 +71,8 @@ class StepMarker:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is not None:
-            StepMarker.unwound = self
+        if exc_type is not None and exc_type is not KeyboardInterrupt:
+            StepMarker.unwound = self  # an error (not Ctrl-C, which carries its step below) left the loop
         if exc_type is KeyboardInterrupt and self.step is not None:
             raise Interrupted(f"at step {self.step}") from exc
         return False
