@@ -22,6 +22,9 @@ class Aggregation(str, Enum):
     token_mean = "token_mean"
     seq_mean = "seq_mean"
     dapo = "dapo"  # TRL's loss_type=dapo: the step's token sum / the round's completion tokens per step
+    # the authors' dapo (open-r1-humanline's _compute_loss on TRL 0.18 / transformers 4.52.3): each accumulation
+    # micro-step's token sum / its own token count over all ranks, averaged over the step's micro-steps
+    dapo_micro = "dapo_micro"
 
 
 class RatioDenominator(str, Enum):
@@ -97,7 +100,7 @@ class GRPOConfig(ObjectiveConfig):
     std_eps: float = 0.01          # A = (s - mean) / (std + std_eps)
     # reference (the reference code: the reference plays pi_old) | sampler (online only)
     ratio_denominator: RatioDenominator = RatioDenominator.reference
-    aggregation: Aggregation = Aggregation.token_mean   # token_mean (reference code) | seq_mean | dapo (online)
+    aggregation: Aggregation = Aggregation.token_mean   # token_mean (reference code) | seq_mean | dapo (online) | dapo_micro
 
 
 # ------------------------------------------------------------------ data/

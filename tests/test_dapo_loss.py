@@ -96,8 +96,8 @@ def _compose(overrides):
         return compose("train", overrides=overrides)
 
 
-def test_dapo_is_for_online_grpo_and_paper_math_uses_it():
-    assert validate(_compose(["experiment=paper_math"])).objective_cfg.aggregation == "dapo"
+def test_dapo_is_for_online_grpo_and_paper_math_uses_the_authors_dapo():
+    assert validate(_compose(["experiment=paper_math"])).objective_cfg.aggregation == "dapo_micro"  # the authors'
     spec = validate(_compose(["task=arithmetic", "objective=grpo", "data=online", "objective.aggregation=dapo"]))
     assert spec.objective_cfg.aggregation == "dapo"
     assert validate(_compose(["task=arithmetic", "objective=grpo"])).objective_cfg.aggregation == "token_mean"

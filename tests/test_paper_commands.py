@@ -147,7 +147,7 @@ def test_issue_20_paper_commands_validate(cmd):
 def test_sampler_hf_composes_with_every_experiment(name):
     """The sampler's keys live in conf/sampler/*.yaml: no experiment file sets a vLLM-only key, so
     `sampler=hf` composes (and validates, online included) with each of them."""
-    # paper_math is online only: its dapo aggregation divides by the round's completion tokens per step
+    # paper_math is online only (its stale rounds are data.generate_every on online data)
     for regime in ("online",) if name == "paper_math" else ("offline", "online"):
         with initialize_config_module(config_module="conf", version_base="1.3"):
             cfg = compose("train", overrides=[f"experiment={name}", "sampler=hf", f"data={regime}"])

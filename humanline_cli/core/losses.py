@@ -93,8 +93,8 @@ def grpo_loss(
     token_logratio_kl (N, T): UNclamped log(pi / pi_ref) for k3 = exp(ref - pol) - (ref - pol) - 1.
     advantages (N,). Per token: -min(A rho, A clip(rho, 1-eps, 1+eps)) + beta * k3.
     aggregation: "token_mean" (mean over every completion token of the batch, the reference code)
-    or "seq_mean" (mean of per-sequence token means); "dapo" is the token mean here too: the trainer
-    weights it into TRL's dapo loss (core/objectives.micro_batch_weights).
+    or "seq_mean" (mean of per-sequence token means); "dapo" and "dapo_micro" are the token mean here too:
+    the trainer weights it into TRL's or the authors' dapo loss (core/objectives.micro_batch_weights).
     """
     rho = torch.exp(token_logratio_ratio)
     adv = advantages.to(rho.dtype).unsqueeze(-1)
@@ -105,12 +105,12 @@ def grpo_loss(
     k3 = torch.exp(neg) - neg - 1.0
     per_token = pg + beta * k3
     match aggregation:
-        case "token_mean" | "dapo":
+        case "token_mean" | "dapo" | "dapo_micro":
             loss = masked_mean(per_token, mask)
         case "seq_mean":
             loss = seq_masked_mean(per_token, mask).mean()
         case _:
-            raise ValueError(f"unknown GRPO aggregation {aggregation!r} (token_mean | seq_mean | dapo)")
+            raise ValueError(f"unknown GRPO aggregation {aggregation!r} (token_mean | seq_mean | dapo | dapo_micro)")
     with torch.no_grad():
         clip_hit = ((rho < 1.0 - epsilon) | (rho > 1.0 + epsilon)).float()
         metrics = {

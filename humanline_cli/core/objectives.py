@@ -48,13 +48,14 @@ def loss_count(objective_cfg, batch) -> float:
     """What the objective's loss averages over in this micro-batch: completion tokens for GRPO's
     token mean, else units (pairs, examples, sequences). The trainer weights each micro-batch's loss
     by count / (count over the global batch), so micro-batching and ranks only change memory."""
-    if isinstance(batch, GroupBatch) and objective_cfg.aggregation in ("token_mean", "dapo"):
+    if isinstance(batch, GroupBatch) and objective_cfg.aggregation in ("token_mean", "dapo", "dapo_micro"):
         return float(completion_mask(batch.seqs).sum())
     return float(n_units(batch))
 
 
 def micro_batch_weights(objective_cfg, counts: list[float], total: float, world_size: int,
-                        round_tokens_per_step: float | None = None) -> list[float]:
+                        round_tokens_per_step: float | None = None,
+                        micro_totals: list[float] | None = None) -> list[float]:
     """What each micro-batch's mean loss is multiplied by before backward, so that the summed (and, under
     DDP/FSDP, rank-averaged) gradient is the gradient of the step's loss.
 
@@ -66,9 +67,22 @@ def micro_batch_weights(objective_cfg, counts: list[float], total: float, world_
     step loss = (sum over the step's completion tokens of the per-token loss) / D. TRL: num_items_in_batch
     (the generation batch's tokens over all processes) x gradient_accumulation_steps / steps_per_generation.
     A round of one step gives D = total (token_mean); a stale round of K steps gives its mean, so a step
-    with longer completions than its round's average weighs more."""
+    with longer completions than its round's average weighs more.
+    aggregation=dapo_micro (the authors' dapo: open-r1-humanline's _compute_loss divides micro-step i's token
+    sum by N_i / world_size, N_i = micro-step i's completion tokens over all ranks, and transformers 4.52.3
+    divides each micro-step's loss by the accumulation steps G): w_i = counts[i] / N_i / G x world_size,
+    micro_totals[i] = N_i; step loss = (1/G) sum_i (micro-step i's token sum over all ranks) / N_i, the mean
+    over micro-steps of each micro-step's global token mean. G counts the micro-steps with a token on some
+    rank. It depends on how the step is split into micro-batches (train.micro_batch_size), as the authors'
+    loss did on per_device_train_batch_size."""
+    name = objective_cfg.name
+    if name == "grpo" and objective_cfg.aggregation == "dapo_micro":
+        if micro_totals is None or len(micro_totals) != len(counts):
+            raise ValueError("aggregation=dapo_micro needs each micro-step's token count over all ranks")
+        g = sum(1 for n in micro_totals if n > 0)
+        return [c / n / g * world_size if n > 0 else 0.0 for c, n in zip(counts, micro_totals)]
     den = total
-    if objective_cfg.name == "grpo" and objective_cfg.aggregation == "dapo":
+    if name == "grpo" and objective_cfg.aggregation == "dapo":
         if round_tokens_per_step is None:
             raise ValueError("aggregation=dapo needs the round's completion tokens per step (online data)")
         den = round_tokens_per_step

@@ -162,9 +162,12 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
                 # rank's shorter share, so collectives stay in lockstep) runs with weight 0
                 fillers = [is_filler(mb) for mb in data.micro_batches]
                 counts = [0.0 if f else loss_count(objective_cfg, mb) for mb, f in zip(mbs, fillers)]
-                total = torch.tensor([sum(counts)], dtype=torch.float64)
-                total = float(reduce_sum(total)[0]) if reduce_sum else float(total[0])
-                weights = micro_batch_weights(objective_cfg, counts, total, dist.world_size, data.round_tokens_per_step)
+                # per micro-batch index over all ranks (every rank has as many, fillers pad): the last entry is
+                # the step's total, the others each micro-step's count (aggregation=dapo_micro divides by them)
+                sums = torch.tensor(counts + [sum(counts)], dtype=torch.float64)
+                sums = [float(x) for x in (reduce_sum(sums) if reduce_sum else sums)]
+                weights = micro_batch_weights(objective_cfg, counts, sums[-1], dist.world_size,
+                                              data.round_tokens_per_step, micro_totals=sums[:-1])
                 with parts.backend.autocast():
                     z0 = step_z0(objective_cfg, policy, reference, mbs, spec.humanline, reduce_sum, fillers)
                 for i, mb in enumerate(mbs):
