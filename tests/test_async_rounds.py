@@ -210,3 +210,28 @@ def test_a_dead_sampler_process_is_one_line_and_exit_2(cache_dir, tmp_path):
     assert "Traceback" not in r.stderr
     assert json.loads((run / "failed.json").read_text())["status"] == "failed"
     assert not (run / "summary.json").exists()
+
+
+def test_the_sampler_samples_round_r_plus_1_while_round_r_trains(cache_dir):
+    """The overlap, from the rounds' own timestamps (one monotonic clock for both processes), as orderings
+    rather than speeds: round r + 1 is submitted before round r is collected, and the sampler process
+    begins it before the trainer has finished training round r (a round = one step of 64 pairs, ~0.15 s of
+    CPU: the child needs a few ms of it to pick up the queued request). The bench's run (bench/async_bench.py)
+    is the real trainer on the world's model."""
+    from humanline_cli.bench.async_bench import _run, _spec
+    from humanline_cli.train.build import prepare_world
+
+    spec = _spec([*BASE, "objective=dpo", "data.n=4", "data.max_new_tokens=6", "train.batch_size=64"], 5, 1)
+    prepare_world(spec, progress=False)
+    res = _run(spec)
+    clock = res["round_clock"]
+    assert sorted(clock) == [1, 2, 3, 4, 5, 6]  # round 6: submitted while round 5 trained, never trained
+    for r in range(1, 5):  # rounds 1..4 and their successors, both trained
+        this, nxt = clock[r], clock[r + 1]
+        assert nxt["submitted_at"] < this["asked_at"], (r, clock)     # queued before round r is waited for
+        assert this["finished_at"] <= nxt["started_at"], (r, clock)   # one round at a time, in order
+        assert nxt["started_at"] < nxt["began_at"], (r, clock)        # begun while round r trained
+        assert this["began_at"] <= this["asked_at"] <= this["collected_at"] < nxt["began_at"]
+        assert this["cpu_s"] > 0 and this["run_queue_s"] is not None and this["run_queue_s"] >= 0
+    assert res["overlapped_rounds"] == res["overlap_pairs"] == 3  # the bench's count, over timed rounds 2..5
+    assert res["sampler_cpu_s_per_round"] > 0 and res["trainer_cpu_s_per_round"] > 0
