@@ -235,3 +235,53 @@ def test_the_sampler_samples_round_r_plus_1_while_round_r_trains(cache_dir):
         assert this["cpu_s"] > 0 and this["run_queue_s"] is not None and this["run_queue_s"] >= 0
     assert res["overlapped_rounds"] == res["overlap_pairs"] == 3  # the bench's count, over timed rounds 2..5
     assert res["sampler_cpu_s_per_round"] > 0 and res["trainer_cpu_s_per_round"] > 0
+
+
+def test_report_keeps_lags_apart_and_pairs_each_with_lag0_plain_and_humanline(tmp_path):
+    """Fake run dirs as real runs write them: lags 0, 1 and 2 of plain online and lags 0 and 1 with humanline,
+    3 seeds each. Each lag is its own family (async-L), never pooled with another, and each is paired with lag 0
+    of the same humanline setting (async.csv), and async-1 with online and humanline-async-1 (gap_closed.csv)."""
+    import csv
+
+    from test_report_grouping import config, run_dir
+
+    from humanline_cli.report.aggregate import build_report
+    from humanline_cli.report.stats import t975
+
+    root = tmp_path / "sweep"
+    acc = {(0, False): [0.90, 0.92, 0.88], (1, False): [0.80, 0.83, 0.77], (2, False): [0.70, 0.70, 0.70],
+           (0, True): [0.91, 0.93, 0.89], (1, True): [0.90, 0.92, 0.88]}
+    wall = {0: 100.0, 1: 80.0, 2: 64.0}
+    for (lag, hl), values in acc.items():
+        for seed, a in enumerate(values):
+            cfg = config(obj="dpo", regime="online", seed=seed, humanline=hl, data__async_lag=lag)
+            run = run_dir(root, f"lag{lag}_hl{hl}_{seed}", cfg, win=0.6, wall=wall[lag], acc=a)
+            (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5, "online/policy_version": 0}) + "\n")
+    rep = build_report(root)
+    with open(root / "report.csv") as f:
+        cells = {r["family"]: r for r in csv.DictReader(f)}
+    assert sorted(cells) == ["async-1", "async-2", "humanline-async-1", "humanline-online", "online"]
+    assert all(c["n_seeds"] == "3" for c in cells.values())  # one lag per family: 3 seeds, not 6 or 9
+    assert float(cells["async-1"]["accuracy_mean"]) == pytest.approx(0.80)
+    assert float(cells["async-2"]["accuracy_mean"]) == pytest.approx(0.70)
+    assert float(cells["async-1"]["speedup_vs_online"]) == pytest.approx(100.0 / 80.0)
+
+    with open(root / "async.csv") as f:
+        rows = {(r["humanline"], r["lag"]): r for r in csv.DictReader(f)}
+    assert sorted(rows) == [("False", "1"), ("False", "2"), ("True", "1")]
+    plain1, plain2, hl1 = rows["False", "1"], rows["False", "2"], rows["True", "1"]
+    # lag 0 plain: mean 0.90, sd 0.02, 95% half-width t975(2) * 0.02 / sqrt(3) = 4.30 * 0.011547 = 0.0497
+    # (t975, the project's quantile, is pinned in test_report.py)
+    assert float(plain1["lag0_mean"]) == pytest.approx(0.90)
+    assert float(plain1["lag0_hi"]) - 0.90 == pytest.approx(t975(2) * 0.02 / 3 ** 0.5)
+    # paired per seed: -0.10, -0.09, -0.11 (plain lag 1); -0.20, -0.22, -0.18 (lag 2); -0.01 x 3 (humanline lag 1)
+    assert float(plain1["delta_mean"]) == pytest.approx(-0.10) and plain1["within_lag0_interval"] == "False"
+    assert float(plain2["delta_mean"]) == pytest.approx(-0.20) and float(plain2["speedup"]) == pytest.approx(100 / 64)
+    assert float(hl1["lag0_mean"]) == pytest.approx(0.91)  # paired with humanline's lag 0, not plain online's
+    assert float(hl1["delta_mean"]) == pytest.approx(-0.01) and hl1["within_lag0_interval"] == "True"
+    assert float(hl1["delta_lo"]) == pytest.approx(-0.01) and hl1["n_seeds"] == "3"  # equal differences: no spread
+    with open(root / "gap_closed.csv") as f:
+        gaps = {r["set"]: r for r in csv.DictReader(f)}
+    # async-1: (humanline lag 1 - plain lag 1) / (online - plain lag 1) per seed = 0.10/0.10, 0.09/0.09, 0.11/0.11
+    assert sorted(gaps) == ["async-1"] and float(gaps["async-1"]["gap_closed"]) == pytest.approx(1.0)
+    assert "## Asynchronous rounds vs synchronous online" in rep.markdown
