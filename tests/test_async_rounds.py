@@ -31,7 +31,6 @@ def _validate(*overrides):
     (["data.async_lag=-1"], "data.async_lag"),
     (["data.async_lag=1", "data.async_worker=thread"], "data.async_worker"),
     (["data.async_lag=1", "sampler=vllm"], "not supported with sampler=vllm"),
-    (["data.async_lag=1", "model.lora.r=4"], "not supported with model.lora.r"),
     (["data.async_lag=1", "backend.strategy=ddp", "backend.nproc=2"], "not supported with backend.nproc=2"),
 ])
 def test_async_lag_validation(overrides, needle):
@@ -39,6 +38,7 @@ def test_async_lag_validation(overrides, needle):
 
     with pytest.raises(UserError, match=needle):
         _validate(*overrides)
+    assert _validate("data.async_lag=1", "model.lora.r=4").model_cfg.lora.r == 4  # LoRA: merged weights sent
     spec = _validate("data.async_lag=2")
     assert spec.data_cfg.async_lag == 2 and any("data.async_lag=2" in n for n in spec.notes)
     assert not any("async" in n for n in _validate().notes)  # the default: synchronous, no note
@@ -285,3 +285,37 @@ def test_report_keeps_lags_apart_and_pairs_each_with_lag0_plain_and_humanline(tm
     # async-1: (humanline lag 1 - plain lag 1) / (online - plain lag 1) per seed = 0.10/0.10, 0.09/0.09, 0.11/0.11
     assert sorted(gaps) == ["async-1"] and float(gaps["async-1"]["gap_closed"]) == pytest.approx(1.0)
     assert "## Asynchronous rounds vs synchronous online" in rep.markdown
+
+
+def test_a_lora_snapshot_is_the_merged_policy_under_the_base_models_names():
+    """data.async_lag with LoRA: the sampler's plain model loads the snapshot (strict: exactly the base model's
+    names) and then computes the LoRA policy's logits (float64: equal up to rounding, ~1e-15)."""
+    import torch
+    from test_lora import lora_llama, tiny_llama
+
+    from humanline_cli.sampling.rounds_worker import snapshot
+
+    policy = lora_llama(seed=0).double().eval()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # adapters away from their zero init, so that the merge matters
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(3))
+    plain = tiny_llama(seed=1).double().eval()  # other weights: every one is replaced by the snapshot's
+    plain.load_state_dict(snapshot(policy).state_dict())
+    want = policy(input_ids=ids).logits
+    assert (plain(input_ids=ids).logits - want).abs().max().item() < 1e-10
+    base = tiny_llama(seed=0).double().eval()  # the base alone is far from it: the adapters are in the snapshot
+    assert (base(input_ids=ids).logits - want).abs().max().item() > 1e-3
+
+
+def test_lora_lag1_process_equals_inline(cache_dir, tmp_path):
+    """LoRA under asynchronous rounds: the child process samples from the merged weights exactly as the
+    sequential in-process sampler does (same samples, losses and adapter weights)."""
+    proc = _run(tmp_path, "process", "model.lora.r=4", "train.checkpoint_every=0")
+    inline = _run(tmp_path, "inline", "model.lora.r=4", "data.async_worker=inline", "train.checkpoint_every=0")
+    samples = _samples(proc)
+    assert samples == _samples(inline) and max(s["policy_version"] for s in samples) > 0
+    rows = [r for r in _rows(proc / "metrics.jsonl") if "loss" in r]
+    assert rows == [r for r in _rows(inline / "metrics.jsonl") if "loss" in r] and len(rows) == 6

@@ -75,8 +75,15 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def snapshot(policy: torch.nn.Module) -> Snapshot:
-    """The policy's weights now; later optimizer steps do not change the copy."""
-    state = {k: v.detach() for k, v in policy.state_dict().items()}
+    """The policy's weights now; later optimizer steps do not change the copy. A peft LoRA policy: its
+    weights with the adapter merged in, under the base model's names (core.lora.merged_weights), which is
+    what the sampler's plain model loads."""
+    if hasattr(policy, "get_base_model"):
+        from humanline_cli.core.lora import merged_weights
+
+        state = {k: v.detach() for k, v in merged_weights(policy)}
+    else:
+        state = {k: v.detach() for k, v in policy.state_dict().items()}
     sizes: dict[str, int] = {}
     index = []
     for name, t in state.items():
