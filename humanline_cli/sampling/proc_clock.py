@@ -32,6 +32,15 @@ def run_queue_s() -> float | None:
     return total / 1e9 if seen else None
 
 
+def page_faults() -> int:
+    """Minor page faults this process has taken so far (0 where the platform does not count them)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
+
 def keep_freed_memory() -> bool:
     """glibc only: keep freed heap memory for reuse instead of giving it back to the kernel at once.
 

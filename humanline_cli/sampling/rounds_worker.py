@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from humanline_cli.errors import RunFailed
-from humanline_cli.sampling.proc_clock import cpu_s, keep_freed_memory, run_queue_s
+from humanline_cli.sampling.proc_clock import cpu_s, keep_freed_memory, page_faults, run_queue_s
 from humanline_cli.sampling.sampler import Completions, SamplingParams
 
 START_TIMEOUT_S = 600.0  # the child's start (imports, model load) may take minutes for a large model
@@ -41,7 +41,8 @@ class RoundTiming:
 
     Where the round's sampling sat in time (time.monotonic() of whichever process sampled it: Linux's
     CLOCK_MONOTONIC is one clock for all processes, so the trainer compares them with its own), the CPU
-    seconds the sampling took and the seconds it waited for a CPU (None where the kernel does not say):
+    seconds the sampling took and the seconds it waited for a CPU (None where the kernel does not say), and
+    the minor page faults it took (memory the process had given back to the kernel and touched again):
     they tell an overlap that did not happen from one the machine had no free core for."""
 
     sample_s: float = 0.0
@@ -52,6 +53,7 @@ class RoundTiming:
     finished_at: float = 0.0
     cpu_s: float = 0.0
     run_queue_s: float | None = None
+    page_faults: int = 0
 
 
 @dataclass(frozen=True)
@@ -205,12 +207,13 @@ class SamplerProcess:
 
 def _sample(model, sampler, weights: Snapshot, prompt_ids, params) -> tuple[Completions, dict]:
     """Load the round's snapshot into `model` and sample it with `sampler`; with the round's clock."""
-    t, c, q = time.monotonic(), cpu_s(), run_queue_s()
+    t, c, q, f = time.monotonic(), cpu_s(), run_queue_s(), page_faults()
     model.load_state_dict(weights.state_dict())
     out = sampler.generate(prompt_ids, params)
     q1 = run_queue_s()
     return out, {"started_at": t, "finished_at": time.monotonic(), "cpu_s": cpu_s() - c,
-                 "run_queue_s": q1 - q if q is not None and q1 is not None else None}
+                 "run_queue_s": q1 - q if q is not None and q1 is not None else None,
+                 "page_faults": page_faults() - f}
 
 
 def _die_with_parent() -> None:

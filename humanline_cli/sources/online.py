@@ -147,7 +147,8 @@ class OnlineSource:
         out, timing = self.producer.result(round_no)
         self.round_clock.setdefault(round_no, {}).update(
             asked_at=asked, collected_at=time.monotonic(), started_at=timing.started_at,
-            finished_at=timing.finished_at, cpu_s=timing.cpu_s, run_queue_s=timing.run_queue_s)
+            finished_at=timing.finished_at, cpu_s=timing.cpu_s, run_queue_s=timing.run_queue_s,
+            page_faults=timing.page_faults)
         self.timer.add("sample", timing.sample_s)  # in a child process: overlapped with training
         self.timer.add("wait_for_sample", timing.wait_for_sample_s)
         self.timer.add("wait_for_trainer", timing.wait_for_trainer_s)
