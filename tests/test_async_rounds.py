@@ -322,3 +322,32 @@ def test_lora_lag1_process_equals_inline(cache_dir, tmp_path):
     assert samples == _samples(inline) and max(s["policy_version"] for s in samples) > 0
     rows = [r for r in _rows(proc / "metrics.jsonl") if "loss" in r]
     assert rows == [r for r in _rows(inline / "metrics.jsonl") if "loss" in r] and len(rows) == 6
+
+
+def test_bench_async_table_shows_cpu_run_queue_and_the_overlap_count():
+    """print_async on a hand-made result: CPU and run-queue seconds per round add the trainer's and the
+    sampler process's; the overlap line counts the rounds from their timestamps (bench/async_bench.py)."""
+    import io
+
+    from rich.console import Console
+
+    from humanline_cli.bench.async_bench import print_async, sampler_rounds
+
+    clock = {r: {"began_at": float(r), "started_at": r - 0.9, "cpu_s": 0.25, "run_queue_s": 0.05} for r in range(2, 6)}
+    clock[4]["started_at"] = 4.1  # round 4 began only after round 3's training: not overlapped
+    side = sampler_rounds(clock, range(2, 6))
+    assert side == {"sampler_cpu_s_per_round": 0.25, "sampler_run_queue_s_per_round": pytest.approx(0.05),
+                    "overlapped_rounds": 2, "overlap_pairs": 3}
+    per = {"sample": 0.3, "label": 0.01, "train": 0.2}
+    res = {"objective": "dpo", "task": "arithmetic", "threads": 1, "rounds": 5, "bound_round_s": 0.31,
+           "lag1_over_bound": 1.1, "speedup": 1.5,
+           "lag0": {"round_s": 0.5, "rounds_per_s": 2.0, "phase_s_per_round": per, "trainer_cpu_s_per_round": 0.5,
+                    "trainer_run_queue_s_per_round": 0.0},
+           "lag1": {"round_s": 0.341, "rounds_per_s": 2.93, "phase_s_per_round": per, "trainer_cpu_s_per_round": 0.25,
+                    "trainer_run_queue_s_per_round": 0.125, **side}}
+    out = io.StringIO()
+    print_async(res, Console(file=out, width=200))
+    text = out.getvalue()
+    lag1 = next(ln for ln in text.splitlines() if "lag 1" in ln)
+    assert "0.500" in lag1 and "0.175" in lag1  # CPU 0.25 + 0.25; run-queue 0.125 + 0.05
+    assert "began round r+1 while round r trained in 2 of 3 rounds" in text

@@ -143,10 +143,10 @@ def print_async(res: dict, console) -> None:
     from rich.table import Table
 
     t = Table(title=f"humanline bench async: {res['objective']} on {res['task']}, {res['threads']} training "
-                    f"thread(s) + the sampler process's, rounds 2..{res['rounds']} timed (a round = one step)")
-    for col in ("data.async_lag", "s/round", "rounds/s", "sample s/round", "train s/round", "wait s/round",
-                "CPU s/round", "run-queue s/round"):
-        t.add_column(col, justify="left" if col == "data.async_lag" else "right")
+                    f"thread(s) + the sampler process's, rounds 2..{res['rounds']} timed (a round = one step; "
+                    f"sample .. run-queue: seconds per round)")
+    for col in ("", "s/round", "rounds/s", "sample", "train", "wait", "CPU", "run-queue"):
+        t.add_column(col, justify="right" if col else "left")
     for lag in (0, 1):
         r = res[f"lag{lag}"]
         per = r["phase_s_per_round"]
