@@ -261,6 +261,8 @@ def _child(spec: ChildSpec, requests, results) -> None:
         key, weights, prompt_ids, params = msg
         idle = time.monotonic() - idle_from if idle_from is not None else 0.0
         if fault == f"kill@{key}":
+            results.close()
+            results.join_thread()  # the rounds already sampled reach the parent first (put is asynchronous)
             os.kill(os.getpid(), signal.SIGKILL)
         while fault == f"hang@{key}":
             time.sleep(1.0)  # alive and silent: the parent's timeout must end the run
