@@ -143,7 +143,7 @@ def _set_keys(node: dict) -> dict:
     return {k: _set_keys(v) if isinstance(v, dict) else v for k, v in node.items() if v is not None}
 
 
-def check_async(data, sampler, backend, model, notes: list[str]) -> None:
+def check_async(data, sampler, backend, notes: list[str]) -> None:
     """data.async_lag / data.async_worker (online): what the asynchronous rounds support so far."""
     _at_least(data.async_lag, 0, "data.async_lag")
     if data.async_worker not in ("process", "inline"):
@@ -157,8 +157,6 @@ def check_async(data, sampler, backend, model, notes: list[str]) -> None:
         why = f"backend.nproc={backend.nproc} (one process only so far)"
     elif backend.device.value == "cuda" or (backend.device.value == "auto" and _cuda_available()):
         why = "backend=cuda (the sampler process runs on CPU only so far)"
-    elif model.lora.r > 0:
-        why = "model.lora.r > 0 (LoRA adapters are not sent to the sampler process yet)"
     if why is not None:
         raise UserError(f"data.async_lag={data.async_lag} is not supported with {why}; use data.async_lag=0")
     notes.append(f"data.async_lag={data.async_lag}: each round is sampled from the weights {data.async_lag} round(s) "
@@ -340,7 +338,7 @@ def validate(cfg: DictConfig) -> RunSpec:
             notes.append(f"data.generate_every={data.generate_every}: rounds of {ppr} prompts x {data.n} samples, "
                          f"one generation per {data.generate_every} optimizer steps of {batch} units")
         _positive(data.max_new_tokens, "data.max_new_tokens")
-        check_async(data, sampler, backend, model, notes)
+        check_async(data, sampler, backend, notes)
         if data.temperature < 0:
             raise UserError("data.temperature must be >= 0")
         if not 0.0 < data.top_p <= 1.0:

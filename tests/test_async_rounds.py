@@ -31,7 +31,6 @@ def _validate(*overrides):
     (["data.async_lag=-1"], "data.async_lag"),
     (["data.async_lag=1", "data.async_worker=thread"], "data.async_worker"),
     (["data.async_lag=1", "sampler=vllm"], "not supported with sampler=vllm"),
-    (["data.async_lag=1", "model.lora.r=4"], "not supported with model.lora.r"),
     (["data.async_lag=1", "backend.strategy=ddp", "backend.nproc=2"], "not supported with backend.nproc=2"),
 ])
 def test_async_lag_validation(overrides, needle):
@@ -39,6 +38,7 @@ def test_async_lag_validation(overrides, needle):
 
     with pytest.raises(UserError, match=needle):
         _validate(*overrides)
+    assert _validate("data.async_lag=1", "model.lora.r=4").model_cfg.lora.r == 4  # LoRA: merged weights sent
     spec = _validate("data.async_lag=2")
     assert spec.data_cfg.async_lag == 2 and any("data.async_lag=2" in n for n in spec.notes)
     assert not any("async" in n for n in _validate().notes)  # the default: synchronous, no note
@@ -210,3 +210,146 @@ def test_a_dead_sampler_process_is_one_line_and_exit_2(cache_dir, tmp_path):
     assert "Traceback" not in r.stderr
     assert json.loads((run / "failed.json").read_text())["status"] == "failed"
     assert not (run / "summary.json").exists()
+
+
+def test_the_sampler_samples_round_r_plus_1_while_round_r_trains(cache_dir):
+    """The overlap, from the rounds' own timestamps (one monotonic clock for both processes), as orderings
+    rather than speeds: round r + 1 is submitted before round r is collected, and the sampler process
+    begins it before the trainer has finished training round r (a round = one step of 64 pairs, ~0.15 s of
+    CPU: the child needs a few ms of it to pick up the queued request). The bench's run (bench/async_bench.py)
+    is the real trainer on the world's model."""
+    from humanline_cli.bench.async_bench import _run, _spec
+    from humanline_cli.train.build import prepare_world
+
+    spec = _spec([*BASE, "objective=dpo", "data.n=4", "data.max_new_tokens=6", "train.batch_size=64"], 5, 1)
+    prepare_world(spec, progress=False)
+    res = _run(spec)
+    clock = res["round_clock"]
+    schedstat = Path("/proc/self/schedstat").is_file()
+    assert sorted(clock) == [1, 2, 3, 4, 5, 6]  # round 6: submitted while round 5 trained, never trained
+    for r in range(1, 5):  # rounds 1..4 and their successors, both trained
+        this, nxt = clock[r], clock[r + 1]
+        assert nxt["submitted_at"] < this["asked_at"], (r, clock)     # queued before round r is waited for
+        assert this["finished_at"] <= nxt["started_at"], (r, clock)   # one round at a time, in order
+        assert nxt["started_at"] < nxt["began_at"], (r, clock)        # begun while round r trained
+        assert this["began_at"] <= this["asked_at"] <= this["collected_at"] < nxt["began_at"]
+        assert this["cpu_s"] > 0 and (this["run_queue_s"] is not None) == schedstat  # the kernel's, where it says
+        assert this["run_queue_s"] is None or this["run_queue_s"] >= 0
+    assert res["overlapped_rounds"] == res["overlap_pairs"] == 3  # the bench's count, over timed rounds 2..5
+    # the child keeps its freed heap (proc_clock.keep_freed_memory): from round 3 on it reuses round 2's pages
+    # (measured ~60 faults a round); giving them back to the kernel it faulted 10,000-15,000 pages a round
+    assert all(clock[r]["page_faults"] < 2000 for r in (3, 4, 5)), clock
+    assert res["sampler_cpu_s_per_round"] > 0 and res["trainer_cpu_s_per_round"] > 0
+
+
+def test_report_keeps_lags_apart_and_pairs_each_with_lag0_plain_and_humanline(tmp_path):
+    """Fake run dirs as real runs write them: lags 0, 1 and 2 of plain online and lags 0 and 1 with humanline,
+    3 seeds each. Each lag is its own family (async-L), never pooled with another, and each is paired with lag 0
+    of the same humanline setting (async.csv), and async-1 with online and humanline-async-1 (gap_closed.csv)."""
+    import csv
+
+    from test_report_grouping import config, run_dir
+
+    from humanline_cli.report.aggregate import build_report
+    from humanline_cli.report.stats import t975
+
+    root = tmp_path / "sweep"
+    acc = {(0, False): [0.90, 0.92, 0.88], (1, False): [0.80, 0.83, 0.77], (2, False): [0.70, 0.70, 0.70],
+           (0, True): [0.91, 0.93, 0.89], (1, True): [0.90, 0.92, 0.88]}
+    wall = {0: 100.0, 1: 80.0, 2: 64.0}
+    for (lag, hl), values in acc.items():
+        for seed, a in enumerate(values):
+            cfg = config(obj="dpo", regime="online", seed=seed, humanline=hl, data__async_lag=lag)
+            run = run_dir(root, f"lag{lag}_hl{hl}_{seed}", cfg, win=0.6, wall=wall[lag], acc=a)
+            (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5, "online/policy_version": 0}) + "\n")
+    rep = build_report(root)
+    with open(root / "report.csv") as f:
+        cells = {r["family"]: r for r in csv.DictReader(f)}
+    assert sorted(cells) == ["async-1", "async-2", "humanline-async-1", "humanline-online", "online"]
+    assert all(c["n_seeds"] == "3" for c in cells.values())  # one lag per family: 3 seeds, not 6 or 9
+    assert float(cells["async-1"]["accuracy_mean"]) == pytest.approx(0.80)
+    assert float(cells["async-2"]["accuracy_mean"]) == pytest.approx(0.70)
+    assert float(cells["async-1"]["speedup_vs_online"]) == pytest.approx(100.0 / 80.0)
+
+    with open(root / "async.csv") as f:
+        rows = {(r["humanline"], r["lag"]): r for r in csv.DictReader(f)}
+    assert sorted(rows) == [("False", "1"), ("False", "2"), ("True", "1")]
+    plain1, plain2, hl1 = rows["False", "1"], rows["False", "2"], rows["True", "1"]
+    # lag 0 plain: mean 0.90, sd 0.02, 95% half-width t975(2) * 0.02 / sqrt(3) = 4.30 * 0.011547 = 0.0497
+    # (t975, the project's quantile, is pinned in test_report.py)
+    assert float(plain1["lag0_mean"]) == pytest.approx(0.90)
+    assert float(plain1["lag0_hi"]) - 0.90 == pytest.approx(t975(2) * 0.02 / 3 ** 0.5)
+    # paired per seed: -0.10, -0.09, -0.11 (plain lag 1); -0.20, -0.22, -0.18 (lag 2); -0.01 x 3 (humanline lag 1)
+    assert float(plain1["delta_mean"]) == pytest.approx(-0.10) and plain1["within_lag0_interval"] == "False"
+    assert float(plain2["delta_mean"]) == pytest.approx(-0.20) and float(plain2["speedup"]) == pytest.approx(100 / 64)
+    assert float(hl1["lag0_mean"]) == pytest.approx(0.91)  # paired with humanline's lag 0, not plain online's
+    assert float(hl1["delta_mean"]) == pytest.approx(-0.01) and hl1["within_lag0_interval"] == "True"
+    assert float(hl1["delta_lo"]) == pytest.approx(-0.01) and hl1["n_seeds"] == "3"  # equal differences: no spread
+    with open(root / "gap_closed.csv") as f:
+        gaps = {r["set"]: r for r in csv.DictReader(f)}
+    # async-1: (humanline lag 1 - plain lag 1) / (online - plain lag 1) per seed = 0.10/0.10, 0.09/0.09, 0.11/0.11
+    assert sorted(gaps) == ["async-1"] and float(gaps["async-1"]["gap_closed"]) == pytest.approx(1.0)
+    assert "## Asynchronous rounds vs synchronous online" in rep.markdown
+
+
+def test_a_lora_snapshot_is_the_merged_policy_under_the_base_models_names():
+    """data.async_lag with LoRA: the sampler's plain model loads the snapshot (strict: exactly the base model's
+    names) and then computes the LoRA policy's logits (float64: equal up to rounding, ~1e-15)."""
+    import torch
+    from test_lora import lora_llama, tiny_llama
+
+    from humanline_cli.sampling.rounds_worker import snapshot
+
+    policy = lora_llama(seed=0).double().eval()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # adapters away from their zero init, so that the merge matters
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(3))
+    plain = tiny_llama(seed=1).double().eval()  # other weights: every one is replaced by the snapshot's
+    plain.load_state_dict(snapshot(policy).state_dict())
+    want = policy(input_ids=ids).logits
+    assert (plain(input_ids=ids).logits - want).abs().max().item() < 1e-10
+    base = tiny_llama(seed=0).double().eval()  # the base alone is far from it: the adapters are in the snapshot
+    assert (base(input_ids=ids).logits - want).abs().max().item() > 1e-3
+
+
+def test_lora_lag1_process_equals_inline(cache_dir, tmp_path):
+    """LoRA under asynchronous rounds: the child process samples from the merged weights exactly as the
+    sequential in-process sampler does (same samples, losses and adapter weights)."""
+    proc = _run(tmp_path, "process", "model.lora.r=4", "train.checkpoint_every=0")
+    inline = _run(tmp_path, "inline", "model.lora.r=4", "data.async_worker=inline", "train.checkpoint_every=0")
+    samples = _samples(proc)
+    assert samples == _samples(inline) and max(s["policy_version"] for s in samples) > 0
+    rows = [r for r in _rows(proc / "metrics.jsonl") if "loss" in r]
+    assert rows == [r for r in _rows(inline / "metrics.jsonl") if "loss" in r] and len(rows) == 6
+
+
+def test_bench_async_table_shows_cpu_run_queue_and_the_overlap_count():
+    """print_async on a hand-made result: CPU and run-queue seconds per round add the trainer's and the
+    sampler process's; the overlap line counts the rounds from their timestamps (bench/async_bench.py)."""
+    import io
+
+    from rich.console import Console
+
+    from humanline_cli.bench.async_bench import print_async, sampler_rounds
+
+    clock = {r: {"began_at": float(r), "started_at": r - 0.9, "cpu_s": 0.25, "run_queue_s": 0.05} for r in range(2, 6)}
+    clock[4]["started_at"] = 4.1  # round 4 began only after round 3's training: not overlapped
+    side = sampler_rounds(clock, range(2, 6))
+    assert side == {"sampler_cpu_s_per_round": 0.25, "sampler_run_queue_s_per_round": pytest.approx(0.05),
+                    "overlapped_rounds": 2, "overlap_pairs": 3}
+    per = {"sample": 0.3, "label": 0.01, "train": 0.2}
+    res = {"objective": "dpo", "task": "arithmetic", "threads": 1, "rounds": 5, "bound_round_s": 0.31,
+           "lag1_over_bound": 1.1, "speedup": 1.5,
+           "lag0": {"round_s": 0.5, "rounds_per_s": 2.0, "phase_s_per_round": per, "trainer_cpu_s_per_round": 0.5,
+                    "trainer_run_queue_s_per_round": 0.0},
+           "lag1": {"round_s": 0.341, "rounds_per_s": 2.93, "phase_s_per_round": per, "trainer_cpu_s_per_round": 0.25,
+                    "trainer_run_queue_s_per_round": 0.125, **side}}
+    out = io.StringIO()
+    print_async(res, Console(file=out, width=200))
+    text = out.getvalue()
+    lag1 = next(ln for ln in text.splitlines() if "lag 1" in ln)
+    assert "0.500" in lag1 and "0.175" in lag1  # CPU 0.25 + 0.25; run-queue 0.125 + 0.05
+    assert "began round r+1 while round r trained in 2 of 3 rounds" in text

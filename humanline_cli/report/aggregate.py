@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from humanline_cli.errors import UserError
-from humanline_cli.report import gap_closed
+from humanline_cli.report import async_lag, gap_closed
 from humanline_cli.report.groups import (
     DEFAULT_IGNORE,
     Group,
@@ -328,6 +328,13 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     md += "\n## Gap closed by humanline-offline\n\n" + "\n".join(gap_closed.markdown(gaps))
     if "gap_closed.png" in files:
         md += "\n![gap closed](gap_closed.png)\n"
+    lagged = async_lag.async_rows(complete, ignore)  # only sweeps with data.async_lag > 0 get the section
+    if lagged:
+        files["async.csv"] = out_dir / "async.csv"
+        async_lag.write_csv(lagged, files["async.csv"])
+        md += "\n## Asynchronous rounds vs synchronous online\n\n" + "\n".join(async_lag.markdown(lagged))
+    else:
+        (out_dir / "async.csv").unlink(missing_ok=True)  # never an earlier report's table
     files["report.md"].write_text(md)
     columns = csv_columns(cells)
     write_csv(files["report.csv"], cells, columns)

@@ -81,7 +81,7 @@ def learning_curve(summary: dict, metrics: list[dict], metric: str) -> list[tupl
         if key in r and r.get("step") in train_rows:
             t = _work({k.removeprefix("time/"): v for k, v in train_rows[r["step"]].items() if k.startswith("time/")})
             points.append((t, float(r[key])))
-    final = _metric(summary, metric)
+    final = metric_value(summary, metric)
     if final is not None:
         points.append((_work(summary.get("wall_clock_s") or {}), final))
     return points
@@ -192,15 +192,16 @@ def gap_rows(runs: list, ignore=()) -> list[GapRow]:
 
 
 def _comparisons(fams: dict) -> list[tuple]:
-    """(baseline family, humanline group, label) per comparison in one set: the baseline is plain offline or
-    stale on-policy rounds (`stale-K`, data.generate_every=K), each compared with online and with every humanline
+    """(baseline family, humanline group, label) per comparison in one set: the baseline is plain offline,
+    stale on-policy rounds (`stale-K`, data.generate_every=K) or asynchronous rounds (`async-L`, data.async_lag=L,
+    compared with synchronous lag-0 online), each compared with online and with every humanline
     group of the same data (`humanline-<baseline>`); several such groups (hl.* settings) are told apart by the hl
     keys that differ between them. A baseline or online that is ambiguous (two groups of the family differ in
     a family-defining key) gives nothing."""
     out = []
     if len(fams.get("online", [])) != 1:
         return out
-    for base in sorted(f for f in fams if f == "offline" or f.startswith("stale-")):
+    for base in sorted(f for f in fams if f == "offline" or f.startswith(("stale-", "async-"))):
         hls = fams.get(f"humanline-{base}", [])
         if len(fams[base]) != 1 or not hls:
             continue
@@ -215,13 +216,13 @@ def _gap_row(task: str, objective: str, label: str, by: dict) -> GapRow | None:
     """One comparison: `by` maps offline (the baseline), online and humanline-offline to {seed: run}."""
     names = {metric_of(r.summary)[0] for f in by for r in by[f].values()}
     metric = sorted(names)[0] if len(names) == 1 else "win rate"
-    vals = {f: {s: _metric(r.summary, metric) for s, r in by[f].items()} for f in by}
+    vals = {f: {s: metric_value(r.summary, metric) for s, r in by[f].items()} for f in by}
     vals = {f: {s: v for s, v in d.items() if v is not None} for f, d in vals.items()}
     if not all(vals.values()):
         return None
     wall = {f: statistics.fmean(r.summary.get("wall_clock_s", {}).get("total", math.nan) for r in by[f].values())
             for f in ("online", "humanline-offline")}
-    scores = {f: {mode: mean_ci([v for r in by[f].values() if (v := _metric(r.summary, mode)) is not None])
+    scores = {f: {mode: mean_ci([v for r in by[f].values() if (v := metric_value(r.summary, mode)) is not None])
                   for mode in ("greedy accuracy", "accuracy", "win rate")} for f in by}
     curves = {f: {s: learning_curve(r.summary, r.metrics, metric) for s, r in by[f].items()}
               for f in ("online", "humanline-offline")}
@@ -280,7 +281,7 @@ def write_csv(rows: list[GapRow], path) -> None:
         w.writerows(csv_row(r) for r in rows)
 
 
-def _metric(summary: dict, name: str) -> float | None:
+def metric_value(summary: dict, name: str) -> float | None:
     ev = summary.get("eval") or {}
     value = {"greedy accuracy": (ev.get("greedy") or {}).get("accuracy"), "accuracy": ev.get("accuracy"),
              "win rate": ev.get("win_rate")}.get(name)

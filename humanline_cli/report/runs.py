@@ -117,11 +117,18 @@ def read_config(path: Path) -> tuple[dict, dict] | None:
 
 
 def data_family(regime: str, cfg: dict) -> str:
-    """The data part of a run's family: the regime, except online rounds that serve K > 1 optimizer steps per
-    generation (data.generate_every=K), which are `stale-K` (the authors' math "offline"): a baseline of their
-    own, compared with online and with humanline on the same stale rounds."""
-    k = cfg.get("data.generate_every")
-    return f"stale-{k}" if regime == "online" and isinstance(k, int) and k > 1 else regime
+    """The data part of a run's family: the regime, except for online rounds that are off-policy by design,
+    each a baseline of its own, compared with (synchronous, lag-0) online and with humanline on the same rounds:
+    - `stale-K`: rounds that serve K > 1 optimizer steps per generation (data.generate_every=K; the authors'
+      math "offline");
+    - `async-L`: rounds sampled L > 0 rounds ahead by the sampler process (data.async_lag=L), so never
+      averaged with another lag; both at once: `stale-K-async-L`."""
+    if regime != "online":
+        return regime
+    k, lag = cfg.get("data.generate_every"), cfg.get("data.async_lag")
+    parts = ([f"stale-{k}"] if isinstance(k, int) and k > 1 else []) + ([f"async-{lag}"] if isinstance(lag, int)
+                                                                         and lag > 0 else [])
+    return "-".join(parts) or regime
 
 
 def _label_from_config(run: Run) -> None:

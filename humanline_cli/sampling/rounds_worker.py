@@ -15,6 +15,7 @@ liveness: a dead or silent sampler becomes one RunFailed line, never a hang.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import queue
 import signal
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from humanline_cli.errors import RunFailed
+from humanline_cli.sampling.proc_clock import cpu_s, keep_freed_memory, page_faults, run_queue_s
 from humanline_cli.sampling.sampler import Completions, SamplingParams
 
 START_TIMEOUT_S = 600.0  # the child's start (imports, model load) may take minutes for a large model
@@ -35,12 +37,23 @@ class RoundTiming:
     """Seconds a round cost: sampling it (in the child: overlapped with training), the trainer blocked
     waiting for it (wait_for_sample), the sampler idle before it, waiting for the trainer's request
     (wait_for_trainer), and, once, the trainer blocked on the child's start (sampler_start: importing
-    torch and loading the model, when that outlasts the parent's own setup)."""
+    torch and loading the model, when that outlasts the parent's own setup).
+
+    Where the round's sampling sat in time (time.monotonic() of whichever process sampled it: Linux's
+    CLOCK_MONOTONIC is one clock for all processes, so the trainer compares them with its own), the CPU
+    seconds the sampling took and the seconds it waited for a CPU (None where the kernel does not say), and
+    the minor page faults it took (memory the process had given back to the kernel and touched again):
+    they tell an overlap that did not happen from one the machine had no free core for."""
 
     sample_s: float = 0.0
     wait_for_sample_s: float = 0.0
     wait_for_trainer_s: float = 0.0
     sampler_start_s: float = 0.0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    cpu_s: float = 0.0
+    run_queue_s: float | None = None
+    page_faults: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,8 +77,15 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def snapshot(policy: torch.nn.Module) -> Snapshot:
-    """The policy's weights now; later optimizer steps do not change the copy."""
-    state = {k: v.detach() for k, v in policy.state_dict().items()}
+    """The policy's weights now; later optimizer steps do not change the copy. A peft LoRA policy: its
+    weights with the adapter merged in, under the base model's names (core.lora.merged_weights), which is
+    what the sampler's plain model loads."""
+    if hasattr(policy, "get_base_model"):
+        from humanline_cli.core.lora import merged_weights
+
+        state = {k: v.detach() for k, v in merged_weights(policy)}
+    else:
+        state = {k: v.detach() for k, v in policy.state_dict().items()}
     sizes: dict[str, int] = {}
     index = []
     for name, t in state.items():
@@ -92,10 +112,8 @@ class InlineRounds:
 
     def result(self, key: int) -> tuple[Completions, RoundTiming]:
         weights, prompt_ids, params = self._jobs.pop(key)
-        t = time.perf_counter()
-        self.model.load_state_dict(weights.state_dict())
-        out = self.sampler.generate(prompt_ids, params)
-        return out, RoundTiming(sample_s=time.perf_counter() - t)
+        out, clock = _sample(self.model, self.sampler, weights, prompt_ids, params)
+        return out, RoundTiming(sample_s=clock["finished_at"] - clock["started_at"], **clock)
 
     def close(self) -> None:
         self._jobs.clear()
@@ -156,12 +174,13 @@ class SamplerProcess:
                 start_s = time.perf_counter() - t
                 deadline = time.perf_counter() + self.timeout_s  # the round's own time starts now
                 continue
-            out, sample_s, idle_s = payload
+            out, clock, idle_s = payload
             self._held.pop(k, None)
-            self._done[k] = (out, RoundTiming(sample_s=sample_s, wait_for_trainer_s=idle_s))
+            self._done[k] = (out, RoundTiming(sample_s=clock["finished_at"] - clock["started_at"],
+                                              wait_for_trainer_s=idle_s, **clock))
         out, timing = self._done.pop(key)
         waited = time.perf_counter() - t - start_s
-        return out, RoundTiming(timing.sample_s, waited, timing.wait_for_trainer_s, start_s)
+        return out, dataclasses.replace(timing, wait_for_sample_s=waited, sampler_start_s=start_s)
 
     def _check_alive(self, when: str) -> None:
         if not self.proc.is_alive():
@@ -186,6 +205,17 @@ class SamplerProcess:
         self._held.clear()
 
 
+def _sample(model, sampler, weights: Snapshot, prompt_ids, params) -> tuple[Completions, dict]:
+    """Load the round's snapshot into `model` and sample it with `sampler`; with the round's clock."""
+    t, c, q, f = time.monotonic(), cpu_s(), run_queue_s(), page_faults()
+    model.load_state_dict(weights.state_dict())
+    out = sampler.generate(prompt_ids, params)
+    q1 = run_queue_s()
+    return out, {"started_at": t, "finished_at": time.monotonic(), "cpu_s": cpu_s() - c,
+                 "run_queue_s": q1 - q if q is not None and q1 is not None else None,
+                 "page_faults": page_faults() - f}
+
+
 def _die_with_parent() -> None:
     """Linux: the kernel sends SIGKILL to this process when its parent dies (kill -9 included)."""
     with contextlib.suppress(Exception):
@@ -204,6 +234,7 @@ def _child(spec: ChildSpec, requests, results) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
     fault = os.environ.get(FAULT_ENV, "")
+    keep_freed_memory()  # before the model's and the first round's allocations
     try:
         from humanline_cli.backend import make_backend
         from humanline_cli.models import load_policy, load_tokenizer
@@ -228,20 +259,20 @@ def _child(spec: ChildSpec, requests, results) -> None:
         if msg is None:
             return
         key, weights, prompt_ids, params = msg
-        idle = time.perf_counter() - idle_from if idle_from is not None else 0.0
+        idle = time.monotonic() - idle_from if idle_from is not None else 0.0
         if fault == f"kill@{key}":
+            results.close()
+            results.join_thread()  # the rounds already sampled reach the parent first (put is asynchronous)
             os.kill(os.getpid(), signal.SIGKILL)
         while fault == f"hang@{key}":
             time.sleep(1.0)  # alive and silent: the parent's timeout must end the run
-        t = time.perf_counter()
         try:
             if fault == f"raise@{key}":
                 raise RuntimeError(f"injected sampler fault at round {key}")
-            model.load_state_dict(weights.state_dict())
+            out, clock = _sample(model, sampler, weights, prompt_ids, params)
             del weights
-            out = sampler.generate(prompt_ids, params)
         except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
             results.put(("error", key, f"{type(e).__name__}: {e}"))
             return
-        results.put(("done", key, (out, time.perf_counter() - t, idle)))
-        idle_from = time.perf_counter()
+        results.put(("done", key, (out, clock, idle)))
+        idle_from = time.monotonic()

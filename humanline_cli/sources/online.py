@@ -65,6 +65,10 @@ class OnlineSource:
         self._pending: dict[int, dict] = {}   # submitted rounds: their prompt indices and policy version
         self._done: dict[int, Completions] = {}  # rounds already collected from the producer (a checkpoint's)
         self._steps_done = 0                  # optimizer steps behind the live weights (the policy version)
+        # per sampled round (this process's, not a checkpoint's): when the trainer began it and collected it,
+        # when the producer sampled it (time.monotonic(), one clock across processes) and its CPU and
+        # run-queue seconds: the overlap actually achieved, round by round (the bench and the tests read it)
+        self.round_clock: dict[int, dict] = {}
         self.length = length  # unit -> tokens: length bucketing in micro_batches (None: off)
         self.rows, self.encoder, self.collate = rows, encoder, collate
         self.sampler, (self.labeller_name, self.labeller) = sampler, labeller
@@ -132,13 +136,19 @@ class OnlineSource:
         `weights` (the snapshot that must sample them)."""
         idx = self._next_prompt_indices()
         prompt_ids = [self.encoder.prompt_ids(self.rows[i]["prompt"]) for i in idx]
+        self.round_clock.setdefault(round_no, {})["submitted_at"] = time.monotonic()
         self.producer.submit(round_no, weights, prompt_ids, self._round_params(round_no))
         self._pending[round_no] = {"prompts": idx, "version": self._steps_done}
 
     def _collect(self, round_no: int) -> Completions:
         if round_no in self._done:
             return self._done.pop(round_no)
+        asked = time.monotonic()
         out, timing = self.producer.result(round_no)
+        self.round_clock.setdefault(round_no, {}).update(
+            asked_at=asked, collected_at=time.monotonic(), started_at=timing.started_at,
+            finished_at=timing.finished_at, cpu_s=timing.cpu_s, run_queue_s=timing.run_queue_s,
+            page_faults=timing.page_faults)
         self.timer.add("sample", timing.sample_s)  # in a child process: overlapped with training
         self.timer.add("wait_for_sample", timing.wait_for_sample_s)
         self.timer.add("wait_for_trainer", timing.wait_for_trainer_s)
@@ -150,6 +160,7 @@ class OnlineSource:
     def _lagged_round(self) -> tuple[list[dict], list[tuple], dict]:
         """Round `self.round` of an asynchronous run: keep rounds up to round + lag submitted (never
         more: the queue is bounded), then collect this one."""
+        self.round_clock.setdefault(self.round, {})["began_at"] = time.monotonic()
         weights = None
         for r in range(self.round, self.round + self.lag + 1):
             if r not in self._pending:
