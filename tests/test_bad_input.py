@@ -255,6 +255,15 @@ def test_an_interruption_carries_its_step():
             if step == 7:
                 raise KeyboardInterrupt
     assert isinstance(e.value, KeyboardInterrupt) and interrupted_where(e.value) == "at step 7"
+    # a second Ctrl-C (torch's agent forwards one to every rank) raised while the first unwinds keeps its step
+    first = e.value
+    with pytest.raises(KeyboardInterrupt) as e:
+        try:
+            raise first
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt from None  # `from None` hides the context from tracebacks, not __context__
+    assert type(e.value) is KeyboardInterrupt and interrupted_where(e.value) == "at step 7"
+    StepMarker.unwound = None  # a new job (run_job starts each with none)
     with pytest.raises(KeyboardInterrupt) as e:
         raise KeyboardInterrupt
     assert interrupted_where(e.value) == "before training"

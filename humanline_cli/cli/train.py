@@ -62,11 +62,7 @@ def interrupted(e: BaseException, run_dir: Path | None):
     note = " (failed.json written)" if failed is not None else ""
     # under DDP/FSDP the step is rank 0's (it recorded it in failed.json); in one process, this traceback's
     where = failed.get("interrupted") if failed is not None and failed.get("interrupted") else None
-    if where is None and run_dir is not None:  # rank 0 died of a peer's exit first: a rank's own record
-        from humanline_cli.train.failures import interrupted as recorded_interrupt
-
-        where = recorded_interrupt(run_dir)
-    where = where or interrupted_where(e)
+    where = where or interrupted_where(e)  # DDP/FSDP: the launcher's Interrupted carries a rank's record
     print(f"humanline: interrupted {where}{note}", file=sys.stderr)
     sys.exit(130)
 

@@ -105,9 +105,10 @@ def record_interrupt(run_dir: Path, rank: int, where: str) -> None:
         pass
 
 
-def interrupted(run_dir: Path) -> str | None:
-    """Where Ctrl-C landed, as the lowest rank that recorded it says; None when no rank did."""
-    d = failures_dir(run_dir)
+def interrupted(run_dir: Path, job: str | None = None) -> str | None:
+    """Where Ctrl-C landed, as the lowest rank that recorded it says; None when no rank did. `job`: the
+    launching process's run id (it has no TORCHELASTIC_RUN_ID of its own; the ranks do)."""
+    d = failures_dir(run_dir, job)
     for p in sorted(d.glob("interrupted*.json")) if d.is_dir() else []:
         try:
             return json.loads(p.read_text())["interrupted"]

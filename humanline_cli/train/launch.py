@@ -17,7 +17,7 @@ import signal
 import uuid
 from pathlib import Path
 
-from humanline_cli.errors import Preempted, RunFailed
+from humanline_cli.errors import Interrupted, Preempted, RunFailed
 
 
 def spawn_count(cfg) -> int:
@@ -130,8 +130,11 @@ def launch(cfg, run_dir: Path, nproc: int) -> None:
         rec = failures.root_cause(run_dir, conf.run_id)
         if rec is not None and rec["type"] == "Preempted":
             raise failures.as_exception(rec) from None
-        if e.sigval == signal.SIGINT:
-            raise KeyboardInterrupt from None
+        if e.sigval == signal.SIGINT:  # the step a rank recorded: rank 0's failed.json may lack it (rank 0 died of
+            where = failures.interrupted(run_dir, conf.run_id)  # a peer's exit before its own Ctrl-C landed)
+            if where is not None:
+                _record_interrupt_in_failed_json(Path(run_dir), where)
+            raise (Interrupted(where) if where else KeyboardInterrupt()) from None
         raise Preempted(f"stopped by {signal.Signals(e.sigval).name} (the ranks ended without a checkpoint); "
                         f"rerun the same command to resume from the last checkpoint") from None
     except ChildFailedError as e:
@@ -168,3 +171,21 @@ def shared_run_dir(run_dir: Path, cfg=None) -> Path:
     box = [str(run_dir)]
     tdist.broadcast_object_list(box, src=0)
     return Path(box[0])
+
+
+def _record_interrupt_in_failed_json(run_dir: Path, where: str) -> None:
+    """Rank 0 wrote failed.json with a peer's exit as the cause when that exit reached it before its own
+    Ctrl-C did; the job was interrupted, so failed.json says that, with the step a rank recorded."""
+    import json
+
+    from humanline_cli.train.tracking import write_failed_json
+
+    path = run_dir / "failed.json"
+    try:
+        failed = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # not written (no run dir yet, or a full disk): nothing to correct
+    if failed.get("interrupted"):
+        return
+    write_failed_json(path, {"status": "failed", "error": "KeyboardInterrupt", "interrupted": where,
+                             **({"wall_clock_s": failed["wall_clock_s"]} if "wall_clock_s" in failed else {})})

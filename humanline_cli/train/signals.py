@@ -71,8 +71,8 @@ class StepMarker:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is not None and exc_type is not KeyboardInterrupt:
-            StepMarker.unwound = self  # an error (not Ctrl-C, which carries its step below) left the loop
+        if exc_type is not None:  # a second Ctrl-C (the agent forwards one) can land while this one unwinds
+            StepMarker.unwound = self
         if exc_type is KeyboardInterrupt and self.step is not None:
             raise Interrupted(f"at step {self.step}") from exc
         return False
@@ -81,8 +81,11 @@ class StepMarker:
 def interrupted_where(e: BaseException, trained: bool = False) -> str:
     """Where a KeyboardInterrupt landed: the step it carries (StepMarker), the step of a loop that was
     unwinding from an error when it landed, else after or before training."""
-    if isinstance(e, Interrupted):
-        return e.where
+    seen = e
+    while seen is not None:  # a second Ctrl-C raised while the first (carrying its step) was unwinding
+        if isinstance(seen, Interrupted):
+            return seen.where
+        seen = seen.__context__
     if not trained and StepMarker.unwound is not None and StepMarker.unwound.step is not None:
         return f"at step {StepMarker.unwound.step}"
     return "after training" if trained else "before training"
