@@ -12,6 +12,10 @@ import torch.nn.functional as F
 
 from humanline_cli.core.logprobs import masked_mean, masked_sum, seq_masked_mean
 
+# GRPO aggregations whose micro-batch loss is the token mean (dapo / dapo_micro differ only in how the trainer
+# weights micro-batches: core/objectives.micro_batch_weights)
+TOKEN_MEAN_AGGREGATIONS = ("token_mean", "dapo", "dapo_micro")
+
 
 def dpo_loss(
     token_logratio_chosen: torch.Tensor,
@@ -104,13 +108,12 @@ def grpo_loss(
     neg = -token_logratio_kl  # ref - pol
     k3 = torch.exp(neg) - neg - 1.0
     per_token = pg + beta * k3
-    match aggregation:
-        case "token_mean" | "dapo" | "dapo_micro":
-            loss = masked_mean(per_token, mask)
-        case "seq_mean":
-            loss = seq_masked_mean(per_token, mask).mean()
-        case _:
-            raise ValueError(f"unknown GRPO aggregation {aggregation!r} (token_mean | seq_mean | dapo | dapo_micro)")
+    if aggregation in TOKEN_MEAN_AGGREGATIONS:
+        loss = masked_mean(per_token, mask)
+    elif aggregation == "seq_mean":
+        loss = seq_masked_mean(per_token, mask).mean()
+    else:
+        raise ValueError(f"unknown GRPO aggregation {aggregation!r} ({' | '.join(('seq_mean',) + TOKEN_MEAN_AGGREGATIONS)})")
     with torch.no_grad():
         clip_hit = ((rho < 1.0 - epsilon) | (rho > 1.0 + epsilon)).float()
         metrics = {

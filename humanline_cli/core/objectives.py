@@ -7,7 +7,7 @@ import torch
 from humanline_cli.core.batches import BinaryBatch, GroupBatch, PairBatch, n_units
 from humanline_cli.core.humanline import HumanlineSpec, clamp_logratios, unclamped_fraction
 from humanline_cli.core.logprobs import completion_mask, masked_sum, processed_tokens, token_logps
-from humanline_cli.core.losses import dpo_loss, grpo_loss, kto_loss, kto_reference_point
+from humanline_cli.core.losses import TOKEN_MEAN_AGGREGATIONS, dpo_loss, grpo_loss, kto_loss, kto_reference_point
 
 
 def _logratios(policy, reference, seqs, grad: bool = True):
@@ -48,7 +48,7 @@ def loss_count(objective_cfg, batch) -> float:
     """What the objective's loss averages over in this micro-batch: completion tokens for GRPO's
     token mean, else units (pairs, examples, sequences). The trainer weights each micro-batch's loss
     by count / (count over the global batch), so micro-batching and ranks only change memory."""
-    if isinstance(batch, GroupBatch) and objective_cfg.aggregation in ("token_mean", "dapo", "dapo_micro"):
+    if isinstance(batch, GroupBatch) and objective_cfg.aggregation in TOKEN_MEAN_AGGREGATIONS:
         return float(completion_mask(batch.seqs).sum())
     return float(n_units(batch))
 
