@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from humanline_cli.errors import UserError
-from humanline_cli.report import async_lag, gap_closed
+from humanline_cli.report import async_lag, cost, gap_closed
 from humanline_cli.report.groups import (
     DEFAULT_IGNORE,
     Group,
@@ -328,6 +328,10 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     md += "\n## Gap closed by humanline-offline\n\n" + "\n".join(gap_closed.markdown(gaps))
     if "gap_closed.png" in files:
         md += "\n![gap closed](gap_closed.png)\n"
+    costs = cost.cost_rows(complete)
+    files["cost.csv"] = out_dir / "cost.csv"
+    cost.write_csv(costs, files["cost.csv"])
+    md += "\n## Generation cost at matched training units\n\n" + "\n".join(cost.markdown(costs)) + "\n"
     lagged = async_lag.async_rows(complete, ignore)  # only sweeps with data.async_lag > 0 get the section
     if lagged:
         files["async.csv"] = out_dir / "async.csv"
