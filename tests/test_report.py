@@ -163,7 +163,7 @@ def test_markdown_lists_failed_and_incomplete(runs_dir):
 def test_pngs_are_valid(runs_dir, tmp_path):
     out = tmp_path / "out"
     rep = build_report(runs_dir, out_dir=out)
-    assert rep.skipped_plots == {}
+    assert set(rep.skipped_plots) == {"eval_vs_step.png"}  # these runs have no periodic greedy/sampled evals
     for png in ("eval_vs_wallclock.png", "unclamped_fraction.png", "logratio_hist.png"):
         data = (out / png).read_bytes()
         assert data[:8] == PNG_SIGNATURE and len(data) > 5000
@@ -205,7 +205,7 @@ def test_skipped_plots_are_reported(tmp_path):
     d = make_run(root, "a", "dpo", "offline", False, 0, win=0.6, acc=0.7, wall=10.0)
     (d / "logratios.jsonl").unlink()
     rep = build_report(root)
-    assert set(rep.skipped_plots) == {"unclamped_fraction.png", "logratio_hist.png"}
+    assert set(rep.skipped_plots) == {"unclamped_fraction.png", "logratio_hist.png", "eval_vs_step.png"}
     assert "`logratio_hist.png` skipped: no run wrote logratios.jsonl" in rep.markdown
     assert not (root / "logratio_hist.png").exists()
     assert "Failed or incomplete runs\n\nnone" in rep.markdown

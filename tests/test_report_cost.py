@@ -52,3 +52,25 @@ def test_cost_table_counts_sequences_calls_and_pushes_per_regime(tmp_path):
     assert float(off["generation_calls"]) == 0 and off["sequences_per_call"] == "" and float(off["pushes_vs_online"]) == 0
     assert "## Generation cost at matched training units" in rep.markdown
     assert "| arithmetic | grpo | stale64 | 2 | 6400 | 12544 | 4.0 | 4.0 | 3136 | 0.040x |" in rep.markdown
+
+
+def test_learning_curves_average_seeds_at_each_step(tmp_path):
+    """eval_vs_step.png: accuracy against the optimizer step, start (step 0), periodic evals (metrics.jsonl) and
+    the final eval; the line is the mean of the seeds at the steps every seed evaluated."""
+    from humanline_cli.report.plots import step_curve
+
+    root = tmp_path / "sweep"
+    for seed, (mid, final) in enumerate([(0.70, 0.90), (0.80, 0.94)]):
+        _run(root, "online", "grpo", seed, rounds=100, sequences=0)
+        d = root / "online" / f"grpo_seed{seed}"
+        s = json.loads((d / "summary.json").read_text())
+        s["eval"]["greedy"] = {"start_accuracy": 0.64, "accuracy": final}
+        (d / "summary.json").write_text(json.dumps(s))
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 100, "eval/greedy/accuracy": mid}) + "\n"
+                                         + json.dumps({"step": 150, "loss": 0.3}) + "\n")
+    rep = build_report(root)
+    assert "eval_vs_step.png" in rep.files and (root / "eval_vs_step.png").stat().st_size > 10_000
+    run0 = next(r for r in rep.runs if r.seed == 0)
+    assert step_curve(run0, "greedy") == [(0, 0.64), (100, 0.70), (200, 0.90)]
+    assert step_curve(run0, "sampled") == []  # no sampled numbers at all: no curve
+    assert "eval_vs_step.png" not in rep.skipped_plots

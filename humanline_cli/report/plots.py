@@ -116,6 +116,64 @@ def plot_eval_vs_wallclock(runs, path: Path) -> str | None:
     return _save(fig, path)
 
 
+def step_curve(run, mode: str) -> list[tuple[int, float]]:
+    """[(step, accuracy)] of one eval mode ("greedy" or "sampled"): the start at step 0, the periodic
+    evals (eval.every) from metrics.jsonl, the final eval at the run's last step."""
+    ev = run.summary.get("eval") or {}
+    sub = ev.get(mode) or {}
+    start, final = _num(sub.get("start_accuracy")), _num(sub.get("accuracy"))
+    pts = {0: start} if start is not None else {}
+    for row in run.metrics:
+        v = _num(row.get(f"eval/{mode}/accuracy"))
+        if v is not None and _num(row.get("step")) is not None:
+            pts[int(row["step"])] = v
+    steps = _num(run.summary.get("steps"))
+    if steps is not None and final is not None:
+        pts[int(steps)] = final
+    return sorted(pts.items())
+
+
+def curve_label(run) -> str:
+    """A line of the learning-curve plot: the sweep's `regime=` name where it has one, else the family."""
+    from humanline_cli.report.regime_map import regime_of
+
+    return regime_of(Path(run.path)) or _label(run)
+
+
+def plot_eval_vs_step(runs, path: Path) -> str | None:
+    """Learning curves at matched training units: accuracy against the optimizer step, the mean over each
+    regime's seeds at the steps all its seeds evaluated; one panel per objective and eval mode (greedy, sampled)."""
+    modes = [m for m in ("greedy", "sampled") if any(len(step_curve(r, m)) > 2 for r in runs)]
+    if not modes:
+        return "no complete run has periodic greedy or sampled accuracy (eval.every > 0 on a verifier task)"
+    import matplotlib.pyplot as plt
+
+    keys, title = _keys((r.task, r.objective) for r in runs if any(len(step_curve(r, m)) > 2 for m in modes))
+    fig, axes = plt.subplots(len(modes), len(keys), figsize=(6 * len(keys), 4.5 * len(modes)), squeeze=False)
+    labels = sorted({curve_label(r) for r in runs})
+    cmap = plt.get_cmap("tab20")
+    colors = {lab: cmap(i % 20) for i, lab in enumerate(labels)}
+    for i, mode in enumerate(modes):
+        for j, key in enumerate(keys):
+            ax = axes[i][j]
+            ax.set_title(f"{title(key)}, {mode} accuracy")
+            ax.grid(alpha=0.3)
+            ax.set_xlabel("optimizer step (matched training units)")
+            by: dict[str, list[dict]] = {}
+            for r in runs:
+                if (r.task, r.objective) == key and len(step_curve(r, mode)) > 2:
+                    by.setdefault(curve_label(r), []).append(dict(step_curve(r, mode)))
+            for lab in sorted(by):
+                curves = by[lab]
+                steps = sorted(set.intersection(*(set(c) for c in curves)))
+                ys = [sum(c[s] for c in curves) / len(curves) for s in steps]
+                ax.plot(steps, ys, marker="o", ms=3, color=colors[lab], alpha=0.85,
+                        linestyle=LINESTYLES[labels.index(lab) // 10 % len(LINESTYLES)],
+                        label=f"{lab} (n={len(curves)})")
+            ax.legend(fontsize=7, ncol=2)
+    return _save(fig, path)
+
+
 def plot_unclamped_fraction(runs, path: Path) -> str | None:
     hl = [r for r in runs if r.humanline and any(_num(m.get("humanline/unclamped_fraction")) is not None
                                                  for m in r.metrics)]
@@ -201,6 +259,7 @@ def make_plots(runs, out_dir: Path) -> tuple[dict, dict]:
     matplotlib.use("Agg", force=True)
     plots, skipped = {}, {}
     for name, fn in (("eval_vs_wallclock.png", plot_eval_vs_wallclock),
+                     ("eval_vs_step.png", plot_eval_vs_step),
                      ("unclamped_fraction.png", plot_unclamped_fraction),
                      ("logratio_hist.png", plot_logratio_hist)):
         path = out_dir / name
