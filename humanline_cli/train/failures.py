@@ -168,6 +168,12 @@ def failed_json(rec: dict) -> dict:
             "wall_clock_s": rec.get("wall_clock_s", {})}
 
 
+def interrupted_json(where: str, wall_clock_s: dict | None = None) -> dict:
+    """failed.json's content for a job a Ctrl-C ended: `where` is the step it landed in ("at step 4")."""
+    return {"status": "failed", "error": "KeyboardInterrupt", "interrupted": where,
+            **({"wall_clock_s": wall_clock_s} if wall_clock_s is not None else {})}
+
+
 def as_exception(rec: dict) -> BaseException:
     """The exception the launching process raises for a rank's record (the CLI maps it to exit 2 or 1)."""
     msg = f"rank {rec['rank']}: {rec['message']}"

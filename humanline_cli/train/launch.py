@@ -178,6 +178,7 @@ def _record_interrupt_in_failed_json(run_dir: Path, where: str) -> None:
     Ctrl-C did; the job was interrupted, so failed.json says that, with the step a rank recorded."""
     import json
 
+    from humanline_cli.train import failures
     from humanline_cli.train.tracking import write_failed_json
 
     path = run_dir / "failed.json"
@@ -187,5 +188,4 @@ def _record_interrupt_in_failed_json(run_dir: Path, where: str) -> None:
         return  # not written (no run dir yet, or a full disk): nothing to correct
     if failed.get("interrupted"):
         return
-    write_failed_json(path, {"status": "failed", "error": "KeyboardInterrupt", "interrupted": where,
-                             **({"wall_clock_s": failed["wall_clock_s"]} if "wall_clock_s" in failed else {})})
+    write_failed_json(path, failures.interrupted_json(where, failed.get("wall_clock_s")))

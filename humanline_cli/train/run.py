@@ -176,8 +176,7 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None, spec
             failed = failures.failed_json(rec) if rec is not None else failed
             where = failures.interrupted(run_dir) if main and failures.is_secondary(e) else None
             if where is not None:  # Ctrl-C reached another rank first: rank 0 only saw it leave
-                failed = {"status": "failed", "error": "KeyboardInterrupt", "interrupted": where,
-                          "wall_clock_s": timer.report()}
+                failed = failures.interrupted_json(where, timer.report())
         note = write_failed_json(run_dir / "failed.json", failed) if main and run_dir.is_dir() else None
         if tracker is not None:
             tracker.finish(1)
