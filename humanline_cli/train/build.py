@@ -195,7 +195,8 @@ def make_sampler(spec: RunSpec, policy, tokenizer, backend: Backend, model_path:
             from humanline_cli.sampling.hf import HFSampler
 
             fsdp = shard.world_size > 1 and spec.backend_cfg.strategy.value == "fsdp"
-            return HFSampler(policy, tokenizer, s.batch_size, backend.autocast, lockstep=shard.max_int if fsdp else None)
+            batch = s.batch_size if s.name == "hf" else spec.eval_cfg.batch_size  # sampler=vllm's evaluating stand-in
+            return HFSampler(policy, tokenizer, batch, backend.autocast, lockstep=shard.max_int if fsdp else None)
         case "vllm":
             from humanline_cli.sampling.vllm import VLLMSampler
 
@@ -278,7 +279,7 @@ def make_round_producer(spec: RunSpec, tokenizer, backend: Backend):
     # the engine runs in its own process (or, inline, between rounds): nothing to free for training by sleeping
     engine = {**vllm_options(spec), "sleep": False} if s.name == "vllm" else None
     child = rw.ChildSpec(model_path, tok_path, spec.model_cfg.trust_remote_code, spec.backend_cfg.precision.value,
-                         spec.threads, s.batch_size, engine)
+                         spec.threads, s.batch_size if engine is None else 0, engine)  # vLLM batches by itself
     if spec.data_cfg.async_worker == "inline":
         if engine is not None:
             return rw.InlineRounds(*rw.start_vllm(child))
