@@ -21,6 +21,8 @@ def _run(tmp_path: Path, name: str, *extra: str) -> Path:
     r = run_cli(["train", *BASE, *ASYNC_VLLM, "train.steps=6", f"hydra.run.dir={run}", *extra], tmp_path,
                 env_extra=ENV, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    # one vLLM engine in the whole job (the sampler process's, or inline this process's): the trainer starts none
+    assert r.stderr.count("Loading safetensors checkpoint shards: 100%") == 1, r.stderr[-3000:]
     return run
 
 
