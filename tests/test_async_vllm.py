@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from conftest import run_cli
 from safetensors.torch import load_file
 from test_checkpoint import BASE, ONLINE, _rows
