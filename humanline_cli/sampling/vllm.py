@@ -17,7 +17,7 @@ import gc
 import inspect
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -211,13 +211,18 @@ class VLLMSampler:
         re-processes lm_head (it gets no checkpoint tensor), and on CPU lm_head computes from a
         packed copy made at load time. `_refresh_tied_lm_head` re-packs it (a no-op on GPU).
         """
+        self.push_state(policy_weights(policy))
+
+    def push_state(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (checkpoint name, full tensor) pairs into the engine in place, consumed one at a time in
+        the engine call (a generator is gathered as it goes), then reset the prefix cache; push_weights
+        streams a live policy through it, an asynchronous round's sampler process a weight snapshot."""
         self._wake()
 
         def push():
             with torch.no_grad():
                 self.llm.collective_rpc(
-                    "reload_weights",
-                    kwargs={"weights_iterator": policy_weights(policy), "is_checkpoint_format": True})
+                    "reload_weights", kwargs={"weights_iterator": iter(pairs), "is_checkpoint_format": True})
             self.llm.collective_rpc(_refresh_tied_lm_head)
             if self.reset_prefix_cache and not self.llm.reset_prefix_cache():
                 raise RunFailed("vLLM could not reset its prefix cache after a weight push")

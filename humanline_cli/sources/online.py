@@ -88,7 +88,8 @@ class OnlineSource:
         p = self.params
         return (f"online: {len(self.rows)} prompts, {self.ppr} per round x {p.n} samples "
                 f"(T={p.temperature}, top_p={p.top_p}, max_new_tokens={p.max_new_tokens}), "
-                f"sampler {type(self.sampler).__name__}, labeller {self.labeller_name}")
+                f"sampler {self.producer.name if self.lag else type(self.sampler).__name__}, "
+                f"labeller {self.labeller_name}")
 
     def _next_prompts(self) -> list[dict]:
         return [self.rows[i] for i in self._next_prompt_indices()]

@@ -184,24 +184,32 @@ def logps_temperature(spec: RunSpec) -> float:
     return spec.data_cfg.temperature if spec.objective_cfg.tempered_logps else 1.0
 
 
-def make_sampler(spec: RunSpec, policy, tokenizer, backend: Backend, model_path: str, shard: Shard = Shard()):
+def make_sampler(spec: RunSpec, policy, tokenizer, backend: Backend, model_path: str, shard: Shard = Shard(),
+                 name: str | None = None):
     """Under FSDP the transformers sampler runs the sharded policy, whose every forward is a collective:
-    its ranks decode in lockstep (shard.max_int). A vLLM engine runs inside each rank."""
+    its ranks decode in lockstep (shard.max_int). A vLLM engine runs inside each rank. `name`: hf or vllm
+    (default sampler.name)."""
     s = spec.sampler_cfg
-    match s.name:
+    match name or s.name:
         case "hf":
             from humanline_cli.sampling.hf import HFSampler
 
             fsdp = shard.world_size > 1 and spec.backend_cfg.strategy.value == "fsdp"
-            return HFSampler(policy, tokenizer, s.batch_size, backend.autocast, lockstep=shard.max_int if fsdp else None)
+            batch = s.batch_size if s.name == "hf" else spec.eval_cfg.batch_size  # sampler=vllm's evaluating stand-in
+            return HFSampler(policy, tokenizer, batch, backend.autocast, lockstep=shard.max_int if fsdp else None)
         case "vllm":
             from humanline_cli.sampling.vllm import VLLMSampler
 
-            return VLLMSampler(model_path, tokenizer, seed=spec.seed, gpu_memory_utilization=s.gpu_memory_utilization,
-                               enforce_eager=s.enforce_eager, max_model_len=s.max_model_len, timeout_s=s.timeout_s,
-                               cpu_kvcache_gb=s.cpu_kvcache_gb, sleep=s.sleep,
-                               tempered_logps=spec.objective_cfg.tempered_logps)
+            return VLLMSampler(model_path, tokenizer, **vllm_options(spec))
     raise UserError(f"unknown sampler {s.name!r} (hf | vllm)")
+
+
+def vllm_options(spec: RunSpec) -> dict:
+    """VLLMSampler's keyword arguments from the run's settings (plain values: a sampler process gets them)."""
+    s = spec.sampler_cfg
+    return {"seed": spec.seed, "gpu_memory_utilization": s.gpu_memory_utilization, "enforce_eager": s.enforce_eager,
+            "max_model_len": s.max_model_len, "timeout_s": s.timeout_s, "cpu_kvcache_gb": s.cpu_kvcache_gb,
+            "sleep": s.sleep, "tempered_logps": spec.objective_cfg.tempered_logps}
 
 
 def make_labeller(spec: RunSpec, device):
@@ -245,7 +253,10 @@ def _online_source(spec, encoder, collate, policy, backend, model_path, timer, r
     rows, where = load_rows(resolve_path(d.prompts, spec), p.train_split, d.limit, p.columns, limit_key="data.limit")
     encoder.check_prompts(rows, where)
     labeller = make_labeller(spec, backend.device)
-    sampler = make_sampler(spec, policy, encoder.tok, backend, model_path, Shard(dist.rank, dist.world_size))
+    # asynchronous rounds are sampled by the producer; this sampler then only evaluates, and under sampler=vllm
+    # it is the transformers one over the live policy: the producer's engine is the run's only vLLM engine
+    sampler = make_sampler(spec, policy, encoder.tok, backend, model_path, Shard(dist.rank, dist.world_size),
+                           name="hf" if d.async_lag else None)
     params = SamplingParams(n=d.n, temperature=d.temperature, top_p=d.top_p, max_new_tokens=d.max_new_tokens,
                             seed=spec.seed, tempered_logps=spec.objective_cfg.tempered_logps)
     rounds = RoundSpec(spec.objective, spec.train.batch_size, spec.train.micro_batch_size, params,
@@ -257,19 +268,25 @@ def _online_source(spec, encoder, collate, policy, backend, model_path, timer, r
 
 
 def make_round_producer(spec: RunSpec, tokenizer, backend: Backend):
-    """data.async_lag > 0: who samples the stale rounds. process: the transformers sampler in a child
-    process (started now: it loads the model while this one builds the rest); inline: the same sampler in
-    this process over a private copy of the starting model (validate allows one process, CPU, no LoRA)."""
+    """data.async_lag > 0: who samples the stale rounds. process: the sampler (transformers, or a vLLM engine
+    with sampler=vllm) in a child process (started now: it loads the model while this one builds the rest);
+    inline: the same sampler in this process over a private copy of the starting model or a private engine
+    (validate allows one process, CPU)."""
     from humanline_cli.sampling import rounds_worker as rw
-    from humanline_cli.sampling.hf import HFSampler
 
     s = spec.sampler_cfg
     model_path, tok_path = model_paths(spec)
-    if spec.data_cfg.async_worker == "inline":
-        model = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code, dtype=backend.weights_dtype)
-        return rw.InlineRounds(HFSampler(model, tokenizer, s.batch_size, backend.autocast), model)
+    # the engine runs in its own process (or, inline, between rounds): nothing to free for training by sleeping
+    engine = {**vllm_options(spec), "sleep": False} if s.name == "vllm" else None
     child = rw.ChildSpec(model_path, tok_path, spec.model_cfg.trust_remote_code, spec.backend_cfg.precision.value,
-                         spec.threads, s.batch_size)
+                         spec.threads, s.batch_size if engine is None else 0, engine)  # vLLM batches by itself
+    if spec.data_cfg.async_worker == "inline":
+        if engine is not None:
+            return rw.InlineRounds(*rw.start_vllm(child))
+        from humanline_cli.sampling.hf import HFSampler
+
+        model = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code, dtype=backend.weights_dtype)
+        return rw.InlineRounds(HFSampler(model, tokenizer, s.batch_size, backend.autocast), rw.load_into(model))
     return rw.SamplerProcess(child, s.timeout_s)
 
 
