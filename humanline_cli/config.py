@@ -153,8 +153,6 @@ def check_async(data, sampler, backend, notes: list[str]) -> None:
     why = None
     if sampler.name != "hf":
         why = f"sampler={sampler.name} (only sampler=hf so far)"
-    elif backend.strategy.value != "single" and backend.nproc > 1:
-        why = f"backend.nproc={backend.nproc} (one process only so far)"
     elif backend.device.value == "cuda" or (backend.device.value == "auto" and _cuda_available()):
         why = "backend=cuda (the sampler process runs on CPU only so far)"
     if why is not None:
