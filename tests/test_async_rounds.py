@@ -31,7 +31,8 @@ def _validate(*overrides):
     (["data.async_lag=-1"], "data.async_lag"),
     (["data.async_lag=1", "data.async_worker=thread"], "data.async_worker"),
     (["data.async_lag=1", "sampler=vllm"], "not supported with sampler=vllm"),
-    (["data.async_lag=1", "backend.strategy=ddp", "backend.nproc=2"], "not supported with backend.nproc=2"),
+    # several ranks: on CPU only, as one process (each rank's own sampler process: test_async_ranks.py)
+    (["data.async_lag=1", "backend=cuda", "backend.strategy=ddp", "backend.nproc=2"], "not supported with backend=cuda"),
 ])
 def test_async_lag_validation(overrides, needle):
     from humanline_cli.errors import UserError
@@ -39,6 +40,9 @@ def test_async_lag_validation(overrides, needle):
     with pytest.raises(UserError, match=needle):
         _validate(*overrides)
     assert _validate("data.async_lag=1", "model.lora.r=4").model_cfg.lora.r == 4  # LoRA: merged weights sent
+    for strategy in ("ddp", "fsdp"):  # each rank samples its share of the round in its own sampler process
+        spec = _validate("data.async_lag=1", "backend=cpu", f"backend.strategy={strategy}", "backend.nproc=2")
+        assert (spec.data_cfg.async_lag, spec.backend_cfg.nproc, spec.backend_cfg.strategy.value) == (1, 2, strategy)
     spec = _validate("data.async_lag=2")
     assert spec.data_cfg.async_lag == 2 and any("data.async_lag=2" in n for n in spec.notes)
     assert not any("async" in n for n in _validate().notes)  # the default: synchronous, no note
