@@ -160,7 +160,9 @@ class Checkpoints:
 
     def save(self, step: int, parts, opt, sched, timer, last: dict, moving: bool) -> Path | None:
         """Rank 0 writes; every rank waits for it (a barrier), so no rank runs ahead of a checkpoint.
-        Under FSDP2 every rank first writes its own shards into the temp dir (fsdp_checkpoint)."""
+        Under FSDP2 every rank first writes its own shards into the temp dir (fsdp_checkpoint). Every rank
+        computes the source's state (an asynchronous online source gathers its in-flight rounds' shares:
+        a collective); rank 0's is written."""
         path = None
         source_state = getattr(parts.source, "state_dict", None)
         if source_state is None:

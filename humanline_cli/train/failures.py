@@ -37,10 +37,10 @@ SECONDARY = ("connection closed by peer", "connection reset by peer", "timed out
 
 def release_semaphores() -> None:
     """Before a rank ends without Python's exit (os._exit, or SIGTERM's default action): run
-    multiprocessing's non-negative-priority exit finalizers, which close this rank's queues and unlink
-    their named semaphores (the sampler process's, data.async_lag); none of them waits on another
-    process. Without it the launcher's resource tracker prints a 'leaked semaphore objects' warning
-    after the job's one error line. Never raises."""
+    multiprocessing's non-negative-priority exit finalizers, the first stage of its own atexit hook
+    (util._exit_function), which close this rank's queues and unlink their named semaphores (the sampler
+    process's, data.async_lag); children are neither terminated nor joined here. Without it the launcher's
+    resource tracker prints a 'leaked semaphore objects' warning after the job's one error line. Never raises."""
     with contextlib.suppress(Exception):
         from multiprocessing import util
 
