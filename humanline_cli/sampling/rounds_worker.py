@@ -9,6 +9,9 @@ snapshot of the weights that must sample it, and its completions are collected l
 - `InlineRounds`: the same rounds sampled sequentially in this process from a private copy of the model
   (data.async_worker=inline): the staleness without the overlap. It is what the child must equal exactly.
 
+Under DDP/FSDP every rank has its own producer, which samples that rank's share of each round (`indices`:
+the prompts' places in the whole round, so each completion's seed is one process's).
+
 Both return, per round, (Completions, RoundTiming). Every wait has a timeout and watches the child's
 liveness: a dead or silent sampler becomes one RunFailed line, never a hang.
 """
