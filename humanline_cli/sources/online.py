@@ -10,12 +10,17 @@ Under DDP/FSDP each rank samples and labels only its share of the round's prompt
 per-completion seeds from (seed, round, prompt index, sample index); the shares are then gathered in
 prompt order, so every rank holds exactly the one-process round and builds the same units from it.
 
-Asynchronous rounds (data.async_lag = L > 0, one process): a `producer` (sampling/rounds_worker.py)
-samples each round from a snapshot of the weights taken L rounds before it trains: at the start of round
-r the source submits round r + L with the current weights (round 1 submits rounds 1..1+L, all from the
-starting weights) and collects round r, sampled meanwhile. Each round's info carries the optimizer step
-of the weights that sampled it (online/policy_version) and its staleness in steps. A checkpoint holds the
+Asynchronous rounds (data.async_lag = L > 0): a `producer` (sampling/rounds_worker.py) samples each
+round from a snapshot of the weights taken L rounds before it trains: at the start of round r the source
+submits round r + L with the current weights (round 1 submits rounds 1..1+L, all from the starting
+weights) and collects round r, sampled meanwhile. Each round's info carries the optimizer step of the
+weights that sampled it (online/policy_version) and its staleness in steps. A checkpoint holds the
 in-flight rounds' completions (it waits for them), so a resumed run trains on exactly the same samples.
+Under DDP/FSDP every rank has its own producer and submits only its share of the round (with the
+prompts' indices in the round: the same per-completion seeds as one process); the collected shares are
+labelled and gathered as in synchronous rounds. The snapshot is taken by every rank at the same point
+(under FSDP2 it gathers each parameter: a collective), and a checkpoint gathers the in-flight rounds'
+shares, so it stores whole rounds, exactly as one process would.
 """
 from __future__ import annotations
 
@@ -132,13 +137,16 @@ class OnlineSource:
     def _round_params(self, round_no: int) -> SamplingParams:
         return SamplingParams(**{**vars(self.params), "seed": self.seed * 100003 + round_no})
 
-    def _submit(self, round_no: int, weights: dict) -> None:
-        """Asynchronous rounds: draw round `round_no`'s prompts now and hand them to the producer with
-        `weights` (the snapshot that must sample them)."""
+    def _submit(self, round_no: int, weights) -> None:
+        """Asynchronous rounds: draw round `round_no`'s prompts now (every rank draws all of them: the same
+        order) and hand this rank's share of them to the producer with `weights` (the snapshot that must
+        sample them) and their places in the round (the completions' seeds). An empty share is submitted
+        too: every rank's producer runs every round."""
         idx = self._next_prompt_indices()
-        prompt_ids = [self.encoder.prompt_ids(self.rows[i]["prompt"]) for i in idx]
+        mine = self.shard.share(len(idx))
+        prompt_ids = [self.encoder.prompt_ids(self.rows[idx[a]]["prompt"]) for a in mine]
         self.round_clock.setdefault(round_no, {})["submitted_at"] = time.monotonic()
-        self.producer.submit(round_no, weights, prompt_ids, self._round_params(round_no))
+        self.producer.submit(round_no, weights, prompt_ids, self._round_params(round_no), indices=mine)
         self._pending[round_no] = {"prompts": idx, "version": self._steps_done}
 
     def _collect(self, round_no: int) -> Completions:
@@ -171,8 +179,8 @@ class OnlineSource:
                 self._submit(r, weights)
         job = self._pending.pop(self.round)
         rows = [self.rows[i] for i in job["prompts"]]
-        out = self._collect(self.round)
-        groups = self._label_share(rows, list(range(len(rows))), out, self.params.n)
+        out = self._collect(self.round)  # this rank's share, sampled by its own producer
+        groups = self._label_share(rows, self.shard.share(len(rows)), out, self.params.n)
         return rows, groups, {"online/policy_version": job["version"]}
 
     def _run_round(self) -> None:
@@ -249,8 +257,17 @@ class OnlineSource:
                 if r not in self._done:
                     self._done[r] = self._collect(r)
             state["pending"] = [{"round": r, "prompts": job["prompts"], "version": job["version"],
-                                 "completions": vars(self._done[r])} for r, job in sorted(self._pending.items())]
+                                 "completions": vars(self._whole_round(self._done[r]))}
+                                for r, job in sorted(self._pending.items())]
         return state
+
+    def _whole_round(self, share: Completions) -> Completions:
+        """Every rank's share of an in-flight round, joined in rank order (= prompt order: Shard.share gives
+        contiguous blocks): the one-process round. A collective under DDP/FSDP: every rank calls state_dict
+        (Checkpoints.save), rank 0 writes it."""
+        parts = self.shard.gather(share)
+        return Completions(share.n, [x for p in parts for x in p.token_ids], [x for p in parts for x in p.logps],
+                           [x for p in parts for x in p.texts])
 
     def load_state_dict(self, state: dict) -> None:
         if state["n_prompts"] != len(self.rows):
@@ -263,12 +280,16 @@ class OnlineSource:
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
         self._sample_tokens, self._sample_seconds = int(state["sample_tokens"]), float(state["sample_seconds"])
-        for job in state.get("pending", []):
+        for job in state.get("pending", []):  # whole rounds: this rank keeps its share of each
             r = int(job["round"])
             self._pending[r] = {"prompts": [int(i) for i in job["prompts"]], "version": int(job["version"])}
-            c = job["completions"]
-            self._done[r] = (Completions(int(c["n"]), [list(x) for x in c["token_ids"]], [list(x) for x in c["logps"]],
-                                         list(c["texts"])))
+            c, n = job["completions"], int(job["completions"]["n"])
+            if len(c["texts"]) != n * len(job["prompts"]):
+                raise ValueError(f"the checkpoint's in-flight round {r} has {len(c['texts'])} completions, not "
+                                 f"{n} for each of its {len(job['prompts'])} prompts")
+            rows = [k for a in self.shard.share(len(job["prompts"])) for k in range(a * n, (a + 1) * n)]
+            self._done[r] = Completions(n, [list(c["token_ids"][k]) for k in rows], [list(c["logps"][k]) for k in rows],
+                                        [c["texts"][k] for k in rows])
 
     def sample_tokens_per_s(self) -> float | None:
         return self._sample_tokens / self._sample_seconds if self._sample_seconds else None

@@ -261,17 +261,17 @@ def _online_source(spec, encoder, collate, policy, backend, model_path, timer, r
                             seed=spec.seed, tempered_logps=spec.objective_cfg.tempered_logps)
     rounds = RoundSpec(spec.objective, spec.train.batch_size, spec.train.micro_batch_size, params,
                        d.prompts_per_round, d.min_gap, spec.seed)
-    producer = make_round_producer(spec, encoder.tok, backend) if d.async_lag else None
+    producer = make_round_producer(spec, encoder.tok, backend, dist.rank) if d.async_lag else None
     return OnlineSource(rows, encoder, collate, sampler, labeller, rounds, timer, policy,
                         run_dir / "samples.jsonl" if dist.is_main else None, Shard(dist.rank, dist.world_size),
                         length=collate.bucket_length, lag=d.async_lag, producer=producer)
 
 
-def make_round_producer(spec: RunSpec, tokenizer, backend: Backend):
-    """data.async_lag > 0: who samples the stale rounds. process: the sampler (transformers, or a vLLM engine
-    with sampler=vllm) in a child process (started now: it loads the model while this one builds the rest);
-    inline: the same sampler in this process over a private copy of the starting model or a private engine
-    (validate allows one process, CPU)."""
+def make_round_producer(spec: RunSpec, tokenizer, backend: Backend, rank: int = 0):
+    """data.async_lag > 0: who samples the stale rounds (this rank's share of them, under DDP/FSDP: each rank
+    has its own). process: the sampler (transformers, or a vLLM engine with sampler=vllm) in a child process
+    (started now: it loads the model while this one builds the rest); inline: the same sampler in this process
+    over a private copy of the starting model or a private engine (validate allows CPU only)."""
     from humanline_cli.sampling import rounds_worker as rw
 
     s = spec.sampler_cfg
@@ -279,7 +279,7 @@ def make_round_producer(spec: RunSpec, tokenizer, backend: Backend):
     # the engine runs in its own process (or, inline, between rounds): nothing to free for training by sleeping
     engine = {**vllm_options(spec), "sleep": False} if s.name == "vllm" else None
     child = rw.ChildSpec(model_path, tok_path, spec.model_cfg.trust_remote_code, spec.backend_cfg.precision.value,
-                         spec.threads, s.batch_size if engine is None else 0, engine)  # vLLM batches by itself
+                         spec.threads, s.batch_size if engine is None else 0, rank, engine)  # vLLM batches by itself
     if spec.data_cfg.async_worker == "inline":
         if engine is not None:
             return rw.InlineRounds(*rw.start_vllm(child))

@@ -160,13 +160,21 @@ class Checkpoints:
 
     def save(self, step: int, parts, opt, sched, timer, last: dict, moving: bool) -> Path | None:
         """Rank 0 writes; every rank waits for it (a barrier), so no rank runs ahead of a checkpoint.
-        Under FSDP2 every rank first writes its own shards into the temp dir (fsdp_checkpoint)."""
+        Under FSDP2 every rank first writes its own shards into the temp dir (fsdp_checkpoint). Every rank
+        computes the source's state (an asynchronous online source gathers its in-flight rounds' shares:
+        a collective); rank 0's is written."""
         path = None
+        source_state = getattr(parts.source, "state_dict", None)
+        if source_state is None:
+            raise UserError(f"train.checkpoint_every > 0 needs a data source with state_dict() "
+                            f"({type(parts.source).__name__} has none)")
         sharded = fsdp_checkpoint.is_sharded(parts)
         if sharded and not self._save_shards(step, parts, opt, moving):
             return None
+        # every rank: an asynchronous online source gathers its in-flight rounds' shares here (a collective)
+        source = source_state()
         if self.dist.is_main:
-            path = self._write(step, parts, opt, sched, timer, last, moving, sharded)
+            path = self._write(step, parts, opt, sched, timer, last, moving, source, sharded)
         if self.dist.enabled:
             import torch.distributed as tdist
 
@@ -196,13 +204,9 @@ class Checkpoints:
                                        soft_wrap=True, markup=False, highlight=False)
             return False
 
-    def _write(self, step, parts, opt, sched, timer, last, moving, sharded: bool = False) -> Path | None:
+    def _write(self, step, parts, opt, sched, timer, last, moving, source: dict, sharded: bool = False) -> Path | None:
         from safetensors.torch import save_file
 
-        source_state = getattr(parts.source, "state_dict", None)
-        if source_state is None:
-            raise UserError(f"train.checkpoint_every > 0 needs a data source with state_dict() "
-                            f"({type(parts.source).__name__} has none)")
         tensors = {f"policy.{k}": v for k, v in policy_tensors(parts.policy).items()}
         tensors.update({f"reference.{k}": v for k, v in reference_tensors(parts.reference, moving).items()})
         osd = opt.state_dict()
@@ -230,7 +234,7 @@ class Checkpoints:
                      for k, v in vars(parts.evaluator or SimpleNamespace()).items() if isinstance(v, Side)}
         state = {"format": FORMAT, "step": step, "world_size": self.dist.world_size, "reference_saved": moving,
                  "optimizer": {"param_groups": osd["param_groups"], "state_extra": extra},
-                 "scheduler": sched.state_dict(), "rng": rng, "source": source_state(), "timer": timer.state_dict(),
+                 "scheduler": sched.state_dict(), "rng": rng, "source": source, "timer": timer.state_dict(),
                  "last_metrics": last, "baselines": baselines, "reference_cache_keys": cache_keys,
                  "sharded": sharded}
         final = self.root / f"step_{step}"

@@ -35,6 +35,18 @@ SECONDARY = ("connection closed by peer", "connection reset by peer", "timed out
              "nccl communicator was aborted", "process group watchdog")
 
 
+def release_semaphores() -> None:
+    """Before a rank ends without Python's exit (os._exit, or SIGTERM's default action): run
+    multiprocessing's non-negative-priority exit finalizers, the first stage of its own atexit hook
+    (util._exit_function), which close this rank's queues and unlink their named semaphores (the sampler
+    process's, data.async_lag); children are neither terminated nor joined here. Without it the launcher's
+    resource tracker prints a 'leaked semaphore objects' warning after the job's one error line. Never raises."""
+    with contextlib.suppress(Exception):
+        from multiprocessing import util
+
+        util._run_finalizers(0)
+
+
 def job_id() -> str:
     """The id every rank of this job shares: torch's elastic run id (our launcher's uuid, torchrun's)."""
     return os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "job")

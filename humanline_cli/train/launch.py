@@ -39,14 +39,16 @@ def _rank_entry(config_yaml: str, run_dir: str):
     import torch.distributed as tdist
     from omegaconf import OmegaConf
 
-    from humanline_cli.train.failures import EXIT, kind_of
+    from humanline_cli.train.failures import EXIT, kind_of, release_semaphores
     from humanline_cli.train.run import run_job
 
+    signal.signal(signal.SIGTERM, _sigterm_default)  # outside StopSignal's reach (e.g. cleaning up after a failure)
     try:
         run_job(OmegaConf.create(config_yaml), Path(run_dir))
     except KeyboardInterrupt:  # Ctrl-C: rank 0 wrote failed.json (with the step); leave at once, as a
         sys.stdout.flush()       # failure does (a normal exit can wait on the process group's threads)
         sys.stderr.flush()
+        release_semaphores()
         os._exit(130)
     except SystemExit:
         raise
@@ -58,10 +60,21 @@ def _rank_entry(config_yaml: str, run_dir: str):
         sys.stdout.flush()
         sys.stderr.flush()
         # no destroy_process_group: under NCCL it can wait on the peers this failure left in a collective
+        release_semaphores()
         os._exit(EXIT[kind_of(e)])
     if tdist.is_initialized():
         tdist.destroy_process_group()
     return None
+
+
+def _sigterm_default(signum, frame) -> None:
+    """SIGTERM's default action (the process ends by the signal), after releasing this rank's semaphores:
+    the agent's SIGTERM to the surviving ranks when one failed may land while they clean up."""
+    from humanline_cli.train.failures import release_semaphores
+
+    release_semaphores()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def first_host(nodelist: str) -> str:
