@@ -217,8 +217,11 @@ def test_ctrl_c_mid_training_is_one_line_exit_130_and_failed_json(world, tmp_pat
     args = ["train", *[a for a in BASE if not a.startswith("train.steps=")], "train.steps=5000", "threads=1",
             "train.save_model=false", f"hydra.run.dir={run}"]
     env = {**os.environ, "WANDB_MODE": "offline"}
+    # SIGINT as a terminal's foreground job has it: a shell that started pytest in the background leaves it
+    # ignored (POSIX), children inherit that, and this Ctrl-C would then do nothing
     p = subprocess.Popen([sys.executable, "-m", "humanline_cli", *args], cwd=tmp_path, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and p.poll() is None:

@@ -74,7 +74,9 @@ def test_two_concurrent_jobs_on_one_run_dir(cache_dir, tmp_path):
     args = ["train", *BASE, "train.steps=100000", "train.checkpoint_every=5", "train.save_model=false",
             f"hydra.run.dir={run}"]
     first = subprocess.Popen([sys.executable, "-m", "humanline_cli", *args], cwd=tmp_path,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             # SIGINT as a foreground job has it (a background shell leaves it ignored)
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     _wait_for_rows(first, run / "metrics.jsonl", 2)
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()  # what the live job does not rewrite
               and "checkpoints" not in p.parts and p.suffix not in (".log", ".jsonl")}
