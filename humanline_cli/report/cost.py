@@ -19,7 +19,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from humanline_cli.report.regime_map import regime_of
+from humanline_cli.report.regime_map import regime_label
 
 CSV_COLUMNS = ("task", "objective", "regime", "n_runs", "units_trained", "sampled_sequences", "generation_calls",
                "weight_pushes", "sequences_per_call", "pushes_vs_online", "sequences_vs_online")
@@ -65,19 +65,12 @@ def run_cost(run) -> RunCost:
     return RunCost(units, sequences, calls)
 
 
-def _label(run) -> str:
-    name = regime_of(Path(run.path))
-    if name:
-        return name
-    return run.family + (f" ({run.variant})" if run.variant else "")
-
-
 def cost_rows(runs: list) -> list[CostRow]:
     """One row per (task, objective, regime) of the complete runs, in first-seen order."""
     by: dict[tuple, list] = {}
     for r in runs:
         if r.status == "complete":
-            by.setdefault((r.task, r.objective, _label(r)), []).append(run_cost(r))
+            by.setdefault((r.task, r.objective, regime_label(r)), []).append(run_cost(r))
     return [CostRow(t, o, name, tuple(cs)) for (t, o, name), cs in by.items()]
 
 

@@ -133,13 +133,6 @@ def step_curve(run, mode: str) -> list[tuple[int, float]]:
     return sorted(pts.items())
 
 
-def curve_label(run) -> str:
-    """A line of the learning-curve plot: the sweep's `regime=` name where it has one, else the family."""
-    from humanline_cli.report.regime_map import regime_of
-
-    return regime_of(Path(run.path)) or _label(run)
-
-
 def plot_eval_vs_step(runs, path: Path) -> str | None:
     """Learning curves at matched training units: accuracy against the optimizer step, the mean over each
     regime's seeds at the steps all its seeds evaluated; one panel per objective and eval mode (greedy, sampled)."""
@@ -148,9 +141,11 @@ def plot_eval_vs_step(runs, path: Path) -> str | None:
         return "no complete run has periodic greedy or sampled accuracy (eval.every > 0 on a verifier task)"
     import matplotlib.pyplot as plt
 
+    from humanline_cli.report.regime_map import regime_label
+
     keys, title = _keys((r.task, r.objective) for r in runs if any(len(step_curve(r, m)) > 2 for m in modes))
     fig, axes = plt.subplots(len(modes), len(keys), figsize=(6 * len(keys), 4.5 * len(modes)), squeeze=False)
-    labels = sorted({curve_label(r) for r in runs})
+    labels = sorted({regime_label(r) for r in runs})
     cmap = plt.get_cmap("tab20")
     colors = {lab: cmap(i % 20) for i, lab in enumerate(labels)}
     for i, mode in enumerate(modes):
@@ -162,7 +157,7 @@ def plot_eval_vs_step(runs, path: Path) -> str | None:
             by: dict[str, list[dict]] = {}
             for r in runs:
                 if (r.task, r.objective) == key and len(step_curve(r, mode)) > 2:
-                    by.setdefault(curve_label(r), []).append(dict(step_curve(r, mode)))
+                    by.setdefault(regime_label(r), []).append(dict(step_curve(r, mode)))
             for lab in sorted(by):
                 curves = by[lab]
                 steps = sorted(set.intersection(*(set(c) for c in curves)))

@@ -57,6 +57,12 @@ def regime_of(run_dir: Path) -> str | None:
     return None
 
 
+def regime_label(run) -> str:
+    """What names a run's regime in per-regime tables and plots: the sweep's `regime=` override where it
+    has one, else its report family (and the variant that tells its config group apart)."""
+    return regime_of(Path(run.path)) or (f"{run.family} ({run.variant})" if run.variant else run.family)
+
+
 def _sweep_order(root: Path, names: set[str]) -> list[str]:
     """Regimes in the order the sweep lists them (multirun.yaml), then any others alphabetically."""
     import yaml

@@ -47,6 +47,14 @@ def release_semaphores() -> None:
         util._run_finalizers(0)
 
 
+def die_by_sigterm() -> None:
+    """End this rank as SIGTERM's default action would (killed by the signal), after releasing its semaphores:
+    a rank the agent stops because a peer failed is no preemption (the failing rank's record names the cause)."""
+    release_semaphores()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def job_id() -> str:
     """The id every rank of this job shares: torch's elastic run id (our launcher's uuid, torchrun's)."""
     return os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "job")

@@ -68,13 +68,11 @@ def _rank_entry(config_yaml: str, run_dir: str):
 
 
 def _sigterm_default(signum, frame) -> None:
-    """SIGTERM's default action (the process ends by the signal), after releasing this rank's semaphores:
-    the agent's SIGTERM to the surviving ranks when one failed may land while they clean up."""
-    from humanline_cli.train.failures import release_semaphores
+    """SIGTERM outside StopSignal's reach: the agent's SIGTERM to the surviving ranks when one failed may land
+    while they clean up; die as SIGTERM's default would, semaphores released first."""
+    from humanline_cli.train.failures import die_by_sigterm
 
-    release_semaphores()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
+    die_by_sigterm()
 
 
 def first_host(nodelist: str) -> str:

@@ -14,7 +14,6 @@ report (no frame is read).
 """
 from __future__ import annotations
 
-import os
 import signal
 import threading
 
@@ -35,11 +34,9 @@ class StopSignal:
         if self.peer_failed is not None and self.peer_failed():
             # torch's agent stops the other ranks with SIGTERM when one fails: that is no preemption, die
             # as SIGTERM's default would (no checkpoint wait; the failing rank's record names the cause)
-            from humanline_cli.train.failures import release_semaphores
+            from humanline_cli.train.failures import die_by_sigterm
 
-            release_semaphores()
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+            die_by_sigterm()
             return
         self.requested = True
         if not self.armed:
