@@ -165,6 +165,13 @@ def main_eval(argv: list[str]) -> int:
     except UserError as e:
         print(f"humanline: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # eval trains nothing: say so, not cli.train's "before training"
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this line short
+        print(f"humanline: eval of {args.run_dir} interrupted (Ctrl-C) before it finished; rerun the same command "
+              f"(a result file is written only once its evaluation is complete)", file=sys.stderr)
+        return 130
     if r.get("math500"):
         from humanline_cli.eval.math500 import summary_line
 
