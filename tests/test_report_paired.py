@@ -114,7 +114,8 @@ def test_report_prints_paired_differences_and_no_gap(tmp_path, capsys):
                   "hl": [[1, 1, 1, 0], [1, 0, 1, 0]]})
     rep = build_report(root)
     md = rep.markdown
-    lines = [x for x in md.split("## Paired differences")[1].split("\n## ")[0].splitlines() if x.startswith("| arithmetic | grpo")]
+    section = md.split("## Paired differences")[1].split("\n## ")[0]
+    lines = [x for x in section.splitlines() if x.startswith("| arithmetic | grpo")]
     greedy = [x for x in lines if " | greedy | " in x]
     # humanline - offline: diffs 0.25, 0.0 -> mean 0.125, sd 0.1767767, half 12.706 * 0.125 = 1.58825
     assert "| humanline-offline - offline | +0.125 | [-1.463, +1.713] |" in greedy[0]

@@ -339,7 +339,8 @@ def _differing_keys(signatures: list) -> set:
 
 
 CSV_COLUMNS = ("task", "objective", "set", "metric", "offline", "online", "humanline_offline", "gap_closed",
-               "gap_closed_lo", "gap_closed_hi", "n_seeds", "gap", "gap_lo", "gap_hi", "gap_verdict", "online_wall_s", "humanline_offline_wall_s", "speedup",
+               "gap_closed_lo", "gap_closed_hi", "n_seeds", "gap", "gap_lo", "gap_hi", "gap_verdict", "online_wall_s",
+               "humanline_offline_wall_s", "speedup",
                "speedup_equal_quality", "online_never_reached", "online_sampling_share", "speedup_bound_matched")
 
 
@@ -380,7 +381,8 @@ def markdown(rows: list[GapRow]) -> list[str]:
         return ["No comparison set has offline, online and humanline-offline runs: no gap to report.", ""]
     lines = ["gap closed = (humanline-offline - offline) / (online - offline), per seed (paired), mean "
              "[95% t-interval across seeds], given only where the gap online - offline has an interval wholly above 0 "
-             "(t-interval across seeds; one seed: the prompt bootstrap), else `no gap` (or `online below`); speedup = online wall-clock / humanline-offline wall-clock at equal "
+             "(t-interval across seeds; one seed: the prompt bootstrap), else `no gap` (or `online below`); "
+             "speedup = online wall-clock / humanline-offline wall-clock at equal "
              "steps; at equal quality = online's work time to reach humanline-offline's final score / "
              "humanline-offline's (learning curves; n/a without mid-run evals, eval.every); online sampling = "
              "share of online's work time spent sampling, labelling and pushing weights, and the speedup it bounds: "
