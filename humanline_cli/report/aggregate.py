@@ -328,6 +328,7 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     md += "\n## Gap closed by humanline-offline\n\n" + "\n".join(gap_closed.markdown(gaps))
     if "gap_closed.png" in files:
         md += "\n![gap closed](gap_closed.png)\n"
+    md += "\n## Paired differences\n\n" + "\n".join(gap_closed.paired_markdown(gaps))
     costs = cost.cost_rows(complete)
     files["cost.csv"] = out_dir / "cost.csv"
     cost.write_csv(costs, files["cost.csv"])
@@ -376,7 +377,19 @@ def print_report(rep: Report, console=None) -> None:
         console.print(f"skipped {name}: {why}")
     for k in rep.unused_ignores:
         console.print(f"warning: --ignore {k} matched no key of any complete run's config", highlight=False)
+    for section in ("Gap closed by humanline-offline", "Paired differences"):  # the comparisons, as in report.md
+        text = _section(rep.markdown, section)
+        if text:
+            console.print(f"{section}\n{text}", highlight=False, markup=False, soft_wrap=True)
     console.print(f"wrote {', '.join(str(p) for p in rep.files.values())}", highlight=False)
+
+
+def _section(md: str, title: str) -> str:
+    """The body of report.md's `## title` section (up to the next heading), stripped."""
+    head = f"## {title}\n"
+    if head not in md:
+        return ""
+    return md.split(head, 1)[1].split("\n## ", 1)[0].strip()
 
 
 def main_report(argv: list[str]) -> int:
