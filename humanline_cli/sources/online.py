@@ -225,7 +225,7 @@ class OnlineSource:
             with open(self.samples_path, "a") as f:
                 for k, text in enumerate(out_texts):
                     f.write(json.dumps({"round": self.round, "prompt": texts[k], "completion": text,
-                                        "score": scores[k], **version}) + "\n")
+                                        "tokens": len(out_ids[k]), "score": scores[k], **version}) + "\n")
 
     def next_step(self, step: int) -> StepData:
         self._steps_done = step - 1
