@@ -136,3 +136,13 @@ def speedup(baseline: dict, other: dict, phase: str = "loop") -> float | None:
 def within(predicted: float, measured: float, tolerance: float = 0.15) -> bool:
     """The check of the model on this machine: |predicted / measured - 1| <= tolerance."""
     return measured > 0 and abs(predicted / measured - 1.0) <= tolerance
+
+
+def target_from_json(d: dict) -> Target:
+    """A target from `humanline bench constants=true`'s JSON (its `constants`, `source`, `estimated`)."""
+    c = d["constants"]
+    fields = {k: (math.inf if c[k] in ("inf", "Infinity") else c[k]) for k in (
+        "call_fixed_s", "sample_tokens_per_s", "decode_step_s", "concurrency", "push_fixed_s", "push_bytes_per_s",
+        "label_s_per_seq", "train_flops_per_s", "step_fixed_s", "sync_fixed_s", "sync_bytes_per_s")}
+    return Target(name=d.get("target", "this"), source=d.get("source", "?"), estimated=bool(d.get("estimated", False)),
+                  other_step_s=float(c.get("other_step_s", 0.0)), gpus=int(c.get("gpus", 1)), **fields)
