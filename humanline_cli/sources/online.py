@@ -229,9 +229,10 @@ class OnlineSource:
                             "online/round_tokens_per_step": per_step, **extra}
         version = {"policy_version": extra["online/policy_version"]} if extra else {}
         if self.samples_path is not None:
-            self._write_samples(texts, out_texts, scores, version)
+            self._write_samples(texts, out_texts, [len(ids) for ids in out_ids], scores, version)
 
-    def _write_samples(self, prompts: list[str], completions: list[str], scores: list[float], version: dict) -> None:
+    def _write_samples(self, prompts: list[str], completions: list[str], tokens: list[int], scores: list[float],
+                       version: dict) -> None:
         """The round's samples appended to samples.jsonl. A failed write (a full disk) is one RunFailed line
         naming the file; the lines of this round that did get written are cut back on resume (to the
         checkpoint's round), like any other round after the checkpoint."""
@@ -239,7 +240,7 @@ class OnlineSource:
             with open(self.samples_path, "a") as f:
                 for k, text in enumerate(completions):
                     f.write(json.dumps({"round": self.round, "prompt": prompts[k], "completion": text,
-                                        "score": scores[k], **version}) + "\n")
+                                        "tokens": tokens[k], "score": scores[k], **version}) + "\n")
         except OSError as e:
             raise cannot_write(self.samples_path, e) from e
 
