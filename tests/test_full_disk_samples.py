@@ -56,8 +56,8 @@ def test_samples_writer_full_disk_is_one_line_naming_the_file(tmp_path, monkeypa
 
     path = tmp_path / "samples.jsonl"
     src = SimpleNamespace(samples_path=path, round=3)
-    OnlineSource._write_samples(src, ["p"], ["c"], [0.5], {})
-    assert json.loads(path.read_text()) == {"round": 3, "prompt": "p", "completion": "c", "score": 0.5}
+    OnlineSource._write_samples(src, ["p"], ["c"], [2], [0.5], {})
+    assert json.loads(path.read_text()) == {"round": 3, "prompt": "p", "completion": "c", "tokens": 2, "score": 0.5}
     real_open = builtins.open
 
     def full(file, mode="r", *a, **k):
@@ -67,5 +67,5 @@ def test_samples_writer_full_disk_is_one_line_naming_the_file(tmp_path, monkeypa
 
     monkeypatch.setattr(builtins, "open", full)
     with pytest.raises(RunFailed) as e:
-        OnlineSource._write_samples(src, ["p"], ["c"], [0.5], {})
+        OnlineSource._write_samples(src, ["p"], ["c"], [2], [0.5], {})
     assert str(e.value) == f"cannot write {path}: No space left on device"
