@@ -41,7 +41,7 @@ DEFAULT_BASE_URL = "https://api.openai.com/v1"
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
 PLACEHOLDERS = ("instruction", "output_a", "output_b")
 ORDERS = ("ab", "ba")  # "ab": reply A is shown first (as Output (A)); "ba": reply B is shown first
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the server is part of the judge's identity (version 1 keys had no server)
 
 
 @dataclass(frozen=True)
@@ -96,11 +96,22 @@ def render(template: str, instruction: str, output_a: str, output_b: str) -> str
     return re.sub(r"\{(instruction|output_a|output_b)\}", lambda m: values[m.group(1)], template)
 
 
-def cache_key(model: str, template_sha: str, prompt: str, first: str, second: str,
+def judge_server(base_url: str) -> str:
+    """The server part of a judge's identity: the URL without a trailing slash, its scheme and host lower-cased
+    (`HTTP://Host:8000/v1/` and `http://host:8000/v1` are one server)."""
+    u = urlparse(base_url.strip())
+    return u._replace(scheme=u.scheme.lower(), netloc=u.netloc.lower()).geturl().rstrip("/")
+
+
+def cache_key(server: str, model: str, template_sha: str, prompt: str, first: str, second: str,
               temperature: float = 0.0, max_tokens: int = 16) -> str:
-    """sha256 over everything that decides the judge's answer (the sampling settings included)."""
-    blob = json.dumps([CACHE_VERSION, model, template_sha, prompt, first, second, float(temperature), int(max_tokens)],
-                      ensure_ascii=False)
+    """sha256 over everything that identifies the judge and decides its answer. A judge is the server
+    (`judge_server` of the resolved base_url), the model name it serves, the template (its sha256) and the
+    sampling settings (temperature, max_tokens): one model name on two servers may be two different models
+    (a local vLLM's served name, a quantised deployment), so one server's verdicts never answer for
+    another's. Then the question: the prompt and both replies in the order shown."""
+    blob = json.dumps([CACHE_VERSION, server, model, template_sha, prompt, first, second, float(temperature),
+                       int(max_tokens)], ensure_ascii=False)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
@@ -227,7 +238,8 @@ class LLMJudge:
 
     def cache_key(self, prompt: str, first: str, second: str) -> str:
         s = self.spec
-        return cache_key(s.model, self.template_sha, prompt, first, second, s.temperature, s.max_tokens)
+        return cache_key(judge_server(self.base_url), s.model, self.template_sha, prompt, first, second, s.temperature,
+                         s.max_tokens)
 
     def compare(self, prompts: list[str], replies_a: list[str], replies_b: list[str]) -> PairwiseResult:
         if not len(prompts) == len(replies_a) == len(replies_b):
@@ -286,8 +298,8 @@ class LLMJudge:
             try:
                 for fut in as_completed(futures):
                     key, answer = futures[fut], fut.result()
-                    self._cache.put(key, {"v": CACHE_VERSION, "model": self.spec.model, "template_sha": self.template_sha,
-                                          **answer})
+                    self._cache.put(key, {"v": CACHE_VERSION, "server": judge_server(self.base_url),
+                                          "model": self.spec.model, "template_sha": self.template_sha, **answer})
                     fresh[key] = answer
             except BaseException:
                 stop.set()
