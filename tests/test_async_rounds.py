@@ -21,10 +21,10 @@ ASYNC = ["objective=dpo", *ONLINE, "data.async_lag=1"]
 def _validate(*overrides):
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
 
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        return validate(compose("train", overrides=["task=arithmetic", "data=online", *overrides]))
+        return resolve(compose("train", overrides=["task=arithmetic", "data=online", *overrides]))
 
 
 @pytest.mark.parametrize("overrides,needle", [

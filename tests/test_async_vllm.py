@@ -91,10 +91,10 @@ def test_lag1_vllm_process_equals_inline_and_rounds_come_from_their_snapshots(ca
 def _validate_async_vllm():
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
 
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        return validate(compose("train", overrides=[*BASE, *ASYNC_VLLM]))
+        return resolve(compose("train", overrides=[*BASE, *ASYNC_VLLM]))
 
 
 def test_a_failing_vllm_sampler_process_is_one_line_and_exit_2(cache_dir, tmp_path):

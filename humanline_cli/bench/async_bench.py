@@ -33,7 +33,7 @@ def _spec(overrides: list[str], rounds: int, lag: int):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from humanline_cli.config import compose_error, validate
+    from humanline_cli.config import compose_error, resolve
 
     user = [o for o in overrides if o.split("=")[0] not in ("data", "data.async_lag")]
     mine = ["data=online", f"data.async_lag={lag}", "data.generate_every=1", f"train.steps={rounds}",
@@ -44,7 +44,7 @@ def _spec(overrides: list[str], rounds: int, lag: int):
             cfg = compose("train", overrides=[*user, *mine])
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise UserError(compose_error(e)) from None
-    return validate(cfg)
+    return resolve(cfg)
 
 
 class _RoundClock:

@@ -95,7 +95,7 @@ def compose_spec(overrides: list[str], opts: dict, humanline: bool, extra: tuple
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from humanline_cli.config import compose_error, validate
+    from humanline_cli.config import compose_error, resolve
 
     user = [o for o in overrides if o.lstrip("+~").split("=")[0] != "humanline"]
     mine = [f"train.steps={opts['warmup'] + opts['steps']}", "train.log_every=1000000", "train.save_model=false",
@@ -111,7 +111,7 @@ def compose_spec(overrides: list[str], opts: dict, humanline: bool, extra: tuple
                 cfg = compose("train", overrides=[*user, *mine, ("" if "humanline" in cfg else "+") + "humanline=true"])
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise UserError(compose_error(e)) from None
-    spec = validate(cfg)
+    spec = resolve(cfg)
     if spec.regime != "offline":
         raise UserError("bench times offline training steps; drop data=online")
     return spec

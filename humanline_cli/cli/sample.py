@@ -49,14 +49,14 @@ def _spec(overrides: list[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
 
     try:
         with initialize_config_module(config_module="conf", version_base="1.3"):
             cfg = compose("train", overrides=["data=online", *overrides])
     except (HydraException, OmegaConfBaseException) as e:
         raise UserError(f"bad override: {str(e).splitlines()[0]}") from None
-    return validate(cfg)
+    return resolve(cfg)
 
 
 def _complete_lines(path: Path) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -135,24 +135,12 @@ def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = 
     if j.kind == "llm":
         from humanline_cli.rewards.llm_judge import LLMJudge, LLMJudgeSpec
 
-        judge = LLMJudge(LLMJudgeSpec(model=j.model, base_url=j.base_url, api_key_env=j.api_key_env, template=j.template,
-                                      both_orders=j.both_orders, temperature=j.temperature, max_tokens=j.max_tokens,
-                                      max_concurrency=j.max_concurrency, timeout_s=j.timeout_s,
-                                      max_retries=j.max_retries, price_input_per_mtok=j.price_input_per_mtok,
-                                      price_output_per_mtok=j.price_output_per_mtok,
-                                      cache_dir=str(Path(j.cache_dir).expanduser()) if j.cache_dir else None), seed)
+        judge = LLMJudge(_judge_spec(LLMJudgeSpec, spec), seed)
         return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge, shard=shard)
     if j.kind == "alpaca_eval":
         from humanline_cli.rewards.alpaca import AlpacaEvalJudge, AlpacaEvalSpec
 
-        judge = AlpacaEvalJudge(AlpacaEvalSpec(model=j.model, base_url=j.base_url, api_key_env=j.api_key_env,
-                                               annotator=j.annotator, max_concurrency=j.max_concurrency,
-                                               timeout_s=j.timeout_s, max_retries=j.max_retries,
-                                               price_input_per_mtok=j.price_input_per_mtok,
-                                               cache_dir=str(Path(j.cache_dir).expanduser()) if j.cache_dir else None,
-                                               lc_data=str(Path(resolve_path(j.lc_data, spec)).expanduser())
-                                               if j.lc_data else None),
-                                seed)
+        judge = AlpacaEvalJudge(_judge_spec(AlpacaEvalSpec, spec), seed)
         return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge, shard=shard)
     subsets = [r.get("subset") for r in rows]
     if spec.task_cfg.world is not None and not any(subsets):  # the bundled tasks define theirs
@@ -161,6 +149,17 @@ def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = 
         subsets = [subset(spec.task_cfg.world["kind"], encoder.prompt_text(r["prompt"])) for r in rows]
     return Evaluator(rows, encoder, make_scorer(asdict(spec.task_cfg.judge), device, "task.judge"), spec.eval_cfg,
                      spec.task_cfg.verifiable, seed, subsets=subsets, shard=shard)
+
+
+def _judge_spec(cls, spec: RunSpec):
+    """An API judge's spec from judge.*: every field `cls` shares with the schema, its paths resolved."""
+    j = spec.judge_cfg
+    shared = {f.name for f in fields(cls)} & {f.name for f in fields(j)}
+    values = {name: getattr(j, name) for name in shared}
+    values["cache_dir"] = str(Path(j.cache_dir).expanduser()) if j.cache_dir else None
+    if values.get("lc_data"):
+        values["lc_data"] = str(Path(resolve_path(j.lc_data, spec)).expanduser())
+    return cls(**values)
 
 
 def build_math500(spec: RunSpec, encoder: Encoder, seed: int | None = None, shard: Shard = Shard()):
