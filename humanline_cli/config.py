@@ -286,9 +286,11 @@ def check_train(t: S.TrainConfig, objective: S.ObjectiveConfig, backend: S.Backe
                         f"in micro-batches of micro_batch_size)")
     if micro <= 0 or uneven:
         raise UserError(f"train.batch_size ({batch}) must be a positive multiple of train.micro_batch_size ({micro})")
-    if micro < PROPERTIES[objective.name].min_micro_batch:  # kto
-        raise UserError("objective=kto needs train.micro_batch_size >= 2: z0 pairs each prompt with the next "
-                        "example's completion in the micro-batch, so one example would be mismatched with itself")
+    need = PROPERTIES[objective.name].min_micro_batch
+    if micro < need:  # kto: z0 pairs each prompt with the next example's completion in the micro-batch
+        raise UserError(f"objective={objective.name} needs train.micro_batch_size >= {need}: z0 pairs each prompt "
+                        f"with the next example's completion in the micro-batch, so one example would be mismatched "
+                        f"with itself")
     for key in ("steps", "lr", "max_grad_norm", "log_every", "max_length", "max_prompt_length"):
         _positive(getattr(t, key), f"train.{key}")
     if t.max_prompt_length >= t.max_length:

@@ -2,11 +2,13 @@
 
 Registered in Hydra's ConfigStore under `schema/<group>/<option>` and pulled into each YAML option
 through its defaults list (`- /schema/objective/dpo@_here_`), so OmegaConf checks types, enum
-values and unknown keys while Hydra composes. Cross-field rules live in config.validate, which
-turns a composed (or saved) config into a frozen RunSpec; nothing past the builder reads a DictConfig.
+values and unknown keys while Hydra composes. Cross-field rules live in config.py (`resolve`: a check per
+group), which turns a composed (or saved) config into a frozen RunSpec; nothing past the builder reads a
+DictConfig. The dataclasses here are the only declaration of each key and its default: the specs reuse them.
 
 Every choice is an Enum (StrEnum: equal to, and printed as, its value), so OmegaConf names the valid set
-in the error. `chat_template` (auto | true | false) is the one exception: Hydra parses true/false as bools.
+in the error. Two exceptions: `chat_template` (auto | true | false; Hydra parses true/false as bools) and
+`wandb.mode` (wandb's own setting, passed through).
 
 `humanline` is a declared bool (default false). The paper-style `+humanline=true` that users type
 is accepted by the CLI, which drops the `+` (Hydra refuses to append a key the schema declares).
@@ -100,6 +102,32 @@ class AsyncWorker(StrEnum):
 class CheckModelTask(StrEnum):
     error = "error"
     warn = "warn"
+
+
+class WorldKind(StrEnum):
+    arithmetic = "arithmetic"
+    preference = "preference"
+
+
+class WorldFormat(StrEnum):
+    chat = "chat"    # <|user|>ab+cd=<|assistant|>
+    plain = "plain"  # ab+cd= (arithmetic only)
+
+
+class Teacher(StrEnum):
+    noisy = "noisy"  # mediocre: right answers stay in support
+    clean = "clean"
+
+
+class ReplySource(StrEnum):
+    rule = "rule"      # rule-based replies
+    model = "model"    # T=1 samples of a second tiny policy
+    policy = "policy"  # T=1 samples of the starting policy
+
+
+class ReplyStyle(StrEnum):
+    plain = "plain"
+    padded = "padded"  # a format the policy never writes
 
 
 class RegimeFamily(StrEnum):
@@ -243,17 +271,16 @@ class WorldSFTConfig:
     lr: Optional[float] = None
     warmup: Optional[int] = None
     weight_decay: Optional[float] = None
-    teacher: Optional[str] = None           # noisy (mediocre, right answers stay in support) | clean
+    teacher: Optional[Teacher] = None
     carry_drop: Optional[float] = None      # arithmetic: how often the noisy teacher forgets a carry
     stop_loss: Optional[float] = None       # offline.other_sft only: stop once the last 50 steps' mean loss is below this
 
 
 @dataclass
 class WorldOfflineConfig:
-    # rule (rule-based) | model (T=1 samples of a second tiny policy) | policy (T=1 samples of the starting policy)
-    source: Optional[str] = None
+    source: Optional[ReplySource] = None
     correct_rate: Optional[float] = None    # source=rule: how often it is right / good
-    style: Optional[str] = None             # source=rule: plain | padded (a format the policy never writes)
+    style: Optional[ReplyStyle] = None      # source=rule
     n_per_prompt: Optional[int] = None      # replies per prompt
     other_sft: WorldSFTConfig = field(default_factory=WorldSFTConfig)   # source=model: the second policy's SFT
 
@@ -263,9 +290,9 @@ class WorldConfig:
     """The bundled world's knobs (docs/world.md). Every default lives in humanline_cli/world/defaults.py,
     per world kind: here a knob is None unless the user (or a task, regime or experiment file) sets it,
     and only the keys set name a new cached world."""
-    kind: str = MISSING                     # arithmetic | preference
+    kind: WorldKind = MISSING
     seed: Optional[int] = None
-    format: Optional[str] = None            # chat (<|user|>ab+cd=<|assistant|>) | plain (ab+cd=; arithmetic only)
+    format: Optional[WorldFormat] = None
     n_train_prompts: Optional[int] = None   # prompts for offline data and online rounds
     n_eval_prompts: Optional[int] = None    # held out of SFT and offline data
     model: WorldModelConfig = field(default_factory=WorldModelConfig)
@@ -497,11 +524,12 @@ class RootConfig:
     threads: Optional[int] = None
     experiment_name: Optional[str] = None
     regime_study_size: Optional[int] = None   # experiments state their sweep size (tested)
-    check_model_task: CheckModelTask = CheckModelTask.error  # a model that does not fit the task (custom model on a bundled task)
+    # a model that does not fit the task (a custom model on a bundled task): stop, or only warn
+    check_model_task: CheckModelTask = CheckModelTask.error
     regime_meta: Optional[RegimeMeta] = None  # set by a named regime (regime=..., conf/regime/)
 
 
-# option name -> schema, per group: what config.validate uses to type a saved (plain) config too
+# option name -> schema, per group: what config.typed uses to type a saved (plain) config too
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "objective": {"dpo": DPOConfig, "kto": KTOConfig, "grpo": GRPOConfig},
     "data": {"offline": OfflineDataConfig, "online": OnlineDataConfig},

@@ -50,9 +50,9 @@ def test_lag1_vllm_process_equals_inline_and_rounds_come_from_their_snapshots(ca
     # weights (loaded at start, no push involved), and round 2 from the starting weights pushed into it
     import torch
 
+    from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.models import load_policy, load_tokenizer
     from humanline_cli.sampling import vllm as vllm_mod
-    from humanline_cli.sampling.sampler import SamplingParams
     from humanline_cli.train.build import make_encoder, model_paths, vllm_options
 
     spec = _validate_async_vllm()

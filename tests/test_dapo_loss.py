@@ -8,11 +8,11 @@ from hydra import compose, initialize_config_module
 from test_online import _Obj, length_score
 
 from humanline_cli.config import resolve
+from humanline_cli.core.interfaces import Completions, SamplingParams
 from humanline_cli.core.logprobs import completion_mask
 from humanline_cli.core.objectives import micro_batch_weights
 from humanline_cli.data.collate import Collator, Encoder
 from humanline_cli.errors import UserError
-from humanline_cli.sampling.sampler import Completions, SamplingParams
 from humanline_cli.sources.online import OnlineSource, RoundSpec
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.world.tokenizer import build_tokenizer

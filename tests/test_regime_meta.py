@@ -38,9 +38,9 @@ def test_every_regime_declares_itself_and_its_comparisons_exist():
 def test_family_must_agree_with_humanline():
     from humanline_cli.config import resolve
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        with pytest.raises(UserError, match="regime_meta.family=humanline but humanline=False"):
-            resolve(compose("train", overrides=["regime=hl", "humanline=false"]))
+    with (initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"),
+          pytest.raises(UserError, match="regime_meta.family=humanline but humanline=False")):
+        resolve(compose("train", overrides=["regime=hl", "humanline=false"]))
 
 
 # regime -> accuracy per seed: humanline closes (0.75 - 0.6) / (0.9 - 0.6) = 50% of the padded gap

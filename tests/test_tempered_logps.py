@@ -12,12 +12,12 @@ from test_hf_sampler import _tiny64
 from test_vllm_sampler import LOGP_TOL, PROMPTS, tiny  # noqa: F401 - tiny: the module fixture, reused
 
 from humanline_cli.config import resolve
+from humanline_cli.core.interfaces import SamplingParams
 from humanline_cli.core.logprobs import token_logps
 from humanline_cli.core.reference import FrozenCopy
 from humanline_cli.data.collate import make_seqs
 from humanline_cli.errors import UserError
 from humanline_cli.sampling.hf import HFSampler
-from humanline_cli.sampling.sampler import SamplingParams
 from humanline_cli.train.build import logps_temperature
 
 # A 3-token LM whose logits depend on the previous token only: one-hot embeddings, head weight W, so the

@@ -59,10 +59,10 @@ def _vllm_checks(out: Path) -> list[dict]:
         from hydra import compose, initialize_config_module
 
         from humanline_cli.config import resolve
+        from humanline_cli.core.interfaces import SamplingParams
         from humanline_cli.core.logprobs import token_logps
         from humanline_cli.models import load_policy, load_tokenizer
         from humanline_cli.sampling.hf import HFSampler
-        from humanline_cli.sampling.sampler import SamplingParams
         from humanline_cli.sampling.vllm import VLLMSampler
         from humanline_cli.train.build import make_encoder, model_paths, prepare_world
 

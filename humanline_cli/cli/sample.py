@@ -134,10 +134,10 @@ def run_sample(spec, out: Path, chunk: int, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     from humanline_cli.backend import make_backend, seed_everything
+    from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.data.files import load_rows
     from humanline_cli.models import load_policy, load_tokenizer
     from humanline_cli.rewards.scorers import checked
-    from humanline_cli.sampling.sampler import SamplingParams
     from humanline_cli.train.build import make_encoder, make_labeller, make_sampler, model_paths, prepare_world, resolve_path
 
     b = spec.backend_cfg
