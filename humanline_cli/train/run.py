@@ -178,6 +178,8 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None, spec
             if where is not None:  # Ctrl-C reached another rank first: rank 0 only saw it leave
                 failed = failures.interrupted_json(where, timer.report())
         note = write_failed_json(run_dir / "failed.json", failed) if main and run_dir.is_dir() else None
+        if note is None and main and isinstance(e, RunFailed) and isinstance(e.__cause__, OSError):
+            note = "failed.json written"  # a failed write (a full disk): the line says what failed.json got
         if tracker is not None:
             tracker.finish(1)
         if note is not None and isinstance(e, (UserError, RunFailed)):  # a full disk: the error line says so

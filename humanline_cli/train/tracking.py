@@ -16,7 +16,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from humanline_cli.errors import RunFailed
+from humanline_cli.errors import RunFailed, cannot_write
 
 MASK = "***"
 # the last word of a key's name that marks its value as a credential ...
@@ -95,11 +95,6 @@ def mask_saved_configs(paths) -> list[Path]:
             os.replace(tmp, path)
             changed.append(path)
     return changed
-
-
-def cannot_write(path: Path, e: BaseException) -> RunFailed:
-    """A failed write (a full disk, a quota, a read-only mount) as one line naming the file."""
-    return RunFailed(f"cannot write {path}: {getattr(e, 'strerror', None) or e}")
 
 
 def write_json_atomic(path: Path, obj) -> None:
