@@ -459,11 +459,11 @@ def test_skipped_steps_within_the_allowance_are_counted_not_fatal(tmp_path):
 def test_config_rules_name_the_real_rule(overrides, message):
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
     from humanline_cli.errors import UserError
 
     with initialize_config_module(config_module="conf", version_base="1.3"), pytest.raises(UserError) as e:
-        validate(compose("train", overrides=overrides))
+        resolve(compose("train", overrides=overrides))
     assert str(e.value) == message
 
 

@@ -9,9 +9,9 @@ import torch
 from conftest import FAST, TINY_WORLD, run_cli
 
 from humanline_cli.core.batches import BinaryBatch, GroupBatch, PairBatch
+from humanline_cli.core.interfaces import Completions, SamplingParams
 from humanline_cli.data.collate import Collator, Encoder
 from humanline_cli.errors import RunFailed
-from humanline_cli.sampling.sampler import Completions, SamplingParams
 from humanline_cli.sources.online import OnlineSource, RoundSpec
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.world.tokenizer import build_tokenizer

@@ -45,14 +45,14 @@ def compose_online(overrides: list[str], extra: tuple[str, ...] = ()):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from humanline_cli.config import compose_error, validate
+    from humanline_cli.config import compose_error, resolve
 
     try:
         with initialize_config_module(config_module="conf", version_base="1.3"):
             cfg = compose("train", overrides=[*overrides, *extra])
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise UserError(compose_error(e)) from None
-    spec = validate(cfg)
+    spec = resolve(cfg)
     if spec.regime != "online":
         raise UserError("bench constants=true measures an online run's constants: add data=online (or a regime)")
     return spec
@@ -70,8 +70,8 @@ def _median_time(fn, repeats: int) -> tuple[float, object]:
 def generation_constants(source, concurrency: int) -> dict:
     """Call sizes SIZES (prompts x n) on the run's sampler: per-call fixed cost, latency per decoding step,
     peak tokens/s, and the middle size predicted from them against its measurement."""
+    from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.rewards.scorers import checked
-    from humanline_cli.sampling.sampler import SamplingParams
 
     rows, enc, params = source.rows, source.encoder, source.params
     sampler = source.sampler

@@ -47,9 +47,11 @@ from pathlib import Path
 import torch
 
 from humanline_cli.bench.clock import EndClock, Run, _now, collect, matmul_peak
+from humanline_cli.core.objectives import PROPERTIES
+from humanline_cli.core.reference import CachedReference
 from humanline_cli.errors import UserError
+from humanline_cli.sources.source import SourceWrapper
 
-UNIT = {"dpo": "pairs", "kto": "examples", "grpo": "groups"}
 DEFAULTS = {"steps": 20, "warmup": 2, "repeats": 2, "batch_size": None, "threads": None, "trl": "auto",
             "cache": True, "sampler": False, "prompts": 64, "out": None, "async_rounds": 0,
             "constants": False}
@@ -98,7 +100,7 @@ def compose_spec(overrides: list[str], opts: dict, humanline: bool, extra: tuple
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from humanline_cli.config import compose_error, validate
+    from humanline_cli.config import compose_error, resolve
 
     user = [o for o in overrides if o.lstrip("+~").split("=")[0] != "humanline"]
     mine = [f"train.steps={opts['warmup'] + opts['steps']}", "train.log_every=1000000", "train.save_model=false",
@@ -114,19 +116,20 @@ def compose_spec(overrides: list[str], opts: dict, humanline: bool, extra: tuple
                 cfg = compose("train", overrides=[*user, *mine, ("" if "humanline" in cfg else "+") + "humanline=true"])
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise UserError(compose_error(e)) from None
-    spec = validate(cfg)
+    spec = resolve(cfg)
     if spec.regime != "offline":
         raise UserError("bench times offline training steps; drop data=online")
     return spec
 
 
 # -- timing records --------------------------------------------------------------------------------
-class _TimedSource:
+class _TimedSource(SourceWrapper):
     """Wraps the project's offline source: each next_step call marks the start of a step. An offline
     step always holds batch_size units (pairs, examples or groups)."""
 
     def __init__(self, source, device, units_per_step: int):
-        self.source, self.device, self.units_per_step = source, device, units_per_step
+        super().__init__(source)
+        self.device, self.units_per_step = device, units_per_step
         self.starts: list[float] = []
         self.sizes: list[tuple[int, int, int]] = []
 
@@ -139,9 +142,6 @@ class _TimedSource:
         self.sizes.append((self.units_per_step, sum(int(mb.seqs.attention_mask.sum()) for mb in mbs),
                            sum(int(mb.kl_seqs.attention_mask.sum()) for mb in mbs if isinstance(mb, BinaryBatch))))
         return data
-
-    def __getattr__(self, name):
-        return getattr(self.source, name)
 
 
 # -- the project's step ----------------------------------------------------------------------------
@@ -182,7 +182,7 @@ def project_run(spec, warmup: int, info: dict, prefill: bool = False) -> Run:
                 info["units"] = parts.source.source.units
                 info["tokenizer"] = parts.tokenizer
             run = collect(parts.source.starts, tracker.end, parts.source.sizes, warmup)
-            if hasattr(parts.reference, "stats"):
+            if isinstance(parts.reference, CachedReference):
                 run.cache_hit_fraction = parts.reference.stats()["reference_cache/hit_fraction"]
             return run
         finally:
@@ -275,7 +275,7 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
     peak = max(peaks)  # a busy moment only lowers a measurement, so the best is the machine's peak
     rows = {name: summarise(name, rs, info["matmul_params"], peak) for name, rs in runs.items()}
     result = {
-        "objective": objective, "unit": UNIT[objective], "task": plain.task, "model": plain.model,
+        "objective": objective, "unit": PROPERTIES[objective].unit, "task": plain.task, "model": plain.model,
         "batch_size": plain.train.batch_size, "micro_batch_size": plain.train.micro_batch_size,
         "max_length": plain.train.max_length, "steps": opts["steps"], "warmup": opts["warmup"],
         "repeats": opts["repeats"], "threads": torch.get_num_threads(), "device": backend.device.type,

@@ -114,7 +114,7 @@ def _train_app(sweep: Sweep):
         _mask_secrets(HydraConfig.get(), run_dir, multirun)
         if multirun and sweep.pid == os.getpid():
             sweep.jobs += 1
-        from humanline_cli.config import validate
+        from humanline_cli.config import resolve
         from humanline_cli.train.launch import launch, shared_run_dir, spawn_count
         from humanline_cli.train.lock import RunDirBusy, RunDirLock
         from humanline_cli.train.rundir import is_complete, prepare_run_dir, restore_hydra
@@ -130,7 +130,7 @@ def _train_app(sweep: Sweep):
             if lock.stale:
                 print(f"humanline: note: {run_dir} was locked by a job that is gone ({lock.stale}); taking it over",
                       file=sys.stderr)
-            spec = validate(cfg)  # once: the resume rule, the run dir and the job all read this spec
+            spec = resolve(cfg)  # once: the resume rule, the run dir and the job all read this spec
             # the resume rule: a complete run of this config is skipped; another config's run dir is refused
             # (RunDirConflict, one line); else prepare_run_dir readies it (resume, or old outputs aside)
             if is_complete(run_dir, spec.config, spec.resume, hydra_subdir):

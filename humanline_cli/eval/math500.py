@@ -20,9 +20,9 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from humanline_cli.core.interfaces import SamplingParams
 from humanline_cli.errors import UserError
 from humanline_cli.rewards.verifier import math_verdicts
-from humanline_cli.sampling.sampler import SamplingParams
 from humanline_cli.sources.source import Shard
 
 SEED_OFFSET = 7919  # the benchmark's sampling seeds differ from the main evaluation's (seed + 99991)

@@ -35,7 +35,7 @@ from urllib.parse import urlparse
 
 from humanline_cli.errors import UserError
 from humanline_cli.rewards.verdict import combine, outcome_for_a, parse_verdict
-from humanline_cli.schema import JudgeConfig
+from humanline_cli.schema import JudgeConnection, LLMJudgeOptions
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
@@ -44,32 +44,16 @@ ORDERS = ("ab", "ba")  # "ab": reply A is shown first (as Output (A)); "ba": rep
 CACHE_VERSION = 2  # 2: the server is part of the judge's identity (version 1 keys had no server)
 
 
-@dataclass(frozen=True)
-class LLMJudgeSpec:
-    """The judge's settings; defaults are the schema's (judge=llm), in one place."""
-    model: str = JudgeConfig.model
-    base_url: str | None = JudgeConfig.base_url  # None: $OPENAI_BASE_URL, else the OpenAI API
-    api_key_env: str = JudgeConfig.api_key_env  # the NAME of the variable; a local base_url may go without
-    template: str | None = JudgeConfig.template  # a file path; None: the bundled templates/pairwise.txt
-    both_orders: bool = JudgeConfig.both_orders
-    temperature: float = JudgeConfig.temperature
-    max_tokens: int = JudgeConfig.max_tokens
-    max_concurrency: int = JudgeConfig.max_concurrency
-    timeout_s: float = JudgeConfig.timeout_s
-    max_retries: int = JudgeConfig.max_retries  # on 408/409/429/5xx, timeouts and refused connections
+@dataclass
+class LLMJudgeSpec(LLMJudgeOptions, JudgeConnection):
+    """The judge's settings: the schema's (judge=llm), plus the retry backoff, which is not a config key."""
     backoff_base_s: float = 1.0  # exponential backoff base; a Retry-After header overrides it
     backoff_max_s: float = 60.0
-    price_input_per_mtok: float = JudgeConfig.price_input_per_mtok  # USD per million tokens (gpt-4.1 list price)
-    price_output_per_mtok: float = JudgeConfig.price_output_per_mtok
-    cache_dir: str | None = JudgeConfig.cache_dir  # None: no cache
 
     def __post_init__(self):
-        bad = [f"{k}={getattr(self, k)!r}" for k, ok in [
-            ("model", bool(self.model)), ("api_key_env", bool(self.api_key_env)),
-            ("max_tokens", self.max_tokens >= 1), ("max_concurrency", self.max_concurrency >= 1),
-            ("timeout_s", self.timeout_s > 0), ("max_retries", self.max_retries >= 0),
-            ("temperature", self.temperature >= 0), ("backoff_base_s", self.backoff_base_s >= 0),
-            ("price_input_per_mtok", self.price_input_per_mtok >= 0),
+        bad = self.connection_problems() + [f"{k}={getattr(self, k)!r}" for k, ok in [
+            ("max_tokens", self.max_tokens >= 1), ("temperature", self.temperature >= 0),
+            ("backoff_base_s", self.backoff_base_s >= 0),
             ("price_output_per_mtok", self.price_output_per_mtok >= 0)] if not ok]
         if bad:
             raise UserError(f"bad LLM judge setting: {', '.join(bad)}")

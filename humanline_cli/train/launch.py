@@ -114,14 +114,14 @@ def launch(cfg, run_dir: Path, nproc: int) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
     from humanline_cli.train import failures
     from humanline_cli.train.build import prepare_model, prepare_world
     from humanline_cli.train.tracking import write_json_atomic
 
     # the bundled world is built here, once, on first use (minutes of CPU SFT), before any rank exists:
     # ranks waiting for another rank's build would sit in a collective past backend.timeout_s
-    spec = validate(cfg)
+    spec = resolve(cfg)
     prepare_world(spec)
     prepare_model(spec)  # a packaged model is converted here too, once, for the same reason
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)

@@ -23,7 +23,7 @@ from rich.table import Table
 from safetensors import SafetensorError
 
 from humanline_cli import __version__
-from humanline_cli.config import RunSpec, validate
+from humanline_cli.config import RunSpec, resolve
 from humanline_cli.errors import RunFailed, UserError
 from humanline_cli.eval.evaluator import flat_metrics
 from humanline_cli.train.build import build_parts
@@ -88,7 +88,7 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None, spec
     trained = False
     stop = StopSignal(peer_failed).__enter__()  # SIGTERM: a checkpoint at the next step boundary, then Preempted
     try:
-        spec = spec if spec is not None else validate(cfg)
+        spec = spec if spec is not None else resolve(cfg)
         with timer.phase("setup"):
             parts = build_parts(spec, timer, run_dir)
             if not main:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from humanline_cli.sampling.sampler import SamplingParams
+from humanline_cli.core.interfaces import SamplingParams
 from humanline_cli.world import arithmetic, offline_data, policy, preference, rewards
 from humanline_cli.world.frozen_sampler import FrozenWorldSampler
 from humanline_cli.world.naming import hash_view
