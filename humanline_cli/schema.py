@@ -225,6 +225,7 @@ class WorldConfig:
     kind: str = MISSING                     # arithmetic | preference
     seed: Optional[int] = None
     format: Optional[str] = None            # chat (<|user|>ab+cd=<|assistant|>) | plain (ab+cd=; arithmetic only)
+    digits: Optional[int] = None            # arithmetic's operand width: 2 (ab+cd=) | 3 (abc+def=)
     n_train_prompts: Optional[int] = None   # prompts for offline data and online rounds
     n_eval_prompts: Optional[int] = None    # held out of SFT and offline data
     model: WorldModelConfig = field(default_factory=WorldModelConfig)
