@@ -306,6 +306,7 @@ class WorldConfig:
     kind: WorldKind = MISSING
     seed: Optional[int] = None
     format: Optional[WorldFormat] = None
+    digits: Optional[int] = None            # arithmetic's operand width: 2 (ab+cd=) | 3 (abc+def=)
     n_train_prompts: Optional[int] = None   # prompts for offline data and online rounds
     n_eval_prompts: Optional[int] = None    # held out of SFT and offline data
     model: WorldModelConfig = field(default_factory=WorldModelConfig)
