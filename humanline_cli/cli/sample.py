@@ -138,7 +138,15 @@ def run_sample(spec, out: Path, chunk: int, progress: bool = True) -> dict:
     from humanline_cli.models import load_policy, load_tokenizer
     from humanline_cli.rewards.scorers import checked
     from humanline_cli.sampling.sampler import SamplingParams
-    from humanline_cli.train.build import make_encoder, make_labeller, make_sampler, model_paths, prepare_model, prepare_world, resolve_path
+    from humanline_cli.train.build import (
+        make_encoder,
+        make_labeller,
+        make_sampler,
+        model_paths,
+        prepare_model,
+        prepare_world,
+        resolve_path,
+    )
 
     b = spec.backend_cfg
     backend = make_backend(b.device.value, b.precision.value, spec.threads)
