@@ -56,6 +56,9 @@ def test_every_sweep_point_composes_and_validates(name):
         assert len(points) == cfg.regime_study_size == 3 * 4 * 2 * 3
         assert {p[1] for p in points} == {f"data.async_lag={k}" for k in (0, 1, 2, 4)}
         assert cfg.hydra.launcher.n_jobs == 1  # a job is already two processes: timing needs the cores
+    if name == "laptop_speed_check":  # the cost model's check: GRPO online, stale-16/64, async lag 1, 3 seeds
+        grid = {("grpo", "online", False)}
+        assert len(points) == cfg.regime_study_size == 4 * 3 and cfg.hydra.launcher.n_jobs == 1
     assert seen == grid
 
 

@@ -84,7 +84,7 @@ def test_predicted_beside_measured_per_regime(tmp_path):
     assert float(rows[("stale64", "loop")]["predicted_s"]) == pytest.approx(st_loop, rel=1e-9)
     assert float(rows[("stale64", "loop")]["predicted_speedup_vs_online"]) == pytest.approx(on_loop / st_loop, rel=1e-6)
     assert float(rows[("stale64", "loop")]["measured_speedup_vs_online"]) == pytest.approx(44.0 / 34.0, rel=1e-6)
-    assert "## Predicted wall-clock (cost model)" in rep.markdown and "**Target this**" in rep.markdown
+    assert "## Predicted wall-clock (cost model)" in rep.markdown and "**Target this (constants.json)**" in rep.markdown
     # cost.csv: generated tokens and the longest completion per call (mean over calls)
     with open(root / "cost.csv") as f:
         cost = {r["regime"]: r for r in csv.DictReader(f)}

@@ -187,7 +187,8 @@ def measure(overrides: list[str], console, steps: int = 6) -> dict:
         parts = build_parts(spec, PhaseTimer(), Path(tmp))
         try:
             src = parts.source
-            concurrency = spec.sampler_cfg.batch_size if spec.sampler_cfg.name == "hf" else 256
+            # HF decodes fixed waves of batch_size rows; vLLM batches continuously (a call is one wave)
+            concurrency = spec.sampler_cfg.batch_size if spec.sampler_cfg.name == "hf" else 10**9
             gen = generation_constants(src, concurrency)
             push_s, _ = _median_time(lambda: src.sampler.push_weights(parts.policy), 5)
             sync_s, _ = _median_time(lambda: parts.reference.sync(parts.policy), 5)
