@@ -146,7 +146,7 @@ class RegimeFamily(StrEnum):
     offline = "offline"      # a fixed offline dataset
     online = "online"        # a fresh round every step or every prompts_per_round
     stale = "stale"          # on-policy rounds each serving K optimizer steps (data.generate_every=K)
-    asynchronous = "async"   # online rounds sampled L rounds stale, beside training (data.async_lag=L)
+    asynchronous = "asynchronous"  # online rounds sampled L rounds stale, beside training (data.async_lag=L)
     humanline = "humanline"  # humanline on one of the above (its baseline)
 
 
@@ -522,7 +522,7 @@ class RegimeMeta:
     """What a named regime is (conf/regime/*.yaml declares it; the report pairs runs by it, never by a file
     name). K (data.generate_every) and the sync period (hl.sync_every) are the run's own config keys."""
     name: str = MISSING               # the regime's name in reports (each regime's own; unique in a study)
-    family: RegimeFamily = MISSING   # offline | online | stale | async | humanline
+    family: RegimeFamily = MISSING   # offline | online | stale | asynchronous | humanline
     baseline: Optional[str] = None    # humanline: the name of the plain regime on the same data (offline or stale)
     target: Optional[str] = None      # humanline: the name of the online regime it is measured against
 
