@@ -24,6 +24,7 @@ from humanline_cli.backend import (
     make_backend,
     seed_everything,
     shard_model,
+    wait_for_rank0,
     wrap_policy,
 )
 from humanline_cli.config import RunSpec
@@ -167,23 +168,24 @@ def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = 
                             limit_key="eval.n_prompts")
     encoder.check_prompts(rows, where)
     seed = spec.seed if seed is None else seed
+    tl = spec.objective_cfg.tempered_logps  # a vLLM engine's mode: every request of the run asks for it
     if j.kind == "llm":
         from humanline_cli.rewards.llm_judge import LLMJudge, LLMJudgeSpec
 
         judge = LLMJudge(_judge_spec(LLMJudgeSpec, spec), seed)
-        return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge, shard=shard)
+        return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge, shard=shard, tempered_logps=tl)
     if j.kind == "alpaca_eval":
         from humanline_cli.rewards.alpaca import AlpacaEvalJudge, AlpacaEvalSpec
 
         judge = AlpacaEvalJudge(_judge_spec(AlpacaEvalSpec, spec), seed)
-        return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge, shard=shard)
+        return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge, shard=shard, tempered_logps=tl)
     subsets = [r.get("subset") for r in rows]
     if spec.task_cfg.world is not None and not any(subsets):  # the bundled tasks define theirs
         from humanline_cli.world.rewards import subset
 
         subsets = [subset(spec.task_cfg.world["kind"], encoder.prompt_text(r["prompt"])) for r in rows]
     return Evaluator(rows, encoder, make_scorer(asdict(spec.task_cfg.judge), device, "task.judge"), spec.eval_cfg,
-                     spec.task_cfg.verifiable, seed, subsets=subsets, shard=shard)
+                     spec.task_cfg.verifiable, seed, subsets=subsets, shard=shard, tempered_logps=tl)
 
 
 def _judge_spec(cls, spec: RunSpec):
@@ -209,7 +211,8 @@ def build_math500(spec: RunSpec, encoder: Encoder, seed: int | None = None, shar
     rows, where = load_rows(source, m.split, m.n_prompts, None, limit_key="eval.math500.n_prompts")
     prompts, answers = load_problems(rows, where, m)
     return Math500Eval(prompts, answers, where, encoder, m, m.max_new_tokens or spec.eval_cfg.max_new_tokens,
-                       spec.seed if seed is None else seed, m.prompts, shard)
+                       spec.seed if seed is None else seed, m.prompts, shard,
+                       tempered_logps=spec.objective_cfg.tempered_logps)
 
 
 def logps_temperature(spec: RunSpec) -> float:
@@ -407,13 +410,13 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     seed_everything(spec.seed)
     check_model_task(spec)
     if dist.enabled and not dist.is_main:  # rank 0 builds a bundled world first: two builders of one cache race
-        all_agree(True, dist)
+        wait_for_rank0()  # minutes: outside the training group's timeout
     with timer.phase("world"):  # the bundled world: built on first use (minutes), cached after
         prepare_world(spec)
     with timer.phase("model"):  # a packaged model (model=smollm2): converted on first use (minutes), cached after
         prepare_model(spec)
     if dist.enabled and dist.is_main:
-        all_agree(True, dist)
+        wait_for_rank0()
     seed_everything(spec.seed)  # a world built just now drew from the RNGs: LoRA's init must not depend on it
     model_path, tok_path = model_paths(spec)
     check_model_lengths(spec, model_path)  # config.json only: before any data or weight loads

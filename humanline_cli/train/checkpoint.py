@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from humanline_cli.backend import Dist
+from humanline_cli.backend import Dist, wait_for_rank0
 from humanline_cli.core.reference import CachedReference
 from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample
 from humanline_cli.errors import UserError
@@ -172,10 +172,8 @@ class Checkpoints:
         source = parts.source.state_dict()
         if self.dist.is_main:
             path = self._write(step, parts, opt, sched, timer, last, moving, source, sharded)
-        if self.dist.enabled:
-            import torch.distributed as tdist
-
-            tdist.barrier()
+        if self.dist.enabled:  # rank 0 writes and hashes the files (minutes at 8B): a wait, not a collective
+            wait_for_rank0()
         return path
 
     def _save_shards(self, step: int, parts, opt, moving: bool) -> bool:

@@ -23,6 +23,7 @@ from rich.table import Table
 from safetensors import SafetensorError
 
 from humanline_cli import __version__
+from humanline_cli.backend import wait_for_rank0
 from humanline_cli.config import RunSpec, resolve
 from humanline_cli.errors import RunFailed, UserError
 from humanline_cli.eval.evaluator import flat_metrics
@@ -98,6 +99,7 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None, spec
             resume_from = checkpoints.latest() if spec.resume else None
             tracker = Tracker(run_dir, spec.config, spec.wandb, run_dir.name, resume=resume_from is not None) \
                 if main else NullTracker()
+            wait_for_rank0()  # rank 0 starts wandb (seconds): the others wait outside the training group's timeout
         resumed = int(resume_from.name.removeprefix("step_")) if resume_from is not None else None
         if resumed is not None:
             console.print(f"humanline: resuming {run_dir} from step {resumed} of {tr.steps} "
@@ -109,46 +111,7 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None, spec
                 parts.evaluator.set_baseline(parts.eval_sampler)
         last = train(spec, parts, tracker, timer, console, checkpoints, resume_from, stop=stop)
         trained = True  # an interruption from here on lands after training
-        ev = None  # judge=none: train only
-        if parts.evaluator is not None:
-            with timer.phase("eval"):
-                parts.eval_sampler.push_weights(parts.policy)  # a vLLM engine holds the last round's weights
-                ev = parts.evaluator.evaluate(parts.eval_sampler, run_dir / "eval_samples.jsonl" if main else None)
-        if parts.math500 is not None:  # eval.math500: benchmark accuracy of the trained policy
-            with timer.phase("eval"):
-                if parts.evaluator is None:
-                    parts.eval_sampler.push_weights(parts.policy)
-                m500 = parts.math500.evaluate(parts.eval_sampler, run_dir / "math500_samples.jsonl" if main else None)
-            ev = {**(ev or {}), "math500": m500}
-            tracker.log(spec.train.steps, {**flat_metrics({"math500": m500}), "wall_s": timer.elapsed()})
-        if spec.train.save_model:
-            with timer.phase("save"):
-                # a collective under FSDP (gathers the full weights)
-                save_model(parts, run_dir / "model", saved_dtype(spec.train.save_dtype, parts.backend))
-        summary = {
-            "status": "complete",
-            "objective": spec.objective,
-            "data": spec.regime,
-            "humanline": spec.humanline_on,
-            "humanline_cfg": vars(spec.humanline) if spec.humanline_on else None,
-            "task": spec.task,
-            "model": spec.model,
-            "seed": spec.seed,
-            "steps": spec.train.steps,
-            "resumed_from_step": resumed,
-            "batch_size": spec.train.batch_size,
-            "batch_unit": UNIT[spec.objective],
-            "eval": ev,
-            "final_train_metrics": last,
-            "wall_clock_s": timer.report(),
-            "tokens_per_s": {"train": last.get("tokens_per_s"),
-                             "sample": getattr(parts.source, "sample_tokens_per_s", lambda: None)()},
-            "memory_gib": peak_memory(parts),
-            "versions": {"humanline": __version__, "torch": torch.__version__,
-                         "transformers": transformers.__version__},
-            "git_commit": _git_commit(),
-        }
-        tracker.summary(summary)
+        summary = finish(spec, parts, tracker, timer, run_dir, last, resumed)
         tracker.finish(0)
         if main:
             print_summary(summary, run_dir, console)
@@ -193,6 +156,65 @@ def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None, spec
             parts.close()
         if tracker is not None:
             tracker.finish(0)
+
+
+def finish(spec: RunSpec, parts, tracker, timer: PhaseTimer, run_dir: Path, last: dict, resumed: int | None) -> dict:
+    """After the last step: the model, then summary.json (status "trained", no eval yet), then the end-of-run
+    evaluations, then summary.json with them (status "complete"). An evaluation that fails (an API judge
+    down, a benchmark's sampling error) leaves a usable model and its training summary; the trainer
+    checkpoints the last step when an evaluation follows, so the same command resumes there and only
+    evaluates. A run resumed from its last step keeps the model its first attempt saved."""
+    main = parts.dist.is_main
+    model_dir = run_dir / "model"
+    if spec.train.save_model and not (resumed == spec.train.steps and (model_dir / "config.json").is_file()):
+        with timer.phase("save"):
+            # a collective under FSDP (gathers the full weights)
+            save_model(parts, model_dir, saved_dtype(spec.train.save_dtype, parts.backend))
+            wait_for_rank0()  # rank 0 writes the files: the others wait outside the training group's timeout
+    if parts.evaluator is not None or parts.math500 is not None:
+        tracker.summary(run_summary(spec, parts, timer, last, resumed, None, "trained"))
+    ev = None  # judge=none: train only
+    if parts.evaluator is not None:
+        with timer.phase("eval"):
+            parts.eval_sampler.push_weights(parts.policy)  # a vLLM engine holds the last round's weights
+            ev = parts.evaluator.evaluate(parts.eval_sampler, run_dir / "eval_samples.jsonl" if main else None)
+    if parts.math500 is not None:  # eval.math500: benchmark accuracy of the trained policy
+        with timer.phase("eval"):
+            if parts.evaluator is None:
+                parts.eval_sampler.push_weights(parts.policy)
+            m500 = parts.math500.evaluate(parts.eval_sampler, run_dir / "math500_samples.jsonl" if main else None)
+        ev = {**(ev or {}), "math500": m500}
+        tracker.log(spec.train.steps, {**flat_metrics({"math500": m500}), "wall_s": timer.elapsed()})
+    summary = run_summary(spec, parts, timer, last, resumed, ev, "complete")
+    tracker.summary(summary)
+    return summary
+
+
+def run_summary(spec: RunSpec, parts, timer: PhaseTimer, last: dict, resumed: int | None, ev: dict | None,
+                status: str) -> dict:
+    return {
+        "status": status,
+        "objective": spec.objective,
+        "data": spec.regime,
+        "humanline": spec.humanline_on,
+        "humanline_cfg": vars(spec.humanline) if spec.humanline_on else None,
+        "task": spec.task,
+        "model": spec.model,
+        "seed": spec.seed,
+        "steps": spec.train.steps,
+        "resumed_from_step": resumed,
+        "batch_size": spec.train.batch_size,
+        "batch_unit": UNIT[spec.objective],
+        "eval": ev,
+        "final_train_metrics": last,
+        "wall_clock_s": timer.report(),
+        "tokens_per_s": {"train": last.get("tokens_per_s"),
+                         "sample": getattr(parts.source, "sample_tokens_per_s", lambda: None)()},
+        "memory_gib": peak_memory(parts),
+        "versions": {"humanline": __version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "git_commit": _git_commit(),
+    }
 
 
 def out_of_memory(e: BaseException) -> RunFailed | None:

@@ -102,7 +102,11 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
     moving = reference_moves(spec.humanline, spec.regime)  # the reference can leave the starting weights
     fault = Fault.from_env(dist.rank)  # inert unless a test sets HUMANLINE_TEST_FAULT
 
+    # the last step too when an evaluation follows it: a failed end-of-run eval is rerun from there, not retrained
+    end_eval = parts.evaluator is not None or parts.math500 is not None
+
     def checkpoint(step: int, now: bool = False) -> None:  # at the very end of a step: nothing of it is left to do
+        now = now or (step == tr.steps and end_eval)
         if checkpoints is not None and (checkpoints.due(step) or (now and checkpoints.every > 0)):
             with timer.phase("checkpoint"):
                 checkpoints.save(step, parts, opt, sched, timer, {**last, "skipped_steps": skipped} if skipped else last,
