@@ -3,8 +3,8 @@ this machine with the run's own parts (the composed online config: model, sample
 threads), written to a JSON file `humanline report --target FILE` reads.
 
 - generation: the run's sampler on the run's prompts and sampling settings at three call sizes (1, prompts / 8
-  and `prompts` prompts x n samples; prompts=64 by default), each timed 3 times (median); the fixed cost per call is a call of one sequence and one
-  token; the latency per decoding step comes from the smallest real call (one wave: latency-bound), the peak
+  and `prompts` prompts x n samples; prompts=64 by default), each timed 3 times (median); the fixed cost per
+  call is a call of one sequence and one token; the latency per decoding step comes from the smallest real call (one wave: latency-bound), the peak
   tokens/s from the largest (throughput-bound); the middle call is predicted from them as a check;
 - labelling: the task's labeller on the largest call's completions, seconds per completion;
 - push and sync: sampler.push_weights(policy) and reference.sync(policy), 5 times each (median; fixed costs at
@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from humanline_cli.errors import UserError
+
 
 def call_sizes(prompts: int) -> tuple[int, int, int]:
     """Prompts per timed generation call (x n samples each): one, an eighth of `prompts`, `prompts`."""
@@ -85,7 +86,7 @@ def generation_constants(source, concurrency: int, sizes: tuple[int, int, int]) 
         prompts = [enc.prompt_ids(r["prompt"]) for r in rows[:size]]
         p = SamplingParams(**{**vars(params), "seed": 7 + k})
         sampler.generate(prompts, p)  # untimed: the first call at a new shape
-        s, out = _median_time(lambda: sampler.generate(prompts, p), 3)
+        s, out = _median_time(lambda prompts=prompts, p=p: sampler.generate(prompts, p), 3)
         lengths = [len(ids) for ids in out.token_ids]
         calls.append({"prompts": size, "sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
                       "seconds": s, "completions": out})
@@ -202,7 +203,8 @@ def measure(overrides: list[str], console, steps: int = 6, prompts: int = 64) ->
                  "push_fixed_s": push_s, "push_bytes_per_s": math.inf, "sync_fixed_s": sync_s, "sync_bytes_per_s": math.inf,
                  "step_fixed_s": tr["step_fixed_s"], "train_flops_per_s": tr["train_flops_per_s"],
                  "other_step_s": tr["other_step_s"], "gpus": 1}
-    return {"target": "this", "estimated": False, "objective": spec.objective, "host": socket.gethostname(), "cpus": os.cpu_count(),
+    return {"target": "this", "estimated": False, "objective": spec.objective, "host": socket.gethostname(),
+            "cpus": os.cpu_count(),
             "threads": spec.threads, "model": spec.model, "params": tr["params"], "bytes_per_param": 4,
             "source": f"measured by `humanline bench constants=true` on {socket.gethostname()} at "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')} (loadavg {load_before})",
@@ -219,4 +221,5 @@ def print_constants(res: dict, console) -> None:
     for k, v in c.items():
         console.print(f"  {k:22s} {f'{v:.6g}'}", highlight=False)
     chk = res["detail"]["generation"]["check_middle_call"]
-    console.print(f"  middle call: predicted {chk['predicted_s']:.3f} s, measured {chk['measured_s']:.3f} s", highlight=False)
+    console.print(f"  middle call: predicted {chk['predicted_s']:.3f} s, measured {chk['measured_s']:.3f} s",
+                  highlight=False)
