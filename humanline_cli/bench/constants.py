@@ -4,16 +4,17 @@ threads), written to a JSON file `humanline report --target FILE` reads.
 
 - generation: the run's sampler on the run's prompts and sampling settings at three call sizes (1, prompts / 8
   and `prompts` prompts x n samples; prompts=64 by default), each timed 3 times (median); the fixed cost per
-  call is a call of one sequence and one token; the latency per decoding step comes from the smallest real call (one wave: latency-bound), the peak
-  tokens/s from the largest (throughput-bound); the middle call is predicted from them as a check;
+  call is a call of one sequence and one token; the latency per decoding step comes from the smallest real call
+  (one wave: latency-bound), the peak tokens/s from the largest (throughput-bound); the middle call is predicted
+  from them as a check;
 - labelling: the task's labeller on the largest call's completions, seconds per completion;
 - push and sync: sampler.push_weights(policy) and reference.sync(policy), 5 times each (median; fixed costs at
   this model's size: the bytes are inside them);
-- training: the real loop (trainer.train, the online source included) for `constant_steps` steps (6) at the run's batch size
-  and at half of it; every step's train phase against its forward tokens (metrics `tokens_processed`), the
-  first step of each dropped (allocation); a least-squares line gives the per-step fixed cost and the FLOP/s
-  of the per-token part (F x P x tokens / FLOP/s, F as the model counts it); the loop's time outside the phases
-  per step is `other`.
+- training: the real loop (trainer.train, the online source included) for `constant_steps` steps (6) at the
+  run's batch size and at half of it; every step's train phase against its forward tokens (metrics
+  `tokens_processed`), the first step of each dropped (allocation); a least-squares line gives the per-step fixed
+  cost and the FLOP/s of the per-token part (F x P x tokens / FLOP/s, F as the model counts it); the loop's time
+  outside the phases per step is `other`.
 The machine's load (/proc/loadavg) before and after is recorded: on a shared machine the constants hold only
 for a sweep run under the same load.
 """
