@@ -59,6 +59,7 @@ def test_every_sweep_point_composes_and_validates(name):
     if name == "laptop_speed_check":  # the cost model's check: GRPO online, stale-16/64, async lag 1, 3 seeds
         grid = {("grpo", "online", False)}
         assert len(points) == cfg.regime_study_size == 4 * 3 and cfg.hydra.launcher.n_jobs == 1
+        assert [p[1] for p in points[:4]] == [f"regime={r}" for r in ("online", "stale16", "stale64", "async1")]
     assert seen == grid
 
 

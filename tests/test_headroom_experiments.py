@@ -25,13 +25,13 @@ def _points(cfg) -> list[list[str]]:
 
 @pytest.mark.parametrize("name,size", [("laptop_pilot_headroom", 6), ("laptop_headroom", 15)])
 def test_headroom_experiments_compose_with_their_stated_size(name, size):
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
 
     cfg = _compose(f"experiment={name}", hydra_cfg=True)
     points = _points(cfg)
     assert len(points) == cfg.regime_study_size == size
     assert cfg.hydra.launcher._target_.endswith("BasicLauncher")  # one run at a time
-    specs = [validate(_compose(f"experiment={name}", *p)) for p in points]
+    specs = [resolve(_compose(f"experiment={name}", *p)) for p in points]
     assert all(s.objective == "grpo" and s.eval_cfg.n_prompts == 1024 and s.eval_cfg.greedy for s in specs)
     assert all(s.task_cfg.world["n_eval_prompts"] == 1024 and s.task_cfg.world["format"] == "plain" for s in specs)
     hl = [s for s in specs if s.humanline_on]

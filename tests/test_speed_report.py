@@ -30,7 +30,8 @@ def _run(root, regime, seed, *, rounds, tokens_per_step, wall, evals=(), final=0
     d = root / f"{regime}_seed{seed}"
     (d / ".hydra").mkdir(parents=True)
     gen = int(regime.removeprefix("stale")) if regime.startswith("stale") else None
-    cfg = {"objective": {"name": "grpo"}, "data": {"regime": "online", "async_lag": lag, "generate_every": gen}, "seed": seed,
+    cfg = {"objective": {"name": "grpo"}, "data": {"regime": "online", "async_lag": lag, "generate_every": gen},
+           "seed": seed,
            "humanline": humanline, "hl": {"sync": True, "sync_every": 2},
            "task": {"name": "arithmetic"}, "model": {"name": "tiny"},
            "train": {"steps": len(tokens_per_step), "gradient_checkpointing": False}}

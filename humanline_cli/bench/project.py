@@ -14,7 +14,8 @@ model=..., backend=cuda, train.max_length=..., train.micro_batch_size=..., hl.sy
     async_rounds=0  N > 0: instead, online rounds/s at data.async_lag=0 vs 1 over N rounds, against the
                     bound max(sample, train) per round (bench/async_bench.py)
     constants=false true: instead, the cost model's constants of this machine for the composed online run
-                    (bench/constants.py; `humanline report DIR --target FILE` predicts from them)
+                    (bench/constants.py; `humanline report DIR --target FILE` predicts from them): generation
+                    at 1, prompts/8 and prompts prompts, training for constant_steps=6 steps at 2 batch sizes
     out=runs/bench/<objective>-<time>.json
 
 Systems run interleaved (project, project+humanline, TRL, project, ...) so a shared machine's drift
@@ -54,7 +55,7 @@ from humanline_cli.sources.source import SourceWrapper
 
 DEFAULTS = {"steps": 20, "warmup": 2, "repeats": 2, "batch_size": None, "threads": None, "trl": "auto",
             "cache": True, "sampler": False, "prompts": 64, "out": None, "async_rounds": 0,
-            "constants": False}
+            "constants": False, "constant_steps": 6}
 GRPO_NOTE = ("TRL's GRPOTrainer only trains on its own generations (no offline groups): its row times "
              "GRPOTrainer.compute_loss on the same fixed groups (reference forward, loss, backward, clip, AdamW "
              "step in the bench's loop), not GRPOTrainer.train")
@@ -355,7 +356,8 @@ def main_bench(args: list[str]) -> int:
         if opts["constants"]:
             from humanline_cli.bench.constants import measure, print_constants
 
-            return _write_result(measure(overrides, console), opts, "constants-", print_constants, console)
+            res = measure(overrides, console, opts["constant_steps"], opts["prompts"])
+            return _write_result(res, opts, "constants-", print_constants, console)
         res = run_bench(opts, overrides, console)
     except UserError as e:
         print(f"humanline: error: {e}", file=sys.stderr)

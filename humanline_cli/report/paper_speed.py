@@ -112,7 +112,8 @@ def markdown() -> list[str]:
         out.append(f"| {s.name} | {r['regime']} | {t.name} | {calls} | {_h(p['sample'])} | {_h(p['push'])} | "
                    f"{_h(p['label'])} | {_h(p['train'])} | {_h(p['sync'])} | **{_h(p['loop'])}** | "
                    f"**{r['speedup']:.2f}x** | {s.prompt_tokens:g} + {s.completion_tokens:g} | {s.longest} | "
-                   f"{t.sample_tokens_per_s:.3g} | {1e3 * t.decode_step_s:.3g} | {t.train_flops_per_s / GPUS[t.name[-4:]][0]:g} | "
+                   f"{t.sample_tokens_per_s:.3g} | {1e3 * t.decode_step_s:.3g} | "
+                   f"{t.train_flops_per_s / GPUS[t.name[-4:]][0]:g} | "
                    f"{s.label_s_per_seq:.3g} ({s.label}) | {t.push_fixed_s:g} |")
     return out
 
