@@ -189,7 +189,8 @@ class GRPOConfig(ObjectiveConfig):
 @dataclass
 class DataConfig:
     """Both regimes share one schema, so a study can set the online knobs (data.n, ...) once for a
-    sweep over data=offline,online; each regime reads only its own keys."""
+    sweep over data=offline,online; each regime reads only its own keys. The keys that time rounds
+    (async_lag, generate_every) are refused with data=offline: set there, they would change nothing."""
     regime: str = MISSING            # offline | online
     # offline: a fixed dataset
     path: Optional[str] = None

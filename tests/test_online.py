@@ -85,11 +85,10 @@ def test_round_with_every_prompt_below_threshold_is_skipped_and_logged():
     step = src.next_step(1)
     assert step.micro_batches == [] and step.info["online/skipped_round"] == 1
     assert step.info["online/dropped_prompts"] == 2 and step.info["online/tied_groups"] == 2
-    # GRPO: every group of the round tied (zero advantages everywhere) takes the same skipped path
-    step = _source("grpo", ["1", "2"], length_score).next_step(1)
-    assert step.micro_batches == [] and step.info["online/skipped_round"] == 1
-    assert (step.info["online/dropped_prompts"], step.info["online/tied_groups"]) == (2, 2)
-    # a round with some spread keeps its tied groups: zero advantages, still in the token-mean normaliser
+    step = _source("grpo", ["1", "2"], length_score).next_step(1)  # zero-variance groups: kept, counted
+    assert torch.equal(step.micro_batches[0].advantages, torch.zeros(4))
+    assert (step.info["online/dropped_prompts"], step.info["online/tied_groups"]) == (0, 2)
+    # a round with some spread: its tied group is counted too, its advantages are 0
     src = _source("grpo", ["1", "2"], lambda prompts, completions, answers=None: [0.0, 0.0, 0.0, 1.0])
     step = src.next_step(1)
     (batch,) = step.micro_batches

@@ -210,12 +210,9 @@ class OnlineSource:
             u = units_from_group(self.objective, ScoredGroup(p, comps, scores[i * n:(i + 1) * n]), self.min_gap)
             dropped += not u
             units += u
+        # groups whose scores all tie: DPO/KTO drop them (no pair); GRPO keeps them with advantage 0 (they still
+        # weigh in the KL term and the token-mean normaliser, as in TRL), so they are counted, not skipped
         tied = sum(len(set(scores[i * n:(i + 1) * n])) == 1 for i in range(len(prompts)))
-        if self.objective == "grpo" and tied == len(prompts):
-            # every group tied: every advantage is 0, so the round holds no policy-gradient signal (what is left,
-            # the KL pull, is 0 at a round's first step in plain online). It takes DPO's path for a round with no
-            # pair: a skipped step, counted, and train.max_skipped_fraction fails a run made of them
-            units, dropped = [], len(prompts)
         self.rng.shuffle(units)
         self._queue = [units[i:i + self.batch_size] for i in range(0, len(units), self.batch_size)]
         # completion tokens (as collated: the sampled ids) per optimizer step, averaged over the round:
