@@ -144,7 +144,7 @@ def test_matched_quality_speedup_with_interval_and_not_reached(tmp_path):
     rep = build_report(root)
     # target = 0.82 - t(0.975, 2) x 0.02 / sqrt(3) = 0.82 - 4.303 x 0.011547 = 0.770312
     target = 0.82 - 4.303 * 0.02 / math.sqrt(3)
-    assert f"greedy accuracy {target:.4g}" in rep.markdown
+    assert f"arithmetic / grpo: greedy accuracy {target:.4g} (online's final 0.82 minus its half-width" in rep.markdown
     # online: from (20 s, 0.6) to (40 s, final): 20 + 20 (t - 0.6) / (final - 0.6)
     on = [20 + 20 * (target - 0.6) / (f - 0.6) for f in finals]
     # stale64 seeds 0, 1: from (0 s, 0.5) to (10 s, 0.9): 10 (t - 0.5) / 0.4

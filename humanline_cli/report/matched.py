@@ -135,10 +135,10 @@ def markdown(rows: list[MatchedRow], predicted: dict | None = None) -> list[str]
     """`predicted`: target name -> {(task, objective, regime): predicted loop seconds of the whole run}."""
     if not rows:
         return ["No online runs with learning curves to match."]
-    r0 = rows[0]
-    out = [f"Target: {r0.metric} {r0.target:.4g} ({r0.target_note}). Loop wall-clock to reach it, mean [95% interval] "
-           "over the seeds that did; speedup over online paired by seed. The equal-step column compares whole runs "
-           "of the same steps (not the same quality).", ""]
+    targets = dict.fromkeys(f"{r.task} / {r.objective}: {r.metric} {r.target:.4g} ({r.target_note})" for r in rows)
+    out = [f"Target: {'; '.join(targets)}. Loop wall-clock to reach it, mean [95% interval] over the seeds that did; "
+           "speedup over online paired by seed. The equal-step column compares whole runs of the same steps (not the "
+           "same quality).", ""]
     extra = list(predicted or {})
     out += ["| task | objective | regime | reached | steps to target | seconds to target (measured) | "
             + "".join(f"predicted s on {t} | " for t in extra)
