@@ -40,7 +40,7 @@ from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.online import OnlineSource, RoundSpec
 from humanline_cli.sources.source import Shard
 from humanline_cli.train.lengths import check_model_lengths
-from humanline_cli.train.sharded_load import load_policy_sharded, sharded_reference
+from humanline_cli.train.sharded_load import load_policy_sharded, sharded_loadable, sharded_reference
 
 WORLD = "world://"
 ORIGINAL_CWD = "HUMANLINE_ORIGINAL_CWD"  # the directory `humanline train` was started in
@@ -333,7 +333,7 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device):
                    reference_bytes=2.0 if fsdp and bf16 else None, weight_bytes=weight_bytes,
                    activation_bytes=2.0 if bf16 else weight_bytes, autocast=bf16 and not fsdp,
                    loading="sharded" if fsdp and spec.model_cfg.lora.r == 0 and not spec.model_cfg.trust_remote_code
-                   else "full")
+                   and sharded_loadable(model_path) else "full")
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         # an online vLLM engine takes sampler.gpu_memory_utilization of the GPU at start (the policy is
