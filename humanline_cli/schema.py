@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+try:
+    from omegaconf import MISSING
+except ImportError:  # torch-only tools (gpu-check's step rows on a GPU machine without Hydra) read defaults only
+    MISSING = "???"
 
 
 class Aggregation(str, Enum):
@@ -441,6 +443,8 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
 
 def register() -> None:
     """Put every schema into Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
     cs = ConfigStore.instance()
     cs.store(name="schema_root", node=RootConfig)
     for group, options in GROUP_SCHEMAS.items():
@@ -466,4 +470,7 @@ def _open_keys(schema: type):
     return node
 
 
-register()
+try:
+    register()
+except ImportError:  # no Hydra: nothing composes configs in this process (see MISSING above)
+    pass
