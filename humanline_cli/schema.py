@@ -10,6 +10,7 @@ is accepted by the CLI, which drops the `+` (Hydra refuses to append a key the s
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -470,7 +471,5 @@ def _open_keys(schema: type):
     return node
 
 
-try:
+with contextlib.suppress(ImportError):  # no Hydra: nothing composes configs in this process (see MISSING above)
     register()
-except ImportError:  # no Hydra: nothing composes configs in this process (see MISSING above)
-    pass

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fake_cuda_vllm import FakeCuda, fake_tokenizer, install_fake_vllm
+
 from humanline_cli.errors import RunFailed
 from humanline_cli.sampling.sampler import SamplingParams
 

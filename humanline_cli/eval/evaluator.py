@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from humanline_cli.rewards.scorers import checked
 from humanline_cli.backend import wait_for_rank0
+from humanline_cli.rewards.scorers import checked
 from humanline_cli.sampling.sampler import SamplingParams
 from humanline_cli.sources.source import Shard
 
