@@ -161,7 +161,11 @@ def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = 
         from humanline_cli.world.rewards import subset
 
         subsets = [subset(spec.task_cfg.world["kind"], encoder.prompt_text(r["prompt"])) for r in rows]
-    return Evaluator(rows, encoder, make_scorer(asdict(spec.task_cfg.judge), device, "task.judge"), spec.eval_cfg,
+    judge = asdict(spec.task_cfg.judge)
+    # rank 0 alone judges (Evaluator.sample): a reward model (an 8B ArmoRM: ~16 GB) loads there only
+    scorer = make_scorer(judge, device, "task.judge") if shard.rank == 0 or judge["kind"] not in ("model", "reward_model") \
+        else (f"model:{judge['name_or_path']}", None)
+    return Evaluator(rows, encoder, scorer, spec.eval_cfg,
                      spec.task_cfg.verifiable, seed, subsets=subsets, shard=shard, tempered_logps=tl)
 
 
