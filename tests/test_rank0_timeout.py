@@ -9,6 +9,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
 from conftest import FAST, TINY_WORLD, run_cli
 
 SLOW_S = 10.0
@@ -54,6 +55,7 @@ class SlowJudge:
         self.server.server_close()
 
 
+@pytest.mark.slow
 def test_a_rank0_judge_slower_than_the_collective_timeout_completes(cache_dir, tmp_path):
     judge = SlowJudge()
     run = tmp_path / "run"
