@@ -15,12 +15,15 @@ is accepted by the CLI, which drops the `+` (Hydra refuses to append a key the s
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Optional
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+try:
+    from omegaconf import MISSING
+except ImportError:  # torch-only tools (gpu-check's step rows on a GPU machine without Hydra) read defaults only
+    MISSING = "???"
 
 
 class Aggregation(StrEnum):
@@ -572,6 +575,8 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
 
 def register() -> None:
     """Put every schema into Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
     cs = ConfigStore.instance()
     cs.store(name="schema_root", node=RootConfig)
     for group, options in GROUP_SCHEMAS.items():
@@ -597,4 +602,5 @@ def _open_keys(schema: type):
     return node
 
 
-register()
+with contextlib.suppress(ImportError):  # no Hydra: nothing composes configs in this process (see MISSING above)
+    register()

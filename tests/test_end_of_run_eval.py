@@ -22,6 +22,7 @@ PAPER_MATH_TINY = [
 PROBLEMS = [("2+3=", "5"), ("5+7=", "12"), ("7+8=", "15"), ("6+6=", "12")]
 
 
+@pytest.mark.slow
 def test_paper_math_with_vllm_completes_with_math500_accuracy(cache_dir, tmp_path):
     problems = tmp_path / "math500.jsonl"
     problems.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in PROBLEMS))
@@ -54,6 +55,7 @@ def _cfg(run_dir_overrides):
         return compose("train", overrides=normalize_overrides(run_dir_overrides))
 
 
+@pytest.mark.slow
 def test_an_eval_failure_keeps_the_model_and_the_rerun_only_evaluates(cache_dir, tmp_path, monkeypatch, one_thread):
     """The judge fails after the last step: model/ and summary.json (status "trained") are there and the
     model loads; the same command then resumes at the last step's checkpoint and only evaluates."""

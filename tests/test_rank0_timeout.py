@@ -9,6 +9,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
 from conftest import FAST, TINY_WORLD, run_cli
 
 SLOW_S = 10.0
@@ -54,6 +55,7 @@ class SlowJudge:
         self.server.server_close()
 
 
+@pytest.mark.slow
 def test_a_rank0_judge_slower_than_the_collective_timeout_completes(cache_dir, tmp_path):
     judge = SlowJudge()
     run = tmp_path / "run"
@@ -61,7 +63,7 @@ def test_a_rank0_judge_slower_than_the_collective_timeout_completes(cache_dir, t
         r = run_cli(["train", *TINY_WORLD, *FAST, "objective=dpo", "backend=cpu", "backend.strategy=ddp",
                      "backend.nproc=2", "backend.timeout_s=5", "judge=llm", f"judge.base_url={judge.url}",
                      "judge.model=slow", f"judge.cache_dir={tmp_path / 'judgments'}", "judge.max_concurrency=1",
-                     "eval.n_prompts=4", f"hydra.run.dir={run}"], tmp_path)
+                     "eval.n_prompts=4", f"hydra.run.dir={run}"], tmp_path, timeout=900)  # a fresh world: minutes
     finally:
         judge.close()
     assert r.returncode == 0, r.stderr[-3000:]

@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from humanline_cli.backend import wait_for_rank0
 from humanline_cli.core.interfaces import SamplingParams
 from humanline_cli.rewards.scorers import checked
-from humanline_cli.backend import wait_for_rank0
 from humanline_cli.sources.source import Shard
 
 TIE_TOL = 1e-9

@@ -44,7 +44,7 @@ from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.online import OnlineSource, RoundSpec
 from humanline_cli.sources.source import Shard
 from humanline_cli.train.lengths import check_model_lengths
-from humanline_cli.train.sharded_load import load_policy_sharded, sharded_reference
+from humanline_cli.train.sharded_load import load_policy_sharded, sharded_loadable, sharded_reference
 
 WORLD = "world://"
 GENERATED = "gen://"       # a generated task's files (task.generator; world/chat_arithmetic.py)
@@ -184,7 +184,11 @@ def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = 
         from humanline_cli.world.rewards import subset
 
         subsets = [subset(spec.task_cfg.world["kind"], encoder.prompt_text(r["prompt"])) for r in rows]
-    return Evaluator(rows, encoder, make_scorer(asdict(spec.task_cfg.judge), device, "task.judge"), spec.eval_cfg,
+    judge = asdict(spec.task_cfg.judge)
+    # rank 0 alone judges (Evaluator.sample): a reward model (an 8B ArmoRM: ~16 GB) loads there only
+    scorer = make_scorer(judge, device, "task.judge") if shard.rank == 0 or judge["kind"] not in ("model", "reward_model") \
+        else (f"model:{judge['name_or_path']}", None)
+    return Evaluator(rows, encoder, scorer, spec.eval_cfg,
                      spec.task_cfg.verifiable, seed, subsets=subsets, shard=shard, tempered_logps=tl)
 
 
@@ -368,7 +372,7 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device):
                    reference_bytes=2.0 if fsdp and bf16 else None, weight_bytes=weight_bytes,
                    activation_bytes=2.0 if bf16 else weight_bytes, autocast=bf16 and not fsdp,
                    loading="sharded" if fsdp and spec.model_cfg.lora.r == 0 and not spec.model_cfg.trust_remote_code
-                   else "full")
+                   and sharded_loadable(model_path) else "full")
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         # an online vLLM engine takes sampler.gpu_memory_utilization of the GPU at start (the policy is

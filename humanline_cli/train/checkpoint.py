@@ -262,7 +262,7 @@ class Checkpoints:
         """Restore everything `save` wrote; returns (step, the last logged train metrics)."""
         from safetensors.torch import load_file
 
-        damage = verify(path)
+        damage = verified_by_rank0(path, self.dist)
         if damage:
             raise UserError(f"checkpoint {path} is damaged ({damage}); resume=false starts over")
         state = read_state(path)
@@ -317,8 +317,19 @@ def _files(path: Path) -> list[str]:
 
 
 def checksums(path: Path) -> dict[str, str]:
-    """{relative path: sha256} of every file in the checkpoint dir, from the bytes on disk."""
-    return {name: _sha256(path / name) for name in _files(Path(path))}
+    """{relative path: sha256} of every file in the checkpoint dir, from the bytes on disk (files hashed in
+    parallel threads: hashlib releases the GIL, so an FSDP checkpoint's per-rank shards hash side by side)."""
+    names = _files(Path(path))
+    return dict(zip(names, _hash_all([Path(path) / n for n in names]), strict=True))
+
+
+def _hash_all(files: list[Path]) -> list[str]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    if len(files) <= 1:
+        return [_sha256(f) for f in files]
+    with ThreadPoolExecutor(max_workers=min(8, len(files))) as pool:
+        return list(pool.map(_sha256, files))
 
 
 def verify(path: Path) -> str | None:
@@ -336,16 +347,32 @@ def verify(path: Path) -> str | None:
     extra = sorted(set(_files(path)) - set(sums))
     if extra:
         return f"{extra[0]} is not in {CHECKSUMS} (written after the checkpoint)"
-    for name in sorted(sums):
+    names = sorted(sums)
+    for name in names:
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
-        size = f.stat().st_size
-        if size == 0:
+        if f.stat().st_size == 0:
             return f"{name} is empty"
-        if _sha256(f) != sums[name]:
-            return f"{name} ({size} bytes) does not match its sha256 (truncated or altered)"
+    for name, digest in zip(names, _hash_all([path / n for n in names]), strict=True):
+        if digest != sums[name]:
+            return f"{name} ({(path / name).stat().st_size} bytes) does not match its sha256 (truncated or altered)"
     return None
+
+
+def verified_by_rank0(path: Path, dist: Dist) -> str | None:
+    """`verify` on rank 0 alone, its verdict on every rank: the files are shared, so hashing them on every
+    rank (~112 GB at 8B, 8 times over) only repeats rank 0's work; the others wait outside the training
+    group's timeout."""
+    damage = verify(path) if dist.is_main else None
+    if not dist.enabled:
+        return damage
+    import torch.distributed as tdist
+
+    wait_for_rank0()
+    box = [damage]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def read_state(path: Path) -> dict:

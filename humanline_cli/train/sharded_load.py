@@ -49,6 +49,30 @@ def params_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = register
 
 
+def local_model_dir(path: str) -> str | None:
+    """The local folder holding `path`'s files: the folder itself, or a hub id's snapshot in the
+    huggingface_hub cache (HF_HUB_CACHE; never downloaded here: the full path's from_pretrained does
+    that), else None. A hub id is what the paper configs name, so without this every rank would load
+    the whole model."""
+    if os.path.isdir(path):
+        return path
+    if path.count("/") != 1 or path.startswith((".", "/")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, local_files_only=True)
+    except Exception:  # not cached (or not a valid id): the full path loads (and downloads) it
+        return None
+
+
+def sharded_loadable(path: str) -> bool:
+    """Whether load_policy_sharded can read `path` (a local folder or cached hub snapshot of safetensors);
+    the memory estimate takes the same loading mode as build_parts."""
+    local = local_model_dir(path)
+    return local is not None and weight_map(local) is not None
+
+
 def weight_map(path: str) -> dict[str, str] | None:
     """Tensor name -> safetensors file of a local model folder (one file or an index), else None."""
     index = os.path.join(path, "model.safetensors.index.json")
@@ -139,7 +163,8 @@ def load_policy_sharded(path: str, device: torch.device, dtype: torch.dtype,
     `path` is not a local folder of safetensors whose names match the model's (take the full path)."""
     from transformers import AutoConfig
 
-    files = weight_map(path) if os.path.isdir(path) else None
+    path = local_model_dir(path)
+    files = weight_map(path) if path is not None else None
     if files is None:
         return None
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -1,0 +1,45 @@
+"""`just gpu-check` on a GPU machine with torch and transformers but no Hydra, omegaconf, datasets, wandb or
+vLLM: its torch-only rows (the step checks) run, the rows that need `humanline train` or vLLM say they
+were skipped and why. A subprocess blocks those imports (sys.modules[name] = None makes any import of
+them fail) and runs the step rows on CPU, then the CUDA path with torch.cuda faked (no GPU here)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+SCRIPT = r"""
+import json, sys
+BLOCKED = ("hydra", "omegaconf", "datasets", "wandb", "vllm")
+for name in BLOCKED:
+    sys.modules[name] = None
+from humanline_cli.bench import gpu_check, step_bench
+assert all(gpu_check.missing(name) for name in BLOCKED) and not gpu_check.missing("torch")
+out = sys.argv[1]
+code = gpu_check.main(["--device", "cpu", "--out", out + "/cpu", "--tokens", "16"])
+import torch
+torch.cuda.is_available = lambda: True  # the CUDA path's rows past the step checks, on a CPU machine
+torch.cuda.device_count = lambda: 1
+torch.cuda.get_device_name = lambda i=0: "fake"
+step_bench.run = lambda *a, **k: [{"check": "step_stub", "ok": True}]
+gpu_check.run = step_bench.run
+code_cuda = gpu_check.main(["--out", out + "/cuda"])
+print(json.dumps({"cpu": code, "cuda": code_cuda,
+                  "imported": sorted(n for n in BLOCKED if sys.modules.get(n) is not None)}))
+"""
+
+
+def test_gpu_check_runs_its_torch_rows_without_hydra_or_vllm(tmp_path):
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res == {"cpu": 0, "cuda": 0, "imported": []}, r.stdout[-3000:]
+    cpu = json.loads((tmp_path / "cpu" / "gpu_check.json").read_text())
+    assert sorted(c["check"] for c in cpu["checks"]) == sorted(
+        f"step_{o}_hl-{h}" for o in ("dpo", "kto", "grpo") for h in ("false", "true"))
+    assert all(c["ok"] and c["tokens_per_s"] > 0 and c["loss"] > 0 for c in cpu["checks"])
+    cuda = json.loads((tmp_path / "cuda" / "gpu_check.json").read_text())
+    assert cuda["checks"] == [
+        {"check": "step_stub", "ok": True},
+        {"check": "training_runs", "ok": True,
+         "skipped": "hydra not installed (bf16 runs, LoRA, DDP/FSDP and vLLM rows run `humanline train`)"}]
