@@ -33,7 +33,8 @@ CASES = [(g, o) for g in GROUPS if g != "experiment" for o in _options(g)]
 @pytest.mark.parametrize("group,option", CASES, ids=[f"{g}={o}" for g, o in CASES])
 def test_every_config_file_composes_and_validates(group, option):
     extra = {("reward", "model"): ["reward.name_or_path=some/rm"],
-             ("task", "custom"): ["data.path=pairs.jsonl", "task.prompts.eval=eval.jsonl"]}.get((group, option), [])
+             ("task", "custom"): ["data.path=pairs.jsonl", "task.prompts.eval=eval.jsonl"],
+             ("task", "chat_arithmetic"): ["data=online"]}.get((group, option), [])  # no offline data of its own
     cfg = _compose([f"{group}={option}", *extra])
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
     spec = resolve(cfg)
