@@ -36,6 +36,8 @@ def cache_dir(tmp_path_factory) -> Path:
 MODEL_CACHE = Path(os.environ.get("HUMANLINE_CACHE") or Path.home() / ".cache" / "humanline")
 # the smollm2 tests' runs: few steps, short sequences, the converted model from MODEL_CACHE. One-digit sums: the
 # model answers most of them within 12 tokens ("4 + 3 = 7"), so a group of samples holds right and wrong replies
+# a run of this model takes ~30 s on 2 quiet cores; a machine shared with a dozen jobs slows it 20-fold
+TIMEOUT = 1800
 SMOLLM2_TASK = {"kind": "chat_arithmetic", "digits": 1, "op": "add", "n_train": 40, "n_eval": 10, "seed": 0}
 SMOLLM2 = ["model=smollm2", "task=chat_arithmetic", f"world_cache={MODEL_CACHE}", "threads=2", "train.log_every=1",
            *(f"task.generator.{k}={SMOLLM2_TASK[k]}" for k in ("digits", "op", "n_train", "n_eval")),

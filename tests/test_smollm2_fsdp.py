@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import SMOLLM2, run_cli
+from conftest import SMOLLM2, TIMEOUT, run_cli
 from safetensors.torch import load_file
 
 
@@ -18,7 +18,7 @@ def test_fsdp_two_ranks_dpo_humanline_keeps_tied_embeddings(smollm2, tmp_path):
     run = tmp_path / "run"
     r = run_cli(["train", *SMOLLM2, "threads=1", "backend=cpu", "backend.strategy=fsdp", "backend.nproc=2",
                  "objective=dpo", "+humanline=true", f"data.path={pairs}", "train.steps=1", "train.batch_size=2",
-                 "train.lr=1e-4", f"hydra.run.dir={run}"], tmp_path, timeout=900)
+                 "train.lr=1e-4", f"hydra.run.dir={run}"], tmp_path, timeout=2 * TIMEOUT)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((run / "summary.json").read_text())
     assert s["status"] == "complete" and s["humanline"] is True and s["eval"]["n_prompts"] == 4

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMOLLM2, SMOLLM2_TASK, run_cli
+from conftest import SMOLLM2, SMOLLM2_TASK, TIMEOUT, run_cli
 
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -71,7 +71,7 @@ def test_a_missing_wheel_is_one_line_naming_the_install(tmp_path, monkeypatch):
 def sampled(smollm2, tmp_path_factory):
     """The model's own samples: 6 training prompts x 3 completions, T=1, scored by the task's verifier."""
     out = tmp_path_factory.mktemp("smollm2_sampled")
-    r = run_cli(["sample", *SMOLLM2, "data.limit=6", "data.n=3", f"out={out}"], out)
+    r = run_cli(["sample", *SMOLLM2, "data.limit=6", "data.n=3", f"out={out}"], out, timeout=TIMEOUT)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
 
@@ -81,7 +81,7 @@ def sampled_model(sampled: Path) -> Path:
 
 
 def _run(args: list[str], cwd: Path, run: Path) -> dict:
-    r = run_cli(["train", *SMOLLM2, *args, f"hydra.run.dir={run}"], cwd)
+    r = run_cli(["train", *SMOLLM2, *args, f"hydra.run.dir={run}"], cwd, timeout=TIMEOUT)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads((run / "summary.json").read_text())
 
@@ -128,7 +128,7 @@ def test_offline_dpo_kto_grpo_on_own_samples_then_eval_and_report(sampled, tmp_p
     saved, start = load_file(str(runs / "grpo" / "model" / "model.safetensors")), load_file(str(sampled_model(sampled)))
     assert "lm_head.weight" not in saved and saved.keys() == start.keys()
     assert torch.equal(saved["model.embed_tokens.weight"].float(), start["model.embed_tokens.weight"])
-    r = run_cli(["eval", str(runs / "dpo"), "--against", "start", "eval.n_prompts=2"], tmp_path)
+    r = run_cli(["eval", str(runs / "dpo"), "--against", "start", "eval.n_prompts=2"], tmp_path, timeout=TIMEOUT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((runs / "dpo" / "eval_vs_start.json").read_text())["n_prompts"] == 2
     r = run_cli(["report", str(runs)], tmp_path)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMOLLM2, run_cli
+from conftest import SMOLLM2, TIMEOUT, run_cli
 
 ONLINE = [*SMOLLM2, "data=online", "data.n=2", "data.prompts_per_round=2", "train.steps=2", "train.batch_size=2",
           "data.temperature=1.0", "data.min_gap=0"]
@@ -46,7 +46,7 @@ def test_online_grpo_dpo_kto(smollm2, tmp_path, sampler):
     sweep = tmp_path / "sweep"
     r = run_cli(["train", "-m", *ONLINE, f"sampler={sampler}", f"+humanline={str(humanline).lower()}",
                  "objective=grpo,dpo,kto", f"hydra.sweep.dir={sweep}"], tmp_path,
-                env_extra={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=1200)
+                env_extra={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=3 * TIMEOUT)
     assert r.returncode == 0, r.stderr[-3000:]
     runs = _runs(sweep)
     assert set(runs) == {"grpo", "dpo", "kto"}
@@ -57,7 +57,7 @@ def test_online_grpo_dpo_kto(smollm2, tmp_path, sampler):
 def test_online_grpo_with_async_lag_1(smollm2, tmp_path):
     run = tmp_path / "run"
     r = run_cli(["train", *ONLINE, "objective=grpo", "data.async_lag=1", "data.async_worker=inline",
-                 f"hydra.run.dir={run}"], tmp_path)
+                 f"hydra.run.dir={run}"], tmp_path, timeout=TIMEOUT)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((run / "summary.json").read_text())
     _check({**s, "dir": run}, False)
