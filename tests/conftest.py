@@ -34,10 +34,15 @@ def cache_dir(tmp_path_factory) -> Path:
 # model=smollm2 is converted once per MACHINE (minutes), into the cache a user's runs use, not the session's temporary
 # one: read before any fixture points HUMANLINE_CACHE elsewhere
 MODEL_CACHE = Path(os.environ.get("HUMANLINE_CACHE") or Path.home() / ".cache" / "humanline")
-# the smollm2 tests' runs: few steps, short sequences, the converted model from MODEL_CACHE
+# the smollm2 tests' runs: few steps, short sequences, the converted model from MODEL_CACHE. One-digit sums: the
+# model answers most of them within 12 tokens ("4 + 3 = 7"), so a group of samples holds right and wrong replies
+# a run of this model takes ~30 s on 2 quiet cores; a machine shared with a dozen jobs slows it 20-fold
+TIMEOUT = 1800
+SMOLLM2_TASK = {"kind": "chat_arithmetic", "digits": 1, "op": "add", "n_train": 40, "n_eval": 10, "seed": 0}
 SMOLLM2 = ["model=smollm2", "task=chat_arithmetic", f"world_cache={MODEL_CACHE}", "threads=2", "train.log_every=1",
+           *(f"task.generator.{k}={SMOLLM2_TASK[k]}" for k in ("digits", "op", "n_train", "n_eval")),
            "train.max_length=96", "train.max_prompt_length=48", "eval.n_prompts=4", "eval.max_new_tokens=8",
-           "eval.batch_size=4", "data.max_new_tokens=8", "train.lr=1e-5"]
+           "eval.batch_size=4", "data.max_new_tokens=12", "train.lr=1e-5"]
 
 
 @pytest.fixture(scope="session")

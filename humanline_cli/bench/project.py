@@ -300,6 +300,9 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
         from humanline_cli.bench.sampling_speed import sampler_bench
 
         result["sampler"] = sampler_bench(plain, info, opts["prompts"])
+        for got in result["sampler"].values():  # decoding: a forward of 2 P FLOPs per generated token
+            if isinstance(got, dict) and "tokens_per_s" in got:
+                got["mfu"] = 2 * info["matmul_params"] * got["tokens_per_s"] / peak
     return result
 
 

@@ -35,8 +35,14 @@ def print_result(res: dict, console) -> None:
         console.print(f"note: {res['trl_note']}", markup=False)
     s = res.get("sampler")
     if s:
-        line = f"sampler on {s['prompts']} prompts: HF generate {s['hf']['tokens_per_s']:.0f} tokens/s"
+        line = (f"sampler on {s['prompts']} prompts: HF generate {s['hf']['tokens_per_s']:.0f} tokens/s"
+                f"{_mfu(s['hf'])}")
         v = s["vllm"]
-        line += (f", vLLM {v['tokens_per_s']:.0f} tokens/s (+{v['startup_s']:.1f} s start-up)" if "error" not in v
-                 else f", vLLM unavailable: {v['error']}")
+        line += (f", vLLM {v['tokens_per_s']:.0f} tokens/s{_mfu(v)} (+{v['startup_s']:.1f} s start-up)"
+                 if "error" not in v else f", vLLM unavailable: {v['error']}")
         console.print(line, markup=False)
+
+
+def _mfu(got: dict) -> str:
+    """Decoding's share of the measured matmul peak (2 P FLOPs per token), when the bench computed it."""
+    return f" ({got['mfu']:.1%} of the matmul peak)" if "mfu" in got else ""

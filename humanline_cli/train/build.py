@@ -417,8 +417,9 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         wait_for_rank0()  # minutes: outside the training group's timeout
     with timer.phase("world"):  # the bundled world: built on first use (minutes), cached after
         prepare_world(spec)
-    with timer.phase("model"):  # a packaged model (model=smollm2): converted on first use (minutes), cached after
-        prepare_model(spec)
+    if spec.model_cfg.name_or_path.startswith(PACKAGED) or (spec.model_cfg.tokenizer or "").startswith(PACKAGED):
+        with timer.phase("model"):  # a packaged model (model=smollm2): converted on first use (minutes), cached after
+            prepare_model(spec)
     if dist.enabled and dist.is_main:
         wait_for_rank0()
     seed_everything(spec.seed)  # a world built just now drew from the RNGs: LoRA's init must not depend on it

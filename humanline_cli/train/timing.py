@@ -20,6 +20,7 @@ import torch
 
 PHASES = ("setup", "world", "sample", "label", "train", "sync", "push", "eval", "save", "checkpoint")
 ASYNC_PHASES = ("wait_for_sample", "wait_for_trainer", "sampler_start")
+MODEL_PHASES = ("model",)  # a packaged model's conversion check (model=smollm2): reported when it ran
 
 
 class PhaseTimer:
@@ -46,7 +47,7 @@ class PhaseTimer:
 
     def report(self) -> dict[str, float]:
         out = {p: round(self.seconds.get(p, 0.0), 6) for p in PHASES}
-        out.update({p: round(self.seconds[p], 6) for p in ASYNC_PHASES if p in self.seconds})
+        out.update({p: round(self.seconds[p], 6) for p in (*MODEL_PHASES, *ASYNC_PHASES) if p in self.seconds})
         out["total"] = round(time.perf_counter() - self.start, 3)
         return out
 
