@@ -13,7 +13,6 @@ import bisect
 import random
 from collections.abc import Sequence
 
-
 DIGITS = 2  # operand width (world.digits)
 
 
