@@ -23,7 +23,8 @@ def _points(cfg) -> list[list[str]]:
                                                  for o in swept))]
 
 
-@pytest.mark.parametrize("name,size", [("laptop_pilot_headroom", 6), ("laptop_headroom", 15)])
+@pytest.mark.parametrize("name,size", [("laptop_pilot_headroom", 6), ("laptop_headroom", 15),
+                                       ("laptop_headroom_frontier", 42)])
 def test_headroom_experiments_compose_with_their_stated_size(name, size):
     from humanline_cli.config import resolve
 
@@ -35,8 +36,13 @@ def test_headroom_experiments_compose_with_their_stated_size(name, size):
     assert all(s.objective == "grpo" and s.eval_cfg.n_prompts == 1024 and s.eval_cfg.greedy for s in specs)
     assert all(s.task_cfg.world["n_eval_prompts"] == 1024 and s.task_cfg.world["format"] == "plain" for s in specs)
     hl = [s for s in specs if s.humanline_on]
-    assert len(hl) == size // 3
     assert all((s.humanline.sync_every, s.humanline.log_eps_P, s.humanline.log_eps_R) == (16, -1.5, 1.5) for s in hl)
+    if name == "laptop_headroom_frontier":
+        assert len(hl) == 21 and {s.seed for s in specs} == {1, 2, 3}
+        assert sorted({s.data_cfg.generate_every for s in specs}) == [2, 8, 16, 32, 64, 100, 200]
+        assert all(s.task_cfg.world["digits"] == 3 for s in specs)
+        return
+    assert len(hl) == size // 3
     stale = [s for s in specs if s.data_cfg.generate_every == 64]
     assert len(stale) == 2 * size // 3  # stale64 and humanline on it; online has no generate_every
     if name == "laptop_headroom":

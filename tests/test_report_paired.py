@@ -142,3 +142,12 @@ def test_report_one_seed_gap_decided_by_the_prompt_bootstrap(tmp_path):
     md = build_report(root).markdown
     gap_line = next(x for x in md.split("## Gap closed")[1].splitlines() if x.startswith("| arithmetic | grpo"))
     assert "| 0.250 | 1.000 | 0.750 | 67% | 1 |" in gap_line  # (0.75 - 0.25) / (1 - 0.25), no seed interval
+
+
+def test_regime_map_table_says_no_gap_from_the_csv_verdict():
+    from humanline_cli.report.regime_map import markdown
+
+    row = {"regime": "hl_stale16", "objective": "grpo", "metric": "greedy accuracy", "offline": "0.98",
+           "online": "0.984", "humanline_offline": "0.982", "gap_closed": "", "gap_closed_lo": "", "gap_closed_hi": "",
+           "n_seeds": "2", "speedup": "", "speedup_equal_quality": "", "gap_verdict": "no gap"}
+    assert "| 0.982 | no gap | 2 |" in markdown([row])[2]

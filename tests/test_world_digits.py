@@ -61,8 +61,8 @@ def test_digits_knob_names_worlds_and_is_checked(tmp_path):
 
 
 def test_a_three_digit_world_builds(tmp_path):
-    cfg = {"kind": "arithmetic", "digits": 3, "format": "plain", "n_train_prompts": 128, "n_eval_prompts": 32,
-           "sft": {"steps": 20}}
+    cfg = {"kind": "arithmetic", "digits": 3, "format": "plain", "n_train_prompts": 32, "n_eval_prompts": 32,
+           "sft": {"steps": 4, "batch_size": 8, "warmup": 1}}
     d = materialise(cfg, tmp_path, progress=False)
     prompts = [json.loads(x)["prompt"][0]["content"] for x in (d / "prompts_eval.jsonl").read_text().splitlines()]
     assert len(prompts) == 32 and all(len(p) == 8 and p[3] == "+" for p in prompts)
@@ -71,3 +71,21 @@ def test_a_three_digit_world_builds(tmp_path):
     assert replies and all(0 <= v <= 1998 for v in replies)  # the rule-based other model: [0, 2 * 10^3 - 2]
     base = json.loads((d / "world.json").read_text())["base_metrics"]
     assert base["n_eval"] == 32 and 0.0 <= base["greedy_accuracy"] <= 1.0 and "greedy_accuracy_carry" in base
+
+
+def test_three_digit_split_draws_without_building_every_problem():
+    train, eval_, pool = arithmetic.split_prompts(random.Random(0), 300, 200, digits=3)
+    assert len(train) == 300 and len(eval_) == 200 and not set(train) & set(eval_)
+    assert len(pool) == 10**6 - 200 and not set(eval_) & {pool[i] for i in range(0, len(pool), 997)}
+    # the pool is every problem but the eval ones, in index order: check it against the list itself
+    small = arithmetic.PromptPool(3, [0, 1, 5, 999_999])
+    full = [p for p in arithmetic.all_prompts(3) if p not in {"000+000=", "000+001=", "000+005=", "999+999="}]
+    assert len(small) == len(full) and [small[i] for i in (0, 1, 2, 3, 500_000, len(full) - 1)] == \
+        [full[i] for i in (0, 1, 2, 3, 500_000, len(full) - 1)]
+    with pytest.raises(IndexError):
+        small[len(full)]
+    # two digits keep the shuffle of all 10^4 problems they always had (cached worlds keep their content)
+    rng, ref = random.Random(7), arithmetic.all_prompts()
+    random.Random(7).shuffle(ref)
+    tr2, ev2, pool2 = arithmetic.split_prompts(rng, 100, 50)
+    assert ev2 == ref[:50] and tr2 == ref[50:150] and pool2 == ref[50:]

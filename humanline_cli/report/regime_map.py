@@ -160,6 +160,8 @@ def markdown(rows: list[dict]) -> list[str]:
     for r in rows:
         g, lo, hi = _num(r["gap_closed"]), _num(r["gap_closed_lo"]), _num(r["gap_closed_hi"])
         gap = "–" if g is None else f"{g:.0%}" + (f" [{lo:.0%}, {hi:.0%}]" if lo is not None else "")
+        if r.get("gap_verdict") not in (None, "", "gap"):  # the gap's interval holds 0: no ratio (gap_closed.py)
+            gap = r["gap_verdict"]
         eq = _num(r.get("speedup_equal_quality", ""))
         sp = _num(r["speedup"])
         share, bound = _num(r.get("online_sampling_share", "")), _num(r.get("speedup_bound_matched", ""))

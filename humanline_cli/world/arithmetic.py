@@ -9,8 +9,9 @@ verifier itself lives in `rewards.py`.
 
 from __future__ import annotations
 
+import bisect
 import random
-
+from collections.abc import Sequence
 
 DIGITS = 2  # operand width (world.digits)
 
@@ -21,15 +22,50 @@ def all_prompts(digits: int = DIGITS) -> list[str]:
 
 
 def split_prompts(rng: random.Random, n_train: int, n_eval: int,
-                  digits: int = DIGITS) -> tuple[list[str], list[str], list[str]]:
-    """(train, eval, sft): eval is held out of both SFT and offline data."""
-    pool = all_prompts(digits)
-    rng.shuffle(pool)
-    if n_eval + n_train > len(pool):
-        raise ValueError(f"arithmetic has only {len(pool)} problems; asked for {n_train} + {n_eval}")
-    eval_ = pool[:n_eval]
-    rest = pool[n_eval:]
-    return rest[:n_train], eval_, rest
+                  digits: int = DIGITS) -> tuple[list[str], list[str], Sequence[str]]:
+    """(train, eval, sft): eval is held out of both SFT and offline data. Two digits shuffle all 10^4
+    problems; wider operands draw the eval and train prompts without building the 10^(2d) problems, and
+    the SFT pool is every problem but the eval ones (PromptPool)."""
+    if digits == 2:
+        pool = all_prompts(digits)
+        rng.shuffle(pool)
+        if n_eval + n_train > len(pool):
+            raise ValueError(f"arithmetic has only {len(pool)} problems; asked for {n_train} + {n_eval}")
+        eval_ = pool[:n_eval]
+        rest = pool[n_eval:]
+        return rest[:n_train], eval_, rest
+    total = 10 ** (2 * digits)
+    if n_eval + n_train > total:
+        raise ValueError(f"arithmetic has only {total} problems; asked for {n_train} + {n_eval}")
+    picked = rng.sample(range(total), n_eval + n_train)
+    pool = PromptPool(digits, picked[:n_eval])
+    return [pool.prompt(i) for i in picked[n_eval:]], [pool.prompt(i) for i in picked[:n_eval]], pool
+
+
+class PromptPool(Sequence):
+    """Every d-digit problem but the `excluded` ones (by index a * 10^d + b), in index order, without
+    materialising them: len() and [i], which is what random.choice needs."""
+
+    def __init__(self, digits: int, excluded: list[int]):
+        self.digits, self.excluded = digits, sorted(excluded)
+        self.total = 10 ** (2 * digits)
+
+    def prompt(self, index: int) -> str:
+        a, b = divmod(index, 10**self.digits)
+        return f"{a:0{self.digits}d}+{b:0{self.digits}d}="
+
+    def __len__(self) -> int:
+        return self.total - len(self.excluded)
+
+    def __getitem__(self, i: int) -> str:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        j = i  # the i-th index not excluded: the smallest j with j - #(excluded <= j) == i
+        while True:
+            nxt = i + bisect.bisect_right(self.excluded, j)
+            if nxt == j:
+                return self.prompt(j)
+            j = nxt
 
 
 def operands(prompt: str) -> tuple[int, int]:

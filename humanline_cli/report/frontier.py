@@ -1,0 +1,113 @@
+"""The staleness frontier: final accuracy against measured drift from the sampler, humanline off and on.
+
+Each stale-K run (data.generate_every=K; online without it is K = its own round length) is placed at its
+measured drift, the mean over its logged steps of `drift/kl` (the k3 estimate of KL(sampler || policy) on the
+trained tokens, objectives.sampler_drift), so the axis does not depend on lr or steps per round and transfers
+to other settings (the authors' K=64 at lr 1e-6 sits where its drift does). Runs are pooled over seeds per
+(objective, K, humanline): mean and 95% t-interval of the greedy and sampled accuracy and of the drift.
+
+    python -m humanline_cli.report.frontier runs/experiments/laptop_headroom_frontier --out frontier.png
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from humanline_cli.report.gap_closed import mean_ci, metric_value
+
+
+def run_drift(metrics: list[dict], key: str = "drift/kl") -> float | None:
+    """Mean of `key` over a run's logged train rows; None when the run logged none (offline data)."""
+    vals = [float(r[key]) for r in metrics if key in r]
+    return statistics.fmean(vals) if vals else None
+
+
+def frontier_rows(runs: list) -> list[dict]:
+    """One row per (objective, K, humanline) over complete runs that logged drift."""
+    cells: dict[tuple, list] = {}
+    for r in runs:
+        if r.status != "complete" or run_drift(r.metrics) is None:
+            continue
+        k = (r.config or {}).get("data.generate_every")
+        cells.setdefault((r.objective, int(k) if k not in (None, "None") else 0, bool(r.humanline)), []).append(r)
+    rows = []
+    for (objective, k, hl), rs in sorted(cells.items()):
+        rows.append({"objective": objective, "K": k, "humanline": hl, "n": len(rs),
+                     "drift_kl": mean_ci([run_drift(r.metrics) for r in rs]),
+                     "drift_logratio": mean_ci([run_drift(r.metrics, "drift/logratio_mean") for r in rs]),
+                     **{name: mean_ci([v for r in rs if (v := metric_value(r.summary, mode)) is not None])
+                        for name, mode in (("greedy", "greedy accuracy"), ("sampled", "accuracy"))}})
+    return rows
+
+
+def _ci(c: dict | None, fmt: str = ".3f") -> str:
+    if c is None:
+        return "–"
+    return format(c["mean"], fmt) + (f" [{c['lo']:{fmt}}, {c['hi']:{fmt}}]" if c["lo"] is not None else "")
+
+
+def markdown(rows: list[dict]) -> list[str]:
+    out = ["| objective | K | humanline | seeds | drift KL (nats/token) | drift log-ratio | greedy | sampled |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        k = "online" if r["K"] == 0 else str(r["K"])
+        out.append(f"| {r['objective']} | {k} | {'on' if r['humanline'] else 'off'} | {r['n']} | "
+                   f"{_ci(r['drift_kl'], '.2e')} | {_ci(r['drift_logratio'], '+.4f')} | {_ci(r['greedy'])} | "
+                   f"{_ci(r['sampled'])} |")
+    return out
+
+
+def plot(rows: list[dict], path: Path, metric: str = "greedy") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for (objective, hl), color in zip(sorted({(r["objective"], r["humanline"]) for r in rows}),
+                                      ("#c44e52", "#4c72b0", "#55a868", "#8172b2", "#ccb974", "#64b5cd")):
+        pts = sorted((r for r in rows if (r["objective"], r["humanline"]) == (objective, hl) and r[metric]),
+                     key=lambda r: r["drift_kl"]["mean"])
+        xs = [max(r["drift_kl"]["mean"], 1e-9) for r in pts]
+        ys = [r[metric]["mean"] for r in pts]
+        err = [[y - (r[metric]["lo"] if r[metric]["lo"] is not None else y) for y, r in zip(ys, pts)],
+               [(r[metric]["hi"] if r[metric]["hi"] is not None else y) - y for y, r in zip(ys, pts)]]
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=color,
+                    label=f"{objective}, humanline {'on' if hl else 'off'}")
+        for x, y, r in zip(xs, ys, pts):
+            ax.annotate("online" if r["K"] == 0 else f"K={r['K']}", (x, y), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("drift from the sampler: mean KL(sampler || policy) per trained token (nats)")
+    ax.set_ylabel(f"{metric} accuracy at the last step")
+    ax.set_title("staleness frontier (mean over seeds, 95% t-interval)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from humanline_cli.report.runs import find_run_dirs, load_run
+
+    p = argparse.ArgumentParser(prog="python -m humanline_cli.report.frontier", description=__doc__.split("\n\n")[0])
+    p.add_argument("dir", type=Path, help="a sweep over data.generate_every (and humanline)")
+    p.add_argument("--out", type=Path, default=Path("frontier.png"), help="the PNG to write")
+    a = p.parse_args(argv)
+    if not a.dir.is_dir():
+        print(f"frontier: error: {a.dir}: no such directory", file=sys.stderr)
+        return 2
+    rows = frontier_rows([load_run(d) for d in find_run_dirs(a.dir)])
+    if not rows:
+        print(f"frontier: error: {a.dir}: no complete run logged drift/kl (online data only)", file=sys.stderr)
+        return 2
+    print("\n".join(markdown(rows)))
+    plot(rows, a.out)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
