@@ -85,6 +85,7 @@ class RunSpec:
     check_model_task: str = S.RootConfig.check_model_task
     notes: tuple = ()      # one-line notices for the run header (derived settings the user should know)
     config: dict = dataclasses.field(default_factory=dict)  # the full resolved config, for logging
+    cwd: str | None = None  # where the command was typed (relative paths mean files there); set by the job
 
 
 def _err(e: OmegaConfBaseException, prefix: str = "") -> UserError:

@@ -205,10 +205,10 @@ def test_a_failing_sampler_process_is_one_runfailed_line_never_a_hang(cache_dir,
         assert time.time() - t < 10 and not proc.proc.is_alive()  # close never waits on a hung child
 
 
-def test_a_dead_sampler_process_is_one_line_and_exit_2(cache_dir, tmp_path):
+def test_a_dead_sampler_process_is_one_line_and_exit_2(cache_dir, tmp_path, fault_env):
     run = tmp_path / "run"
     r = run_cli(["train", *BASE, *ASYNC, "train.steps=4", "train.checkpoint_every=0", f"hydra.run.dir={run}"],
-                tmp_path, env_extra={"HUMANLINE_TEST_SAMPLER_FAULT": "kill@2"}, timeout=240)
+                tmp_path, env_extra=fault_env(sampler="kill@2"), timeout=240)
     assert r.returncode == 2, r.stderr[-3000:]
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("humanline: error:")]
     assert len(errors) == 1 and errors[0].endswith(

@@ -226,9 +226,7 @@ def test_online_round_state_survives_json():
 def test_rewind_and_move_aside(tmp_path):
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
-    (run / ".hydra" / "config.yaml").write_text("new: 1\n")
-    (run / R.HYDRA_COPY).mkdir()
-    (run / R.HYDRA_COPY / "config.yaml").write_text("old: 1\n")
+    (run / ".hydra" / "config.yaml").write_text("old: 1\n")  # the previous run's record (the job writes its own after)
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": s / 10}) + "\n" for s in (1, 2, 3))
                                       + '{"step": 4, "lo')  # a line torn by the kill
     (run / "samples.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in (1, 1, 2, 3)))
@@ -239,11 +237,10 @@ def test_rewind_and_move_aside(tmp_path):
     assert not (run / "failed.json").exists()
     (run / "train.log").write_text("log")
     (run / "previous-1").mkdir()
-    dest = R.move_aside(run, ".hydra")
+    dest = R.move_aside(run)
     assert dest.name == "previous-2"
-    assert sorted(p.name for p in run.iterdir()) == [".hydra", "previous-1", "previous-2", "train.log"]
+    assert sorted(p.name for p in run.iterdir()) == ["previous-1", "previous-2", "train.log"]
     assert (dest / ".hydra" / "config.yaml").read_text() == "old: 1\n" and (dest / "metrics.jsonl").exists()
-    assert (run / ".hydra" / "config.yaml").read_text() == "new: 1\n"
 
 
 def test_config_diff_names_keys_and_ignores_the_harmless_ones():
@@ -331,13 +328,13 @@ def test_rerun_rules_through_the_cli(cache_dir, tmp_path):
     line = _one_error_line(other.stderr)
     assert other.returncode == 2 and "another config" in line and "resume=false" in line
     assert "seed: 0 -> 4" in line and "train.lr: 0.001 -> 0.002" in line
-    assert _files(run) == before  # Hydra's rewrite of .hydra/ undone, mtimes included
+    assert _files(run) == before  # nothing written: .hydra/ is the job's to write, after the checks, mtimes included
 
     over = run_cli([*args, "train.lr=2e-3", "seed=4", "resume=false"], tmp_path)
     assert over.returncode == 0, over.stderr[-2000:]
     old = run / "previous-1"
-    for name, (_, data) in before.items():  # every old output moved aside intact (.hydra from its copy)
-        if not name.startswith((".hydra.saved", "train.log")):
+    for name, (_, data) in before.items():  # every old output moved aside intact, .hydra included
+        if not name.startswith("train.log"):
             assert (old / name).read_bytes() == data, name
     assert json.loads((run / "resolved_config.json").read_text())["train"]["lr"] == 2e-3
     assert json.loads((run / "summary.json").read_text())["seed"] == 4

@@ -116,10 +116,10 @@ def test_the_import_walker_sees_deferred_and_relative_imports(tmp_path):
     pkg = tmp_path / "humanline_cli"
     (pkg / "core").mkdir(parents=True)
     (pkg / "core" / "__init__.py").write_text("")
-    (pkg / "core" / "a.py").write_text("def f():\n    from . import b\n    from humanline_cli.train import run\n")
-    known = {"humanline_cli.core", "humanline_cli.core.a", "humanline_cli.core.b", "humanline_cli.train.run"}
+    (pkg / "core" / "a.py").write_text("def f():\n    from . import b\n    from humanline_cli.train import job\n")
+    known = {"humanline_cli.core", "humanline_cli.core.a", "humanline_cli.core.b", "humanline_cli.train.job"}
     assert _imports(pkg / "core" / "a.py", "humanline_cli.core.a", known) == {"humanline_cli.core.b",
-                                                                             "humanline_cli.train.run"}
+                                                                             "humanline_cli.train.job"}
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

@@ -328,14 +328,15 @@ def test_the_check_runs_in_eval_mode_and_restores_training_flags():
 
 # ------------------------------------------------------------------ (f) a real run, packed vs padded
 def test_a_real_run_with_packing_logs_the_same_losses(cache_dir, tmp_path):
-    """run.run_job (what `humanline train` runs per job) on the bundled world, in this process: 3 steps of
+    """job.run_rank (what `humanline train` runs per job) on the bundled world, in this process: 3 steps of
     each objective with humanline on, packed vs padded (length-bucketed, 2 micro-batches per step), in
     float64: the two differ only in rounding, so losses and gradient norms agree to 1e-9 (numerics.py)
     on any CPU kernel set."""
     from hydra import compose, initialize_config_module
 
-    import humanline_cli.train.run as run_mod
     from humanline_cli.cli.overrides import normalize_overrides
+    from humanline_cli.config import validate
+    from humanline_cli.train.job import Context, run_rank
 
     for objective in ("dpo", "kto", "grpo"):
         rows = {}
@@ -346,7 +347,7 @@ def test_a_real_run_with_packing_logs_the_same_losses(cache_dir, tmp_path):
             with initialize_config_module(config_module="conf", version_base="1.3"):
                 cfg = compose("train", overrides=normalize_overrides(overrides))
             run_dir = tmp_path / f"{objective}-packing-{packing}"
-            assert run_mod.run_job(cfg, run_dir)["status"] == "complete"
+            assert run_rank(validate(cfg), Context(run_dir, tmp_path))["status"] == "complete"
             rows[packing] = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows[True]] == [r["step"] for r in rows[False]] == [1, 2, 3]
         assert_same_rows(rows[False], rows[True], what=objective)  # float64: relative 1e-9 (numerics.py)

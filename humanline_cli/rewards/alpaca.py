@@ -45,7 +45,7 @@ from pathlib import Path
 
 import yaml
 
-from humanline_cli.errors import UserError
+from humanline_cli.errors import UserError, one_line
 from humanline_cli.rewards.llm_judge import endpoint
 from humanline_cli.schema import JudgeConfig
 
@@ -413,10 +413,8 @@ class AlpacaEvalJudge:
         return out
 
     def _line(self, e: BaseException) -> str:
-        msg = " ".join(str(e).split())
-        if len(self._secret) >= 6:
-            msg = msg.replace(self._secret, "***")
-        return (msg or type(e).__name__)[:200]
+        """One line of an error's text, at most 200 characters, with the key masked if a server echoed it."""
+        return one_line(e, self._secret, 200)
 
 
 def _tokens(raw) -> int:

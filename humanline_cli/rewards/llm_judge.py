@@ -33,7 +33,7 @@ from importlib import resources
 from pathlib import Path
 from urllib.parse import urlparse
 
-from humanline_cli.errors import UserError
+from humanline_cli.errors import UserError, one_line
 from humanline_cli.rewards.verdict import combine, outcome_for_a, parse_verdict
 from humanline_cli.schema import JudgeConfig
 
@@ -333,7 +333,4 @@ class LLMJudge:
 
     def _line(self, e: BaseException) -> str:
         """One line of an error's text, at most 200 characters, with the key masked if a server echoed it."""
-        msg = " ".join(str(e).split())
-        if len(self._secret) >= 6:
-            msg = msg.replace(self._secret, "***")
-        return (msg or type(e).__name__)[:200]
+        return one_line(e, self._secret, 200)

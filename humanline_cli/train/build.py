@@ -42,7 +42,6 @@ from humanline_cli.train.lengths import check_model_lengths
 from humanline_cli.train.sharded_load import load_policy_sharded, sharded_reference
 
 WORLD = "world://"
-ORIGINAL_CWD = "HUMANLINE_ORIGINAL_CWD"  # the directory `humanline train` was started in
 
 
 def prepare_world(spec: RunSpec, progress: bool = True) -> Path | None:
@@ -64,10 +63,10 @@ def prepare_world(spec: RunSpec, progress: bool = True) -> Path | None:
 
 def resolve_path(path: str, spec: RunSpec) -> str:
     """Turn world://NAME into a real path inside the bundled world (built by `prepare_world`); a relative
-    path the user gave is relative to where they typed the command, also when `hydra.job.chdir=true`
-    moved the job into its run dir (ORIGINAL_CWD, set by the train command; a hub id stays as it is)."""
+    path the user gave is relative to where they typed the command (`spec.cwd`), also when
+    `hydra.job.chdir=true` moved the job into its run dir (a hub id stays as it is)."""
     if not path.startswith(WORLD):
-        base = os.environ.get(ORIGINAL_CWD)
+        base = spec.cwd
         if base and not os.path.isabs(path) and (Path(base) / path).exists():
             return str(Path(base) / path)
         return path

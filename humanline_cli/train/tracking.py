@@ -77,6 +77,15 @@ def _scrub_saved(obj):
     return scrub_override(obj) if isinstance(obj, str) else obj
 
 
+def masked_config(node) -> str:
+    """A config (DictConfig, ListConfig, dict or list) as YAML with secrets masked, interpolations kept as
+    written (what Hydra's own .hydra/*.yaml holds)."""
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.to_container(node, resolve=False) if OmegaConf.is_config(node) else node
+    return OmegaConf.to_yaml(OmegaConf.create(_scrub_saved(data)))
+
+
 def mask_saved_configs(paths) -> list[Path]:
     """Rewrite Hydra's saved configs (.hydra/config.yaml, hydra.yaml, overrides.yaml, a sweep's
     multirun.yaml) with secrets masked; Hydra writes them before the job starts. Interpolations are
@@ -102,17 +111,23 @@ def cannot_write(path: Path, e: BaseException) -> RunFailed:
     return RunFailed(f"cannot write {path}: {getattr(e, 'strerror', None) or e}")
 
 
-def write_json_atomic(path: Path, obj) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
     """Write a temp file, then rename it over `path`: a reader sees the old file or the new one, never
     half of one. On failure the temp file is removed and RunFailed names `path`."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+        tmp.write_text(text)
         os.replace(tmp, path)
     except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise cannot_write(path, e) from e
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """`obj` as indented JSON, atomically (write_text_atomic)."""
+    write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def write_failed_json(path: Path, obj: dict) -> str | None:

@@ -18,12 +18,11 @@ from humanline_cli.core.humanline import ReferenceRule
 from humanline_cli.core.objectives import compute_loss, loss_count, micro_batch_weights, step_z0
 from humanline_cli.core.optim import make_optimizer, make_scheduler
 from humanline_cli.core.reference import reference_moves
-from humanline_cli.errors import Preempted, RunFailed
+from humanline_cli.errors import PeerFailed, Preempted, RunFailed
 from humanline_cli.eval.evaluator import flat_metrics
 from humanline_cli.sources.source import is_filler
 from humanline_cli.train.build import Parts
 from humanline_cli.train.checkpoint import Checkpoints
-from humanline_cli.train.failures import Fault, PeerFailed
 from humanline_cli.train.signals import StepMarker, StopSignal
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.train.tracking import Tracker
@@ -80,7 +79,8 @@ def _grad_sync(model, micro_batch: int, n_micro: int):
 
 
 def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, console=None,
-          checkpoints: Checkpoints | None = None, resume_from=None, stop: StopSignal | None = None) -> dict:
+          checkpoints: Checkpoints | None = None, resume_from=None, stop: StopSignal | None = None,
+          at: StepMarker | None = None) -> dict:
     """Run optimizer steps 1..train.steps (or, with `resume_from`, a checkpoint dir, the steps after
     it); write a checkpoint every `checkpoints.every` steps. Returns the last logged train metrics."""
     policy, reference, tr = parts.policy, parts.reference, spec.train
@@ -100,7 +100,6 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
         start, last = checkpoints.load(resume_from, parts, opt, sched, timer)
     skipped = int(last.pop("skipped_steps", 0))  # steps with no usable unit so far (train.max_skipped_fraction)
     moving = reference_moves(spec.humanline, spec.regime)  # the reference can leave the starting weights
-    fault = Fault.from_env(dist.rank)  # inert unless a test sets HUMANLINE_TEST_FAULT
 
     def checkpoint(step: int, now: bool = False) -> None:  # at the very end of a step: nothing of it is left to do
         if checkpoints is not None and (checkpoints.due(step) or (now and checkpoints.every > 0)):
@@ -122,13 +121,13 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
 
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.fields[info]}"), console=console, transient=False)
-    with progress, StepMarker() as at:  # a Ctrl-C in the loop carries its step (Interrupted)
+    at = at or StepMarker()
+    with progress, at:  # a Ctrl-C in the loop carries its step (Interrupted)
         bar = progress.add_task("train", total=tr.steps, completed=start, info="")
         if stop is not None:
             stop.arm(True)  # from here SIGTERM waits for the step boundary
         for step in range(start + 1, tr.steps + 1):
             at.step = step
-            fault.at_step(step)
             # SIGTERM during the previous step, on any rank: all stop before this one. Agreed at the top of
             # a step (where every rank waits for the others anyway, at the step's first collective)
             if stop is not None and step > start + 1 and not all_agree(not stop.requested, dist):
@@ -174,7 +173,6 @@ def train(spec: RunSpec, parts: Parts, tracker: Tracker, timer: PhaseTimer, cons
                     with _grad_sync(model, i, len(mbs)):
                         with parts.backend.autocast():
                             loss, m = compute_loss(objective_cfg, model, reference, mb, spec.humanline, log_now, z0)
-                        loss = fault.loss(step, loss)
                         # agreed by all ranks: one rank stopping here would leave the others in backward's
                         # gradient reduce; the rank that saw the NaN names it, the others stop quietly
                         finite = bool(torch.isfinite(loss))
