@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from humanline_cli.backend import make_backend
 from humanline_cli.config import TrainSpec
 from humanline_cli.core.batches import PairBatch
-from humanline_cli.core.humanline import HumanlineSpec
+from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule
 from humanline_cli.core.reference import CachedReference, FrozenCopy
 from humanline_cli.data.collate import make_seqs
 from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample
@@ -90,12 +90,14 @@ def _spec(steps: int, moving: bool, every: int, keep: int = 2):
                            regime="offline", eval_cfg=SimpleNamespace(every=0))
 
 
-def _train(run_dir: Path, parts, spec, resume_from=None):
+def _train(run_dir: Path, parts, spec, resume_from=None, checkpoints=None):
     run_dir.mkdir(parents=True, exist_ok=True)
     tracker = Tracker(run_dir, {}, {"mode": "disabled"}, "t")
-    ckpts = C.Checkpoints(run_dir, spec.train.checkpoint_every, spec.train.keep_checkpoints)
+    ckpts = checkpoints or C.Checkpoints(run_dir, spec.train.checkpoint_every, spec.train.keep_checkpoints)
     timer = PhaseTimer()
-    last = train(spec, parts, tracker, timer, None, ckpts, resume_from)
+    last = train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
+                 rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
+                 checkpoints=ckpts, resume_from=resume_from)
     tracker.finish()
     return last, ckpts, timer
 
@@ -281,15 +283,17 @@ def test_a_full_disk_skips_the_checkpoint_not_the_run(tmp_path, monkeypatch):
     printed = []
     ckpts = C.Checkpoints(tmp_path, 2, keep=5, console=SimpleNamespace(print=lambda *a, **k: printed.append(a[0])))
     (tmp_path / "m").mkdir()
-    last = train(_spec(6, False, every=2), parts, Tracker(tmp_path / "m", {}, {"mode": "disabled"}, "t"),
-                 PhaseTimer(), None, ckpts)
+    last = _train(tmp_path / "m", parts, _spec(6, False, every=2), checkpoints=ckpts)[0]
     assert last["loss"] > 0 and ckpts.steps() == [2, 6] and not list(ckpts.root.glob(".tmp-*"))
     assert len(printed) == 1 and "checkpoint at step 4 not written" in printed[0] and "No space left" in printed[0]
 
 
 def test_null_tracker_and_no_checkpoints_by_default(tmp_path):
     parts = _setup(lora=False, moving=False)
-    train(_spec(2, False, every=0), parts, NullTracker(), PhaseTimer(), None, C.Checkpoints(tmp_path, 0))
+    spec = _spec(2, False, every=0)
+    train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
+          rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=NullTracker(), timer=PhaseTimer(),
+          checkpoints=C.Checkpoints(tmp_path, 0))
     assert not (tmp_path / "checkpoints").exists()
 
 

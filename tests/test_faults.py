@@ -445,6 +445,7 @@ def test_a_non_finite_loss_names_its_micro_batch_units(tmp_path):
     import torch
     from test_checkpoint import _setup, _spec
 
+    from humanline_cli.core.humanline import ReferenceRule
     from humanline_cli.errors import RunFailed
     from humanline_cli.train.timing import PhaseTimer
     from humanline_cli.train.tracking import NullTracker
@@ -464,7 +465,9 @@ def test_a_non_finite_loss_names_its_micro_batch_units(tmp_path):
 
     parts.source.next_step = watch
     with pytest.raises(RunFailed) as e:
-        train(_spec(4, False, every=0), parts, NullTracker(), PhaseTimer())
+        spec = _spec(4, False, every=0)
+        train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
+              rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=NullTracker(), timer=PhaseTimer())
     units = seen[-1].micro_batches[0].units
     assert len(seen) == 2 and len(units) == 2
     assert str(e.value) == (f"loss is nan at step 2, micro-batch 1 of 1, units: prompt {units[0].prompt!r}; "
@@ -479,6 +482,7 @@ def _tied_online_run(tmp_path, steps: int, max_skipped: float):
     from test_checkpoint import _setup, _spec
     from test_online import _source
 
+    from humanline_cli.core.humanline import ReferenceRule
     from humanline_cli.train.timing import PhaseTimer
     from humanline_cli.train.tracking import Tracker
     from humanline_cli.train.trainer import train
@@ -492,7 +496,9 @@ def _tied_online_run(tmp_path, steps: int, max_skipped: float):
     console = Console(file=out, width=400)
     tracker = Tracker(tmp_path, {}, {"mode": "disabled"}, "t")
     try:
-        last = train(spec, parts, tracker, PhaseTimer(), console)
+        last = train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
+                     rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=PhaseTimer(),
+                     console=console)
     finally:
         tracker.finish()
     return last, [ln for ln in out.getvalue().splitlines() if ln.startswith("humanline")]

@@ -32,6 +32,7 @@ from pathlib import Path
 from rich.console import Console
 
 from humanline_cli.config import RunSpec, validate
+from humanline_cli.core.humanline import ReferenceRule
 from humanline_cli.errors import Interrupted, Preempted, RunFailed, UserError, one_line
 from humanline_cli.train import failures
 from humanline_cli.train.build import build_parts
@@ -302,7 +303,10 @@ def run_rank(spec: RunSpec, ctx: Context, console: Console | None = None) -> dic
         if resume_from is None and parts.evaluator is not None:  # a resumed run: from the checkpoint
             with timer.phase("eval"):
                 parts.evaluator.set_baseline(parts.eval_sampler)
-        last = train(spec, parts, tracker, timer, console, checkpoints, resume_from, stop=stop, at=at)
+        last = train(spec.train, spec.humanline, parts, stop, objective=spec.objective_cfg,
+                     rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
+                     console=console, eval_every=spec.eval_cfg.every, checkpoints=checkpoints,
+                     resume_from=resume_from, at=at)
         trained = True  # an interruption from here on lands after training
         summary = finish(spec, parts, ctx.run_dir, ctx.main, tracker, timer, console, last, resumed)
         tracker.finish(0)
