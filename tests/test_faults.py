@@ -322,6 +322,7 @@ def _enospc(*a, **k):
 
 
 def test_full_disk_at_summary_and_failed_json(tmp_path, monkeypatch):
+    from humanline_cli import atomic
     from humanline_cli.errors import RunFailed
     from humanline_cli.train import tracking as T
 
@@ -330,7 +331,7 @@ def test_full_disk_at_summary_and_failed_json(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "write_text",
                         lambda self, *a, **k: _enospc() if self.name in full else real_write_text(self, *a, **k))
     with pytest.raises(RunFailed) as e:
-        T.write_json_atomic(tmp_path / "summary.json", {"status": "complete"})
+        atomic.write_json_atomic(tmp_path / "summary.json", {"status": "complete"})
     assert str(e.value) == f"cannot write {tmp_path / 'summary.json'}: No space left on device"
     # the full record does not fit, a short one does (written in place)
     note = T.write_failed_json(tmp_path / "failed.json", {"status": "failed", "error": "RunFailed: x" * 100})

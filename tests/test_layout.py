@@ -10,7 +10,7 @@ it and from its own; never from above.
     data, sampling files and collation; HF and vLLM samplers
     backend, config, memory, models   devices and ranks, the typed spec, the memory estimate, loading
     core           the method: losses, objectives, humanline, the reference, log-probs, batches
-    errors, schema leaves
+    errors, schema, atomic   leaves
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "humanline_cli"
 
 LAYERS = {
-    "errors": 0, "schema": 0,
+    "errors": 0, "schema": 0, "atomic": 0,
     "core": 1,
     "backend": 2, "config": 2, "memory": 2, "models": 2,
     "data": 3, "sampling": 3,

@@ -26,6 +26,7 @@ from humanline_cli.backend import (
     wrap_policy,
 )
 from humanline_cli.config import RunSpec
+from humanline_cli.core.logprobs import check_packing, packing_probe
 from humanline_cli.core.reference import build_reference, reference_moves
 from humanline_cli.data.collate import Collator, Encoder
 from humanline_cli.data.examples import detect_format, to_units
@@ -413,6 +414,9 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
                                 built=sharded_reference(policy, backend.param_dtype or backend.weights_dtype,
                                                         backend.device, shard_model) if sharded else None)
     train_model = policy if sharded else wrap_policy(policy, strategy, dist, backend.device, backend.param_dtype)
+    if spec.train.packing:  # setup step: the model packs (restarting position ids), checked once, on every rank
+        with torch.no_grad():
+            check_packing(train_model, packing_probe(policy, backend.device))
     if spec.regime == "online":
         source = _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist)
     eval_sampler = getattr(source, "sampler", None)  # online: evaluate with the round sampler

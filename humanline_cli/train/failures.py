@@ -20,8 +20,8 @@ import time
 import traceback
 from pathlib import Path
 
+from humanline_cli.atomic import write_json_atomic
 from humanline_cli.errors import PeerFailed, Preempted, RankCrashed, RunFailed, UserError, one_line
-from humanline_cli.train.tracking import write_json_atomic
 
 FAILURES = ".failures"
 EXIT = {"user": 2, "run": 2, "bug": 1}  # the CLI's codes: bad input / a run that cannot go on -> 2, a bug -> 1

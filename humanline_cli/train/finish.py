@@ -17,11 +17,11 @@ from rich.table import Table
 from safetensors import SafetensorError
 
 from humanline_cli import __version__
+from humanline_cli.atomic import write_text_atomic
 from humanline_cli.config import RunSpec
 from humanline_cli.errors import RunFailed
 from humanline_cli.eval.evaluator import flat_metrics
 from humanline_cli.train.timing import PhaseTimer
-from humanline_cli.train.tracking import write_text_atomic
 
 UNIT = {"dpo": "pairs", "kto": "examples", "grpo": "groups"}
 

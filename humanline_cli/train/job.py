@@ -31,6 +31,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from humanline_cli.atomic import write_text_atomic
 from humanline_cli.config import RunSpec, validate
 from humanline_cli.core.humanline import ReferenceRule
 from humanline_cli.errors import Interrupted, Preempted, RunFailed, UserError, one_line
@@ -47,7 +48,6 @@ from humanline_cli.train.tracking import (
     Tracker,
     masked_config,
     write_failed_json,
-    write_text_atomic,
 )
 from humanline_cli.train.trainer import train
 

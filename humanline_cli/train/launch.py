@@ -57,8 +57,8 @@ def launch(entry, args: tuple, run_dir: Path, nproc: int) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    from humanline_cli.atomic import write_json_atomic
     from humanline_cli.train import failures
-    from humanline_cli.train.tracking import write_json_atomic
 
     conf = launch_config(nproc)
     # the agent logs each dead rank's exit as a multi-line traceback of its own polling code; the

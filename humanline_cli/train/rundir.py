@@ -13,10 +13,11 @@ import shutil
 import sys
 from pathlib import Path
 
+from humanline_cli.atomic import write_json_atomic, write_text_atomic
 from humanline_cli.errors import RunDirConflict
 from humanline_cli.train.checkpoint import Checkpoints, verify
 from humanline_cli.train.lock import LOCK
-from humanline_cli.train.tracking import scrub, write_json_atomic
+from humanline_cli.train.tracking import scrub
 
 # keys that never change results: a rerun that differs only in these resumes
 IGNORED = ("resume", "threads", "wandb", "world_cache", "hydra")
@@ -172,9 +173,7 @@ def _keep_rows(path: Path, keep) -> None:
             continue
         if keep(row):
             rows.append(line + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(rows))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(rows))
 
 
 def rewind_outputs(run_dir: Path, step: int, rounds: int | None) -> None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import sys
 import warnings
 from pathlib import Path
 
+from humanline_cli.atomic import cannot_write, write_json_atomic, write_text_atomic
 from humanline_cli.errors import RunFailed
 
 MASK = "***"
@@ -99,35 +99,9 @@ def mask_saved_configs(paths) -> list[Path]:
         data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
         clean = _scrub_saved(data)
         if clean != data:
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            OmegaConf.save(OmegaConf.create(clean), tmp)
-            os.replace(tmp, path)
+            write_text_atomic(path, OmegaConf.to_yaml(OmegaConf.create(clean)), path.with_name(f".{path.name}.tmp"))
             changed.append(path)
     return changed
-
-
-def cannot_write(path: Path, e: BaseException) -> RunFailed:
-    """A failed write (a full disk, a quota, a read-only mount) as one line naming the file."""
-    return RunFailed(f"cannot write {path}: {getattr(e, 'strerror', None) or e}")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a temp file, then rename it over `path`: a reader sees the old file or the new one, never
-    half of one. On failure the temp file is removed and RunFailed names `path`."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise cannot_write(path, e) from e
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """`obj` as indented JSON, atomically (write_text_atomic)."""
-    write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def write_failed_json(path: Path, obj: dict) -> str | None:
@@ -187,9 +161,7 @@ class Tracker:
         if old:
             return old
         run_id = uuid.uuid4().hex[:12]
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(run_id + "\n")
-        os.replace(tmp, path)
+        write_text_atomic(path, run_id + "\n")
         return run_id
 
     def log(self, step: int, metrics: dict) -> None:
