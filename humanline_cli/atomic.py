@@ -8,12 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from humanline_cli.errors import RunFailed
-
-
-def cannot_write(path: Path, e: BaseException) -> RunFailed:
-    """A failed write (a full disk, a quota, a read-only mount) as one line naming the file."""
-    return RunFailed(f"cannot write {path}: {getattr(e, 'strerror', None) or e}")
+from humanline_cli.errors import cannot_write
 
 
 def write_text_atomic(path: Path, text: str, tmp: Path | None = None) -> None:

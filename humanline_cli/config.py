@@ -161,6 +161,23 @@ def check_async(data, backend, notes: list[str]) -> None:
                                           "process" else "in this process (async_worker=inline: no overlap)"))
 
 
+def check_offline_data(data) -> None:
+    """data=offline trains on a fixed file and samples no rounds: the rounds' timing keys would be ignored."""
+    if data.regime != "offline":
+        return
+    for key, value, unset in (("async_lag", data.async_lag, 0), ("generate_every", data.generate_every, None)):
+        if value != unset:
+            raise UserError(f"data.{key}={value} needs data=online (data=offline trains on a fixed file and samples "
+                            f"no rounds); drop data.{key} or set data=online")
+
+
+def check_grpo_group(objective: str, data) -> None:
+    """Online GRPO learns from the spread of rewards within a prompt's group: one sample has none."""
+    if objective == "grpo" and data.regime == "online" and data.n < 2:
+        raise UserError(f"objective=grpo needs data.n >= 2 samples per prompt, got data.n={data.n} (a group of one "
+                        f"has no reward spread: every advantage is 0 and nothing trains)")
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -326,8 +343,10 @@ def validate(cfg: DictConfig) -> RunSpec:
     _at_least(root.threads, 1, "threads")
     _at_least(data.limit, 1, "data.limit")
     _at_least(data.min_gap, 0.0, "data.min_gap")
+    check_offline_data(data)
     if regime == "online":
         _positive(data.n, "data.n")
+        check_grpo_group(name, data)
         _positive(data.prompts_per_round, "data.prompts_per_round")
         if data.generate_every is not None:
             ppr = round_prompts(name, batch, _positive(data.generate_every, "data.generate_every"))

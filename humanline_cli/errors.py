@@ -54,6 +54,11 @@ def one_line(e: BaseException, secret: str | None = None, limit: int | None = No
     return text[:limit] if limit is not None else text
 
 
+def cannot_write(path, e: BaseException) -> RunFailed:
+    """A failed write (a full disk, a quota, a read-only mount) as one line naming the file."""
+    return RunFailed(f"cannot write {path}: {getattr(e, 'strerror', None) or e}")
+
+
 def fail(msg: str, code: int = 2):
     """The CLI's way out for a mistake the user can fix: one stderr line with the prefix, exit 2."""
     print(f"humanline: error: {msg}", file=sys.stderr)

@@ -233,10 +233,23 @@ class WorldConfig:
 
 
 @dataclass
+class TaskGeneratorConfig:
+    """A task whose prompt files are generated (humanline_cli/world/chat_arithmetic.py), cached in world_cache;
+    its paths are gen://prompts_train.jsonl and gen://prompts_eval.jsonl. Difficulty: digits and op."""
+    kind: str = "chat_arithmetic"
+    digits: int = 2                 # operands have exactly this many digits
+    op: str = "add"                 # add | sub | mul | mixed (each prompt draws one of the three)
+    n_train: int = 2000
+    n_eval: int = 200               # disjoint from the train prompts
+    seed: int = 0
+
+
+@dataclass
 class TaskConfig:
     name: str = MISSING
     lengths: TaskLengths = field(default_factory=TaskLengths)
     world: Optional[WorldConfig] = None     # bundled tasks only (arithmetic, preference)
+    generator: Optional[TaskGeneratorConfig] = None   # generated prompt files (gen:// paths)
     prompts: TaskPrompts = field(default_factory=TaskPrompts)
     offline: TaskOffline = field(default_factory=TaskOffline)
     labeller: ScorerConfig = field(default_factory=ScorerConfig)

@@ -84,9 +84,17 @@ def test_round_with_every_prompt_below_threshold_is_skipped_and_logged():
     src = _source("dpo", ["1", "2", "3"], length_score)  # all score 0.1: gap 0 <= 0.01
     step = src.next_step(1)
     assert step.micro_batches == [] and step.info["online/skipped_round"] == 1
-    assert step.info["online/dropped_prompts"] == 2
-    grpo = _source("grpo", ["1", "2"], length_score).next_step(1).micro_batches[0]  # zero-variance groups
-    assert torch.equal(grpo.advantages, torch.zeros(4))
+    assert step.info["online/dropped_prompts"] == 2 and step.info["online/tied_groups"] == 2
+    # GRPO: every group of the round tied (zero advantages everywhere) takes the same skipped path
+    step = _source("grpo", ["1", "2"], length_score).next_step(1)
+    assert step.micro_batches == [] and step.info["online/skipped_round"] == 1
+    assert (step.info["online/dropped_prompts"], step.info["online/tied_groups"]) == (2, 2)
+    # a round with some spread keeps its tied groups: zero advantages, still in the token-mean normaliser
+    src = _source("grpo", ["1", "2"], lambda prompts, completions, answers=None: [0.0, 0.0, 0.0, 1.0])
+    step = src.next_step(1)
+    (batch,) = step.micro_batches
+    assert step.info["online/tied_groups"] == 1 and step.info["online/dropped_prompts"] == 0
+    assert batch.advantages.abs().sum() > 0 and sorted(batch.advantages.tolist()).count(0.0) == 2
 
 
 def test_empty_completions_are_handled():

@@ -45,8 +45,11 @@ def test_gap_closed_hand_computed():
     sd = math.sqrt(sum((x - mean) ** 2 for x in per) / 2)  # 0.1322876
     assert g["mean"] == pytest.approx(0.65) and g["n"] == 3
     assert (g["lo"], g["hi"]) == pytest.approx((mean - 4.303 * sd / math.sqrt(3), mean + 4.303 * sd / math.sqrt(3)))
-    # a seed with no gap (online == offline) is left out, unpaired seeds too
+    # a seed with no gap (online == offline) is left out, unpaired seeds too; the gap's own t-interval over the
+    # two paired seeds (0.2, 0.0) holds 0, so only a caller-supplied interval above 0 gives a ratio
     g2 = gap_closed({0: 0.7, 1: 0.5, 3: 0.1}, {0: 0.9, 1: 0.5}, {0: 0.8, 1: 0.6, 2: 0.9})
+    assert g2["verdict"] == "no gap" and g2["mean"] is None
+    g2 = gap_closed({0: 0.7, 1: 0.5, 3: 0.1}, {0: 0.9, 1: 0.5}, {0: 0.8, 1: 0.6, 2: 0.9}, gap_interval=(0.05, 0.15))
     assert g2["n"] == 1 and g2["skipped"] == 1 and g2["mean"] == pytest.approx(0.5) and g2["lo"] is None
 
 

@@ -13,6 +13,8 @@ model=..., backend=cuda, train.max_length=..., train.micro_batch_size=..., hl.sy
     sampler=false   also time HF generate vs vLLM          prompts=64   prompts for the sampler timing
     async_rounds=0  N > 0: instead, online rounds/s at data.async_lag=0 vs 1 over N rounds, against the
                     bound max(sample, train) per round (bench/async_bench.py)
+    constants=false true: instead, the cost model's constants of this machine for the composed online run
+                    (bench/constants.py; `humanline report DIR --target FILE` predicts from them)
     out=runs/bench/<objective>-<time>.json
 
 Systems run interleaved (project, project+humanline, TRL, project, ...) so a shared machine's drift
@@ -49,7 +51,8 @@ from humanline_cli.errors import UserError
 
 UNIT = {"dpo": "pairs", "kto": "examples", "grpo": "groups"}
 DEFAULTS = {"steps": 20, "warmup": 2, "repeats": 2, "batch_size": None, "threads": None, "trl": "auto",
-            "cache": True, "sampler": False, "prompts": 64, "out": None, "async_rounds": 0}
+            "cache": True, "sampler": False, "prompts": 64, "out": None, "async_rounds": 0,
+            "constants": False}
 GRPO_NOTE = ("TRL's GRPOTrainer only trains on its own generations (no offline groups): its row times "
              "GRPOTrainer.compute_loss on the same fixed groups (reference forward, loss, backward, clip, AdamW "
              "step in the bench's loop), not GRPOTrainer.train")
@@ -352,6 +355,10 @@ def main_bench(args: list[str]) -> int:
         opts, overrides = parse_args(args)
         if opts["async_rounds"]:
             return _main_async(opts, overrides, console)
+        if opts["constants"]:
+            from humanline_cli.bench.constants import measure, print_constants
+
+            return _write_result(measure(overrides, console), opts, "constants-", print_constants, console)
         res = run_bench(opts, overrides, console)
     except UserError as e:
         print(f"humanline: error: {e}", file=sys.stderr)

@@ -14,10 +14,11 @@ def sampler_bench(spec, info: dict, n_prompts: int) -> dict:
     from humanline_cli.models import load_policy
     from humanline_cli.sampling.hf import HFSampler
     from humanline_cli.sampling.sampler import SamplingParams
-    from humanline_cli.train.build import make_encoder, model_paths, prepare_world
+    from humanline_cli.train.build import make_encoder, model_paths, prepare_model, prepare_world
 
     backend = info["backend"]
     prepare_world(spec)  # the bundled world, built first if it is not cached
+    prepare_model(spec)  # a packaged model (model=smollm2), converted first if it is not cached
     model_path, _ = model_paths(spec)
     encoder = make_encoder(spec, info["tokenizer"])
     p = spec.task_cfg.prompts

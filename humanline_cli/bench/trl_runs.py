@@ -93,10 +93,11 @@ def trl_run(spec, info: dict, warmup: int, precompute: bool = False) -> Run:
     from transformers import TrainerCallback
 
     from humanline_cli.models import load_policy, load_tokenizer
-    from humanline_cli.train.build import make_encoder, model_paths, prepare_world
+    from humanline_cli.train.build import make_encoder, model_paths, prepare_model, prepare_world
 
     backend = info["backend"]
     prepare_world(spec)  # the bundled world, built first if it is not cached
+    prepare_model(spec)  # a packaged model (model=smollm2), converted first if it is not cached
     model_path, tok_path = model_paths(spec)
     tokenizer = load_tokenizer(tok_path, spec.model_cfg.trust_remote_code)
     wrap = make_encoder(spec, tokenizer).wrap_strings
@@ -148,10 +149,11 @@ def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
 
     from humanline_cli.data.collate import Collator
     from humanline_cli.models import load_policy, load_tokenizer
-    from humanline_cli.train.build import make_encoder, model_paths, prepare_world
+    from humanline_cli.train.build import make_encoder, model_paths, prepare_model, prepare_world
 
     backend = info["backend"]
     prepare_world(spec)  # the bundled world, built first if it is not cached
+    prepare_model(spec)  # a packaged model (model=smollm2), converted first if it is not cached
     model_path, tok_path = model_paths(spec)
     tokenizer = load_tokenizer(tok_path, spec.model_cfg.trust_remote_code)
     encoder = make_encoder(spec, tokenizer)

@@ -63,7 +63,7 @@ def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperatur
     from humanline_cli.backend import make_backend, seed_everything
     from humanline_cli.models import load_policy, load_tokenizer
     from humanline_cli.sampling.hf import HFSampler
-    from humanline_cli.train.build import build_evaluator, build_math500, make_encoder, prepare_world
+    from humanline_cli.train.build import build_evaluator, build_math500, make_encoder, prepare_model, prepare_world
     from humanline_cli.train.lengths import check_model_lengths
 
     spec = _run_spec(run_dir, overrides)
@@ -74,6 +74,7 @@ def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperatur
     check_model_lengths(spec, str(run_dir / "model"))  # evaluation budgets against the model's positions
     if against == "start":
         prepare_world(spec)  # the bundled world, built first if it is not cached (its paths resolve after)
+        prepare_model(spec)  # a packaged model (model=smollm2), converted first if it is not cached
     b = spec.backend_cfg
     backend = make_backend(b.device.value, b.precision.value, spec.threads)
     seed_everything(seed)
@@ -165,6 +166,13 @@ def main_eval(argv: list[str]) -> int:
     except UserError as e:
         print(f"humanline: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # eval trains nothing: say so, not cli.train's "before training"
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this line short
+        print(f"humanline: eval of {args.run_dir} interrupted (Ctrl-C) before it finished; rerun the same command "
+              f"(a result file is written only once its evaluation is complete)", file=sys.stderr)
+        return 130
     if r.get("math500"):
         from humanline_cli.eval.math500 import summary_line
 

@@ -19,11 +19,18 @@ Deterministic: completion j of prompt i draws from sample_seed(seed, i, j) (samp
 chunking. Resumable: groups.jsonl is appended chunk by chunk (`chunk=` prompts, default 64) and flushed; a rerun
 of the same command keeps its complete lines (a half-written last line is dropped) and samples the rest; the
 derived files and the card are written at the end, each through a temporary file and a rename.
+
+DIR is new, empty, or one this command made (its sampling.json, written first, marks it); any other non-empty
+dir is refused, so a stranger's groups.jsonl is never read or appended to. Every failure is one line: a bad
+override, DIR unusable (a file, read-only), a full disk (the file named) exit 2; Ctrl-C exit 130 and SIGTERM
+exit 143, each saying that a rerun resumes.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import statistics
 import sys
 from pathlib import Path
@@ -31,6 +38,44 @@ from pathlib import Path
 from humanline_cli.errors import UserError
 
 OWN_KEYS = ("out", "chunk")
+MARKER = "sampling.json"  # written first into DIR: the settings a resume must match, and proof DIR is ours
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the main thread is (as Ctrl-C's KeyboardInterrupt is): a BaseException, so no
+    `except Exception` on the way out swallows it."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def _resume_note(out: Path | None) -> str:
+    where = f" ({out / 'groups.jsonl'} keeps every prompt sampled so far)" if out is not None else ""
+    return f"rerun the same command to resume{where}"
+
+
+@contextlib.contextmanager
+def _writing(path: Path, out: Path):
+    """A failed write (a full disk, a read-only mount) as one line naming the file."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}; free the space (or fix the mount) and "
+                        f"{_resume_note(out)}") from None
+
+
+def prepare_out(out: Path) -> None:
+    """DIR made, or checked to be ours (MARKER) or empty, before any work."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"out={out} is a file, not a directory; use another out=DIR")
+    if out.is_dir() and not (out / MARKER).is_file() and any(out.iterdir()):
+        raise UserError(f"out={out} is not empty and was not made by humanline sample (no {MARKER}); use a new or "
+                        f"empty out=DIR")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create out={out}: {e.strerror or e}") from None
 
 
 def _split_args(args: list[str]) -> tuple[dict, list[str]]:
@@ -99,10 +144,20 @@ def derived_rows(group: dict) -> tuple[dict, list[dict]]:
 
 
 def _write(path: Path, rows) -> None:
+    """JSON lines, whole or not at all: a temp file renamed over `path` (removed if the write fails)."""
+    _write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def _write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def card(spec, model_path: str, groups: list[dict], settings: dict) -> dict:
@@ -138,12 +193,14 @@ def run_sample(spec, out: Path, chunk: int, progress: bool = True) -> dict:
     from humanline_cli.models import load_policy, load_tokenizer
     from humanline_cli.rewards.scorers import checked
     from humanline_cli.sampling.sampler import SamplingParams
-    from humanline_cli.train.build import make_encoder, make_labeller, make_sampler, model_paths, prepare_world, resolve_path
+    from humanline_cli.train.build import make_encoder, make_labeller, make_sampler, model_paths, prepare_model, prepare_world, resolve_path
 
+    prepare_out(out)  # before any work: a stranger's dir is refused untouched
     b = spec.backend_cfg
     backend = make_backend(b.device.value, b.precision.value, spec.threads)
     seed_everything(spec.seed)
     prepare_world(spec, progress=progress)
+    prepare_model(spec, progress=progress)
     d, p = spec.data_cfg, spec.task_cfg.prompts
     rows, where = load_rows(resolve_path(d.prompts, spec), p.train_split, d.limit, p.columns, limit_key="data.limit")
     model_path, tok_path = model_paths(spec)
@@ -154,13 +211,21 @@ def run_sample(spec, out: Path, chunk: int, progress: bool = True) -> dict:
                             seed=spec.seed)
     settings = {"sampler": spec.sampler_cfg.name, "n": d.n, "temperature": d.temperature, "top_p": d.top_p,
                 "max_new_tokens": d.max_new_tokens, "seed": spec.seed}
-    out.mkdir(parents=True, exist_ok=True)
-    groups_path, state_path = out / "groups.jsonl", out / "sampling.json"
-    if state_path.is_file() and json.loads(state_path.read_text()) != {**settings, "model": model_path,
-                                                                        "prompts": len(rows)}:
-        raise UserError(f"{out} holds samples made with other settings ({state_path}); use another out=DIR")
-    state_path.write_text(json.dumps({**settings, "model": model_path, "prompts": len(rows)}) + "\n")
-    done = _complete_lines(groups_path)
+    groups_path, state_path = out / "groups.jsonl", out / MARKER
+    state = {**settings, "model": model_path, "prompts": len(rows)}
+    if state_path.is_file():
+        try:
+            saved = json.loads(state_path.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read {state_path}: {getattr(e, 'strerror', None) or e}; use another "
+                            f"out=DIR") from None
+        if saved != state:
+            raise UserError(f"{out} holds samples made with other settings ({state_path}); use another out=DIR")
+    else:
+        with _writing(state_path, out):
+            _write(state_path, [state])
+    with _writing(groups_path, out):
+        done = _complete_lines(groups_path)
     if done < len(rows):
         policy = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code, dtype=backend.weights_dtype)
         policy.eval()
@@ -169,30 +234,32 @@ def run_sample(spec, out: Path, chunk: int, progress: bool = True) -> dict:
         n, bar = d.n, tqdm(total=len(rows), initial=done, desc="sample", unit="prompt", disable=not progress,
                            file=sys.stderr)
         try:
-            with open(groups_path, "a", encoding="utf-8") as f:
-                for start in range(done, len(rows), chunk):
-                    idx = list(range(start, min(start + chunk, len(rows))))
-                    prompts = [rows[i]["prompt"] for i in idx]
-                    got = sampler.generate([encoder.prompt_ids(q) for q in prompts], params, indices=idx)
-                    texts = [encoder.prompt_text(q) for q in prompts for _ in range(n)]
-                    answers = [rows[i].get("answer") for i in idx for _ in range(n)] if "answer" in rows[0] else None
-                    scores = checked(name, labeller, texts, got.texts, answers)
-                    for a, q in enumerate(prompts):
-                        f.write(json.dumps({"prompt": q,
+            for start in range(done, len(rows), chunk):
+                idx = list(range(start, min(start + chunk, len(rows))))
+                prompts = [rows[i]["prompt"] for i in idx]
+                got = sampler.generate([encoder.prompt_ids(q) for q in prompts], params, indices=idx)
+                texts = [encoder.prompt_text(q) for q in prompts for _ in range(n)]
+                answers = [rows[i].get("answer") for i in idx for _ in range(n)] if "answer" in rows[0] else None
+                scores = checked(name, labeller, texts, got.texts, answers)
+                lines = "".join(json.dumps({"prompt": q,
                                             "completions": [_reply(q, t) for t in got.texts[a * n:(a + 1) * n]],
-                                            "rewards": scores[a * n:(a + 1) * n]}, ensure_ascii=False) + "\n")
-                    f.flush()
-                    bar.update(len(idx))
+                                            "rewards": scores[a * n:(a + 1) * n]}, ensure_ascii=False) + "\n"
+                                for a, q in enumerate(prompts))
+                with _writing(groups_path, out), open(groups_path, "a", encoding="utf-8") as f:
+                    f.write(lines)  # a chunk cut short (a full disk, a kill) leaves half a line: a rerun drops it
+                bar.update(len(idx))
         finally:
             bar.close()
             sampler.close()
     groups = [json.loads(x) for x in groups_path.read_text(encoding="utf-8").splitlines()]
     derived = [derived_rows(g) for g in groups]
-    _write(out / "pairs.jsonl", (pair for pair, _ in derived))
-    _write(out / "unpaired.jsonl", (u for _, rows_ in derived for u in rows_))
+    with _writing(out / "pairs.jsonl", out):
+        _write(out / "pairs.jsonl", (pair for pair, _ in derived))
+    with _writing(out / "unpaired.jsonl", out):
+        _write(out / "unpaired.jsonl", (u for _, rows_ in derived for u in rows_))
     info = card(spec, model_path, groups, settings)
-    (out / "card.json.tmp").write_text(json.dumps(info, indent=2) + "\n")
-    os.replace(out / "card.json.tmp", out / "card.json")
+    with _writing(out / "card.json", out):
+        _write_text(out / "card.json", json.dumps(info, indent=2) + "\n")
     return info
 
 
@@ -200,15 +267,29 @@ def main_sample(args: list[str]) -> int:
     if any(a in ("-h", "--help") for a in args):
         print(__doc__)
         return 0
+    own, overrides = _split_args(args)
+    out = Path(own["out"]) if own.get("out") else None
+    old = signal.signal(signal.SIGTERM, _terminate)
     try:
-        return _main(args)
+        return _main(own, overrides)
     except UserError as e:
         print(f"humanline: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # anything else the file system refuses (a write is named by _writing)
+        print(f"humanline: error: {e.filename or 'humanline sample'}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this line short
+        print(f"humanline: sample interrupted (Ctrl-C); {_resume_note(out)}", file=sys.stderr)
+        return 130
+    except Terminated:
+        print(f"humanline: sample stopped by SIGTERM; {_resume_note(out)}", file=sys.stderr)
+        return 143
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
-def _main(args: list[str]) -> int:
-    own, overrides = _split_args(args)
+def _main(own: dict, overrides: list[str]) -> int:
     if not own.get("out"):
         raise UserError("humanline sample needs out=DIR (where groups.jsonl, pairs.jsonl, unpaired.jsonl and "
                         "card.json go)")

@@ -97,6 +97,19 @@ def logratio_histogram(token_logratio: torch.Tensor, mask: torch.Tensor) -> list
     return [int((vals < -3.0).sum())] + [int(c) for c in inner] + [int((vals > 3.0).sum())]
 
 
+def sampler_drift(policy_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor) -> dict:
+    """How far the policy being trained has drifted from the policy that sampled its data, on the trained
+    (completion) tokens: `drift/logratio_mean`, the token mean of log pi(y_t) - log pi_sampler(y_t), and
+    `drift/kl`, the token mean of exp(r) - 1 - r with r = log pi(y_t) - log pi_sampler(y_t) (the k3 estimate of
+    KL(pi_sampler || pi) from the sampler's own tokens: unbiased, non-negative per token). Both are 0 when the policy is the
+    sampler (online, before its first update on a round) and grow as a round's data is reused
+    (data.generate_every=K); a staleness axis that does not depend on the step count or lr."""
+    n = mask.sum().clamp(min=1)
+    r = (policy_logps.float() - sampler_logps.float()) * mask
+    kl = (torch.exp(r) - 1.0 - r) * mask
+    return {"drift/logratio_mean": float(r.sum() / n), "drift/kl": float(kl.sum() / n)}
+
+
 def compute_loss(objective_cfg, policy, reference, batch, hl: HumanlineSpec, histogram: bool = False,
                  z0: torch.Tensor | None = None):
     """`policy` is the module to differentiate (a DDP wrapper under DDP); `z0` (KTO) comes from
@@ -123,6 +136,8 @@ def compute_loss(objective_cfg, policy, reference, batch, hl: HumanlineSpec, his
                 ratio_logratio = logratio
             loss, m = grpo_loss(clamp_logratios(ratio_logratio, hl), logratio, mask, batch.advantages,
                                 objective_cfg.epsilon, objective_cfg.beta, objective_cfg.aggregation)
+            if batch.sampler_logps is not None:  # online data: how far the policy has moved from its sampler
+                m.update(sampler_drift(pol.detach(), batch.sampler_logps, mask))
         case _:
             raise TypeError(type(batch))
     metrics.update(m)

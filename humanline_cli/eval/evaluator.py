@@ -112,7 +112,9 @@ class Evaluator:
             if self.greedy_baseline is None:  # a baseline restored without its greedy half
                 raise RuntimeError("greedy baseline missing")
             g_side = self.sample(sampler, self.greedy_params)
-            g = self._pointwise(g_side, self.greedy_baseline, None, 0.0)
+            # per-prompt greedy scores too, for the report's prompt x seed bootstrap
+            g = self._pointwise(g_side, self.greedy_baseline,
+                                samples_path.with_name("eval_samples_greedy.jsonl") if samples_path else None, 0.0)
             result["greedy"] = self._mode_summary(g, g_side, self.greedy_baseline)
         return result
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import os
 import statistics
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from humanline_cli.errors import UserError
-from humanline_cli.report import async_lag, cost, gap_closed
+from humanline_cli.report import async_lag, cost, gap_closed, matched, speed
 from humanline_cli.report.groups import (
     DEFAULT_IGNORE,
     Group,
@@ -301,7 +302,8 @@ def write_csv(path: Path, cells: list[dict], columns=None) -> None:
 
 
 # ---------------------------------------------------------------- entry points
-def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None = None, ignore=()) -> Report:
+def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None = None, ignore=(), targets=(),
+                 accuracy: float | None = None) -> Report:
     root = Path(root)
     ignore = parse_ignore(ignore)
     if not root.is_dir():
@@ -328,10 +330,22 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     md += "\n## Gap closed by humanline-offline\n\n" + "\n".join(gap_closed.markdown(gaps))
     if "gap_closed.png" in files:
         md += "\n![gap closed](gap_closed.png)\n"
+    md += "\n## Paired differences\n\n" + "\n".join(gap_closed.paired_markdown(gaps))
     costs = cost.cost_rows(complete)
     files["cost.csv"] = out_dir / "cost.csv"
     cost.write_csv(costs, files["cost.csv"])
     md += "\n## Generation cost at matched training units\n\n" + "\n".join(cost.markdown(costs)) + "\n"
+    mrows = matched.matched_rows(complete, accuracy)
+    predicted_loops: dict = {}
+    if targets:  # the cost model's prediction per regime, beside the measurement (report/speed.py)
+        srows, notes, sources = speed.speed_rows(complete, list(targets))
+        files["predicted.csv"] = out_dir / "predicted.csv"
+        speed.write_csv(srows, files["predicted.csv"])
+        md += "\n## Predicted wall-clock (cost model)\n\n" + "\n".join(speed.markdown(srows, notes, sources)) + "\n"
+        for r in srows:
+            predicted_loops.setdefault(r.target, {})[(r.task, r.objective, r.regime)] = r.predicted["loop"]
+    if mrows:
+        md += "\n## Speedup at matched quality\n\n" + "\n".join(matched.markdown(mrows, predicted_loops)) + "\n"
     lagged = async_lag.async_rows(complete, ignore)  # only sweeps with data.async_lag > 0 get the section
     if lagged:
         files["async.csv"] = out_dir / "async.csv"
@@ -376,7 +390,19 @@ def print_report(rep: Report, console=None) -> None:
         console.print(f"skipped {name}: {why}")
     for k in rep.unused_ignores:
         console.print(f"warning: --ignore {k} matched no key of any complete run's config", highlight=False)
+    for section in ("Gap closed by humanline-offline", "Paired differences"):  # the comparisons, as in report.md
+        text = _section(rep.markdown, section)
+        if text:
+            console.print(f"{section}\n{text}", highlight=False, markup=False, soft_wrap=True)
     console.print(f"wrote {', '.join(str(p) for p in rep.files.values())}", highlight=False)
+
+
+def _section(md: str, title: str) -> str:
+    """The body of report.md's `## title` section (up to the next heading), stripped."""
+    head = f"## {title}\n"
+    if head not in md:
+        return ""
+    return md.split(head, 1)[1].split("\n## ", 1)[0].strip()
 
 
 def main_report(argv: list[str]) -> int:
@@ -387,10 +413,22 @@ def main_report(argv: list[str]) -> int:
                    help="config key (dotted; a prefix such as `train` ignores the subtree) whose differences may be "
                         "pooled as seeds; repeatable or comma-separated")
     p.add_argument("--wandb", action="store_true", help="also log the table and plots to a wandb run (job_type=report)")
+    p.add_argument("--target", action="append", default=[], metavar="T",
+                   help="predict each regime's wall-clock on T: a constants file of `humanline bench constants=true` "
+                        "(this machine, measured) or h100, h200, h100x8, h200x8 (public figures; estimates); repeatable")
+    p.add_argument("--gpu-check", type=Path, default=None, metavar="FILE",
+                   help="gpu_check.json of `just gpu-check`: its measured MFU replaces the assumed one on GPU targets")
+    p.add_argument("--accuracy", type=float, default=None,
+                   help="score the matched-quality speedup targets (default: online's final minus its half-width)")
     args = p.parse_args(argv)
     try:
+        gpu_check = json.loads(args.gpu_check.read_text()) if args.gpu_check else None
+        targets = [speed.parse_target(t, gpu_check) for t in args.target]
         rep = build_report(args.dir, args.out, os.environ.get("WANDB_MODE", "offline") if args.wandb else None,
-                           ignore=args.ignore)
+                           ignore=args.ignore, targets=targets, accuracy=args.accuracy)
+    except (OSError, ValueError) as e:
+        print(f"humanline: error: {e}", file=sys.stderr)
+        return 2
     except ReportError as e:
         print(f"humanline: error: {e}", file=sys.stderr)
         return 2

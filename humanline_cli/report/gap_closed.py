@@ -22,9 +22,10 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
 from humanline_cli.report.groups import derived_from, group_runs, signature
-from humanline_cli.report.stats import t975
+from humanline_cli.report.stats import excludes_zero, paired_t, t975
 
 
 def metric_of(summary: dict) -> tuple[str, float | None]:
@@ -37,20 +38,48 @@ def metric_of(summary: dict) -> tuple[str, float | None]:
     return "none", None
 
 
-def gap_closed(offline: dict, online: dict, humanline: dict) -> dict:
-    """Each argument maps seed -> metric value. Seeds present in all three are paired; a seed whose
-    online and offline values are equal has no gap to close and is left out (counted in `skipped`)."""
+def gap_closed(offline: dict, online: dict, humanline: dict, gap_interval: tuple | None = None) -> dict:
+    """Each argument maps seed -> metric value; seeds present in all three are paired and handed to
+    `gap_closed_paired` (see there). `gap_interval`: see gap_closed_paired."""
     seeds = sorted(set(offline) & set(online) & set(humanline), key=str)
-    per_seed, skipped = {}, 0
-    for s in seeds:
-        gap = online[s] - offline[s]
-        if gap == 0:
-            skipped += 1
-            continue
-        per_seed[s] = (humanline[s] - offline[s]) / gap
-    ci = mean_ci(list(per_seed.values())) or {"mean": None, "lo": None, "hi": None}
-    return {"n": len(per_seed), "per_seed": per_seed, "skipped": skipped, "mean": ci["mean"], "lo": ci["lo"],
-            "hi": ci["hi"]}
+    out = gap_closed_paired([offline[s] for s in seeds], [online[s] for s in seeds], [humanline[s] for s in seeds],
+                            gap_interval)
+    out["per_seed"] = {s: out["per_seed"][i] for i, s in enumerate(seeds) if i in out["per_seed"]}
+    return out
+
+
+def gap_closed_paired(offline: list, online: list, humanline: list, gap_interval: tuple | None = None) -> dict:
+    """Gap closed for runs already paired by seed (index i is the same seed in all three lists).
+
+    The gap (online - offline) comes first: its paired mean with a 95% t-interval across seeds
+    (stats.paired_t), or `gap_interval` (lo, hi) where the caller has a better one (a prompt bootstrap for a
+    single seed). Only a gap whose interval lies wholly above 0 has a ratio to report (`verdict` "gap");
+    otherwise the verdict is "no gap" (the interval holds 0, or there is none: one seed and no bootstrap) or
+    "online below" (the whole interval under 0), and mean/lo/hi are None. With a gap: (humanline - offline) /
+    (online - offline) per seed, averaged with a 95% t-interval across seeds; a seed whose own online and
+    offline values are equal is left out (counted in `skipped`)."""
+    gap = paired_t(online, offline)
+    lo, hi = gap_interval if gap_interval is not None else (gap["lo"], gap["hi"])
+    verdict = "gap" if excludes_zero(lo, hi) and lo > 0 else ("online below" if excludes_zero(lo, hi) else "no gap")
+    base = {"gap": {**gap, "lo": lo, "hi": hi}, "verdict": verdict, "per_seed": {}, "skipped": 0}
+    if verdict != "gap":
+        return {**base, "n": gap["n"], "mean": None, "lo": None, "hi": None}  # n: the paired seeds
+    for i, (off, on, hl) in enumerate(zip(offline, online, humanline)):
+        if on == off:
+            base["skipped"] += 1
+        else:
+            base["per_seed"][i] = (hl - off) / (on - off)
+    ci = mean_ci(list(base["per_seed"].values())) or {"mean": None, "lo": None, "hi": None}
+    return {**base, "n": len(base["per_seed"]), "mean": ci["mean"], "lo": ci["lo"], "hi": ci["hi"]}
+
+
+def gap_text(g: dict) -> str:
+    """The gap-closed cell: the ratio [interval] where there is a gap, else why there is no ratio."""
+    if g.get("verdict", "gap") != "gap":
+        return g["verdict"]
+    if g["mean"] is None:
+        return "–"
+    return f"{g['mean']:.0%}" + (f" [{g['lo']:.0%}, {g['hi']:.0%}]" if g["lo"] is not None else "")
 
 
 WORK = ("train", "sample", "label", "sync", "push")  # phases that are the cost of learning
@@ -149,6 +178,7 @@ class GapRow:
     online_sampling_share: float | None = None  # (sample + label + push) / work time of online runs
     regime: str | None = None  # a regime sweep's humanline-offline regime (regime_map.regime_gap_rows)
     compared_with: str | None = None  # ... and the offline, online regimes it was compared with
+    paired: list | None = None  # paired_differences(...) rows, greedy and sampled
 
     @property
     def matched_bound(self) -> float | None:
@@ -229,13 +259,69 @@ def _gap_row(task: str, objective: str, label: str, by: dict) -> GapRow | None:
     mid = all(len(c) > 2 for f in curves for c in curves[f].values())  # at least one mid-run eval
     share = [_sampling_share(r.summary.get("wall_clock_s") or {}) for r in by["online"].values()]
     share = [x for x in share if x is not None]
+    seeds = sorted(set.intersection(*(set(vals[f]) for f in vals)), key=str)
+    paired = {}
+    for mode in ("greedy accuracy", "accuracy"):
+        arms = {f: [metric_value(by[f][s].summary, mode) for s in seeds] for f in by}
+        if seeds and all(v is not None for a in arms.values() for v in a):
+            paired[mode] = paired_differences(arms, prompt_scores({f: [by[f][s] for s in seeds] for f in by}, mode))
+    gap_interval = None
+    if len(seeds) == 1 and metric in paired:  # one seed: no t-interval, so the prompt bootstrap decides the gap
+        boot = next(p["boot"] for p in paired[metric] if p["contrast"] == ("online", "offline"))
+        gap_interval = (boot["lo"], boot["hi"]) if boot else None
     return GapRow(task, objective, label, metric, statistics.fmean(vals["offline"].values()),
                   statistics.fmean(vals["online"].values()),
                   statistics.fmean(vals["humanline-offline"].values()),
-                  gap_closed(vals["offline"], vals["online"], vals["humanline-offline"]),
+                  gap_closed(vals["offline"], vals["online"], vals["humanline-offline"], gap_interval),
                   wall["online"], wall["humanline-offline"],
                   equal_quality(curves["online"], curves["humanline-offline"]) if mid else None,
-                  scores, statistics.fmean(share) if share else None)
+                  scores, statistics.fmean(share) if share else None,
+                  paired=[{**p, "metric": m} for m, rows in paired.items() for p in rows])
+
+
+# The contrasts a comparison reports, (a, b) for a - b: the humanline effect, what is left to online, the gap.
+CONTRASTS = (("humanline-offline", "offline"), ("online", "humanline-offline"), ("online", "offline"))
+SAMPLES = {"greedy accuracy": "eval_samples_greedy.jsonl", "accuracy": "eval_samples.jsonl"}
+
+
+def paired_differences(arms: dict, per_prompt: dict | None = None, contrasts=CONTRASTS) -> list[dict]:
+    """Paired differences for arms already paired by seed: `arms` maps an arm to its per-seed scores (index i
+    is the same seed in every arm); `per_prompt` (optional) maps an arm to its (seeds x prompts) per-prompt
+    scores, in the same seed order and one prompt order. One row per contrast (a, b): a - b with a 95%
+    t-interval across seeds (`t`) and a prompt x seed bootstrap interval (`boot`, None without per-prompt
+    scores)."""
+    from humanline_cli.report.stats import bootstrap_paired
+
+    rows = []
+    for a, b in contrasts:
+        boot = bootstrap_paired(per_prompt[a], per_prompt[b]) if per_prompt else None
+        rows.append({"contrast": (a, b), "t": paired_t(arms[a], arms[b]), "boot": boot})
+    return rows
+
+
+def prompt_scores(runs_by_arm: dict, metric: str) -> dict | None:
+    """{arm: (seeds x prompts) per-prompt scores} from each run's eval samples file (SAMPLES[metric]), the
+    prompts every run scored, in one order; None when any run lacks the file (older runs wrote no greedy
+    samples) or the runs share no prompt."""
+    import json
+
+    name = SAMPLES.get(metric)
+    if name is None:
+        return None
+    table = {}
+    for arm, runs in runs_by_arm.items():
+        table[arm] = []
+        for run in runs:
+            f = Path(run.path) / name
+            if not f.is_file():
+                return None
+            rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+            table[arm].append({r["prompt"]: float(r["policy_score"]) for r in rows if r.get("policy_score") is not None})
+    common = set.intersection(*(set(d) for runs in table.values() for d in runs))
+    if not common:
+        return None
+    order = sorted(common)
+    return {arm: [[d[p] for p in order] for d in runs] for arm, runs in table.items()}
 
 
 def _sampling_share(times: dict) -> float | None:
@@ -253,7 +339,8 @@ def _differing_keys(signatures: list) -> set:
 
 
 CSV_COLUMNS = ("task", "objective", "set", "metric", "offline", "online", "humanline_offline", "gap_closed",
-               "gap_closed_lo", "gap_closed_hi", "n_seeds", "online_wall_s", "humanline_offline_wall_s", "speedup",
+               "gap_closed_lo", "gap_closed_hi", "n_seeds", "gap", "gap_lo", "gap_hi", "gap_verdict", "online_wall_s",
+               "humanline_offline_wall_s", "speedup",
                "speedup_equal_quality", "online_never_reached", "online_sampling_share", "speedup_bound_matched")
 
 
@@ -265,7 +352,8 @@ def csv_row(r: GapRow) -> dict:
         return "" if x is None else format(x, fmt)
 
     values = (r.task, r.objective, r.label, r.metric, num(r.offline), num(r.online), num(r.humanline_offline),
-              num(g["mean"]), num(g["lo"]), num(g["hi"]), str(g["n"]), str(r.online_wall_s), str(r.humanline_wall_s),
+              num(g["mean"]), num(g["lo"]), num(g["hi"]), str(g["n"]), num(g["gap"]["mean"]), num(g["gap"]["lo"]),
+              num(g["gap"]["hi"]), g["verdict"], str(r.online_wall_s), str(r.humanline_wall_s),
               num(r.speedup, ".4g"), "" if not r.equal else num(r.equal["mean"], ".4g"),
               "" if not r.equal else str(r.equal["never"]), num(r.online_sampling_share, ".4g"),
               num(r.matched_bound, ".4g"))
@@ -292,7 +380,9 @@ def markdown(rows: list[GapRow]) -> list[str]:
     if not rows:
         return ["No comparison set has offline, online and humanline-offline runs: no gap to report.", ""]
     lines = ["gap closed = (humanline-offline - offline) / (online - offline), per seed (paired), mean "
-             "[95% t-interval across seeds]; speedup = online wall-clock / humanline-offline wall-clock at equal "
+             "[95% t-interval across seeds], given only where the gap online - offline has an interval wholly above 0 "
+             "(t-interval across seeds; one seed: the prompt bootstrap), else `no gap` (or `online below`); "
+             "speedup = online wall-clock / humanline-offline wall-clock at equal "
              "steps; at equal quality = online's work time to reach humanline-offline's final score / "
              "humanline-offline's (learning curves; n/a without mid-run evals, eval.every); online sampling = "
              "share of online's work time spent sampling, labelling and pushing weights, and the speedup it bounds: "
@@ -303,8 +393,7 @@ def markdown(rows: list[GapRow]) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         g = r.gap
-        gap = "–" if g["mean"] is None else f"{g['mean']:.0%}" + (
-            f" [{g['lo']:.0%}, {g['hi']:.0%}]" if g["lo"] is not None else "")
+        gap = gap_text(g)
         speed = f"{r.speedup:.2f}x" if r.speedup else "n/a"
         eq = "n/a"
         if r.equal:
@@ -325,6 +414,28 @@ def markdown(rows: list[GapRow]) -> list[str]:
             if any(c is not None for c in cells) and not (mode == "win rate" and r.metric != "win rate"):
                 lines.append(f"| {r.task} | {r.objective} | {r.label or '–'} | {name} | "
                              + " | ".join(_fmt(c) for c in cells) + " |")
+    return lines + [""]
+
+
+def paired_markdown(rows: list[GapRow]) -> list[str]:
+    """The paired differences of every comparison, greedy and sampled: a - b, mean over seeds with a 95%
+    t-interval across seeds and a prompt x seed bootstrap interval."""
+    body = [r for r in rows if r.paired]
+    if not body:
+        return ["No comparison has paired runs.", ""]
+    lines = ["a - b per seed (runs paired by seed), mean [95% t-interval across seeds] and [95% prompt x seed "
+             "bootstrap interval: seeds and eval prompts resampled together, 2000 replicates]; `–`: no interval "
+             "(one seed, or no per-prompt samples). greedy = temperature 0, sampled = eval.temperature.", "",
+             "| task | objective | set | metric | a - b | mean | t-interval | bootstrap | seeds |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    names = {"greedy accuracy": "greedy", "accuracy": "sampled"}
+    for r in body:
+        for p in r.paired:
+            t, b = p["t"], p["boot"]
+            ti = f"[{t['lo']:+.3f}, {t['hi']:+.3f}]" if t["lo"] is not None else "–"
+            bi = f"[{b['lo']:+.3f}, {b['hi']:+.3f}]" if b else "–"
+            lines.append(f"| {r.task} | {r.objective} | {r.label or '–'} | {names.get(p['metric'], p['metric'])} | "
+                         f"{p['contrast'][0]} - {p['contrast'][1]} | {t['mean']:+.3f} | {ti} | {bi} | {t['n']} |")
     return lines + [""]
 
 

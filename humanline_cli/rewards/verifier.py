@@ -3,10 +3,17 @@
 method=math uses the `math-verify` package (LaTeX / boxed answers, numeric equivalence);
 method=math_latex is the authors' math recipe's extraction of the completion's answer (open-r1's accuracy
 reward): LaTeX only (\\boxed first, then $...$ and the like, never a bare number outside LaTeX), units and
-equations normalised, the first match; method=exact compares stripped strings. Reference answers come
-from the prompt rows' `answer` field.
+equations normalised, the first match; method=exact compares stripped strings; method=final_number reads the
+last number in the completion ("27 + 82 = 109." -> 109; thousands commas allowed) and compares it with the answer
+as a number. Reference answers come from the prompt rows' `answer` field.
 """
 from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+# a signed integer or decimal, thousands commas allowed ("1,234.5"); a minus only directly before the digits
+NUMBER = re.compile(r"(?<![\d.])-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|(?<![\d.])-?\d+(?:\.\d+)?")
 
 from humanline_cli.errors import UserError
 
@@ -17,10 +24,25 @@ def verify_batch(completions: list[str], answers: list | None, method: str = "ma
     match method:
         case "exact":
             return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answers)]
+        case "final_number":
+            return [float(final_number(c) == _number(str(a))) for c, a in zip(completions, answers)]
         case "math" | "math_latex":
             return math_verdicts(completions, answers, method)[0]
         case _:
-            raise UserError(f"unknown verifier method {method!r} (math | math_latex | exact)")
+            raise UserError(f"unknown verifier method {method!r} (math | math_latex | exact | final_number)")
+
+
+def _number(text: str) -> Fraction | None:
+    try:
+        return Fraction(text.strip().replace(",", ""))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def final_number(text: str) -> Fraction | None:
+    """The last number written in `text` (exact, as a Fraction), None when it has none."""
+    found = NUMBER.findall(text)
+    return _number(found[-1]) if found else None
 
 
 def math_verdicts(completions: list[str], answers: list, method: str = "math") -> tuple[list[float], list[bool]]:

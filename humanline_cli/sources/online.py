@@ -32,6 +32,7 @@ from pathlib import Path
 
 from humanline_cli.core.feedback import ScoredGroup
 from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample, units_from_group
+from humanline_cli.errors import cannot_write
 from humanline_cli.rewards.scorers import checked
 from humanline_cli.sampling.rounds_worker import snapshot
 from humanline_cli.sampling.sampler import Completions, SamplingParams
@@ -209,6 +210,12 @@ class OnlineSource:
             u = units_from_group(self.objective, ScoredGroup(p, comps, scores[i * n:(i + 1) * n]), self.min_gap)
             dropped += not u
             units += u
+        tied = sum(len(set(scores[i * n:(i + 1) * n])) == 1 for i in range(len(prompts)))
+        if self.objective == "grpo" and tied == len(prompts):
+            # every group tied: every advantage is 0, so the round holds no policy-gradient signal (what is left,
+            # the KL pull, is 0 at a round's first step in plain online). It takes DPO's path for a round with no
+            # pair: a skipped step, counted, and train.max_skipped_fraction fails a run made of them
+            units, dropped = [], len(prompts)
         self.rng.shuffle(units)
         self._queue = [units[i:i + self.batch_size] for i in range(0, len(units), self.batch_size)]
         # completion tokens (as collated: the sampled ids) per optimizer step, averaged over the round:
@@ -217,15 +224,25 @@ class OnlineSource:
         per_step = float(tokens * self.batch_size) / len(units) if units else None
         self._round_info = {"online/round": self.round, "online/epoch": self.epoch,
                             "online/label_reward_mean": sum(scores) / len(scores),
-                            "online/dropped_prompts": dropped, "online/units": len(units),
+                            "online/dropped_prompts": dropped, "online/tied_groups": tied, "online/units": len(units),
                             "online/empty_completions": sum(1 for t in out_texts if not t.strip()),
                             "online/round_tokens_per_step": per_step, **extra}
         version = {"policy_version": extra["online/policy_version"]} if extra else {}
         if self.samples_path is not None:
+            self._write_samples(texts, out_texts, [len(ids) for ids in out_ids], scores, version)
+
+    def _write_samples(self, prompts: list[str], completions: list[str], tokens: list[int], scores: list[float],
+                       version: dict) -> None:
+        """The round's samples appended to samples.jsonl. A failed write (a full disk) is one RunFailed line
+        naming the file; the lines of this round that did get written are cut back on resume (to the
+        checkpoint's round), like any other round after the checkpoint."""
+        try:
             with open(self.samples_path, "a") as f:
-                for k, text in enumerate(out_texts):
-                    f.write(json.dumps({"round": self.round, "prompt": texts[k], "completion": text,
-                                        "score": scores[k], **version}) + "\n")
+                for k, text in enumerate(completions):
+                    f.write(json.dumps({"round": self.round, "prompt": prompts[k], "completion": text,
+                                        "tokens": tokens[k], "score": scores[k], **version}) + "\n")
+        except OSError as e:
+            raise cannot_write(self.samples_path, e) from e
 
     def next_step(self, step: int) -> StepData:
         self._steps_done = step - 1

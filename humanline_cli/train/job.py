@@ -217,12 +217,13 @@ def _detach_log(handler: logging.Handler | None) -> None:
 
 # ------------------------------------------------------------------ the ranks this job starts
 def _launch(spec: RunSpec, ctx: Context, nproc: int) -> None:
-    from humanline_cli.train.build import prepare_world
+    from humanline_cli.train.build import prepare_model, prepare_world
     from humanline_cli.train.launch import launch
 
     # the bundled world is built here, once, on first use (minutes of CPU SFT), before any rank exists:
     # ranks waiting for another rank's build would sit in a collective past backend.timeout_s
     prepare_world(spec)
+    prepare_model(spec)  # a packaged model is converted here too, once, for the same reason
     launch(_rank_main, (spec, str(ctx.run_dir), str(ctx.cwd)), ctx.run_dir, nproc)
 
 
@@ -320,6 +321,8 @@ def run_rank(spec: RunSpec, ctx: Context, console: Console | None = None) -> dic
         if ctx.distributed:
             failed = _rank_failure(e, ctx, spec, failed, where, timer)
         note = write_failed_json(ctx.run_dir / "failed.json", failed) if ctx.main and ctx.run_dir.is_dir() else None
+        if note is None and ctx.main and isinstance(e, RunFailed) and isinstance(e.__cause__, OSError):
+            note = "failed.json written"  # a failed write (a full disk): the line says what failed.json got
         if tracker is not None:
             tracker.finish(1)
         if note is not None and isinstance(e, (UserError, RunFailed)):  # a full disk: the error line says so

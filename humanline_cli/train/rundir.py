@@ -185,7 +185,7 @@ def rewind_outputs(run_dir: Path, step: int, rounds: int | None) -> None:
         (run_dir / "samples.jsonl").unlink(missing_ok=True)
     else:
         _keep_rows(run_dir / "samples.jsonl", lambda row: rounds is not None and row.get("round", 0) <= rounds)
-    for name in ("failed.json", "eval_samples.jsonl"):
+    for name in ("failed.json", "eval_samples.jsonl", "eval_samples_greedy.jsonl"):
         (run_dir / name).unlink(missing_ok=True)
 
 

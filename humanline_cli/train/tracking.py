@@ -15,8 +15,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from humanline_cli.atomic import cannot_write, write_json_atomic, write_text_atomic
-from humanline_cli.errors import RunFailed
+from humanline_cli.atomic import write_json_atomic, write_text_atomic
+from humanline_cli.errors import RunFailed, cannot_write
 
 MASK = "***"
 # the last word of a key's name that marks its value as a credential ...

@@ -203,6 +203,7 @@ def step_metrics(rows: list[dict], ranks: Ranks, lr: float, grad_norm: float, dt
     metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=m["_n_tokens"] / max(dt, 1e-9), units=int(m["_units"]),
                    **info)
     metrics["useful_token_fraction"] = m["_n_tokens"] / max(m["_n_processed"], 1.0)  # real / forward tokens
+    metrics["tokens_processed"] = int(m["_n_processed"])  # the step's forward tokens: its counted work
     if hasattr(reference, "step_stats"):  # CachedReference: how much of the reference forward was skipped
         metrics.update(reference.step_stats())
     metrics["wall_s"] = timer.elapsed()

@@ -1,0 +1,219 @@
+"""`humanline bench constants=true [overrides]`: the cost model's constants (report/predict.py), measured on
+this machine with the run's own parts (the composed online config: model, sampler, labeller, batch, lengths,
+threads), written to a JSON file `humanline report --target FILE` reads.
+
+- generation: the run's sampler on the run's prompts and sampling settings at several call sizes (1, 8 and 64
+  prompts x n samples), each timed 3 times (median); the fixed cost per call is a call of one sequence and one
+  token; the latency per decoding step comes from the smallest real call (one wave: latency-bound), the peak
+  tokens/s from the largest (throughput-bound); the middle call is predicted from them as a check;
+- labelling: the task's labeller on the largest call's completions, seconds per completion;
+- push and sync: sampler.push_weights(policy) and reference.sync(policy), 5 times each (median; fixed costs at
+  this model's size: the bytes are inside them);
+- training: the real loop (trainer.train, the online source included) for a few steps at the run's batch size
+  and at half of it; every step's train phase against its forward tokens (metrics `tokens_processed`), the
+  first step of each dropped (allocation); a least-squares line gives the per-step fixed cost and the FLOP/s
+  of the per-token part (F x P x tokens / FLOP/s, F as the model counts it); the loop's time outside the phases
+  per step is `other`.
+The machine's load (/proc/loadavg) before and after is recorded: on a shared machine the constants hold only
+for a sweep run under the same load.
+"""
+from __future__ import annotations
+
+import io
+import math
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from humanline_cli.errors import UserError
+
+SIZES = (1, 8, 64)   # prompts per timed generation call (x n samples each)
+
+
+def _loadavg() -> str | None:
+    try:
+        return Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return None
+
+
+def compose_online(overrides: list[str], extra: tuple[str, ...] = ()):
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from humanline_cli.config import compose_error, validate
+
+    try:
+        with initialize_config_module(config_module="conf", version_base="1.3"):
+            cfg = compose("train", overrides=[*overrides, *extra])
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        raise UserError(compose_error(e)) from None
+    spec = validate(cfg)
+    if spec.regime != "online":
+        raise UserError("bench constants=true measures an online run's constants: add data=online (or a regime)")
+    return spec
+
+
+def _median_time(fn, repeats: int) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def generation_constants(source, concurrency: int) -> dict:
+    """Call sizes SIZES (prompts x n) on the run's sampler: per-call fixed cost, latency per decoding step,
+    peak tokens/s, and the middle size predicted from them against its measurement."""
+    from humanline_cli.rewards.scorers import checked
+    from humanline_cli.sampling.sampler import SamplingParams
+
+    rows, enc, params = source.rows, source.encoder, source.params
+    sampler = source.sampler
+    sampler.push_weights(source.policy)
+    one = SamplingParams(**{**vars(params), "n": 1, "max_new_tokens": 1, "seed": 1})
+    fixed, _ = _median_time(lambda: sampler.generate([enc.prompt_ids(rows[0]["prompt"])], one), 5)
+    calls = []
+    for k, size in enumerate(SIZES):
+        prompts = [enc.prompt_ids(r["prompt"]) for r in rows[:size]]
+        p = SamplingParams(**{**vars(params), "seed": 7 + k})
+        sampler.generate(prompts, p)  # untimed: the first call at a new shape
+        s, out = _median_time(lambda: sampler.generate(prompts, p), 3)
+        lengths = [len(ids) for ids in out.token_ids]
+        calls.append({"prompts": size, "sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
+                      "seconds": s, "completions": out})
+    small, mid, big = calls
+    waves = lambda c: math.ceil(c["sequences"] / concurrency)  # noqa: E731
+    decode_step = max(small["seconds"] - fixed, 1e-9) / (waves(small) * small["longest"])
+    peak = big["tokens"] / max(big["seconds"] - fixed, 1e-9)
+    mid_pred = fixed + max(mid["tokens"] / peak, waves(mid) * mid["longest"] * decode_step)
+    # the labeller on the largest call's completions
+    out = big.pop("completions")
+    small.pop("completions"), mid.pop("completions")
+    texts = [enc.prompt_text(r["prompt"]) for r in rows[:big["prompts"]] for _ in range(params.n)]
+    answers = [r.get("answer") for r in rows[:big["prompts"]] for _ in range(params.n)] if "answer" in rows[0] else None
+    label_s, _ = _median_time(lambda: checked(source.labeller_name, source.labeller, texts, out.texts, answers), 3)
+    return {"call_fixed_s": fixed, "decode_step_s": decode_step, "sample_tokens_per_s": peak,
+            "concurrency": concurrency, "label_s_per_seq": label_s / len(out.texts), "calls": calls,
+            "check_middle_call": {"predicted_s": mid_pred, "measured_s": mid["seconds"]}}
+
+
+class _Steps:
+    """Stands in for tracking.Tracker: keeps every step's metrics (train.log_every=1)."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def log(self, step: int, metrics: dict) -> None:
+        if "time/train" in metrics:
+            self.rows.append({"step": step, **metrics})
+
+    def log_histogram(self, step: int, counts) -> None:
+        pass
+
+
+def _mini_run(spec, tmp: Path) -> dict:
+    """The real loop for spec.train.steps steps: per-step (forward tokens, train seconds) and the loop's
+    time outside its phases."""
+    from rich.console import Console
+
+    from humanline_cli.train.build import build_parts
+    from humanline_cli.train.timing import PhaseTimer
+    from humanline_cli.train.trainer import train
+
+    timer = PhaseTimer()
+    parts = build_parts(spec, timer, tmp)
+    try:
+        tracker = _Steps()
+        before = dict(timer.seconds)
+        t0 = time.perf_counter()
+        train(spec, parts, tracker, timer, Console(file=io.StringIO()))
+        wall = time.perf_counter() - t0
+        phases = sum(v - before.get(k, 0.0) for k, v in timer.seconds.items())
+        rows = tracker.rows
+        per_step = [(r["tokens_processed"], r["time/train"] - (rows[i - 1]["time/train"] if i else 0.0))
+                    for i, r in enumerate(rows)]
+        return {"steps": len(rows), "per_step": per_step[1:], "other_s": max(wall - phases, 0.0),
+                "params": sum(p.numel() for p in parts.policy.parameters()),
+                "gradient_checkpointing": spec.train.gradient_checkpointing}
+    finally:
+        parts.close()
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares y = a + b x; (a, b) with a >= 0 (a negative intercept is noise: then y = b x)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    a = my - b * mx
+    if a < 0 or b <= 0:
+        return 0.0, sum(y for _, y in points) / sum(x for x, _ in points)
+    return a, b
+
+
+def training_constants(overrides: list[str], steps: int) -> dict:
+    spec = compose_online(overrides)
+    b = spec.train.batch_size
+    runs = []
+    for batch in (b, max(1, b // 2)):
+        s = compose_online(overrides, (f"train.batch_size={batch}", f"train.steps={steps}", "train.log_every=1",
+                                       "eval.every=0", "train.save_model=false", "train.checkpoint_every=0"))
+        with tempfile.TemporaryDirectory() as tmp:
+            runs.append({"batch_size": batch, **_mini_run(s, Path(tmp))})
+    points = [p for r in runs for p in r["per_step"]]
+    a, slope = fit_line(points)
+    p = runs[0]["params"]
+    factor = 6 + 2 + 2 * bool(runs[0]["gradient_checkpointing"])  # online: the reference's forward every step
+    other = sum(r["other_s"] for r in runs) / sum(r["steps"] for r in runs)
+    return {"step_fixed_s": a, "train_flops_per_s": factor * p / slope, "other_step_s": other, "params": p,
+            "runs": [{k: v for k, v in r.items() if k != "per_step"} | {"points": r["per_step"]} for r in runs]}
+
+
+def measure(overrides: list[str], console, steps: int = 6) -> dict:
+    from humanline_cli.train.build import build_parts
+    from humanline_cli.train.timing import PhaseTimer
+
+    load_before = _loadavg()
+    spec = compose_online(overrides)
+    console.print("[dim]constants: generation, labelling, push, sync[/]")
+    with tempfile.TemporaryDirectory() as tmp:
+        parts = build_parts(spec, PhaseTimer(), Path(tmp))
+        try:
+            src = parts.source
+            concurrency = spec.sampler_cfg.batch_size if spec.sampler_cfg.name == "hf" else 256
+            gen = generation_constants(src, concurrency)
+            push_s, _ = _median_time(lambda: src.sampler.push_weights(parts.policy), 5)
+            sync_s, _ = _median_time(lambda: parts.reference.sync(parts.policy), 5)
+        finally:
+            parts.close()
+    console.print("[dim]constants: training steps at the run's batch size and at half of it[/]")
+    tr = training_constants(overrides, steps)
+    constants = {**{k: v for k, v in gen.items() if k not in ("calls", "check_middle_call")},
+                 "push_fixed_s": push_s, "push_bytes_per_s": math.inf, "sync_fixed_s": sync_s, "sync_bytes_per_s": math.inf,
+                 "step_fixed_s": tr["step_fixed_s"], "train_flops_per_s": tr["train_flops_per_s"],
+                 "other_step_s": tr["other_step_s"], "gpus": 1}
+    return {"target": "this", "estimated": False, "objective": spec.objective, "host": socket.gethostname(), "cpus": os.cpu_count(),
+            "threads": spec.threads, "model": spec.model, "params": tr["params"], "bytes_per_param": 4,
+            "source": f"measured by `humanline bench constants=true` on {socket.gethostname()} at "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')} (loadavg {load_before})",
+            "overrides": overrides, "constants": constants,
+            "detail": {"generation": {"calls": gen["calls"], "check_middle_call": gen["check_middle_call"]},
+                       "training": tr["runs"], "push_s": push_s, "sync_s": sync_s},
+            "loadavg_before": load_before, "loadavg_after": _loadavg()}
+
+
+def print_constants(res: dict, console) -> None:
+    c = res["constants"]
+    console.print(f"constants of this machine ({res['model']}, {res['params']} params, threads {res['threads']}); "
+                  f"loadavg before {res['loadavg_before']}, after {res['loadavg_after']}", highlight=False)
+    for k, v in c.items():
+        console.print(f"  {k:22s} {f'{v:.6g}'}", highlight=False)
+    chk = res["detail"]["generation"]["check_middle_call"]
+    console.print(f"  middle call: predicted {chk['predicted_s']:.3f} s, measured {chk['measured_s']:.3f} s", highlight=False)

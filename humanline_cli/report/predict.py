@@ -1,0 +1,148 @@
+"""Predicted wall-clock of a training run from the work it counts: pure arithmetic, no I/O.
+
+A run of T optimizer steps that makes R generation calls (call r: m_r sequences, G_r generated tokens, the
+longest completion L_r tokens) on a target with the constants of `Target` spends, by phase:
+
+    sample = sum_r [ c_call + max(G_r / S_peak, ceil(m_r / (c x g)) x L_r x s_lat) ]
+    push   = R x (c_push + W / b_push)
+    label  = sum_r m_r x c_label
+    train  = T x c_step + F x P x N_train / (g x Phi),   F = 6 + 2 [reference forward] + 2 [gradient checkpointing]
+    sync   = Y x (c_sync + W / b_sync)
+    other  = T x c_other
+
+with P the parameters every token multiplies, W the bytes of one copy of the weights, N_train the tokens the
+policy's forward processes over the run (prompt + completion, all steps), Y the reference syncs (humanline: one
+per sync_every steps; plain online: one per round), g the GPUs (data parallel: each samples and trains its share),
+Phi = MFU x peak FLOP/s of one device, S_peak the sampler's peak tokens/s on one device, s_lat its seconds per
+decoding step with up to c sequences in flight (c: the sampler's concurrency, HF's batch size, vLLM's
+max_num_seqs).
+
+Generation is the larger of two bounds: throughput (every generated token costs 1 / S_peak) and latency (each
+wave of c x g sequences runs as many decoding steps as its longest completion, each s_lat). The max is the
+roofline: a call is throughput-bound when it is large, latency-bound when a few long completions keep a
+half-empty batch decoding. `c_other` is the loop's own time outside the phases (collating micro-batches,
+logging, bookkeeping of each round).
+
+Synchronous rounds add the phases. Asynchronous rounds (lag >= 1, the sampler in its own process) overlap round
+r + 1's sampling with round r's training: wall = s_1 + sum_r max(t_r, s_(r+1)), with s_r a call's sampling and
+t_r the trainer's time for round r (its steps' train, sync, other, its labelling and push); the trainer's idle
+time `wait_for_sample` is that wall minus the trainer's own phases.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+LOOP_PHASES = ("sample", "push", "label", "train", "sync", "other")
+
+
+@dataclass(frozen=True)
+class Target:
+    """The constants of one machine. `source` says where each comes from; `estimated` marks constants built on
+    public figures rather than measured (every prediction on such a target says so)."""
+
+    name: str
+    source: str
+    estimated: bool
+    call_fixed_s: float          # per generation call: engine wake, cache reset, request set-up
+    sample_tokens_per_s: float   # one device's peak generated tokens/s (throughput bound)
+    decode_step_s: float         # one decoding step with up to `concurrency` sequences in flight (latency bound)
+    concurrency: int             # sequences one device decodes at once
+    push_fixed_s: float          # per weight push (the FSDP gather and the engine's reload set-up)
+    push_bytes_per_s: float      # weight push bandwidth (math.inf: the sampler reads the live weights)
+    label_s_per_seq: float       # labeller seconds per completion
+    train_flops_per_s: float     # one device: MFU x peak FLOP/s at the run's shapes
+    step_fixed_s: float          # per optimizer step, independent of tokens (launches, the optimizer's own pass)
+    sync_fixed_s: float          # per reference sync
+    sync_bytes_per_s: float      # device memory copy bandwidth of a sync
+    other_step_s: float = 0.0    # per step, outside the phases (collation, logging)
+    gpus: int = 1
+    notes: dict = field(default_factory=dict, compare=False)  # constant -> where its value comes from
+
+
+@dataclass(frozen=True)
+class Call:
+    sequences: int   # m: completions the call generates
+    tokens: int      # G: their generated tokens
+    longest: int     # L: the longest completion, tokens
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one run does, counted (machine-independent)."""
+
+    params: float                 # P: parameters each token multiplies
+    weight_bytes: float           # W: bytes of one copy of the weights (2P in bf16, 4P in fp32)
+    calls: tuple                  # Call per generation call, in order
+    steps: int                    # T: optimizer steps
+    train_tokens: float           # N_train: tokens through the policy's forward, all steps
+    reference_forward: bool       # the reference's log-probs are computed every step (no cache)
+    gradient_checkpointing: bool
+    syncs: int                    # Y: reference syncs
+    async_lag: int = 0
+
+
+def flops_per_token(work: Work) -> float:
+    """F x P: forward 2P, backward 4P, the reference's forward 2P, checkpointing's recomputed forward 2P."""
+    return (6 + 2 * work.reference_forward + 2 * work.gradient_checkpointing) * work.params
+
+
+def generation_s(call: Call, t: Target) -> float:
+    """One call's decoding time: the larger of the throughput and latency bounds (no fixed cost)."""
+    waves = math.ceil(call.sequences / (t.concurrency * t.gpus)) if call.sequences else 0
+    throughput = call.tokens / (t.sample_tokens_per_s * t.gpus)
+    latency = waves * call.longest * t.decode_step_s
+    return max(throughput, latency)
+
+
+def call_s(call: Call, t: Target) -> float:
+    return t.call_fixed_s + generation_s(call, t)
+
+
+def _copy_s(fixed: float, nbytes: float, bandwidth: float) -> float:
+    return fixed + (0.0 if math.isinf(bandwidth) else nbytes / bandwidth)
+
+
+def predict(work: Work, t: Target) -> dict:
+    """Predicted seconds by phase (LOOP_PHASES, plus `wait_for_sample` under asynchronous rounds) and `loop`,
+    the wall-clock of the training loop (setup, evaluation and saving are not modelled)."""
+    r = len(work.calls)
+    sample_per_call = [call_s(c, t) for c in work.calls]
+    out = {
+        "sample": sum(sample_per_call),
+        "push": r * _copy_s(t.push_fixed_s, work.weight_bytes, t.push_bytes_per_s),
+        "label": sum(c.sequences for c in work.calls) * t.label_s_per_seq / t.gpus,
+        "train": work.steps * t.step_fixed_s + flops_per_token(work) * work.train_tokens / (t.gpus * t.train_flops_per_s),
+        "sync": work.syncs * _copy_s(t.sync_fixed_s, work.weight_bytes, t.sync_bytes_per_s),
+        "other": work.steps * t.other_step_s,
+    }
+    trainer = out["push"] + out["label"] + out["train"] + out["sync"] + out["other"]
+    if work.async_lag and r:
+        # each round's share of the trainer's time, in proportion to its steps (rounds hold equal steps)
+        per_round = trainer / r
+        wall = sample_per_call[0] + sum(max(per_round, sample_per_call[i + 1] if i + 1 < r else 0.0)
+                                        for i in range(r))
+        out["wait_for_sample"] = wall - trainer
+        out["loop"] = wall
+    else:
+        out["loop"] = out["sample"] + trainer
+    return out
+
+
+def speedup(baseline: dict, other: dict, phase: str = "loop") -> float | None:
+    return baseline[phase] / other[phase] if other.get(phase) else None
+
+
+def within(predicted: float, measured: float, tolerance: float = 0.15) -> bool:
+    """The check of the model on this machine: |predicted / measured - 1| <= tolerance."""
+    return measured > 0 and abs(predicted / measured - 1.0) <= tolerance
+
+
+def target_from_json(d: dict) -> Target:
+    """A target from `humanline bench constants=true`'s JSON (its `constants`, `source`, `estimated`)."""
+    c = d["constants"]
+    fields = {k: (math.inf if c[k] in ("inf", "Infinity") else c[k]) for k in (
+        "call_fixed_s", "sample_tokens_per_s", "decode_step_s", "concurrency", "push_fixed_s", "push_bytes_per_s",
+        "label_s_per_seq", "train_flops_per_s", "step_fixed_s", "sync_fixed_s", "sync_bytes_per_s")}
+    return Target(name=d.get("target", "this"), source=d.get("source", "?"), estimated=bool(d.get("estimated", False)),
+                  other_step_s=float(c.get("other_step_s", 0.0)), gpus=int(c.get("gpus", 1)), **fields)

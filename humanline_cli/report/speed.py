@@ -1,0 +1,277 @@
+"""`humanline report DIR --target T`: each regime's wall-clock predicted by the cost model (report/predict.py)
+from the work its runs counted, beside the wall-clock they measured.
+
+Per complete run, the counted work: generation calls from samples.jsonl (one line per completion, its round
+and its `tokens`), optimizer steps from summary.json, the forward tokens of every step from metrics.jsonl
+(`tokens_processed`; with train.log_every > 1 the logged steps' mean times the steps), reference syncs and
+asynchronous lag from the resolved config. Targets: a constants file of `humanline bench constants=true`
+(measured: `this`), or `h100` / `h200` (public figures and assumptions, report/targets.py; with `--gpu-check
+FILE` its measured MFU), at 1 GPU or `h100x8`.
+
+Measured phases come from summary.json's wall_clock_s: sample, push, label, train, sync as timed; `other` is the
+loop's time outside them (the total less setup, evaluation, saving, checkpoints and the sampler process's
+start-up, which the model leaves out, less the timed phases); `loop` is that total less the left-out parts.
+Under asynchronous rounds the phases overlap: their `sample` is the sampler process's own time, `wait_for_sample`
+the trainer's idle time, and `loop` the wall-clock.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from humanline_cli.report.cost import calls_of
+from humanline_cli.report.predict import Target, Work, predict, target_from_json
+from humanline_cli.report.regime_map import regime_label
+from humanline_cli.report.targets import ASSUMED, SHAPES, Shape, gpu_target, mfu_from_gpu_check
+
+LEFT_OUT = ("setup", "eval", "save", "checkpoint", "sampler_start")
+TIMED = ("sample", "push", "label", "train", "sync")
+SHOWN = ("sample", "train", "sync", "push", "label", "other", "wait_for_sample", "loop")
+CHECKED_SHARE = 0.05  # phases below this share of the measured loop are shown but not held to the tolerance
+
+
+class SpeedError(ValueError):
+    pass
+
+
+def train_tokens(metrics: list[dict], steps: int) -> float | None:
+    rows = {r["step"]: r["tokens_processed"] for r in metrics if "tokens_processed" in r and "step" in r}
+    if not rows:
+        return None
+    return float(sum(rows.values())) if len(rows) >= steps else statistics.fmean(rows.values()) * steps
+
+
+def run_work(run, matmul_params: float, weight_bytes: float) -> Work | None:
+    """The counted work of one complete run, None when it did not record it (older runs)."""
+    calls = calls_of(run.path)
+    steps = int(run.summary.get("steps") or 0)
+    tokens = train_tokens(run.metrics, steps)
+    if calls is None or tokens is None or not steps:
+        return None
+    cfg = run.config or {}
+    humanline_sync = bool(run.humanline and cfg.get("hl.sync", True))
+    online = cfg.get("data.regime", run.data) == "online"  # run.data names stale rounds apart (stale-64)
+    if humanline_sync:
+        syncs = steps // max(int(cfg.get("hl.sync_every") or 1), 1)
+    else:
+        syncs = len(calls) if online else 0  # plain online: the reference takes each round's starting policy
+    cached = not online and not run.humanline and bool(cfg.get("train.reference_cache", False))
+    return Work(params=matmul_params, weight_bytes=weight_bytes, calls=calls, steps=steps, train_tokens=tokens,
+                reference_forward=not cached, gradient_checkpointing=bool(cfg.get("train.gradient_checkpointing")),
+                syncs=syncs, async_lag=int(cfg.get("data.async_lag") or 0) if online else 0)
+
+
+def measured(summary: dict) -> dict:
+    w = summary.get("wall_clock_s") or {}
+    loop = float(w.get("total", 0.0)) - sum(float(w.get(k, 0.0) or 0.0) for k in LEFT_OUT)
+    out = {k: float(w.get(k, 0.0) or 0.0) for k in TIMED}
+    if "wait_for_sample" in w:  # asynchronous: sample ran in its own process, overlapped
+        out["wait_for_sample"] = float(w["wait_for_sample"])
+        trainer = sum(out[k] for k in TIMED if k != "sample") + out["wait_for_sample"]
+    else:
+        trainer = sum(out.values())
+    out["other"] = max(loop - trainer, 0.0)
+    out["loop"] = loop
+    return out
+
+
+# ------------------------------------------------------------------ targets
+@dataclass(frozen=True)
+class TargetSpec:
+    """What --target named: a constants file (its model's P) or a GPU kind and count."""
+
+    name: str
+    constants: dict | None = None   # bench constants JSON
+    gpu: str | None = None
+    gpus: int = 1
+    mfu: float | None = None
+    mfu_source: str | None = None
+
+
+def parse_target(word: str, gpu_check: dict | None = None) -> TargetSpec:
+    low = word.lower()
+    kind, _, count = low.partition("x")
+    if kind in ("h100", "h200") and (not count or count.isdigit()):
+        mfu = mfu_from_gpu_check(gpu_check) if gpu_check else None
+        return TargetSpec(low, gpu=kind, gpus=int(count or 1), mfu=mfu,
+                          mfu_source="gpu_check.json, median of its step rows" if mfu is not None else None)
+    p = Path(word)
+    if not p.is_file():
+        raise SpeedError(f"--target {word!r}: neither h100, h200 (optionally xN) nor a constants file from "
+                         f"`humanline bench constants=true`")
+    try:
+        d = json.loads(p.read_text())
+        target_from_json(d)
+    except (ValueError, KeyError, TypeError) as e:
+        raise SpeedError(f"--target {word}: not a constants file ({type(e).__name__}: {e})") from None
+    return TargetSpec(d.get("target", "this"), constants=d)
+
+
+def target_for(run, spec: TargetSpec, constants: list[dict], work_calls: tuple) -> tuple[Target, Shape] | None:
+    """The target's constants for this run's model (GPU targets depend on the model's shape and context)."""
+    if spec.constants is not None:
+        d = spec.constants
+        if d.get("model") != run.summary.get("model"):
+            return None
+        return target_from_json(d), Shape(d["model"], d["params"], d["params"], 0.0, "bench constants")
+    shape = SHAPES.get(run.summary.get("model"))
+    if shape is None:
+        for d in constants:
+            if d.get("model") == run.summary.get("model"):
+                shape = Shape(d["model"], d["params"], d["params"], 0.0, "parameters from the constants file; "
+                              "KV cache not counted")
+    if shape is None:
+        return None
+    seqs = sum(c.sequences for c in work_calls)
+    ctx = (sum(c.tokens for c in work_calls) / seqs / 2) if seqs else 0.0
+    t = gpu_target(spec.gpu, shape, spec.gpus, ctx, ASSUMED["verifier_s_per_seq"], spec.mfu, spec.mfu_source)
+    return t, shape
+
+
+# ------------------------------------------------------------------ rows
+@dataclass(frozen=True)
+class SpeedRow:
+    target: str
+    estimated: bool
+    task: str
+    objective: str
+    regime: str
+    n_runs: int
+    predicted: dict     # phase -> mean predicted seconds
+    measured: dict | None  # phase -> mean measured seconds (None: another machine's prediction)
+
+
+def speed_rows(runs: list, specs: list[TargetSpec]) -> tuple[list[SpeedRow], list[str], dict]:
+    """Per target and (task, objective, regime): predicted and (on `this`) measured seconds by phase; notes on
+    left-out runs; each target's sources (its constants and where they come from)."""
+    complete = [r for r in runs if r.status == "complete"]
+    constants = [s.constants for s in specs if s.constants is not None]
+    rows, notes, sources = [], [], {}
+    for spec in specs:
+        by: dict[tuple, list] = {}
+        skipped = 0
+        for r in complete:
+            calls = calls_of(r.path)
+            if calls is None:
+                skipped += 1
+                continue
+            tf = target_for(r, spec, constants, calls)
+            if tf is None:
+                skipped += 1
+                continue
+            t, shape = tf
+            sources[spec.name] = t.source + "".join(f"; {k} {v}" for k, v in t.notes.items())
+            bpp = spec.constants.get("bytes_per_param", 4) if spec.constants is not None else 2  # GPU targets: bf16
+            work = run_work(r, shape.matmul_params, bpp * shape.params)
+            if work is None:
+                skipped += 1
+                continue
+            by.setdefault((r.task, r.objective, regime_label(r)), []).append((predict(work, t), measured(r.summary), t))
+        if skipped:
+            notes.append(f"{spec.name}: {skipped} complete run(s) left out (no per-completion `tokens` in samples.jsonl "
+                         f"or no `tokens_processed` in metrics.jsonl: recorded before they were, or another model "
+                         f"than the constants file's)")
+        for (task, obj, regime), items in by.items():
+            pred = _mean_phases([p for p, _, _ in items])
+            meas = _mean_phases([m for _, m, _ in items]) if spec.constants is not None else None
+            rows.append(SpeedRow(spec.name, items[0][2].estimated, task, obj, regime, len(items), pred, meas))
+    return rows, notes, sources
+
+
+def _mean_phases(dicts: list[dict]) -> dict:
+    keys = {k for d in dicts for k in d}
+    return {k: statistics.fmean(d.get(k, 0.0) for d in dicts) for k in keys}
+
+
+def _online(rows: list[SpeedRow], row: SpeedRow) -> SpeedRow | None:
+    for r in rows:
+        if (r.target, r.task, r.objective, r.regime) == (row.target, row.task, row.objective, "online"):
+            return r
+    return None
+
+
+def checked(row: SpeedRow, tolerance: float = 0.15) -> dict:
+    """Phase -> predicted / measured for phases holding >= CHECKED_SHARE of the measured loop (and the loop)."""
+    if row.measured is None:
+        return {}
+    loop = row.measured.get("loop", 0.0)
+    out = {}
+    for k in SHOWN:
+        m = row.measured.get(k)
+        if k in row.predicted and m and (k == "loop" or m >= CHECKED_SHARE * loop):
+            out[k] = row.predicted[k] / m
+    return out
+
+
+def write_csv(rows: list[SpeedRow], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["target", "estimated", "task", "objective", "regime", "n_runs", "phase", "predicted_s", "measured_s",
+                    "predicted_over_measured", "predicted_speedup_vs_online", "measured_speedup_vs_online"])
+        for r in rows:
+            on = _online(rows, r)
+            for k in SHOWN:
+                if k not in r.predicted and not (r.measured and k in r.measured):
+                    continue
+                p, m = r.predicted.get(k), (r.measured or {}).get(k)
+                sp = on.predicted["loop"] / r.predicted["loop"] if on and k == "loop" and r.predicted["loop"] else None
+                sm = (on.measured["loop"] / r.measured["loop"] if on and on.measured and r.measured and k == "loop"
+                      and r.measured["loop"] else None)
+                w.writerow([r.target, r.estimated, r.task, r.objective, r.regime, r.n_runs, k, _g(p), _g(m),
+                            _g(p / m if p is not None and m else None), _g(sp), _g(sm)])
+
+
+def _g(x) -> str:
+    return "" if x is None else f"{x:.8g}"
+
+
+def _s(x) -> str:
+    return "–" if x is None else (f"{x:.3g}" if x < 100 else f"{x:.0f}")
+
+
+def markdown(rows: list[SpeedRow], notes: list[str], sources: dict) -> list[str]:
+    if not rows:
+        return ["No run recorded its counted work (per-completion tokens and per-step forward tokens)."] + notes
+    out = []
+    for target in dict.fromkeys(r.target for r in rows):
+        rs = [r for r in rows if r.target == target]
+        est = rs[0].estimated
+        out += [f"**Target {target}**{' (ESTIMATE: built on public figures and assumptions)' if est else ''}: "
+                f"{sources.get(target, '')}", ""]
+        if rs[0].measured is not None:
+            out += ["Seconds by phase, predicted / measured (ratio); ratios outside 0.85-1.15 on a phase holding at "
+                    f"least {CHECKED_SHARE:.0%} of the loop are marked !; loop = the training loop's wall-clock "
+                    "(setup, evaluation, saving left out). Speedup = online's loop over the regime's.", "",
+                    "| task | objective | regime | runs | sample | train | sync | other | wait for sample | loop | "
+                    "speedup vs online, predicted (measured) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            for r in rs:
+                chk = checked(r)
+                cells = []
+                for k in ("sample", "train", "sync", "other", "wait_for_sample", "loop"):
+                    p, m = r.predicted.get(k), r.measured.get(k)
+                    if p is None and m is None:
+                        cells.append("–")
+                        continue
+                    mark = " !" if k in chk and abs(chk[k] - 1) > 0.15 else ""
+                    ratio = f" ({p / m:.2f}{mark})" if p is not None and m else ""
+                    cells.append(f"{_s(p)} / {_s(m)}{ratio}")
+                on = _online(rows, r)
+                sp = f"{on.predicted['loop'] / r.predicted['loop']:.2f}x" if on else "–"
+                sm = f" ({on.measured['loop'] / r.measured['loop']:.2f}x)" if on and on.measured else ""
+                out.append(f"| {r.task} | {r.objective} | {r.regime} | {r.n_runs} | " + " | ".join(cells) + f" | {sp}{sm} |")
+        else:
+            out += ["Predicted seconds by phase (no measurement on this target). Speedup = online's loop over the "
+                    "regime's, at the same counted work (the runs' own steps, calls and tokens).", "",
+                    "| task | objective | regime | runs | sample | push | train | sync | label | loop | "
+                    "speedup vs online |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            for r in rs:
+                on = _online(rows, r)
+                sp = f"{on.predicted['loop'] / r.predicted['loop']:.2f}x" if on else "–"
+                out.append(f"| {r.task} | {r.objective} | {r.regime} | {r.n_runs} | "
+                           + " | ".join(_s(r.predicted.get(k)) for k in ("sample", "push", "train", "sync", "label", "loop"))
+                           + f" | {sp} |")
+        out.append("")
+    return out + notes

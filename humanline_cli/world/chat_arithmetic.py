@@ -1,0 +1,105 @@
+"""Natural-language arithmetic for a real instruct model: "What is 27 + 82?", answered in chat.
+
+Consumes a task generator cfg (schema.TaskGeneratorConfig: digits, op, n_train, n_eval, seed) and a cache
+root; produces `<cache_root>/chat_arithmetic-<hash12>/` with `prompts_train.jsonl` and `prompts_eval.jsonl`
+(rows {"prompt": "What is 27 + 82?", "answer": "109"}, train and eval prompts disjoint) and `task.json`,
+written to a temporary sibling and renamed into place. The task's paths `gen://NAME` point into that folder.
+The judge and labeller are the verifier's `final_number` method: the last number in the reply is the answer.
+
+Difficulty: `digits` (operands of exactly that many digits) and `op` (add, sub with a non-negative result,
+mul, or mixed). SmolLM2-135M-Instruct's start accuracy per setting is in docs/results.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+from humanline_cli.errors import UserError
+
+SCHEME = "gen://"
+VERSION = 1  # bump when a change here changes what a build writes
+OPS = {"add": "+", "sub": "-", "mul": "*"}
+FILES = ("prompts_train.jsonl", "prompts_eval.jsonl", "task.json")
+
+
+def check(cfg: Mapping) -> dict:
+    """The cfg as a plain dict, or a one-line UserError naming the bad key."""
+    full = {k: cfg[k] for k in ("kind", "digits", "op", "n_train", "n_eval", "seed")}
+    if full["kind"] != "chat_arithmetic":
+        raise UserError(f"config key 'task.generator.kind': unknown generator {full['kind']!r} (chat_arithmetic)")
+    if full["op"] not in (*OPS, "mixed"):
+        raise UserError(f"config key 'task.generator.op': {full['op']!r} is not one of add, sub, mul, mixed")
+    if not 1 <= int(full["digits"]) <= 9:
+        raise UserError(f"config key 'task.generator.digits': {full['digits']} is outside 1..9")
+    if int(full["n_train"]) < 1 or int(full["n_eval"]) < 1:
+        raise UserError("config keys 'task.generator.n_train' and 'n_eval' must be at least 1")
+    lo, hi = _bounds(int(full["digits"]))
+    ops = 3 if full["op"] == "mixed" else 1
+    space = (hi - lo + 1) ** 2 * ops // (2 if full["op"] == "sub" else 1)
+    if full["n_train"] + full["n_eval"] > space // 2:  # room to draw distinct prompts without a long search
+        raise UserError(f"task.generator: {full['n_train']} + {full['n_eval']} prompts do not fit in the "
+                        f"{space} distinct {full['digits']}-digit {full['op']} problems (at most half of them)")
+    return full
+
+
+def _bounds(digits: int) -> tuple[int, int]:
+    return (0 if digits == 1 else 10 ** (digits - 1)), 10 ** digits - 1
+
+
+def problem(rng: random.Random, digits: int, op: str) -> tuple[str, str]:
+    """(prompt, answer) of one problem; sub puts the larger operand first."""
+    lo, hi = _bounds(digits)
+    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+    op = rng.choice(list(OPS)) if op == "mixed" else op
+    if op == "sub" and b > a:
+        a, b = b, a
+    value = {"add": a + b, "sub": a - b, "mul": a * b}[op]
+    return f"What is {a} {OPS[op]} {b}?", str(value)
+
+
+def generate(cfg: Mapping) -> tuple[list[dict], list[dict]]:
+    """(train rows, eval rows): distinct prompts, seeded by cfg['seed'], eval drawn first then train."""
+    full = check(cfg)
+    rng = random.Random(f"chat_arithmetic:{full['seed']}")
+    seen: dict[str, str] = {}
+    while len(seen) < full["n_eval"] + full["n_train"]:
+        prompt, answer = problem(rng, int(full["digits"]), full["op"])
+        seen.setdefault(prompt, answer)
+    rows = [{"prompt": p, "answer": a} for p, a in seen.items()]
+    return rows[full["n_eval"]:], rows[:full["n_eval"]]
+
+
+def task_dir(cfg: Mapping, cache_root: str | os.PathLike) -> Path:
+    full = check(cfg)
+    key = json.dumps({"version": VERSION, "cfg": full}, sort_keys=True, separators=(",", ":"))
+    return Path(cache_root) / f"chat_arithmetic-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def materialise(cfg: Mapping, cache_root: str | os.PathLike) -> Path:
+    """The task's folder, written first when missing (milliseconds; atomic by rename)."""
+    target = task_dir(cfg, cache_root)
+    if all((target / f).is_file() for f in FILES):
+        return target
+    train, eval_ = generate(cfg)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        for name, rows in (("prompts_train.jsonl", train), ("prompts_eval.jsonl", eval_)):
+            (tmp / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (tmp / "task.json").write_text(json.dumps({"version": VERSION, "cfg": check(cfg)}, indent=2) + "\n")
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process wrote the same content first
+            if not all((target / f).is_file() for f in FILES):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,78 @@
+"""The cost model's arithmetic on counted work, against numbers computed by hand."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from humanline_cli.report.predict import Call, Target, Work, flops_per_token, generation_s, predict, within
+
+T = Target(name="t", source="hand", estimated=False, call_fixed_s=0.5, sample_tokens_per_s=1000.0, decode_step_s=0.01,
+           concurrency=4, push_fixed_s=0.1, push_bytes_per_s=1e9, label_s_per_seq=0.001, train_flops_per_s=1e12,
+           step_fixed_s=0.2, sync_fixed_s=0.05, sync_bytes_per_s=1e10, other_step_s=0.1)
+W = Work(params=1e9, weight_bytes=2e9, calls=(Call(8, 2000, 300), Call(2, 40, 30)), steps=4, train_tokens=10_000,
+         reference_forward=True, gradient_checkpointing=False, syncs=2)
+
+
+def test_phases_by_hand():
+    p = predict(W, T)
+    # call 1: 2 waves of 4; throughput 2000 / 1000 = 2.0 s, latency 2 x 300 x 0.01 = 6.0 s -> 6.0 (+0.5 fixed)
+    # call 2: 1 wave; throughput 0.04 s, latency 30 x 0.01 = 0.3 s -> 0.3 (+0.5)
+    assert p["sample"] == pytest.approx(6.5 + 0.8, rel=1e-12)
+    assert p["push"] == pytest.approx(2 * (0.1 + 2e9 / 1e9), rel=1e-12)          # 4.2
+    assert p["label"] == pytest.approx(10 * 0.001, rel=1e-12)                     # 0.01
+    # (6 + 2 reference) x 1e9 x 1e4 / 1e12 = 80 s, plus 4 x 0.2 s per step
+    assert p["train"] == pytest.approx(80.8, rel=1e-12)
+    assert p["sync"] == pytest.approx(2 * (0.05 + 2e9 / 1e10), rel=1e-12)         # 0.5
+    assert p["other"] == pytest.approx(0.4, rel=1e-12)
+    assert p["loop"] == pytest.approx(7.3 + 4.2 + 0.01 + 80.8 + 0.5 + 0.4, rel=1e-12)  # 93.21
+    assert "wait_for_sample" not in p
+
+
+def test_flop_factor():
+    assert flops_per_token(W) == 8e9
+    both = Work(**{**vars(W), "gradient_checkpointing": True})
+    assert flops_per_token(both) == 10e9
+    neither = Work(**{**vars(W), "reference_forward": False})
+    assert flops_per_token(neither) == 6e9
+
+
+def test_throughput_bound_and_gpus():
+    # 400 sequences of 10 tokens on 4-wide waves: throughput 4000 / 1000 = 4 s > latency 100 x 10 x 0.01 = ...
+    c = Call(400, 4000, 10)
+    assert generation_s(c, T) == pytest.approx(max(4.0, 100 * 10 * 0.01), rel=1e-12)  # 10 s: latency still
+    c = Call(400, 40_000, 10)
+    assert generation_s(c, T) == pytest.approx(40.0, rel=1e-12)  # throughput 40 s > latency 10 s
+    t8 = Target(**{**vars(T), "gpus": 8})
+    # 8 devices: waves ceil(400 / 32) = 13, throughput 40_000 / 8000 = 5 s, latency 13 x 10 x 0.01 = 1.3 s
+    assert generation_s(c, t8) == pytest.approx(5.0, rel=1e-12)
+    # training divides over the devices, syncs and pushes (each device its own copy) do not
+    p1, p8 = predict(W, T), predict(W, t8)
+    assert p8["train"] == pytest.approx(4 * 0.2 + 80.0 / 8, rel=1e-12)
+    assert p8["sync"] == p1["sync"] and p8["push"] == p1["push"]
+    assert p8["label"] == pytest.approx(p1["label"] / 8, rel=1e-12)
+
+
+def test_async_overlap():
+    lagged = Work(**{**vars(W), "async_lag": 1})
+    p = predict(lagged, T)
+    trainer = 4.2 + 0.01 + 80.8 + 0.5 + 0.4  # 85.91 over 2 rounds: 42.955 each
+    # wall = first call 6.5 + max(42.955, call 2's 0.8) + max(42.955, nothing left) = 92.41
+    assert p["loop"] == pytest.approx(6.5 + 2 * (trainer / 2), rel=1e-12)
+    assert p["wait_for_sample"] == pytest.approx(6.5, rel=1e-12)
+    # a sampler slower than the trainer: the calls set the pace
+    slow = Target(**{**vars(T), "train_flops_per_s": 1e14, "step_fixed_s": 0.0})
+    q = predict(lagged, slow)
+    trainer = 4.2 + 0.01 + 0.8 + 0.5 + 0.4  # train: 8e13 / 1e14 = 0.8 s
+    assert q["loop"] == pytest.approx(6.5 + max(trainer / 2, 0.8) + trainer / 2, rel=1e-12)
+
+
+def test_live_weights_push_is_fixed_cost_only():
+    live = Target(**{**vars(T), "push_bytes_per_s": math.inf, "push_fixed_s": 0.0})
+    assert predict(W, live)["push"] == 0.0
+
+
+def test_within():
+    assert within(114.9, 100.0) and within(85.1, 100.0)
+    assert not within(115.1, 100.0) and not within(84.9, 100.0)
+    assert not within(1.0, 0.0)

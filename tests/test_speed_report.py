@@ -1,0 +1,166 @@
+"""`humanline report --target`: the cost model applied to the work runs recorded (samples.jsonl tokens per
+completion, metrics.jsonl tokens_processed per step), beside their measured phases; the matched-quality
+speedup from learning curves; cost.csv's generated tokens and longest completion per call. Run dirs are written
+by hand here, so every expected number is computed in the test."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import yaml
+
+from humanline_cli.bench.constants import fit_line
+from humanline_cli.report.aggregate import build_report, main_report
+from humanline_cli.report.matched import curve, reach
+from humanline_cli.report.speed import parse_target
+
+CONSTANTS = {"target": "this", "estimated": False, "model": "tiny", "params": 1000, "bytes_per_param": 4,
+             "source": "hand", "constants": {
+                 "call_fixed_s": 0.5, "sample_tokens_per_s": 10.0, "decode_step_s": 0.1, "concurrency": 4,
+                 "push_fixed_s": 0.0, "push_bytes_per_s": math.inf, "label_s_per_seq": 0.01,
+                 "train_flops_per_s": 8000.0, "step_fixed_s": 1.0, "sync_fixed_s": 0.2, "sync_bytes_per_s": math.inf,
+                 "other_step_s": 0.25, "gpus": 1}}
+
+
+def _run(root, regime, seed, *, rounds, tokens_per_step, wall, evals=(), final=0.8, lag=0, humanline=False):
+    """A complete online GRPO run: `rounds` = [[tokens of each completion], ...], one step per entry of
+    tokens_per_step, `wall` the summary's wall_clock_s, `evals` [(step, greedy accuracy, wall_s, setup)]."""
+    d = root / f"{regime}_seed{seed}"
+    (d / ".hydra").mkdir(parents=True)
+    gen = int(regime.removeprefix("stale")) if regime.startswith("stale") else None
+    cfg = {"objective": {"name": "grpo"}, "data": {"regime": "online", "async_lag": lag, "generate_every": gen}, "seed": seed,
+           "humanline": humanline, "hl": {"sync": True, "sync_every": 2},
+           "task": {"name": "arithmetic"}, "model": {"name": "tiny"},
+           "train": {"steps": len(tokens_per_step), "gradient_checkpointing": False}}
+    (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"regime={regime}", f"seed={seed}"]))
+    steps = len(tokens_per_step)
+    (d / "summary.json").write_text(json.dumps({
+        "status": "complete", "objective": "grpo", "data": "online", "humanline": humanline, "task": "arithmetic",
+        "seed": seed, "model": "tiny", "steps": steps, "batch_size": 2,
+        "eval": {"greedy": {"start_accuracy": 0.5, "accuracy": final}, "accuracy": final},
+        "final_train_metrics": {"online/round": len(rounds)}, "wall_clock_s": wall}))
+    rows = [{"step": i + 1, "tokens_processed": t, "time/train": 0.0, "wall_s": 0.0, "time/setup": 0.0}
+            for i, t in enumerate(tokens_per_step)]
+    for step, acc, wall_s, setup in evals:
+        rows[step - 1].update({"wall_s": wall_s, "time/setup": setup})
+        rows.append({"step": step, "eval/greedy/accuracy": acc})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "samples.jsonl").write_text("".join(json.dumps({"round": r + 1, "completion": "x", "tokens": t}) + "\n"
+                                             for r, toks in enumerate(rounds) for t in toks))
+    return d
+
+
+def test_predicted_beside_measured_per_regime(tmp_path):
+    root = tmp_path / "sweep"
+    # online: 2 calls of 4 completions, 4 steps of 100 forward tokens
+    _run(root, "online", 0, rounds=[[2, 3, 1, 2], [4, 4, 1, 1]], tokens_per_step=[100] * 4,
+         wall={"total": 60.0, "setup": 10.0, "eval": 5.0, "save": 1.0, "sample": 5.0, "label": 0.1, "train": 30.0,
+               "sync": 0.5, "push": 0.0})
+    # stale: 1 call of 8 completions (2 waves of 4), the same 4 steps
+    _run(root, "stale64", 0, rounds=[[2, 3, 1, 2, 4, 4, 1, 1]], tokens_per_step=[100] * 4,
+         wall={"total": 50.0, "setup": 10.0, "eval": 5.0, "save": 1.0, "sample": 2.0, "label": 0.1, "train": 30.0,
+               "sync": 0.2, "push": 0.0})
+    cfile = tmp_path / "constants.json"
+    cfile.write_text(json.dumps(CONSTANTS))
+    rep = build_report(root, targets=[parse_target(str(cfile))])
+    with open(root / "predicted.csv") as f:
+        rows = {(r["regime"], r["phase"]): r for r in csv.DictReader(f)}
+    # online, call 1: 1 wave, throughput 8 / 10 = 0.8 s, latency 3 x 0.1 = 0.3 s -> 0.8 + 0.5 fixed = 1.3
+    #         call 2: throughput 1.0 s, latency 0.4 s -> 1.5; sample = 2.8
+    # train: 4 x 1.0 + (6 + 2 reference) x 1000 x 400 / 8000 = 4 + 400 = 404; sync: one per round, 2 x 0.2
+    # label: 8 completions x 0.01; other: 4 x 0.25
+    on_loop = 2.8 + 404 + 0.4 + 0.08 + 1.0
+    assert float(rows[("online", "sample")]["predicted_s"]) == pytest.approx(2.8, rel=1e-9)
+    assert float(rows[("online", "train")]["predicted_s"]) == pytest.approx(404.0, rel=1e-9)
+    assert float(rows[("online", "loop")]["predicted_s"]) == pytest.approx(on_loop, rel=1e-9)
+    # measured loop: total less setup, eval, save = 44; other = 44 - (5 + 0.1 + 30 + 0.5) = 8.4
+    assert float(rows[("online", "loop")]["measured_s"]) == pytest.approx(44.0, rel=1e-12)
+    assert float(rows[("online", "other")]["measured_s"]) == pytest.approx(8.4, rel=1e-9)
+    # stale: 2 waves x longest 4 x 0.1 = 0.8 s vs throughput 18 / 10 = 1.8 s -> 1.8 + 0.5; one sync
+    st_loop = 2.3 + 404 + 0.2 + 0.08 + 1.0
+    assert float(rows[("stale64", "loop")]["predicted_s"]) == pytest.approx(st_loop, rel=1e-9)
+    assert float(rows[("stale64", "loop")]["predicted_speedup_vs_online"]) == pytest.approx(on_loop / st_loop, rel=1e-6)
+    assert float(rows[("stale64", "loop")]["measured_speedup_vs_online"]) == pytest.approx(44.0 / 34.0, rel=1e-6)
+    assert "## Predicted wall-clock (cost model)" in rep.markdown and "**Target this**" in rep.markdown
+    # cost.csv: generated tokens and the longest completion per call (mean over calls)
+    with open(root / "cost.csv") as f:
+        cost = {r["regime"]: r for r in csv.DictReader(f)}
+    assert float(cost["online"]["generated_tokens"]) == 18 and float(cost["online"]["longest_completion_per_call"]) == 3.5
+    assert float(cost["stale64"]["longest_completion_per_call"]) == 4
+
+
+def test_gpu_target_is_labelled_an_estimate_with_sources(tmp_path, capsys):
+    root = tmp_path / "sweep"
+    _run(root, "online", 0, rounds=[[2, 3]], tokens_per_step=[100, 100], wall={"total": 10.0, "train": 5.0})
+    cfile = tmp_path / "constants.json"
+    cfile.write_text(json.dumps(CONSTANTS))
+    assert main_report([str(root), "--target", str(cfile), "--target", "h100x8"]) == 0
+    md = (root / "report.md").read_text()
+    assert "**Target h100x8** (ESTIMATE: built on public figures and assumptions)" in md
+    assert "NVIDIA H100 Tensor Core GPU datasheet" in md and "mfu 0.4 (assumed)" in md
+    with open(root / "predicted.csv") as f:
+        gpu = [r for r in csv.DictReader(f) if r["target"] == "h100x8"]
+    assert gpu and all(r["estimated"] == "True" and r["measured_s"] == "" for r in gpu)
+
+
+def test_bad_target_is_one_line_exit_2(tmp_path, capsys):
+    root = tmp_path / "sweep"
+    _run(root, "online", 0, rounds=[[2]], tokens_per_step=[10], wall={"total": 1.0})
+    assert main_report([str(root), "--target", "a100"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--target 'a100'" in err[0]
+    assert not (root / "report.md").exists()
+
+
+def test_curve_and_reach_by_hand():
+    summary = {"steps": 4, "eval": {"greedy": {"start_accuracy": 0.5, "accuracy": 0.9}},
+               "wall_clock_s": {"total": 30.0, "setup": 5.0, "eval": 3.0}}
+    metrics = [{"step": 2, "time/train": 1.0, "wall_s": 16.0, "time/setup": 5.0, "time/eval": 1.0},
+               {"step": 2, "eval/greedy/accuracy": 0.7}]
+    pts = curve(summary, metrics, "greedy accuracy")
+    # loop seconds at step 2: 16 - 5 - 1 = 10; at the end: 30 - 5 - 3 = 22
+    assert pts == [(0, 0.0, 0.5), (2, 10.0, 0.7), (4, 22.0, 0.9)]
+    # 0.8 lies halfway from 0.7 to 0.9: step 3, 16 s
+    assert reach(pts, 0.8) == pytest.approx((3.0, 16.0))
+    assert reach(pts, 0.95) is None
+
+
+def test_matched_quality_speedup_with_interval_and_not_reached(tmp_path):
+    root = tmp_path / "sweep"
+    wall = {"total": 40.0, "setup": 0.0, "train": 30.0}
+    finals = (0.80, 0.82, 0.84)
+    for seed, final in enumerate(finals):
+        # online reaches its finals at the end: step 4, 40 s; a mid-run eval at step 2 (20 s) at 0.6
+        _run(root, "online", seed, rounds=[[1]], tokens_per_step=[10] * 4, wall=wall, final=final,
+             evals=[(2, 0.6, 20.0, 0.0)])
+        # stale64: 0.9 by step 2 (10 s) on seeds 0 and 1; seed 2 stays at 0.6
+        good = seed < 2
+        _run(root, "stale64", seed, rounds=[[1]], tokens_per_step=[10] * 4, wall={**wall, "total": 20.0},
+             final=0.9 if good else 0.6, evals=[(2, 0.9 if good else 0.6, 10.0, 0.0)])
+    rep = build_report(root)
+    # target = 0.82 - t(0.975, 2) x 0.02 / sqrt(3) = 0.82 - 4.303 x 0.011547 = 0.770312
+    target = 0.82 - 4.303 * 0.02 / math.sqrt(3)
+    assert f"greedy accuracy {target:.4g}" in rep.markdown
+    # online: from (20 s, 0.6) to (40 s, final): 20 + 20 (t - 0.6) / (final - 0.6)
+    on = [20 + 20 * (target - 0.6) / (f - 0.6) for f in finals]
+    # stale64 seeds 0, 1: from (0 s, 0.5) to (10 s, 0.9): 10 (t - 0.5) / 0.4
+    st = 10 * (target - 0.5) / 0.4
+    r0, r1 = on[0] / st, on[1] / st
+    mean = (r0 + r1) / 2
+    half = 12.706 * abs(r0 - r1) / math.sqrt(2) / math.sqrt(2)
+    section = rep.markdown.split("## Speedup at matched quality", 1)[1]
+    line = next(x for x in section.splitlines() if x.startswith("| arithmetic | grpo | stale64 |"))
+    assert "2/3 (not reached: 1)" in line
+    assert f"{mean:.2f} [{mean - half:.2f}, {mean + half:.2f}]x" in line
+    assert "2.00x" in line  # equal steps: 40 / 20, labelled as such in the header
+    assert "speedup at equal steps (not matched quality)" in rep.markdown
+
+
+def test_fit_line_by_hand():
+    # y = 0.5 + 0.01 x exactly
+    assert fit_line([(100, 1.5), (200, 2.5), (300, 3.5)]) == pytest.approx((0.5, 0.01))
+    # a negative intercept is noise: the line through the origin with the mean ratio sum(y) / sum(x)
+    assert fit_line([(100, 0.5), (200, 1.6)]) == pytest.approx((0.0, 2.1 / 300))
