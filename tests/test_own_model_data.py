@@ -1,4 +1,4 @@
-"""A newcomer's own model and data (issue 23): a checkpoint missing weights (a causal LM given as the
+"""A newcomer's own model and data: a checkpoint missing weights (a causal LM given as the
 reward model) refused in one line; a copied run dir never a second seed in `humanline report`; column
 renames in every spelling the docs show, through the real Hydra composition; lengths checked against
 the model's positions before any weight loads; `humanline eval` with any judge after training without one."""

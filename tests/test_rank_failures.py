@@ -25,7 +25,7 @@ def _fsdp_run(tmp_path, name: str, env: dict, extra=()):
 @pytest.mark.parametrize("kind,code,msg", [
     # rank 1's loss is NaN, rank 0's is not: the NaN check is agreed by both ranks (else rank 0 would
     # wait in the gradient reduce); the message is rank 1's, not "another rank's" nor gloo's
-    ("nan", 2, "rank 1: loss is nan at step 2, micro-batch 1 of "),  # then its units (issue 22)
+    ("nan", 2, "rank 1: loss is nan at step 2, micro-batch 1 of "),  # then its units
     # a bug on rank 1: exit 1 (Hydra's traceback path), its own message, not rank 0's "Connection closed"
     ("bug", 1, "rank 1: injected fault on this rank at step 2"),
 ])
