@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from humanline_cli.cli.overrides import check_group_choices, precheck_overrides
-from humanline_cli.errors import fail, one_line
+from humanline_cli.errors import RunFailed, UserError, fail, one_line
 
 
 @dataclass
@@ -84,8 +84,8 @@ def _train_app(sweep: Sweep):
         record = HydraRecord(cfg, HydraConfig.instance().cfg, hc.overrides.task)
         try:
             end = Job(cfg, ctx, record, full_error=_full_error()).run()
-        except Exception:  # not the user's mistake: a bug keeps Hydra's traceback and exits 1
-            sweep.bug = True
+        except Exception as e:  # a bug keeps Hydra's traceback and exits 1 (HYDRA_FULL_ERROR=1: any error)
+            sweep.bug = not isinstance(e, (UserError, RunFailed, OSError))
             raise
         if end.code == 130:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt this report
@@ -118,8 +118,6 @@ def run_train():
     except Exception as e:  # only under HYDRA_FULL_ERROR=1 does Hydra let an error out
         from hydra.errors import HydraException
         from omegaconf.errors import OmegaConfBaseException
-
-        from humanline_cli.errors import RunFailed, UserError
 
         if not isinstance(e, (UserError, RunFailed, OSError, HydraException, OmegaConfBaseException)):
             raise  # a bug: Python's traceback and exit 1
