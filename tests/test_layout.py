@@ -141,3 +141,10 @@ def test_no_two_modules_share_a_name():
         if mod != "humanline_cli" and not (PKG / Path(*mod.split(".")[1:])).is_dir() and leaf != "__main__":
             stems.setdefault(leaf, []).append(mod)
     assert {k: v for k, v in stems.items() if len(v) > 1} == {}
+
+
+def test_the_package_has_no_test_hook():
+    """Faults are injected by the tests (tests/faults/), never read by the package."""
+    hits = [f"{p.relative_to(PKG)}:{i}" for p in sorted(PKG.rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if "HUMANLINE_TEST_" in line]
+    assert hits == []
