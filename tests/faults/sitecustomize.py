@@ -22,9 +22,10 @@ import time
 
 def _rank_fault(spec: str) -> None:
     rank, step, kind = spec.split(":")
-    if int(os.environ.get("RANK", "0")) != int(rank):
-        return
     step = int(step)
+
+    def mine() -> bool:  # asked at fault time: torch's launcher sets RANK in a rank after it starts
+        return int(os.environ.get("RANK", "0")) == int(rank)
     import humanline_cli.train.build as build
     import humanline_cli.train.trainer as trainer
     from humanline_cli.errors import RunFailed, UserError
@@ -33,7 +34,7 @@ def _rank_fault(spec: str) -> None:
 
     def at_step(n: int) -> None:
         now["step"] = n
-        if n != step:
+        if n != step or not mine():
             return
         msg = f"injected fault on this rank at step {n}"
         match kind:
@@ -68,7 +69,7 @@ def _rank_fault(spec: str) -> None:
 
         def compute_loss(*args, **kwargs):
             loss, metrics = real_loss(*args, **kwargs)
-            return (loss * float("nan") if now["step"] == step else loss), metrics
+            return (loss * float("nan") if now["step"] == step and mine() else loss), metrics
 
         trainer.compute_loss = compute_loss
 
