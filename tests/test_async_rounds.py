@@ -171,17 +171,18 @@ def test_kill9_mid_round_then_resume_equals_uninterrupted(cache_dir, tmp_path):
     ("raise@2", "the sampler process failed on round 2: RuntimeError: injected sampler fault at round 2"),
     ("hang@2", "the sampler process gave no round 2 within sampler.timeout_s=3s"),
 ])
-def test_a_failing_sampler_process_is_one_runfailed_line_never_a_hang(cache_dir, monkeypatch, fault, needle):
+def test_a_failing_sampler_process_is_one_runfailed_line_never_a_hang(cache_dir, monkeypatch, fault_env, fault, needle):
     """The real child (the world's model): round 1 comes back; round 2 dies, raises or hangs."""
     from humanline_cli.errors import RunFailed
-    from humanline_cli.sampling.rounds_worker import FAULT_ENV, ChildSpec, SamplerProcess, snapshot
+    from humanline_cli.sampling.rounds_worker import ChildSpec, SamplerProcess, snapshot
     from humanline_cli.sampling.sampler import SamplingParams
     from humanline_cli.train.build import model_paths, prepare_world
 
     spec = _validate(*TINY_WORLD, "task=preference")
     prepare_world(spec, progress=False)
     model_path, tok_path = model_paths(spec)
-    monkeypatch.setenv(FAULT_ENV, fault)  # the spawn child inherits it
+    for key, value in fault_env(sampler=fault).items():  # the spawn child inherits them
+        monkeypatch.setenv(key, value)
     proc = SamplerProcess(ChildSpec(model_path, tok_path, False, "fp32", 1, 8), timeout_s=3.0)
     try:
         import torch
