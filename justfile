@@ -54,15 +54,16 @@ memory-check *ARGS:
 gpu-check *ARGS:
     {{py}} -m humanline_cli.bench.gpu_check {{ARGS}}
 
-# the cost model's check on this machine (docs/performance.md): constants, then the 4-run sweep, then the
-# prediction beside the measurement; niced, one job at a time, the load recorded before and after
+# the cost model's check on this machine (docs/performance.md): constants, the 12-run sweep, constants again,
+# then the prediction from each beside the measurement; niced, one job at a time, the load recorded before and after
 speed-check *ARGS:
     mkdir -p runs/experiments/laptop_speed_check
     cat /proc/loadavg > runs/experiments/laptop_speed_check/loadavg.txt
     nice -n 10 {{venv}}/bin/humanline bench constants=true experiment=laptop_speed_check out=runs/experiments/laptop_speed_check/constants.json {{ARGS}}
     nice -n 10 {{venv}}/bin/humanline train -m experiment=laptop_speed_check {{ARGS}}
+    nice -n 10 {{venv}}/bin/humanline bench constants=true experiment=laptop_speed_check out=runs/experiments/laptop_speed_check/constants_after.json {{ARGS}}
     cat /proc/loadavg >> runs/experiments/laptop_speed_check/loadavg.txt
-    {{venv}}/bin/humanline report runs/experiments/laptop_speed_check --target runs/experiments/laptop_speed_check/constants.json --target h100 --target h200
+    {{venv}}/bin/humanline report runs/experiments/laptop_speed_check --target runs/experiments/laptop_speed_check/constants.json --target runs/experiments/laptop_speed_check/constants_after.json --target h100 --target h200x8
 
 lint:
     {{venv}}/bin/ruff check humanline_cli tests

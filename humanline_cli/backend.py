@@ -109,7 +109,42 @@ def init_distributed(device: str, timeout_s: float | None = None) -> Dist:
     timeout_s = float(timeout_s or DEFAULT_TIMEOUT_S)
     if not tdist.is_initialized():
         tdist.init_process_group(backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    _make_wait_group(tdist, timeout_s)
     return Dist(rank, world, local, timeout_s)
+
+
+# Work that rank 0 alone does while the others wait (building the bundled world, judging an evaluation
+# through an API, writing and hashing a checkpoint, saving the model) takes far longer than any training
+# collective: at 8B a checkpoint is ~112 GB and an API judge ~1,600 requests. The other ranks wait for it
+# in a barrier of a separate gloo group whose timeout is this long, never in a collective of the training
+# group, whose timeout (backend.timeout_s) is meant to catch a frozen rank within minutes (NCCL's watchdog
+# ends the job when an enqueued collective overruns it). A rank 0 that dies is still noticed at once: its
+# gloo connections close and the barrier raises; the launcher then ends the job with its cause.
+RANK0_WAIT_S = 24 * 3600.0
+_wait_group: list = [None, None]  # [the default group it was made for, the gloo group]: one per process group
+
+
+def _make_wait_group(tdist, timeout_s: float) -> None:
+    """A collective itself: every rank calls it at the same point (init_distributed)."""
+    from datetime import timedelta
+
+    world = tdist.group.WORLD
+    if _wait_group[0] is not world:
+        _wait_group[:] = [world, tdist.new_group(backend="gloo", timeout=timedelta(seconds=max(RANK0_WAIT_S,
+                                                                                                timeout_s)))]
+
+
+def wait_for_rank0() -> None:
+    """Rank 0 calls it when its rank-0-only work is done, every other rank to wait for that (no-op in one
+    process). Put it right before the collective that hands rank 0's result out, so that collective itself
+    never waits long."""
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+        return
+    # a process group made without init_distributed has no wait group (making one here could itself time out
+    # in new_group's rendezvous while rank 0 is busy): the default group's barrier, under its own timeout
+    tdist.barrier(group=_wait_group[1] if _wait_group[0] is tdist.group.WORLD else None)
 
 
 def all_agree(flag: bool, dist: Dist) -> bool:

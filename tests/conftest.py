@@ -31,6 +31,24 @@ def cache_dir(tmp_path_factory) -> Path:
     return path
 
 
+# model=smollm2 is converted once per MACHINE (minutes), into the cache a user's runs use, not the session's temporary
+# one: read before any fixture points HUMANLINE_CACHE elsewhere
+MODEL_CACHE = Path(os.environ.get("HUMANLINE_CACHE") or Path.home() / ".cache" / "humanline")
+# the smollm2 tests' runs: few steps, short sequences, the converted model from MODEL_CACHE
+SMOLLM2 = ["model=smollm2", "task=chat_arithmetic", f"world_cache={MODEL_CACHE}", "threads=2", "train.log_every=1",
+           "train.max_length=96", "train.max_prompt_length=48", "eval.n_prompts=4", "eval.max_new_tokens=8",
+           "eval.batch_size=4", "data.max_new_tokens=8", "train.lr=1e-5"]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The converted SmolLM2-135M-Instruct folder (converted here first if this machine has none; a lock makes a
+    second test worker wait for the first one's conversion)."""
+    from humanline_cli.world.packaged import materialise
+
+    return materialise("smollm2", MODEL_CACHE)
+
+
 def run_cli(args: list[str], cwd: Path, env_extra: dict | None = None, timeout: int = 600):
     """Run the real `humanline` entry point in a subprocess; returns CompletedProcess."""
     env = {**os.environ, **(env_extra or {})}

@@ -111,7 +111,7 @@ def test_an_empty_share_is_submitted_and_a_whole_round_restores_each_ranks_share
     rank 0 the prompt's completions and rank 1 none (the same slicing for 3 prompts: 2 and 1)."""
     from types import SimpleNamespace
 
-    from humanline_cli.sampling.sampler import Completions, SamplingParams
+    from humanline_cli.core.interfaces import Completions, SamplingParams
     from humanline_cli.sources.online import OnlineSource, RoundSpec
     from humanline_cli.sources.source import Shard
 

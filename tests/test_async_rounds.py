@@ -21,10 +21,10 @@ ASYNC = ["objective=dpo", *ONLINE, "data.async_lag=1"]
 def _validate(*overrides):
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
 
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        return validate(compose("train", overrides=["task=arithmetic", "data=online", *overrides]))
+        return resolve(compose("train", overrides=["task=arithmetic", "data=online", *overrides]))
 
 
 @pytest.mark.parametrize("overrides,needle", [
@@ -86,9 +86,9 @@ def test_lag1_process_equals_inline_and_samples_one_round_old_weights(cache_dir,
     # independently: round 3 resampled here from the checkpointed weights of its policy version
     import torch
 
+    from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.models import load_policy, load_tokenizer
     from humanline_cli.sampling.hf import HFSampler
-    from humanline_cli.sampling.sampler import SamplingParams
     from humanline_cli.train.build import make_encoder, model_paths
 
     spec = _validate(*TINY_WORLD, "task=preference", *ASYNC)
@@ -173,9 +173,9 @@ def test_kill9_mid_round_then_resume_equals_uninterrupted(cache_dir, tmp_path):
 ])
 def test_a_failing_sampler_process_is_one_runfailed_line_never_a_hang(cache_dir, monkeypatch, fault_env, fault, needle):
     """The real child (the world's model): round 1 comes back; round 2 dies, raises or hangs."""
+    from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.errors import RunFailed
     from humanline_cli.sampling.rounds_worker import ChildSpec, SamplerProcess, snapshot
-    from humanline_cli.sampling.sampler import SamplingParams
     from humanline_cli.train.build import model_paths, prepare_world
 
     spec = _validate(*TINY_WORLD, "task=preference")

@@ -50,9 +50,9 @@ def test_lag1_vllm_process_equals_inline_and_rounds_come_from_their_snapshots(ca
     # weights (loaded at start, no push involved), and round 2 from the starting weights pushed into it
     import torch
 
+    from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.models import load_policy, load_tokenizer
     from humanline_cli.sampling import vllm as vllm_mod
-    from humanline_cli.sampling.sampler import SamplingParams
     from humanline_cli.train.build import make_encoder, model_paths, vllm_options
 
     spec = _validate_async_vllm()
@@ -91,10 +91,10 @@ def test_lag1_vllm_process_equals_inline_and_rounds_come_from_their_snapshots(ca
 def _validate_async_vllm():
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
 
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        return validate(compose("train", overrides=[*BASE, *ASYNC_VLLM]))
+        return resolve(compose("train", overrides=[*BASE, *ASYNC_VLLM]))
 
 
 def test_a_failing_vllm_sampler_process_is_one_line_and_exit_2(cache_dir, tmp_path, fault_env):

@@ -25,11 +25,11 @@ from humanline_cli.backend import make_backend
 from humanline_cli.config import TrainSpec
 from humanline_cli.core.batches import PairBatch
 from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule
+from humanline_cli.core.interfaces import SamplingParams
 from humanline_cli.core.reference import CachedReference, FrozenCopy
 from humanline_cli.data.collate import make_seqs
 from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample
 from humanline_cli.eval.evaluator import Side
-from humanline_cli.sampling.sampler import SamplingParams
 from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.online import OnlineSource, RoundSpec, TokenCompletion
 from humanline_cli.train import checkpoint as C

@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from humanline_cli.cli.overrides import normalize_overrides
-from humanline_cli.config import compose_error, validate
+from humanline_cli.config import compose_error, resolve
 from humanline_cli.errors import UserError
 
 GROUPS = sorted(p.name for p in files("conf").iterdir() if p.is_dir() and not p.name.startswith("_"))
@@ -36,7 +36,7 @@ def test_every_config_file_composes_and_validates(group, option):
              ("task", "custom"): ["data.path=pairs.jsonl", "task.prompts.eval=eval.jsonl"]}.get((group, option), [])
     cfg = _compose([f"{group}={option}", *extra])
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
-    spec = validate(cfg)
+    spec = resolve(cfg)
     if group not in ("data", "task", "reward", "judge", "regime"):  # regime: a _global_ package
         assert cfg[group].name == option
     if group == "objective":
@@ -47,7 +47,7 @@ def test_every_config_file_composes_and_validates(group, option):
 
 def test_defaults_are_the_documented_ones():
     cfg = _compose([])
-    spec = validate(cfg)
+    spec = resolve(cfg)
     assert (spec.objective, spec.regime, spec.task, spec.model) == ("dpo", "offline", "arithmetic", "tiny")
     assert cfg.backend.name == "auto" and cfg.sampler.name == "hf"
     assert not spec.humanline_on and not spec.humanline.clamp and not spec.humanline.sync
@@ -55,21 +55,21 @@ def test_defaults_are_the_documented_ones():
 
 
 def test_humanline_switch_and_ablations():
-    on = validate(_compose(["+humanline=true"])).humanline
+    on = resolve(_compose(["+humanline=true"])).humanline
     assert on.clamp and on.sync and (on.log_eps_P, on.log_eps_R, on.sync_every) == (-1.0, 1.5, 1)
-    sync_only = validate(_compose(["+humanline=true", "hl.clamp=false"])).humanline
+    sync_only = resolve(_compose(["+humanline=true", "hl.clamp=false"])).humanline
     assert sync_only.sync and not sync_only.clamp
-    clamp_only = validate(_compose(["+humanline=true", "hl.sync=false", "hl.sync_every=5"])).humanline
+    clamp_only = resolve(_compose(["+humanline=true", "hl.sync=false", "hl.sync_every=5"])).humanline
     assert clamp_only.clamp and not clamp_only.sync
-    k = validate(_compose(["+humanline=true", "hl.sync_every=4", "hl.log_eps_P=-0.5"])).humanline
+    k = resolve(_compose(["+humanline=true", "hl.sync_every=4", "hl.log_eps_P=-0.5"])).humanline
     assert k.sync_every == 4 and k.log_eps_P == -0.5
     # hl knobs without +humanline=true do nothing: humanline stays off
-    off = validate(_compose(["hl.clamp=true"])).humanline
+    off = resolve(_compose(["hl.clamp=true"])).humanline
     assert not (off.clamp or off.sync)
 
 
 def test_batch_size_follows_objective_and_accumulation():
-    spec = validate(_compose(["objective=kto", "train.micro_batch_size=16"]))
+    spec = resolve(_compose(["objective=kto", "train.micro_batch_size=16"]))
     assert spec.train.batch_size == 64 and spec.train.accumulation == 4
 
 
@@ -94,6 +94,6 @@ BAD = [
 @pytest.mark.parametrize("overrides,needle", BAD, ids=[" ".join(o) for o, _ in BAD])
 def test_bad_config_is_rejected_with_the_key_named(overrides, needle):
     with pytest.raises(UserError) as e:
-        validate(_compose(overrides))
+        resolve(_compose(overrides))
     assert needle in str(e.value)
     assert "\n" not in str(e.value)

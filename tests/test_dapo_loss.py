@@ -7,12 +7,12 @@ import pytest
 from hydra import compose, initialize_config_module
 from test_online import _Obj, length_score
 
-from humanline_cli.config import validate
+from humanline_cli.config import resolve
+from humanline_cli.core.interfaces import Completions, SamplingParams
 from humanline_cli.core.logprobs import completion_mask
 from humanline_cli.core.objectives import micro_batch_weights
 from humanline_cli.data.collate import Collator, Encoder
 from humanline_cli.errors import UserError
-from humanline_cli.sampling.sampler import Completions, SamplingParams
 from humanline_cli.sources.online import OnlineSource, RoundSpec
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.world.tokenizer import build_tokenizer
@@ -97,9 +97,9 @@ def _compose(overrides):
 
 
 def test_dapo_is_for_online_grpo_and_paper_math_uses_the_authors_dapo():
-    assert validate(_compose(["experiment=paper_math"])).objective_cfg.aggregation == "dapo_micro"  # the authors'
-    spec = validate(_compose(["task=arithmetic", "objective=grpo", "data=online", "objective.aggregation=dapo"]))
+    assert resolve(_compose(["experiment=paper_math"])).objective_cfg.aggregation == "dapo_micro"  # the authors'
+    spec = resolve(_compose(["task=arithmetic", "objective=grpo", "data=online", "objective.aggregation=dapo"]))
     assert spec.objective_cfg.aggregation == "dapo"
-    assert validate(_compose(["task=arithmetic", "objective=grpo"])).objective_cfg.aggregation == "token_mean"
+    assert resolve(_compose(["task=arithmetic", "objective=grpo"])).objective_cfg.aggregation == "token_mean"
     with pytest.raises(UserError, match="aggregation=dapo needs data=online"):
-        validate(_compose(["task=arithmetic", "objective=grpo", "objective.aggregation=dapo"]))
+        resolve(_compose(["task=arithmetic", "objective=grpo", "objective.aggregation=dapo"]))

@@ -4,8 +4,8 @@
   restating the schema's default is a second declaration that silently wins when the schema changes.
 - The bundled world's knobs are typed in the schema (None = the world kind's default) and valued in one
   place, humanline_cli/world/defaults.py: the task files name the kind only.
-- The frozen specs derived from the config (TrainSpec, RunSpec, HumanlineSpec, LLMJudgeSpec) take their
-  defaults from the schema classes, never from a literal of their own.
+- The specs derived from the config (TrainSpec, RunSpec, HumanlineSpec, LLMJudgeSpec, AlpacaEvalSpec) take their
+  defaults from the schema classes (TrainSpec and the judge specs extend them), never from a literal of their own.
 """
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from hydra import compose, initialize_config_module
 from omegaconf import MISSING
 
 from humanline_cli import schema as S
-from humanline_cli.config import validate
-from humanline_cli.world.defaults import DEFAULTS, resolve
+from humanline_cli.config import resolve
+from humanline_cli.world.defaults import DEFAULTS
+from humanline_cli.world.defaults import resolve as resolve_world
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "humanline_cli"
@@ -78,8 +79,8 @@ def test_world_knobs_live_in_the_world_defaults_only(kind):
     """The task file names the kind; the composed world resolves to exactly the kind's defaults."""
     assert yaml.safe_load((ROOT / "conf" / "task" / f"{kind}.yaml").read_text())["world"] == {"kind": kind}
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        spec = validate(compose("train", overrides=[f"task={kind}"]))
-    assert resolve(spec.task_cfg.world) == resolve({"kind": kind}) == DEFAULTS[kind]
+        spec = resolve(compose("train", overrides=[f"task={kind}"]))
+    assert resolve_world(spec.task_cfg.world) == resolve_world({"kind": kind}) == DEFAULTS[kind]
 
     def leaves(node, path=""):
         return [p for k, v in node.items() for p in
@@ -92,7 +93,7 @@ def test_world_knobs_are_typed_at_composition():
     from hydra.errors import HydraException
 
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        spec = validate(compose("train", overrides=["task.world.sft.steps=40"]))
+        spec = resolve(compose("train", overrides=["task.world.sft.steps=40"]))
         assert spec.task_cfg.world["sft"] == {"steps": 40}
         with pytest.raises(HydraException):
             compose("train", overrides=["task.world.sft.stepz=40"])   # a typo is an unknown key

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_module
 
-from humanline_cli.config import validate
+from humanline_cli.config import resolve
 from humanline_cli.errors import UserError
 
 
 def _spec(overrides):
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        return validate(compose("train", overrides=overrides))
+        return resolve(compose("train", overrides=overrides))
 
 
 @pytest.mark.parametrize("regime", ["offline", "online"])

@@ -11,7 +11,7 @@ from conftest import FAST, TINY_WORLD, run_cli
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from humanline_cli.config import validate
+from humanline_cli.config import resolve
 
 EXPERIMENTS = sorted(p.name[:-5] for p in files("conf").joinpath("experiment").iterdir() if p.name.endswith(".yaml"))
 
@@ -42,7 +42,7 @@ def test_every_sweep_point_composes_and_validates(name):
     for point in points:
         c = _compose([f"experiment={name}", *point])
         OmegaConf.to_container(c, resolve=True)
-        spec = validate(c)
+        spec = resolve(c)
         seen.add((spec.objective, spec.regime, spec.humanline_on))
     # the paper grid: 3 objectives x {offline, online} x humanline on/off; the regime study compares
     # humanline-offline regimes with offline and online baselines (no humanline-online)
@@ -56,11 +56,15 @@ def test_every_sweep_point_composes_and_validates(name):
         assert len(points) == cfg.regime_study_size == 3 * 4 * 2 * 3
         assert {p[1] for p in points} == {f"data.async_lag={k}" for k in (0, 1, 2, 4)}
         assert cfg.hydra.launcher.n_jobs == 1  # a job is already two processes: timing needs the cores
+    if name == "laptop_speed_check":  # the cost model's check: GRPO online, stale-16/64, async lag 1, 3 seeds
+        grid = {("grpo", "online", False)}
+        assert len(points) == cfg.regime_study_size == 4 * 3 and cfg.hydra.launcher.n_jobs == 1
+        assert [p[1] for p in points[:4]] == [f"regime={r}" for r in ("online", "stale16", "stale64", "async1")]
     assert seen == grid
 
 
 def test_paper_studies_use_the_paper_settings():
-    c = validate(_compose(["experiment=paper_instruction_following", "objective=kto", "humanline=true"]))
+    c = resolve(_compose(["experiment=paper_instruction_following", "objective=kto", "humanline=true"]))
     assert c.train.lr == 5e-6 and c.train.batch_size == 64 and c.train.warmup_ratio == 0.1
     assert c.humanline.clamp and c.humanline.sync and c.humanline.log_eps_P == -1.0 and c.humanline.log_eps_R == 1.5
     cfg = _compose(["experiment=paper_instruction_following", "data=online"])
@@ -69,7 +73,7 @@ def test_paper_studies_use_the_paper_settings():
     assert (cfg.data.n, cfg.data.temperature, cfg.data.top_p, cfg.data.min_gap) == (8, 0.7, 0.95, 0.01)
     assert cfg.sampler.name == "vllm" and cfg.backend.name == "cuda"
     m = _compose(["experiment=paper_math_pairs"])
-    assert m.task.judge.kind == "verifier" and validate(m).data_cfg.columns["instruction"] == "prompt"
+    assert m.task.judge.kind == "verifier" and resolve(m).data_cfg.columns["instruction"] == "prompt"
 
 
 @pytest.mark.parametrize("launcher,target", [("local", "JoblibLauncher"), ("slurm", "SlurmLauncher")])

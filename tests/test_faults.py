@@ -537,11 +537,11 @@ def test_skipped_steps_within_the_allowance_are_counted_not_fatal(tmp_path):
 def test_config_rules_name_the_real_rule(overrides, message):
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
     from humanline_cli.errors import UserError
 
     with initialize_config_module(config_module="conf", version_base="1.3"), pytest.raises(UserError) as e:
-        validate(compose("train", overrides=overrides))
+        resolve(compose("train", overrides=overrides))
     assert str(e.value) == message
 
 
@@ -566,7 +566,7 @@ def test_long_path_component_and_unquoted_unicode_are_one_line(tmp_path):
 def test_out_of_memory_is_one_line_and_failed_json(tmp_path, monkeypatch, error):
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
     from humanline_cli.errors import RunFailed
     from humanline_cli.train import job as J
 
@@ -577,7 +577,7 @@ def test_out_of_memory_is_one_line_and_failed_json(tmp_path, monkeypatch, error)
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose("train", overrides=["wandb.mode=disabled"])
     with pytest.raises(RunFailed) as e:
-        J.run_rank(validate(cfg), J.Context(tmp_path / "run", tmp_path))
+        J.run_rank(resolve(cfg), J.Context(tmp_path / "run", tmp_path))
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"out of memory ({type(error).__name__}") and msg.endswith(
         "lower train.micro_batch_size, or turn on train.gradient_checkpointing or LoRA, or use more ranks")

@@ -11,8 +11,8 @@ import torch
 import torch.multiprocessing as mp
 from test_vllm_sampler import PROMPTS, build_model, build_tokenizer
 
+from humanline_cli.core.interfaces import SamplingParams
 from humanline_cli.sampling.hf import HFSampler, _draw
-from humanline_cli.sampling.sampler import SamplingParams
 
 MAX_NEW = 10
 

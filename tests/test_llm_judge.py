@@ -20,6 +20,7 @@ from humanline_cli.rewards.llm_judge import (
     LLMJudgeSpec,
     cache_key,
     estimate_cost_usd,
+    judge_server,
     load_template,
     render,
     retry_delay,
@@ -139,16 +140,22 @@ def test_custom_template_is_read_and_checked(tmp_path):
 
 
 def test_cache_key_stable_and_sensitive():
-    base = ("gpt-4.1", "t" * 64, "prompt", "first reply", "second reply")
+    server = "https://api.openai.com/v1"
+    base = (server, "gpt-4.1", "t" * 64, "prompt", "first reply", "second reply")
     k = cache_key(*base)
     assert k == cache_key(*base) and re.fullmatch(r"[0-9a-f]{64}", k)
-    assert cache_key("gpt-4.1-mini", *base[1:]) != k  # judge model
-    assert cache_key(base[0], "u" * 64, *base[2:]) != k  # template hash
-    assert cache_key(*base[:3], base[4], base[3]) != k  # order shown
-    assert cache_key(base[0], base[1], "prompt!", *base[3:]) != k
+    assert cache_key("http://127.0.0.1:8000/v1", *base[1:]) != k  # the server
+    assert cache_key(server, "gpt-4.1-mini", *base[2:]) != k  # judge model
+    assert cache_key(server, base[1], "u" * 64, *base[3:]) != k  # template hash
+    assert cache_key(*base[:4], base[5], base[4]) != k  # order shown
+    assert cache_key(*base[:3], "prompt!", *base[4:]) != k
     assert cache_key(*base, max_tokens=17) != k and cache_key(*base, temperature=0.7) != k
     # field boundaries are unambiguous (json list, not concatenation)
-    assert cache_key("m", "t", "ab", "c", "d") != cache_key("m", "t", "a", "bc", "d")
+    assert cache_key(server, "m", "t", "ab", "c", "d") != cache_key(server, "m", "t", "a", "bc", "d")
+    # one server however its URL is spelled; another path or port is another server
+    assert judge_server("HTTP://LocalHost:8000/v1/") == judge_server("http://localhost:8000/v1") == \
+        "http://localhost:8000/v1"
+    assert judge_server("http://localhost:8001/v1") != judge_server("http://localhost:8000/v1")
 
 
 def test_retry_delay_honours_retry_after_else_backs_off_with_jitter():
@@ -251,7 +258,9 @@ def test_second_compare_is_served_from_cache(tmp_path):
         files = sorted((tmp_path / "cache").rglob("*.json"))
         assert len(files) == 4 and not list((tmp_path / "cache").rglob("*.tmp"))
         entry = json.loads(files[0].read_text())
-        assert set(entry) == {"v", "model", "template_sha", "raw", "prompt_tokens", "completion_tokens", "retries"}
+        assert set(entry) == {"v", "server", "model", "template_sha", "raw", "prompt_tokens", "completion_tokens",
+                              "retries"}
+        assert entry["server"] == stub.url and entry["v"] == 2
         # a different judge model (or template) misses the cache
         with LLMJudge(spec_for(stub.url, tmp_path, model="other-judge")) as judge:
             other = judge.compare(*args)
@@ -260,6 +269,23 @@ def test_second_compare_is_served_from_cache(tmp_path):
     with Stub(content_judge) as stub, LLMJudge(spec_for(stub.url)) as judge:
         dup = judge.compare(["p", "p"], ["GOOD", "GOOD"], ["z", "z"])
     assert len(stub.requests) == 2 and dup.n_calls == 2 and dup.n_cache_hits == 2 and dup.outcomes == [1.0, 1.0]
+
+
+def test_another_server_misses_the_cache(tmp_path):
+    """The server is part of the judge's identity: cached verdicts answer only for the server that gave them."""
+    args = (["p0", "p1"], ["GOOD", "x"], ["y", "GOOD"])
+    with Stub(content_judge) as stub:
+        with LLMJudge(spec_for(stub.url, tmp_path)) as judge:
+            assert judge.compare(*args).n_calls == 4
+        with LLMJudge(spec_for(stub.url + "/", tmp_path)) as judge:  # the same server, spelled with a slash
+            assert judge.compare(*args).n_cache_hits == 4 and len(stub.requests) == 4
+        with Stub(content_judge) as other, LLMJudge(spec_for(other.url, tmp_path)) as judge:
+            res = judge.compare(*args)  # same model name, template and settings on another server: asked again
+        assert res.n_calls == 4 and res.n_cache_hits == 0 and len(other.requests) == 4
+    url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there: no verdict from another server's cache
+    with LLMJudge(spec_for(url, tmp_path, max_retries=0)) as judge, pytest.raises(UserError) as e:
+        judge.compare(*args)
+    assert str(e.value).startswith(f"LLM judge: cannot get an answer from {url} after 1 tries (connection failed")
 
 
 def test_retries_429_and_503_then_succeeds(tmp_path):

@@ -85,10 +85,10 @@ def p_four(temperature: float) -> float:
 def _spec(rig, *extra):
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
 
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        return validate(compose("train", overrides=[
+        return resolve(compose("train", overrides=[
             "task=custom", f"model.name_or_path={rig['model']}", "data.path=unused.jsonl", "judge=none",
             f"eval.math500.prompts={rig['problems']}", "eval.math500.n_samples=8", "eval.max_new_tokens=4",
             "train.max_length=64", "train.max_prompt_length=32", "chat_template=false", *extra]))
@@ -229,10 +229,10 @@ def test_paper_math_evaluates_math500():
     """experiment=paper_math: MATH-500 from the hub (never downloaded here), greedy and 4 samples at T 0.7."""
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
 
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        m = validate(compose("train", overrides=["experiment=paper_math"])).eval_cfg.math500
+        m = resolve(compose("train", overrides=["experiment=paper_math"])).eval_cfg.math500
     assert (m.prompts, m.split, m.problem_column, m.answer_column) == ("HuggingFaceH4/MATH-500", "test", "problem",
                                                                        "answer")
     assert m.greedy and m.n_samples == 4 and m.temperature == 0.7

@@ -7,7 +7,7 @@ import string
 import pytest
 from hydra import compose, initialize_config_module
 
-from humanline_cli.config import validate
+from humanline_cli.config import resolve
 from humanline_cli.data.collate import Encoder
 from humanline_cli.errors import UserError
 from humanline_cli.rewards.scorers import checked, make_scorer
@@ -85,7 +85,7 @@ def _compose(overrides):
 
 
 def test_paper_math_uses_the_recipes_prompt_and_rewards():
-    spec = validate(_compose(["experiment=paper_math"]))
+    spec = resolve(_compose(["experiment=paper_math"]))
     t = spec.task_cfg
     assert t.system_prompt == (
         "You are a helpful AI Assistant that provides well-reasoned and detailed responses. You first think about "
@@ -94,10 +94,10 @@ def test_paper_math_uses_the_recipes_prompt_and_rewards():
     assert (t.labeller.kind, t.labeller.method, t.labeller.weights) == (
         "verifier", "math_latex", {"accuracy": 8.0, "format": 1.0, "tag_count": 1.0})
     assert t.judge.weights is None  # evaluation scores accuracy alone
-    assert validate(_compose(["task=math"])).task_cfg.system_prompt is None
+    assert resolve(_compose(["task=math"])).task_cfg.system_prompt is None
     with pytest.raises(UserError, match="task.labeller.weights' must map some of accuracy, format, tag_count"):
-        validate(_compose(["experiment=paper_math", "+task.labeller.weights.length=1.0"]))
+        resolve(_compose(["experiment=paper_math", "+task.labeller.weights.length=1.0"]))
     with pytest.raises(UserError, match="task.labeller.weights' needs task.labeller.kind=verifier"):
-        validate(_compose(["experiment=paper_math", "task.labeller.kind=model", "task.labeller.name_or_path=x"]))
+        resolve(_compose(["experiment=paper_math", "task.labeller.kind=model", "task.labeller.name_or_path=x"]))
     with pytest.raises(UserError, match="task.system_prompt needs the chat template"):
-        validate(_compose(["experiment=paper_math", "chat_template=false"]))
+        resolve(_compose(["experiment=paper_math", "chat_template=false"]))

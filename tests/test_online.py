@@ -9,9 +9,9 @@ import torch
 from conftest import FAST, TINY_WORLD, run_cli
 
 from humanline_cli.core.batches import BinaryBatch, GroupBatch, PairBatch
+from humanline_cli.core.interfaces import Completions, SamplingParams
 from humanline_cli.data.collate import Collator, Encoder
 from humanline_cli.errors import RunFailed
-from humanline_cli.sampling.sampler import Completions, SamplingParams
 from humanline_cli.sources.online import OnlineSource, RoundSpec
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.world.tokenizer import build_tokenizer
@@ -170,7 +170,7 @@ def test_a_failed_vllm_run_releases_its_engine_before_the_next_run(cache_dir, tm
 
     import humanline_cli.train.job as job
     from humanline_cli.cli.overrides import normalize_overrides
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
     from humanline_cli.sampling.vllm import VLLMSampler
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -179,7 +179,7 @@ def test_a_failed_vllm_run_releases_its_engine_before_the_next_run(cache_dir, tm
     monkeypatch.setattr(VLLMSampler, "close", lambda self: (closed.append("llm" in self.__dict__), real_close(self)))
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose("train", overrides=normalize_overrides(["objective=dpo", *ONLINE, "sampler=vllm", SKIPS_OK]))
-    spec = validate(cfg)
+    spec = resolve(cfg)
     real_train = job.train
 
     def failing_train(*a, **k):

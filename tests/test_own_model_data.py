@@ -98,10 +98,10 @@ SPELLINGS = [  # (override, data.columns, task.prompts.columns) after composing 
 def test_every_column_rename_spelling_composes(override, data_columns, prompt_columns):
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
 
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        spec = validate(compose("train", overrides=["task=custom", "data.path=x.jsonl", "task.prompts.eval=y.jsonl",
+        spec = resolve(compose("train", overrides=["task=custom", "data.path=x.jsonl", "task.prompts.eval=y.jsonl",
                                                     override]))
     assert spec.data_cfg.columns == data_columns and spec.task_cfg.prompts.columns == prompt_columns
 
@@ -109,18 +109,18 @@ def test_every_column_rename_spelling_composes(override, data_columns, prompt_co
 def test_the_data_renames_stack_on_the_tasks_own():
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
 
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        spec = validate(compose("train", overrides=["task=custom", "data.path=x.jsonl", "task.prompts.eval=y.jsonl",
+        spec = resolve(compose("train", overrides=["task=custom", "data.path=x.jsonl", "task.prompts.eval=y.jsonl",
                                                     "task.offline.columns={a: prompt, b: chosen}",
                                                     "data.columns={b: rejected, c: chosen}"]))
-        math = validate(compose("train", overrides=["task=math", "model.name_or_path=m"]))
+        math = resolve(compose("train", overrides=["task=math", "model.name_or_path=m"]))
     assert spec.data_cfg.columns == {"a": "prompt", "b": "rejected", "c": "chosen"}  # data.columns wins per key
     assert math.data_cfg.columns["instruction"] == "prompt"                        # the task's own still apply
     assert math.task_cfg.prompts.columns == {"problem": "prompt", "solution": "answer"}
     with initialize_config_module(config_module="conf", version_base="1.3"):  # null: no renames at all
-        plain = validate(compose("train", overrides=["task=math", "model.name_or_path=m", "data.columns=null"]))
+        plain = resolve(compose("train", overrides=["task=math", "model.name_or_path=m", "data.columns=null"]))
     assert plain.data_cfg.columns is None
 
 
@@ -172,7 +172,7 @@ def test_lengths_past_the_models_positions_stop_in_one_line(world, short_model, 
 def test_the_vllm_engines_length_is_checked_against_the_model_too(world, short_model):
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
     from humanline_cli.errors import UserError
     from humanline_cli.train.lengths import check_model_lengths, model_positions
 
@@ -181,8 +181,8 @@ def test_the_vllm_engines_length_is_checked_against_the_model_too(world, short_m
             "task.labeller.kind=verifier", "sampler=vllm", "train.max_length=256", "train.max_prompt_length=128",
             "data.max_new_tokens=64"]
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        fits = validate(compose("train", overrides=base))             # max_model_len = train.max_length = 256
-        too_long = validate(compose("train", overrides=[*base, "sampler.max_model_len=1024"]))
+        fits = resolve(compose("train", overrides=base))             # max_model_len = train.max_length = 256
+        too_long = resolve(compose("train", overrides=[*base, "sampler.max_model_len=1024"]))
     check_model_lengths(fits, str(short_model))
     with pytest.raises(UserError) as e:
         check_model_lengths(too_long, str(short_model))
@@ -203,11 +203,11 @@ def test_the_vllm_engines_length_is_checked_against_the_model_too(world, short_m
 def test_lengths_against_each_other_and_eval_prompts_for_every_judge(overrides, message):
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
     from humanline_cli.errors import UserError
 
     with initialize_config_module(config_module="conf", version_base="1.3"), pytest.raises(UserError) as e:
-        validate(compose("train", overrides=["task=custom", "data.path=x.jsonl", "model.name_or_path=m",
+        resolve(compose("train", overrides=["task=custom", "data.path=x.jsonl", "model.name_or_path=m",
                                              *overrides]))
     assert str(e.value).startswith(message), str(e.value)
 

@@ -345,7 +345,7 @@ def test_a_real_run_with_packing_logs_the_same_losses(cache_dir, tmp_path):
     from hydra import compose, initialize_config_module
 
     from humanline_cli.cli.overrides import normalize_overrides
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
     from humanline_cli.train.job import Context, run_rank
 
     for objective in ("dpo", "kto", "grpo"):
@@ -357,7 +357,7 @@ def test_a_real_run_with_packing_logs_the_same_losses(cache_dir, tmp_path):
             with initialize_config_module(config_module="conf", version_base="1.3"):
                 cfg = compose("train", overrides=normalize_overrides(overrides))
             run_dir = tmp_path / f"{objective}-packing-{packing}"
-            assert run_rank(validate(cfg), Context(run_dir, tmp_path))["status"] == "complete"
+            assert run_rank(resolve(cfg), Context(run_dir, tmp_path))["status"] == "complete"
             rows[packing] = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows[True]] == [r["step"] for r in rows[False]] == [1, 2, 3]
         assert_same_rows(rows[False], rows[True], what=objective)  # float64: relative 1e-9 (numerics.py)

@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from humanline_cli.cli.overrides import normalize_overrides
-from humanline_cli.config import validate
+from humanline_cli.config import resolve
 from humanline_cli.schema import GROUP_SCHEMAS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +116,7 @@ def _validate_all(cmd: str) -> int:
                 key, value = a.split("=", 1)
                 if key not in GROUPS:
                     OmegaConf.update(cfg, key, yaml.safe_load(value))
-            spec = validate(cfg)
+            spec = resolve(cfg)
             assert spec.backend_cfg.device.value == "cuda", point
             for a in point[len(point) - swept:]:
                 key, value = a.split("=", 1)
@@ -151,5 +151,5 @@ def test_sampler_hf_composes_with_every_experiment(name):
     for regime in ("online",) if name == "paper_math" else ("offline", "online"):
         with initialize_config_module(config_module="conf", version_base="1.3"):
             cfg = compose("train", overrides=[f"experiment={name}", "sampler=hf", f"data={regime}"])
-        spec = validate(cfg)
+        spec = resolve(cfg)
         assert spec.sampler_cfg.name == "hf" and spec.regime == regime

@@ -76,3 +76,28 @@ def test_within():
     assert within(114.9, 100.0) and within(85.1, 100.0)
     assert not within(115.1, 100.0) and not within(84.9, 100.0)
     assert not within(1.0, 0.0)
+
+
+def test_paper_settings_counted_work():
+    """The paper's runs, counted from their composed configs: math online generates every step (1600 calls of
+    32 groups x 8), stale-64 every 64 steps (25 calls of 64 x 32 x 8 = 16,384), humanline syncs every 16 steps;
+    instruction following online samples 512 prompts x 8 per round, a round serving 512 / 32 = 16 steps."""
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.report.paper_speed import SETTINGS, counted_work
+
+    math_, instr = SETTINGS
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        on = counted_work(compose("train", overrides=math_.regimes[0][1]), math_, 1)
+        st = counted_work(compose("train", overrides=math_.regimes[1][1]), math_, 1)
+        hl = counted_work(compose("train", overrides=math_.regimes[2][1]), math_, 1)
+        io = counted_work(compose("train", overrides=instr.regimes[0][1]), instr, 1)
+        off = counted_work(compose("train", overrides=instr.regimes[2][1]), instr, 1)
+    assert len(on.calls) == 1600 and on.calls[0] == Call(256, 256 * 600, 2048) and on.syncs == 1600
+    assert len(st.calls) == 25 and st.calls[0].sequences == 16384 and st.syncs == 25
+    assert len(hl.calls) == 25 and hl.syncs == 1600 // 16
+    # the same sequences are trained either way: 1600 steps x 256 x (200 + 600) tokens
+    assert on.train_tokens == st.train_tokens == 1600 * 256 * 800
+    assert on.gradient_checkpointing and flops_per_token(on) == 10 * on.params
+    assert len(io.calls) == math.ceil(300 / 16) and io.calls[0].sequences == 512 * 8
+    assert off.calls == () and off.syncs == 300 and off.train_tokens == 300 * 32 * 2 * 700

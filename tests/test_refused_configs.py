@@ -6,13 +6,13 @@ import pytest
 from conftest import run_cli
 from hydra import compose, initialize_config_module
 
-from humanline_cli.config import validate
+from humanline_cli.config import resolve
 from humanline_cli.errors import UserError
 
 
 def _validate(overrides: list[str]):
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        return validate(compose("train", overrides=overrides))
+        return resolve(compose("train", overrides=overrides))
 
 
 def test_grpo_online_needs_two_samples_per_prompt():

@@ -77,7 +77,7 @@ def test_report_has_the_gap_closed_section(tmp_path):
 def test_laptop_regimes_composes_and_has_the_stated_size():
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
 
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose("train", overrides=["experiment=laptop_regimes"], return_hydra_config=True)
@@ -89,7 +89,7 @@ def test_laptop_regimes_composes_and_has_the_stated_size():
     assert n == cfg.regime_study_size == 117  # the file states its size, and the sweep has it
     regimes = str(params["regime"]).split(",")
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        specs = {r: validate(compose("train", overrides=["experiment=laptop_regimes", f"regime={r}"])) for r in regimes}
+        specs = {r: resolve(compose("train", overrides=["experiment=laptop_regimes", f"regime={r}"])) for r in regimes}
     assert all(s.eval_cfg.every == 40 and s.eval_cfg.greedy for s in specs.values())
     # each named regime is what its name says
     assert {r for r, s in specs.items() if s.regime == "online"} == {"online", "online_lr3e-5"}

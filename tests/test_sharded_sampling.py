@@ -135,7 +135,7 @@ def test_the_memory_check_counts_the_vllm_share(tmp_path, monkeypatch):
     from hydra import compose, initialize_config_module
     from transformers import LlamaConfig
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
     from humanline_cli.errors import UserError
     from humanline_cli.train.build import memory_estimate
 
@@ -145,7 +145,7 @@ def test_the_memory_check_counts_the_vllm_share(tmp_path, monkeypatch):
     def spec(*extra):
         with initialize_config_module(config_module="conf", version_base="1.3"):
             # fp32 on both devices: the estimate depends on the compute dtype (auto = bf16 on CUDA)
-            return validate(compose("train", overrides=["backend=cpu", "backend.precision=fp32",
+            return resolve(compose("train", overrides=["backend=cpu", "backend.precision=fp32",
                                                         f"model.name_or_path={tmp_path}", "data.prompts=x.jsonl",
                                                         *extra]))
 

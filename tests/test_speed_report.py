@@ -30,7 +30,8 @@ def _run(root, regime, seed, *, rounds, tokens_per_step, wall, evals=(), final=0
     d = root / f"{regime}_seed{seed}"
     (d / ".hydra").mkdir(parents=True)
     gen = int(regime.removeprefix("stale")) if regime.startswith("stale") else None
-    cfg = {"objective": {"name": "grpo"}, "data": {"regime": "online", "async_lag": lag, "generate_every": gen}, "seed": seed,
+    cfg = {"objective": {"name": "grpo"}, "data": {"regime": "online", "async_lag": lag, "generate_every": gen},
+           "seed": seed,
            "humanline": humanline, "hl": {"sync": True, "sync_every": 2},
            "task": {"name": "arithmetic"}, "model": {"name": "tiny"},
            "train": {"steps": len(tokens_per_step), "gradient_checkpointing": False}}
@@ -84,7 +85,7 @@ def test_predicted_beside_measured_per_regime(tmp_path):
     assert float(rows[("stale64", "loop")]["predicted_s"]) == pytest.approx(st_loop, rel=1e-9)
     assert float(rows[("stale64", "loop")]["predicted_speedup_vs_online"]) == pytest.approx(on_loop / st_loop, rel=1e-6)
     assert float(rows[("stale64", "loop")]["measured_speedup_vs_online"]) == pytest.approx(44.0 / 34.0, rel=1e-6)
-    assert "## Predicted wall-clock (cost model)" in rep.markdown and "**Target this**" in rep.markdown
+    assert "## Predicted wall-clock (cost model)" in rep.markdown and "**Target this (constants.json)**" in rep.markdown
     # cost.csv: generated tokens and the longest completion per call (mean over calls)
     with open(root / "cost.csv") as f:
         cost = {r["regime"]: r for r in csv.DictReader(f)}

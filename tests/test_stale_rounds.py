@@ -24,10 +24,10 @@ def test_round_prompts_fill_k_steps_of_units():
 def _validate(*overrides):
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
 
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        return validate(compose("train", overrides=["task=arithmetic", *overrides]))
+        return resolve(compose("train", overrides=["task=arithmetic", *overrides]))
 
 
 def test_generate_every_sets_the_round_and_offline_ignores_it():
@@ -98,7 +98,7 @@ def test_report_pairs_stale_k_with_its_humanline_runs_and_online(tmp_path):
 def test_laptop_paper_regimes_composes_and_has_the_stated_size():
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
 
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose("train", overrides=["experiment=laptop_paper_regimes"], return_hydra_config=True)
@@ -107,7 +107,7 @@ def test_laptop_paper_regimes_composes_and_has_the_stated_size():
         assert sizes == {"objective": 3, "regime": 13, "seed": 3}
         assert 3 * 13 * 3 == cfg.regime_study_size == 117
         regimes = str(params["regime"]).split(",")
-        specs = {(o, r): validate(compose("train", overrides=["experiment=laptop_paper_regimes", f"regime={r}",
+        specs = {(o, r): resolve(compose("train", overrides=["experiment=laptop_paper_regimes", f"regime={r}",
                                                                f"objective={o}"]))
                  for o in ("grpo", "kto") for r in regimes}
     grpo = {r: s for (o, r), s in specs.items() if o == "grpo"}
@@ -158,12 +158,12 @@ def test_regime_map_pairs_humanline_on_stale_rounds_with_the_stale_baseline(tmp_
 def test_paper_math_is_the_authors_recipe():
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
 
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose("train", overrides=["experiment=paper_math"], return_hydra_config=True)
         assert str(cfg.hydra.sweeper.params.regime).split(",") == ["online", "stale64", "hl_stale64_sync16_lo15"]
-        s = {r: validate(compose("train", overrides=["experiment=paper_math", f"regime={r}"]))
+        s = {r: resolve(compose("train", overrides=["experiment=paper_math", f"regime={r}"]))
              for r in ("online", "stale64", "hl_stale64_sync16_lo15")}
     on, stale, hl = s["online"], s["stale64"], s["hl_stale64_sync16_lo15"]
     assert cfg.model.name_or_path == "Qwen/Qwen2.5-1.5B-Instruct" and cfg.sampler.name == "vllm"

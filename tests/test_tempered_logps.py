@@ -11,13 +11,13 @@ from hydra import compose, initialize_config_module
 from test_hf_sampler import _tiny64
 from test_vllm_sampler import LOGP_TOL, PROMPTS, tiny  # noqa: F401 - tiny: the module fixture, reused
 
-from humanline_cli.config import validate
+from humanline_cli.config import resolve
+from humanline_cli.core.interfaces import SamplingParams
 from humanline_cli.core.logprobs import token_logps
 from humanline_cli.core.reference import FrozenCopy
 from humanline_cli.data.collate import make_seqs
 from humanline_cli.errors import UserError
 from humanline_cli.sampling.hf import HFSampler
-from humanline_cli.sampling.sampler import SamplingParams
 from humanline_cli.train.build import logps_temperature
 
 # A 3-token LM whose logits depend on the previous token only: one-hot embeddings, head weight W, so the
@@ -152,12 +152,12 @@ def _compose(overrides):
 
 
 def test_paper_math_tempers_at_its_sampling_temperature_and_nothing_else_does():
-    paper = validate(_compose(["experiment=paper_math"]))
+    paper = resolve(_compose(["experiment=paper_math"]))
     assert paper.objective_cfg.tempered_logps is True and logps_temperature(paper) == 0.7
     for over in (["objective=grpo", "data=online"], ["objective=dpo"], ["objective=kto", "data=online"]):
-        spec = validate(_compose(["task=arithmetic", *over]))
+        spec = resolve(_compose(["task=arithmetic", *over]))
         assert spec.objective_cfg.tempered_logps is False and logps_temperature(spec) == 1.0
     with pytest.raises(UserError, match="needs data.top_p=1"):
-        validate(_compose(["experiment=paper_math", "data.top_p=0.95"]))
+        resolve(_compose(["experiment=paper_math", "data.top_p=0.95"]))
     with pytest.raises(UserError, match="must be > 0"):
-        validate(_compose(["experiment=paper_math", "data.temperature=0"]))
+        resolve(_compose(["experiment=paper_math", "data.temperature=0"]))

@@ -15,10 +15,10 @@ from humanline_cli.backend import make_backend
 from humanline_cli.config import TrainSpec
 from humanline_cli.core.batches import PairBatch
 from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule
+from humanline_cli.core.interfaces import StepData
 from humanline_cli.core.reference import FrozenCopy
 from humanline_cli.data.collate import make_seqs
 from humanline_cli.errors import RunFailed
-from humanline_cli.sources.source import StepData
 from humanline_cli.train.build import Parts
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.train.tracking import Tracker

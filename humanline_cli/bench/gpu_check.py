@@ -58,16 +58,16 @@ def _vllm_checks(out: Path) -> list[dict]:
     try:
         from hydra import compose, initialize_config_module
 
-        from humanline_cli.config import validate
+        from humanline_cli.config import resolve
+        from humanline_cli.core.interfaces import SamplingParams
         from humanline_cli.core.logprobs import token_logps
         from humanline_cli.models import load_policy, load_tokenizer
         from humanline_cli.sampling.hf import HFSampler
-        from humanline_cli.sampling.sampler import SamplingParams
         from humanline_cli.sampling.vllm import VLLMSampler
         from humanline_cli.train.build import make_encoder, model_paths, prepare_model, prepare_world
 
         with initialize_config_module(config_module="conf", version_base="1.3"):
-            spec = validate(compose("train", overrides=["backend=cuda"]))
+            spec = resolve(compose("train", overrides=["backend=cuda"]))
         prepare_world(spec)  # the bundled world, built first if it is not cached
         prepare_model(spec)
         model_path, tok_path = model_paths(spec)

@@ -14,7 +14,8 @@ model=..., backend=cuda, train.max_length=..., train.micro_batch_size=..., hl.sy
     async_rounds=0  N > 0: instead, online rounds/s at data.async_lag=0 vs 1 over N rounds, against the
                     bound max(sample, train) per round (bench/async_bench.py)
     constants=false true: instead, the cost model's constants of this machine for the composed online run
-                    (bench/constants.py; `humanline report DIR --target FILE` predicts from them)
+                    (bench/constants.py; `humanline report DIR --target FILE` predicts from them): generation
+                    at 1, prompts/8 and prompts prompts, training for constant_steps=6 steps at 2 batch sizes
     out=runs/bench/<objective>-<time>.json
 
 Systems run interleaved (project, project+humanline, TRL, project, ...) so a shared machine's drift
@@ -47,12 +48,14 @@ from pathlib import Path
 import torch
 
 from humanline_cli.bench.clock import EndClock, Run, _now, collect, matmul_peak
+from humanline_cli.core.objectives import PROPERTIES
+from humanline_cli.core.reference import CachedReference
 from humanline_cli.errors import UserError
+from humanline_cli.sources.source import SourceWrapper
 
-UNIT = {"dpo": "pairs", "kto": "examples", "grpo": "groups"}
 DEFAULTS = {"steps": 20, "warmup": 2, "repeats": 2, "batch_size": None, "threads": None, "trl": "auto",
             "cache": True, "sampler": False, "prompts": 64, "out": None, "async_rounds": 0,
-            "constants": False}
+            "constants": False, "constant_steps": 6}
 GRPO_NOTE = ("TRL's GRPOTrainer only trains on its own generations (no offline groups): its row times "
              "GRPOTrainer.compute_loss on the same fixed groups (reference forward, loss, backward, clip, AdamW "
              "step in the bench's loop), not GRPOTrainer.train")
@@ -98,7 +101,7 @@ def compose_spec(overrides: list[str], opts: dict, humanline: bool, extra: tuple
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from humanline_cli.config import compose_error, validate
+    from humanline_cli.config import compose_error, resolve
 
     user = [o for o in overrides if o.lstrip("+~").split("=")[0] != "humanline"]
     mine = [f"train.steps={opts['warmup'] + opts['steps']}", "train.log_every=1000000", "train.save_model=false",
@@ -114,19 +117,20 @@ def compose_spec(overrides: list[str], opts: dict, humanline: bool, extra: tuple
                 cfg = compose("train", overrides=[*user, *mine, ("" if "humanline" in cfg else "+") + "humanline=true"])
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise UserError(compose_error(e)) from None
-    spec = validate(cfg)
+    spec = resolve(cfg)
     if spec.regime != "offline":
         raise UserError("bench times offline training steps; drop data=online")
     return spec
 
 
 # -- timing records --------------------------------------------------------------------------------
-class _TimedSource:
+class _TimedSource(SourceWrapper):
     """Wraps the project's offline source: each next_step call marks the start of a step. An offline
     step always holds batch_size units (pairs, examples or groups)."""
 
     def __init__(self, source, device, units_per_step: int):
-        self.source, self.device, self.units_per_step = source, device, units_per_step
+        super().__init__(source)
+        self.device, self.units_per_step = device, units_per_step
         self.starts: list[float] = []
         self.sizes: list[tuple[int, int, int]] = []
 
@@ -139,9 +143,6 @@ class _TimedSource:
         self.sizes.append((self.units_per_step, sum(int(mb.seqs.attention_mask.sum()) for mb in mbs),
                            sum(int(mb.kl_seqs.attention_mask.sum()) for mb in mbs if isinstance(mb, BinaryBatch))))
         return data
-
-    def __getattr__(self, name):
-        return getattr(self.source, name)
 
 
 # -- the project's step ----------------------------------------------------------------------------
@@ -185,7 +186,7 @@ def project_run(spec, warmup: int, info: dict, prefill: bool = False) -> Run:
                 info["units"] = parts.source.source.units
                 info["tokenizer"] = parts.tokenizer
             run = collect(parts.source.starts, tracker.end, parts.source.sizes, warmup)
-            if hasattr(parts.reference, "stats"):
+            if isinstance(parts.reference, CachedReference):
                 run.cache_hit_fraction = parts.reference.stats()["reference_cache/hit_fraction"]
             return run
         finally:
@@ -278,7 +279,7 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
     peak = max(peaks)  # a busy moment only lowers a measurement, so the best is the machine's peak
     rows = {name: summarise(name, rs, info["matmul_params"], peak) for name, rs in runs.items()}
     result = {
-        "objective": objective, "unit": UNIT[objective], "task": plain.task, "model": plain.model,
+        "objective": objective, "unit": PROPERTIES[objective].unit, "task": plain.task, "model": plain.model,
         "batch_size": plain.train.batch_size, "micro_batch_size": plain.train.micro_batch_size,
         "max_length": plain.train.max_length, "steps": opts["steps"], "warmup": opts["warmup"],
         "repeats": opts["repeats"], "threads": torch.get_num_threads(), "device": backend.device.type,
@@ -358,7 +359,8 @@ def main_bench(args: list[str]) -> int:
         if opts["constants"]:
             from humanline_cli.bench.constants import measure, print_constants
 
-            return _write_result(measure(overrides, console), opts, "constants-", print_constants, console)
+            res = measure(overrides, console, opts["constant_steps"], opts["prompts"])
+            return _write_result(res, opts, "constants-", print_constants, console)
         res = run_bench(opts, overrides, console)
     except UserError as e:
         print(f"humanline: error: {e}", file=sys.stderr)

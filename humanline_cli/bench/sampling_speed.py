@@ -10,10 +10,10 @@ from humanline_cli.errors import UserError
 
 def sampler_bench(spec, info: dict, n_prompts: int) -> dict:
     """tokens/s of transformers generate vs the vLLM engine on the same prompts (second call timed)."""
+    from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.data.files import load_rows
     from humanline_cli.models import load_policy
     from humanline_cli.sampling.hf import HFSampler
-    from humanline_cli.sampling.sampler import SamplingParams
     from humanline_cli.train.build import make_encoder, model_paths, prepare_model, prepare_world
 
     backend = info["backend"]

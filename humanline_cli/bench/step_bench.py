@@ -28,7 +28,6 @@ SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=256),
 }
-SEQS = {"dpo": lambda micro, n: 2 * micro, "kto": lambda micro, n: micro, "grpo": lambda micro, n: micro * n}
 
 
 def build(shape: str, device, seed: int = 0):
@@ -53,6 +52,7 @@ def run(shape: str = "tiny", device: str = "cpu", objectives=("dpo", "kto", "grp
     from humanline_cli.core.batches import Seqs
     from humanline_cli.core.humanline import sync_reference
     from humanline_cli.core.logprobs import token_logps
+    from humanline_cli.core.objectives import PROPERTIES
     from humanline_cli.core.reference import FrozenCopy
     from humanline_cli.memory import estimate
 
@@ -68,7 +68,7 @@ def run(shape: str = "tiny", device: str = "cpu", objectives=("dpo", "kto", "grp
             policy.train()
             reference = FrozenCopy(policy)
             opt = torch.optim.AdamW(policy.parameters(), lr=lr)
-            seqs_n = SEQS[objective](micro, n)
+            seqs_n = PROPERTIES[objective].sequences(micro, n)
             g = torch.Generator().manual_seed(1)
             ids = torch.randint(0, policy.config.vocab_size, (seqs_n, tokens), generator=g).to(dev)
             seqs = Seqs(ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))

@@ -25,7 +25,7 @@ def _run_spec(run_dir: Path, overrides: list[str] | None = None):
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
 
     path = run_dir / ".hydra" / "config.yaml"
     if not path.exists():
@@ -53,7 +53,7 @@ def _run_spec(run_dir: Path, overrides: list[str] | None = None):
         cfg.merge_with(OmegaConf.from_dotlist(dotlist))
     except OmegaConfBaseException as e:
         raise UserError(f"bad override: {str(e).splitlines()[0]}") from None
-    return validate(cfg)
+    return resolve(cfg)
 
 
 def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperature: float | None,

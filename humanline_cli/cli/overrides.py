@@ -73,7 +73,7 @@ def precheck_overrides(args: list[str]) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from humanline_cli.config import compose_error, validate
+    from humanline_cli.config import compose_error, resolve
     from humanline_cli.errors import UserError
 
     overrides = [a for a in args if not a.startswith("-")]
@@ -95,7 +95,7 @@ def precheck_overrides(args: list[str]) -> None:
         for label, point in points:
             where = f"sweep point {label}: " if label else ""
             try:
-                validate(compose("train", overrides=point))
+                resolve(compose("train", overrides=point))
             except UserError as e:
                 fail(f"{where}{e}")
             except (HydraException, OmegaConfBaseException, ValueError) as e:

@@ -94,14 +94,14 @@ def _spec(overrides: list[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
 
     try:
         with initialize_config_module(config_module="conf", version_base="1.3"):
             cfg = compose("train", overrides=["data=online", *overrides])
     except (HydraException, OmegaConfBaseException) as e:
         raise UserError(f"bad override: {str(e).splitlines()[0]}") from None
-    return validate(cfg)
+    return resolve(cfg)
 
 
 def _complete_lines(path: Path) -> int:
@@ -189,11 +189,19 @@ def run_sample(spec, out: Path, chunk: int, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     from humanline_cli.backend import make_backend, seed_everything
+    from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.data.files import load_rows
     from humanline_cli.models import load_policy, load_tokenizer
     from humanline_cli.rewards.scorers import checked
-    from humanline_cli.sampling.sampler import SamplingParams
-    from humanline_cli.train.build import make_encoder, make_labeller, make_sampler, model_paths, prepare_model, prepare_world, resolve_path
+    from humanline_cli.train.build import (
+        make_encoder,
+        make_labeller,
+        make_sampler,
+        model_paths,
+        prepare_model,
+        prepare_world,
+        resolve_path,
+    )
 
     prepare_out(out)  # before any work: a stranger's dir is refused untouched
     b = spec.backend_cfg

@@ -1,6 +1,13 @@
 """Glue between models and losses: token log-ratios (policy minus reference), the humanline
-transform in exactly one place, then the objective's pure loss. Returns (loss, metrics)."""
+transform in exactly one place, then the objective's pure loss. Returns (loss, metrics).
+
+`PROPERTIES` holds what the rest of the package needs to know about each objective (what one unit of
+train.batch_size is, how many sequences it runs through the model, how many units one sampled prompt gives),
+so a new objective is its loss, one entry here and its config.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -8,6 +15,27 @@ from humanline_cli.core.batches import BinaryBatch, GroupBatch, PairBatch, n_uni
 from humanline_cli.core.humanline import HumanlineSpec, clamp_logratios, unclamped_fraction
 from humanline_cli.core.logprobs import completion_mask, masked_sum, processed_tokens, token_logps
 from humanline_cli.core.losses import TOKEN_MEAN_AGGREGATIONS, dpo_loss, grpo_loss, kto_loss, kto_reference_point
+
+
+@dataclass(frozen=True)
+class ObjectiveProperties:
+    unit: str                 # what one unit of train.batch_size is (pairs, examples, groups)
+    units_per_prompt: int     # units one online prompt's scored samples give (a round samples B x K / this)
+    min_micro_batch: int      # the fewest units a micro-batch may hold
+    seqs_per_unit: int        # sequences one unit runs through the model; 0: the group size (grpo)
+
+    def sequences(self, units: int, group: int) -> int:
+        """Sequences `units` units run through the model; `group`: sequences in a GRPO group."""
+        return units * (self.seqs_per_unit or group)
+
+
+PROPERTIES = {
+    "dpo": ObjectiveProperties(unit="pairs", units_per_prompt=1, min_micro_batch=1, seqs_per_unit=2),
+    # a desirable and an undesirable example per prompt; z0 pairs each prompt with the next example's completion,
+    # so one example alone would be mismatched with itself
+    "kto": ObjectiveProperties(unit="examples", units_per_prompt=2, min_micro_batch=2, seqs_per_unit=1),
+    "grpo": ObjectiveProperties(unit="groups", units_per_prompt=1, min_micro_batch=1, seqs_per_unit=0),
+}
 
 
 def _logratios(policy, reference, seqs, grad: bool = True):

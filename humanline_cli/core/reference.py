@@ -1,7 +1,7 @@
 """The reference policy: what the objectives' log-ratios are measured against.
 
-Two kinds share one small interface (`logps(seqs)` without gradient, `sync(policy)` for the humanline
-sync and the online round reset):
+Every kind implements core/interfaces.Reference (`logps(seqs)` without gradient, `sync(policy)` for the
+humanline sync and the online round reset, `model`, `n_params()`):
 - `FrozenCopy`: a full, frozen second copy of the policy (full fine-tuning). Sync copies every
   parameter in place; under FSDP each rank copies its own shard (no gather).
 - LoRA references (see lora.py): the base model with adapters disabled, or a second frozen
@@ -21,6 +21,7 @@ import torch
 
 from humanline_cli.core.batches import Seqs
 from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule, sync_reference
+from humanline_cli.core.interfaces import Reference
 from humanline_cli.core.logprobs import token_logps
 
 
@@ -187,7 +188,7 @@ class CachedReference:
     (Online rounds use each sample in one step, so there is nothing to reuse there.)
     """
 
-    def __init__(self, inner, agree=None):
+    def __init__(self, inner: Reference, agree=None):
         self.inner = inner
         # agree(flag) -> flag on every rank (backend.all_agree): under FSDP the forward is a collective,
         # so whether to skip it must be the same decision on all ranks
@@ -197,10 +198,12 @@ class CachedReference:
         self.misses = 0  # sequences the reference model computed
         self._seen = (0, 0)  # (hits, misses) at the last step_stats() call
 
-    def __getattr__(self, name):  # .model, .n_params() ... of the wrapped reference
-        if name == "inner":  # not set yet (copy/unpickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.inner.model
+
+    def n_params(self) -> int:
+        return self.inner.n_params()
 
     @staticmethod
     def _keys(seqs: Seqs) -> list[bytes]:
@@ -272,7 +275,7 @@ def reference_moves(humanline: HumanlineSpec, regime: str) -> bool:
 
 def build_reference(policy: torch.nn.Module, *, lora: bool, moving: bool, cache: bool,
                     shard: Callable[[torch.nn.Module], None] | None = None, dtype: torch.dtype | None = None,
-                    agree: Callable[[bool], bool] | None = None, built: torch.nn.Module | None = None):
+                    agree: Callable[[bool], bool] | None = None, built: torch.nn.Module | None = None) -> Reference:
     """The run's reference, from the unwrapped, unsharded policy (a peft model when `lora`):
     - LoRA: the base model with adapters disabled (fixed) or a second "reference" adapter (`moving`);
     - else a frozen copy, cast to `dtype` (bf16 under FSDP2: it never gets gradients or AdamW, so no fp32

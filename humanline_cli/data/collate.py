@@ -2,6 +2,7 @@
 examples into the batch types. Completions always end with EOS (added if the text lacks it)."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,14 @@ from humanline_cli.core.batches import BinaryBatch, GroupBatch, PairBatch, Seqs
 from humanline_cli.core.feedback import group_advantages
 from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample, text_value
 from humanline_cli.errors import UserError
+
+# Texts this long (characters) are tokenised once, up front (check_completions): collation and length
+# bucketing reuse their token count and first max_length ids instead of tokenising them again each epoch.
+LONG_TEXT_CHARS = 100_000
+# Offline completions totalling this many characters get a progress bar while they are tokenised (a 50 MB line
+# takes minutes), in batches of at most BATCH_CHARS characters so the bar moves between long texts.
+PROGRESS_CHARS = 4_000_000
+BATCH_CHARS = 1_000_000
 
 
 def _ids(out) -> list[int]:
@@ -36,6 +45,7 @@ class Encoder:
         self.max_prompt_length = max_prompt_length
         self.max_length = max_length
         self._cache: dict = {}
+        self._long: dict[str, tuple[int, list[int]]] = {}  # long text -> (its token count, its first max_length ids)
         self._char_ok: dict[str, bool] = {}
         self._unk = getattr(tokenizer, "unk_token_id", None)
 
@@ -130,7 +140,9 @@ class Encoder:
         """Tokenise every completion of offline rows (chosen / rejected / completion / completions)
         up front, so an unencodable one fails before any work, naming its record and field. Texts go
         to the tokenizer in batches; only a failing batch is re-encoded text by text to name the culprit.
-        Returns how many completions (+ EOS) would be cut to fit max_length after their prompt."""
+        Returns how many completions (+ EOS) would be cut to fit max_length after their prompt. Many
+        characters (PROGRESS_CHARS) show a progress bar; long texts (LONG_TEXT_CHARS) keep their count and cut
+        ids, so this is the only time they are tokenised."""
         items = []
         for i, row in enumerate(rows):
             fields = [(f, row[f]) for f in ("chosen", "rejected", "completion") if f in row]
@@ -140,31 +152,51 @@ class Encoder:
                 value = text_value(value, field, where(i))
                 items.append((i, field, value if isinstance(value, str) else value[-1]["content"]))
         cut = lost = longest = 0
-        for start in range(0, len(items), chunk):
-            part = items[start:start + chunk]
-            try:
-                encoded = self.tok([text for _, _, text in part], add_special_tokens=False)["input_ids"]
-                suspects = [k for k, ids in enumerate(encoded) if self._unk is not None and self._unk in ids]
-            except Exception:  # one unencodable text fails the whole batch
-                suspects, encoded = list(range(len(part))), None
-            for k in suspects:
-                i, field, text = part[k]
-                self._text_ids(text, field, where(i))
-            if encoded is None:
-                encoded = [self._text_ids(text, field, where(i)) for i, field, text in part]
-            for (i, _, _), ids in zip(part, encoded):
-                need = len(self.prompt_ids(rows[i]["prompt"], where(i))) + len(ids) + 1  # + EOS
-                longest = max(longest, need)
-                if need > self.max_length:
-                    cut, lost = cut + 1, lost + need - self.max_length
+        total = sum(len(text) for _, _, text in items)
+        bar = None
+        if total >= PROGRESS_CHARS:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc="tokenize data", unit="char", unit_scale=True, file=sys.stderr)
+        try:
+            for part in _batches(items, chunk, BATCH_CHARS):
+                try:
+                    encoded = self.tok([text for _, _, text in part], add_special_tokens=False)["input_ids"]
+                    suspects = [k for k, ids in enumerate(encoded) if self._unk is not None and self._unk in ids]
+                except Exception:  # one unencodable text fails the whole batch
+                    suspects, encoded = list(range(len(part))), None
+                for k in suspects:
+                    i, field, text = part[k]
+                    self._text_ids(text, field, where(i))
+                if encoded is None:
+                    encoded = [self._text_ids(text, field, where(i)) for i, field, text in part]
+                for (i, _, text), ids in zip(part, encoded):
+                    need = len(self.prompt_ids(rows[i]["prompt"], where(i))) + len(ids) + 1  # + EOS
+                    longest = max(longest, need)
+                    if need > self.max_length:
+                        cut, lost = cut + 1, lost + need - self.max_length
+                    if len(text) >= LONG_TEXT_CHARS:
+                        self._long[text] = (len(ids), list(ids[:self.max_length]))
+                if bar is not None:
+                    bar.update(sum(len(text) for _, _, text in part))
+        finally:
+            if bar is not None:
+                bar.close()
         return Truncation(len(items), cut, lost, longest, self.max_length)
+
+    def text_tokens(self, text: str) -> int:
+        """A completion text's token count (no EOS); long texts from check_completions' pass."""
+        if text in self._long:
+            return self._long[text][0]
+        return len(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def completion_ids(self, prompt, completion, where: str = "data", field: str = "completion") -> list[int]:
         budget = self.max_length - len(self.prompt_ids(prompt, where))
         if hasattr(completion, "ids"):  # sampled online: keep the sampler's exact token ids
             return list(completion.ids)[:budget]
         text = completion if isinstance(completion, str) else completion[-1]["content"]
-        ids = self._text_ids(text, field, where)
+        # a long text's first max_length ids (budget <= max_length): the same cut, without tokenising it again
+        ids = self._long[text][1] if text in self._long else self._text_ids(text, field, where)
         return (ids + [self.tok.eos_token_id])[:budget]
 
     def prompt_text(self, prompt) -> str:
@@ -193,6 +225,20 @@ class Truncation:
             return f"no completion cut (longest example {self.longest} <= train.max_length {self.max_length} tokens)"
         return (f"{self.cut} of {self.n} completions cut ({self.fraction:.1%}, {self.tokens_lost} tokens and their EOS "
                 f"lost; longest example {self.longest} > train.max_length {self.max_length})")
+
+
+def _batches(items: list, count: int, chars: int):
+    """Consecutive runs of `items` ((row, field, text) triples) of at most `count` texts and, unless one text
+    alone is longer, at most `chars` characters."""
+    part, size = [], 0
+    for item in items:
+        if part and (len(part) == count or size + len(item[2]) > chars):
+            yield part
+            part, size = [], 0
+        part.append(item)
+        size += len(item[2])
+    if part:
+        yield part
 
 
 def make_seqs(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> Seqs:
@@ -246,7 +292,7 @@ class Collator:
         text = completion if isinstance(completion, str) else completion[-1]["content"]
         n = self._text_lengths.get(text)
         if n is None:
-            n = self._text_lengths[text] = len(self.enc.tok(text, add_special_tokens=False)["input_ids"]) + 1
+            n = self._text_lengths[text] = self.enc.text_tokens(text) + 1
         return n
 
     def length(self, unit) -> int:

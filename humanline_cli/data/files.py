@@ -177,6 +177,33 @@ def _rename(rows: list[dict], columns: dict, where: Callable[[int], str], path) 
     return out
 
 
+# what marks a folder as written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`
+_SAVED_MARKS = ("dataset_info.json", "dataset_dict.json", "state.json")
+
+
+def _saved_gaps(p: Path) -> list[str]:
+    """The files a save_to_disk folder lacks (relative to it): dataset_dict.json's splits, each split's
+    (or the one dataset's) state.json, dataset_info.json and the Arrow files state.json lists."""
+    if not (p / "dataset_dict.json").is_file():
+        return _dataset_gaps(p)
+    try:
+        splits = json.loads((p / "dataset_dict.json").read_text())["splits"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ["a readable dataset_dict.json (with its list of splits)"]
+    return [f"{s}/{gap}" for s in splits for gap in _dataset_gaps(p / str(s))]
+
+
+def _dataset_gaps(d: Path) -> list[str]:
+    missing = [name for name in ("state.json", "dataset_info.json") if not (d / name).is_file()]
+    if not (d / "state.json").is_file():
+        return missing + ([] if any(d.glob("*.arrow")) else ["its data-*.arrow files"])
+    try:
+        files = [f["filename"] for f in json.loads((d / "state.json").read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return missing + ["a readable state.json"]
+    return missing + [f for f in files if not (d / f).is_file()]
+
+
 def _load_with_datasets(path: str, p: Path, split: str, limit: int | None) -> list[dict]:
     import datasets
 
@@ -184,7 +211,11 @@ def _load_with_datasets(path: str, p: Path, split: str, limit: int | None) -> li
     try:
         if p.is_file():
             ds = datasets.load_dataset("parquet", data_files=str(p), split="train")
-        elif (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists():
+        elif p.is_dir() and (any((p / m).exists() for m in _SAVED_MARKS) or any(p.glob("*.arrow"))):
+            gaps = _saved_gaps(p)
+            if gaps:  # datasets would say "neither a Dataset nor a DatasetDict directory"
+                raise UserError(f"data {path!r} is a folder but not a complete save_to_disk dataset: it lacks "
+                                f"{', '.join(gaps)}")
             ds = datasets.load_from_disk(str(p))
             if isinstance(ds, datasets.DatasetDict):
                 if split not in ds:
@@ -194,7 +225,10 @@ def _load_with_datasets(path: str, p: Path, split: str, limit: int | None) -> li
             ds = datasets.load_dataset(str(p) if p.is_dir() else path, split=split)
     except UserError:
         raise
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        if p.exists():  # a local file or folder that is there: what is missing is inside it
+            lines = str(e).splitlines()
+            raise UserError(f"cannot load data {path!r}: {lines[0] if lines else 'a file it needs is missing'}") from None
         raise UserError(f"data {path!r} not found (not a local file/dir; hub download needs network)") from None
     except Exception as e:  # datasets raises many types; the first line is the useful part
         lines = str(e).splitlines()

@@ -11,8 +11,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from humanline_cli.core.interfaces import SamplingParams
 from humanline_cli.rewards.scorers import checked
-from humanline_cli.sampling.sampler import SamplingParams
+from humanline_cli.backend import wait_for_rank0
 from humanline_cli.sources.source import Shard
 
 TIE_TOL = 1e-9
@@ -45,10 +46,12 @@ class Side:
 
 class Evaluator:
     """`judge` is a pointwise scorer (name, fn(prompts, replies, answers) -> scores) or, with
-    `pairwise`, an LLM judge whose compare(prompts, replies_a, replies_b) gives per-pair outcomes."""
+    `pairwise`, an LLM judge whose compare(prompts, replies_a, replies_b) gives per-pair outcomes.
+    `tempered_logps`: the run's log-prob mode (objective.tempered_logps), which a vLLM engine fixes at start
+    and checks on every request; the evaluation reads only texts, so it asks for the engine's mode."""
 
     def __init__(self, rows: list[dict], encoder, judge, cfg, verifiable: bool, seed: int, pairwise=None,
-                 subsets: list[str | None] | None = None, shard: Shard = Shard()):
+                 subsets: list[str | None] | None = None, shard: Shard = Shard(), tempered_logps: bool = False):
         self.shard = shard  # under DDP/FSDP: this rank's place (generation is sharded, rank 0 judges)
         self.prompts = [r["prompt"] for r in rows]
         self.answers = [r.get("answer") for r in rows] if any("answer" in r for r in rows) else None
@@ -58,7 +61,7 @@ class Evaluator:
         self.judge_name, self.judge = judge if pairwise is None else (
             getattr(pairwise, "name", None) or f"llm/{pairwise.spec.model}", None)
         self.params = SamplingParams(n=1, temperature=cfg.temperature, top_p=cfg.top_p,
-                                     max_new_tokens=cfg.max_new_tokens, seed=seed + 99991)
+                                     max_new_tokens=cfg.max_new_tokens, seed=seed + 99991, tempered_logps=tempered_logps)
         self.verifiable = verifiable and pairwise is None
         self.baseline: Side | None = None
         # greedy next to sampled (pointwise judges only: an LLM judge would pay twice)
@@ -80,6 +83,7 @@ class Evaluator:
             return Side(texts, None)
         scores = checked(self.judge_name, self.judge, self.prompt_text, texts, self.answers) \
             if self.shard.rank == 0 else None
+        wait_for_rank0()  # the other ranks wait for the judge outside the training group's timeout
         return Side(texts, self.shard.gather(scores)[0])
 
     def set_baseline(self, sampler) -> None:
@@ -96,6 +100,7 @@ class Evaluator:
         if self.pairwise is None:
             scores = checked(self.judge_name, self.judge, self.prompt_text, texts, self.answers) \
                 if self.shard.rank == 0 else None
+            wait_for_rank0()
             scores = self.shard.gather(scores)[0]
         self.baseline, self.greedy_params, self.greedy_baseline = Side(list(texts), scores), None, None
 
@@ -104,8 +109,10 @@ class Evaluator:
         the same numbers under `sampled` and, with eval.greedy, `greedy`; per-subset where the task
         defines subsets."""
         side = self.sample(sampler)
-        if self.pairwise is not None:  # rank 0 calls the judge; every rank returns its result
-            return self.shard.gather(self._pairwise(side, samples_path) if self.shard.rank == 0 else None)[0]
+        if self.pairwise is not None:  # rank 0 calls the judge (minutes of API calls); every rank returns its result
+            result = self._pairwise(side, samples_path) if self.shard.rank == 0 else None
+            wait_for_rank0()
+            return self.shard.gather(result)[0]
         result = self._pointwise(side, self.baseline, samples_path, self.params.temperature)
         result["sampled"] = self._mode_summary(result, side, self.baseline)
         if self.greedy_params is not None:

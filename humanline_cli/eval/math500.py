@@ -20,9 +20,10 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from humanline_cli.backend import wait_for_rank0
+from humanline_cli.core.interfaces import SamplingParams
 from humanline_cli.errors import UserError
 from humanline_cli.rewards.verifier import math_verdicts
-from humanline_cli.sampling.sampler import SamplingParams
 from humanline_cli.sources.source import Shard
 
 SEED_OFFSET = 7919  # the benchmark's sampling seeds differ from the main evaluation's (seed + 99991)
@@ -55,17 +56,19 @@ def _mean_se(xs: list[float]) -> tuple[float, float]:
 class Math500Eval:
     """`cfg` is schema.Math500Config; `max_new_tokens` its resolved budget (eval.max_new_tokens when unset).
     Under DDP/FSDP (`shard`) each rank generates its share of the problems, rank 0 scores, every rank
-    returns the result (as the main Evaluator does)."""
+    returns the result (as the main Evaluator does). `tempered_logps`: the run's log-prob mode, which a vLLM
+    engine fixes at start and checks on every sampled request (only texts are read here)."""
 
     def __init__(self, prompts: list[str], answers: list[str], where: Callable[[int], str], encoder, cfg,
-                 max_new_tokens: int, seed: int, source: str, shard: Shard = Shard()):
+                 max_new_tokens: int, seed: int, source: str, shard: Shard = Shard(), tempered_logps: bool = False):
         self.prompts, self.answers, self.cfg, self.source, self.shard = prompts, answers, cfg, source, shard
         self.prompt_ids = [encoder.prompt_ids(p, where(i)) for i, p in enumerate(prompts)]
         seed = seed + SEED_OFFSET
         self.greedy = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed) \
             if cfg.greedy else None
         self.sampled = SamplingParams(n=cfg.n_samples, temperature=cfg.temperature, top_p=cfg.top_p,
-                                      max_new_tokens=max_new_tokens, seed=seed) if cfg.n_samples > 0 else None
+                                      max_new_tokens=max_new_tokens, seed=seed,
+                                      tempered_logps=tempered_logps) if cfg.n_samples > 0 else None
 
     def _generate(self, sampler, params: SamplingParams) -> list[str]:
         """params.n texts per problem, problem-major, in problem order on every rank."""
@@ -77,6 +80,7 @@ class Math500Eval:
         greedy = self._generate(sampler, self.greedy) if self.greedy is not None else None
         sampled = self._generate(sampler, self.sampled) if self.sampled is not None else None
         result = self._score(greedy, sampled, samples_path) if self.shard.rank == 0 else None
+        wait_for_rank0()  # math-verify over every completion runs on rank 0 alone
         return self.shard.gather(result)[0]
 
     def _score(self, greedy: list[str] | None, sampled: list[str] | None, samples_path: Path | None) -> dict:

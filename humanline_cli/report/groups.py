@@ -8,7 +8,8 @@ import json
 import re
 from dataclasses import dataclass
 
-DEFAULT_IGNORE = ("seed", "hydra", "wandb", "threads", "world_cache", "resume", "experiment_name")
+# regime_meta names a run's regime (a label, conf/regime/): the keys it describes are the ones compared
+DEFAULT_IGNORE = ("seed", "hydra", "wandb", "threads", "world_cache", "resume", "experiment_name", "regime_meta")
 # Define the data regime / humanline family: a speedup compares groups that differ only here.
 FAMILY_KEYS = ("data", "humanline", "hl", "sampler", "reward")
 # The table's own axes (sections, rows, columns), never repeated as extra columns.

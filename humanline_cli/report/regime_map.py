@@ -8,11 +8,10 @@ or one sweep over named regimes (`regime=...`, conf/regime/; `experiment=laptop_
 
     python -m humanline_cli.report.regime_map --sweep runs/experiments/laptop_regimes --out map.png
 
-where each humanline-offline regime `hl<suffix>` is compared with `offline<suffix>` and
-`online<suffix>` when the sweep has them, else with `offline` and `online` (hl_sync16: offline and
-online; hl_padded: offline_padded and online; hl_lr3e-5: offline_lr3e-5 and online_lr3e-5); humanline on
-stale rounds, `hl_stale<K>_...` (experiment=laptop_paper_regimes), with the plain stale rounds `stale<K>` and
-`online`. The offline data (`task.world.offline`) may differ from online's, which does not read it.
+where each humanline regime is compared with the two regimes its `regime_meta` declares (conf/regime/*.yaml:
+`baseline`, the plain regime on the same data, offline or stale rounds; `target`, the online one), matched by
+the `regime_meta.name` the runs saved, never by a file name. The offline data (`task.world.offline`) may
+differ from online's, which does not read it.
 
 Prints a markdown table (regime, objective, offline / online / humanline-offline, gap closed with its
 interval, seeds, speedups) and writes a bar chart of gap closed per regime and objective (PNG).
@@ -22,7 +21,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import re
 import sys
 import textwrap
 from pathlib import Path
@@ -57,14 +55,36 @@ def regime_of(run_dir: Path) -> str | None:
     return None
 
 
+def _declared(name: str) -> dict:
+    """conf/regime/NAME.yaml's regime_meta: for runs saved before regimes declared it."""
+    from importlib.resources import files
+
+    import yaml
+
+    f = files("conf").joinpath("regime", f"{name}.yaml")
+    return (yaml.safe_load(f.read_text()) or {}).get("regime_meta") or {} if f.is_file() else {}
+
+
+def regime_meta(run) -> dict:
+    """The run's regime as it declared it (name, family, baseline, target): its saved config's regime_meta,
+    else (a run saved before regimes declared it) the one its `regime=` file declares now; {} for no regime."""
+    config = run.config or {}
+    meta = {k.removeprefix("regime_meta."): v for k, v in config.items() if k.startswith("regime_meta.")}
+    if meta.get("name"):
+        return meta
+    name = regime_of(Path(run.path))
+    return _declared(name) if name else {}
+
+
 def regime_label(run) -> str:
-    """What names a run's regime in per-regime tables and plots: the sweep's `regime=` override where it
-    has one, else its report family (and the variant that tells its config group apart)."""
-    return regime_of(Path(run.path)) or (f"{run.family} ({run.variant})" if run.variant else run.family)
+    """What names a run's regime in per-regime tables and plots: its declared regime where it has one, else
+    its report family (and the variant that tells its config group apart)."""
+    return regime_meta(run).get("name") or (f"{run.family} ({run.variant})" if run.variant else run.family)
 
 
-def _sweep_order(root: Path, names: set[str]) -> list[str]:
-    """Regimes in the order the sweep lists them (multirun.yaml), then any others alphabetically."""
+def _sweep_order(root: Path, name_of: dict[str, str]) -> list[str]:
+    """Regime names in the order the sweep lists their `regime=` files (multirun.yaml), then any others
+    alphabetically. `name_of`: the `regime=` value -> the regime's declared name."""
     import yaml
 
     listed: list[str] = []
@@ -72,47 +92,40 @@ def _sweep_order(root: Path, names: set[str]) -> list[str]:
     if f.is_file():
         params = ((yaml.safe_load(f.read_text()) or {}).get("hydra") or {}).get("sweeper", {}).get("params") or {}
         listed = [x.strip() for x in str(params.get("regime", "")).split(",") if x.strip()]
-    return [n for n in listed if n in names] + sorted(names - set(listed))
-
-
-def _baseline(suffix: str, by: dict) -> str:
-    """The plain regime a humanline regime `hl<suffix>` is compared with: `offline<suffix>` where the sweep has
-    it; for humanline on stale rounds (`hl_stale<K>_...`, experiment=laptop_paper_regimes) the plain stale rounds
-    `stale<K>`; else `offline`."""
-    if f"offline{suffix}" in by:
-        return f"offline{suffix}"
-    m = re.match(r"_(stale\d+)(_|$)", suffix)
-    return m.group(1) if m and m.group(1) in by else "offline"
+    first = list(dict.fromkeys(name_of[x] for x in listed if x in name_of))
+    return first + sorted(set(name_of.values()) - set(first))
 
 
 def regime_gap_rows(runs: list) -> list:
-    """gap_closed.GapRow per humanline-offline regime and objective, from complete runs of a sweep over named
-    regimes (`regime_of` their dirs): `hl<suffix>` against `offline<suffix>` / `online<suffix>` where the
-    sweep has them, else `offline` / `online`. The row's label is the regime (and its baselines when they
-    are not the plain ones). Empty when no run has a regime."""
+    """gap_closed.GapRow per humanline regime and objective, from complete runs of a sweep over named regimes:
+    each humanline regime against the baseline and target its regime_meta names, where the sweep has both.
+    The row's label is the regime (and its baselines when they are not the plain ones). Empty when no run
+    has a regime."""
     from humanline_cli.report.gap_closed import gap_rows
 
     by: dict[str, list] = {}
+    metas: dict[str, dict] = {}
+    name_of: dict[str, str] = {}
     for run in runs:
-        name = regime_of(run.path)
-        if name and run.status == "complete":
-            by.setdefault(name, []).append(run)
+        meta = regime_meta(run)
+        if meta.get("name") and run.status == "complete":
+            by.setdefault(meta["name"], []).append(run)
+            metas[meta["name"]] = meta
+            name_of[regime_of(Path(run.path)) or meta["name"]] = meta["name"]
     root = Path(os.path.commonpath([str(r.path) for r in runs])) if runs else Path(".")
     while root != root.parent and not (root / "multirun.yaml").is_file():
         root = root.parent  # the sweep dir, where multirun.yaml lists the regimes in order
     rows = []
-    for name in _sweep_order(root, set(by)):
-        if not name.startswith("hl"):
+    for name in _sweep_order(root, name_of):
+        meta = metas[name]
+        offline, online = meta.get("baseline"), meta.get("target")
+        if meta.get("family") != "humanline" or offline not in by or online not in by:
             continue
-        suffix = name[2:]
-        offline = _baseline(suffix, by)
-        online = f"online{suffix}" if f"online{suffix}" in by else "online"
-        if offline in by and online in by:
-            for g in gap_rows(by[name] + by[offline] + by[online], ignore=SWEEP_IGNORE):
-                vs = f"{offline}, {online}"
-                g.label = name + ("" if vs == "offline, online" else f" (vs {vs})")
-                g.regime, g.compared_with = name, vs
-                rows.append(g)
+        for g in gap_rows(by[name] + by[offline] + by[online], ignore=SWEEP_IGNORE):
+            vs = f"{offline}, {online}"
+            g.label = name + ("" if vs == "offline, online" else f" (vs {vs})")
+            g.regime, g.compared_with = name, vs
+            rows.append(g)
     return rows
 
 

@@ -107,7 +107,7 @@ def parse_target(word: str, gpu_check: dict | None = None) -> TargetSpec:
         target_from_json(d)
     except (ValueError, KeyError, TypeError) as e:
         raise SpeedError(f"--target {word}: not a constants file ({type(e).__name__}: {e})") from None
-    return TargetSpec(d.get("target", "this"), constants=d)
+    return TargetSpec(f"{d.get('target', 'this')} ({p.name})", constants=d)  # two constants files stay apart
 
 
 def target_for(run, spec: TargetSpec, constants: list[dict], work_calls: tuple) -> tuple[Target, Shape] | None:

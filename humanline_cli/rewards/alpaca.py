@@ -48,7 +48,7 @@ import yaml
 from humanline_cli.atomic import write_json_atomic
 from humanline_cli.errors import UserError, one_line
 from humanline_cli.rewards.llm_judge import endpoint
-from humanline_cli.schema import JudgeConfig
+from humanline_cli.schema import AlpacaEvalOptions, JudgeConnection
 
 AUTHORS_ANNOTATOR = "alpaca_eval_gpt-4.1"  # templates/alpaca_eval_gpt-4.1.yaml
 MODEL_NAME, REFERENCE_NAME = "model", "reference"  # generator_2 / generator_1 in the annotations
@@ -56,25 +56,12 @@ RAW = "preference_raw_completion"
 PRICE = "preference_price_per_example"
 
 
-@dataclass(frozen=True)
-class AlpacaEvalSpec:
-    """The judge's settings; defaults are the schema's (judge=alpaca_eval), in one place."""
-    model: str = JudgeConfig.model
-    base_url: str | None = JudgeConfig.base_url  # None: $OPENAI_BASE_URL, else the OpenAI API
-    api_key_env: str = JudgeConfig.api_key_env  # the NAME of the variable; a local base_url may go without
-    annotator: str = JudgeConfig.annotator  # the authors' config, an alpaca_eval config name, or a YAML path
-    max_concurrency: int = JudgeConfig.max_concurrency
-    timeout_s: float = JudgeConfig.timeout_s
-    max_retries: int = JudgeConfig.max_retries  # the openai client's own retries (429, 5xx, connection)
-    price_input_per_mtok: float = JudgeConfig.price_input_per_mtok  # USD per million tokens
-    cache_dir: str | None = JudgeConfig.cache_dir  # None: no cache
-    lc_data: str | None = JudgeConfig.lc_data  # a local df_gamed.csv for LC (None: the hub dataset / HF cache)
+@dataclass
+class AlpacaEvalSpec(AlpacaEvalOptions, JudgeConnection):
+    """The judge's settings: the schema's (judge=alpaca_eval)."""
 
     def __post_init__(self):
-        bad = [f"{k}={getattr(self, k)!r}" for k, ok in [
-            ("model", bool(self.model)), ("api_key_env", bool(self.api_key_env)), ("annotator", bool(self.annotator)),
-            ("max_concurrency", self.max_concurrency >= 1), ("timeout_s", self.timeout_s > 0),
-            ("max_retries", self.max_retries >= 0), ("price_input_per_mtok", self.price_input_per_mtok >= 0)] if not ok]
+        bad = self.connection_problems() + ([] if self.annotator else [f"annotator={self.annotator!r}"])
         if bad:
             raise UserError(f"bad alpaca_eval judge setting: {', '.join(bad)}")
         if self.lc_data is not None:

@@ -36,41 +36,25 @@ from urllib.parse import urlparse
 from humanline_cli.atomic import write_json_atomic
 from humanline_cli.errors import UserError, one_line
 from humanline_cli.rewards.verdict import combine, outcome_for_a, parse_verdict
-from humanline_cli.schema import JudgeConfig
+from humanline_cli.schema import JudgeConnection, LLMJudgeOptions
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
 PLACEHOLDERS = ("instruction", "output_a", "output_b")
 ORDERS = ("ab", "ba")  # "ab": reply A is shown first (as Output (A)); "ba": reply B is shown first
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the server is part of the judge's identity (version 1 keys had no server)
 
 
-@dataclass(frozen=True)
-class LLMJudgeSpec:
-    """The judge's settings; defaults are the schema's (judge=llm), in one place."""
-    model: str = JudgeConfig.model
-    base_url: str | None = JudgeConfig.base_url  # None: $OPENAI_BASE_URL, else the OpenAI API
-    api_key_env: str = JudgeConfig.api_key_env  # the NAME of the variable; a local base_url may go without
-    template: str | None = JudgeConfig.template  # a file path; None: the bundled templates/pairwise.txt
-    both_orders: bool = JudgeConfig.both_orders
-    temperature: float = JudgeConfig.temperature
-    max_tokens: int = JudgeConfig.max_tokens
-    max_concurrency: int = JudgeConfig.max_concurrency
-    timeout_s: float = JudgeConfig.timeout_s
-    max_retries: int = JudgeConfig.max_retries  # on 408/409/429/5xx, timeouts and refused connections
+@dataclass
+class LLMJudgeSpec(LLMJudgeOptions, JudgeConnection):
+    """The judge's settings: the schema's (judge=llm), plus the retry backoff, which is not a config key."""
     backoff_base_s: float = 1.0  # exponential backoff base; a Retry-After header overrides it
     backoff_max_s: float = 60.0
-    price_input_per_mtok: float = JudgeConfig.price_input_per_mtok  # USD per million tokens (gpt-4.1 list price)
-    price_output_per_mtok: float = JudgeConfig.price_output_per_mtok
-    cache_dir: str | None = JudgeConfig.cache_dir  # None: no cache
 
     def __post_init__(self):
-        bad = [f"{k}={getattr(self, k)!r}" for k, ok in [
-            ("model", bool(self.model)), ("api_key_env", bool(self.api_key_env)),
-            ("max_tokens", self.max_tokens >= 1), ("max_concurrency", self.max_concurrency >= 1),
-            ("timeout_s", self.timeout_s > 0), ("max_retries", self.max_retries >= 0),
-            ("temperature", self.temperature >= 0), ("backoff_base_s", self.backoff_base_s >= 0),
-            ("price_input_per_mtok", self.price_input_per_mtok >= 0),
+        bad = self.connection_problems() + [f"{k}={getattr(self, k)!r}" for k, ok in [
+            ("max_tokens", self.max_tokens >= 1), ("temperature", self.temperature >= 0),
+            ("backoff_base_s", self.backoff_base_s >= 0),
             ("price_output_per_mtok", self.price_output_per_mtok >= 0)] if not ok]
         if bad:
             raise UserError(f"bad LLM judge setting: {', '.join(bad)}")
@@ -97,11 +81,22 @@ def render(template: str, instruction: str, output_a: str, output_b: str) -> str
     return re.sub(r"\{(instruction|output_a|output_b)\}", lambda m: values[m.group(1)], template)
 
 
-def cache_key(model: str, template_sha: str, prompt: str, first: str, second: str,
+def judge_server(base_url: str) -> str:
+    """The server part of a judge's identity: the URL without a trailing slash, its scheme and host lower-cased
+    (`HTTP://Host:8000/v1/` and `http://host:8000/v1` are one server)."""
+    u = urlparse(base_url.strip())
+    return u._replace(scheme=u.scheme.lower(), netloc=u.netloc.lower()).geturl().rstrip("/")
+
+
+def cache_key(server: str, model: str, template_sha: str, prompt: str, first: str, second: str,
               temperature: float = 0.0, max_tokens: int = 16) -> str:
-    """sha256 over everything that decides the judge's answer (the sampling settings included)."""
-    blob = json.dumps([CACHE_VERSION, model, template_sha, prompt, first, second, float(temperature), int(max_tokens)],
-                      ensure_ascii=False)
+    """sha256 over everything that identifies the judge and decides its answer. A judge is the server
+    (`judge_server` of the resolved base_url), the model name it serves, the template (its sha256) and the
+    sampling settings (temperature, max_tokens): one model name on two servers may be two different models
+    (a local vLLM's served name, a quantised deployment), so one server's verdicts never answer for
+    another's. Then the question: the prompt and both replies in the order shown."""
+    blob = json.dumps([CACHE_VERSION, server, model, template_sha, prompt, first, second, float(temperature),
+                       int(max_tokens)], ensure_ascii=False)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
@@ -227,7 +222,8 @@ class LLMJudge:
 
     def cache_key(self, prompt: str, first: str, second: str) -> str:
         s = self.spec
-        return cache_key(s.model, self.template_sha, prompt, first, second, s.temperature, s.max_tokens)
+        return cache_key(judge_server(self.base_url), s.model, self.template_sha, prompt, first, second, s.temperature,
+                         s.max_tokens)
 
     def compare(self, prompts: list[str], replies_a: list[str], replies_b: list[str]) -> PairwiseResult:
         if not len(prompts) == len(replies_a) == len(replies_b):
@@ -286,8 +282,8 @@ class LLMJudge:
             try:
                 for fut in as_completed(futures):
                     key, answer = futures[fut], fut.result()
-                    self._cache.put(key, {"v": CACHE_VERSION, "model": self.spec.model, "template_sha": self.template_sha,
-                                          **answer})
+                    self._cache.put(key, {"v": CACHE_VERSION, "server": judge_server(self.base_url),
+                                          "model": self.spec.model, "template_sha": self.template_sha, **answer})
                     fresh[key] = answer
             except BaseException:
                 stop.set()

@@ -12,10 +12,10 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from humanline_cli.errors import UserError
+
 # a signed integer or decimal, thousands commas allowed ("1,234.5"); a minus only directly before the digits
 NUMBER = re.compile(r"(?<![\d.])-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|(?<![\d.])-?\d+(?:\.\d+)?")
-
-from humanline_cli.errors import UserError
 
 
 def verify_batch(completions: list[str], answers: list | None, method: str = "math") -> list[float]:

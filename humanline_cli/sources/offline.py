@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from humanline_cli.sources.source import Shard, StepData, micro_batches
+from humanline_cli.core.interfaces import StepData
+from humanline_cli.sources.source import Shard, micro_batches
 
 
 class OfflineSource:

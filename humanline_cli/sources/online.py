@@ -31,12 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from humanline_cli.core.feedback import ScoredGroup
+from humanline_cli.core.interfaces import Completions, SamplingParams, StepData
 from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample, units_from_group
 from humanline_cli.errors import cannot_write
 from humanline_cli.rewards.scorers import checked
 from humanline_cli.sampling.rounds_worker import snapshot
-from humanline_cli.sampling.sampler import Completions, SamplingParams
-from humanline_cli.sources.source import Shard, StepData, micro_batches
+from humanline_cli.sources.source import Shard, micro_batches
 
 
 @dataclass(frozen=True)

@@ -1,26 +1,33 @@
-"""The one interface every data source implements."""
+"""What every data source shares: its rank's share of each global batch (the interface: core/interfaces.py)."""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
+
+from humanline_cli.core.interfaces import Source, StepData
 
 
-@dataclass
-class StepData:
-    micro_batches: list            # batches for one optimizer step
-    new_round: bool = False        # online: the first step of a sampling round
-    # online: the round's completion tokens per optimizer step it serves (objective.aggregation=dapo divides by it)
-    round_tokens_per_step: float | None = None
-    info: dict = field(default_factory=dict)
+class SourceWrapper:
+    """A source around another (the benches' clocks): every core.interfaces.Source method passes through;
+    a subclass overrides the ones it watches."""
 
+    def __init__(self, source: Source):
+        self.source = source
 
-class Source(Protocol):
-    def next_step(self, step: int) -> StepData: ...
+    def next_step(self, step: int) -> StepData:
+        return self.source.next_step(step)
 
-    def describe(self) -> str: ...
+    def describe(self) -> str:
+        return self.source.describe()
 
-    def close(self) -> None: ...
+    def state_dict(self) -> dict:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.source.load_state_dict(state)
+
+    def close(self) -> None:
+        self.source.close()
 
 
 @dataclass(frozen=True)

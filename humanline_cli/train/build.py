@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from humanline_cli.backend import (
     Backend,
@@ -23,19 +24,23 @@ from humanline_cli.backend import (
     make_backend,
     seed_everything,
     shard_model,
+    wait_for_rank0,
     wrap_policy,
 )
 from humanline_cli.config import RunSpec
+from humanline_cli.core.interfaces import Reference, Sampler, SamplingParams, Source
 from humanline_cli.core.logprobs import check_packing, packing_probe
+from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.core.reference import build_reference, reference_moves
 from humanline_cli.data.collate import Collator, Encoder
 from humanline_cli.data.examples import detect_format, to_units
 from humanline_cli.data.files import load_rows
 from humanline_cli.errors import UserError
 from humanline_cli.eval.evaluator import Evaluator
+from humanline_cli.eval.math500 import Math500Eval
+from humanline_cli.memory import MemoryEstimate
 from humanline_cli.models import load_policy, load_tokenizer
 from humanline_cli.rewards.scorers import make_scorer
-from humanline_cli.sampling.sampler import SamplingParams
 from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.online import OnlineSource, RoundSpec
 from humanline_cli.sources.source import Shard
@@ -118,24 +123,22 @@ def resolve_path(path: str, spec: RunSpec) -> str:
 @dataclass
 class Parts:
     backend: Backend
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     encoder: Encoder
-    policy: object
-    reference: object
-    source: object
-    evaluator: Evaluator
-    eval_sampler: object
-    train_model: object = None  # the module the loss differentiates: a DDP wrapper under DDP, else the policy
+    policy: torch.nn.Module
+    reference: Reference
+    source: Source
+    evaluator: Evaluator | None     # None: no judge evaluates (judge=none, task.judge.kind=none)
+    eval_sampler: Sampler
+    train_model: torch.nn.Module | None = None  # what the loss differentiates: a DDP wrapper under DDP, else the policy
     dist: Dist = Dist()
-    memory: object = None       # memory.MemoryEstimate, printed in the run header
-    math500: object = None      # eval/math500.Math500Eval (eval.math500.prompts set), else None
+    memory: MemoryEstimate | None = None  # printed in the run header (None: the model's config could not be read)
+    math500: Math500Eval | None = None    # eval.math500.prompts set, else None
 
     def close(self) -> None:
         """Release engines and samplers (a vLLM engine holds its memory until closed)."""
-        for obj in (self.source, self.eval_sampler):
-            close = getattr(obj, "close", None)
-            if close is not None:
-                close()
+        self.source.close()
+        self.eval_sampler.close()
 
 
 def model_paths(spec: RunSpec) -> tuple[str, str]:
@@ -165,41 +168,41 @@ def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = 
                             limit_key="eval.n_prompts")
     encoder.check_prompts(rows, where)
     seed = spec.seed if seed is None else seed
+    tl = spec.objective_cfg.tempered_logps  # a vLLM engine's mode: every request of the run asks for it
     if j.kind == "llm":
         from humanline_cli.rewards.llm_judge import LLMJudge, LLMJudgeSpec
 
-        judge = LLMJudge(LLMJudgeSpec(model=j.model, base_url=j.base_url, api_key_env=j.api_key_env, template=j.template,
-                                      both_orders=j.both_orders, temperature=j.temperature, max_tokens=j.max_tokens,
-                                      max_concurrency=j.max_concurrency, timeout_s=j.timeout_s,
-                                      max_retries=j.max_retries, price_input_per_mtok=j.price_input_per_mtok,
-                                      price_output_per_mtok=j.price_output_per_mtok,
-                                      cache_dir=str(Path(j.cache_dir).expanduser()) if j.cache_dir else None), seed)
-        return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge, shard=shard)
+        judge = LLMJudge(_judge_spec(LLMJudgeSpec, spec), seed)
+        return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge, shard=shard, tempered_logps=tl)
     if j.kind == "alpaca_eval":
         from humanline_cli.rewards.alpaca import AlpacaEvalJudge, AlpacaEvalSpec
 
-        judge = AlpacaEvalJudge(AlpacaEvalSpec(model=j.model, base_url=j.base_url, api_key_env=j.api_key_env,
-                                               annotator=j.annotator, max_concurrency=j.max_concurrency,
-                                               timeout_s=j.timeout_s, max_retries=j.max_retries,
-                                               price_input_per_mtok=j.price_input_per_mtok,
-                                               cache_dir=str(Path(j.cache_dir).expanduser()) if j.cache_dir else None,
-                                               lc_data=str(Path(resolve_path(j.lc_data, spec)).expanduser())
-                                               if j.lc_data else None),
-                                seed)
-        return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge, shard=shard)
+        judge = AlpacaEvalJudge(_judge_spec(AlpacaEvalSpec, spec), seed)
+        return Evaluator(rows, encoder, None, spec.eval_cfg, False, seed, pairwise=judge, shard=shard, tempered_logps=tl)
     subsets = [r.get("subset") for r in rows]
     if spec.task_cfg.world is not None and not any(subsets):  # the bundled tasks define theirs
         from humanline_cli.world.rewards import subset
 
         subsets = [subset(spec.task_cfg.world["kind"], encoder.prompt_text(r["prompt"])) for r in rows]
     return Evaluator(rows, encoder, make_scorer(asdict(spec.task_cfg.judge), device, "task.judge"), spec.eval_cfg,
-                     spec.task_cfg.verifiable, seed, subsets=subsets, shard=shard)
+                     spec.task_cfg.verifiable, seed, subsets=subsets, shard=shard, tempered_logps=tl)
 
 
-def build_math500(spec: RunSpec, encoder: Encoder, seed: int | None = None, shard: Shard = Shard()):
+def _judge_spec(cls, spec: RunSpec):
+    """An API judge's spec from judge.*: every field `cls` shares with the schema, its paths resolved."""
+    j = spec.judge_cfg
+    shared = {f.name for f in fields(cls)} & {f.name for f in fields(j)}
+    values = {name: getattr(j, name) for name in shared}
+    values["cache_dir"] = str(Path(j.cache_dir).expanduser()) if j.cache_dir else None
+    if values.get("lc_data"):
+        values["lc_data"] = str(Path(resolve_path(j.lc_data, spec)).expanduser())
+    return cls(**values)
+
+
+def build_math500(spec: RunSpec, encoder: Encoder, seed: int | None = None, shard: Shard = Shard()) -> Math500Eval | None:
     """eval.math500's problems and answers (a file or hub id), or None while eval.math500.prompts is unset;
     shared by `humanline train` and `humanline eval` like build_evaluator."""
-    from humanline_cli.eval.math500 import Math500Eval, load_problems
+    from humanline_cli.eval.math500 import load_problems
 
     m = spec.eval_cfg.math500
     if not m.prompts:
@@ -208,7 +211,8 @@ def build_math500(spec: RunSpec, encoder: Encoder, seed: int | None = None, shar
     rows, where = load_rows(source, m.split, m.n_prompts, None, limit_key="eval.math500.n_prompts")
     prompts, answers = load_problems(rows, where, m)
     return Math500Eval(prompts, answers, where, encoder, m, m.max_new_tokens or spec.eval_cfg.max_new_tokens,
-                       spec.seed if seed is None else seed, m.prompts, shard)
+                       spec.seed if seed is None else seed, m.prompts, shard,
+                       tempered_logps=spec.objective_cfg.tempered_logps)
 
 
 def logps_temperature(spec: RunSpec) -> float:
@@ -350,7 +354,8 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device):
     except (OSError, ValueError):
         return None  # load_policy reports the missing model in one line
     micro = spec.train.micro_batch_size
-    seqs = {"dpo": 2 * micro, "kto": micro}.get(spec.objective, micro * (spec.data_cfg.n if spec.regime == "online" else 2))
+    # a GRPO group is data.n samples online; offline groups come from pairs (2)
+    seqs = PROPERTIES[spec.objective].sequences(micro, spec.data_cfg.n if spec.regime == "online" else 2)
     b = spec.backend_cfg
     fsdp = b.strategy.value == "fsdp" and b.nproc > 1
     bf16 = b.precision.value == "bf16" or (b.precision.value == "auto" and device.type == "cuda")
@@ -405,13 +410,13 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     seed_everything(spec.seed)
     check_model_task(spec)
     if dist.enabled and not dist.is_main:  # rank 0 builds a bundled world first: two builders of one cache race
-        all_agree(True, dist)
+        wait_for_rank0()  # minutes: outside the training group's timeout
     with timer.phase("world"):  # the bundled world: built on first use (minutes), cached after
         prepare_world(spec)
     with timer.phase("model"):  # a packaged model (model=smollm2): converted on first use (minutes), cached after
         prepare_model(spec)
     if dist.enabled and dist.is_main:
-        all_agree(True, dist)
+        wait_for_rank0()
     seed_everything(spec.seed)  # a world built just now drew from the RNGs: LoRA's init must not depend on it
     model_path, tok_path = model_paths(spec)
     check_model_lengths(spec, model_path)  # config.json only: before any data or weight loads
@@ -454,8 +459,8 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
             check_packing(train_model, packing_probe(policy, backend.device))
     if spec.regime == "online":
         source = _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist)
-    eval_sampler = getattr(source, "sampler", None)  # online: evaluate with the round sampler
-    if eval_sampler is None:
+        eval_sampler = source.sampler  # online: evaluate with the round sampler
+    else:
         from humanline_cli.sampling.hf import HFSampler
 
         fsdp = strategy == "fsdp" and dist.enabled  # the sharded policy's forwards are collectives: lockstep

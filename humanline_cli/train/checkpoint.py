@@ -37,7 +37,8 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from humanline_cli.backend import Dist
+from humanline_cli.backend import Dist, wait_for_rank0
+from humanline_cli.core.reference import CachedReference
 from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample
 from humanline_cli.errors import UserError
 from humanline_cli.sources.online import TokenCompletion
@@ -164,21 +165,15 @@ class Checkpoints:
         computes the source's state (an asynchronous online source gathers its in-flight rounds' shares:
         a collective); rank 0's is written."""
         path = None
-        source_state = getattr(parts.source, "state_dict", None)
-        if source_state is None:
-            raise UserError(f"train.checkpoint_every > 0 needs a data source with state_dict() "
-                            f"({type(parts.source).__name__} has none)")
         sharded = fsdp_checkpoint.is_sharded(parts)
         if sharded and not self._save_shards(step, parts, opt, moving):
             return None
         # every rank: an asynchronous online source gathers its in-flight rounds' shares here (a collective)
-        source = source_state()
+        source = parts.source.state_dict()
         if self.dist.is_main:
             path = self._write(step, parts, opt, sched, timer, last, moving, source, sharded)
-        if self.dist.enabled:
-            import torch.distributed as tdist
-
-            tdist.barrier()
+        if self.dist.enabled:  # rank 0 writes and hashes the files (minutes at 8B): a wait, not a collective
+            wait_for_rank0()
         return path
 
     def _save_shards(self, step: int, parts, opt, moving: bool) -> bool:
@@ -222,7 +217,7 @@ class Checkpoints:
         rng_tensors, rng = _rng_state()
         tensors.update(rng_tensors)
         cache_keys = None
-        if hasattr(parts.reference, "export"):  # the reference log-prob cache: resumed runs reuse its numbers
+        if isinstance(parts.reference, CachedReference):  # resumed runs reuse the cache's numbers
             cache_keys, cache = parts.reference.export()
             tensors.update({f"reference_cache.{k}": v for k, v in cache.items()})
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
@@ -302,7 +297,7 @@ class Checkpoints:
 
             for name, side in state["baselines"].items():  # baseline, greedy_baseline
                 setattr(parts.evaluator, name, Side(side["texts"], side["scores"]))
-        if state.get("reference_cache_keys") is not None and hasattr(parts.reference, "restore"):
+        if state.get("reference_cache_keys") is not None and isinstance(parts.reference, CachedReference):
             parts.reference.restore(state["reference_cache_keys"], part("reference_cache."))
         _set_rng_state({k: v for k, v in tensors.items() if k.startswith("rng.")}, state["rng"])
         return int(state["step"]), dict(state["last_metrics"])

@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 
 from humanline_cli import __version__
 from humanline_cli.atomic import write_text_atomic
+from humanline_cli.backend import wait_for_rank0
 from humanline_cli.config import RunSpec
 from humanline_cli.errors import RunFailed
 from humanline_cli.eval.evaluator import flat_metrics
@@ -56,29 +57,42 @@ def header(spec: RunSpec, parts, console: Console) -> None:
                   f"({tr.schedule}, warm-up {tr.warmup_ratio:.0%})")
 
 
-def finish(spec: RunSpec, parts, run_dir: Path, main: bool, tracker, timer: PhaseTimer, console: Console,
-           last: dict, resumed: int | None) -> dict:
-    """After the last step: evaluate the trained policy, save it, write summary.json. Only rank 0 (`main`)
-    writes; the other ranks join the collectives (sampling, FSDP's gather of the weights). Returns the summary."""
-    out = run_dir if main else None
+def finish(spec: RunSpec, parts, tracker, timer: PhaseTimer, run_dir: Path, last: dict, resumed: int | None) -> dict:
+    """After the last step: the model, then summary.json (status "trained", no eval yet), then the end-of-run
+    evaluations, then summary.json with them (status "complete"). An evaluation that fails (an API judge
+    down, a benchmark's sampling error) leaves a usable model and its training summary; the trainer
+    checkpoints the last step when an evaluation follows, so the same command resumes there and only
+    evaluates. A run resumed from its last step keeps the model its first attempt saved."""
+    main = parts.dist.is_main
+    model_dir = run_dir / "model"
+    if spec.train.save_model and not (resumed == spec.train.steps and (model_dir / "config.json").is_file()):
+        with timer.phase("save"):
+            # a collective under FSDP (gathers the full weights)
+            save_model(parts, model_dir, saved_dtype(spec.train.save_dtype, parts.backend))
+            wait_for_rank0()  # rank 0 writes the files: the others wait outside the training group's timeout
+    if parts.evaluator is not None or parts.math500 is not None:
+        tracker.summary(run_summary(spec, parts, timer, last, resumed, None, "trained"))
     ev = None  # judge=none: train only
     if parts.evaluator is not None:
         with timer.phase("eval"):
             parts.eval_sampler.push_weights(parts.policy)  # a vLLM engine holds the last round's weights
-            ev = parts.evaluator.evaluate(parts.eval_sampler, out / "eval_samples.jsonl" if out else None)
+            ev = parts.evaluator.evaluate(parts.eval_sampler, run_dir / "eval_samples.jsonl" if main else None)
     if parts.math500 is not None:  # eval.math500: benchmark accuracy of the trained policy
         with timer.phase("eval"):
             if parts.evaluator is None:
                 parts.eval_sampler.push_weights(parts.policy)
-            m500 = parts.math500.evaluate(parts.eval_sampler, out / "math500_samples.jsonl" if out else None)
+            m500 = parts.math500.evaluate(parts.eval_sampler, run_dir / "math500_samples.jsonl" if main else None)
         ev = {**(ev or {}), "math500": m500}
         tracker.log(spec.train.steps, {**flat_metrics({"math500": m500}), "wall_s": timer.elapsed()})
-    if spec.train.save_model:
-        with timer.phase("save"):
-            # a collective under FSDP (gathers the full weights)
-            save_model(parts, run_dir / "model", saved_dtype(spec.train.save_dtype, parts.backend))
-    summary = {
-        "status": "complete",
+    summary = run_summary(spec, parts, timer, last, resumed, ev, "complete")
+    tracker.summary(summary)
+    return summary
+
+
+def run_summary(spec: RunSpec, parts, timer: PhaseTimer, last: dict, resumed: int | None, ev: dict | None,
+                status: str) -> dict:
+    return {
+        "status": status,
         "objective": spec.objective,
         "data": spec.regime,
         "humanline": spec.humanline_on,
@@ -100,10 +114,6 @@ def finish(spec: RunSpec, parts, run_dir: Path, main: bool, tracker, timer: Phas
                      "transformers": transformers.__version__},
         "git_commit": _git_commit(),
     }
-    tracker.summary(summary)
-    if main:
-        print_summary(summary, run_dir, console)
-    return summary
 
 
 def peak_memory(parts) -> dict:

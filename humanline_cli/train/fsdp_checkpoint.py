@@ -45,7 +45,7 @@ def save_shards(tmp: Path, parts, opt, moving: bool) -> None:
     A collective; a failure on any rank raises on every rank (DCP gathers the ranks' results)."""
     import torch.distributed.checkpoint as dcp
 
-    for m in (parts.policy, getattr(parts.reference, "model", None)):
+    for m in (parts.policy, parts.reference.model):
         if hasattr(m, "reshard"):  # after a forward the root may hold unsharded tensors: save the shards
             m.reshard()
     dcp.save(_state(parts, opt, moving), checkpoint_id=str(Path(tmp) / SHARDS))

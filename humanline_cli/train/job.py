@@ -32,13 +32,14 @@ from pathlib import Path
 from rich.console import Console
 
 from humanline_cli.atomic import write_text_atomic
-from humanline_cli.config import RunSpec, validate
+from humanline_cli.backend import wait_for_rank0
+from humanline_cli.config import RunSpec, resolve
 from humanline_cli.core.humanline import ReferenceRule
 from humanline_cli.errors import Interrupted, Preempted, RunFailed, UserError, one_line
 from humanline_cli.train import failures
 from humanline_cli.train.build import build_parts
 from humanline_cli.train.checkpoint import Checkpoints
-from humanline_cli.train.finish import finish, header
+from humanline_cli.train.finish import finish, header, print_summary
 from humanline_cli.train.lock import RunDirLock
 from humanline_cli.train.rundir import is_complete, prepare_run_dir
 from humanline_cli.train.signals import StepMarker, StopSignal, interrupted_where
@@ -152,7 +153,7 @@ class Job:
         if lock.stale:
             print(f"humanline: note: {run_dir} was locked by a job that is gone ({lock.stale}); taking it over",
                   file=sys.stderr)
-        spec = dataclasses.replace(validate(self.cfg), cwd=str(self.ctx.cwd))
+        spec = dataclasses.replace(resolve(self.cfg), cwd=str(self.ctx.cwd))
         if is_complete(run_dir, spec.config, spec.resume):
             print(f"humanline: skipping {run_dir}: already complete (resume=false starts over)", file=sys.stderr)
             return None
@@ -295,6 +296,7 @@ def run_rank(spec: RunSpec, ctx: Context, console: Console | None = None) -> dic
             resume_from = checkpoints.latest() if spec.resume else None
             tracker = Tracker(ctx.run_dir, spec.config, spec.wandb, ctx.run_dir.name,
                               resume=resume_from is not None) if ctx.main else NullTracker()
+            wait_for_rank0()  # rank 0 starts wandb (seconds): the others wait outside the training group's timeout
         resumed = int(resume_from.name.removeprefix("step_")) if resume_from is not None else None
         if resumed is not None:
             console.print(f"humanline: resuming {ctx.run_dir} from step {resumed} of {tr.steps} "
@@ -309,8 +311,10 @@ def run_rank(spec: RunSpec, ctx: Context, console: Console | None = None) -> dic
                      console=console, eval_every=spec.eval_cfg.every, checkpoints=checkpoints,
                      resume_from=resume_from, at=at)
         trained = True  # an interruption from here on lands after training
-        summary = finish(spec, parts, ctx.run_dir, ctx.main, tracker, timer, console, last, resumed)
+        summary = finish(spec, parts, tracker, timer, ctx.run_dir, last, resumed)
         tracker.finish(0)
+        if ctx.main:
+            print_summary(summary, ctx.run_dir, console)
         return summary
     except BaseException as caught:
         e = out_of_memory(caught) or caught  # one line instead of torch's allocator traceback

@@ -7,7 +7,7 @@ vLLM samples within its max_model_len) are config rules, checked earlier in conf
 """
 from __future__ import annotations
 
-from humanline_cli.config import RunSpec, eval_new_tokens, judge_evaluates
+from humanline_cli.config import RunSpec, eval_new_tokens, evaluates
 from humanline_cli.errors import UserError
 
 
@@ -37,7 +37,7 @@ def check_model_lengths(spec: RunSpec, model_path: str) -> None:
         raise UserError(f"train.max_length ({t.max_length}) > {where}: set train.max_length<={limit}, and "
                         f"train.max_prompt_length, eval.max_new_tokens, data.max_new_tokens to fit within it "
                         f"(their defaults come from task.lengths)")
-    new = eval_new_tokens(spec.eval_cfg, judge_evaluates(spec.judge_cfg, spec.task_cfg))
+    new = eval_new_tokens(spec.eval_cfg, evaluates(spec.judge_cfg, spec.task_cfg))
     if t.max_prompt_length + new > limit:  # evaluation samples past train.max_length (config.check_lengths)
         key = "eval.max_new_tokens" if new == spec.eval_cfg.max_new_tokens else "eval.math500.max_new_tokens"
         raise UserError(f"train.max_prompt_length ({t.max_prompt_length}) + {key} ({new}) > {where}: "

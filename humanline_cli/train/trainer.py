@@ -272,8 +272,11 @@ class Saver:
                  steps: int):
         self.checkpoints, self.parts, self.opt, self.sched, self.timer = checkpoints, parts, opt, sched, timer
         self.moving, self.steps = moving, steps  # moving: the reference can leave the starting weights
+        # the last step too when an evaluation follows it: a failed end-of-run eval is rerun from there, not retrained
+        self.end_eval = parts.evaluator is not None or parts.math500 is not None
 
     def at_end_of(self, step: int, last: dict, now: bool = False) -> None:
+        now = now or (step == self.steps and self.end_eval)
         c = self.checkpoints
         if c is not None and (c.due(step) or (now and c.every > 0)):
             with self.timer.phase("checkpoint"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 
-from humanline_cli.world.arithmetic import CARRY_DROP
+from humanline_cli.world.arithmetic import CARRY_DROP, DIGITS
 
 _COMMON = {
     "seed": 0,
@@ -71,6 +71,9 @@ DEFAULTS["preference"]["offline"]["other_sft"]["steps"] = 400
 # Arithmetic's noisy teacher forgets a carry this often (see arithmetic.teacher);
 # at the default it is left out of the world's hash (naming.hash_view).
 DEFAULTS["arithmetic"]["sft"]["carry_drop"] = CARRY_DROP
+# Operand width: `ab+cd=` (2) or `abc+def=` (3, where the teacher drops each carry independently, so its
+# errors fall geometrically with the number of carries); at 2 it is left out of the world's hash.
+DEFAULTS["arithmetic"]["digits"] = DIGITS
 
 
 def deep_merge(base: Mapping, override: Mapping) -> dict:
@@ -103,6 +106,8 @@ def resolve(cfg: Mapping) -> dict:
         raise ValueError("world.format=plain needs the arithmetic task (preference prompts have no end marker)")
     if kind == "arithmetic" and not 0.0 <= full["sft"]["carry_drop"] <= 1.0:
         raise ValueError(f"world.sft.carry_drop must be in [0, 1], not {full['sft']['carry_drop']!r}")
+    if kind == "arithmetic" and full["digits"] not in (2, 3):
+        raise ValueError(f"world.digits must be 2 or 3, not {full['digits']!r}")
     if full["offline"]["n_per_prompt"] < 2:
         raise ValueError("world.offline.n_per_prompt must be >= 2 (pairs need two replies)")
     if full["offline"]["source"] not in ("rule", "model", "policy"):

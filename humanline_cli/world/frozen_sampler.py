@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from humanline_cli.sampling.sampler import Completions, SamplingParams, cut_at_eos
+from humanline_cli.core.interfaces import Completions, SamplingParams
+from humanline_cli.sampling.sampler import cut_at_eos
 
 
 class FrozenWorldSampler:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from humanline_cli.sampling.sampler import SamplingParams
+from humanline_cli.core.interfaces import SamplingParams
 from humanline_cli.world import arithmetic, offline_data, policy, preference, rewards
 from humanline_cli.world.frozen_sampler import FrozenWorldSampler
 from humanline_cli.world.naming import hash_view
@@ -37,8 +37,12 @@ from humanline_cli.world.tokenizer import build_tokenizer
 STUCK_LOSS = {"arithmetic": 0.6}
 RESCUE_ROUNDS = 2
 
-# Longest reply + EOS, with slack so a rambling policy is still cut short.
+# Longest reply + EOS, with slack so a rambling policy is still cut short (arithmetic: d + 1 answer digits).
 MAX_NEW = {"arithmetic": 5, "preference": 16}
+
+
+def max_new(kind: str, digits: int = arithmetic.DIGITS) -> int:
+    return digits + 3 if kind == "arithmetic" else MAX_NEW[kind]
 
 
 def _teacher(kind: str, name: str, carry_drop: float = arithmetic.CARRY_DROP):
@@ -56,7 +60,8 @@ def _prompts(cfg: dict, rng: random.Random):
     kind = cfg["kind"]
     teacher = _teacher(kind, cfg["sft"]["teacher"], cfg["sft"].get("carry_drop", arithmetic.CARRY_DROP))
     if kind == "arithmetic":
-        train, eval_, pool = arithmetic.split_prompts(rng, cfg["n_train_prompts"], cfg["n_eval_prompts"])
+        train, eval_, pool = arithmetic.split_prompts(rng, cfg["n_train_prompts"], cfg["n_eval_prompts"],
+                                                      cfg.get("digits", arithmetic.DIGITS))
         return train, eval_, (lambda r: r.choice(pool)), teacher
     train, eval_, banned = preference.split_prompts(rng, cfg["n_train_prompts"], cfg["n_eval_prompts"])
 
@@ -67,6 +72,11 @@ def _prompts(cfg: dict, rng: random.Random):
                 return p
 
     return train, eval_, draw, teacher
+
+
+def _digits(prompts: list[str]) -> int:
+    """Arithmetic's operand width, read from a prompt (every prompt of a world has the same)."""
+    return len(prompts[0].split("+")[0]) if prompts and "+" in prompts[0] else arithmetic.DIGITS
 
 
 def _int_seed(key: str) -> int:
@@ -86,14 +96,14 @@ def measure(kind: str, model, tok, prompts: list[str], seed: int) -> dict:
     prompt_ids = [enc.prompt(p) for p in prompts]
     out: dict = {"n_eval": len(prompts)}
     for name, temperature in (("greedy", 0.0), ("sampled", 1.0)):
-        params = SamplingParams(n=1, temperature=temperature, max_new_tokens=MAX_NEW[kind], seed=seed)
+        params = SamplingParams(n=1, temperature=temperature, max_new_tokens=max_new(kind, _digits(prompts)), seed=seed)
         completions = sampler.generate(prompt_ids, params)
         ids, texts = completions.token_ids, completions.texts
         out[f"{name}_eos_rate"] = sum(bool(i) and i[-1] == tok.eos_token_id for i in ids) / len(ids)
         judged = rewards.score(kind, "judge", prompts, texts)
         if kind == "arithmetic":
             out[f"{name}_accuracy"] = sum(judged) / len(judged)
-            carry = [s for p, s in zip(prompts, judged) if int(p[1]) + int(p[4]) >= 10]
+            carry = [s for p, s in zip(prompts, judged) if arithmetic.carries(p)]
             out[f"{name}_accuracy_carry"] = sum(carry) / max(1, len(carry))
         else:
             out[f"{name}_judge"] = sum(judged) / len(judged)
@@ -173,7 +183,7 @@ def sample_iid(kind: str, model, tok, prompts: list[str], n: int, seed: int, bat
     starting policy's samples, scored, best vs worst). Prompt-major; seeded like `sample_distinct`."""
     enc = policy.WorldCodec(tok)
     sampler = FrozenWorldSampler(model, tok, batch_size=batch_size)
-    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=MAX_NEW[kind], seed=seed)
+    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new(kind, _digits(prompts)), seed=seed)
     texts = sampler.generate([enc.prompt(p) for p in prompts], params).texts
     return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
 
@@ -189,7 +199,7 @@ def sample_distinct(
     enc = policy.WorldCodec(tok)
     sampler = FrozenWorldSampler(model, tok, batch_size=batch_size)
     k = n * oversample
-    params = SamplingParams(n=k, temperature=1.0, max_new_tokens=MAX_NEW[kind], seed=seed)
+    params = SamplingParams(n=k, temperature=1.0, max_new_tokens=max_new(kind, _digits(prompts)), seed=seed)
     texts = sampler.generate([enc.prompt(p) for p in prompts], params).texts  # prompt-major
     out = []
     for i in range(len(prompts)):

@@ -29,7 +29,7 @@ WORLD_FILES = (
 MODEL_SOURCE_KEYS = ("source", "other_sft")
 # Knobs added after worlds were named, and the value every earlier world had: at that value
 # they are left out of the hash, so those worlds keep their names.
-LATER_KNOBS = {("format",): "chat", ("sft", "carry_drop"): 0.6}
+LATER_KNOBS = {("format",): "chat", ("sft", "carry_drop"): 0.6, ("digits",): 2}
 
 
 def hash_view(full: Mapping) -> dict:

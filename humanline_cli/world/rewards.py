@@ -114,9 +114,11 @@ def score(task: str, role: str, prompts: list[str], completions: list[str]) -> l
 
 
 def subset(task: str, prompt: str) -> str | None:
-    """The subset an eval prompt belongs to, where the task defines subsets (arithmetic: whether the
-    ones digits carry); None for tasks without subsets."""
+    """The subset an eval prompt belongs to, where the task defines subsets (arithmetic: whether any
+    column carries inside the operands' width, i.e. the ones digits at two digits); None for tasks without
+    subsets."""
     if task != "arithmetic":
         return None
-    a, b = (int(x) for x in str(prompt).rstrip("=").split("+"))
-    return "carry" if a % 10 + b % 10 >= 10 else "no_carry"
+    from humanline_cli.world.arithmetic import carries
+
+    return "carry" if carries(str(prompt)) else "no_carry"

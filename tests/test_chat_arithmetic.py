@@ -1,0 +1,61 @@
+"""task=chat_arithmetic without a model: the generated prompt files (deterministic, train and eval disjoint, the
+difficulty knobs, written atomically into the cache) and the verifier that reads the reply's last number."""
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import pytest
+
+from humanline_cli.errors import UserError
+from humanline_cli.rewards.verifier import final_number, verify_batch
+from humanline_cli.world import chat_arithmetic
+
+CFG = {"kind": "chat_arithmetic", "digits": 2, "op": "add", "n_train": 300, "n_eval": 50, "seed": 0}
+
+
+def test_final_number_reads_the_last_number():
+    assert final_number("To add 27 and 82: 27 + 82 = 109.") == 109
+    assert final_number("The sum is 1,234.") == 1234
+    assert final_number("82 - 90 = -8") == -8
+    assert final_number("about 3.50") == Fraction(7, 2)
+    assert final_number("no digits here") is None
+    assert final_number("109 is the sum of 27 and 82") == 82  # the last number, whatever the prose says
+    assert verify_batch(["27 + 82 = 109.", "= 109.0", "108", "", "109<|im_end|>"], ["109"] * 5,
+                        "final_number") == [1.0, 1.0, 0.0, 0.0, 1.0]
+
+
+def test_generated_prompts_are_deterministic_disjoint_and_correct():
+    train, eval_ = chat_arithmetic.generate(CFG)
+    assert (len(train), len(eval_)) == (300, 50)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in eval_}
+    assert chat_arithmetic.generate(CFG) == (train, eval_)
+    for r in train + eval_:
+        a, op, b = r["prompt"].removeprefix("What is ").removesuffix("?").split()
+        assert op == "+" and 10 <= int(a) <= 99 and 10 <= int(b) <= 99 and int(r["answer"]) == int(a) + int(b)
+    mixed, _ = chat_arithmetic.generate({**CFG, "digits": 3, "op": "mixed"})
+    ops = {r["prompt"].split()[3] for r in mixed}
+    assert ops == {"+", "-", "*"}
+    for r in mixed:
+        a, op, b = r["prompt"].removeprefix("What is ").removesuffix("?").split()
+        assert 100 <= int(a) <= 999 and 100 <= int(b) <= 999
+        assert int(r["answer"]) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        assert int(r["answer"]) >= 0  # sub puts the larger operand first
+
+
+def test_materialise_writes_once_and_names_by_the_knobs(tmp_path):
+    d = chat_arithmetic.materialise(CFG, tmp_path)
+    assert d == chat_arithmetic.task_dir(CFG, tmp_path) and d.name.startswith("chat_arithmetic-")
+    rows = [json.loads(x) for x in (d / "prompts_eval.jsonl").read_text().splitlines()]
+    assert rows == chat_arithmetic.generate(CFG)[1]
+    assert chat_arithmetic.materialise(CFG, tmp_path) == d
+    assert chat_arithmetic.task_dir({**CFG, "digits": 3}, tmp_path) != d
+    assert [p.name for p in tmp_path.iterdir()] == [d.name]  # no temporary left behind
+
+
+@pytest.mark.parametrize("bad, key", [({"op": "div"}, "op"), ({"digits": 0}, "digits"),
+                                      ({"digits": 1, "n_train": 100}, "do not fit")])
+def test_bad_knobs_are_one_line(bad, key):
+    with pytest.raises(UserError) as e:
+        chat_arithmetic.check({**CFG, **bad})
+    assert key in str(e.value) and "\n" not in str(e.value)

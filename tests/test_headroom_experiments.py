@@ -1,0 +1,48 @@
+"""The headroom pilot and the pre-registered study compose, have the sizes they state, and run what
+docs/results.md pre-registers (GRPO, online / stale64 / humanline sync 16 band [-1.5, 1.5], 1,024 eval prompts)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+
+def _compose(*overrides, hydra_cfg: bool = False):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return compose("train", overrides=list(overrides), return_hydra_config=hydra_cfg)
+
+
+def _points(cfg) -> list[list[str]]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    swept = parser.parse_overrides([f"{k}={v}" for k, v in cfg.hydra.sweeper.params.items()])
+    return [list(p) for p in itertools.product(*([f"{o.key_or_group}={v}" for v in o.sweep_string_iterator()]
+                                                 for o in swept))]
+
+
+@pytest.mark.parametrize("name,size", [("laptop_pilot_headroom", 6), ("laptop_headroom", 15)])
+def test_headroom_experiments_compose_with_their_stated_size(name, size):
+    from humanline_cli.config import resolve
+
+    cfg = _compose(f"experiment={name}", hydra_cfg=True)
+    points = _points(cfg)
+    assert len(points) == cfg.regime_study_size == size
+    assert cfg.hydra.launcher._target_.endswith("BasicLauncher")  # one run at a time
+    specs = [resolve(_compose(f"experiment={name}", *p)) for p in points]
+    assert all(s.objective == "grpo" and s.eval_cfg.n_prompts == 1024 and s.eval_cfg.greedy for s in specs)
+    assert all(s.task_cfg.world["n_eval_prompts"] == 1024 and s.task_cfg.world["format"] == "plain" for s in specs)
+    hl = [s for s in specs if s.humanline_on]
+    assert len(hl) == size // 3
+    assert all((s.humanline.sync_every, s.humanline.log_eps_P, s.humanline.log_eps_R) == (16, -1.5, 1.5) for s in hl)
+    stale = [s for s in specs if s.data_cfg.generate_every == 64]
+    assert len(stale) == 2 * size // 3  # stale64 and humanline on it; online has no generate_every
+    if name == "laptop_headroom":
+        assert {s.seed for s in specs} == {1, 2, 3, 4, 5}  # seed 0 was the pilot's
+        assert all(s.task_cfg.world["digits"] == 3 for s in specs)
+        assert points[0][0] == "seed=1" and points[2][0] == "seed=1"  # seeds outer: an interrupted sweep keeps whole seeds
+    else:
+        worlds = {(s.task_cfg.world["digits"], s.task_cfg.world["sft"]["carry_drop"]) for s in specs}
+        assert worlds == {(2, 0.9), (3, 0.6)}
