@@ -9,8 +9,9 @@
   4. record the job in the dir: `.hydra/` (config, hydra, overrides; secrets masked) and train.log;
   5. run it here, on the ranks it starts (torch's elastic launch), or as rank 0 of torchrun's ranks
      (rank 0 does 1-4 and hands the spec and run dir to the others).
-`run_rank` is one rank's part: set up (parts, resume), train, finish (model, summary.json, the end-of-run evaluations), and
-on failure failed.json (rank 0) and the rank's record for whoever reports the job (train/failures.py).
+`run_rank` is one rank's part: set up (parts, resume), train, finish (model, summary.json, the end-of-run
+evaluations), and on failure failed.json (rank 0) and the rank's record for whoever reports the job
+(train/failures.py).
 
 `outcome` is the one table from an exception to (exit code, one-line message); `failure_record` the
 failed.json record the rank writes for the same exception. The job's context (rank, world size, run
