@@ -70,6 +70,7 @@ class RunSpec:
     check_model_task: S.CheckModelTask
     notes: tuple[str, ...]  # one-line notices for the run header (derived settings the user should know)
     config: dict            # the full resolved config, for logging
+    cwd: str | None = None  # where the command was typed (relative paths mean files there); set by the job
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,39 @@
-"""UserError: a mistake the user can fix (bad config, bad data). The CLI prints it as one line, exit 2."""
+"""Every exception the program raises on purpose, and the one-line form of an error.
+
+How each one ends a `humanline train` job (exit code, failed.json, message) is one table, in
+train/job.py `outcome`."""
+from __future__ import annotations
+
 import sys
 
 
 class UserError(Exception):
-    """Raised for bad input; the message must name the problem (and file:line for data)."""
+    """Raised for bad input; the message must name the problem (and file:line for data). Exit 2."""
 
 
 class RunFailed(Exception):
-    """Raised when a run cannot continue (NaN loss, sampler timeout); the run dir is marked incomplete."""
+    """Raised when a run cannot continue (NaN loss, sampler timeout); the run dir is marked incomplete. Exit 2."""
 
 
 class Preempted(RunFailed):
     """SIGTERM (SLURM preemption or time limit) stopped the run at a step boundary, after a checkpoint
     when checkpointing is configured; the CLI prints one line and exits 143 (128 + SIGTERM)."""
+
+
+class PeerFailed(RunFailed):
+    """This rank stops because another one failed (agreed by a collective): that rank names the cause."""
+
+
+class RankCrashed(RuntimeError):
+    """A rank of a distributed job hit a bug (not bad input): the CLI lets it through, exit 1."""
+
+
+class RunDirBusy(UserError):
+    """Another live job holds the run dir's lock."""
+
+
+class RunDirConflict(UserError):
+    """The run dir holds a run made with another config (or one that cannot be checked)."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -22,6 +43,15 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, where: str):
         super().__init__(where)
         self.where = where
+
+
+def one_line(e: BaseException, secret: str | None = None, limit: int | None = None) -> str:
+    """An error's message on one line (its lines joined), or its type's name when it has none; `secret`
+    (a key a server may echo back, 6 characters or more) masked; at most `limit` characters."""
+    text = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
+    if secret and len(secret) >= 6:
+        text = text.replace(secret, "***")
+    return text[:limit] if limit is not None else text
 
 
 def cannot_write(path, e: BaseException) -> RunFailed:

@@ -80,6 +80,18 @@ def build_tiny_reward_model(path: Path):
 
 
 @pytest.fixture
+def fault_env():
+    """`fault_env(rank="1:3:kill")` or `fault_env(sampler="kill@3:1")`: the environment for a subprocess run
+    with that fault injected (tests/faults/sitecustomize.py patches every process of the run)."""
+    def make(rank: str | None = None, sampler: str | None = None) -> dict:
+        path = os.pathsep.join(p for p in (str(Path(__file__).parent / "faults"), os.environ.get("PYTHONPATH")) if p)
+        return {"PYTHONPATH": path, **({"HL_FAULT": rank} if rank else {}),
+                **({"HL_SAMPLER_FAULT": sampler} if sampler else {})}
+
+    return make
+
+
+@pytest.fixture
 def one_thread():
     """torch on one thread for the test (restored after): in-process training tests on a shared machine."""
     import torch

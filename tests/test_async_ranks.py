@@ -83,13 +83,13 @@ def test_two_ddp_ranks_at_lag_1_equal_one_process(tmp_path, one):
     _assert_same_run(one, _outputs(run))
 
 
-def test_fsdp_sampler_fault_on_rank_1_is_one_line_then_the_rerun_resumes_to_one_process(tmp_path, one):
+def test_fsdp_sampler_fault_on_rank_1_is_one_line_then_the_rerun_resumes_to_one_process(tmp_path, one, fault_env):
     """FSDP2, lag 1. Rank 1's sampler process is killed as round 3 reaches it (during step 2): rank 1 fails
     at step 2's checkpoint, which waits for round 3; rank 0 is stopped; one error line, rank 1's, exit 2,
     well before backend.timeout_s. The rerun (same command) resumes from step 1's checkpoint, whose in-flight
     round 2 every rank takes its share of, and ends with the one-process run's samples, losses and weights."""
     extra = ["backend.strategy=fsdp", *TWO]
-    run, r, wall = _run(tmp_path, "fsdp", extra, env={"HUMANLINE_TEST_SAMPLER_FAULT": "kill@3:1"}, code=2)
+    run, r, wall = _run(tmp_path, "fsdp", extra, env=fault_env(sampler="kill@3:1"), code=2)
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("humanline: error:")]
     assert len(errors) == 1 and errors[0].endswith(
         "rank 1: the sampler process died (killed by signal 9) while sampling round 3"), r.stderr[-3000:]

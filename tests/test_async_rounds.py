@@ -1,4 +1,4 @@
-"""Asynchronous online rounds (issue 26): data.async_lag=L samples round r + L, from the weights at the start
+"""Asynchronous online rounds: data.async_lag=L samples round r + L, from the weights at the start
 of round r, while round r trains. The sampler runs in a spawn child process (data.async_worker=process) or,
 for reference, sequentially in this process (inline). Lag 0 is the synchronous path itself (test_online.py,
 test_stale_rounds.py and test_kill9_resume.py pin it)."""
@@ -171,17 +171,18 @@ def test_kill9_mid_round_then_resume_equals_uninterrupted(cache_dir, tmp_path):
     ("raise@2", "the sampler process failed on round 2: RuntimeError: injected sampler fault at round 2"),
     ("hang@2", "the sampler process gave no round 2 within sampler.timeout_s=3s"),
 ])
-def test_a_failing_sampler_process_is_one_runfailed_line_never_a_hang(cache_dir, monkeypatch, fault, needle):
+def test_a_failing_sampler_process_is_one_runfailed_line_never_a_hang(cache_dir, monkeypatch, fault_env, fault, needle):
     """The real child (the world's model): round 1 comes back; round 2 dies, raises or hangs."""
     from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.errors import RunFailed
-    from humanline_cli.sampling.rounds_worker import FAULT_ENV, ChildSpec, SamplerProcess, snapshot
+    from humanline_cli.sampling.rounds_worker import ChildSpec, SamplerProcess, snapshot
     from humanline_cli.train.build import model_paths, prepare_world
 
     spec = _validate(*TINY_WORLD, "task=preference")
     prepare_world(spec, progress=False)
     model_path, tok_path = model_paths(spec)
-    monkeypatch.setenv(FAULT_ENV, fault)  # the spawn child inherits it
+    for key, value in fault_env(sampler=fault).items():  # the spawn child inherits them
+        monkeypatch.setenv(key, value)
     proc = SamplerProcess(ChildSpec(model_path, tok_path, False, "fp32", 1, 8), timeout_s=3.0)
     try:
         import torch
@@ -205,10 +206,10 @@ def test_a_failing_sampler_process_is_one_runfailed_line_never_a_hang(cache_dir,
         assert time.time() - t < 10 and not proc.proc.is_alive()  # close never waits on a hung child
 
 
-def test_a_dead_sampler_process_is_one_line_and_exit_2(cache_dir, tmp_path):
+def test_a_dead_sampler_process_is_one_line_and_exit_2(cache_dir, tmp_path, fault_env):
     run = tmp_path / "run"
     r = run_cli(["train", *BASE, *ASYNC, "train.steps=4", "train.checkpoint_every=0", f"hydra.run.dir={run}"],
-                tmp_path, env_extra={"HUMANLINE_TEST_SAMPLER_FAULT": "kill@2"}, timeout=240)
+                tmp_path, env_extra=fault_env(sampler="kill@2"), timeout=240)
     assert r.returncode == 2, r.stderr[-3000:]
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("humanline: error:")]
     assert len(errors) == 1 and errors[0].endswith(

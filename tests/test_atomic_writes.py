@@ -37,7 +37,7 @@ def _parts(fail_policy=False, fail_tokenizer=False):
 
 @pytest.mark.parametrize("fail", ["policy", "tokenizer"])
 def test_disk_full_save_cleans_its_temp_dir_and_keeps_the_old_model(tmp_path, fail):
-    from humanline_cli.train.run import save_model
+    from humanline_cli.train.finish import save_model
 
     dest = tmp_path / "model"
     dest.mkdir()
@@ -51,7 +51,7 @@ def test_disk_full_save_cleans_its_temp_dir_and_keeps_the_old_model(tmp_path, fa
 
 
 def test_save_replaces_the_old_model_whole(tmp_path):
-    from humanline_cli.train.run import save_model
+    from humanline_cli.train.finish import save_model
 
     dest = tmp_path / "model"
     dest.mkdir()
@@ -63,7 +63,7 @@ def test_save_replaces_the_old_model_whole(tmp_path):
 
 def test_disk_full_lora_save_cleans_both_temp_dirs(tmp_path, monkeypatch):
     from humanline_cli.core import lora
-    from humanline_cli.train.run import save_model
+    from humanline_cli.train.finish import save_model
 
     def full_disk(model, tok, dest, state=None):  # save_merged stages in <dest>.tmp; fail half-way like a full disk
         staging = Path(str(dest) + ".tmp")

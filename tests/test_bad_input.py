@@ -266,11 +266,17 @@ def test_an_interruption_carries_its_step():
         except KeyboardInterrupt:
             raise KeyboardInterrupt from None  # `from None` hides the context from tracebacks, not __context__
     assert type(e.value) is KeyboardInterrupt and interrupted_where(e.value) == "at step 7"
-    StepMarker.unwound = None  # a new job (run_job starts each with none)
     with pytest.raises(KeyboardInterrupt) as e:
         raise KeyboardInterrupt
     assert interrupted_where(e.value) == "before training"
     assert interrupted_where(e.value, trained=True) == "after training"
+    # Ctrl-C while the loop unwinds from a peer's failure, outside the marker: the marker still names the step
+    marker = StepMarker()
+    with pytest.raises(RuntimeError), marker:
+        marker.step = 4
+        raise RuntimeError("Connection closed by peer")
+    assert interrupted_where(e.value, at=marker) == "at step 4"
+    assert interrupted_where(e.value, at=StepMarker()) == "before training"  # a new job's marker says nothing
 
 
 # ---- a sweep with a failed job ----------------------------------------------------------------------

@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from humanline_cli.backend import make_backend
 from humanline_cli.config import TrainSpec
 from humanline_cli.core.batches import PairBatch
-from humanline_cli.core.humanline import HumanlineSpec
+from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule
 from humanline_cli.core.interfaces import SamplingParams
 from humanline_cli.core.reference import CachedReference, FrozenCopy
 from humanline_cli.data.collate import make_seqs
@@ -90,12 +90,14 @@ def _spec(steps: int, moving: bool, every: int, keep: int = 2):
                            regime="offline", eval_cfg=SimpleNamespace(every=0))
 
 
-def _train(run_dir: Path, parts, spec, resume_from=None):
+def _train(run_dir: Path, parts, spec, resume_from=None, checkpoints=None):
     run_dir.mkdir(parents=True, exist_ok=True)
     tracker = Tracker(run_dir, {}, {"mode": "disabled"}, "t")
-    ckpts = C.Checkpoints(run_dir, spec.train.checkpoint_every, spec.train.keep_checkpoints)
+    ckpts = checkpoints or C.Checkpoints(run_dir, spec.train.checkpoint_every, spec.train.keep_checkpoints)
     timer = PhaseTimer()
-    last = train(spec, parts, tracker, timer, None, ckpts, resume_from)
+    last = train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
+                 rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
+                 checkpoints=ckpts, resume_from=resume_from)
     tracker.finish()
     return last, ckpts, timer
 
@@ -226,9 +228,7 @@ def test_online_round_state_survives_json():
 def test_rewind_and_move_aside(tmp_path):
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
-    (run / ".hydra" / "config.yaml").write_text("new: 1\n")
-    (run / R.HYDRA_COPY).mkdir()
-    (run / R.HYDRA_COPY / "config.yaml").write_text("old: 1\n")
+    (run / ".hydra" / "config.yaml").write_text("old: 1\n")  # the previous run's record (the job writes its own after)
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": s / 10}) + "\n" for s in (1, 2, 3))
                                       + '{"step": 4, "lo')  # a line torn by the kill
     (run / "samples.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in (1, 1, 2, 3)))
@@ -239,11 +239,10 @@ def test_rewind_and_move_aside(tmp_path):
     assert not (run / "failed.json").exists()
     (run / "train.log").write_text("log")
     (run / "previous-1").mkdir()
-    dest = R.move_aside(run, ".hydra")
+    dest = R.move_aside(run)
     assert dest.name == "previous-2"
-    assert sorted(p.name for p in run.iterdir()) == [".hydra", "previous-1", "previous-2", "train.log"]
+    assert sorted(p.name for p in run.iterdir()) == ["previous-1", "previous-2", "train.log"]
     assert (dest / ".hydra" / "config.yaml").read_text() == "old: 1\n" and (dest / "metrics.jsonl").exists()
-    assert (run / ".hydra" / "config.yaml").read_text() == "new: 1\n"
 
 
 def test_config_diff_names_keys_and_ignores_the_harmless_ones():
@@ -284,15 +283,17 @@ def test_a_full_disk_skips_the_checkpoint_not_the_run(tmp_path, monkeypatch):
     printed = []
     ckpts = C.Checkpoints(tmp_path, 2, keep=5, console=SimpleNamespace(print=lambda *a, **k: printed.append(a[0])))
     (tmp_path / "m").mkdir()
-    last = train(_spec(6, False, every=2), parts, Tracker(tmp_path / "m", {}, {"mode": "disabled"}, "t"),
-                 PhaseTimer(), None, ckpts)
+    last = _train(tmp_path / "m", parts, _spec(6, False, every=2), checkpoints=ckpts)[0]
     assert last["loss"] > 0 and ckpts.steps() == [2, 6] and not list(ckpts.root.glob(".tmp-*"))
     assert len(printed) == 1 and "checkpoint at step 4 not written" in printed[0] and "No space left" in printed[0]
 
 
 def test_null_tracker_and_no_checkpoints_by_default(tmp_path):
     parts = _setup(lora=False, moving=False)
-    train(_spec(2, False, every=0), parts, NullTracker(), PhaseTimer(), None, C.Checkpoints(tmp_path, 0))
+    spec = _spec(2, False, every=0)
+    train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
+          rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=NullTracker(), timer=PhaseTimer(),
+          checkpoints=C.Checkpoints(tmp_path, 0))
     assert not (tmp_path / "checkpoints").exists()
 
 
@@ -331,13 +332,13 @@ def test_rerun_rules_through_the_cli(cache_dir, tmp_path):
     line = _one_error_line(other.stderr)
     assert other.returncode == 2 and "another config" in line and "resume=false" in line
     assert "seed: 0 -> 4" in line and "train.lr: 0.001 -> 0.002" in line
-    assert _files(run) == before  # Hydra's rewrite of .hydra/ undone, mtimes included
+    assert _files(run) == before  # nothing written: .hydra/ is the job's to write, after the checks, mtimes included
 
     over = run_cli([*args, "train.lr=2e-3", "seed=4", "resume=false"], tmp_path)
     assert over.returncode == 0, over.stderr[-2000:]
     old = run / "previous-1"
-    for name, (_, data) in before.items():  # every old output moved aside intact (.hydra from its copy)
-        if not name.startswith((".hydra.saved", "train.log")):
+    for name, (_, data) in before.items():  # every old output moved aside intact, .hydra included
+        if not name.startswith("train.log"):
             assert (old / name).read_bytes() == data, name
     assert json.loads((run / "resolved_config.json").read_text())["train"]["lr"] == 2e-3
     assert json.loads((run / "summary.json").read_text())["seed"] == 4

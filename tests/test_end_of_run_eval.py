@@ -59,14 +59,14 @@ def _cfg(run_dir_overrides):
 def test_an_eval_failure_keeps_the_model_and_the_rerun_only_evaluates(cache_dir, tmp_path, monkeypatch, one_thread):
     """The judge fails after the last step: model/ and summary.json (status "trained") are there and the
     model loads; the same command then resumes at the last step's checkpoint and only evaluates."""
-    import humanline_cli.train.run as run_mod
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
     from humanline_cli.errors import RunFailed
     from humanline_cli.eval.evaluator import Evaluator
+    from humanline_cli.train.job import Context, run_rank
     from humanline_cli.train.rundir import prepare_run_dir
 
     cfg = _cfg([*TINY_WORLD, *FAST, "objective=dpo"])  # train.steps=3, checkpoint_every 50: not due at 3
-    spec = validate(cfg)
+    spec = resolve(cfg)
     run = tmp_path / "run"
     real_evaluate = Evaluator.evaluate
 
@@ -74,9 +74,9 @@ def test_an_eval_failure_keeps_the_model_and_the_rerun_only_evaluates(cache_dir,
         raise RunFailed("judge unreachable")
 
     monkeypatch.setattr(Evaluator, "evaluate", judge_down)
-    prepare_run_dir(run, spec.config, True, None)
+    prepare_run_dir(run, spec.config, True)
     with pytest.raises(RunFailed, match="judge unreachable"):
-        run_mod.run_job(cfg, run, spec=spec)
+        run_rank(spec, Context(run, tmp_path))
     s = json.loads((run / "summary.json").read_text())
     assert s["status"] == "trained" and s["eval"] is None and s["steps"] == 3
     assert json.loads((run / "failed.json").read_text())["error"] == "RunFailed: judge unreachable"
@@ -89,8 +89,8 @@ def test_an_eval_failure_keeps_the_model_and_the_rerun_only_evaluates(cache_dir,
     assert [json.loads(x)["step"] for x in rows.splitlines()] == [1, 2, 3]
 
     monkeypatch.setattr(Evaluator, "evaluate", real_evaluate)
-    assert prepare_run_dir(run, spec.config, True, None) == 3  # the rerun's checkpoint: the last step
-    s = run_mod.run_job(cfg, run, spec=spec)
+    assert prepare_run_dir(run, spec.config, True) == 3  # the rerun's checkpoint: the last step
+    s = run_rank(spec, Context(run, tmp_path))
     assert s["status"] == "complete" and s["resumed_from_step"] == 3 and 0.0 <= s["eval"]["accuracy"] <= 1.0
     assert (run / "metrics.jsonl").read_text() == rows  # no step trained again
     assert (run / "model" / "model.safetensors").stat().st_mtime_ns == saved  # the first attempt's model kept

@@ -1,5 +1,5 @@
-"""Faults, round 2 (issue 22): a run-dir lock, checkpoints that prove themselves, signals, full disks,
-bad numbers blamed on their source, degenerate online rounds. Through the real CLI where the promise
+"""Faults: a run-dir lock, checkpoints that prove themselves, signals, full disks, bad numbers blamed on
+their source, degenerate online rounds. Through the real CLI where the promise
 is about the CLI (one line, exit code, files left), in-process where a piece can be checked alone."""
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from conftest import run_cli
 from rich.console import Console
 from test_checkpoint import BASE
 
-from humanline_cli.train.lock import RunDirBusy, RunDirLock
+from humanline_cli.errors import RunDirBusy
+from humanline_cli.train.lock import RunDirLock
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -67,6 +68,76 @@ def test_lock_names_a_live_holder_and_takes_over_a_dead_ones(tmp_path):
         assert lock.stale is None
 
 
+def _tree(root: Path) -> dict:
+    """Every file under `root`: its bytes and mtime (the lock file included: a refused job must not touch it)."""
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def _hold_lock(run: Path) -> subprocess.Popen:
+    """A process holding `run`'s lock, as a live job does from its first second (before anything else)."""
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import time; from humanline_cli.train.lock import RunDirLock\n"
+        f"lock = RunDirLock({str(run)!r}).acquire(); print('held', flush=True); time.sleep(120)")],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_refused_job_changes_no_byte_of_the_live_run_dir(cache_dir, tmp_path):
+    """A second job with another lr into a run dir whose job holds the lock: exit 2 in one line, and the
+    live run's dir keeps every byte and mtime: .hydra/config.yaml still says the first job's lr (the report
+    groups runs by it), train.log, the lock file. The holder stands for a live job at any moment of its
+    life, its first seconds included (when Hydra used to have rewritten .hydra/ before the lock refused)."""
+    run = tmp_path / "run"
+    args = ["train", *BASE, "train.steps=2", "train.save_model=false", "judge=none", f"hydra.run.dir={run}"]
+    first = run_cli(args, tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    (run / "train.log").write_text("the live job's log\n")
+    holder = _hold_lock(run)
+    try:
+        before = _tree(run)
+        assert {".hydra/config.yaml", ".hydra/overrides.yaml", ".hydra/hydra.yaml", "resolved_config.json",
+                ".lock"} <= set(before)
+        time.sleep(0.01)  # an mtime any rewrite would change
+        second = run_cli([*args, "train.lr=2e-5"], tmp_path, timeout=180)
+    finally:
+        holder.kill()
+        holder.wait()
+    lines = [ln for ln in second.stderr.splitlines() if ln.strip()]
+    assert second.returncode == 2 and len(lines) == 1 and "is in use by another job" in lines[0], second.stderr[-2000:]
+    after = _tree(run)
+    assert after.keys() == before.keys()  # no file added (no .hydra of the refused job, no log)
+    assert after == before, [k for k in before if after[k] != before[k]]
+    assert "lr: 0.001" in (run / ".hydra" / "config.yaml").read_text()
+
+
+def test_a_refused_sweep_job_changes_no_byte_of_the_live_run_dir(cache_dir, tmp_path):
+    """Two sweeps into one hydra.sweep.dir: the second's job 0 lands in the first's job 0 dir while that job
+    holds it. It is refused (named in the sweep's last line, exit 2), its other job runs, and the live job's
+    dir keeps every byte and mtime."""
+    sweep = tmp_path / "sweep"
+    base = ["train", "-m", *BASE, "train.steps=2", "train.save_model=false", "judge=none",
+            f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=job${hydra.job.num}"]
+    first = run_cli([*base, "train.lr=1e-3"], tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    live = sweep / "job0"
+    holder = _hold_lock(live)
+    try:
+        before = _tree(live)
+        time.sleep(0.01)
+        second = run_cli([*base, "train.lr=2e-5,3e-5"], tmp_path, timeout=300)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert f"sweep job job0 failed: {live} is in use by another job" in second.stderr
+    assert _error_lines(second.stderr)[-1].startswith("humanline: error: 1 of 2 sweep jobs failed")
+    assert _tree(live) == before
+    assert "lr: 3.0e-05" in (sweep / "job1" / ".hydra" / "config.yaml").read_text()  # the other job ran
+    assert json.loads((sweep / "job1" / "summary.json").read_text())["status"] == "complete"
+
+
 def test_two_concurrent_jobs_on_one_run_dir(cache_dir, tmp_path):
     """The same command twice at once: the second stops in one line naming the first (exit 2) and
     touches nothing; the first goes on alone (one metrics row per step, then Ctrl-C ends it)."""
@@ -87,7 +158,7 @@ def test_two_concurrent_jobs_on_one_run_dir(cache_dir, tmp_path):
     assert second.returncode == 2 and len(lines) == 1, second.stderr[-2000:]
     assert lines[0].startswith(f"humanline: error: {run} is in use by another job (pid {first.pid} on "
                                f"{socket.gethostname()}"), lines[0]
-    assert {p: p.read_bytes() for p in before} == before  # .hydra (rewritten by its Hydra, restored), lock
+    assert {p: p.read_bytes() for p in before} == before  # .hydra and the lock untouched
     first.send_signal(signal.SIGINT)
     _, err = first.communicate(timeout=120)
     assert first.returncode == 130, err[-3000:]
@@ -154,7 +225,7 @@ def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_one(three_checkpoi
         C.Checkpoints(run, 2).load(ckpts.root / "step_6", None, None, None, None)
     assert f"checkpoint {ckpts.root / 'step_6'} is damaged ({victim}" in str(e.value)
     said = []
-    step = R.prepare_run_dir(run, {"seed": 0}, resume=True, hydra_subdir=None, say=said.append)
+    step = R.prepare_run_dir(run, {"seed": 0}, resume=True, say=said.append)
     assert step == 4 and ckpts.steps() == [2, 4] and (ckpts.root / "damaged-step_6" / victim).exists()
     assert len(said) == 1 and said[0].startswith(f"checkpoint(s) skipped as damaged: step_6: {victim}")
     assert reason in said[0] and "resuming from step_4 instead" in said[0], said
@@ -175,7 +246,7 @@ def test_nothing_intact_starts_over_and_says_so(three_checkpoints, tmp_path):
     _empty(root / "step_4" / "state.json")
     (root / "step_2" / C.CHECKSUMS).unlink()  # as a checkpoint of an older humanline would be
     said = []
-    assert R.prepare_run_dir(run, {"seed": 0}, resume=True, hydra_subdir=None, say=said.append) == 0
+    assert R.prepare_run_dir(run, {"seed": 0}, resume=True, say=said.append) == 0
     size = (root / "damaged-step_6" / "tensors.safetensors").stat().st_size
     assert len(said) == 1 and said[0] == (
         f"no intact checkpoint in {root} (step_6: tensors.safetensors ({size} "
@@ -251,6 +322,7 @@ def _enospc(*a, **k):
 
 
 def test_full_disk_at_summary_and_failed_json(tmp_path, monkeypatch):
+    from humanline_cli import atomic
     from humanline_cli.errors import RunFailed
     from humanline_cli.train import tracking as T
 
@@ -259,7 +331,7 @@ def test_full_disk_at_summary_and_failed_json(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "write_text",
                         lambda self, *a, **k: _enospc() if self.name in full else real_write_text(self, *a, **k))
     with pytest.raises(RunFailed) as e:
-        T.write_json_atomic(tmp_path / "summary.json", {"status": "complete"})
+        atomic.write_json_atomic(tmp_path / "summary.json", {"status": "complete"})
     assert str(e.value) == f"cannot write {tmp_path / 'summary.json'}: No space left on device"
     # the full record does not fit, a short one does (written in place)
     note = T.write_failed_json(tmp_path / "failed.json", {"status": "failed", "error": "RunFailed: x" * 100})
@@ -305,7 +377,7 @@ def test_safetensors_full_disk_at_model_save_is_one_line(tmp_path):
 
     from humanline_cli.backend import Dist
     from humanline_cli.errors import RunFailed
-    from humanline_cli.train.run import save_model
+    from humanline_cli.train.finish import save_model
 
     class Policy:
         def save_pretrained(self, path, **kwargs):
@@ -374,6 +446,7 @@ def test_a_non_finite_loss_names_its_micro_batch_units(tmp_path):
     import torch
     from test_checkpoint import _setup, _spec
 
+    from humanline_cli.core.humanline import ReferenceRule
     from humanline_cli.errors import RunFailed
     from humanline_cli.train.timing import PhaseTimer
     from humanline_cli.train.tracking import NullTracker
@@ -393,7 +466,9 @@ def test_a_non_finite_loss_names_its_micro_batch_units(tmp_path):
 
     parts.source.next_step = watch
     with pytest.raises(RunFailed) as e:
-        train(_spec(4, False, every=0), parts, NullTracker(), PhaseTimer())
+        spec = _spec(4, False, every=0)
+        train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
+              rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=NullTracker(), timer=PhaseTimer())
     units = seen[-1].micro_batches[0].units
     assert len(seen) == 2 and len(units) == 2
     assert str(e.value) == (f"loss is nan at step 2, micro-batch 1 of 1, units: prompt {units[0].prompt!r}; "
@@ -408,6 +483,7 @@ def _tied_online_run(tmp_path, steps: int, max_skipped: float):
     from test_checkpoint import _setup, _spec
     from test_online import _source
 
+    from humanline_cli.core.humanline import ReferenceRule
     from humanline_cli.train.timing import PhaseTimer
     from humanline_cli.train.tracking import Tracker
     from humanline_cli.train.trainer import train
@@ -421,7 +497,9 @@ def _tied_online_run(tmp_path, steps: int, max_skipped: float):
     console = Console(file=out, width=400)
     tracker = Tracker(tmp_path, {}, {"mode": "disabled"}, "t")
     try:
-        last = train(spec, parts, tracker, PhaseTimer(), console)
+        last = train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
+                     rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=PhaseTimer(),
+                     console=console)
     finally:
         tracker.finish()
     return last, [ln for ln in out.getvalue().splitlines() if ln.startswith("humanline")]
@@ -488,22 +566,23 @@ def test_long_path_component_and_unquoted_unicode_are_one_line(tmp_path):
 def test_out_of_memory_is_one_line_and_failed_json(tmp_path, monkeypatch, error):
     from hydra import compose, initialize_config_module
 
+    from humanline_cli.config import resolve
     from humanline_cli.errors import RunFailed
-    from humanline_cli.train import run as R
+    from humanline_cli.train import job as J
 
     def build_parts(*a, **k):
         raise error
 
-    monkeypatch.setattr(R, "build_parts", build_parts)
+    monkeypatch.setattr(J, "build_parts", build_parts)
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose("train", overrides=["wandb.mode=disabled"])
     with pytest.raises(RunFailed) as e:
-        R.run_job(cfg, tmp_path / "run")
+        J.run_rank(resolve(cfg), J.Context(tmp_path / "run", tmp_path))
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"out of memory ({type(error).__name__}") and msg.endswith(
         "lower train.micro_batch_size, or turn on train.gradient_checkpointing or LoRA, or use more ranks")
     assert json.loads((tmp_path / "run" / "failed.json").read_text())["error"] == f"RunFailed: {msg}"
-    assert R.out_of_memory(ValueError("out of memory")) is None  # only memory errors
+    assert J.out_of_memory(ValueError("out of memory")) is None  # only memory errors
 
 
 def test_checksums_cover_fsdp_shards(tmp_path):

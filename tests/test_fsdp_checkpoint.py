@@ -22,7 +22,7 @@ def _run(tmp_path, out, env=None):
 
 
 @pytest.mark.slow
-def test_kill9_of_one_fsdp_rank_then_rerun_matches_uninterrupted(tmp_path, cache_dir):
+def test_kill9_of_one_fsdp_rank_then_rerun_matches_uninterrupted(tmp_path, cache_dir, fault_env):
     full, cut = tmp_path / "full", tmp_path / "cut"
     r = _run(tmp_path, full)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -32,7 +32,7 @@ def test_kill9_of_one_fsdp_rank_then_rerun_matches_uninterrupted(tmp_path, cache
     assert sorted(p.name for p in (step / "shards").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert json.loads((step / "state.json").read_text())["sharded"] is True
 
-    r = _run(tmp_path, cut, {"HUMANLINE_TEST_FAULT": "1:3:kill"})  # rank 1 SIGKILLs itself as step 3 starts
+    r = _run(tmp_path, cut, fault_env(rank="1:3:kill"))  # rank 1 SIGKILLs itself as step 3 starts
     assert r.returncode == 2, r.stderr[-3000:]
     msg = "without a word (kill -9, out of host memory, a lost machine)"  # "killed by SIGKILL" when torch saw it
     assert "rank 1: " in r.stderr.strip().splitlines()[-1] and msg in r.stderr.strip().splitlines()[-1]

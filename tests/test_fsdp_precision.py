@@ -14,7 +14,7 @@ from conftest import FAST, TINY_WORLD, run_cli
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from humanline_cli.backend import shard_model
-from humanline_cli.train.trainer import _grad_sync
+from humanline_cli.train.trainer import grad_sync
 
 WORLD = 2
 N_SEQS, T, VOCAB = 4, 8, 64
@@ -49,7 +49,7 @@ def _rank(rank: int, store: str, out: str, mode: str) -> None:
             shard_model(model)
             sharded_after_first = []
             for i in range(2):
-                with _grad_sync(model, i, 2):
+                with grad_sync(model, i, 2):
                     # the trainer's scaling: this micro-batch's share of the GLOBAL batch times world size
                     # (FSDP averages gradients over ranks)
                     (_loss_sum(model, ids[i:i + 1]) / total * WORLD).backward()

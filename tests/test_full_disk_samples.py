@@ -45,7 +45,7 @@ def test_full_disk_at_samples_jsonl_names_the_file_and_writes_failed_json(cache_
 
 
 def test_samples_writer_full_disk_is_one_line_naming_the_file(tmp_path, monkeypatch):
-    """The writer alone: the OSError becomes RunFailed naming samples.jsonl (what run_job reports)."""
+    """The writer alone: the OSError becomes RunFailed naming samples.jsonl (what the job reports)."""
     import builtins
     import errno
     import os

@@ -10,7 +10,7 @@ it and from its own; never from above.
     data, sampling files and collation; HF and vLLM samplers
     backend, config, memory, models   devices and ranks, the typed spec, the memory estimate, loading
     core           the method: losses, objectives, humanline, the reference, log-probs, batches
-    errors, schema leaves
+    errors, schema, atomic   leaves
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "humanline_cli"
 
 LAYERS = {
-    "errors": 0, "schema": 0,
+    "errors": 0, "schema": 0, "atomic": 0,
     "core": 1,
     "backend": 2, "config": 2, "memory": 2, "models": 2,
     "data": 3, "sampling": 3,
@@ -116,10 +116,10 @@ def test_the_import_walker_sees_deferred_and_relative_imports(tmp_path):
     pkg = tmp_path / "humanline_cli"
     (pkg / "core").mkdir(parents=True)
     (pkg / "core" / "__init__.py").write_text("")
-    (pkg / "core" / "a.py").write_text("def f():\n    from . import b\n    from humanline_cli.train import run\n")
-    known = {"humanline_cli.core", "humanline_cli.core.a", "humanline_cli.core.b", "humanline_cli.train.run"}
+    (pkg / "core" / "a.py").write_text("def f():\n    from . import b\n    from humanline_cli.train import job\n")
+    known = {"humanline_cli.core", "humanline_cli.core.a", "humanline_cli.core.b", "humanline_cli.train.job"}
     assert _imports(pkg / "core" / "a.py", "humanline_cli.core.a", known) == {"humanline_cli.core.b",
-                                                                             "humanline_cli.train.run"}
+                                                                             "humanline_cli.train.job"}
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -141,3 +141,10 @@ def test_no_two_modules_share_a_name():
         if mod != "humanline_cli" and not (PKG / Path(*mod.split(".")[1:])).is_dir() and leaf != "__main__":
             stems.setdefault(leaf, []).append(mod)
     assert {k: v for k, v in stems.items() if len(v) > 1} == {}
+
+
+def test_the_package_has_no_test_hook():
+    """Faults are injected by the tests (tests/faults/), never read by the package."""
+    hits = [f"{p.relative_to(PKG)}:{i}" for p in sorted(PKG.rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if "HUMANLINE_TEST_" in line]
+    assert hits == []

@@ -163,12 +163,13 @@ def test_online_with_a_reward_model_labeller(cache_dir, tmp_path):
 
 
 def test_a_failed_vllm_run_releases_its_engine_before_the_next_run(cache_dir, tmp_path, monkeypatch):
-    """run_job cleans up in `finally`: a vLLM run that fails mid-training closes its engine, and a
+    """run_rank cleans up in `finally`: a vLLM run that fails mid-training closes its engine, and a
     second run in the same process (as in a single-process sweep) then completes."""
     from hydra import compose, initialize_config_module
 
-    import humanline_cli.train.run as run_mod
+    import humanline_cli.train.job as job
     from humanline_cli.cli.overrides import normalize_overrides
+    from humanline_cli.config import resolve
     from humanline_cli.sampling.vllm import VLLMSampler
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -177,16 +178,17 @@ def test_a_failed_vllm_run_releases_its_engine_before_the_next_run(cache_dir, tm
     monkeypatch.setattr(VLLMSampler, "close", lambda self: (closed.append("llm" in self.__dict__), real_close(self)))
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose("train", overrides=normalize_overrides(["objective=dpo", *ONLINE, "sampler=vllm", SKIPS_OK]))
-    real_train = run_mod.train
+    spec = resolve(cfg)
+    real_train = job.train
 
     def failing_train(*a, **k):
         raise RunFailed("injected failure at step 1")
 
-    monkeypatch.setattr(run_mod, "train", failing_train)
+    monkeypatch.setattr(job, "train", failing_train)
     with pytest.raises(RunFailed, match="injected"):
-        run_mod.run_job(cfg, tmp_path / "first")
+        job.run_rank(spec, job.Context(tmp_path / "first", tmp_path))
     assert closed[0] is True and len(closed) == 2  # the live engine was shut down by the finally (2nd close: no-op)
     assert (tmp_path / "first" / "failed.json").exists()
-    monkeypatch.setattr(run_mod, "train", real_train)
-    summary = run_mod.run_job(cfg, tmp_path / "second")
+    monkeypatch.setattr(job, "train", real_train)
+    summary = job.run_rank(spec, job.Context(tmp_path / "second", tmp_path))
     assert summary["status"] == "complete" and closed[2] is True

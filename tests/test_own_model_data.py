@@ -1,4 +1,4 @@
-"""A newcomer's own model and data (issue 23): a checkpoint missing weights (a causal LM given as the
+"""A newcomer's own model and data: a checkpoint missing weights (a causal LM given as the
 reward model) refused in one line; a copied run dir never a second seed in `humanline report`; column
 renames in every spelling the docs show, through the real Hydra composition; lengths checked against
 the model's positions before any weight loads; `humanline eval` with any judge after training without one."""
@@ -327,7 +327,8 @@ def test_eval_with_every_judgment_unparsable_exits_2_with_the_count(judgeless_ru
 
 # ---------------------------------------------------------------- 5: third-party INFO off the console
 def test_third_party_info_goes_to_the_log_file_not_the_console(tmp_path):
-    """The real composed job-logging config: httpx's INFO line per judge call reaches train.log only."""
+    """The real composed job-logging config plus the job's train.log: httpx's INFO line per judge call reaches
+    train.log only."""
     import io
     import logging
     import logging.config
@@ -335,19 +336,21 @@ def test_third_party_info_goes_to_the_log_file_not_the_console(tmp_path):
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
+    from humanline_cli.train.job import _attach_log
+
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose("train", return_hydra_config=True)
     conf = OmegaConf.to_container(cfg.hydra.job_logging, resolve=False)
-    conf["handlers"]["file"]["filename"] = str(tmp_path / "train.log")
     console = io.StringIO()
     conf["handlers"]["console"]["stream"] = console
     root = logging.getLogger()
     saved = root.handlers[:], root.level
     try:
         logging.config.dictConfig(conf)
+        _attach_log(tmp_path)  # what the job adds once it holds its run dir
         logging.getLogger("httpx").info('HTTP Request: POST http://127.0.0.1/v1/chat/completions "HTTP/1.1 200 OK"')
         logging.getLogger("httpx").warning("retrying")
-        logging.getLogger("humanline_cli.train.run").info("our own line")
+        logging.getLogger("humanline_cli.train.job").info("our own line")
         for h in root.handlers:
             h.flush()
     finally:

@@ -19,7 +19,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from humanline_cli import schema as S
 from humanline_cli.core.batches import BinaryBatch, GroupBatch, PairBatch, to_device
 from humanline_cli.core.humanline import HumanlineSpec
-from humanline_cli.core.logprobs import _decoder_and_head, pack_seqs, runs_packed, token_logps
+from humanline_cli.core.logprobs import (
+    _decoder_and_head,
+    check_packing,
+    pack_seqs,
+    packing_probe,
+    runs_packed,
+    token_logps,
+)
 from humanline_cli.core.objectives import compute_loss, loss_count, step_z0
 from humanline_cli.core.packing import padding_efficiency
 from humanline_cli.core.reference import FrozenCopy
@@ -69,9 +76,11 @@ def test_packed_forward_is_one_padding_free_row_with_restarting_positions():
     lengths = seqs.attention_mask.sum(1).tolist()
     calls = []
     model.get_decoder().register_forward_pre_hook(lambda mod, args, kw: calls.append(dict(kw)), with_kwargs=True)
-    token_logps(model, packed(seqs))  # first packed call on this model: check (packed + padded) + the real one
+    token_logps(model, packed(seqs))  # one decoder call: the packing check is a setup step of its own
+    assert len(calls) == 1
+    check_packing(model, packed(seqs))  # the setup step: packed and padded, once each
     assert len(calls) == 3
-    token_logps(model, packed(seqs))  # verified: no more check
+    token_logps(model, packed(seqs))
     assert len(calls) == 4
     kw = calls[-1]
     assert kw.get("attention_mask") is None and kw["input_ids"].shape == (1, sum(lengths))
@@ -306,14 +315,15 @@ def test_a_model_that_ignores_position_ids_is_refused_in_one_line(route):
     seqs = random_seqs(64, seed=42)
     token_logps(model, seqs)  # padded: fine
     with pytest.raises(UserError) as e:
-        token_logps(model, packed(seqs))
+        check_packing(model, packed(seqs))
     msg = str(e.value)
     assert "\n" not in msg
     name = "PositionBlindLM" if route == "chunked" else "NoSplit"
     assert msg == f"{name} does not support packed sequences (position ids restarting per sequence): " \
                   f"set train.packing=false"
-    with pytest.raises(UserError):  # not marked as verified: refused again
-        token_logps(model, packed(seqs))
+    with pytest.raises(UserError):  # the fixed probe of a run's setup step finds it too
+        check_packing(model, packing_probe(model, "cpu"))
+    check_packing(tiny_llama(seed=41), packing_probe(model, "cpu"))  # a model that packs passes
 
 
 def test_the_check_runs_in_eval_mode_and_restores_training_flags():
@@ -322,20 +332,21 @@ def test_the_check_runs_in_eval_mode_and_restores_training_flags():
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=2, head_dim=16, max_position_embeddings=64, attention_dropout=0.5)
     model = LlamaForCausalLM(cfg).float().train()
-    token_logps(model, packed(random_seqs(64, seed=44)))  # would raise if the check ran with dropout
+    check_packing(model, packed(random_seqs(64, seed=44)))  # would raise if the check ran with dropout
     assert all(m.training for m in model.modules())
 
 
 # ------------------------------------------------------------------ (f) a real run, packed vs padded
 def test_a_real_run_with_packing_logs_the_same_losses(cache_dir, tmp_path):
-    """run.run_job (what `humanline train` runs per job) on the bundled world, in this process: 3 steps of
+    """job.run_rank (what `humanline train` runs per job) on the bundled world, in this process: 3 steps of
     each objective with humanline on, packed vs padded (length-bucketed, 2 micro-batches per step), in
     float64: the two differ only in rounding, so losses and gradient norms agree to 1e-9 (numerics.py)
     on any CPU kernel set."""
     from hydra import compose, initialize_config_module
 
-    import humanline_cli.train.run as run_mod
     from humanline_cli.cli.overrides import normalize_overrides
+    from humanline_cli.config import resolve
+    from humanline_cli.train.job import Context, run_rank
 
     for objective in ("dpo", "kto", "grpo"):
         rows = {}
@@ -346,7 +357,7 @@ def test_a_real_run_with_packing_logs_the_same_losses(cache_dir, tmp_path):
             with initialize_config_module(config_module="conf", version_base="1.3"):
                 cfg = compose("train", overrides=normalize_overrides(overrides))
             run_dir = tmp_path / f"{objective}-packing-{packing}"
-            assert run_mod.run_job(cfg, run_dir)["status"] == "complete"
+            assert run_rank(resolve(cfg), Context(run_dir, tmp_path))["status"] == "complete"
             rows[packing] = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows[True]] == [r["step"] for r in rows[False]] == [1, 2, 3]
         assert_same_rows(rows[False], rows[True], what=objective)  # float64: relative 1e-9 (numerics.py)

@@ -1,7 +1,7 @@
 """No hangs, no lost causes: a failure on ONE rank of a 2-rank gloo job ends every rank promptly, with
 that rank's own one-line message in the console and in failed.json (exit 2 for a run that cannot go
 on, 1 for a bug); a frozen rank ends the job after backend.timeout_s. The fault is injected on rank 1
-only through the test-only hook HUMANLINE_TEST_FAULT=rank:step:kind (train/failures.py)."""
+by the tests' fault plugin (tests/faults/sitecustomize.py, HL_FAULT=rank:step:kind)."""
 from __future__ import annotations
 
 import json
@@ -13,26 +13,26 @@ from conftest import FAST, TINY_WORLD, run_cli
 from humanline_cli.train import failures
 
 
-def _fsdp_run(tmp_path, name: str, fault: str, extra=()):
+def _fsdp_run(tmp_path, name: str, env: dict, extra=()):
     out = tmp_path / name
     t0 = time.monotonic()
     r = run_cli(["train", *TINY_WORLD, *FAST, "backend=cpu", "objective=dpo", "backend.strategy=fsdp",
                  "backend.nproc=2", f"hydra.run.dir={out}", *extra], tmp_path,
-                env_extra={"HUMANLINE_TEST_FAULT": fault}, timeout=300)
+                env_extra=env, timeout=300)
     return r, out, time.monotonic() - t0
 
 
 @pytest.mark.parametrize("kind,code,msg", [
     # rank 1's loss is NaN, rank 0's is not: the NaN check is agreed by both ranks (else rank 0 would
     # wait in the gradient reduce); the message is rank 1's, not "another rank's" nor gloo's
-    ("nan", 2, "rank 1: loss is nan at step 2, micro-batch 1 of "),  # then its units (issue 22)
+    ("nan", 2, "rank 1: loss is nan at step 2, micro-batch 1 of "),  # then its units
     # a bug on rank 1: exit 1 (Hydra's traceback path), its own message, not rank 0's "Connection closed"
     ("bug", 1, "rank 1: injected fault on this rank at step 2"),
 ])
-def test_failure_on_rank_1_ends_the_job_with_its_message(tmp_path, cache_dir, kind, code, msg):
+def test_failure_on_rank_1_ends_the_job_with_its_message(tmp_path, cache_dir, fault_env, kind, code, msg):
     # backend.timeout_s=600 > run_cli's 300 s limit: the job can only end in time through the failure path
     # (the failing rank exits, the agent stops the other), never through a collective's timeout
-    r, out, wall = _fsdp_run(tmp_path, kind, f"1:2:{kind}", ["backend.timeout_s=600"])
+    r, out, wall = _fsdp_run(tmp_path, kind, fault_env(rank=f"1:2:{kind}"), ["backend.timeout_s=600"])
     assert r.returncode == code, r.stderr[-3000:]
     assert msg in r.stderr
     assert "Connection closed by peer" not in r.stderr.splitlines()[-1]
@@ -43,11 +43,11 @@ def test_failure_on_rank_1_ends_the_job_with_its_message(tmp_path, cache_dir, ki
     assert not (out / failures.FAILURES).exists()  # the per-rank records are cleaned up
 
 
-def test_a_frozen_rank_ends_the_job_after_backend_timeout_s(tmp_path, cache_dir):
+def test_a_frozen_rank_ends_the_job_after_backend_timeout_s(tmp_path, cache_dir, fault_env):
     """Rank 1 stops answering at step 2; rank 0's next collective fails after timeout_s=20 s, the
     agent stops rank 1, and the message says which timeout fired (exit 2, failed.json). (20 s, not
     less: on a busy CI machine one rank's setup can legitimately run seconds ahead of the other's.)"""
-    r, out, wall = _fsdp_run(tmp_path, "hang", "1:2:hang", ["backend.timeout_s=20"])
+    r, out, wall = _fsdp_run(tmp_path, "hang", fault_env(rank="1:2:hang"), ["backend.timeout_s=20"])
     assert r.returncode == 2, r.stderr[-3000:]
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("humanline: error: run failed") and "backend.timeout_s=20 s" in line, line

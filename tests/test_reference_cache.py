@@ -16,7 +16,7 @@ from test_tensor_ops import tiny_llama
 from humanline_cli.backend import make_backend
 from humanline_cli.config import TrainSpec
 from humanline_cli.core.batches import PairBatch
-from humanline_cli.core.humanline import HumanlineSpec
+from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule
 from humanline_cli.core.reference import CachedReference, FrozenCopy
 from humanline_cli.data.collate import make_seqs
 from humanline_cli.sources.offline import OfflineSource
@@ -102,7 +102,8 @@ def _run(tmp_path, cached: bool, steps=6):
                            regime="offline", eval_cfg=SimpleNamespace(every=0))
     tmp_path.mkdir()
     tracker = Tracker(tmp_path, {}, {"mode": "disabled"}, "t")
-    train(spec, parts, tracker, PhaseTimer())
+    train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
+          rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=PhaseTimer())
     tracker.finish()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return policy, reference, [r for r in rows if "loss" in r]

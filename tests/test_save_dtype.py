@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from humanline_cli.backend import Backend
 from humanline_cli.models import load_policy
-from humanline_cli.train.run import saved_dtype
+from humanline_cli.train.finish import saved_dtype
 
 
 def test_auto_follows_the_training_compute_dtype():

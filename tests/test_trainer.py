@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from humanline_cli.backend import make_backend
 from humanline_cli.config import TrainSpec
 from humanline_cli.core.batches import PairBatch
-from humanline_cli.core.humanline import HumanlineSpec
+from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule
 from humanline_cli.core.interfaces import StepData
 from humanline_cli.core.reference import FrozenCopy
 from humanline_cli.data.collate import make_seqs
@@ -68,7 +68,9 @@ def _run(tmp_path, steps, hl=HumanlineSpec(), beta=0.1, resets=False, round_ever
     source = SnapshotSource(policy, round_every)
     parts = Parts(make_backend("cpu", "fp32"), None, None, policy, reference, source, None, None, policy)
     tracker = Tracker(tmp_path, {}, {"mode": "disabled"}, "t")
-    train(_spec(steps, hl, beta, online=resets), parts, tracker, PhaseTimer())
+    spec = _spec(steps, hl, beta, online=resets)
+    train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
+          rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=PhaseTimer())
     tracker.finish()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return policy, reference, start, source.snaps, rows

@@ -69,6 +69,7 @@ class _RoundClock(SourceWrapper):
 def _run(spec) -> dict:
     from rich.console import Console
 
+    from humanline_cli.core.humanline import ReferenceRule
     from humanline_cli.train.build import build_parts
     from humanline_cli.train.timing import PhaseTimer
     from humanline_cli.train.trainer import train
@@ -80,7 +81,9 @@ def _run(spec) -> dict:
             device = parts.backend.device
             parts.source = clock = _RoundClock(parts.source, timer, device)
             tracker = EndClock(spec.train.steps, device)
-            train(spec, parts, tracker, timer, Console(file=io.StringIO()))
+            train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
+                  rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
+                  console=Console(file=io.StringIO()), eval_every=spec.eval_cfg.every)
             end, end_cpu = dict(timer.seconds), (cpu_s(), run_queue_s())
             rounds = dict(clock.source.round_clock)  # an online source (_spec sets data=online)
         finally:

@@ -126,6 +126,7 @@ def _mini_run(spec, tmp: Path) -> dict:
     time outside its phases."""
     from rich.console import Console
 
+    from humanline_cli.core.humanline import ReferenceRule
     from humanline_cli.train.build import build_parts
     from humanline_cli.train.timing import PhaseTimer
     from humanline_cli.train.trainer import train
@@ -136,7 +137,9 @@ def _mini_run(spec, tmp: Path) -> dict:
         tracker = _Steps()
         before = dict(timer.seconds)
         t0 = time.perf_counter()
-        train(spec, parts, tracker, timer, Console(file=io.StringIO()))
+        train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
+              rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
+              console=Console(file=io.StringIO()), eval_every=spec.eval_cfg.every)
         wall = time.perf_counter() - t0
         phases = sum(v - before.get(k, 0.0) for k, v in timer.seconds.items())
         rows = tracker.rows

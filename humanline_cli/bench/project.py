@@ -162,6 +162,7 @@ def _prefill(parts, steps: int) -> None:
 def project_run(spec, warmup: int, info: dict, prefill: bool = False) -> Run:
     from rich.console import Console
 
+    from humanline_cli.core.humanline import ReferenceRule
     from humanline_cli.train.build import build_parts
     from humanline_cli.train.timing import PhaseTimer
     from humanline_cli.train.trainer import train
@@ -176,7 +177,9 @@ def project_run(spec, warmup: int, info: dict, prefill: bool = False) -> Run:
                 parts.reference.hits = parts.reference.misses = 0
             parts.source = _TimedSource(parts.source, device, spec.train.batch_size)
             tracker = EndClock(spec.train.steps, device)
-            train(spec, parts, tracker, timer, Console(file=io.StringIO()))
+            train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
+                  rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
+                  console=Console(file=io.StringIO()), eval_every=spec.eval_cfg.every)
             if "matmul_params" not in info:
                 info.update(_model_info(parts.policy))
                 info["backend"] = parts.backend

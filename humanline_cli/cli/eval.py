@@ -139,7 +139,7 @@ def _pairwise(spec, run_dir: Path, against: str, evaluator, backend, tok, seed: 
 def _save_math500(run_dir: Path, m: dict, seed: int) -> None:
     """eval_math500.json, and the run's summary.json `eval.math500` (where `humanline report` reads it), each
     written whole (a temp file renamed over the old one)."""
-    from humanline_cli.train.tracking import write_json_atomic
+    from humanline_cli.atomic import write_json_atomic
 
     write_json_atomic(run_dir / "eval_math500.json", {"run": str(run_dir), "seed": seed, "math500": m})
     path = run_dir / "summary.json"

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from humanline_cli.cli.overrides import normalize_overrides
-from humanline_cli.cli.train import interrupted, run_train
+from humanline_cli.cli.train import report_interrupt, run_train
 from humanline_cli.errors import fail
 
 COMMANDS = {
@@ -25,8 +25,8 @@ USAGE = "usage: humanline {" + ",".join(COMMANDS) + "} ...\n" + "\n".join(f"  {k
 def main(argv: list[str] | None = None) -> None:
     try:
         _dispatch(argv)
-    except KeyboardInterrupt as e:  # outside a job (starting up, composing): nothing was written
-        interrupted(e, None)
+    except KeyboardInterrupt:  # outside a job (starting up, composing): nothing was written
+        report_interrupt()
 
 
 def _dispatch(argv: list[str] | None = None) -> None:
@@ -48,7 +48,7 @@ def _dispatch(argv: list[str] | None = None) -> None:
     rest = normalize_overrides(rest)
     if cmd == "train" and os.environ.get("RANK", "0") != "0":
         # torchrun: only rank 0's Hydra makes the run dir; the others use a throwaway one and adopt
-        # rank 0's (launch.shared_run_dir)
+        # rank 0's (train/job.py)
         import tempfile
 
         rest += [f"hydra.run.dir={tempfile.mkdtemp(prefix='humanline-rank')}", "hydra.output_subdir=null"]

@@ -1,8 +1,9 @@
-"""`humanline train`: the Hydra app. One job per run dir (a lock), the resume rule, the config validated
-once, then the job in this process or its ranks. User mistakes print one line and exit 2
-(HYDRA_FULL_ERROR=1 shows the traceback too, still exit 2); Ctrl-C prints where it landed and exits 130;
-SIGTERM 143. A multirun sweep runs every job; failed ones are named in one line at the end (exit 2).
-Secrets given as overrides are masked in what Hydra and wandb write (tracking.scrub)."""
+"""`humanline train`: the Hydra app. Each job is a train/job.py `Job` (lock, validate, the resume rule,
+record, run; one table from exception to exit code and line); this module turns its outcome into the
+process's: user mistakes print one line and exit 2 (HYDRA_FULL_ERROR=1 shows the traceback too, still
+exit 2); Ctrl-C prints where it landed and exits 130; SIGTERM 143. A multirun sweep runs every job;
+failed ones are named in one line at the end (exit 2). Secrets given as overrides are masked in what
+Hydra and wandb write (tracking.scrub)."""
 from __future__ import annotations
 
 import logging
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from humanline_cli.cli.overrides import check_group_choices, precheck_overrides
-from humanline_cli.errors import fail
+from humanline_cli.errors import RunFailed, UserError, fail, one_line
 
 
 @dataclass
@@ -40,45 +41,11 @@ def _full_error() -> bool:
     return os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
-def _one_line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return " ".join(lines) if lines else type(e).__name__
-
-
-def _read_failed(run_dir: Path | None) -> dict | None:
-    import json
-
-    try:
-        return json.loads((run_dir / "failed.json").read_text()) if run_dir is not None else None
-    except (OSError, ValueError):
-        return None
-
-
-def interrupted(e: BaseException, run_dir: Path | None):
+def report_interrupt(where: str = "before training"):
+    """Ctrl-C outside a job (starting up, composing): nothing was written."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt this report
-    from humanline_cli.train.signals import interrupted_where
-
-    failed = _read_failed(run_dir)
-    note = " (failed.json written)" if failed is not None else ""
-    # under DDP/FSDP the step is rank 0's (it recorded it in failed.json); in one process, this traceback's
-    where = failed.get("interrupted") if failed is not None and failed.get("interrupted") else None
-    where = where or interrupted_where(e)  # DDP/FSDP: the launcher's Interrupted carries a rank's record
-    print(f"humanline: interrupted {where}{note}", file=sys.stderr)
+    print(f"humanline: interrupted {where}", file=sys.stderr)
     sys.exit(130)
-
-
-def _mask_secrets(hc, run_dir: Path, multirun: bool) -> None:
-    """Hydra saved .hydra/*.yaml (and a sweep's multirun.yaml) before calling us: mask secret-named
-    keys there, and in sys.argv, which Hydra has parsed and wandb records as the run's args."""
-    from humanline_cli.train.tracking import mask_saved_configs, scrub_argv
-
-    sys.argv = scrub_argv(sys.argv)
-    files = []
-    if hc.output_subdir is not None:
-        files += [run_dir / str(hc.output_subdir) / name for name in ("config.yaml", "hydra.yaml", "overrides.yaml")]
-    if multirun:
-        files.append(Path(hc.runtime.cwd) / str(hc.sweep.dir) / "multirun.yaml")
-    mask_saved_configs(files)
 
 
 def _sweep_job_failed(sweep: Sweep, run_dir: Path, msg: str) -> None:
@@ -103,65 +70,32 @@ def _train_app(sweep: Sweep):
 
     @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="train")
     def app(cfg: DictConfig) -> None:
-        from humanline_cli.errors import Preempted, RunFailed, UserError
-        from humanline_cli.train.run import run_job
+        from humanline_cli.train.job import Context, HydraRecord, Job, launcher_ranks
+        from humanline_cli.train.tracking import mask_saved_configs
 
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
-        from humanline_cli.train.build import ORIGINAL_CWD
-
-        os.environ[ORIGINAL_CWD] = HydraConfig.get().runtime.cwd  # relative data paths, under hydra.job.chdir too
-        multirun = str(HydraConfig.get().mode) == "RunMode.MULTIRUN"
-        _mask_secrets(HydraConfig.get(), run_dir, multirun)
-        if multirun and sweep.pid == os.getpid():
-            sweep.jobs += 1
-        from humanline_cli.config import resolve
-        from humanline_cli.train.launch import launch, shared_run_dir, spawn_count
-        from humanline_cli.train.lock import RunDirBusy, RunDirLock
-        from humanline_cli.train.rundir import is_complete, prepare_run_dir, restore_hydra
-
-        lock = RunDirLock(run_dir)
+        hc = HydraConfig.get()
+        multirun = str(hc.mode) == "RunMode.MULTIRUN"
+        if multirun:  # the sweeper saved multirun.yaml before any job: secret-named values masked there
+            mask_saved_configs([Path(hc.runtime.cwd) / str(hc.sweep.dir) / "multirun.yaml"])
+            if sweep.pid == os.getpid():
+                sweep.jobs += 1
+        rank, world = launcher_ranks()
+        ctx = Context(Path(hc.runtime.output_dir), Path(hc.runtime.cwd), rank, world)
+        record = HydraRecord(cfg, HydraConfig.instance().cfg, hc.overrides.task)
         try:
-            hydra_subdir = HydraConfig.get().output_subdir
-            try:  # one job per run dir, held until this job ends (ranks included), before anything is read
-                lock.acquire()
-            except RunDirBusy:
-                restore_hydra(run_dir, hydra_subdir)  # Hydra rewrote .hydra/ of the live job before we ran
-                raise
-            if lock.stale:
-                print(f"humanline: note: {run_dir} was locked by a job that is gone ({lock.stale}); taking it over",
-                      file=sys.stderr)
-            spec = resolve(cfg)  # once: the resume rule, the run dir and the job all read this spec
-            # the resume rule: a complete run of this config is skipped; another config's run dir is refused
-            # (RunDirConflict, one line); else prepare_run_dir readies it (resume, or old outputs aside)
-            if is_complete(run_dir, spec.config, spec.resume, hydra_subdir):
-                print(f"humanline: skipping {run_dir}: already complete (resume=false starts over)", file=sys.stderr)
-                return
-            prepare_run_dir(run_dir, spec.config, spec.resume, hydra_subdir)  # before any rank starts
-            nproc = spawn_count(cfg)
-            if nproc:
-                launch(cfg, run_dir, nproc)  # each rank is its own process: it validates the saved config itself
-            else:
-                run_job(cfg, shared_run_dir(run_dir, cfg), spec=spec)
-        except KeyboardInterrupt as e:
-            interrupted(e, run_dir)
-        except Preempted as e:  # SIGTERM (SLURM): the whole process is going away, a sweep included
-            note = " (failed.json written)" if _read_failed(run_dir) is not None else ""
-            print(f"humanline: {e}{note}", file=sys.stderr)
-            sys.exit(143)
-        except (UserError, RunFailed, OSError) as e:
-            if _full_error():
-                raise
-            # bad input names itself; a failed run (NaN loss, disk full) also names its run dir
-            msg = str(e) if isinstance(e, UserError) else f"run failed ({run_dir}): {_one_line(e)}"
-            if multirun:  # one failed job does not stop a sweep; report lists it from failed.json
-                _sweep_job_failed(sweep, run_dir, msg)
-                return
-            fail(msg)
-        except Exception:  # not the user's mistake: a bug keeps Hydra's traceback and exits 1
-            sweep.bug = True
+            end = Job(cfg, ctx, record, full_error=_full_error()).run()
+        except Exception as e:  # a bug keeps Hydra's traceback and exits 1 (HYDRA_FULL_ERROR=1: any error)
+            sweep.bug = not isinstance(e, (UserError, RunFailed, OSError))
             raise
-        finally:
-            lock.release()
+        if end.code == 130:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt this report
+        if end.error and multirun:  # one failed job does not stop a sweep; report lists it from failed.json
+            _sweep_job_failed(sweep, ctx.run_dir, end.message)
+            return
+        if end.line is not None:
+            print(end.line, file=sys.stderr)
+        if end.code:
+            sys.exit(end.code)
 
     return app
 
@@ -185,8 +119,6 @@ def run_train():
         from hydra.errors import HydraException
         from omegaconf.errors import OmegaConfBaseException
 
-        from humanline_cli.errors import RunFailed, UserError
-
         if not isinstance(e, (UserError, RunFailed, OSError, HydraException, OmegaConfBaseException)):
             raise  # a bug: Python's traceback and exit 1
         import traceback
@@ -194,7 +126,7 @@ def run_train():
         from humanline_cli.config import compose_error
 
         traceback.print_exc()
-        fail(compose_error(e) if isinstance(e, (HydraException, OmegaConfBaseException)) else _one_line(e))
+        fail(compose_error(e) if isinstance(e, (HydraException, OmegaConfBaseException)) else one_line(e))
     failed = sweep.failed
     if failed:
         names = ", ".join(d.name for d, _ in failed)

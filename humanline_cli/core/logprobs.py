@@ -36,14 +36,13 @@ LOGITS_PER_CHUNK = 2**25
 _HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
                 "lm_head_multiplier", "dim_model_base", "mup_width_multiplier")
 
-# Packing is checked once per model object (a model that ignores per-sequence position ids would let
-# sequences attend to each other): packed vs padded log-probs, no grad, eval mode, float32 where the
-# attention kernel allows. Max |difference| above PACK_CHECK_TOL (float32) is an error; in 16-bit compute
-# (flash-attention, half-precision weights), whose rounding differs between the two shapes, the MEAN
-# |difference| over completion tokens above PACK_CHECK_TOL_16BIT is.
+# Packing is checked once, as a setup step of a run with train.packing (`check_packing`: a model that
+# ignores per-sequence position ids would let sequences attend to each other): packed vs padded log-probs,
+# no grad, eval mode, float32 where the attention kernel allows. Max |difference| above PACK_CHECK_TOL
+# (float32) is an error; in 16-bit compute (flash-attention, half-precision weights), whose rounding
+# differs between the two shapes, the MEAN |difference| over completion tokens above PACK_CHECK_TOL_16BIT is.
 PACK_CHECK_TOL = 1e-4
 PACK_CHECK_TOL_16BIT = 5e-2
-_PACK_VERIFIED: weakref.WeakSet = weakref.WeakSet()
 
 
 def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = None) -> torch.Tensor:
@@ -62,15 +61,14 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
     separate decoder and output embedding (e.g. a DDP wrapper), is a peft prompt-learning model
     (virtual tokens live in its forward), or its config declares a logit transform listed in
     _HEAD_EXTRAS. An FSDP2 root is chunked too: the computation runs as the root's forward
-    (_through_fsdp_root), so FSDP's hooks gather the head and arm the backward.
+    (_as_root_forward), so FSDP's hooks gather the head and arm the backward.
 
     `seqs.pack` (see the module docstring) takes the packed path, on either route, except for peft
-    prompt-learning models (padded); the first packed call per model verifies packing (_check_packing).
+    prompt-learning models (padded); a run checks once, at setup, that the model packs (check_packing).
     """
     if _is_fsdp_root(model) and model not in _INSIDE_ROOT:
-        return _through_fsdp_root(model, seqs, chunk_size)
+        return _as_root_forward(model, seqs, lambda: token_logps(model, seqs, chunk_size))
     if runs_packed(model, seqs):
-        _check_packing(model, seqs, chunk_size)
         return _packed_token_logps(model, seqs, chunk_size)
     split = _decoder_and_head(model)
     if split is None:
@@ -87,18 +85,18 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
     return logps.index_put((rows, cols), picked)
 
 
-# FSDP2 roots whose forward is, right now, token_logps itself (see _through_fsdp_root)
+# FSDP2 roots whose forward is, right now, token_logps itself (see _as_root_forward)
 _INSIDE_ROOT: weakref.WeakSet = weakref.WeakSet()
 
 
-def _through_fsdp_root(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None) -> torch.Tensor:
-    """token_logps on an FSDP2 root, chunked as in one process. FSDP2 all-gathers the root's own
-    weights (embeddings, final norm, LM head) and arms its backward (gradient reduce-scatter, reshard)
-    in hooks around the root's __call__; calling get_decoder() and the head directly would skip them.
-    So the chunked computation runs AS the root's forward for this one call: the hooks fire exactly as
-    for model(...), and no (N, T, V) logits are built (one chunk at a time, as without FSDP)."""
+def _as_root_forward(model: torch.nn.Module, seqs: Seqs, run):
+    """`run()` (token_logps, or the packing check) on an FSDP2 root, chunked as in one process. FSDP2
+    all-gathers the root's own weights (embeddings, final norm, LM head) and arms its backward (gradient
+    reduce-scatter, reshard) in hooks around the root's __call__; calling get_decoder() and the head
+    directly would skip them. So the computation runs AS the root's forward for this one call: the hooks
+    fire exactly as for model(...), and no (N, T, V) logits are built (one chunk at a time, as without FSDP)."""
     def forward(input_ids, attention_mask):  # the tensors pass through __call__ (FSDP's input handling)
-        return token_logps(model, seqs, chunk_size)
+        return run()
 
     _INSIDE_ROOT.add(model)
     model.forward = forward  # an instance attribute: shadows the class's forward for this call only
@@ -168,13 +166,31 @@ def _packed_token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | No
     return logps.index_put((rows, cols), picked)
 
 
-def _check_packing(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None) -> None:
-    """The first packed call for `model` (with at least two sequences, so that there is something to
-    leak between): packed vs padded log-probs on this batch, no grad, eval mode (no dropout), autocast
-    off unless the attention kernel needs 16-bit. A model that ignores the restarting position ids lets
-    sequences attend to each other: UserError, one line."""
+def packing_probe(model: torch.nn.Module, device) -> Seqs:
+    """Four sequences of different lengths (ids below 64, inside any vocabulary; prompts then completions)
+    for `check_packing`: enough to leak between when a model ignores the restarting position ids."""
+    vocab = min(_vocab_size(model), 64)
+    lengths, prompt = (9, 13, 6, 11), 3
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = (torch.arange(n) * 7 + i * 13) % (vocab - 1) + 1
+        mask[i, :n] = 1
+    loss = mask.bool() & (torch.arange(max(lengths)) >= prompt)
+    return Seqs(ids.to(device), mask.to(device), loss.to(device), pack=True)
+
+
+def check_packing(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = None) -> None:
+    """The setup step of a run with train.packing (and any packed `seqs` of two sequences or more, so that
+    there is something to leak between): packed vs padded log-probs, no grad, eval mode (no dropout),
+    autocast off unless the attention kernel needs 16-bit. A model that ignores the restarting position ids
+    lets sequences attend to each other: UserError, one line. Under FSDP2 every rank calls it (a forward)."""
+    if not runs_packed(model, seqs):
+        return
+    if _is_fsdp_root(model) and model not in _INSIDE_ROOT:
+        return _as_root_forward(model, seqs, lambda: check_packing(model, seqs, chunk_size))
     several = int((seqs.attention_mask.sum(1) > 0).sum()) >= 2 and bool(seqs.loss_mask[1:, 1:].any())
-    if model in _PACK_VERIFIED or not several:
+    if not several:
         return
     inner = _unwrap_ddp(model)
     config = getattr(inner, "config", None)
@@ -196,7 +212,6 @@ def _check_packing(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None) -
         base = inner.get_base_model() if callable(getattr(inner, "get_base_model", None)) else inner
         raise UserError(f"{type(base).__name__} does not support packed sequences (position ids restarting per "
                         f"sequence): set train.packing=false")
-    _PACK_VERIFIED.add(model)
 
 
 def _unwrap_ddp(model: torch.nn.Module) -> torch.nn.Module:

@@ -45,7 +45,8 @@ from pathlib import Path
 
 import yaml
 
-from humanline_cli.errors import UserError
+from humanline_cli.atomic import write_json_atomic
+from humanline_cli.errors import UserError, one_line
 from humanline_cli.rewards.llm_judge import endpoint
 from humanline_cli.schema import AlpacaEvalOptions, JudgeConnection
 
@@ -231,9 +232,7 @@ class AlpacaEvalResult:
     def save(self, samples_path: Path) -> Path:
         """alpaca_eval's annotations.json format, next to the samples file."""
         path = samples_path.with_name(samples_path.stem + "_alpaca_eval_annotations.json")
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.records, indent=2, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        write_json_atomic(path, self.records)
         return path
 
 
@@ -370,9 +369,7 @@ class AlpacaEvalJudge:
             return
         keep = [r for r in rows if (_num(r.get("preference")) if _num(r.get("preference")) is not None else -1.0) >= 0]
         if len(keep) != len(rows):
-            tmp = self.caching_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(keep, indent=2, ensure_ascii=False), encoding="utf-8")
-            os.replace(tmp, self.caching_path)
+            write_json_atomic(self.caching_path, keep)
 
     def _metrics(self, rows: list[dict], metrics, cost_fresh: float, tokens: int, log: _AlpacaLog) -> dict:
         import pandas as pd
@@ -400,10 +397,8 @@ class AlpacaEvalJudge:
         return out
 
     def _line(self, e: BaseException) -> str:
-        msg = " ".join(str(e).split())
-        if len(self._secret) >= 6:
-            msg = msg.replace(self._secret, "***")
-        return (msg or type(e).__name__)[:200]
+        """One line of an error's text, at most 200 characters, with the key masked if a server echoed it."""
+        return one_line(e, self._secret, 200)
 
 
 def _tokens(raw) -> int:

@@ -33,7 +33,8 @@ from importlib import resources
 from pathlib import Path
 from urllib.parse import urlparse
 
-from humanline_cli.errors import UserError
+from humanline_cli.atomic import write_json_atomic
+from humanline_cli.errors import UserError, one_line
 from humanline_cli.rewards.verdict import combine, outcome_for_a, parse_verdict
 from humanline_cli.schema import JudgeConnection, LLMJudgeOptions
 
@@ -185,9 +186,8 @@ class _Cache:
             return
         path = self.root / key[:2] / f"{key}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{key}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(entry, ensure_ascii=False), encoding="utf-8")
-        os.replace(tmp, path)
+        # judge threads may write one key at once: each its own temp file
+        write_json_atomic(path, entry, None, path.with_name(f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"))
 
 
 class _Cancelled(Exception):
@@ -329,7 +329,4 @@ class LLMJudge:
 
     def _line(self, e: BaseException) -> str:
         """One line of an error's text, at most 200 characters, with the key masked if a server echoed it."""
-        msg = " ".join(str(e).split())
-        if len(self._secret) >= 6:
-            msg = msg.replace(self._secret, "***")
-        return (msg or type(e).__name__)[:200]
+        return one_line(e, self._secret, 200)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import queue
 import signal
 import time
@@ -38,7 +37,6 @@ from humanline_cli.sampling.proc_clock import cpu_s, keep_freed_memory, page_fau
 START_TIMEOUT_S = 600.0  # the child's start (imports, model load) may take minutes for a large model
 # tests only: "kill@R" / "raise@R" / "hang@R" in the child at round R (every rank's child), or "kill@R:K" etc.:
 # only in rank K's child (data.async_lag under DDP/FSDP: each rank has its own sampler process)
-FAULT_ENV = "HUMANLINE_TEST_SAMPLER_FAULT"
 
 
 @dataclass(frozen=True)
@@ -161,7 +159,7 @@ class ChildSpec:
     precision: str
     threads: int
     batch_size: int
-    rank: int = 0  # the training rank this sampler serves (the test-only fault hook may name one)
+    rank: int = 0  # the training rank this sampler serves
     vllm: dict | None = None  # sampler=vllm: VLLMSampler's keyword arguments (seed, max_model_len, ...); None: transformers
 
 
@@ -282,9 +280,6 @@ def _child(spec: ChildSpec, requests, results) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
-    fault, _, fault_rank = os.environ.get(FAULT_ENV, "").partition(":")
-    if fault_rank and fault_rank != str(spec.rank):
-        fault = ""  # another rank's child fails, not this one
     keep_freed_memory()  # before the model's and the first round's allocations
     try:
         from humanline_cli.backend import make_backend
@@ -304,12 +299,12 @@ def _child(spec: ChildSpec, requests, results) -> None:
         return
     results.put(("ready", None, None))
     try:
-        _serve(sampler, load, requests, results, parent, fault)
+        _serve(sampler, load, requests, results, parent)
     finally:
         sampler.close()  # a vLLM engine shuts down before the process exits
 
 
-def _serve(sampler, load: Load, requests, results, parent, fault: str) -> None:
+def _serve(sampler, load: Load, requests, results, parent) -> None:
     """Sample each requested round from its snapshot until asked to stop (None) or the parent is gone."""
     idle_from = None
     while True:
@@ -323,15 +318,7 @@ def _serve(sampler, load: Load, requests, results, parent, fault: str) -> None:
             return
         key, weights, prompt_ids, params, indices = msg
         idle = time.monotonic() - idle_from if idle_from is not None else 0.0
-        if fault == f"kill@{key}":
-            results.close()
-            results.join_thread()  # the rounds already sampled reach the parent first (put is asynchronous)
-            os.kill(os.getpid(), signal.SIGKILL)
-        while fault == f"hang@{key}":
-            time.sleep(1.0)  # alive and silent: the parent's timeout must end the run
         try:
-            if fault == f"raise@{key}":
-                raise RuntimeError(f"injected sampler fault at round {key}")
             out, clock = _sample(load, sampler, weights, prompt_ids, params, indices)
             del weights
         except BaseException as e:  # noqa: BLE001 - reported to the parent as one line

@@ -29,6 +29,7 @@ from humanline_cli.backend import (
 )
 from humanline_cli.config import RunSpec
 from humanline_cli.core.interfaces import Reference, Sampler, SamplingParams, Source
+from humanline_cli.core.logprobs import check_packing, packing_probe
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.core.reference import build_reference, reference_moves
 from humanline_cli.data.collate import Collator, Encoder
@@ -49,7 +50,6 @@ from humanline_cli.train.sharded_load import load_policy_sharded, sharded_loadab
 WORLD = "world://"
 GENERATED = "gen://"       # a generated task's files (task.generator; world/chat_arithmetic.py)
 PACKAGED = "packaged://"   # a model shipped in a Python wheel, converted once (world/packaged.py)
-ORIGINAL_CWD = "HUMANLINE_ORIGINAL_CWD"  # the directory `humanline train` was started in
 
 
 def prepare_world(spec: RunSpec, progress: bool = True) -> Path | None:
@@ -86,8 +86,8 @@ def prepare_model(spec: RunSpec, progress: bool = True) -> Path | None:
 
 def resolve_path(path: str, spec: RunSpec) -> str:
     """Turn world://NAME into a real path inside the bundled world (built by `prepare_world`); a relative
-    path the user gave is relative to where they typed the command, also when `hydra.job.chdir=true`
-    moved the job into its run dir (ORIGINAL_CWD, set by the train command; a hub id stays as it is)."""
+    path the user gave is relative to where they typed the command (`spec.cwd`), also when
+    `hydra.job.chdir=true` moved the job into its run dir (a hub id stays as it is)."""
     if path.startswith(GENERATED):
         from humanline_cli.world.chat_arithmetic import task_dir
 
@@ -105,7 +105,7 @@ def resolve_path(path: str, spec: RunSpec) -> str:
             raise RuntimeError(f"{path}: the model is not converted yet (prepare_model comes first)")
         return str(root)
     if not path.startswith(WORLD):
-        base = os.environ.get(ORIGINAL_CWD)
+        base = spec.cwd
         if base and not os.path.isabs(path) and (Path(base) / path).exists():
             return str(Path(base) / path)
         return path
@@ -459,6 +459,9 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
                                 built=sharded_reference(policy, backend.param_dtype or backend.weights_dtype,
                                                         backend.device, shard_model) if sharded else None)
     train_model = policy if sharded else wrap_policy(policy, strategy, dist, backend.device, backend.param_dtype)
+    if spec.train.packing:  # setup step: the model packs (restarting position ids), checked once, on every rank
+        with torch.no_grad():
+            check_packing(train_model, packing_probe(policy, backend.device))
     if spec.regime == "online":
         source = _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist)
         eval_sampler = source.sampler  # online: evaluate with the round sampler

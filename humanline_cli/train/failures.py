@@ -8,11 +8,6 @@ destroy_process_group, which can itself wait on peers); torch's elastic agent se
 and stops the other ranks (SIGTERM, SIGKILL after 30 s). Whoever reports the job (the launching
 process, or rank 0 under an external torchrun) picks the root cause: the earliest record that is not
 a consequence of another rank's death (a transport error or a collective timeout), else the earliest.
-
-`HUMANLINE_TEST_FAULT=rank:step:kind` (kind: user | run | bug | nan | hang | kill) is a test-only fault hook,
-read here and nowhere else: on that rank at that step the trainer raises a UserError / RunFailed /
-RuntimeError, makes the loss NaN, freezes (a rank that stops answering, for the process-group
-timeout) or kills itself with SIGKILL.
 """
 from __future__ import annotations
 
@@ -23,10 +18,10 @@ import shutil
 import signal
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
-from humanline_cli.errors import Preempted, RunFailed, UserError
+from humanline_cli.atomic import write_json_atomic
+from humanline_cli.errors import PeerFailed, Preempted, RankCrashed, RunFailed, UserError, one_line
 
 FAILURES = ".failures"
 EXIT = {"user": 2, "run": 2, "bug": 1}  # the CLI's codes: bad input / a run that cannot go on -> 2, a bug -> 1
@@ -71,11 +66,6 @@ def kind_of(e: BaseException) -> str:
     return "run" if isinstance(e, RunFailed) or is_secondary(e) else "bug"
 
 
-def one_line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return " ".join(lines) if lines else type(e).__name__
-
-
 def is_secondary(e: BaseException) -> bool:
     """A torch.distributed error that reports another rank's death or silence, not a cause of its own."""
     try:
@@ -102,27 +92,20 @@ def record(run_dir: Path, rank: int, e: BaseException, wall_clock_s: dict | None
            "timeout": timed_out, "time": time.time(), "wall_clock_s": wall_clock_s or {}}
     if kind == "bug":
         rec["traceback"] = "".join(traceback.format_exception(e))[-4000:]
-    try:
-        d = failures_dir(run_dir)
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".rank{rank}.json.tmp"
-        tmp.write_text(json.dumps(rec, default=str))
-        os.replace(tmp, d / f"rank{rank}.json")
-    except OSError:
-        pass
+    _write(failures_dir(run_dir) / f"rank{rank}.json", rec)
 
 
 def record_interrupt(run_dir: Path, rank: int, where: str) -> None:
     """This rank got Ctrl-C (`where`: "at step N", ...). A rank the others' exit reaches first sees only a
     peer gone; this record lets rank 0 still report the interruption. Never raises."""
-    try:
-        d = failures_dir(run_dir)
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".interrupted{rank}.json.tmp"
-        tmp.write_text(json.dumps({"rank": rank, "interrupted": where}))
-        os.replace(tmp, d / f"interrupted{rank}.json")
-    except OSError:
-        pass
+    _write(failures_dir(run_dir) / f"interrupted{rank}.json", {"rank": rank, "interrupted": where})
+
+
+def _write(path: Path, rec: dict) -> None:
+    """A record, atomically (a reader never sees half of one); never raises."""
+    with contextlib.suppress(OSError, RunFailed):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, rec)
 
 
 def interrupted(run_dir: Path, job: str | None = None) -> str | None:
@@ -204,48 +187,3 @@ def as_exception(rec: dict) -> BaseException:
     if rec["kind"] == "run":
         return RunFailed(msg)
     return RankCrashed(f"{msg} (rank {rec['rank']}'s traceback is above)")
-
-
-class PeerFailed(RunFailed):
-    """This rank stops because another one failed (agreed by a collective): that rank names the cause."""
-
-
-class RankCrashed(RuntimeError):
-    """A rank of a distributed job hit a bug (not bad input): the CLI lets it through, exit 1."""
-
-
-# ---------------------------------------------------------------- test-only fault hook
-@dataclass(frozen=True)
-class Fault:
-    """HUMANLINE_TEST_FAULT=rank:step:kind, for this rank; inert (step 0) when unset or another rank's."""
-
-    step: int = 0
-    kind: str = ""
-
-    @classmethod
-    def from_env(cls, rank: int) -> Fault:
-        spec = os.environ.get("HUMANLINE_TEST_FAULT", "")
-        if not spec:
-            return cls()
-        r, step, kind = spec.split(":")
-        return cls(int(step), kind) if int(r) == rank else cls()
-
-    def at_step(self, step: int) -> None:
-        if step != self.step:
-            return
-        msg = f"injected fault on this rank at step {step}"
-        match self.kind:
-            case "user":
-                raise UserError(msg)
-            case "run":
-                raise RunFailed(msg)
-            case "bug":
-                raise RuntimeError(msg)
-            case "hang":
-                while True:
-                    time.sleep(60)
-            case "kill":  # kill -9 of this rank: no Python cleanup, no record (a lost machine, the OOM killer)
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    def loss(self, step: int, loss):
-        return loss * float("nan") if self.kind == "nan" and step == self.step else loss

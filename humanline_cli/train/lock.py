@@ -20,13 +20,9 @@ import os
 import socket
 from pathlib import Path
 
-from humanline_cli.errors import UserError
+from humanline_cli.errors import RunDirBusy
 
 LOCK = ".lock"
-
-
-class RunDirBusy(UserError):
-    """Another live job holds the run dir's lock."""
 
 
 def _holder(text: str) -> tuple[int | None, str]:

@@ -13,7 +13,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from humanline_cli.errors import UserError
+from humanline_cli.atomic import write_json_atomic, write_text_atomic
+from humanline_cli.errors import RunDirConflict
 from humanline_cli.train.checkpoint import Checkpoints, verify
 from humanline_cli.train.lock import LOCK
 from humanline_cli.train.tracking import scrub
@@ -22,12 +23,7 @@ from humanline_cli.train.tracking import scrub
 IGNORED = ("resume", "threads", "wandb", "world_cache", "hydra")
 IGNORED_TRAIN = ("checkpoint_every", "keep_checkpoints")  # exact resume makes checkpointing invisible
 RESOLVED = "resolved_config.json"
-HYDRA_COPY = ".hydra.saved"  # the accepted run's .hydra, to undo Hydra's rewrite when a rerun is refused
 STEP_FILES = ("metrics.jsonl", "logratios.jsonl")
-
-
-class RunDirConflict(UserError):
-    """The run dir holds a run made with another config (or one that cannot be checked)."""
 
 
 # ------------------------------------------------------------------ rerunning into a run dir
@@ -70,17 +66,8 @@ def _read_json(path: Path):
         return None
 
 
-def restore_hydra(run_dir: Path, hydra_subdir: str | None) -> None:
-    """Hydra rewrote <run_dir>/.hydra before this job ran: put the accepted run's files back (mtimes too)."""
-    saved = run_dir / HYDRA_COPY
-    if not hydra_subdir or not saved.is_dir():
-        return
-    for f in saved.iterdir():
-        shutil.copy2(f, run_dir / hydra_subdir / f.name)
-
-
-def _conflict(run_dir: Path, config: dict, hydra_subdir: str | None) -> None:
-    """Raise RunDirConflict if the run dir's saved config differs from `config` (restoring .hydra first)."""
+def _conflict(run_dir: Path, config: dict) -> None:
+    """Raise RunDirConflict if the run dir's saved config differs from `config`."""
     prev = _read_json(run_dir / RESOLVED)
     if prev is None:
         if _read_json(run_dir / "summary.json") is None:
@@ -89,20 +76,18 @@ def _conflict(run_dir: Path, config: dict, hydra_subdir: str | None) -> None:
                              f"its config cannot be checked; resume=false starts over (moves it to previous-<n>/)")
     diff = config_diff(prev, config)
     if diff:
-        restore_hydra(run_dir, hydra_subdir)
         more = f" and {len(diff) - 3} more" if len(diff) > 3 else ""
         raise RunDirConflict(f"{run_dir} holds a run with another config ({'; '.join(diff[:3])}{more}); "
                              f"resume=false starts over (moves its outputs to previous-<n>/)")
 
 
-def is_complete(run_dir: Path, config: dict, resume: bool, hydra_subdir: str | None = ".hydra") -> bool:
-    """True when the run dir holds a complete run of this same config (nothing to do: Hydra's rewrite of
-    .hydra is undone); RunDirConflict when it holds a run of another config; False otherwise."""
+def is_complete(run_dir: Path, config: dict, resume: bool) -> bool:
+    """True when the run dir holds a complete run of this same config (nothing to do); RunDirConflict when it
+    holds a run of another config; False otherwise."""
     summary = _read_json(Path(run_dir) / "summary.json")
     if not resume or not isinstance(summary, dict) or summary.get("status") != "complete":
         return False
-    _conflict(Path(run_dir), config, hydra_subdir)
-    restore_hydra(Path(run_dir), hydra_subdir)
+    _conflict(Path(run_dir), config)
     return True
 
 
@@ -133,27 +118,26 @@ def newest_intact(ckpts: Checkpoints, say=_warn) -> Path | None:
     return None
 
 
-def prepare_run_dir(run_dir: Path, config: dict, resume: bool, hydra_subdir: str | None = ".hydra",
-                    say=_warn) -> int | None:
+def prepare_run_dir(run_dir: Path, config: dict, resume: bool, say=_warn) -> int | None:
     """Make the run dir ready for a (new or resumed) run of `config`, once, before any rank starts.
 
     resume=true: None (touching nothing) if it holds this config's complete run; refuse another
     config's outputs; rewind step-indexed outputs to the last checkpoint (or clear them when there
     is none). resume=false: move the old outputs to previous-<n>/. Then save this run's resolved
-    config and a copy of its .hydra. Returns the step the run continues after (0: from the start)."""
+    config. Returns the step the run continues after (0: from the start)."""
     run_dir = Path(run_dir)
-    if is_complete(run_dir, config, resume, hydra_subdir):
+    if is_complete(run_dir, config, resume):
         return None
     run_dir.mkdir(parents=True, exist_ok=True)
     step = 0
     if resume and _failed_another_config_no_checkpoint(run_dir, config):
         # nothing of it can be resumed (a data error fixed by a changed key, say): refusing would only make
         # the user type resume=false; its outputs are kept aside all the same
-        dest = move_aside(run_dir, hydra_subdir)
+        dest = move_aside(run_dir)
         say(f"{run_dir} held a failed run of another config with no checkpoint: starting over "
             f"(its outputs moved to {dest.name}/)")  # failed.json was there: dest is never None
     elif resume:
-        _conflict(run_dir, config, hydra_subdir)
+        _conflict(run_dir, config)
         ckpts = Checkpoints(run_dir, 0)
         for tmp in ckpts.root.glob(".tmp-step_*") if ckpts.root.is_dir() else ():
             shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint the killed run did not finish
@@ -165,11 +149,8 @@ def prepare_run_dir(run_dir: Path, config: dict, resume: bool, hydra_subdir: str
             rounds = state["source"].get("round")
         rewind_outputs(run_dir, step, rounds)
     else:
-        move_aside(run_dir, hydra_subdir)
-    write_resolved(run_dir, config)
-    if hydra_subdir and (run_dir / hydra_subdir).is_dir():
-        shutil.rmtree(run_dir / HYDRA_COPY, ignore_errors=True)
-        shutil.copytree(run_dir / hydra_subdir, run_dir / HYDRA_COPY)
+        move_aside(run_dir)
+    write_json_atomic(run_dir / RESOLVED, scrub(config))
     return step
 
 
@@ -178,13 +159,6 @@ def _failed_another_config_no_checkpoint(run_dir: Path, config: dict) -> bool:
     prev = _read_json(run_dir / RESOLVED)
     return ((run_dir / "failed.json").is_file() and prev is not None and not Checkpoints(run_dir, 0).steps()
             and bool(config_diff(prev, config)))
-
-
-def write_resolved(run_dir: Path, config: dict) -> None:
-    """This run's resolved config (secret-named keys masked), what a rerun is compared with."""
-    tmp = run_dir / (RESOLVED + ".tmp")
-    tmp.write_text(json.dumps(scrub(config), indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, run_dir / RESOLVED)
 
 
 def _keep_rows(path: Path, keep) -> None:
@@ -199,9 +173,7 @@ def _keep_rows(path: Path, keep) -> None:
             continue
         if keep(row):
             rows.append(line + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(rows))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(rows))
 
 
 def rewind_outputs(run_dir: Path, step: int, rounds: int | None) -> None:
@@ -217,10 +189,10 @@ def rewind_outputs(run_dir: Path, step: int, rounds: int | None) -> None:
         (run_dir / name).unlink(missing_ok=True)
 
 
-def move_aside(run_dir: Path, hydra_subdir: str | None) -> Path | None:
-    """Move every output of the previous run into previous-<n>/ (never deleted); its .hydra comes back
-    from the saved copy (Hydra has already written this run's)."""
-    skip = {hydra_subdir, HYDRA_COPY, LOCK}  # the lock stays: this job holds it
+def move_aside(run_dir: Path) -> Path | None:
+    """Move every output of the previous run, its .hydra record included, into previous-<n>/ (never deleted);
+    the job writes its own record after this."""
+    skip = {LOCK}  # the lock stays: this job holds it
     items = [p for p in run_dir.iterdir()
              if p.name not in skip and not p.name.startswith("previous-") and p.suffix != ".log"]
     if not items:
@@ -230,6 +202,4 @@ def move_aside(run_dir: Path, hydra_subdir: str | None) -> Path | None:
     dest.mkdir()
     for p in items:
         os.replace(p, dest / p.name)
-    if (run_dir / HYDRA_COPY).is_dir():
-        os.replace(run_dir / HYDRA_COPY, dest / (hydra_subdir or ".hydra"))
     return dest

@@ -10,7 +10,7 @@ final eval, model save) SIGTERM raises `Preempted` at once: there is no step to 
 
 Ctrl-C raises KeyboardInterrupt as Python does; inside the training loop `StepMarker` turns it into
 `Interrupted("at step N")`, so rank 0 can record the step in failed.json for the launching process to
-report (no frame is read).
+report (no frame is read). The job creates both objects and hands them to the loop.
 """
 from __future__ import annotations
 
@@ -58,34 +58,36 @@ class StopSignal:
 
 
 class StepMarker:
-    """`with StepMarker() as at:` around the training loop, `at.step = step` at the top of each step: a
-    Ctrl-C inside becomes `Interrupted("at step N")`, which carries the step to whoever reports it."""
+    """The step in flight: the loop sets `at.step = step` at the top of each step inside `with at:`, and a
+    Ctrl-C there becomes `Interrupted("at step N")`, which carries the step to whoever reports it. The
+    job owns the marker and reads it after a failure: under DDP, Ctrl-C can reach this rank just after a
+    peer's exit broke the step's collective, i.e. while the loop's error unwinds, outside the `with`;
+    the step is still the one in flight (`unwinding`)."""
 
-    step: int | None = None
-    # The loop a failure left: under DDP, Ctrl-C can reach this rank just after a peer's exit broke the step's
-    # collective, i.e. while the loop's error unwinds, outside the marker; the step is still the one in flight.
-    unwound: StepMarker | None = None
+    def __init__(self):
+        self.step: int | None = None
+        self.unwinding = False
 
     def __enter__(self) -> StepMarker:
-        StepMarker.unwound = None
+        self.unwinding = False
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is not None:  # a second Ctrl-C (the agent forwards one) can land while this one unwinds
-            StepMarker.unwound = self
+            self.unwinding = True
         if exc_type is KeyboardInterrupt and self.step is not None:
             raise Interrupted(f"at step {self.step}") from exc
         return False
 
 
-def interrupted_where(e: BaseException, trained: bool = False) -> str:
+def interrupted_where(e: BaseException, trained: bool = False, at: StepMarker | None = None) -> str:
     """Where a KeyboardInterrupt landed: the step it carries (StepMarker), the step of a loop that was
-    unwinding from an error when it landed, else after or before training."""
+    unwinding from an error when it landed (`at`), else after or before training."""
     seen = e
     while seen is not None:  # a second Ctrl-C raised while the first (carrying its step) was unwinding
         if isinstance(seen, Interrupted):
             return seen.where
         seen = seen.__context__
-    if not trained and StepMarker.unwound is not None and StepMarker.unwound.step is not None:
-        return f"at step {StepMarker.unwound.step}"
+    if not trained and at is not None and at.unwinding and at.step is not None:
+        return f"at step {at.step}"
     return "after training" if trained else "before training"

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import sys
 import warnings
 from pathlib import Path
 
+from humanline_cli.atomic import write_json_atomic, write_text_atomic
 from humanline_cli.errors import RunFailed, cannot_write
 
 MASK = "***"
@@ -77,6 +77,15 @@ def _scrub_saved(obj):
     return scrub_override(obj) if isinstance(obj, str) else obj
 
 
+def masked_config(node) -> str:
+    """A config (DictConfig, ListConfig, dict or list) as YAML with secrets masked, interpolations kept as
+    written (what Hydra's own .hydra/*.yaml holds)."""
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.to_container(node, resolve=False) if OmegaConf.is_config(node) else node
+    return OmegaConf.to_yaml(OmegaConf.create(_scrub_saved(data)))
+
+
 def mask_saved_configs(paths) -> list[Path]:
     """Rewrite Hydra's saved configs (.hydra/config.yaml, hydra.yaml, overrides.yaml, a sweep's
     multirun.yaml) with secrets masked; Hydra writes them before the job starts. Interpolations are
@@ -90,24 +99,9 @@ def mask_saved_configs(paths) -> list[Path]:
         data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
         clean = _scrub_saved(data)
         if clean != data:
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            OmegaConf.save(OmegaConf.create(clean), tmp)
-            os.replace(tmp, path)
+            write_text_atomic(path, OmegaConf.to_yaml(OmegaConf.create(clean)), path.with_name(f".{path.name}.tmp"))
             changed.append(path)
     return changed
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write a temp file, then rename it over `path`: a reader sees the old file or the new one, never
-    half of one. On failure the temp file is removed and RunFailed names `path`."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-        os.replace(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise cannot_write(path, e) from e
 
 
 def write_failed_json(path: Path, obj: dict) -> str | None:
@@ -167,9 +161,7 @@ class Tracker:
         if old:
             return old
         run_id = uuid.uuid4().hex[:12]
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(run_id + "\n")
-        os.replace(tmp, path)
+        write_text_atomic(path, run_id + "\n")
         return run_id
 
     def log(self, step: int, metrics: dict) -> None:

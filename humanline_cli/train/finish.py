@@ -1,38 +1,28 @@
-"""One `humanline train` job: validate, build, evaluate the starting policy, train, evaluate,
-save, write summary.json. Failures leave failed.json (never a summary presented as complete).
-
-The run dir was made ready by the CLI before any rank started (checkpoint.prepare_run_dir: a rerun
-of the same config resumes, another config is refused or moved aside), so a job never deletes a
-previous run's outputs. With a checkpoint in the run dir the job resumes from the newest one: the
-starting policy's evaluation comes from the checkpoint, training continues after its step."""
+"""The two ends of a run around the loop: the header printed before training, and `finish` after it: save
+the trained policy (atomically, in train.save_dtype), write summary.json ("trained"), run the end-of-run
+evaluations, write summary.json ("complete"); and the summary table. A run that fails on the way leaves
+failed.json too (train/job.py), never a summary presented as complete."""
 from __future__ import annotations
 
-import io
+import json
 import os
 import shutil
-import signal
 import subprocess
-import threading
 from pathlib import Path
 
 import torch
 import transformers
-from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 from safetensors import SafetensorError
 
 from humanline_cli import __version__
+from humanline_cli.atomic import write_text_atomic
 from humanline_cli.backend import wait_for_rank0
-from humanline_cli.config import RunSpec, resolve
-from humanline_cli.errors import RunFailed, UserError
+from humanline_cli.config import RunSpec
+from humanline_cli.errors import RunFailed
 from humanline_cli.eval.evaluator import flat_metrics
-from humanline_cli.train.build import build_parts
-from humanline_cli.train.checkpoint import Checkpoints
-from humanline_cli.train.signals import StepMarker, StopSignal, interrupted_where
 from humanline_cli.train.timing import PhaseTimer
-from humanline_cli.train.tracking import NullTracker, Tracker, write_failed_json
-from humanline_cli.train.trainer import train
 
 UNIT = {"dpo": "pairs", "kto": "examples", "grpo": "groups"}
 
@@ -65,97 +55,6 @@ def header(spec: RunSpec, parts, console: Console) -> None:
     console.print(f"  {tr.steps} steps; a step sees {tr.batch_size} {UNIT[spec.objective]} "
                   f"(micro-batch {tr.micro_batch_size} x {tr.accumulation} accumulation), lr {tr.lr} "
                   f"({tr.schedule}, warm-up {tr.warmup_ratio:.0%})")
-
-
-def run_job(cfg: DictConfig, run_dir: Path, console: Console | None = None, spec: RunSpec | None = None) -> dict:
-    """One job in this process. Under torch.distributed every rank calls it with the same config and
-    run dir; only rank 0 writes outputs (metrics, samples, summary, wandb, model, failed.json). `spec`:
-    the config already validated by the caller (one process); ranks validate their own copy."""
-    console = console or Console(stderr=True)
-    transformers.utils.logging.disable_progress_bar()  # our rich bars are the progress display
-    timer = PhaseTimer()
-    StepMarker.unwound = None  # a previous job's loop (multirun in one process) says nothing about this one
-    main = int(os.environ.get("RANK", "0")) == 0
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    tracker = parts = None
-    peer_failed = None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from humanline_cli.train import failures
-
-        def peer_failed() -> bool:  # a rank recorded a failure (a Preempted record is the same signal, not one)
-            rec = failures.root_cause(run_dir)
-            return rec is not None and rec["type"] != "Preempted"
-    trained = False
-    stop = StopSignal(peer_failed).__enter__()  # SIGTERM: a checkpoint at the next step boundary, then Preempted
-    try:
-        spec = spec if spec is not None else resolve(cfg)
-        with timer.phase("setup"):
-            parts = build_parts(spec, timer, run_dir)
-            if not main:
-                console = Console(file=io.StringIO())  # one progress display, rank 0's
-            tr = spec.train
-            checkpoints = Checkpoints(run_dir, tr.checkpoint_every, tr.keep_checkpoints, parts.dist, console)
-            resume_from = checkpoints.latest() if spec.resume else None
-            tracker = Tracker(run_dir, spec.config, spec.wandb, run_dir.name, resume=resume_from is not None) \
-                if main else NullTracker()
-            wait_for_rank0()  # rank 0 starts wandb (seconds): the others wait outside the training group's timeout
-        resumed = int(resume_from.name.removeprefix("step_")) if resume_from is not None else None
-        if resumed is not None:
-            console.print(f"humanline: resuming {run_dir} from step {resumed} of {tr.steps} "
-                          f"(checkpoints/{resume_from.name}; resume=false starts over)", soft_wrap=True, markup=False,
-                          highlight=False)
-        header(spec, parts, console)
-        if resume_from is None and parts.evaluator is not None:  # a resumed run: from the checkpoint
-            with timer.phase("eval"):
-                parts.evaluator.set_baseline(parts.eval_sampler)
-        last = train(spec, parts, tracker, timer, console, checkpoints, resume_from, stop=stop)
-        trained = True  # an interruption from here on lands after training
-        summary = finish(spec, parts, tracker, timer, run_dir, last, resumed)
-        tracker.finish(0)
-        if main:
-            print_summary(summary, run_dir, console)
-        return summary
-    except BaseException as caught:
-        e = out_of_memory(caught) or caught  # one line instead of torch's allocator traceback
-        failed = {"status": "failed", "error": f"{type(e).__name__}: {e}", "wall_clock_s": timer.report()}
-        if isinstance(e, KeyboardInterrupt):  # the step it landed in, for the launching process to report
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C (the agent forwards one) must not
-            failed["interrupted"] = interrupted_where(e, trained)  # cut failed.json short
-            failed["error"] = "KeyboardInterrupt"  # Ctrl-C (the step is in "interrupted")
-            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                from humanline_cli.train import failures
-
-                failures.record_interrupt(run_dir, int(os.environ.get("RANK", "0")), failed["interrupted"])
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not isinstance(e, KeyboardInterrupt):
-            from humanline_cli.train import failures
-
-            # every rank records its own cause; rank 0 reports the root one (another rank's, when
-            # rank 0's own error only says that rank went away)
-            timeout_s = (cfg.get("backend") or {}).get("timeout_s")  # the spec may not exist yet
-            failures.record(run_dir, int(os.environ.get("RANK", "0")), e, timer.report(), timeout_s)
-            rec = failures.root_cause(run_dir) if main else None
-            failed = failures.failed_json(rec) if rec is not None else failed
-            where = failures.interrupted(run_dir) if main and failures.is_secondary(e) else None
-            if where is not None:  # Ctrl-C reached another rank first: rank 0 only saw it leave
-                failed = failures.interrupted_json(where, timer.report())
-        note = write_failed_json(run_dir / "failed.json", failed) if main and run_dir.is_dir() else None
-        if note is None and main and isinstance(e, RunFailed) and isinstance(e.__cause__, OSError):
-            note = "failed.json written"  # a failed write (a full disk): the line says what failed.json got
-        if tracker is not None:
-            tracker.finish(1)
-        if note is not None and isinstance(e, (UserError, RunFailed)):  # a full disk: the error line says so
-            raise type(e)(f"{e}; {note}") from caught
-        if e is not caught:
-            raise e from caught
-        raise
-    finally:  # engines, samplers and wandb are released whatever happened (a sweep runs on in this process)
-        stop.__exit__()
-        if parts is not None:
-            parts.close()
-        if tracker is not None:
-            tracker.finish(0)
 
 
 def finish(spec: RunSpec, parts, tracker, timer: PhaseTimer, run_dir: Path, last: dict, resumed: int | None) -> dict:
@@ -215,19 +114,6 @@ def run_summary(spec: RunSpec, parts, timer: PhaseTimer, last: dict, resumed: in
                      "transformers": transformers.__version__},
         "git_commit": _git_commit(),
     }
-
-
-def out_of_memory(e: BaseException) -> RunFailed | None:
-    """Out of memory (host RAM under a ulimit or cgroup, or a GPU's) as one RunFailed line, else None."""
-    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
-                                  getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
-    text = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
-    if not (isinstance(e, (MemoryError, *oom_types)) or (
-            isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower()))):
-        return None
-    text = text if len(text) <= 160 else text[:157] + "..."
-    return RunFailed(f"out of memory ({type(e).__name__}{': ' + text if text else ''}): lower "
-                     f"train.micro_batch_size, or turn on train.gradient_checkpointing or LoRA, or use more ranks")
 
 
 def peak_memory(parts) -> dict:
@@ -301,14 +187,12 @@ def save_model(parts, dest: Path, dtype: torch.dtype = torch.float32) -> None:
 def _config_dtype(config: Path, dtype: torch.dtype) -> None:
     """config.json names the dtype the weights were saved in (vLLM and from_pretrained(dtype="auto")
     read it); save_pretrained writes the live model's, fp32 master weights."""
-    import json
-
     cfg = json.loads(config.read_text())
     name = str(dtype).removeprefix("torch.")
     for key in ("torch_dtype", "dtype"):
         if key in cfg:
             cfg[key] = name
-    config.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    write_text_atomic(config, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def print_summary(s: dict, run_dir: Path, console: Console) -> None:

@@ -1,0 +1,415 @@
+"""One `humanline train` job, in the order it runs, and the one table that says how it ended.
+
+`Job.run` runs in the process that owns the run dir (the Hydra app calls it once per job):
+  1. lock the run dir: one job per dir. Hydra writes nothing into the dir before this (conf/train.yaml:
+     no `.hydra/` of Hydra's own, no log file handler), so a refused job changes no byte of it;
+  2. validate the composed config, once, into a frozen RunSpec (ranks receive it, never re-validate);
+  3. the resume rule: a complete run of this config is skipped, another config's dir refused, else the dir
+     is made ready (resume from a checkpoint, or old outputs moved aside);
+  4. record the job in the dir: `.hydra/` (config, hydra, overrides; secrets masked) and train.log;
+  5. run it here, on the ranks it starts (torch's elastic launch), or as rank 0 of torchrun's ranks
+     (rank 0 does 1-4 and hands the spec and run dir to the others).
+`run_rank` is one rank's part: set up (parts, resume), train, finish (model, summary.json, the end-of-run
+evaluations), and on failure failed.json (rank 0) and the rank's record for whoever reports the job
+(train/failures.py).
+
+`outcome` is the one table from an exception to (exit code, one-line message); `failure_record` the
+failed.json record the rank writes for the same exception. The job's context (rank, world size, run
+dir, where the command was typed) is a `Context`, computed once and passed to every part.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from humanline_cli.atomic import write_text_atomic
+from humanline_cli.backend import wait_for_rank0
+from humanline_cli.config import RunSpec, resolve
+from humanline_cli.core.humanline import ReferenceRule
+from humanline_cli.errors import Interrupted, Preempted, RunFailed, UserError, one_line
+from humanline_cli.train import failures
+from humanline_cli.train.build import build_parts
+from humanline_cli.train.checkpoint import Checkpoints
+from humanline_cli.train.finish import finish, header, print_summary
+from humanline_cli.train.lock import RunDirLock
+from humanline_cli.train.rundir import is_complete, prepare_run_dir
+from humanline_cli.train.signals import StepMarker, StopSignal, interrupted_where
+from humanline_cli.train.timing import PhaseTimer
+from humanline_cli.train.tracking import (
+    NullTracker,
+    Tracker,
+    masked_config,
+    write_failed_json,
+)
+from humanline_cli.train.trainer import train
+
+HYDRA_DIR = ".hydra"  # the job's record of its config, written after the lock (never by Hydra itself)
+LOG = "train.log"
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's own file format
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where and as what this process runs the job."""
+
+    run_dir: Path
+    cwd: Path              # where the command was typed: relative data paths mean files there
+    rank: int = 0
+    world_size: int = 1    # > 1: a rank of a distributed job (torch's launcher set RANK / WORLD_SIZE)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def launcher_ranks(env=None) -> tuple[int, int]:
+    """(rank, world size) as torch's launcher set them; (0, 1) outside one. Read once per process."""
+    env = os.environ if env is None else env
+    return int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a job ended: the process's exit code and what to say (None: nothing more); `error`: the message
+    is an error (printed after "humanline: error: "; a sweep names the job and goes on)."""
+
+    code: int
+    message: str | None = None
+    error: bool = False
+
+    @property
+    def line(self) -> str | None:
+        if self.message is None:
+            return None
+        return f"humanline: error: {self.message}" if self.error else f"humanline: {self.message}"
+
+
+@dataclass(frozen=True)
+class HydraRecord:
+    """What Hydra composed for this job, saved as <run dir>/.hydra/*.yaml once the job holds the dir."""
+
+    config: object      # the task config (DictConfig, interpolations kept)
+    hydra: object       # the whole Hydra node ({"hydra": ...})
+    overrides: object   # the task overrides as typed
+
+    def save(self, run_dir: Path) -> None:
+        for name, node in (("config.yaml", self.config), ("hydra.yaml", self.hydra),
+                           ("overrides.yaml", self.overrides)):
+            (run_dir / HYDRA_DIR).mkdir(parents=True, exist_ok=True)
+            write_text_atomic(run_dir / HYDRA_DIR / name, masked_config(node))
+
+
+# ------------------------------------------------------------------ the job, in the process that owns the dir
+class Job:
+    def __init__(self, cfg, ctx: Context, record: HydraRecord | None = None, full_error: bool = False):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.record = record
+        self.full_error = full_error  # HYDRA_FULL_ERROR=1: an error's traceback too (Hydra prints it)
+
+    def run(self) -> Outcome:
+        """The whole job; returns how it ended (a bug's exception goes through, exit 1)."""
+        lock = RunDirLock(self.ctx.run_dir)
+        log = None
+        try:
+            if self.ctx.distributed:
+                return self._join_torchrun(lock)
+            spec = self._prepare(lock)
+            if spec is None:
+                return Outcome(0)
+            log = _attach_log(self.ctx.run_dir)
+            nproc = spawn_count(spec)
+            if nproc:
+                _launch(spec, self.ctx, nproc)
+            else:
+                run_rank(spec, self.ctx)
+            return Outcome(0)
+        except BaseException as e:  # noqa: BLE001 - the table decides; a bug goes through
+            end = outcome(e, self.ctx)
+            if end is None or (end.error and self.full_error):
+                raise
+            return end
+        finally:
+            _detach_log(log)
+            lock.release()
+
+    def _prepare(self, lock: RunDirLock) -> RunSpec | None:
+        """Steps 1-4: lock, validate, the resume rule, the record. None: nothing to do (a complete run)."""
+        run_dir = self.ctx.run_dir
+        lock.acquire()  # held until the job ends, ranks included
+        if lock.stale:
+            print(f"humanline: note: {run_dir} was locked by a job that is gone ({lock.stale}); taking it over",
+                  file=sys.stderr)
+        spec = dataclasses.replace(resolve(self.cfg), cwd=str(self.ctx.cwd))
+        if is_complete(run_dir, spec.config, spec.resume):
+            print(f"humanline: skipping {run_dir}: already complete (resume=false starts over)", file=sys.stderr)
+            return None
+        prepare_run_dir(run_dir, spec.config, spec.resume)
+        if self.record is not None:
+            self.record.save(run_dir)
+        return spec
+
+    def _join_torchrun(self, lock: RunDirLock) -> Outcome:
+        """torchrun started this process as one rank and every rank ran Hydra: rank 0 prepares its run dir
+        and hands the spec and the dir to the others (or the error that stopped it: every rank ends)."""
+        import torch
+        import torch.distributed as tdist
+
+        from humanline_cli.backend import init_distributed
+
+        timeout_s = (self.cfg.get("backend") or {}).get("timeout_s")  # the spec is rank 0's, not here yet
+        init_distributed("cuda" if torch.cuda.is_available() else "cpu", timeout_s)
+        box: list = [None, None, None]  # spec, run dir, the exception that stopped rank 0
+        log = None
+        if self.ctx.main:
+            try:
+                box[0], box[1] = self._prepare(lock), str(self.ctx.run_dir)
+            except Exception as e:  # noqa: BLE001 - handed to every rank, raised by each
+                box[2] = e
+        tdist.broadcast_object_list(box, src=0)
+        spec, run_dir, error = box
+        try:
+            if error is not None:
+                raise error
+            if spec is None:
+                return Outcome(0)
+            ctx = dataclasses.replace(self.ctx, run_dir=Path(run_dir))
+            log = _attach_log(ctx.run_dir) if ctx.main else None
+            run_rank(spec, ctx)
+        finally:
+            _detach_log(log)
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+        return Outcome(0)
+
+
+def spawn_count(spec: RunSpec) -> int:
+    """How many ranks this job starts itself (0: it runs here, in this process)."""
+    b = spec.backend_cfg
+    return b.nproc if b.strategy.value in ("ddp", "fsdp") and b.nproc > 1 else 0
+
+
+def _attach_log(run_dir: Path) -> logging.Handler:
+    """train.log: every log record of the job (the console shows warnings and our own lines only)."""
+    handler = logging.FileHandler(run_dir / LOG)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
+def _detach_log(handler: logging.Handler | None) -> None:
+    if handler is not None:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+
+
+# ------------------------------------------------------------------ the ranks this job starts
+def _launch(spec: RunSpec, ctx: Context, nproc: int) -> None:
+    from humanline_cli.train.build import prepare_model, prepare_world
+    from humanline_cli.train.launch import launch
+
+    # the bundled world is built here, once, on first use (minutes of CPU SFT), before any rank exists:
+    # ranks waiting for another rank's build would sit in a collective past backend.timeout_s
+    prepare_world(spec)
+    prepare_model(spec)  # a packaged model is converted here too, once, for the same reason
+    launch(_rank_main, (spec, str(ctx.run_dir), str(ctx.cwd)), ctx.run_dir, nproc)
+
+
+def _rank_main(spec: RunSpec, run_dir: str, cwd: str) -> None:
+    """One rank started by `launch` (a fresh process): run it. A failure is recorded (by run_rank) and
+    ends this process at once with the CLI's exit code: the elastic agent then stops every other rank,
+    and the launching process reports this rank's own message."""
+    import torch.distributed as tdist
+
+    signal.signal(signal.SIGTERM, _sigterm_default)  # outside StopSignal's reach (e.g. cleaning up after a failure)
+    rank, world = launcher_ranks()
+    try:
+        run_rank(spec, Context(Path(run_dir), Path(cwd), rank, world))
+    except KeyboardInterrupt:  # Ctrl-C: rank 0 wrote failed.json (with the step); leave at once, as a
+        _leave(130)             # failure does (a normal exit can wait on the process group's threads)
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - every failure ends the rank the same way
+        if failures.kind_of(e) == "bug":  # a bug: its traceback on this rank's stderr, as one process shows it
+            import traceback
+
+            traceback.print_exception(e, file=sys.stderr)
+        # no destroy_process_group: under NCCL it can wait on the peers this failure left in a collective
+        _leave(failures.EXIT[failures.kind_of(e)])
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def _leave(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    failures.release_semaphores()
+    os._exit(code)
+
+
+def _sigterm_default(signum, frame) -> None:
+    """SIGTERM outside StopSignal's reach: the agent's SIGTERM to the surviving ranks when one failed may land
+    while they clean up; die as SIGTERM's default would, semaphores released first."""
+    failures.die_by_sigterm()
+
+
+# ------------------------------------------------------------------ one rank: set up, train, finish
+def run_rank(spec: RunSpec, ctx: Context, console: Console | None = None) -> dict:
+    """One rank's job (the only rank in one process). Under torch.distributed every rank calls it with the
+    same spec and run dir; only rank 0 writes outputs (metrics, samples, summary, wandb, model, failed.json)."""
+    import transformers
+
+    console = console or Console(stderr=True)
+    transformers.utils.logging.disable_progress_bar()  # our rich bars are the progress display
+    timer = PhaseTimer()
+    at = StepMarker()
+    if ctx.main:
+        ctx.run_dir.mkdir(parents=True, exist_ok=True)
+    tracker = parts = None
+    peer_failed = None
+    if ctx.distributed:
+        def peer_failed() -> bool:  # a rank recorded a failure (a Preempted record is the same signal, not one)
+            rec = failures.root_cause(ctx.run_dir)
+            return rec is not None and rec["type"] != "Preempted"
+    trained = False
+    stop = StopSignal(peer_failed).__enter__()  # SIGTERM: a checkpoint at the next step boundary, then Preempted
+    try:
+        with timer.phase("setup"):
+            parts = build_parts(spec, timer, ctx.run_dir)
+            if not ctx.main:
+                console = Console(file=io.StringIO())  # one progress display, rank 0's
+            tr = spec.train
+            checkpoints = Checkpoints(ctx.run_dir, tr.checkpoint_every, tr.keep_checkpoints, parts.dist, console)
+            resume_from = checkpoints.latest() if spec.resume else None
+            tracker = Tracker(ctx.run_dir, spec.config, spec.wandb, ctx.run_dir.name,
+                              resume=resume_from is not None) if ctx.main else NullTracker()
+            wait_for_rank0()  # rank 0 starts wandb (seconds): the others wait outside the training group's timeout
+        resumed = int(resume_from.name.removeprefix("step_")) if resume_from is not None else None
+        if resumed is not None:
+            console.print(f"humanline: resuming {ctx.run_dir} from step {resumed} of {tr.steps} "
+                          f"(checkpoints/{resume_from.name}; resume=false starts over)", soft_wrap=True, markup=False,
+                          highlight=False)
+        header(spec, parts, console)
+        if resume_from is None and parts.evaluator is not None:  # a resumed run: from the checkpoint
+            with timer.phase("eval"):
+                parts.evaluator.set_baseline(parts.eval_sampler)
+        last = train(spec.train, spec.humanline, parts, stop, objective=spec.objective_cfg,
+                     rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
+                     console=console, eval_every=spec.eval_cfg.every, checkpoints=checkpoints,
+                     resume_from=resume_from, at=at)
+        trained = True  # an interruption from here on lands after training
+        summary = finish(spec, parts, tracker, timer, ctx.run_dir, last, resumed)
+        tracker.finish(0)
+        if ctx.main:
+            print_summary(summary, ctx.run_dir, console)
+        return summary
+    except BaseException as caught:
+        e = out_of_memory(caught) or caught  # one line instead of torch's allocator traceback
+        where = interrupted_where(e, trained, at) if isinstance(e, KeyboardInterrupt) else None
+        if where is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C (the agent forwards one) must not
+        failed = failure_record(e, timer.report(), where)  # cut failed.json short
+        if ctx.distributed:
+            failed = _rank_failure(e, ctx, spec, failed, where, timer)
+        note = write_failed_json(ctx.run_dir / "failed.json", failed) if ctx.main and ctx.run_dir.is_dir() else None
+        if note is None and ctx.main and isinstance(e, RunFailed) and isinstance(e.__cause__, OSError):
+            note = "failed.json written"  # a failed write (a full disk): the line says what failed.json got
+        if tracker is not None:
+            tracker.finish(1)
+        if note is not None and isinstance(e, (UserError, RunFailed)):  # a full disk: the error line says so
+            raise type(e)(f"{e}; {note}") from caught
+        if e is not caught:
+            raise e from caught
+        raise
+    finally:  # engines, samplers and wandb are released whatever happened (a sweep runs on in this process)
+        stop.__exit__()
+        if parts is not None:
+            parts.close()
+        if tracker is not None:
+            tracker.finish(0)
+
+
+def _rank_failure(e: BaseException, ctx: Context, spec: RunSpec, failed: dict, where: str | None,
+                  timer: PhaseTimer) -> dict:
+    """Under DDP/FSDP every rank records its own cause; rank 0's failed.json reports the root one (another
+    rank's, when rank 0's own error only says that rank went away)."""
+    if where is not None:  # Ctrl-C: the step, for rank 0 to report when a peer's exit reached it first
+        failures.record_interrupt(ctx.run_dir, ctx.rank, where)
+        return failed
+    failures.record(ctx.run_dir, ctx.rank, e, timer.report(), spec.backend_cfg.timeout_s)
+    rec = failures.root_cause(ctx.run_dir) if ctx.main else None
+    failed = failures.failed_json(rec) if rec is not None else failed
+    seen = failures.interrupted(ctx.run_dir) if ctx.main and failures.is_secondary(e) else None
+    if seen is not None:  # Ctrl-C reached another rank first: rank 0 only saw it leave
+        failed = failures.interrupted_json(seen, timer.report())
+    return failed
+
+
+def out_of_memory(e: BaseException) -> RunFailed | None:
+    """Out of memory (host RAM under a ulimit or cgroup, or a GPU's) as one RunFailed line, else None."""
+    import torch
+
+    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
+                                  getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
+    text = one_line(e) if str(e).strip() else ""
+    if not (isinstance(e, (MemoryError, *oom_types)) or (
+            isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower()))):
+        return None
+    text = text if len(text) <= 160 else text[:157] + "..."
+    return RunFailed(f"out of memory ({type(e).__name__}{': ' + text if text else ''}): lower "
+                     f"train.micro_batch_size, or turn on train.gradient_checkpointing or LoRA, or use more ranks")
+
+
+# ------------------------------------------------------------------ the one table
+def failure_record(e: BaseException, wall_clock_s: dict, where: str | None = None) -> dict:
+    """failed.json for a job `e` ended (`where`: the step a Ctrl-C landed in)."""
+    if where is not None:
+        return failures.interrupted_json(where, wall_clock_s)
+    return {"status": "failed", "error": f"{type(e).__name__}: {e}", "wall_clock_s": wall_clock_s}
+
+
+def outcome(e: BaseException, ctx: Context) -> Outcome | None:
+    """How exception `e` ends the job: exit code and line. None for a bug (its traceback, exit 1).
+
+    | exception                         | exit | line                                        |
+    | KeyboardInterrupt (Interrupted)   | 130  | interrupted at step N / before / after training |
+    | Preempted (SIGTERM)               | 143  | stopped by SIGTERM ...; rerun to resume     |
+    | UserError (bad input, busy dir)   | 2    | error: <the problem>                        |
+    | RunFailed, OSError (NaN, disk)    | 2    | error: run failed (<run dir>): <cause>      |
+    | anything else                     | 1    | Python's traceback                          |
+    A line ends with "(failed.json written)" where the rank recorded the failure."""
+    failed = read_failed(ctx.run_dir)
+    note = " (failed.json written)" if failed is not None else ""
+    if isinstance(e, KeyboardInterrupt):
+        # under DDP/FSDP the step is rank 0's (it recorded it in failed.json); in one process, the exception's
+        where = (failed or {}).get("interrupted") or (e.where if isinstance(e, Interrupted) else None) \
+            or interrupted_where(e)
+        return Outcome(130, f"interrupted {where}{note}")
+    if isinstance(e, Preempted):  # SIGTERM (SLURM): the whole process is going away, a sweep included
+        return Outcome(143, f"{e}{note}")
+    if isinstance(e, UserError):
+        return Outcome(2, str(e), error=True)
+    if isinstance(e, (RunFailed, OSError)):
+        return Outcome(2, f"run failed ({ctx.run_dir}): {one_line(e)}", error=True)
+    return None
+
+
+def read_failed(run_dir: Path | None) -> dict | None:
+    try:
+        return json.loads((run_dir / "failed.json").read_text()) if run_dir is not None else None
+    except (OSError, ValueError):
+        return None
