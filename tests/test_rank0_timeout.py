@@ -63,7 +63,7 @@ def test_a_rank0_judge_slower_than_the_collective_timeout_completes(cache_dir, t
         r = run_cli(["train", *TINY_WORLD, *FAST, "objective=dpo", "backend=cpu", "backend.strategy=ddp",
                      "backend.nproc=2", "backend.timeout_s=5", "judge=llm", f"judge.base_url={judge.url}",
                      "judge.model=slow", f"judge.cache_dir={tmp_path / 'judgments'}", "judge.max_concurrency=1",
-                     "eval.n_prompts=4", f"hydra.run.dir={run}"], tmp_path, timeout=900)  # a fresh world: minutes
+                     "eval.n_prompts=4", f"hydra.run.dir={run}"], tmp_path, timeout=1500)  # a fresh world: minutes
     finally:
         judge.close()
     assert r.returncode == 0, r.stderr[-3000:]
