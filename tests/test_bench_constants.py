@@ -1,6 +1,7 @@
 """`humanline bench constants=true`: the cost model's constants measured with a real online run's parts on
 the tiny world, written as JSON whose fitted numbers follow from the raw timings it also records, and read back
-by `humanline report --target`."""
+by `humanline report --target`. The world is the shared cache's (HUMANLINE_CACHE, else ~/.cache/humanline;
+the tests' session cache when another test set it first): built once, then only the bench is timed."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ from humanline_cli.bench.constants import fit_line
 ONLINE = ["data=online", "objective=grpo", "train.batch_size=4", "data.prompts_per_round=4", "threads=1", *TINY_WORLD]
 
 
-def test_constants_follow_from_the_recorded_timings(cache_dir, tmp_path):
+def test_constants_follow_from_the_recorded_timings(tmp_path):
     out = tmp_path / "constants.json"
     r = run_cli(["bench", "constants=true", "prompts=16", "constant_steps=3", f"out={out}", *ONLINE], cwd=tmp_path,
                 timeout=900)
@@ -41,7 +42,7 @@ def test_constants_follow_from_the_recorded_timings(cache_dir, tmp_path):
     assert c["label_s_per_seq"] > 0 and c["other_step_s"] >= 0
 
 
-def test_constants_need_an_online_run(cache_dir, tmp_path):
+def test_constants_need_an_online_run(tmp_path):
     r = run_cli(["bench", "constants=true", *TINY_WORLD], cwd=tmp_path)
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and "data=online" in err[0]

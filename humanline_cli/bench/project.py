@@ -362,7 +362,8 @@ def main_bench(args: list[str]) -> int:
         if opts["constants"]:
             from humanline_cli.bench.constants import measure, print_constants
 
-            res = measure(overrides, console, opts["constant_steps"], opts["prompts"])
+            threads = [f"threads={opts['threads']}"] if opts["threads"] else []  # a bench key: the run's own setting
+            res = measure([*overrides, *threads], console, opts["constant_steps"], opts["prompts"])
             return _write_result(res, opts, "constants-", print_constants, console)
         res = run_bench(opts, overrides, console)
     except UserError as e:
