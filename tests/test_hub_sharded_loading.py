@@ -56,7 +56,7 @@ def test_a_hub_id_is_loaded_sharded_from_its_cached_snapshot(tmp_path, monkeypat
 def test_the_memory_estimate_takes_the_loading_mode_build_parts_takes(tmp_path, monkeypatch):
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
     from humanline_cli.memory import estimate
     from humanline_cli.train.build import memory_estimate
 
@@ -65,7 +65,7 @@ def test_the_memory_estimate_takes_the_loading_mode_build_parts_takes(tmp_path, 
     common = ["task=custom", "data.path=unused.jsonl", "backend=cpu", "backend.strategy=fsdp", "backend.nproc=2",
               "train.max_length=32", "train.max_prompt_length=16", "chat_template=false", "judge=none"]
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        spec = validate(compose("train", overrides=[*common, f"model.name_or_path={REPO}"]))
+        spec = resolve(compose("train", overrides=[*common, f"model.name_or_path={REPO}"]))
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(REPO)
@@ -76,5 +76,5 @@ def test_the_memory_estimate_takes_the_loading_mode_build_parts_takes(tmp_path, 
     assert full.loading > sharded.loading  # the two modes differ on this model
     assert est.loading == sharded.loading
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        spec = validate(compose("train", overrides=[*common, f"model.name_or_path={BIN}"]))
+        spec = resolve(compose("train", overrides=[*common, f"model.name_or_path={BIN}"]))
     assert memory_estimate(spec, BIN, torch.device("cpu")).loading == full.loading  # loaded whole: estimated so

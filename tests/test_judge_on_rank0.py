@@ -11,7 +11,7 @@ def test_a_reward_model_judge_loads_on_rank0_only(tmp_path, monkeypatch):
     from hydra import compose, initialize_config_module
 
     import humanline_cli.rewards.reward_model as rm_mod
-    from humanline_cli.config import validate
+    from humanline_cli.config import resolve
     from humanline_cli.models import load_tokenizer
     from humanline_cli.sources.source import Shard
     from humanline_cli.train.build import build_evaluator, make_encoder
@@ -19,7 +19,7 @@ def test_a_reward_model_judge_loads_on_rank0_only(tmp_path, monkeypatch):
     build_tiny_reward_model(tmp_path / "rm")
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["1+2=", "3+4=", "5+6="]))
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        spec = validate(compose("train", overrides=[
+        spec = resolve(compose("train", overrides=[
             "task=custom", f"model.name_or_path={tmp_path / 'rm'}", "data.path=unused.jsonl", "chat_template=false",
             f"task.prompts.eval={tmp_path / 'eval.jsonl'}", "task.judge.kind=model",
             f"task.judge.name_or_path={tmp_path / 'rm'}", "train.max_length=64", "train.max_prompt_length=32",
