@@ -191,7 +191,7 @@ def check(g: Groups) -> None:
     check_humanline(g.root)
     check_objective(g.objective, g.data)
     check_backend(g.backend)
-    check_train(g.root.train, g.objective, g.backend, g.data)
+    check_train(g.root.train, g.objective, g.backend)
     check_eval(g.root.eval)
     check_data(g.data, g.objective, g.root.train, g.sampler)
     check_async(g.data, g.backend)
@@ -284,7 +284,7 @@ def check_backend(backend: S.BackendConfig) -> None:
         raise UserError(f"config key 'backend.timeout_s' must be > 0 seconds, got {backend.timeout_s}")
 
 
-def check_train(t: S.TrainConfig, objective: S.ObjectiveConfig, backend: S.BackendConfig, data: S.DataConfig) -> None:
+def check_train(t: S.TrainConfig, objective: S.ObjectiveConfig, backend: S.BackendConfig) -> None:
     """train.*: the global batch splits over the ranks into whole micro-batches; lengths; fractions."""
     batch, ranks = _positive(t.batch_size, "train.batch_size"), rank_count(backend)
     micro, _ = micro_batch(t, ranks)

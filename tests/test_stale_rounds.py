@@ -30,15 +30,15 @@ def _validate(*overrides):
         return resolve(compose("train", overrides=["task=arithmetic", *overrides]))
 
 
-def test_generate_every_sets_the_round_and_offline_ignores_it():
+def test_generate_every_sets_the_round_and_offline_refuses_it():
     from humanline_cli.errors import UserError
 
     spec = _validate("data=online", "objective=grpo", "data.generate_every=64")
     assert spec.data_cfg.prompts_per_round == 64 * spec.train.batch_size == 2048
     assert any("data.generate_every=64" in n for n in spec.notes)
-    # an online knob, like data.n: offline runs read only their own keys (one study sweeps data=offline,online)
-    off = _validate("data=offline", "data.generate_every=4")
-    assert off.regime == "offline" and not any("generate_every" in n for n in off.notes)
+    # an online knob: data=offline samples no rounds, so setting it there is refused (test_refused_configs.py)
+    with pytest.raises(UserError, match="data.generate_every=4 needs data=online"):
+        _validate("data=offline", "data.generate_every=4")
     with pytest.raises(UserError, match="data.generate_every"):
         _validate("data=online", "data.generate_every=0")
 
