@@ -78,7 +78,7 @@ def test_vllm_logps_equal_hf_before_and_after_a_push(smollm2):
     from humanline_cli.data.collate import Encoder
     from humanline_cli.models import load_policy, load_tokenizer
     from humanline_cli.sampling.hf import HFSampler
-    from humanline_cli.sampling.sampler import SamplingParams
+    from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.sampling.vllm import VLLMSampler
 
     tok = load_tokenizer(str(smollm2))
