@@ -75,10 +75,10 @@ def test_vllm_logps_equal_hf_before_and_after_a_push(smollm2):
     differences are ~1e-4 nats, and a flipped greedy token would change the ids, which must be equal."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.data.collate import Encoder
     from humanline_cli.models import load_policy, load_tokenizer
     from humanline_cli.sampling.hf import HFSampler
-    from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.sampling.vllm import VLLMSampler
 
     tok = load_tokenizer(str(smollm2))
