@@ -232,7 +232,7 @@ def test_a_vllm_validation_error_is_shown_whole():
         ModelConfig(max_model_len=1024)
 
     sampler = object.__new__(VLLMSampler)  # only _call's error path, without an engine
-    sampler._broken, sampler._engine_threads, sampler.timeout_s = None, 1, 30.0
+    sampler._broken, sampler._engine_threads, sampler.timeout_s, sampler._cuda_device = None, 1, 30.0, None
     with pytest.raises(RunFailed) as e:
         sampler._call(start, "start")
     msg = str(e.value)
