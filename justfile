@@ -64,9 +64,9 @@ gpu-check *ARGS:
 speed-check *ARGS:
     mkdir -p runs/experiments/laptop_speed_check
     cat /proc/loadavg > runs/experiments/laptop_speed_check/loadavg.txt
-    nice -n 10 {{venv}}/bin/humanline bench constants=true experiment=laptop_speed_check out=runs/experiments/laptop_speed_check/constants.json {{ARGS}}
+    nice -n 10 {{venv}}/bin/humanline bench constants=true prompts=1024 experiment=laptop_speed_check out=runs/experiments/laptop_speed_check/constants.json {{ARGS}}
     nice -n 10 {{venv}}/bin/humanline train -m experiment=laptop_speed_check {{ARGS}}
-    nice -n 10 {{venv}}/bin/humanline bench constants=true experiment=laptop_speed_check out=runs/experiments/laptop_speed_check/constants_after.json {{ARGS}}
+    nice -n 10 {{venv}}/bin/humanline bench constants=true prompts=1024 experiment=laptop_speed_check out=runs/experiments/laptop_speed_check/constants_after.json {{ARGS}}
     cat /proc/loadavg >> runs/experiments/laptop_speed_check/loadavg.txt
     {{venv}}/bin/humanline report runs/experiments/laptop_speed_check --target runs/experiments/laptop_speed_check/constants.json --target runs/experiments/laptop_speed_check/constants_after.json --target h100 --target h200x8
 

@@ -25,11 +25,17 @@ def test_constants_follow_from_the_recorded_timings(tmp_path):
     assert d["target"] == "this" and d["estimated"] is False and d["model"] == "tiny" and d["threads"] == 1
     assert d["loadavg_before"] and d["loadavg_after"]
     calls = d["detail"]["generation"]["calls"]
-    assert [x["sequences"] for x in calls] == [8 * s for s in (1, 2, 16)]  # 1, 16 / 8, 16 prompts x 8 samples
+    # 1, then 16 / 64, / 16 (both raised to 2 prompts, kept once), / 4 and 16 prompts, x 8 samples
+    assert [x["sequences"] for x in calls] == [8 * s for s in (1, 2, 4, 16)]
     assert c["concurrency"] == 256  # the HF sampler's batch size (conf/sampler: schema default)
     # peak tokens/s: the largest call's tokens over its time less the one-token call's fixed cost
     big = calls[-1]
     assert c["sample_tokens_per_s"] == pytest.approx(big["tokens"] / (big["seconds"] - c["call_fixed_s"]), rel=1e-12)
+    # the curve: every size's tokens over its time less the fixed cost, by sequences per call
+    assert c["sample_curve"] == [[x["sequences"], pytest.approx(x["tokens"] / (x["seconds"] - c["call_fixed_s"]),
+                                                                rel=1e-12)] for x in calls]
+    checks = d["detail"]["generation"]["check_inner_calls"]
+    assert [x["sequences"] for x in checks] == [16, 32] and all(x["predicted_s"] > c["call_fixed_s"] for x in checks)
     small = calls[0]  # one wave: latency per decoding step over its longest completion
     assert c["decode_step_s"] == pytest.approx((small["seconds"] - c["call_fixed_s"]) / small["longest"], rel=1e-12)
     # training: the least-squares line through both mini-runs' (forward tokens, train seconds) points

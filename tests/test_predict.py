@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from humanline_cli.report.predict import Call, Target, Work, flops_per_token, generation_s, predict, within
+from humanline_cli.report.predict import (Call, Target, Work, flops_per_token, generation_s, predict, sample_rate,
+                                          target_from_json, within)
 
 T = Target(name="t", source="hand", estimated=False, call_fixed_s=0.5, sample_tokens_per_s=1000.0, decode_step_s=0.01,
            concurrency=4, push_fixed_s=0.1, push_bytes_per_s=1e9, label_s_per_seq=0.001, train_flops_per_s=1e12,
@@ -51,6 +52,33 @@ def test_throughput_bound_and_gpus():
     assert p8["train"] == pytest.approx(4 * 0.2 + 80.0 / 8, rel=1e-12)
     assert p8["sync"] == p1["sync"] and p8["push"] == p1["push"]
     assert p8["label"] == pytest.approx(p1["label"] / 8, rel=1e-12)
+
+
+def test_measured_curve_sets_the_rate_at_each_call_size():
+    # tokens/s measured at 8, 512 and 8192 sequences per call; log-linear between them, the ends held outside
+    curved = Target(**{**vars(T), "sample_curve": ((512, 5000.0), (8, 1000.0), (8192, 6000.0))})
+    assert sample_rate(curved, 4) == 1000.0 and sample_rate(curved, 8) == 1000.0
+    assert sample_rate(curved, 512) == 5000.0 and sample_rate(curved, 100_000) == 6000.0
+    # 2048 sequences: log2 11 between log2 9 and log2 13, half way: 5000 + (6000 - 5000) / 2
+    assert sample_rate(curved, 2048) == pytest.approx(5500.0, rel=1e-12)
+    # 64 sequences: log2 6 between log2 3 and log2 9, half way: 1000 + (5000 - 1000) / 2
+    assert sample_rate(curved, 64) == pytest.approx(3000.0, rel=1e-12)
+    # a 2048-sequence call of 11,000 tokens: throughput 11,000 / 5500 = 2.0 s; latency 512 waves of 4 x 5 x 0.01
+    c = Call(2048, 11_000, 5)
+    assert generation_s(c, curved) == pytest.approx(max(2.0, 512 * 5 * 0.01), rel=1e-12)  # 25.6 s: latency
+    fast = Target(**{**vars(curved), "concurrency": 4096})
+    assert generation_s(c, fast) == pytest.approx(2.0, rel=1e-12)
+    # 8 devices: each holds 256 sequences, between 8 and 512 at log2 8 of log2 3..9: 1000 + 4000 x 5/6
+    c8 = Target(**{**vars(fast), "gpus": 8})
+    assert generation_s(c, c8) == pytest.approx(11_000 / (8 * (1000 + 4000 * 5 / 6)), rel=1e-12)
+    # without a curve the peak is used, and a curve read from the bench's JSON round-trips
+    assert sample_rate(T, 2048) == 1000.0
+    d = {"constants": {**{k: getattr(T, k) for k in ("call_fixed_s", "sample_tokens_per_s", "decode_step_s",
+                                                      "concurrency", "push_fixed_s", "push_bytes_per_s",
+                                                      "label_s_per_seq", "train_flops_per_s", "step_fixed_s",
+                                                      "sync_fixed_s", "sync_bytes_per_s")},
+                       "sample_curve": [[8, 1000.0], [512, 5000.0]]}}
+    assert target_from_json(d).sample_curve == ((8.0, 1000.0), (512.0, 5000.0))
 
 
 def test_async_overlap():

@@ -2,11 +2,13 @@
 this machine with the run's own parts (the composed online config: model, sampler, labeller, batch, lengths,
 threads), written to a JSON file `humanline report --target FILE` reads.
 
-- generation: the run's sampler on the run's prompts and sampling settings at three call sizes (1, prompts / 8
-  and `prompts` prompts x n samples; prompts=64 by default), each timed 3 times (median); the fixed cost per
-  call is a call of one sequence and one token; the latency per decoding step comes from the smallest real call
-  (one wave: latency-bound), the peak tokens/s from the largest (throughput-bound); the middle call is predicted
-  from them as a check;
+- generation: the run's sampler on the run's prompts and sampling settings at call sizes of 1, prompts / 64,
+  prompts / 16, prompts / 4 and `prompts` prompts x n samples (prompts=64 by default; give the largest call the
+  sweep makes, e.g. prompts=1024 for stale-64 rounds of 1024 prompts), each timed 3 times (median); the fixed
+  cost per call is a call of one sequence and one token; the latency per decoding step comes from the smallest
+  real call (one wave: latency-bound), the peak tokens/s from the largest (throughput-bound), and every size's
+  tokens/s is kept as the sampler's curve (the report interpolates it at each call's size); each inner size is
+  predicted from its neighbours as a check;
 - labelling: the task's labeller on the largest call's completions, seconds per completion;
 - push and sync: sampler.push_weights(policy) and reference.sync(policy), 5 times each (median; fixed costs at
   this model's size: the bytes are inside them);
@@ -32,9 +34,11 @@ from pathlib import Path
 from humanline_cli.errors import UserError
 
 
-def call_sizes(prompts: int) -> tuple[int, int, int]:
-    """Prompts per timed generation call (x n samples each): one, an eighth of `prompts`, `prompts`."""
-    return 1, max(2, prompts // 8), max(3, prompts)
+def call_sizes(prompts: int) -> tuple[int, ...]:
+    """Prompts per timed generation call (x n samples each): one, then `prompts` / 64, / 16, / 4 and `prompts`
+    (at least two sizes above one; repeated sizes once)."""
+    sizes = {1, max(2, prompts // 64), max(2, prompts // 16), max(2, prompts // 4), max(3, prompts)}
+    return tuple(sorted(sizes))
 
 
 def _loadavg() -> str | None:
@@ -71,10 +75,11 @@ def _median_time(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
-def generation_constants(source, concurrency: int, sizes: tuple[int, int, int]) -> dict:
+def generation_constants(source, concurrency: int, sizes: tuple[int, ...]) -> dict:
     """Call sizes `sizes` (prompts x n) on the run's sampler: per-call fixed cost, latency per decoding step,
-    peak tokens/s, and the middle size predicted from them against its measurement."""
+    peak tokens/s, tokens/s at every size (the curve), and each inner size predicted from its neighbours."""
     from humanline_cli.core.interfaces import SamplingParams
+    from humanline_cli.report.predict import Call, Target, call_s
     from humanline_cli.rewards.scorers import checked
 
     rows, enc, params = source.rows, source.encoder, source.params
@@ -84,41 +89,53 @@ def generation_constants(source, concurrency: int, sizes: tuple[int, int, int]) 
     fixed, _ = _median_time(lambda: sampler.generate([enc.prompt_ids(rows[0]["prompt"])], one), 5)
     calls = []
     for k, size in enumerate(sizes):
-        prompts = [enc.prompt_ids(r["prompt"]) for r in rows[:size]]
+        prompts = [enc.prompt_ids(rows[i % len(rows)]["prompt"]) for i in range(size)]
         p = SamplingParams(**{**vars(params), "seed": 7 + k})
         sampler.generate(prompts, p)  # untimed: the first call at a new shape
         s, out = _median_time(lambda prompts=prompts, p=p: sampler.generate(prompts, p), 3)
         lengths = [len(ids) for ids in out.token_ids]
         calls.append({"prompts": size, "sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
-                      "seconds": s, "completions": out})
-    small, mid, big = calls
-    waves = lambda c: math.ceil(c["sequences"] / concurrency)  # noqa: E731
-    decode_step = max(small["seconds"] - fixed, 1e-9) / (waves(small) * small["longest"])
-    peak = big["tokens"] / max(big["seconds"] - fixed, 1e-9)
-    mid_pred = fixed + max(mid["tokens"] / peak, waves(mid) * mid["longest"] * decode_step)
+                      "seconds": s, "tokens_per_s": sum(lengths) / max(s - fixed, 1e-9), "completions": out})
+    small, big = calls[0], calls[-1]
+    waves = math.ceil(small["sequences"] / concurrency)
+    decode_step = max(small["seconds"] - fixed, 1e-9) / (waves * small["longest"])
+    curve = [(c["sequences"], c["tokens_per_s"]) for c in calls]
+    checks = []
+    for i in range(1, len(calls) - 1):
+        c = calls[i]
+        t = Target(name="check", source="", estimated=False, call_fixed_s=fixed, sample_tokens_per_s=big["tokens_per_s"],
+                   decode_step_s=decode_step, concurrency=concurrency, push_fixed_s=0.0, push_bytes_per_s=math.inf,
+                   label_s_per_seq=0.0, train_flops_per_s=1.0, step_fixed_s=0.0, sync_fixed_s=0.0,
+                   sync_bytes_per_s=math.inf, sample_curve=tuple(curve[:i] + curve[i + 1:]))
+        checks.append({"sequences": c["sequences"], "measured_s": c["seconds"],
+                       "predicted_s": call_s(Call(c["sequences"], c["tokens"], c["longest"]), t)})
     # the labeller on the largest call's completions
-    out = big.pop("completions")
-    small.pop("completions"), mid.pop("completions")
+    out = big["completions"]
+    for c in calls:
+        c.pop("completions")
     texts = [enc.prompt_text(r["prompt"]) for r in rows[:big["prompts"]] for _ in range(params.n)]
     answers = [r.get("answer") for r in rows[:big["prompts"]] for _ in range(params.n)] if "answer" in rows[0] else None
     label_s, _ = _median_time(lambda: checked(source.labeller_name, source.labeller, texts, out.texts, answers), 3)
-    return {"call_fixed_s": fixed, "decode_step_s": decode_step, "sample_tokens_per_s": peak,
-            "concurrency": concurrency, "label_s_per_seq": label_s / len(out.texts), "calls": calls,
-            "check_middle_call": {"predicted_s": mid_pred, "measured_s": mid["seconds"]}}
+    return {"call_fixed_s": fixed, "decode_step_s": decode_step, "sample_tokens_per_s": big["tokens_per_s"],
+            "sample_curve": curve, "concurrency": concurrency, "label_s_per_seq": label_s / len(out.texts),
+            "calls": calls, "check_inner_calls": checks}
 
 
 class _Steps:
-    """Stands in for tracking.Tracker: keeps every step's metrics (train.log_every=1)."""
+    """The run's own tracker (metrics.jsonl and wandb as the run configures them: their per-step cost is part of
+    `other`), keeping every step's metrics for the fit (train.log_every=1)."""
 
-    def __init__(self):
+    def __init__(self, tracker):
+        self.tracker = tracker
         self.rows: list[dict] = []
 
     def log(self, step: int, metrics: dict) -> None:
+        self.tracker.log(step, metrics)
         if "time/train" in metrics:
             self.rows.append({"step": step, **metrics})
 
     def log_histogram(self, step: int, counts) -> None:
-        pass
+        self.tracker.log_histogram(step, counts)
 
 
 def _mini_run(spec, tmp: Path) -> dict:
@@ -129,12 +146,13 @@ def _mini_run(spec, tmp: Path) -> dict:
     from humanline_cli.core.humanline import ReferenceRule
     from humanline_cli.train.build import build_parts
     from humanline_cli.train.timing import PhaseTimer
+    from humanline_cli.train.tracking import Tracker
     from humanline_cli.train.trainer import train
 
     timer = PhaseTimer()
     parts = build_parts(spec, timer, tmp)
     try:
-        tracker = _Steps()
+        tracker = _Steps(Tracker(tmp, spec.config, spec.wandb, "constants"))
         before = dict(timer.seconds)
         t0 = time.perf_counter()
         train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
@@ -145,6 +163,7 @@ def _mini_run(spec, tmp: Path) -> dict:
         rows = tracker.rows
         per_step = [(r["tokens_processed"], r["time/train"] - (rows[i - 1]["time/train"] if i else 0.0))
                     for i, r in enumerate(rows)]
+        tracker.tracker.finish(0)
         return {"steps": len(rows), "per_step": per_step[1:], "other_s": max(wall - phases, 0.0),
                 "params": sum(p.numel() for p in parts.policy.parameters()),
                 "gradient_checkpointing": spec.train.gradient_checkpointing}
@@ -203,7 +222,7 @@ def measure(overrides: list[str], console, steps: int = 6, prompts: int = 64) ->
             parts.close()
     console.print("[dim]constants: training steps at the run's batch size and at half of it[/]")
     tr = training_constants(overrides, steps)
-    constants = {**{k: v for k, v in gen.items() if k not in ("calls", "check_middle_call")},
+    constants = {**{k: v for k, v in gen.items() if k not in ("calls", "check_inner_calls")},
                  "push_fixed_s": push_s, "push_bytes_per_s": math.inf, "sync_fixed_s": sync_s, "sync_bytes_per_s": math.inf,
                  "step_fixed_s": tr["step_fixed_s"], "train_flops_per_s": tr["train_flops_per_s"],
                  "other_step_s": tr["other_step_s"], "gpus": 1}
@@ -213,7 +232,7 @@ def measure(overrides: list[str], console, steps: int = 6, prompts: int = 64) ->
             "source": f"measured by `humanline bench constants=true` on {socket.gethostname()} at "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')} (loadavg {load_before})",
             "overrides": overrides, "constants": constants,
-            "detail": {"generation": {"calls": gen["calls"], "check_middle_call": gen["check_middle_call"]},
+            "detail": {"generation": {"calls": gen["calls"], "check_inner_calls": gen["check_inner_calls"]},
                        "training": tr["runs"], "push_s": push_s, "sync_s": sync_s},
             "loadavg_before": load_before, "loadavg_after": _loadavg()}
 
@@ -223,7 +242,11 @@ def print_constants(res: dict, console) -> None:
     console.print(f"constants of this machine ({res['model']}, {res['params']} params, threads {res['threads']}); "
                   f"loadavg before {res['loadavg_before']}, after {res['loadavg_after']}", highlight=False)
     for k, v in c.items():
-        console.print(f"  {k:22s} {f'{v:.6g}'}", highlight=False)
-    chk = res["detail"]["generation"]["check_middle_call"]
-    console.print(f"  middle call: predicted {chk['predicted_s']:.3f} s, measured {chk['measured_s']:.3f} s",
-                  highlight=False)
+        if k == "sample_curve":
+            v = ", ".join(f"{m:g} seq: {r:.4g} tok/s" for m, r in v)
+            console.print(f"  {k:22s} {v}", highlight=False)
+        else:
+            console.print(f"  {k:22s} {f'{v:.6g}'}", highlight=False)
+    for chk in res["detail"]["generation"]["check_inner_calls"]:
+        console.print(f"  call of {chk['sequences']} sequences, from its neighbours: predicted "
+                      f"{chk['predicted_s']:.3f} s, measured {chk['measured_s']:.3f} s", highlight=False)

@@ -18,7 +18,11 @@ decoding step with up to c sequences in flight (c: the sampler's concurrency, HF
 max_num_seqs).
 
 Generation is the larger of two bounds: throughput (every generated token costs 1 / S_peak) and latency (each
-wave of c x g sequences runs as many decoding steps as its longest completion, each s_lat). The max is the
+wave of c x g sequences runs as many decoding steps as its longest completion, each s_lat). Where the sampler's
+tokens/s was measured at several call sizes (`sample_curve`, from `humanline bench constants=true`), S_peak is
+the rate at the call's own size, interpolated linearly in log(sequences per device) between the measured sizes
+and held at the end values outside them: on a CPU the transformers sampler's tokens/s still grows between
+calls of 512 and 8,192 sequences (docs/performance.md), so one peak measured at one size mispredicts the others. The max is the
 roofline: a call is throughput-bound when it is large, latency-bound when a few long completions keep a
 half-empty batch decoding. `c_other` is the loop's own time outside the phases (collating micro-batches,
 logging, bookkeeping of each round).
@@ -57,6 +61,7 @@ class Target:
     sync_bytes_per_s: float      # device memory copy bandwidth of a sync
     other_step_s: float = 0.0    # per step, outside the phases (collation, logging)
     gpus: int = 1
+    sample_curve: tuple = ()     # ((sequences per call on one device, tokens/s), ...) measured, by size
     notes: dict = field(default_factory=dict, compare=False)  # constant -> where its value comes from
 
 
@@ -87,10 +92,25 @@ def flops_per_token(work: Work) -> float:
     return (6 + 2 * work.reference_forward + 2 * work.gradient_checkpointing) * work.params
 
 
+def sample_rate(t: Target, sequences: float) -> float:
+    """One device's generated tokens/s for a call of `sequences` sequences on it: the measured curve where
+    there is one (log-linear between its points, its end values outside them), else the peak."""
+    curve = sorted(t.sample_curve)
+    if not curve:
+        return t.sample_tokens_per_s
+    if sequences <= curve[0][0]:
+        return curve[0][1]
+    for (m0, r0), (m1, r1) in zip(curve, curve[1:]):
+        if sequences <= m1:
+            w = (math.log(sequences) - math.log(m0)) / (math.log(m1) - math.log(m0))
+            return r0 + w * (r1 - r0)
+    return curve[-1][1]
+
+
 def generation_s(call: Call, t: Target) -> float:
     """One call's decoding time: the larger of the throughput and latency bounds (no fixed cost)."""
     waves = math.ceil(call.sequences / (t.concurrency * t.gpus)) if call.sequences else 0
-    throughput = call.tokens / (t.sample_tokens_per_s * t.gpus)
+    throughput = call.tokens / (sample_rate(t, call.sequences / t.gpus) * t.gpus)
     latency = waves * call.longest * t.decode_step_s
     return max(throughput, latency)
 
@@ -144,5 +164,7 @@ def target_from_json(d: dict) -> Target:
     fields = {k: (math.inf if c[k] in ("inf", "Infinity") else c[k]) for k in (
         "call_fixed_s", "sample_tokens_per_s", "decode_step_s", "concurrency", "push_fixed_s", "push_bytes_per_s",
         "label_s_per_seq", "train_flops_per_s", "step_fixed_s", "sync_fixed_s", "sync_bytes_per_s")}
+    curve = tuple((float(m), float(r)) for m, r in c.get("sample_curve", ()))
     return Target(name=d.get("target", "this"), source=d.get("source", "?"), estimated=bool(d.get("estimated", False)),
-                  other_step_s=float(c.get("other_step_s", 0.0)), gpus=int(c.get("gpus", 1)), **fields)
+                  other_step_s=float(c.get("other_step_s", 0.0)), gpus=int(c.get("gpus", 1)), sample_curve=curve,
+                  **fields)
