@@ -1,0 +1,78 @@
+"""The CUDA path's slow or unsafe corners, each checked on CPU: the gradient-norm all-reduce of an FSDP2 rank without
+gradients (joined, on the rank's device), DDP's log-probs in chunks of the LM head (no (N, T, V) logits), a LoRA
+run's frozen base in the compute dtype, vLLM's CUDA graphs on by default on CUDA."""
+from __future__ import annotations
+
+import torch
+
+
+class _ShardedParam:
+    """Unit-test helper: an FSDP2 parameter (a DTensor's to_local) on a device this machine has no kernels for
+    (meta stands in for cuda:N), without a gradient this step."""
+
+    def __init__(self):
+        self.grad = None
+        self._local = torch.empty(4, device="meta")
+
+    def to_local(self):
+        return self._local
+
+
+def test_a_rank_without_gradients_joins_the_norm_all_reduce_on_its_device(monkeypatch):
+    import humanline_cli.backend as backend
+    from humanline_cli.backend import Dist, clip_grad_norm
+
+    seen = []
+
+    def all_reduce_sum(t, dist):  # the other rank's squared norm, 4.0, comes back
+        seen.append((t.device.type, t.dtype))
+        return torch.tensor(4.0)
+
+    monkeypatch.setattr(backend, "all_reduce_sum", all_reduce_sum)
+    norm = clip_grad_norm([_ShardedParam(), _ShardedParam()], 1.0, Dist(rank=1, world_size=2))
+    # the all-reduce happened (the other ranks are in it), with a tensor on the parameters' device
+    assert seen == [("meta", torch.float32)] and norm == 2.0
+
+
+def _tiny_llama(dtype=torch.float64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def test_ddp_computes_log_probs_in_chunks_equal_to_full_logits(tmp_path):
+    import torch.distributed as tdist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from humanline_cli.core.batches import Seqs
+    from humanline_cli.core.logprobs import _full_logits_token_logps, token_logps
+
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = _tiny_llama()
+        ddp = DistributedDataParallel(model)
+        ids = torch.randint(1, 97, (3, 10), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(ids)
+        mask[2, 7:] = 0
+        loss = mask.bool() & (torch.arange(10) >= 4)
+        seqs = Seqs(ids, mask, loss)
+        rows = []
+        hook = model.lm_head.register_forward_hook(lambda m, i, o: rows.append(tuple(o.shape)))
+        got = token_logps(ddp, seqs, chunk_size=4)
+        hook.remove()
+        # 13 completion positions (6 + 6 + 3 minus the first of each... t predicts t+1): chunks of <= 4 rows
+        # of logits, never a (3, 10, 97) block
+        assert rows and all(len(r) == 2 and r[0] <= 4 for r in rows), rows
+        want = _full_logits_token_logps(model, seqs)
+        assert torch.allclose(got, want, atol=1e-12, rtol=0)  # float64: equal in exact arithmetic
+        got.sum().backward()  # through DDP's forward: its reducer averages the gradients
+        g_ddp = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        want.sum().backward()
+        assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(g_ddp, (p.grad for p in model.parameters())))
+    finally:
+        tdist.destroy_process_group()
