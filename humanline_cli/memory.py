@@ -130,20 +130,22 @@ def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, m
              strategy: str = "single", ranks: int = 1, gradient_checkpointing: bool = False,
              params: int | None = None, reference_bytes: float | None = None, activation_bytes: float = 2.0,
              weight_bytes: float = 4.0, autocast: bool = False, loading: str = "full",
-             reward_bytes: float = 0.0) -> MemoryEstimate:
+             reward_bytes: float = 0.0, base_bytes: float | None = None) -> MemoryEstimate:
     """Bytes per device (see the module docstring). `weight_bytes`: the master weights' dtype (4 fp32, 8 for
     backend.precision=fp64); `activation_bytes`: the compute dtype (2 under bf16 autocast or FSDP2 mixed
     precision, else weight_bytes); `reference_bytes`: the frozen copy's dtype (default weight_bytes; 2 under
     FSDP2 bf16); `autocast`: bf16 autocast over fp32 weights (its bf16 weight copies live until the
     backward); `loading`: "full" (every rank loads the whole model, then shards) or "sharded"; `reward_bytes`: the
-    reward models this rank loads (`reward_model_bytes`), alive from before the policy loads to the end."""
+    reward models this rank loads (`reward_model_bytes`), alive from before the policy loads to the end;
+    `base_bytes`: a LoRA run's frozen base weights' dtype (default weight_bytes; 2 under bf16 autocast)."""
     n = params if params is not None else count_params(config)
     fsdp = strategy == "fsdp"
     shard = ranks if fsdp else 1
     w = weight_bytes
     ref_b = w if reference_bytes is None else reference_bytes
     trainable = lora_params(config, lora_r) if lora_r > 0 else n
-    policy = w * (n + (trainable if lora_r > 0 else 0)) / shard
+    base_b = w if base_bytes is None or lora_r == 0 else base_bytes
+    policy = (base_b * n + (w * trainable if lora_r > 0 else 0)) / shard
     grads = 4.0 * trainable * (w / 4) / shard
     optimizer = 8.0 * trainable * (w / 4) / shard
     if lora_r > 0:
@@ -166,7 +168,7 @@ def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, m
         transient += p * root + p * vocab * h + 3 * p * per_layer
     elif strategy == "ddp":
         transient += 4.0 * trainable * (w / 4)  # DDP's gradient buckets: a second copy of the gradients
-    if autocast:
+    if autocast and base_b > 2.0:  # a bf16 LoRA base needs no copy
         transient += 2.0 * max(0, n - vocab * h)  # bf16 copies of every matmul weight, saved for the backward
     step_extra = 4.0 * trainable * (w / 4) / shard  # AdamW foreach: sqrt(exp_avg_sq), one gradient-sized list
     full_reference = 0.0 if lora_r > 0 else w * n  # the copy is made in the weights' dtype, then cast and sharded
@@ -174,7 +176,7 @@ def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, m
         # the shards of policy and reference + the rows of the largest tensor (embeddings) read at once
         load = policy + reference + w * vocab * h / shard
     else:
-        load = w * n + full_reference + (w * trainable if lora_r > 0 else 0.0)
+        load = base_b * n + full_reference + (w * trainable if lora_r > 0 else 0.0)
     return MemoryEstimate(n, trainable, policy, grads, optimizer, reference, activations, ranks, fsdp,
                           seqs_per_micro, max_length, transient, step_extra, load + reward_bytes, reward_bytes)
 

@@ -76,3 +76,39 @@ def test_ddp_computes_log_probs_in_chunks_equal_to_full_logits(tmp_path):
         assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(g_ddp, (p.grad for p in model.parameters())))
     finally:
         tdist.destroy_process_group()
+
+
+def test_a_lora_base_loads_in_the_compute_dtype_under_bf16_autocast(tmp_path, monkeypatch):
+    """Under bf16 autocast (CUDA's default) a LoRA run's frozen base loads in bf16: half the bytes, its matmuls
+    run in bf16 anyway; the adapters (what AdamW trains) stay fp32. Run here with a CPU autocast backend."""
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.backend import Backend
+    from humanline_cli.config import resolve
+    from humanline_cli.core.lora import apply_lora
+    from humanline_cli.train.build import _load_policy, memory_estimate
+
+    _tiny_llama(torch.float32).save_pretrained(tmp_path / "m")
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        spec = resolve(compose("train", overrides=["task=custom", f"model.name_or_path={tmp_path / 'm'}",
+                                                   "data.path=unused.jsonl", "task.judge.kind=none", "model.lora.r=4",
+                                                   "train.max_length=16", "train.max_prompt_length=8"]))
+    backend = Backend(torch.device("cpu"), torch.bfloat16)  # what make_backend gives on CUDA, on this CPU
+    policy, sharded = _load_policy(spec, str(tmp_path / "m"), backend, "single")
+    policy = apply_lora(policy, 4, 8, 0.0)
+    trained = {n: p.dtype for n, p in policy.named_parameters() if p.requires_grad}
+    frozen = {p.dtype for p in policy.parameters() if not p.requires_grad}
+    assert not sharded and frozen == {torch.bfloat16} and trained and set(trained.values()) == {torch.float32}
+    with backend.autocast():
+        policy(input_ids=torch.tensor([[1, 2, 3]])).logits.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in policy.parameters() if p.requires_grad)
+    # the estimate on CUDA counts the base at 2 bytes a parameter (and no autocast copies of it)
+    n = sum(p.numel() for p in policy.parameters() if not p.requires_grad)
+    t = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+
+    class Props:
+        total_memory = 10**15
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props())
+    est = memory_estimate(spec, str(tmp_path / "m"), torch.device("cuda"))
+    assert est.policy == 2 * n + 4 * t and est.loading == 2 * n + 4 * t

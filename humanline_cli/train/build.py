@@ -402,6 +402,8 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device, rank: 
                    # bf16 under FSDP2: the frozen reference is kept in bf16 (build_parts)
                    reference_bytes=2.0 if fsdp and bf16 else None, weight_bytes=weight_bytes,
                    activation_bytes=2.0 if bf16 else weight_bytes, autocast=bf16 and not fsdp,
+                   # a LoRA base under bf16 autocast loads in bf16 (policy_load_dtype)
+                   base_bytes=2.0 if bf16 and not fsdp and spec.model_cfg.lora.r > 0 else None,
                    loading="sharded" if fsdp and spec.model_cfg.lora.r == 0 and not spec.model_cfg.trust_remote_code
                    and sharded_loadable(model_path) else "full", reward_bytes=_reward_bytes(spec, rank))
     if device.type == "cuda":
@@ -421,10 +423,20 @@ def _checkpointing(model: torch.nn.Module) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def policy_load_dtype(backend: Backend, lora_r: int) -> torch.dtype:
+    """The dtype the policy's weights load in: the master weights' (fp32, fp64), except a LoRA run's frozen base
+    under bf16 autocast (CUDA), which loads in bf16: it never changes, autocast computes its matmuls in bf16
+    anyway, and fp32 would double it (32 GB instead of 16 GB at 8B). peft keeps the trained adapters in fp32."""
+    if lora_r > 0 and backend.autocast_dtype is not None:
+        return backend.autocast_dtype
+    return backend.weights_dtype
+
+
 def _load_policy(spec: RunSpec, model_path: str, backend: Backend, strategy: str) -> tuple[torch.nn.Module, bool]:
     """(policy, sharded). FSDP2 full fine-tuning loads sharded (train/sharded_load.py: no rank holds the whole
     model; gradient checkpointing set before sharding), else the whole model on every rank (LoRA, remote
-    code, a checkpoint whose tensor names transformers renames while loading)."""
+    code, a checkpoint whose tensor names transformers renames while loading), a LoRA base in
+    `policy_load_dtype`."""
     trust = spec.model_cfg.trust_remote_code
     if strategy == "fsdp" and spec.model_cfg.lora.r == 0 and not trust:
         policy = load_policy_sharded(model_path, backend.device, backend.weights_dtype,
@@ -432,7 +444,8 @@ def _load_policy(spec: RunSpec, model_path: str, backend: Backend, strategy: str
                                      _checkpointing if spec.train.gradient_checkpointing else None)
         if policy is not None:
             return policy, True
-    return load_policy(model_path, backend.device, trust, dtype=backend.weights_dtype), False
+    return load_policy(model_path, backend.device, trust,
+                       dtype=policy_load_dtype(backend, spec.model_cfg.lora.r)), False
 
 
 def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
