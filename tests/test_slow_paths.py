@@ -112,3 +112,52 @@ def test_a_lora_base_loads_in_the_compute_dtype_under_bf16_autocast(tmp_path, mo
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props())
     est = memory_estimate(spec, str(tmp_path / "m"), torch.device("cuda"))
     assert est.policy == 2 * n + 4 * t and est.loading == 2 * n + 4 * t
+
+
+def test_vllm_uses_cuda_graphs_by_default_on_cuda_and_eager_on_cpu(monkeypatch):
+    from fake_cuda_vllm import fake_tokenizer, install_fake_vllm
+
+    from humanline_cli.sampling.vllm import VLLMSampler
+
+    install_fake_vllm(monkeypatch, [], lambda: 0)  # a CUDA platform
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert VLLMSampler("unused", fake_tokenizer(), timeout_s=10).llm.kwargs["enforce_eager"] is False
+    assert VLLMSampler("unused", fake_tokenizer(), timeout_s=10, enforce_eager=True).llm.kwargs["enforce_eager"] is True
+    import vllm
+
+    monkeypatch.setattr(vllm.platforms, "current_platform", type("P", (), {"is_cpu": staticmethod(lambda: True)}))
+    assert VLLMSampler("unused", fake_tokenizer(), timeout_s=10).llm.kwargs["enforce_eager"] is True
+
+
+def test_unseeded_vllm_sends_one_request_of_n_per_prompt(monkeypatch):
+    """sampler.seeded=false: one request of n per prompt without a seed (vLLM batches its noise); the default sends
+    one seeded request per completion (any split over ranks samples the same)."""
+    from types import SimpleNamespace
+
+    from fake_cuda_vllm import fake_tokenizer, install_fake_vllm
+
+    from humanline_cli.core.interfaces import SamplingParams
+    from humanline_cli.sampling.vllm import VLLMSampler
+
+    install_fake_vllm(monkeypatch, [], lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    sent = []
+
+    def generate(prompts, params, use_tqdm=False):  # children returned out of order: the sampler sorts them
+        sent.extend((len(p["prompt_token_ids"]), sp.n, sp.seed) for p, sp in zip(prompts, params))
+        return [SimpleNamespace(outputs=[SimpleNamespace(index=i, token_ids=[10 + i, 2], logprobs=[
+            {10 + i: SimpleNamespace(logprob=-1.0 * i)}, {2: SimpleNamespace(logprob=-0.5)}])
+            for i in reversed(range(sp.n))]) for sp in params]
+
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=4, seed=7)
+    fast = VLLMSampler("unused", fake_tokenizer(), timeout_s=10, seeded=False)
+    fast.llm.generate = generate
+    out = fast.generate([[5, 6], [7]], params)
+    assert sent == [(2, 3, None), (1, 3, None)]
+    assert out.token_ids == [[10, 2], [11, 2], [12, 2]] * 2 and out.logps[1] == [-1.0, -0.5]
+    sent.clear()
+    exact = VLLMSampler("unused", fake_tokenizer(), timeout_s=10)
+    exact.llm.generate = generate
+    exact.generate([[5, 6], [7]], params)
+    assert [(length, n) for length, n, _ in sent] == [(2, 1)] * 3 + [(1, 1)] * 3 and all(s is not None for *_, s in sent)
+    assert len({s for *_, s in sent}) == 6
