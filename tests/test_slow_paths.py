@@ -161,3 +161,47 @@ def test_unseeded_vllm_sends_one_request_of_n_per_prompt(monkeypatch):
     exact.generate([[5, 6], [7]], params)
     assert [(length, n) for length, n, _ in sent] == [(2, 1)] * 3 + [(1, 1)] * 3 and all(s is not None for *_, s in sent)
     assert len({s for *_, s in sent}) == 6
+
+
+def test_fsdp_decoding_gathers_each_layer_once_per_call_not_per_token(tmp_path, monkeypatch):
+    """The transformers sampler on an FSDP2 policy (offline evaluation under FSDP) gathers the weights once per
+    generate call; before, every decoded token re-gathered every layer. One gloo rank: FSDP2 still runs its
+    unshard/reshard cycle, counted here; the completions equal the unsharded model's."""
+    import torch.distributed as tdist
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from humanline_cli.backend import shard_model
+    from humanline_cli.core.interfaces import SamplingParams
+    from humanline_cli.sampling.hf import HFSampler
+    from humanline_cli.world.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    plain = _tiny_llama(torch.float32)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
+    prompts = [[5, 6, 7], [8, 9]]
+    want = HFSampler(plain, tok, batch_size=4).generate(prompts, params)
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        sharded = _tiny_llama(torch.float32)
+        shard_model(sharded)
+        gathers = []
+        real = FSDPParamGroup.unshard
+
+        def unshard(self, async_op=False):
+            if not self.is_unsharded and self._all_gather_result is None:
+                gathers.append(id(self))
+            return real(self, async_op)
+
+        monkeypatch.setattr(FSDPParamGroup, "unshard", unshard)
+        got = HFSampler(sharded, tok, batch_size=4, lockstep=lambda x: x).generate(prompts, params)
+        groups = 3  # two decoder layers and the root
+        assert len(gathers) == groups and len(set(gathers)) == groups, len(gathers)
+        assert got.token_ids == want.token_ids
+        assert all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5) for a, b in zip(got.logps, want.logps))
+        # training's setting is back: a forward of the layers reshards them after, the root stays gathered
+        gathers.clear()
+        sharded(input_ids=torch.tensor([[1, 2]]))
+        sharded(input_ids=torch.tensor([[1, 2]]))
+        assert len(gathers) == 2 * 2 + 1  # the layers twice, the root once
+    finally:
+        tdist.destroy_process_group()
