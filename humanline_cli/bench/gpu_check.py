@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from humanline_cli.bench.vllm_rows import missing
+
 FAST = ["train.steps=20", "train.log_every=5", "eval.n_prompts=64", "threads=4"]
 
 
@@ -137,19 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         checks.append({"check": "ddp_fsdp", "ok": True, "skipped": "one visible GPU (needs 2+)"})
     return _finish(results, out)
-
-
-def missing(module: str) -> bool:
-    """Whether `module` cannot be imported here (without importing it: vLLM takes seconds). The GPU machines
-    this runs on may lack Hydra and vLLM; the rows that need them then say so instead of failing."""
-    import importlib.util
-
-    if module in sys.modules:
-        return sys.modules[module] is None
-    try:
-        return importlib.util.find_spec(module) is None
-    except (ImportError, ValueError):
-        return True
 
 
 def _finish(results: dict, out: Path) -> int:

@@ -20,6 +20,7 @@ Without vLLM: one row, "skipped: vllm not installed".
 """
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +28,19 @@ from types import SimpleNamespace
 
 GB = 1e9
 SKIPPED = {"check": "vllm", "ok": True, "skipped": "vllm not installed"}
+
+
+def missing(module: str) -> bool:
+    """Whether `module` cannot be imported here (without importing it: vLLM takes seconds). The GPU machines
+    this runs on may lack Hydra and vLLM; the rows that need them then say so instead of failing."""
+    import importlib.util
+
+    if module in sys.modules:
+        return sys.modules[module] is None
+    try:
+        return importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):
+        return True
 
 
 def _tokenizer(pad_id: int = 0):
@@ -72,8 +86,6 @@ def _mean(xs: list[float]) -> float:
 def run(shape: str = "qwen2.5-1.5b", device: str = "cuda", calls=(256, 16384), prompt_tokens: int = 128,
         new_tokens: int = 64, bound: float | None = None, gpu_memory_utilization: float = 0.4,
         workdir: Path | None = None) -> list[dict]:
-    from humanline_cli.bench.gpu_check import missing
-
     if missing("vllm"):
         return [dict(SKIPPED)]
     import torch
