@@ -222,11 +222,16 @@ def clip_grad_norm(params: list, max_norm: float, dist: Dist) -> float:
     shards (DTensor gradients): sum the squares of each rank's local shards, all-reduce the sum, and
     scale every shard by the same coefficient, so the norm is the full model's, as in one process."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not any(hasattr(g, "to_local") for g in grads):
+    # the parameters decide, not the gradients: an FSDP2 rank whose shards got no gradient this step still
+    # joins the all-reduce the other ranks enter (torch's clip_grad_norm_ here would leave them waiting)
+    if not any(hasattr(p, "to_local") for p in params):
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    # such a rank's zero lives on its own device: NCCL reduces only CUDA tensors
+    first = params[0].to_local() if hasattr(params[0], "to_local") else params[0]
     sq = torch.stack([t.detach().to(torch.promote_types(t.dtype, torch.float32)).pow(2).sum()  # fp64 stays fp64
-                      for t in local]).sum() if local else torch.zeros(())
+                      for t in local]).sum() if local else \
+        torch.zeros((), dtype=torch.promote_types(first.dtype, torch.float32), device=first.device)
     sq = all_reduce_sum(sq, dist)
     norm = float(sq.sqrt())
     coef = min(1.0, max_norm / (norm + 1e-6))

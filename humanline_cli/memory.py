@@ -54,10 +54,11 @@ class MemoryEstimate:
     transient: float = 0.0   # buffers alive around the backward's start (see the module docstring)
     step_extra: float = 0.0  # AdamW's temporary during optimizer.step
     loading: float = 0.0     # peak while loading (and sharding) the policy and reference
+    reward: float = 0.0      # the reward models this rank holds (labeller, judge), whole: they are not sharded
 
     @property
     def steady(self) -> float:
-        return self.policy + self.grads + self.optimizer + self.reference
+        return self.policy + self.grads + self.optimizer + self.reference + self.reward
 
     @property
     def training(self) -> float:
@@ -73,6 +74,8 @@ class MemoryEstimate:
         parts = [f"policy {self.policy / GB:.2f}", f"grads {self.grads / GB:.2f}", f"AdamW {self.optimizer / GB:.2f}",
                  f"reference {self.reference / GB:.2f}", f"activations {self.activations / GB:.2f}",
                  f"transient {self.transient / GB:.2f}"]
+        if self.reward:
+            parts.append(f"reward models {self.reward / GB:.2f}")
         how = f", FSDP over {self.ranks} ranks" if self.sharded else (f", DDP x{self.ranks}" if self.ranks > 1 else "")
         load = f"; loading {self.loading / GB:.2f}" if self.loading > self.training else ""
         return (f"memory per device (estimate{how}): {' + '.join(parts)} = {self.training / GB:.2f} GiB{load} "
@@ -126,19 +129,23 @@ def activation_bytes_per_token(config, act_bytes: float, gradient_checkpointing:
 def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, moving_reference: bool = True,
              strategy: str = "single", ranks: int = 1, gradient_checkpointing: bool = False,
              params: int | None = None, reference_bytes: float | None = None, activation_bytes: float = 2.0,
-             weight_bytes: float = 4.0, autocast: bool = False, loading: str = "full") -> MemoryEstimate:
+             weight_bytes: float = 4.0, autocast: bool = False, loading: str = "full",
+             reward_bytes: float = 0.0, base_bytes: float | None = None) -> MemoryEstimate:
     """Bytes per device (see the module docstring). `weight_bytes`: the master weights' dtype (4 fp32, 8 for
     backend.precision=fp64); `activation_bytes`: the compute dtype (2 under bf16 autocast or FSDP2 mixed
     precision, else weight_bytes); `reference_bytes`: the frozen copy's dtype (default weight_bytes; 2 under
     FSDP2 bf16); `autocast`: bf16 autocast over fp32 weights (its bf16 weight copies live until the
-    backward); `loading`: "full" (every rank loads the whole model, then shards) or "sharded"."""
+    backward); `loading`: "full" (every rank loads the whole model, then shards) or "sharded"; `reward_bytes`: the
+    reward models this rank loads (`reward_model_bytes`), alive from before the policy loads to the end;
+    `base_bytes`: a LoRA run's frozen base weights' dtype (default weight_bytes; 2 under bf16 autocast)."""
     n = params if params is not None else count_params(config)
     fsdp = strategy == "fsdp"
     shard = ranks if fsdp else 1
     w = weight_bytes
     ref_b = w if reference_bytes is None else reference_bytes
     trainable = lora_params(config, lora_r) if lora_r > 0 else n
-    policy = w * (n + (trainable if lora_r > 0 else 0)) / shard
+    base_b = w if base_bytes is None or lora_r == 0 else base_bytes
+    policy = (base_b * n + (w * trainable if lora_r > 0 else 0)) / shard
     grads = 4.0 * trainable * (w / 4) / shard
     optimizer = 8.0 * trainable * (w / 4) / shard
     if lora_r > 0:
@@ -161,7 +168,7 @@ def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, m
         transient += p * root + p * vocab * h + 3 * p * per_layer
     elif strategy == "ddp":
         transient += 4.0 * trainable * (w / 4)  # DDP's gradient buckets: a second copy of the gradients
-    if autocast:
+    if autocast and base_b > 2.0:  # a bf16 LoRA base needs no copy
         transient += 2.0 * max(0, n - vocab * h)  # bf16 copies of every matmul weight, saved for the backward
     step_extra = 4.0 * trainable * (w / 4) / shard  # AdamW foreach: sqrt(exp_avg_sq), one gradient-sized list
     full_reference = 0.0 if lora_r > 0 else w * n  # the copy is made in the weights' dtype, then cast and sharded
@@ -169,9 +176,24 @@ def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, m
         # the shards of policy and reference + the rows of the largest tensor (embeddings) read at once
         load = policy + reference + w * vocab * h / shard
     else:
-        load = w * n + full_reference + (w * trainable if lora_r > 0 else 0.0)
+        load = base_b * n + full_reference + (w * trainable if lora_r > 0 else 0.0)
     return MemoryEstimate(n, trainable, policy, grads, optimizer, reference, activations, ranks, fsdp,
-                          seqs_per_micro, max_length, transient, step_extra, load)
+                          seqs_per_micro, max_length, transient, step_extra, load + reward_bytes, reward_bytes)
+
+
+def reward_model_bytes(config, trust_remote_code: bool = False) -> float:
+    """Bytes of a reward model (AutoModelForSequenceClassification) as RewardModel loads it: every parameter in
+    the checkpoint's dtype (transformers loads dtype="auto"; fp32 where the config names none), built on the meta
+    device (its buffers, rotary tables of a few KB, are left out)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=trust_remote_code,
+                                                                dtype=dtype)
+    return float(sum(t.numel() * t.element_size() for t in model.parameters()))
 
 
 def check_fits(est: MemoryEstimate, device_bytes: float, headroom: float = 0.9) -> str | None:
@@ -183,6 +205,7 @@ def check_fits(est: MemoryEstimate, device_bytes: float, headroom: float = 0.9) 
     return (f"the run will not fit: {est.total / GB:.1f} GiB estimated per device > {headroom:.0%} of "
             f"{device_bytes / GB:.1f} GiB (policy {est.policy / GB:.1f}, grads {est.grads / GB:.1f}, AdamW "
             f"{est.optimizer / GB:.1f}, reference {est.reference / GB:.1f}, activations {est.activations / GB:.1f}, "
-            f"transient {est.transient / GB:.1f}{', ' + what if what else ''}); "
+            f"transient {est.transient / GB:.1f}{f', reward models {est.reward / GB:.1f}' if est.reward else ''}"
+            f"{', ' + what if what else ''}); "
             f"try backend.strategy=fsdp backend.nproc=N, model.lora.r=16, train.gradient_checkpointing=true or a "
             f"smaller train.micro_batch_size")

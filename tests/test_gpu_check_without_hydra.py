@@ -41,5 +41,6 @@ def test_gpu_check_runs_its_torch_rows_without_hydra_or_vllm(tmp_path):
     cuda = json.loads((tmp_path / "cuda" / "gpu_check.json").read_text())
     assert cuda["checks"] == [
         {"check": "step_stub", "ok": True},
+        {"check": "vllm", "ok": True, "skipped": "vllm not installed"},
         {"check": "training_runs", "ok": True,
          "skipped": "hydra not installed (bf16 runs, LoRA, DDP/FSDP and vLLM rows run `humanline train`)"}]

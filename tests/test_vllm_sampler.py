@@ -173,6 +173,27 @@ def test_logps_are_raw_and_prompt_major(tiny, sampler):
     assert worst < LOGP_TOL, worst
 
 
+def test_unseeded_requests_of_n_are_prompt_major_with_raw_logps(tiny, sampler):
+    """sampler.seeded=false: one request of n per prompt (vLLM fans it out unseeded): n completions per prompt,
+    prompt-major, each rescored under its own prompt by the HF model."""
+    _, model, _ = tiny
+    n = 3
+    sampler.seeded = False
+    try:
+        out = sampler.generate(PROMPTS, SamplingParams(n=n, temperature=1.0, max_new_tokens=MAX_NEW, seed=3))
+    finally:
+        sampler.seeded = True
+    assert out.n == n and len(out.token_ids) == len(out.logps) == n * len(PROMPTS)
+    worst = 0.0
+    for k, (ids, lps) in enumerate(zip(out.token_ids, out.logps)):
+        prompt = PROMPTS[k // n]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+        worst = max(worst, (ref - torch.tensor(lps)).abs().max().item())
+    assert worst < LOGP_TOL, worst
+
+
 def _perturbed(model, scale: float = 0.3):
     perturbed = copy.deepcopy(model)
     torch.manual_seed(1)

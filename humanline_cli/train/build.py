@@ -8,6 +8,7 @@ setup phase) and caches on first use. `build_evaluator` is the one evaluator bui
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import asdict, dataclass, fields
@@ -156,10 +157,11 @@ def make_encoder(spec: RunSpec, tokenizer) -> Encoder:
 
 
 def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = None,
-                    shard: Shard = Shard()) -> Evaluator | None:
+                    shard: Shard = Shard(), loaded: dict | None = None) -> Evaluator | None:
     """The task's held-out prompts (its eval split, its column names) and the judge: the task's own
     (judge=task), a pairwise LLM judge (judge=llm), or none (judge=none / task.judge.kind=none).
-    Under DDP/FSDP (`shard`) each rank generates its share of the prompts and rank 0 judges."""
+    Under DDP/FSDP (`shard`) each rank generates its share of the prompts and rank 0 judges. `loaded`: reward
+    models this process holds (make_scorer), shared with the labeller."""
     j = spec.judge_cfg
     if j.kind == "none" or (j.kind == "task" and spec.task_cfg.judge.kind == "none"):
         return None
@@ -186,8 +188,8 @@ def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = 
         subsets = [subset(spec.task_cfg.world["kind"], encoder.prompt_text(r["prompt"])) for r in rows]
     judge = asdict(spec.task_cfg.judge)
     # rank 0 alone judges (Evaluator.sample): a reward model (an 8B ArmoRM: ~16 GB) loads there only
-    scorer = make_scorer(judge, device, "task.judge") if shard.rank == 0 or judge["kind"] not in ("model", "reward_model") \
-        else (f"model:{judge['name_or_path']}", None)
+    on_rank = shard.rank == 0 or judge["kind"] not in ("model", "reward_model")
+    scorer = make_scorer(judge, device, "task.judge", loaded) if on_rank else (f"model:{judge['name_or_path']}", None)
     return Evaluator(rows, encoder, scorer, spec.eval_cfg,
                      spec.task_cfg.verifiable, seed, subsets=subsets, shard=shard, tempered_logps=tl)
 
@@ -250,17 +252,18 @@ def vllm_options(spec: RunSpec) -> dict:
     s = spec.sampler_cfg
     return {"seed": spec.seed, "gpu_memory_utilization": s.gpu_memory_utilization, "enforce_eager": s.enforce_eager,
             "max_model_len": s.max_model_len, "timeout_s": s.timeout_s, "cpu_kvcache_gb": s.cpu_kvcache_gb,
-            "sleep": s.sleep, "tempered_logps": spec.objective_cfg.tempered_logps}
+            "sleep": s.sleep, "tempered_logps": spec.objective_cfg.tempered_logps, "seeded": s.seeded}
 
 
-def make_labeller(spec: RunSpec, device):
+def make_labeller(spec: RunSpec, device, loaded: dict | None = None):
+    """The online labeller; `loaded`: reward models this process holds (make_scorer), shared with the judge."""
     r = spec.reward_cfg
     match r.kind:
         case "task":
-            return make_scorer(asdict(spec.task_cfg.labeller), device, "task.labeller")
+            return make_scorer(asdict(spec.task_cfg.labeller), device, "task.labeller", loaded)
         case "model":
             return make_scorer({"kind": "model", "name_or_path": r.name_or_path, "batch_size": r.batch_size,
-                                "trust_remote_code": r.trust_remote_code}, device, "reward")
+                                "trust_remote_code": r.trust_remote_code}, device, "reward", loaded)
         case "verifier":
             return make_scorer({"kind": "verifier", "method": r.method}, device)
     raise UserError(f"unknown reward kind {r.kind!r}")
@@ -286,14 +289,15 @@ def _offline_source(spec: RunSpec, encoder: Encoder, collate: Collator, shard: S
     return source
 
 
-def _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist: Dist) -> OnlineSource:
+def _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist: Dist,
+                   loaded: dict | None = None) -> OnlineSource:
     """Every rank samples and labels its share of the round's prompts with its own sampler; the shares are
     gathered (every rank then holds the one-process round) and each trains on its share of each step;
     only rank 0 writes samples.jsonl."""
     d, p = spec.data_cfg, spec.task_cfg.prompts
     rows, where = load_rows(resolve_path(d.prompts, spec), p.train_split, d.limit, p.columns, limit_key="data.limit")
     encoder.check_prompts(rows, where)
-    labeller = make_labeller(spec, backend.device)
+    labeller = make_labeller(spec, backend.device, loaded)
     # asynchronous rounds are sampled by the producer; this sampler then only evaluates, and under sampler=vllm
     # it is the transformers one over the live policy: the producer's engine is the run's only vLLM engine
     sampler = make_sampler(spec, policy, encoder.tok, backend, model_path, Shard(dist.rank, dist.world_size),
@@ -346,9 +350,36 @@ def check_model_task(spec: RunSpec) -> None:
     print(f"humanline: warning: {msg}", file=sys.stderr)
 
 
-def memory_estimate(spec: RunSpec, model_path: str, device: torch.device):
-    """Estimate per-device memory from the model's config before loading any weight; on CUDA, a run
-    that will not fit stops here with one line."""
+def reward_models_on_rank(spec: RunSpec, rank: int) -> dict[tuple[str, bool], None]:
+    """The reward models (path, trust_remote_code) that `rank` loads, each once: an online run's labeller on every
+    rank, a reward-model judge on rank 0 only (it alone judges); one model naming both is one copy (make_scorer)."""
+    held: dict[tuple[str, bool], None] = {}
+    r, task = spec.reward_cfg, spec.task_cfg
+    if spec.regime == "online":
+        if r.kind == "model":
+            held[(r.name_or_path, bool(r.trust_remote_code))] = None
+        elif r.kind == "task" and task.labeller.kind in ("model", "reward_model"):
+            held[(task.labeller.name_or_path, bool(task.labeller.trust_remote_code))] = None
+    if rank == 0 and spec.judge_cfg.kind == "task" and task.judge.kind in ("model", "reward_model"):
+        held[(task.judge.name_or_path, bool(task.judge.trust_remote_code))] = None
+    return held
+
+
+def _reward_bytes(spec: RunSpec, rank: int) -> float:
+    from transformers import AutoConfig
+
+    from humanline_cli.memory import reward_model_bytes
+
+    total = 0.0
+    for path, trust in reward_models_on_rank(spec, rank):
+        with contextlib.suppress(OSError, ValueError):  # RewardModel reports a missing model in one line
+            total += reward_model_bytes(AutoConfig.from_pretrained(path, trust_remote_code=trust), trust)
+    return total
+
+
+def memory_estimate(spec: RunSpec, model_path: str, device: torch.device, rank: int = 0):
+    """Estimate this rank's device memory from the model's config before loading any weight (the reward models
+    it loads included); on CUDA, a run that will not fit stops here with one line."""
     from transformers import AutoConfig
 
     from humanline_cli.memory import check_fits, estimate
@@ -371,8 +402,10 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device):
                    # bf16 under FSDP2: the frozen reference is kept in bf16 (build_parts)
                    reference_bytes=2.0 if fsdp and bf16 else None, weight_bytes=weight_bytes,
                    activation_bytes=2.0 if bf16 else weight_bytes, autocast=bf16 and not fsdp,
+                   # a LoRA base under bf16 autocast loads in bf16 (policy_load_dtype)
+                   base_bytes=2.0 if bf16 and not fsdp and spec.model_cfg.lora.r > 0 else None,
                    loading="sharded" if fsdp and spec.model_cfg.lora.r == 0 and not spec.model_cfg.trust_remote_code
-                   and sharded_loadable(model_path) else "full")
+                   and sharded_loadable(model_path) else "full", reward_bytes=_reward_bytes(spec, rank))
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         # an online vLLM engine takes sampler.gpu_memory_utilization of the GPU at start (the policy is
@@ -390,10 +423,20 @@ def _checkpointing(model: torch.nn.Module) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def policy_load_dtype(backend: Backend, lora_r: int) -> torch.dtype:
+    """The dtype the policy's weights load in: the master weights' (fp32, fp64), except a LoRA run's frozen base
+    under bf16 autocast (CUDA), which loads in bf16: it never changes, autocast computes its matmuls in bf16
+    anyway, and fp32 would double it (32 GB instead of 16 GB at 8B). peft keeps the trained adapters in fp32."""
+    if lora_r > 0 and backend.autocast_dtype is not None:
+        return backend.autocast_dtype
+    return backend.weights_dtype
+
+
 def _load_policy(spec: RunSpec, model_path: str, backend: Backend, strategy: str) -> tuple[torch.nn.Module, bool]:
     """(policy, sharded). FSDP2 full fine-tuning loads sharded (train/sharded_load.py: no rank holds the whole
     model; gradient checkpointing set before sharding), else the whole model on every rank (LoRA, remote
-    code, a checkpoint whose tensor names transformers renames while loading)."""
+    code, a checkpoint whose tensor names transformers renames while loading), a LoRA base in
+    `policy_load_dtype`."""
     trust = spec.model_cfg.trust_remote_code
     if strategy == "fsdp" and spec.model_cfg.lora.r == 0 and not trust:
         policy = load_policy_sharded(model_path, backend.device, backend.weights_dtype,
@@ -401,7 +444,8 @@ def _load_policy(spec: RunSpec, model_path: str, backend: Backend, strategy: str
                                      _checkpointing if spec.train.gradient_checkpointing else None)
         if policy is not None:
             return policy, True
-    return load_policy(model_path, backend.device, trust, dtype=backend.weights_dtype), False
+    return load_policy(model_path, backend.device, trust,
+                       dtype=policy_load_dtype(backend, spec.model_cfg.lora.r)), False
 
 
 def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
@@ -425,7 +469,7 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     seed_everything(spec.seed)  # a world built just now drew from the RNGs: LoRA's init must not depend on it
     model_path, tok_path = model_paths(spec)
     check_model_lengths(spec, model_path)  # config.json only: before any data or weight loads
-    memory = memory_estimate(spec, model_path, backend.device)
+    memory = memory_estimate(spec, model_path, backend.device, dist.rank)
     trust = spec.model_cfg.trust_remote_code
     tokenizer = load_tokenizer(tok_path, trust)
     encoder = make_encoder(spec, tokenizer)
@@ -433,14 +477,15 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
                        temperature=logps_temperature(spec))
     shard = Shard(dist.rank, dist.world_size)
     math500 = build_math500(spec, encoder, shard=shard)  # before any weights: a bad file fails fast
+    reward_models: dict = {}  # a labeller and a judge naming one reward model share it
     match spec.regime:
         case "offline":
             source = _offline_source(spec, encoder, collate, shard)
-            evaluator = build_evaluator(spec, encoder, backend.device, shard=shard)
+            evaluator = build_evaluator(spec, encoder, backend.device, shard=shard, loaded=reward_models)
             # after the data: bad data fails fast
             policy, sharded = _load_policy(spec, model_path, backend, strategy)
         case "online":
-            evaluator = build_evaluator(spec, encoder, backend.device, shard=shard)
+            evaluator = build_evaluator(spec, encoder, backend.device, shard=shard, loaded=reward_models)
             policy, sharded = _load_policy(spec, model_path, backend, strategy)
         case other:
             raise UserError(f"unknown data regime {other!r}")
@@ -463,7 +508,8 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         with torch.no_grad():
             check_packing(train_model, packing_probe(policy, backend.device))
     if spec.regime == "online":
-        source = _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist)
+        source = _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist,
+                                reward_models)
         eval_sampler = source.sampler  # online: evaluate with the round sampler
     else:
         from humanline_cli.sampling.hf import HFSampler

