@@ -23,8 +23,8 @@ def _points(cfg) -> list[list[str]]:
                                                  for o in swept))]
 
 
-@pytest.mark.parametrize("name,size", [("laptop_pilot_headroom", 6), ("laptop_headroom", 15),
-                                       ("laptop_headroom_frontier", 42)])
+@pytest.mark.parametrize("name,size", [("laptop_pilot_headroom", 6), ("laptop_pilot_headroom_lr", 9),
+                                       ("laptop_headroom", 15), ("laptop_headroom_frontier", 42)])
 def test_headroom_experiments_compose_with_their_stated_size(name, size):
     from humanline_cli.config import resolve
 
@@ -49,6 +49,10 @@ def test_headroom_experiments_compose_with_their_stated_size(name, size):
         assert {s.seed for s in specs} == {1, 2, 3, 4, 5}  # seed 0 was the pilot's
         assert all(s.task_cfg.world["digits"] == 3 for s in specs)
         assert points[0][0] == "seed=1" and points[2][0] == "seed=1"  # seeds outer: an interrupted sweep keeps whole seeds
+    elif name == "laptop_pilot_headroom_lr":  # the 3-digit world at higher lr, the same lr for every regime
+        assert all(s.task_cfg.world["digits"] == 3 and s.seed == 0 for s in specs)
+        assert sorted(s.train.lr for s in specs) == [3e-5] * 3 + [1e-4] * 3 + [3e-4] * 3
+        assert [p[0] for p in points[:3]] == ["train.lr=3e-05"] * 3  # lr outer: one lr's regimes run together
     else:
         worlds = {(s.task_cfg.world["digits"], s.task_cfg.world["sft"]["carry_drop"]) for s in specs}
         assert worlds == {(2, 0.9), (3, 0.6)}
