@@ -22,6 +22,7 @@ from humanline_cli.backend import wait_for_rank0
 from humanline_cli.config import RunSpec
 from humanline_cli.errors import RunFailed
 from humanline_cli.eval.evaluator import flat_metrics
+from humanline_cli.models import tied_copies
 from humanline_cli.train.timing import PhaseTimer
 
 UNIT = {"dpo": "pairs", "kto": "examples", "grpo": "groups"}
@@ -152,7 +153,10 @@ def save_model(parts, dest: Path, dtype: torch.dtype = torch.float32) -> None:
         state = state if state is not None else parts.policy.state_dict()
         state = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     if state is not None and not lora:
-        state = without_tied_copies(state, parts.policy)
+        # save_pretrained drops a tied name only when both entries share storage, which the gathered FSDP
+        # state dict (cpu_offload copies each name) and a dtype conversion break: the file held it twice
+        drop = tied_copies(parts.policy)
+        state = {k: v for k, v in state.items() if k not in drop}
     tmp = dest.with_name(dest.name + ".tmp")
     old = dest.with_name(dest.name + ".old")
     leftovers = (tmp, tmp.with_name(tmp.name + ".tmp"))  # save_merged stages in <its dest>.tmp itself
@@ -184,18 +188,6 @@ def save_model(parts, dest: Path, dtype: torch.dtype = torch.float32) -> None:
         for path in leftovers:
             shutil.rmtree(path, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def without_tied_copies(state: dict, model: torch.nn.Module) -> dict:
-    """`state` less the names of weights the model ties to another (a tied lm_head: the input embedding).
-    save_pretrained drops such a name only when the two entries share storage, which a gathered FSDP
-    state dict (cpu_offload copies each name) or a dtype conversion breaks; the file then held the
-    embedding twice. Dropped only where the live model's two names are one Parameter, as
-    from_pretrained re-ties them on load."""
-    tied = getattr(model, "all_tied_weights_keys", None) or {}
-    params = dict(model.named_parameters(remove_duplicate=False))
-    drop = {k for k, src in tied.items() if k in params and params.get(src) is params[k]}
-    return {k: v for k, v in state.items() if k not in drop}
 
 
 def _config_dtype(config: Path, dtype: torch.dtype) -> None:
