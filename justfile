@@ -20,8 +20,8 @@ run *ARGS:
 test *ARGS:
     {{py}} -m pytest -q -n 2 --dist loadfile -m "not real_model_long" {{ARGS}}
 
-# the real-model runs that take minutes each (SmolLM2 online with both samplers, async, vLLM log-probs after a push,
-# offline on its own samples): not yet sized for the CI budget
+# the SmolLM2 runs kept outside `just test` for its time budget (online GRPO with sampler=hf, online DPO and KTO
+# with sampler=vllm, offline DPO/KTO/GRPO on its own samples then eval and report)
 test-real-model *ARGS:
     {{py}} -m pytest -q -n 2 --dist loadfile -m real_model_long {{ARGS}}
 

@@ -108,3 +108,12 @@ def load_policy(path: str, device: torch.device, trust_remote_code: bool = False
     check_loaded("policy (a causal LM)", path, info, key)
     model.config.use_cache = False
     return model.to(device).train()
+
+
+def tied_copies(model: torch.nn.Module) -> set[str]:
+    """The parameter names a transformers model ties to another one (a tied lm_head: the input embedding),
+    kept only where the live model's two names really are one Parameter. A checkpoint holds such a
+    weight once, under its source name; from_pretrained (and vLLM's loader) re-tie the other on load."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {k for k, src in tied.items() if k in params and params.get(src) is params[k]}

@@ -272,6 +272,17 @@ def test_merged_state_dict_matches_merge_and_unload_and_save_loads_as_plain_mode
     assert not (tmp_path / "final.tmp").exists()
     loaded = AutoModelForCausalLM.from_pretrained(dest, use_safetensors=True).eval()
     assert type(loaded).__name__ == "LlamaForCausalLM" and loaded.config.tie_word_embeddings == tie
+    # a tied embedding is saved once and pushed to vLLM once, as for a plain (non-LoRA) model
+    from safetensors import safe_open
+
+    from humanline_cli.sampling.vllm import policy_weights
+
+    with safe_open(str(dest / "model.safetensors"), framework="pt") as f:
+        assert ("lm_head.weight" in set(f.keys())) is not tie
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) is tie
+    pushed = [name for name, _ in policy_weights(policy)]
+    assert pushed == [name for name, _ in policy_weights(tiny_llama(tie=tie))]
+    assert ("lm_head.weight" in pushed) is not tie
     seqs = pair_seqs()
     policy.eval()
     with torch.no_grad():

@@ -34,3 +34,28 @@ def test_save_dtype_bf16_writes_bf16_weights(tmp_path, cache_dir):
     model = load_policy(str(out / "model"), torch.device("cpu"))  # what eval loads: fp32 from the bf16 file
     live = model.state_dict()
     assert all(torch.equal(live[k], w.float()) for k, w in weights.items())  # bf16 -> fp32 is exact
+
+
+def test_a_tied_embedding_is_saved_once_in_any_dtype_and_reloads_tied(tmp_path):
+    """A dtype conversion copies each state-dict entry, so the tied head and embedding no longer share storage;
+    the file still holds the shared tensor once, as an unconverted save_pretrained writes it."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from humanline_cli.train.finish import save_model
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    parts = SimpleNamespace(dist=SimpleNamespace(enabled=False, is_main=True), policy=model,
+                            tokenizer=SimpleNamespace(save_pretrained=lambda path: None))
+    for dtype in (torch.float32, torch.bfloat16):
+        out = tmp_path / str(dtype)
+        save_model(parts, out, dtype)
+        weights = load_file(str(out / "model.safetensors"))
+        assert "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights
+        back = load_policy(str(out), torch.device("cpu"))
+        assert back.lm_head.weight is back.model.embed_tokens.weight
+        assert torch.equal(back.model.embed_tokens.weight, model.model.embed_tokens.weight.to(dtype).float())

@@ -74,14 +74,16 @@ def merged_state_dict(peft_model: PeftModel, adapter: str = POLICY_ADAPTER) -> d
 
 @torch.no_grad()
 def merged_weights(peft_model: PeftModel, adapter: str = POLICY_ADAPTER,
-                   state: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                   state: dict[str, torch.Tensor] | None = None,
+                   skip: frozenset[str] | set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """(base name, full tensor) for every weight with `adapter` merged in, one entry at a time.
 
     For a LoRA layer at prefix P: P.weight = base weight + the adapter's delta, transpose(B A) * (alpha / r)
     (peft's `get_delta_weight`, the sum `merge_and_unload` performs), P.bias = the base bias; the adapters'
     own tensors (P.lora_*) are left out, whatever adapters exist. Read from `state` (the base model's
     state dict, e.g. a gathered full one; default: the live model's own tensors). An unsharded live entry
-    is yielded as the live tensor itself (detach-only: the caller must not modify it in place).
+    is yielded as the live tensor itself (detach-only: the caller must not modify it in place). Names in
+    `skip` (a tied weight's second name) are left out before anything is gathered.
 
     FSDP2 (DTensor shards): each entry is gathered with `full_tensor()` as it is consumed, the base weight
     and the adapter's A and B together, so at most one layer's full tensors exist beside the shards; every
@@ -91,6 +93,8 @@ def merged_weights(peft_model: PeftModel, adapter: str = POLICY_ADAPTER,
     layers = dict(lora_layers(peft_model))
     state = base.state_dict(keep_vars=True) if state is None else state
     for key, value in state.items():
+        if key in skip:  # before any gather
+            continue
         owner = _owning_layer(key, layers)
         if owner is None:
             yield key, _full(value)

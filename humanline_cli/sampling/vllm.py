@@ -312,9 +312,12 @@ def policy_weights(policy):
     An FSDP2-sharded policy: each DTensor parameter gathered with full_tensor() as it is consumed, so
     at most one full parameter exists beside the shards. Anything else: its parameters as they are."""
     if hasattr(policy, "get_base_model"):  # peft (under FSDP2: gathered layer by layer, as it is consumed)
-        from humanline_cli.core.lora import merged_weights
+        from humanline_cli.core.lora import base_model_of, merged_weights
+        from humanline_cli.models import tied_copies
 
-        yield from merged_weights(policy)
+        # a tied weight goes once, under its source name, as named_parameters gives it below (the state
+        # dict the merge reads lists it under both; under FSDP2 each name would be a separate gather)
+        yield from merged_weights(policy, skip=tied_copies(base_model_of(policy)))
         return
     for name, p in policy.named_parameters():
         t = p.detach()

@@ -22,6 +22,7 @@ from humanline_cli.backend import wait_for_rank0
 from humanline_cli.config import RunSpec
 from humanline_cli.errors import RunFailed
 from humanline_cli.eval.evaluator import flat_metrics
+from humanline_cli.models import tied_copies
 from humanline_cli.train.timing import PhaseTimer
 
 UNIT = {"dpo": "pairs", "kto": "examples", "grpo": "groups"}
@@ -151,6 +152,11 @@ def save_model(parts, dest: Path, dtype: torch.dtype = torch.float32) -> None:
             p.is_floating_point() and p.dtype != dtype for p in parts.policy.parameters()):
         state = state if state is not None else parts.policy.state_dict()
         state = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    if state is not None and not lora:
+        # save_pretrained drops a tied name only when both entries share storage, which the gathered FSDP
+        # state dict (cpu_offload copies each name) and a dtype conversion break: the file held it twice
+        drop = tied_copies(parts.policy)
+        state = {k: v for k, v in state.items() if k not in drop}
     tmp = dest.with_name(dest.name + ".tmp")
     old = dest.with_name(dest.name + ".old")
     leftovers = (tmp, tmp.with_name(tmp.name + ".tmp"))  # save_merged stages in <its dest>.tmp itself
