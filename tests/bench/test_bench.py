@@ -6,11 +6,11 @@ import importlib.util
 import json
 
 import pytest
-from conftest import TINY_WORLD, run_cli
 
 from humanline_cli.bench.clock import Run
 from humanline_cli.bench.project import parse_args, summarise
 from humanline_cli.errors import UserError
+from tests.helpers.cli import TINY_WORLD, run_cli
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
 

@@ -8,9 +8,9 @@ import json
 import math
 
 import pytest
-from conftest import TINY_WORLD, run_cli
 
 from humanline_cli.bench.constants import fit_line
+from tests.helpers.cli import TINY_WORLD, run_cli
 
 ONLINE = ["data=online", "objective=grpo", "train.batch_size=4", "data.prompts_per_round=4", "threads=1", *TINY_WORLD]
 

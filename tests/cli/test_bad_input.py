@@ -18,26 +18,21 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST, TINY_WORLD, run_cli
 from omegaconf import OmegaConf
 
 from humanline_cli.errors import UserError
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli, tiny_world_cfg
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 BASE = [*TINY_WORLD, *(a for a in FAST if not a.startswith("threads="))]  # cases set threads themselves
 SECRET = "SECRETVALUE123"
-
-
-def _world_cfg() -> dict:
-    """The world TINY_WORLD names (task=arithmetic's knobs + the tiny overrides)."""
-    return {"kind": "arithmetic", "n_train_prompts": 256, "n_eval_prompts": 32, "sft": {"steps": 40}}
 
 
 @pytest.fixture(scope="module")
 def world(cache_dir) -> Path:
     from humanline_cli.world.cache import materialise
 
-    return materialise(_world_cfg(), cache_dir, progress=False)
+    return materialise(tiny_world_cfg(), cache_dir, progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import run_cli
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from humanline_cli.world.tokenizer import build_tokenizer
+from tests.helpers.cli import run_cli
 
 
 def test_eval_command_uses_the_tasks_eval_split_columns_and_chat_template(tmp_path):

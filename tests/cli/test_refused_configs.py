@@ -3,11 +3,11 @@ sample per prompt, and the online rounds' timing keys (data.async_lag, data.gene
 from __future__ import annotations
 
 import pytest
-from conftest import run_cli
 from hydra import compose, initialize_config_module
 
 from humanline_cli.config import resolve
 from humanline_cli.errors import UserError
+from tests.helpers.cli import run_cli
 
 
 def _validate(overrides: list[str]):

@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import shutil
 
-from conftest import FAST, TINY_WORLD, run_cli
-
 from humanline_cli.cli.sample import derived_rows
 from humanline_cli.world.rewards import score
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 
 ARGS = ["sample", *TINY_WORLD, "data.n=4", "data.limit=20", "threads=1"]
 

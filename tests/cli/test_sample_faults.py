@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY_WORLD
 
 from humanline_cli.cli.sample import main_sample
+from tests.helpers.cli import TINY_WORLD
 
 ARGS = [*TINY_WORLD, "data.n=4", "data.limit=20", "threads=1"]
 

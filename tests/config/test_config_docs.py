@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "humanline_cli" / "docs" / "config.md"
 NOT_GROUPS = ("hydra",)  # Hydra's own launcher presets (docs/scaling.md), not a group of humanline's
 

@@ -24,7 +24,7 @@ from humanline_cli.config import resolve
 from humanline_cli.world.defaults import DEFAULTS
 from humanline_cli.world.defaults import resolve as resolve_world
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "humanline_cli"
 
 

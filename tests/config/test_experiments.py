@@ -7,12 +7,12 @@ import json
 from importlib.resources import files
 
 import pytest
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from conftest import FAST, TINY_WORLD, run_cli
 from hydra import compose, initialize_config_module
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from humanline_cli.config import resolve
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 
 EXPERIMENTS = sorted(p.name[:-5] for p in files("conf").joinpath("experiment").iterdir() if p.name.endswith(".yaml"))
 

@@ -19,7 +19,7 @@ from humanline_cli.cli.overrides import normalize_overrides
 from humanline_cli.config import resolve
 from humanline_cli.schema import GROUP_SCHEMAS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("Scaling up", "Reproducing the paper's tables")
 # issue 20's own list (what users must be able to type), pinned here whatever the docs say
 PINNED = [

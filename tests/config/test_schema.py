@@ -6,11 +6,10 @@ import dataclasses
 import re
 from pathlib import Path
 
-from conftest import run_cli
-
 from humanline_cli import schema as S
+from tests.helpers.cli import run_cli
 
-README = Path(__file__).resolve().parents[1] / "humanline_cli" / "docs" / "config.md"  # the config reference
+README = Path(__file__).resolve().parents[2] / "humanline_cli" / "docs" / "config.md"  # the config reference
 
 
 def _reference_section() -> str:

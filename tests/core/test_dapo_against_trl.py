@@ -195,8 +195,9 @@ def test_dapo_micro_through_the_trainer(cache_dir, tmp_path):
     world's completions all have one length, so micro-steps of unequal counts are left to the tests above.)"""
     import json
 
-    from conftest import FAST, TINY_WORLD, run_cli
     from safetensors.torch import load_file
+
+    from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 
     def train(name, *extra):
         run = tmp_path / name

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 from hydra import compose, initialize_config_module
-from test_online import _Obj, length_score
 
 from humanline_cli.config import resolve
 from humanline_cli.core.interfaces import Completions, SamplingParams
@@ -16,6 +15,7 @@ from humanline_cli.errors import UserError
 from humanline_cli.sources.online import OnlineSource, RoundSpec
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.world.tokenizer import build_tokenizer
+from tests.helpers.training import ObjectiveStub, length_score
 
 
 class _Cfg:
@@ -76,7 +76,7 @@ def test_the_round_normaliser_is_its_tokens_per_step():
 
     def source(batch, per_round):
         spec = RoundSpec("grpo", batch, batch, SamplingParams(n=2), prompts_per_round=per_round, min_gap=0.0, seed=0)
-        return OnlineSource(rows, enc, Collator(enc, _Obj()), _LengthSampler(tok), ("len", length_score), spec,
+        return OnlineSource(rows, enc, Collator(enc, ObjectiveStub()), _LengthSampler(tok), ("len", length_score), spec,
                             timer=PhaseTimer(), policy=None)
 
     stale = source(batch=2, per_round=4)

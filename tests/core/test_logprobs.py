@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from humanline_cli.core.logprobs import (
     LOGITS_PER_CHUNK,
@@ -20,70 +19,15 @@ from humanline_cli.core.logprobs import (
     token_logps,
 )
 from humanline_cli.data.collate import make_seqs
+from tests.helpers.models import spread_llama
+from tests.helpers.numerics import assert_same, close, random_seqs, values_and_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
 
 
-def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, tie: bool = False, seed: int = 0,
-               dtype: torch.dtype = torch.float32):
-    """float64 (dtype) for tests that compare two computations equal in exact arithmetic (see close)."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=hidden // 2, max_position_embeddings=64,
-                      tie_word_embeddings=tie, pad_token_id=0)
-    model = LlamaForCausalLM(cfg).float().train()
-    with torch.no_grad():  # a random init gives near-uniform logits; spread them so the test means something
-        model.get_output_embeddings().weight.mul_(20.0)
-    return model.to(dtype)  # the same float32 init, then (for float64) widened exactly
-
-
-def random_seqs(vocab: int, n: int = 5, seed: int = 1):
-    """Right-padded prompt+completion rows of different lengths; one row has an empty completion."""
-    g = torch.Generator().manual_seed(seed)
-    prompts, comps = [], []
-    for i in range(n):
-        p_len = int(torch.randint(2, 7, (1,), generator=g))
-        c_len = 0 if i == n - 1 else int(torch.randint(1, 9, (1,), generator=g))
-        prompts.append(torch.randint(1, vocab, (p_len,), generator=g).tolist())
-        comps.append(torch.randint(1, vocab, (c_len,), generator=g).tolist())
-    return make_seqs(prompts, comps, pad_id=0)
-
-
-def values_and_grads(fn, model, seqs):
-    """token log-probs and the gradient of a fixed weighted sum of them w.r.t. every trainable parameter."""
-    model.zero_grad(set_to_none=True)
-    logps = fn(model, seqs)
-    weights = torch.linspace(-1.0, 2.0, logps.numel()).reshape(logps.shape)
-    (logps * weights).sum().backward()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
-    return logps.detach(), grads
-
-
-F64_TOL = 1e-10
-
-
-def close(a: torch.Tensor, b: torch.Tensor, tol: float = F64_TOL) -> bool:
-    """max |a - b| <= tol * max(1, max |b|), for two float64 computations equal in exact arithmetic.
-
-    Why 1e-10: the two paths differ only in summation order (matmul blocking, chunking, packing), each
-    sum has n <= a few hundred terms, so each result is off by at most ~n * 1.1e-16 * sum|terms|; with
-    terms up to ~100x the result (log-softmax over spread logits) that is < 1e-11 of the scale. In
-    float32 the same argument gives ~1e-3, too loose to mean anything, hence float64 (observed: ~1e-15)."""
-    assert a.dtype == b.dtype == torch.float64, "compare float64 computations (tiny_llama(dtype=torch.float64))"
-    return float((a - b).abs().max()) <= tol * max(1.0, float(b.abs().max()))
-
-
-def assert_same(a, b, tol=F64_TOL):
-    (va, ga), (vb, gb) = a, b
-    assert close(va, vb, tol), float((va - vb).abs().max())
-    assert ga.keys() == gb.keys() and ga
-    for k in ga:
-        assert close(ga[k], gb[k], tol), (k, float((ga[k] - gb[k]).abs().max()))
-
-
 @pytest.mark.parametrize("chunk_size", [1, 7, None])
 def test_chunked_matches_full_logits_values_and_gradients(chunk_size):
-    model = tiny_llama(dtype=torch.float64)
+    model = spread_llama(dtype=torch.float64)
     seqs = random_seqs(64)
     chunked = values_and_grads(lambda m, s: token_logps(m, s, chunk_size=chunk_size), model, seqs)
     full = values_and_grads(_full_logits_token_logps, model, seqs)
@@ -91,7 +35,7 @@ def test_chunked_matches_full_logits_values_and_gradients(chunk_size):
     logps, _ = chunked
     mask = completion_mask(seqs)
     assert logps.dtype == torch.float64 and logps.shape == (5, seqs.input_ids.shape[1] - 1)  # float64 kept
-    assert token_logps(tiny_llama(), seqs, chunk_size=chunk_size).dtype == torch.float32  # a float32 model
+    assert token_logps(spread_llama(), seqs, chunk_size=chunk_size).dtype == torch.float32  # a float32 model
     assert torch.all(logps[mask == 0] == 0) and torch.all(logps[mask == 1] < 0)
     assert logps[-1].abs().sum() == 0  # the row with no completion
     # one entry by hand: log softmax of the model's own logits at that position
@@ -103,7 +47,7 @@ def test_chunked_matches_full_logits_values_and_gradients(chunk_size):
 
 
 def test_tied_embeddings_and_no_grad():
-    model = tiny_llama(tie=True, dtype=torch.float64)
+    model = spread_llama(tie=True, dtype=torch.float64)
     seqs = random_seqs(64, seed=3)
     assert_same(values_and_grads(lambda m, s: token_logps(m, s, chunk_size=4), model, seqs),
                 values_and_grads(_full_logits_token_logps, model, seqs))
@@ -114,7 +58,7 @@ def test_tied_embeddings_and_no_grad():
 
 
 def test_empty_completion_mask_still_backpropagates():
-    model = tiny_llama()
+    model = spread_llama()
     seqs = make_seqs([[5, 6, 7], [8, 9]], [[], []], pad_id=0)
     logps = token_logps(model, seqs)
     assert logps.shape == (2, 2) and torch.all(logps == 0) and logps.requires_grad
@@ -125,7 +69,7 @@ def test_empty_completion_mask_still_backpropagates():
 def test_head_is_called_as_a_module_so_its_hooks_fire():
     """A forward hook on lm_head (as a wrapper or adapter would install) changes the logits; the chunked
     path must see the change exactly like the model's own forward does."""
-    model = tiny_llama(dtype=torch.float64)
+    model = spread_llama(dtype=torch.float64)
     seqs = random_seqs(64, seed=4)
     calls = []
     bias = torch.linspace(-3.0, 3.0, 64, dtype=torch.float64)
@@ -147,7 +91,7 @@ def test_head_is_called_as_a_module_so_its_hooks_fire():
 
 def test_lora_peft_model_matches_full_path():
     import peft  # installed by `just setup` (test extra): a missing peft is a failure, not a skip
-    model = tiny_llama(seed=5, dtype=torch.float64)
+    model = spread_llama(seed=5, dtype=torch.float64)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"],
                            init_lora_weights=False, lora_dropout=0.0)
     pm = peft.get_peft_model(model, lora)
@@ -188,7 +132,7 @@ def test_logit_softcapping_model_takes_the_full_path():
 
 
 def test_bf16_autocast_values_close_and_float32():
-    model = tiny_llama(seed=8)
+    model = spread_llama(seed=8)
     seqs = random_seqs(64, seed=9)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         got = token_logps(model, seqs, chunk_size=4)
@@ -252,7 +196,7 @@ def test_peak_memory_at_128k_vocab_is_4x_lower():
     float32 logits, their log-sum-exp pieces and their gradient; the chunked path holds the hidden
     states and one chunk's logits. Both pay for the embedding and head weight gradients (2 x V x H)."""
     assert max(1, LOGITS_PER_CHUNK // 128_256) == 261  # the default chunk at this vocabulary
-    model = tiny_llama(vocab=128_256, hidden=16, layers=1)
+    model = spread_llama(vocab=128_256, hidden=16, layers=1)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 128_256, (16,), generator=g).tolist() for _ in range(8)]
     comps = [torch.randint(1, 128_256, (32 - 2 * i,), generator=g).tolist() for i in range(8)]

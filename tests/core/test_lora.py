@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from humanline_cli.core.batches import Seqs
 from humanline_cli.core.logprobs import completion_mask, token_logps
@@ -26,26 +26,13 @@ from humanline_cli.core.lora import (
 )
 from humanline_cli.core.losses import dpo_loss
 from humanline_cli.core.reference import AdapterReference, BaseReference, make_lora_reference
+from tests.helpers.models import lora_base_llama, lora_llama
 
 ADAPTER_PARAMS = 2 * (4 * (4 * 64 + 64 * 4) + 2 * (4 * 64 + 128 * 4) + (4 * 128 + 64 * 4))  # 8704
 LN2 = math.log(2.0)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
-
-
-def tiny_llama(seed: int = 0, tie: bool = False) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
-                      tie_word_embeddings=tie)
-    model = LlamaForCausalLM(cfg)
-    model.config.use_cache = False
-    return model.train()
-
-
-def lora_llama(seed: int = 0, tie: bool = False, dropout: float = 0.0):
-    return apply_lora(tiny_llama(seed, tie), r=4, alpha=8.0, dropout=dropout, target_modules="all-linear")
 
 
 def pair_seqs(seed: int = 1) -> Seqs:
@@ -92,7 +79,7 @@ def trainable(model) -> list[torch.nn.Parameter]:
 
 # ------------------------------------------------------------------ lora.apply_lora: only adapters train
 def test_training_changes_only_adapter_weights():
-    plain = tiny_llama()
+    plain = lora_base_llama()
     before = {k: v.detach().clone() for k, v in plain.state_dict().items()}
     policy = apply_lora(plain, r=4, alpha=8.0, dropout=0.0, target_modules="all-linear")
     reference = BaseReference(policy)
@@ -120,18 +107,18 @@ def test_training_changes_only_adapter_weights():
 
 
 def test_apply_lora_takes_a_list_of_target_modules_and_rejects_rank_0():
-    policy = apply_lora(tiny_llama(), r=2, alpha=4.0, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    policy = apply_lora(lora_base_llama(), r=2, alpha=4.0, dropout=0.0, target_modules=["q_proj", "v_proj"])
     # q and v are 64->64: A (2x64) + B (64x2) = 256 each, 2 modules x 2 layers
     assert sum(p.numel() for p in trainable(policy)) == 2 * 2 * (2 * 64 + 64 * 2)
     with pytest.raises(ValueError, match="r=0"):
-        apply_lora(tiny_llama(), r=0, alpha=8.0, dropout=0.0, target_modules="all-linear")
+        apply_lora(lora_base_llama(), r=0, alpha=8.0, dropout=0.0, target_modules="all-linear")
 
 
 # ------------------------------------------------------------------ BaseReference
 def test_base_reference_is_the_plain_starting_model():
     policy = lora_llama(seed=0)
     randomize_adapter(policy)  # a trained policy: its own log-probs now differ from the base's
-    plain = tiny_llama(seed=0).eval()  # same seed, no peft
+    plain = lora_base_llama(seed=0).eval()  # same seed, no peft
     reference = make_lora_reference(policy, moving=False)
     assert isinstance(reference, BaseReference) and reference.n_params() == 0
     seqs = pair_seqs()

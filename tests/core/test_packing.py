@@ -11,9 +11,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import FAST, TINY_WORLD
-from numerics import FP64, assert_same_rows
-from test_tensor_ops import assert_same, close, random_seqs, tiny_llama, values_and_grads
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from humanline_cli import schema as S
@@ -35,6 +32,9 @@ from humanline_cli.data.examples import BinaryExample, GroupExample
 from humanline_cli.errors import UserError
 from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.source import Shard, micro_batches
+from tests.helpers.cli import FAST, TINY_WORLD
+from tests.helpers.models import spread_llama
+from tests.helpers.numerics import FP64, assert_same, assert_same_rows, close, random_seqs, values_and_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
 
@@ -57,7 +57,7 @@ class NoSplit(torch.nn.Module):
 # ------------------------------------------------------------------ (a) token_logps packed == padded
 @pytest.mark.parametrize("route", ["chunked", "chunked-1", "full-logits", "tied"])
 def test_packed_token_logps_values_and_gradients_equal_padded(route):
-    model = tiny_llama(tie=route == "tied", seed=11, dtype=torch.float64)  # float64: close() is relative 1e-10
+    model = spread_llama(tie=route == "tied", seed=11, dtype=torch.float64)  # float64: close() is relative 1e-10
     seqs = random_seqs(64, n=6, seed=12)
     chunk = 1 if route == "chunked-1" else None
     target = NoSplit(model) if route == "full-logits" else model
@@ -71,7 +71,7 @@ def test_packed_token_logps_values_and_gradients_equal_padded(route):
 
 
 def test_packed_forward_is_one_padding_free_row_with_restarting_positions():
-    model = tiny_llama(seed=13)
+    model = spread_llama(seed=13)
     seqs = random_seqs(64, n=5, seed=14)
     lengths = seqs.attention_mask.sum(1).tolist()
     calls = []
@@ -98,9 +98,9 @@ def test_packed_forward_is_one_padding_free_row_with_restarting_positions():
 
 def test_prompt_learning_models_are_not_packed():
     import peft  # installed by `just setup` (test extra): a missing peft is a failure, not a skip
-    pm = peft.get_peft_model(tiny_llama(seed=15), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    pm = peft.get_peft_model(spread_llama(seed=15), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
     seqs = packed(random_seqs(64, seed=16))
-    assert not runs_packed(pm, seqs) and runs_packed(tiny_llama(seed=15), seqs)
+    assert not runs_packed(pm, seqs) and runs_packed(spread_llama(seed=15), seqs)
 
 
 # ------------------------------------------------------------------ (b) losses through compute_loss
@@ -148,7 +148,7 @@ def _loss_and_grads(cfg, policy, reference, batch, hl):
 @pytest.mark.parametrize("objective", ["dpo", "kto", "grpo"])
 def test_losses_and_gradients_packed_equal_padded(objective):
     cfg, make = OBJECTIVES[objective]
-    policy = tiny_llama(seed=25, dtype=torch.float64)  # float64: close() is relative 1e-10
+    policy = spread_llama(seed=25, dtype=torch.float64)  # float64: close() is relative 1e-10
     reference = FrozenCopy(policy)
     with torch.no_grad():  # move the policy off the reference so the log-ratios are not all zero
         g = torch.Generator().manual_seed(26)
@@ -259,7 +259,7 @@ def test_bucketing_keeps_the_step_gradient_and_kto_partners(objective):
         useful = sum(int(mb.seqs.attention_mask.sum()) for mb in plain)
         assert useful / processed[0] == pytest.approx(padding_efficiency(lengths, 2, False, False))
         assert useful / processed[1] == pytest.approx(padding_efficiency(lengths, 2, False, True))
-    policy = tiny_llama(seed=32, dtype=torch.float64)  # float64: close() is relative 1e-10
+    policy = spread_llama(seed=32, dtype=torch.float64)  # float64: close() is relative 1e-10
     reference = FrozenCopy(policy)
     with torch.no_grad():
         for p in policy.parameters():
@@ -310,7 +310,7 @@ class PositionBlindLM(torch.nn.Module):
 
 @pytest.mark.parametrize("route", ["chunked", "full-logits"])
 def test_a_model_that_ignores_position_ids_is_refused_in_one_line(route):
-    blind = PositionBlindLM(tiny_llama(seed=41))
+    blind = PositionBlindLM(spread_llama(seed=41))
     model = blind if route == "chunked" else NoSplit(blind)
     seqs = random_seqs(64, seed=42)
     token_logps(model, seqs)  # padded: fine
@@ -323,7 +323,7 @@ def test_a_model_that_ignores_position_ids_is_refused_in_one_line(route):
                   f"set train.packing=false"
     with pytest.raises(UserError):  # the fixed probe of a run's setup step finds it too
         check_packing(model, packing_probe(model, "cpu"))
-    check_packing(tiny_llama(seed=41), packing_probe(model, "cpu"))  # a model that packs passes
+    check_packing(spread_llama(seed=41), packing_probe(model, "cpu"))  # a model that packs passes
 
 
 def test_the_check_runs_in_eval_mode_and_restores_training_flags():

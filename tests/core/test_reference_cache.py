@@ -10,8 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from numerics import RUN_REL, assert_same_rows, max_weight_diff
-from test_tensor_ops import tiny_llama
 
 from humanline_cli.backend import make_backend
 from humanline_cli.config import TrainSpec
@@ -24,6 +22,8 @@ from humanline_cli.train.build import Parts
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.train.tracking import Tracker
 from humanline_cli.train.trainer import train
+from tests.helpers.models import spread_llama
+from tests.helpers.numerics import RUN_REL, assert_same_rows, max_weight_diff
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -55,7 +55,7 @@ def _collate(units, partners=None):
 
 
 def test_known_sequences_skip_the_forward_and_get_the_first_numbers_in_any_batch():
-    model = tiny_llama(vocab=64, hidden=64).eval()
+    model = spread_llama(vocab=64, hidden=64).eval()
     inner = CountingReference(model)
     cache = CachedReference(inner)
     units = _units(6)
@@ -83,13 +83,13 @@ def test_known_sequences_skip_the_forward_and_get_the_first_numbers_in_any_batch
 
 
 def test_a_cached_reference_refuses_to_move():
-    cache = CachedReference(FrozenCopy(tiny_llama(vocab=64, hidden=64)))
+    cache = CachedReference(FrozenCopy(spread_llama(vocab=64, hidden=64)))
     with pytest.raises(RuntimeError, match="fixed reference only"):
         cache.sync(cache.model)
 
 
 def _run(tmp_path, cached: bool, steps=6):
-    policy = tiny_llama(vocab=64, hidden=64, seed=3, dtype=torch.float64)  # float64: compared to 1e-9 below
+    policy = spread_llama(vocab=64, hidden=64, seed=3, dtype=torch.float64)  # float64: compared to 1e-9 below
     reference = FrozenCopy(policy)
     if cached:
         reference = CachedReference(reference)
@@ -127,7 +127,7 @@ def test_cached_run_equals_the_uncached_run(tmp_path):
 
 
 def test_export_and_restore_round_trip_the_store():
-    model = tiny_llama(vocab=64, hidden=64).eval()
+    model = spread_llama(vocab=64, hidden=64).eval()
     cache = CachedReference(FrozenCopy(model))
     seqs = _collate(_units(5)).seqs
     first = cache.logps(seqs)

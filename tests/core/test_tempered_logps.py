@@ -8,8 +8,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from hydra import compose, initialize_config_module
-from test_hf_sampler import _tiny64
-from test_vllm_sampler import LOGP_TOL, PROMPTS, tiny  # noqa: F401 - tiny: the module fixture, reused
 
 from humanline_cli.config import resolve
 from humanline_cli.core.interfaces import SamplingParams
@@ -19,6 +17,7 @@ from humanline_cli.data.collate import make_seqs
 from humanline_cli.errors import UserError
 from humanline_cli.sampling.hf import HFSampler
 from humanline_cli.train.build import logps_temperature
+from tests.helpers.sampling import LOGP_TOL, PROMPTS, tiny64
 
 # A 3-token LM whose logits depend on the previous token only: one-hot embeddings, head weight W, so the
 # logits after token a are W[:, a]. After 0: [1.4, 0.7, 0.0]; after 1: [0.0, 2.1, 0.7].
@@ -96,7 +95,7 @@ def test_tempered_sampler_logps_equal_the_policys_so_the_first_ratio_is_one():
     the KV cache and left padding vs one padded forward). So with ratio_denominator=sampler the PPO ratio
     exp(pol - sampler) is 1 before the first update. Without tempering the sampler's raw log-probs differ
     from the tempered policy's (by more than 1e-3 somewhere): the mismatch the key removes."""
-    model, tok = _tiny64()
+    model, tok = tiny64()
     prompts = PROMPTS[:4]
     params = SamplingParams(n=2, temperature=0.7, top_p=1.0, max_new_tokens=8, seed=5)
     sampler = HFSampler(model, tok, batch_size=8)
@@ -118,7 +117,7 @@ def test_tempered_sampler_logps_equal_the_policys_so_the_first_ratio_is_one():
     assert (policy - unt)[mask].abs().max().item() > 1e-3
 
 
-def test_vllm_sampler_tempered_logps_equal_the_policys(tiny):  # noqa: F811 - the imported fixture
+def test_vllm_sampler_tempered_logps_equal_the_policys(tiny):
     """vLLM started with tempered_logps returns processed log-probs, log softmax(logits / T) at top_p 1:
     the policy's token_logps at seqs.temperature = T, to LOGP_TOL (float32 engine vs float32 forward).
     Params that disagree with the engine's mode are refused (the mode is fixed when the engine starts)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import FAST, TINY_WORLD, run_cli
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -14,6 +13,7 @@ from humanline_cli.data.examples import to_units
 from humanline_cli.data.files import load_rows
 from humanline_cli.errors import UserError
 from humanline_cli.world.tokenizer import build_tokenizer
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 
 ROW = {"prompt": "1+1=", "chosen": "2", "rejected": "3"}
 

@@ -8,46 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import run_cli
 
-CORPUS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
-          "Write a short poem about the sea.", "Explain why the sky is blue in one sentence.",
-          "Rain falls softly on the quiet town.", "A good answer is short, clear and kind."] * 4
-
-
-def build_tiny_qwen(root: Path) -> tuple[Path, Path]:
-    """(policy dir, reward-model dir): Qwen2 (head_dim 32), byte-level BPE with a chat template."""
-    from conftest import build_bpe_tokenizer
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
-
-    tok = build_bpe_tokenizer(CORPUS, 300, 512, (
-        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
-        "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"))
-    cfg = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-               num_key_value_heads=2, head_dim=32, max_position_embeddings=512, pad_token_id=tok.pad_token_id,
-               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    policy, rm = root / "qwen", root / "rm"
-    Qwen2ForCausalLM(Qwen2Config(**cfg, tie_word_embeddings=True)).save_pretrained(policy, safe_serialization=True)
-    Qwen2ForSequenceClassification(Qwen2Config(**cfg, num_labels=1)).save_pretrained(rm, safe_serialization=True)
-    tok.save_pretrained(policy)
-    tok.save_pretrained(rm)
-    return policy, rm
-
-
-def write_files(root: Path) -> dict[str, Path]:
-    pairs = root / "pairs.jsonl"
-    rows = []
-    for i in range(16):
-        prompt = "Write a short poem about the sea." if i % 2 else [{"role": "user", "content": "Why is the sky blue?"}]
-        rows.append({"prompt": prompt, "chosen": "Rain falls softly on the quiet town.", "rejected": "No."})
-    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
-                               ["Explain why the sky is blue in one sentence.", "Write a short poem about the sea."] * 4))
-    return {"pairs": pairs, "prompts": prompts}
+from tests.helpers.cli import run_cli
+from tests.helpers.models import build_tiny_qwen, write_files
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +96,7 @@ def test_truncation_is_counted_and_refused_above_the_threshold(world, tmp_path):
 
 
 def test_a_custom_model_on_a_bundled_task_is_refused_or_warned(world, tmp_path, cache_dir):
-    from conftest import FAST, TINY_WORLD
+    from tests.helpers.cli import FAST, TINY_WORLD
 
     base = ["train", *TINY_WORLD, *FAST, f"model.name_or_path={world['policy']}"]
     r = run_cli([*base, f"hydra.run.dir={tmp_path / 'a'}"], tmp_path)

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST, TINY_WORLD, run_cli
 from safetensors.torch import load_file
+
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 
 SUMMARY_KEYS = {"objective", "data", "humanline", "task", "model", "seed", "steps", "eval", "wall_clock_s"}
 

@@ -8,8 +8,9 @@ import json
 import shutil
 
 import pytest
-from conftest import run_cli
-from test_custom_task import build_tiny_qwen, write_files
+
+from tests.helpers.cli import run_cli
+from tests.helpers.models import build_tiny_qwen, write_files
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +58,8 @@ def test_train_with_a_causal_lm_judge_stops_in_one_line_before_training(world, t
 
 # ---------------------------------------------------------------- 1b: duplicate run dirs in report
 def test_report_counts_a_copied_run_dir_once_and_says_which(tmp_path, capsys):
-    from test_report import make_run
-
     from humanline_cli.report.aggregate import build_report, main_report
+    from tests.helpers.runs import make_run
 
     root = tmp_path / "runs"
     make_run(root, "a", "dpo", "offline", False, 0, win=0.6, wall=10.0)
@@ -313,7 +313,7 @@ def test_eval_with_a_reward_model_named_on_the_command_line(world, judgeless_run
 
 
 def test_eval_with_every_judgment_unparsable_exits_2_with_the_count(judgeless_run, capsys):
-    from test_llm_judge import Stub, completion
+    from tests.helpers.served import Stub, completion
 
     run = judgeless_run["run"]
     with Stub(lambda body, n, headers: (200, {}, completion("I cannot decide."))) as stub:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import SMOLLM2, TIMEOUT, run_cli
 from safetensors.torch import load_file
+
+from tests.helpers.cli import SMOLLM2, TIMEOUT, run_cli
 
 
 def test_fsdp_two_ranks_dpo_humanline_keeps_tied_embeddings(smollm2, tmp_path):

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMOLLM2, SMOLLM2_TASK, TIMEOUT, run_cli
+
+from tests.helpers.cli import SMOLLM2, SMOLLM2_TASK, TIMEOUT, run_cli
 
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMOLLM2, TIMEOUT, run_cli
+
+from tests.helpers.cli import SMOLLM2, TIMEOUT, run_cli
 
 ONLINE = [*SMOLLM2, "data=online", "data.n=2", "data.prompts_per_round=2", "train.steps=2", "train.batch_size=2",
           "data.temperature=1.0", "data.min_gap=0"]

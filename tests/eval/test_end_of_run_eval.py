@@ -8,7 +8,8 @@ import json
 
 import pytest
 import torch
-from conftest import FAST, TINY_WORLD, run_cli
+
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 
 # experiment=paper_math on the bundled arithmetic world: the recipe's hub prompts, system prompt, verifier
 # labeller and lengths replaced by the world's (its tokenizer knows lower-case, digits and a few signs)

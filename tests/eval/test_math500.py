@@ -17,7 +17,8 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+
+from tests.helpers.cli import run_cli
 
 L = 20.0
 ANSWERS = ["\\boxed{4}", "\\boxed{7}", " no idea"]
@@ -38,7 +39,8 @@ PROBLEMS = [
 
 def build_rigged(root: Path) -> Path:
     import torch
-    from conftest import build_bpe_tokenizer, two_layer_llama
+
+    from tests.helpers.models import build_bpe_tokenizer, two_layer_llama
 
     tok = build_bpe_tokenizer([p for p, _, _ in PROBLEMS] * 4, 300, 512, None)
     tok.add_tokens(ANSWERS + MARKERS)

@@ -14,6 +14,9 @@ default, avx2, avx512), so a bound tuned on one machine fails on another. The ru
 from __future__ import annotations
 
 import pytest
+import torch
+
+from humanline_cli.data.collate import make_seqs
 
 FP64 = ["backend.precision=fp64"]
 # float64 run-level bound: relative 1e-9 of the value's own scale (and 1e-12 absolute for values ~0).
@@ -39,3 +42,47 @@ def max_weight_diff(a: dict, b: dict) -> float:
     """max |a - b| over every tensor of two state dicts with the same keys, relative to max(1, max |a|)."""
     assert a.keys() == b.keys() and a
     return max(float((a[k].double() - b[k].double()).abs().max()) / max(1.0, float(a[k].abs().max())) for k in a)
+
+
+def random_seqs(vocab: int, n: int = 5, seed: int = 1):
+    """Right-padded prompt+completion rows of different lengths; one row has an empty completion."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, comps = [], []
+    for i in range(n):
+        p_len = int(torch.randint(2, 7, (1,), generator=g))
+        c_len = 0 if i == n - 1 else int(torch.randint(1, 9, (1,), generator=g))
+        prompts.append(torch.randint(1, vocab, (p_len,), generator=g).tolist())
+        comps.append(torch.randint(1, vocab, (c_len,), generator=g).tolist())
+    return make_seqs(prompts, comps, pad_id=0)
+
+
+def values_and_grads(fn, model, seqs):
+    """token log-probs and the gradient of a fixed weighted sum of them w.r.t. every trainable parameter."""
+    model.zero_grad(set_to_none=True)
+    logps = fn(model, seqs)
+    weights = torch.linspace(-1.0, 2.0, logps.numel()).reshape(logps.shape)
+    (logps * weights).sum().backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+    return logps.detach(), grads
+
+
+F64_TOL = 1e-10
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = F64_TOL) -> bool:
+    """max |a - b| <= tol * max(1, max |b|), for two float64 computations equal in exact arithmetic.
+
+    Why 1e-10: the two paths differ only in summation order (matmul blocking, chunking, packing), each
+    sum has n <= a few hundred terms, so each result is off by at most ~n * 1.1e-16 * sum|terms|; with
+    terms up to ~100x the result (log-softmax over spread logits) that is < 1e-11 of the scale. In
+    float32 the same argument gives ~1e-3, too loose to mean anything, hence float64 (observed: ~1e-15)."""
+    assert a.dtype == b.dtype == torch.float64, "compare float64 computations (spread_llama(dtype=torch.float64))"
+    return float((a - b).abs().max()) <= tol * max(1.0, float(b.abs().max()))
+
+
+def assert_same(a, b, tol=F64_TOL):
+    (va, ga), (vb, gb) = a, b
+    assert close(va, vb, tol), float((va - vb).abs().max())
+    assert ga.keys() == gb.keys() and ga
+    for k in ga:
+        assert close(ga[k], gb[k], tol), (k, float((ga[k] - gb[k]).abs().max()))

@@ -8,9 +8,9 @@ import json
 
 import pytest
 import yaml
-from test_report_grouping import config, run_dir
 
 from humanline_cli.report.aggregate import build_report
+from tests.helpers.runs import config, run_dir
 
 
 def _run(root, regime, obj, seed, *, rounds, sequences, steps=200, batch=32):

@@ -5,10 +5,10 @@ import json
 import math
 
 import pytest
-from test_report_grouping import config, run_dir
 
 from humanline_cli.report.frontier import frontier_rows, main, markdown, run_drift
 from humanline_cli.report.runs import find_run_dirs, load_run
+from tests.helpers.runs import config, run_dir
 
 
 def _runs(root):

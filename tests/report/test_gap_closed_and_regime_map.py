@@ -6,12 +6,12 @@ import json
 import math
 
 import pytest
-from conftest import FAST, TINY_WORLD, run_cli
-from test_report_grouping import config, run_dir
 
 from humanline_cli.report.aggregate import build_report
 from humanline_cli.report.gap_closed import gap_closed
 from humanline_cli.world.rewards import subset
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
+from tests.helpers.runs import config, run_dir
 
 
 def test_arithmetic_subsets_are_the_carry():

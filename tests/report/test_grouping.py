@@ -6,64 +6,18 @@ training. Expected numbers are computed by hand in the tests.
 from __future__ import annotations
 
 import ast
-import copy
 import csv
 import json
 import math
 from pathlib import Path
 
 import pytest
-import yaml
 
 from humanline_cli.report.aggregate import build_report, main_report, parse_ignore
+from tests.helpers.runs import config, run_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXTRA = {"data.path", "hl.sync_every", "model.name_or_path", "train.lr"}  # the keys that vary in `sweep`
-
-
-def config(obj="dpo", regime="offline", humanline=None, seed=0, **over) -> dict:
-    """A config shaped like Hydra's saved .hydra/config.yaml (unresolved interpolations, lists, nested dicts)."""
-    data = ({"regime": "offline", "path": "${task.offline.path}", "split": "${task.offline.split}", "limit": None,
-             "min_gap": 0.0, "shuffle": True} if regime == "offline" else
-            {"regime": "online", "prompts": "${task.prompts.train}", "n": 8, "temperature": 1.0, "min_gap": 0.01})
-    objective = {"name": obj, "beta": 0.1, "batch_size": 64 if obj == "kto" else 32}
-    cfg = {"objective": objective, "data": data,
-           "task": {"name": "arithmetic", "world": {"kind": "arithmetic", "seed": 0, "sizes": [4096, 256]},
-                    "prompts": {"train": "world://prompts_train.jsonl"},
-                    "offline": {"path": "world://offline_pairs.jsonl", "split": "train"}},
-           "model": {"name": "tiny", "name_or_path": "world://policy", "tokenizer": None},
-           "sampler": {"name": "hf", "batch_size": 256}, "reward": {"kind": "task"},
-           "seed": seed, "resume": True, "threads": None, "experiment_name": "grid",
-           "world_cache": "${oc.env:HOME}/.cache/humanline", "out_dir": "${hydra:runtime.output_dir}",
-           "hl": {"clamp": True, "sync": True, "log_eps_P": -1.0, "log_eps_R": 1.5, "sync_every": 1},
-           "train": {"steps": 200, "batch_size": "${objective.batch_size}", "lr": 1.0e-5, "betas": [0.9, 0.999]},
-           "eval": {"n_prompts": 256}, "wandb": {"mode": "${oc.env:WANDB_MODE,offline}", "tags": []}}
-    if humanline is not None:
-        cfg["humanline"] = humanline
-    for dotted, value in over.items():
-        *parents, leaf = dotted.split("__")
-        node = cfg
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return cfg
-
-
-def run_dir(root: Path, name: str, cfg: dict | None, *, win: float, wall: float, acc: float = 0.7,
-            obj=None, regime=None, humanline=None, seed=None) -> Path:
-    d = root / name
-    d.mkdir(parents=True)
-    if cfg is not None:
-        (d / ".hydra").mkdir()
-        (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(copy.deepcopy(cfg), sort_keys=False))
-        obj, regime, seed = cfg["objective"]["name"], cfg["data"]["regime"], cfg["seed"]
-        humanline = cfg.get("humanline") is True
-    summary = {"status": "complete", "objective": obj, "data": regime, "humanline": bool(humanline),
-               "task": "arithmetic", "seed": seed,
-               "eval": {"win_rate": win, "win_rate_ci": [win - 0.05, win + 0.05], "accuracy": acc, "reward_mean": acc},
-               "wall_clock_s": {"total": wall, "sample": 0.0, "label": 0.0, "train": wall - 1.0}}
-    (d / "summary.json").write_text(json.dumps(summary))
-    return d
 
 
 @pytest.fixture

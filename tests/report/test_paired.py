@@ -6,11 +6,11 @@ import json
 import math
 
 import pytest
-from test_report_grouping import config, run_dir
 
 from humanline_cli.report.aggregate import build_report, print_report
 from humanline_cli.report.gap_closed import gap_closed, gap_closed_paired, gap_text, paired_differences
 from humanline_cli.report.stats import bootstrap_paired, excludes_zero, paired_t
+from tests.helpers.runs import config, run_dir
 
 
 def test_paired_t_hand_computed():

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from humanline_cli.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REGIMES = ROOT / "conf" / "regime"
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import csv
-import json
 import math
 import statistics
 from pathlib import Path
@@ -11,52 +10,9 @@ import pytest
 
 from humanline_cli.report.aggregate import build_report, main_report
 from humanline_cli.report.stats import t975, win_rate_ci
+from tests.helpers.runs import make_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def _config(obj, data, task, seed, humanline):
-    lines = [f"objective:\n  name: {obj}\n  beta: 0.1", f"data:\n  regime: {data}\n  path: ${{task.offline.path}}",
-             f"task:\n  name: {task}\n  verifiable: true", f"seed: {seed}"]
-    if humanline:
-        lines.append("humanline: true")
-    return "\n".join(lines) + "\n"
-
-
-def make_run(root: Path, name: str, obj: str, data: str, hl: bool, seed: int, *, task="arithmetic", win=None,
-             ci=None, acc=None, reward=0.5, wall=None, sample=0.0, status="complete", error=None, steps=(10, 20, 30, 40)):
-    d = root / name
-    (d / ".hydra").mkdir(parents=True)
-    (d / ".hydra" / "config.yaml").write_text(_config(obj, data, task, seed, hl))
-    rows = []
-    for i, s in enumerate(steps):
-        row = {"step": s, "loss": 1.0 / (i + 1), "lr": 1e-4, "grad_norm": 1.0, "tokens_per_s": 1000.0, "wall_s": s * 0.1}
-        if hl:
-            row["humanline/unclamped_fraction"] = 0.9 - 0.1 * i
-        rows.append(row)
-    if status == "complete" and wall:
-        rows.append({"step": steps[-1], "eval/win_rate": 0.55, "eval/accuracy": None if acc is None else acc - 0.05,
-                     "eval/reward_mean": reward - 0.05, "wall_s": wall / 2})
-    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    counts = [[1] + [0] * 60 + [1] for _ in steps]
-    for c in counts[-1:]:  # only the last 25% of 4 steps (= 1 step) counts
-        c[25] = 100 if hl else 10
-    (d / "logratios.jsonl").write_text("".join(json.dumps({"step": s, "lo": -3.0, "hi": 3.0, "counts": c}) + "\n"
-                                                for s, c in zip(steps, counts)))
-    if status == "complete":
-        ci = ci or [max(0.0, win - 0.05), min(1.0, win + 0.05)]
-        summary = {"status": "complete", "objective": obj, "data": data, "humanline": hl, "task": task, "model": "tiny",
-                   "seed": seed, "steps": steps[-1], "batch_size": 64, "batch_unit": "examples",
-                   "eval": {"n_prompts": 256, "win_rate": win, "win_rate_ci": ci, "reward_mean": reward,
-                            "start_reward_mean": 0.3, "accuracy": acc, "start_accuracy": None if acc is None else 0.5,
-                            "judge": f"world/{task}/judge", "temperature": 0.7},
-                   "wall_clock_s": {"setup": 1.0, "sample": sample, "label": sample / 2, "train": wall - 5.0,
-                                    "sync": 0.0, "push": 0.0, "eval": 2.0, "save": 0.1, "total": wall},
-                   "tokens_per_s": {"train": 1000.0, "sample": None}, "final_train_metrics": {}}
-        (d / "summary.json").write_text(json.dumps(summary))
-    elif status == "failed":
-        (d / "failed.json").write_text(json.dumps({"status": "failed", "error": error, "wall_clock_s": {"total": 3.0}}))
-    return d
 
 
 @pytest.fixture

@@ -15,11 +15,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import served_model
-from test_llm_judge import Stub, free_port
 
 from humanline_cli.errors import UserError
 from humanline_cli.rewards.alpaca import AlpacaEvalJudge, AlpacaEvalSpec, load_annotator
+from tests.helpers.served import Stub, free_port, served_model
 
 SERVED = "tiny-alpaca-judge"
 LOGIT_M, LOGIT_BIG_M = 3.0, 3.0 - math.log(4.0)  # p(m) / (p(m) + p(M)) = 0.8
@@ -34,7 +33,8 @@ def build_rigged_judge(path: Path) -> None:
     prompt: the served top logprobs are the same for every pair."""
     import torch
     from alpaca_eval import constants
-    from conftest import build_bpe_tokenizer, two_layer_llama
+
+    from tests.helpers.models import build_bpe_tokenizer, two_layer_llama
 
     template = (Path(constants.EVALUATORS_CONFIG_DIR) / "alpaca_eval_clf_gpt4_turbo/alpaca_eval_clf.txt").read_text()
     corpus = [template, "What is 12 + 7? The answer is 19.", "Paris is the capital of France."] * 3
@@ -237,7 +237,7 @@ def test_train_and_eval_commands_with_alpaca_eval(server, tmp_path, cache_dir):
     against reference outputs in AlpacaEval's format; against an unreachable judge it is one line and
     exit 2; the key is never written under the run dir. (`--against start` runs the evaluator path that
     train uses; each CLI run costs ~30 s here, so it is not repeated.)"""
-    from conftest import FAST, TINY_WORLD, run_cli
+    from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(server["hf"])}
     judge = ["judge=alpaca_eval", f"judge.base_url={server['base_url']}", f"judge.model={SERVED}",
@@ -283,9 +283,8 @@ def test_train_and_eval_commands_with_alpaca_eval(server, tmp_path, cache_dir):
 def test_report_shows_lc_next_to_wr(tmp_path):
     """`humanline report`: a cell whose runs carry eval.alpaca_eval shows LC (as a fraction, like WR:
     alpaca_eval's percent / 100, mean ± sd over seeds) next to the win rate; cells without it do not."""
-    from test_report import make_run
-
     from humanline_cli.report.aggregate import build_report
+    from tests.helpers.runs import make_run
 
     root = tmp_path / "runs"
     for seed, lc in ((0, 41.0), (1, 45.0)):

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import threading
 import time
 from email.utils import formatdate
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -25,16 +22,9 @@ from humanline_cli.rewards.llm_judge import (
     render,
     retry_delay,
 )
+from tests.helpers.served import Stub, completion, free_port
 
 TEMPLATE = load_template(None)
-
-
-# -- a stub OpenAI-compatible server -------------------------------------------------------------------
-def completion(content: str, prompt_tokens: int = 10, completion_tokens: int = 1) -> dict:
-    return {"id": "cmpl-stub", "object": "chat.completion", "created": 0, "model": "stub",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
 
 
 def shown(body: dict) -> tuple[str, str]:
@@ -42,60 +32,6 @@ def shown(body: dict) -> tuple[str, str]:
     text = body["messages"][-1]["content"]
     m = re.search(r"## Output \(A\)\n(.*)\n\n## Output \(B\)\n(.*)\n\n## Verdict", text, re.S)
     return m.group(1), m.group(2)
-
-
-class Stub:
-    """ThreadingHTTPServer on 127.0.0.1:<free port>; `respond(body, n, headers)` -> (status, headers, json)."""
-
-    def __init__(self, respond, delay_s: float = 0.0):
-        self.requests: list[dict] = []
-        self.inflight = self.max_inflight = 0
-        lock = threading.Lock()
-        stub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with lock:
-                    n = len(stub.requests)
-                    stub.requests.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
-                    stub.inflight += 1
-                    stub.max_inflight = max(stub.max_inflight, stub.inflight)
-                try:
-                    time.sleep(delay_s)
-                    status, headers, payload = respond(body, n, {k.lower(): v for k, v in self.headers.items()})
-                    data = json.dumps(payload).encode()
-                finally:
-                    # leave the count before any byte goes back: once the client reads its answer its worker may
-                    # send the next request before this thread runs again (under load the next request was
-                    # counted while this one was still "in flight": 4 with max_concurrency=3)
-                    with lock:
-                        stub.inflight -= 1
-                try:
-                    self.send_response(status)
-                    for k, v in {"Content-Type": "application/json", **headers}.items():
-                        self.send_header(k, v)
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up (timeout test)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def content_judge(body, n, headers):
@@ -110,12 +46,6 @@ def spec_for(url: str, tmp_path: Path | None = None, **kw) -> LLMJudgeSpec:
                     backoff_base_s=0.01, max_retries=2, timeout_s=10,
                     cache_dir=str(tmp_path / "cache") if tmp_path else None)
     return LLMJudgeSpec(**{**defaults, **kw})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- pure functions -------------------------------------------------------------------------------------

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import served_model
-from test_llm_judge import TEMPLATE
 
 from humanline_cli.errors import UserError
-from humanline_cli.rewards.llm_judge import LLMJudge, LLMJudgeSpec
+from humanline_cli.rewards.llm_judge import LLMJudge, LLMJudgeSpec, load_template
+from tests.helpers.served import served_model
+
+TEMPLATE = load_template(None)
 
 # -- end to end through a real `vllm serve` --------------------------------------------------------------
 TINY_SERVED_NAME = "tiny-judge"
@@ -34,7 +35,8 @@ def build_tiny_judge(path: Path) -> tuple[str, int]:
     untied lm_head reads only channel D, into the "A" logit. So max_tokens=1 gives "A" (always the first
     position: a maximally position-biased judge) and max_tokens=2 gives "AA" (unparsable)."""
     import torch
-    from conftest import build_bpe_tokenizer, two_layer_llama
+
+    from tests.helpers.models import build_bpe_tokenizer, two_layer_llama
 
     corpus = [TEMPLATE, "The quick brown fox jumps over the lazy dog.", "Paris is the capital of France."] * 3
     tok = build_bpe_tokenizer(corpus, 400, 1024, (
@@ -123,7 +125,7 @@ def test_train_and_eval_commands_with_the_llm_judge(judge_server, tmp_path, cach
     """`humanline train ... judge=llm` and `humanline eval RUN --against start judge=llm ...` through the
     real server: both orders per pair, raw outputs in the samples file, usage and cost in the summary,
     a second eval served from the cache, and the key never written under the run dir."""
-    from conftest import FAST, TINY_WORLD, run_cli
+    from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 
     srv = judge_server
     judge = ["judge=llm", f"judge.base_url={srv.base_url}", f"judge.model={srv.model}",

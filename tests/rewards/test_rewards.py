@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_tiny_reward_model
 
 from humanline_cli.errors import RunFailed, UserError
 from humanline_cli.rewards.scorers import checked, make_scorer
+from tests.helpers.models import build_tiny_reward_model
 
 
 def test_math_verifier_values():

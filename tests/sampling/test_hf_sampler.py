@@ -9,24 +9,19 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_vllm_sampler import PROMPTS, build_model, build_tokenizer
 
 from humanline_cli.core.interfaces import SamplingParams
 from humanline_cli.sampling.hf import HFSampler, _draw
+from tests.helpers.sampling import PROMPTS, tiny64
 
 MAX_NEW = 10
-
-
-def _tiny64():
-    tok = build_tokenizer()
-    return build_model(len(tok)).double(), tok  # float64: equal-in-exact-arithmetic checks to 1e-10
 
 
 def test_logps_equal_a_recomputation_with_one_forward():
     """Each kept token's log-prob is log_softmax(raw logits) at that position, as one forward over
     prompt + completion computes it (float64; the decoding loop uses the KV cache and left padding,
     the recomputation neither)."""
-    model, tok = _tiny64()
+    model, tok = tiny64()
     out = HFSampler(model, tok, batch_size=5).generate(
         PROMPTS, SamplingParams(n=2, temperature=0.7, top_p=0.9, max_new_tokens=MAX_NEW, seed=3))
     assert len(out.token_ids) == 2 * len(PROMPTS)
@@ -47,7 +42,7 @@ def test_a_completion_depends_only_on_seed_prompt_and_sample_index():
     """A rank's share (prompts 6, 1, 3, sampled alone, in another batch size) gets exactly the tokens
     those prompts get in the whole call, and log-probs equal to 1e-10 (float64: only the padding and
     batch shape differ); another seed gives other samples."""
-    model, tok = _tiny64()
+    model, tok = tiny64()
     p = SamplingParams(n=3, temperature=1.0, top_p=0.95, max_new_tokens=MAX_NEW, seed=5)
     whole = HFSampler(model, tok, batch_size=24).generate(PROMPTS, p)
     share = [6, 1, 3]
@@ -88,7 +83,7 @@ def _fsdp_rank(rank: int, port: int, result: dict) -> None:
     tdist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         torch.set_num_threads(1)
-        model, tok = _tiny64()
+        model, tok = tiny64()
         shard_model(model)
         shard = Shard(rank, 2)
         mine = shard.share(7)  # 4 and 3 prompts: unequal shares, rows finishing at different steps
@@ -105,7 +100,7 @@ def test_fsdp_ranks_sample_their_shares_in_lockstep():
     """Under FSDP every forward all-gathers the layer's shards, so ranks with unequal shares (4 vs 3
     prompts, 3 vs 2 batches, different stopping steps) must decode in lockstep (Shard.max_int); their
     completions are the one-process ones (tokens exact, float64 log-probs to 1e-10)."""
-    model, tok = _tiny64()
+    model, tok = tiny64()
     p = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW, seed=9)
     whole = HFSampler(model, tok, batch_size=16).generate(PROMPTS[:7], p)
     with socket.socket() as s:

@@ -4,9 +4,9 @@ per-thread current device and the engine are fakes that record the device each c
 from __future__ import annotations
 
 import torch
-from fake_cuda_vllm import FakeCuda, fake_tokenizer, install_fake_vllm
 
 from humanline_cli.core.interfaces import SamplingParams
+from tests.helpers.fake_vllm import FakeCuda, fake_tokenizer, install_fake_vllm
 
 
 def test_every_engine_call_runs_on_the_ranks_device(monkeypatch):

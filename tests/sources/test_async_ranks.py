@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST, TINY_WORLD, run_cli
-from numerics import FP64, RUN_ABS, RUN_REL, SAVED_REL, assert_same_rows, max_weight_diff
 from safetensors.torch import load_file
+
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
+from tests.helpers.numerics import FP64, RUN_ABS, RUN_REL, SAVED_REL, assert_same_rows, max_weight_diff
 
 N = 4  # samples per prompt
 ARGS = ["train", *TINY_WORLD, *FAST, "backend=cpu", "train.length_bucketing=false", "objective=dpo", "+humanline=true",

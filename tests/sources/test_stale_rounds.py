@@ -7,10 +7,10 @@ import csv
 import json
 
 import pytest
-from conftest import FAST, TINY_WORLD, run_cli
 from safetensors.torch import load_file
 
 from humanline_cli.config import round_prompts
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 
 
 def test_round_prompts_fill_k_steps_of_units():
@@ -74,9 +74,8 @@ def test_generate_every_1_is_online_and_k_reuses_one_generation(cache_dir, tmp_p
 
 
 def test_report_pairs_stale_k_with_its_humanline_runs_and_online(tmp_path):
-    from test_report_grouping import config, run_dir
-
     from humanline_cli.report.aggregate import build_report
+    from tests.helpers.runs import config, run_dir
 
     root = tmp_path / "sweep"
     acc = {"online": [0.90, 0.92, 0.88], "stale": [0.80, 0.82, 0.78], "s16": [0.89, 0.90, 0.86], "s1": [0.60, 0.62, 0.58]}
@@ -131,9 +130,9 @@ def test_laptop_paper_regimes_composes_and_has_the_stated_size():
 
 def test_regime_map_pairs_humanline_on_stale_rounds_with_the_stale_baseline(tmp_path, capsys):
     import yaml
-    from test_report_grouping import config, run_dir
 
     from humanline_cli.report.regime_map import main
+    from tests.helpers.runs import config, run_dir
 
     root = tmp_path / "laptop_paper_regimes"
     stale = {"regime": "online", "data__generate_every": 64}

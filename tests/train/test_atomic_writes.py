@@ -10,10 +10,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_bad_input import _world_cfg
 
 from humanline_cli.backend import Dist
 from humanline_cli.errors import RunFailed
+from tests.helpers.cli import tiny_world_cfg
 
 # ---- a failed save leaves no temp dir; a killed world build's temp dir is cleaned ---------------------
 
@@ -101,7 +101,7 @@ def test_next_world_build_removes_stale_temp_dirs(tmp_path, monkeypatch):
             (tmp / name).mkdir() if name == "policy" else (tmp / name).write_text("{}\n")
 
     monkeypatch.setattr(world, "_build", fast_build)
-    cfg = _world_cfg()
+    cfg = tiny_world_cfg()
     target = world_dir(cfg, tmp_path).name
     dead, alive = _dead_pid(), os.getppid()
     stale = tmp_path / f".tmp-{target}-{dead}-deadbeef"

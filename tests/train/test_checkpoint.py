@@ -17,110 +17,39 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_WORLD, run_cli
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from humanline_cli.backend import make_backend
-from humanline_cli.config import TrainSpec
-from humanline_cli.core.batches import PairBatch
-from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule
+from humanline_cli.core.humanline import ReferenceRule
 from humanline_cli.core.interfaces import SamplingParams
-from humanline_cli.core.reference import CachedReference, FrozenCopy
-from humanline_cli.data.collate import make_seqs
 from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample
 from humanline_cli.eval.evaluator import Side
-from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.online import OnlineSource, RoundSpec, TokenCompletion
 from humanline_cli.train import checkpoint as C
 from humanline_cli.train import rundir as R
-from humanline_cli.train.build import Parts
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.train.tracking import NullTracker, Tracker
 from humanline_cli.train.trainer import train
+from tests.helpers.cli import BASE, run_cli
+from tests.helpers.runs import read_rows
+from tests.helpers.training import offline_parts, run_train, train_spec
 
 # ------------------------------------------------------------------ in-process pieces
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
-
-
-def tiny_llama():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, head_dim=16, num_key_value_heads=2, max_position_embeddings=32,
-                      tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).train()
-
-
-def _ids(text: str) -> list[int]:
-    return [10 + ord(c) % 20 for c in text] + [2]
-
-
-def _collate(mine, theirs):
-    prompts = [_ids(u.prompt)[:-1] for u in mine]
-    return PairBatch(make_seqs(prompts * 2, [_ids(u.chosen) for u in mine] + [_ids(u.rejected) for u in mine], 0))
-
-
-UNITS = [PairExample(f"q{i}", f"a{i * 7 % 10}b", f"c{i % 3}") for i in range(14)]
-
-
-def _setup(lora: bool, moving: bool, cached: bool = False):
-    policy = tiny_llama()
-    if lora:
-        from humanline_cli.core.lora import apply_lora
-        from humanline_cli.core.reference import make_lora_reference
-
-        policy = apply_lora(policy, 4, 8.0, 0.0)
-        reference = make_lora_reference(policy, moving=moving)
-    else:
-        reference = FrozenCopy(policy)
-    if cached:  # a fixed reference's log-prob cache, over 3-step epochs: steps 4-6 reuse cached numbers
-        reference = CachedReference(reference)
-    source = OfflineSource(UNITS[:6] if cached else UNITS, _collate, batch_size=2, micro_batch_size=2, seed=3)
-    evaluator = SimpleNamespace(baseline=Side(["x", "yz"], [0.25, 0.5]),
-                                greedy_baseline=Side(["g", ""], [1.0, 0.0]))
-    return Parts(make_backend("cpu", "fp32"), None, None, policy, reference, source, evaluator, None, policy)
-
-
-def _spec(steps: int, moving: bool, every: int, keep: int = 2):
-    tr = TrainSpec(steps=steps, batch_size=2, micro_batch_size=2, lr=1e-2, weight_decay=0.01, warmup_ratio=0.5,
-                   schedule="cosine", max_grad_norm=1.0, max_length=32, max_prompt_length=8, log_every=1,
-                   save_model=False, checkpoint_every=every, keep_checkpoints=keep)
-    hl = HumanlineSpec(clamp=True, sync=True) if moving else HumanlineSpec()
-    return SimpleNamespace(train=tr, humanline=hl, objective_cfg=SimpleNamespace(name="dpo", beta=0.1),
-                           regime="offline", eval_cfg=SimpleNamespace(every=0))
-
-
-def _train(run_dir: Path, parts, spec, resume_from=None, checkpoints=None):
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tracker = Tracker(run_dir, {}, {"mode": "disabled"}, "t")
-    ckpts = checkpoints or C.Checkpoints(run_dir, spec.train.checkpoint_every, spec.train.keep_checkpoints)
-    timer = PhaseTimer()
-    last = train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
-                 rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
-                 checkpoints=ckpts, resume_from=resume_from)
-    tracker.finish()
-    return last, ckpts, timer
 
 
 class Killed(Exception):
     pass
 
 
-def _rows(path: Path) -> list[dict]:
-    drop = ("wall_s", "tokens_per_s")
-    return [{k: v for k, v in json.loads(line).items() if k not in drop and not k.startswith("time/")}
-            for line in path.read_text().splitlines()]
-
-
 @pytest.mark.parametrize("lora,moving,cached", [(False, True, False), (False, False, False), (True, True, False),
                                                (True, False, False), (False, False, True)])
 def test_resumed_training_is_bit_identical(tmp_path, lora, moving, cached):
     """6 steps straight vs 4 steps, a checkpoint, a fresh process-like rebuild, then steps 5-6."""
-    whole = _setup(lora, moving, cached)
-    _, ckpts, _ = _train(tmp_path / "whole", whole, _spec(6, moving, every=1, keep=2))
+    whole = offline_parts(lora, moving, cached)
+    _, ckpts, _ = run_train(tmp_path / "whole", whole, train_spec(6, moving, every=1, keep=2))
     assert ckpts.steps() == [5, 6] and not list(ckpts.root.glob(".tmp-*"))  # pruned to K=2, no temp dirs
 
-    first = _setup(lora, moving, cached)
+    first = offline_parts(lora, moving, cached)
     real_next = first.source.next_step
 
     def crash_at_5(step):  # the process dies during step 5
@@ -130,7 +59,7 @@ def test_resumed_training_is_bit_identical(tmp_path, lora, moving, cached):
 
     first.source.next_step = crash_at_5
     with pytest.raises(Killed):
-        _train(tmp_path / "cut", first, _spec(6, moving, every=2, keep=3))
+        run_train(tmp_path / "cut", first, train_spec(6, moving, every=2, keep=3))
     cut = C.Checkpoints(tmp_path / "cut", 2)
     assert cut.steps() == [2, 4]
     tensors = load_file(cut.latest() / "tensors.safetensors")
@@ -141,15 +70,15 @@ def test_resumed_training_is_bit_identical(tmp_path, lora, moving, cached):
         assert policy_keys == {f"policy.{n}" for n, _ in first.policy.named_parameters()}
     assert any(k.startswith("reference.") for k in tensors) == moving  # fixed reference: rebuilt, not saved
 
-    resumed = _setup(lora, moving, cached)
+    resumed = offline_parts(lora, moving, cached)
     (tmp_path / "cut" / "metrics.jsonl").rename(tmp_path / "cut" / "metrics-first.jsonl")
-    last, _, _ = _train(tmp_path / "cut", resumed, _spec(6, moving, every=2, keep=3), cut.latest())
+    last, _, _ = run_train(tmp_path / "cut", resumed, train_spec(6, moving, every=2, keep=3), cut.latest())
     for (name, a), b in zip(whole.policy.named_parameters(), resumed.policy.parameters()):
         assert torch.equal(a, b), name
     for a, b in zip(whole.reference.model.parameters(), resumed.reference.model.parameters()):
         assert torch.equal(a, b)
-    rows = _rows(tmp_path / "cut" / "metrics-first.jsonl") + _rows(tmp_path / "cut" / "metrics.jsonl")
-    assert rows == _rows(tmp_path / "whole" / "metrics.jsonl") and [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    rows = read_rows(tmp_path / "cut" / "metrics-first.jsonl") + read_rows(tmp_path / "cut" / "metrics.jsonl")
+    assert rows == read_rows(tmp_path / "whole" / "metrics.jsonl") and [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert last["loss"] == rows[-1]["loss"]
     if cached:  # the store came back from the checkpoint: steps 5-6 found every sequence in it
         assert [r["reference_cache/hit_fraction"] for r in rows] == [0.0] * 3 + [1.0] * 3
@@ -157,8 +86,8 @@ def test_resumed_training_is_bit_identical(tmp_path, lora, moving, cached):
 
 
 def test_checkpoint_holds_every_piece(tmp_path):
-    parts = _setup(lora=False, moving=True)
-    last, ckpts, timer = _train(tmp_path, parts, _spec(5, True, every=5))
+    parts = offline_parts(lora=False, moving=True)
+    last, ckpts, timer = run_train(tmp_path, parts, train_spec(5, True, every=5))
     after = (random.random(), float(np.random.rand()), float(torch.rand(1)))  # the RNGs right after the save
     path = ckpts.latest()
     assert path.name == "step_5"
@@ -177,7 +106,7 @@ def test_checkpoint_holds_every_piece(tmp_path):
     assert tensors["rng.torch"].dtype == torch.uint8
 
     random.seed(99), np.random.seed(99), torch.manual_seed(99)
-    fresh = _setup(lora=False, moving=True)
+    fresh = offline_parts(lora=False, moving=True)
     fresh.evaluator.baseline = fresh.evaluator.greedy_baseline = None
     from humanline_cli.core.optim import make_optimizer, make_scheduler
 
@@ -279,28 +208,22 @@ def test_a_full_disk_skips_the_checkpoint_not_the_run(tmp_path, monkeypatch):
         return real(tensors, path)
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_at_step_4)
-    parts = _setup(lora=False, moving=False)
+    parts = offline_parts(lora=False, moving=False)
     printed = []
     ckpts = C.Checkpoints(tmp_path, 2, keep=5, console=SimpleNamespace(print=lambda *a, **k: printed.append(a[0])))
     (tmp_path / "m").mkdir()
-    last = _train(tmp_path / "m", parts, _spec(6, False, every=2), checkpoints=ckpts)[0]
+    last = run_train(tmp_path / "m", parts, train_spec(6, False, every=2), checkpoints=ckpts)[0]
     assert last["loss"] > 0 and ckpts.steps() == [2, 6] and not list(ckpts.root.glob(".tmp-*"))
     assert len(printed) == 1 and "checkpoint at step 4 not written" in printed[0] and "No space left" in printed[0]
 
 
 def test_null_tracker_and_no_checkpoints_by_default(tmp_path):
-    parts = _setup(lora=False, moving=False)
-    spec = _spec(2, False, every=0)
+    parts = offline_parts(lora=False, moving=False)
+    spec = train_spec(2, False, every=0)
     train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
           rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=NullTracker(), timer=PhaseTimer(),
           checkpoints=C.Checkpoints(tmp_path, 0))
     assert not (tmp_path / "checkpoints").exists()
-
-
-# ------------------------------------------------------------------ through the real CLI
-BASE = [*TINY_WORLD, "task=preference", "train.batch_size=8", "train.log_every=1", "eval.n_prompts=16",
-        "train.weight_decay=0.0", "train.lr=1e-3", "threads=1", "wandb.mode=disabled"]
-ONLINE = ["data=online", "data.prompts_per_round=8", "data.n=4", "data.max_new_tokens=6", "train.batch_size=4"]
 
 
 def _files(run: Path) -> dict:

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, TINY_WORLD, run_cli
-from numerics import FP64, SAVED_REL, assert_same_rows, max_weight_diff
 from safetensors.torch import load_file
+
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
+from tests.helpers.numerics import FP64, SAVED_REL, assert_same_rows, max_weight_diff
 
 
 def _train(tmp_path: Path, name: str, extra: list[str]) -> tuple[list[dict], dict]:

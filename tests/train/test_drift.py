@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-from conftest import FAST, TINY_WORLD, run_cli
 
 from humanline_cli.core.objectives import sampler_drift
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 
 
 def test_sampler_drift_hand_computed():

@@ -17,12 +17,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import run_cli
 from rich.console import Console
-from test_checkpoint import BASE
 
 from humanline_cli.errors import RunDirBusy
 from humanline_cli.train.lock import RunDirLock
+from tests.helpers.cli import BASE, run_cli
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -197,12 +196,13 @@ DAMAGE = {"truncated": (_truncate, "does not match its sha256"), "emptied": (_em
 def three_checkpoints(tmp_path_factory):
     """A 6-step run with checkpoints at steps 2, 4, 6 (written once; each test copies it)."""
     import torch
-    from test_checkpoint import _setup, _spec, _train
+
+    from tests.helpers.training import offline_parts, run_train, train_spec
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a shared machine
     run = tmp_path_factory.mktemp("ckpt") / "run"
-    _train(run, _setup(lora=False, moving=True), _spec(6, True, every=2, keep=3))
+    run_train(run, offline_parts(lora=False, moving=True), train_spec(6, True, every=2, keep=3))
     torch.set_num_threads(threads)
     return run
 
@@ -444,15 +444,15 @@ def test_huge_rewards_are_refused_at_their_line(tmp_path):
 
 def test_a_non_finite_loss_names_its_micro_batch_units(tmp_path):
     import torch
-    from test_checkpoint import _setup, _spec
 
     from humanline_cli.core.humanline import ReferenceRule
     from humanline_cli.errors import RunFailed
     from humanline_cli.train.timing import PhaseTimer
     from humanline_cli.train.tracking import NullTracker
     from humanline_cli.train.trainer import train
+    from tests.helpers.training import offline_parts, train_spec
 
-    parts = _setup(lora=False, moving=False)
+    parts = offline_parts(lora=False, moving=False)
     seen = []
     real = parts.source.next_step
 
@@ -466,7 +466,7 @@ def test_a_non_finite_loss_names_its_micro_batch_units(tmp_path):
 
     parts.source.next_step = watch
     with pytest.raises(RunFailed) as e:
-        spec = _spec(4, False, every=0)
+        spec = train_spec(4, False, every=0)
         train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
               rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=NullTracker(), timer=PhaseTimer())
     units = seen[-1].micro_batches[0].units
@@ -480,18 +480,17 @@ def test_a_non_finite_loss_names_its_micro_batch_units(tmp_path):
 def _tied_online_run(tmp_path, steps: int, max_skipped: float):
     import dataclasses
 
-    from test_checkpoint import _setup, _spec
-    from test_online import _source
-
     from humanline_cli.core.humanline import ReferenceRule
     from humanline_cli.train.timing import PhaseTimer
     from humanline_cli.train.tracking import Tracker
     from humanline_cli.train.trainer import train
+    from tests.helpers.training import offline_parts, online_source, train_spec
 
-    parts = _setup(lora=False, moving=False)
+    parts = offline_parts(lora=False, moving=False)
     # a real online source whose labeller gives every sample the same score: DPO finds no pair in any round
-    parts.source = _source("dpo", ["1", "22", "333"], lambda prompts, completions, answers=None: [0.5] * len(completions))
-    spec = _spec(steps, False, every=0)
+    parts.source = online_source("dpo", ["1", "22", "333"],
+                                 lambda prompts, completions, answers=None: [0.5] * len(completions))
+    spec = train_spec(steps, False, every=0)
     spec.train = dataclasses.replace(spec.train, max_skipped_fraction=max_skipped)
     out = io.StringIO()
     console = Console(file=out, width=400)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import FAST, TINY_WORLD, run_cli
 from safetensors.torch import load_file
 
 from humanline_cli.backend import Dist
 from humanline_cli.errors import UserError
 from humanline_cli.train.checkpoint import Checkpoints
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 
 ARGS = [*TINY_WORLD, *FAST, "backend=cpu", "objective=dpo", "+humanline=true", "backend.strategy=fsdp",
         "backend.nproc=2", "train.steps=3", "train.checkpoint_every=1"]

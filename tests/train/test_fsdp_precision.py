@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
-from conftest import FAST, TINY_WORLD, run_cli
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from humanline_cli.backend import shard_model
 from humanline_cli.train.trainer import grad_sync
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 
 WORLD = 2
 N_SEQS, T, VOCAB = 4, 8, 64

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import build_tiny_reward_model
+from tests.helpers.models import build_tiny_reward_model
 
 
 def test_a_reward_model_judge_loads_on_rank0_only(tmp_path, monkeypatch):

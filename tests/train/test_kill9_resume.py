@@ -4,24 +4,16 @@ as an uninterrupted run (offline and online, with and without humanline)."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
-from safetensors.torch import load_file
-from test_checkpoint import BASE, ONLINE, _rows
 
-
-def _spawn(args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ}
-    return subprocess.Popen([sys.executable, "-m", "humanline_cli", *args], cwd=log.parent, env=env,
-                            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+from tests.helpers.cli import BASE, ONLINE, run_cli, spawn_cli
+from tests.helpers.runs import run_outputs
 
 
 def _kill_at(proc: subprocess.Popen, run: Path, step: int, timeout: float = 300) -> None:
@@ -44,24 +36,14 @@ def _kill_at(proc: subprocess.Popen, run: Path, step: int, timeout: float = 300)
     raise AssertionError(f"step {step} never came")
 
 
-def _outputs(run: Path) -> dict:
-    out = {name: _rows(run / name) for name in ("metrics.jsonl", "logratios.jsonl") if (run / name).exists()}
-    for name in ("eval_samples.jsonl", "samples.jsonl"):
-        if (run / name).exists():
-            out[name] = (run / name).read_text()
-    out["eval"] = json.loads((run / "summary.json").read_text())["eval"]
-    out["model"] = {k: v.tolist() for k, v in load_file(run / "model" / "model.safetensors").items()}
-    return out
-
-
 def _kill_trial(tmp_path: Path, extra: list[str], kills: int = 1, steps: int = 12, every: int = 2,
                 choices: list[int] | None = None):
     args = ["train", *BASE, *extra, f"train.steps={steps}", f"train.checkpoint_every={every}"]
     straight_dir, cut_dir = tmp_path / "straight", tmp_path / "cut"
-    straight = _spawn([*args, f"hydra.run.dir={straight_dir}"], tmp_path / "straight.log")  # alongside
+    straight = spawn_cli([*args, f"hydra.run.dir={straight_dir}"], tmp_path / "straight.log")  # alongside
     kill_steps = sorted(random.sample(choices or range(every + 1, steps), kills))
     for k in kill_steps:
-        _kill_at(_spawn([*args, f"hydra.run.dir={cut_dir}"], tmp_path / "cut.log"), cut_dir, k)
+        _kill_at(spawn_cli([*args, f"hydra.run.dir={cut_dir}"], tmp_path / "cut.log"), cut_dir, k)
         assert not (cut_dir / "summary.json").exists(), f"killed too late (step {k})"
     final = run_cli([*args, f"hydra.run.dir={cut_dir}"], tmp_path)
     assert final.returncode == 0, final.stderr[-3000:]
@@ -70,7 +52,7 @@ def _kill_trial(tmp_path: Path, extra: list[str], kills: int = 1, steps: int = 1
     assert len(resumed) == 1, final.stderr[-3000:]
     from_step = int(resumed[0].split("from step ")[1].split()[0])
     assert from_step % every == 0 and 0 < from_step <= kill_steps[-1], (resumed, kill_steps)
-    a, b = _outputs(straight_dir), _outputs(cut_dir)
+    a, b = run_outputs(straight_dir), run_outputs(cut_dir)
     where = f"(killed at step(s) {kill_steps}, resumed from {from_step})"
     assert b["metrics.jsonl"][-1] == a["metrics.jsonl"][-1], where
     assert b["eval"] == a["eval"], where

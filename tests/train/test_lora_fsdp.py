@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import FAST, TINY_WORLD, run_cli
-from numerics import FP64, SAVED_REL, assert_same_rows, max_weight_diff
 from safetensors.torch import load_file
+
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
+from tests.helpers.numerics import FP64, SAVED_REL, assert_same_rows, max_weight_diff
 
 ADAPTER = Path("model") / "adapter" / "policy" / "adapter_model.safetensors"
 

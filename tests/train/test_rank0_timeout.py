@@ -10,7 +10,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from conftest import FAST, TINY_WORLD, run_cli
+
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 
 SLOW_S = 10.0
 

@@ -8,9 +8,9 @@ import json
 import time
 
 import pytest
-from conftest import FAST, TINY_WORLD, run_cli
 
 from humanline_cli.train import failures
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 
 
 def _fsdp_run(tmp_path, name: str, env: dict, extra=()):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import FAST, TINY_WORLD, run_cli
 from safetensors.torch import load_file
 
 from humanline_cli.backend import Backend
 from humanline_cli.models import load_policy
 from humanline_cli.train.finish import saved_dtype
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 
 
 def test_auto_follows_the_training_compute_dtype():
