@@ -1,4 +1,8 @@
-"""Shared fixtures: a tiny bundled world built once per session into a temp cache (no network)."""
+"""Layout: tests/<folder>/test_<what it checks>.py mirrors humanline_cli/<folder>/ (config/: config.py, schema.py and
+conf/; e2e/: whole runs through the CLI; tests/ itself: package-wide checks and top-level modules), shared plain
+functions live in tests/helpers/ (never imported from another test file), and fixtures here.
+
+Shared fixtures: a tiny bundled world built once per session into a temp cache (no network)."""
 from __future__ import annotations
 
 import os
@@ -7,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli import MODEL_CACHE
-from tests.helpers.sampling import char_tokenizer, peaked_llama
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -17,6 +20,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from humanline_cli.sampling.vllm import inductor_cache_per_kernel_set  # noqa: E402
 
 inductor_cache_per_kernel_set()
+
+
+def pytest_runtest_setup(item):
+    """A test marked gpu fails where CUDA is missing: a CUDA test never passes as a skip on a CPU machine
+    (`just test` deselects them; `just test-gpu` runs them)."""
+    if item.get_closest_marker("gpu") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.fail("marked gpu: needs a CUDA device, and torch.cuda.is_available() is False here", pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -60,6 +73,9 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    """A saved tiny Llama with peaked distributions and its one-character tokenizer: (path, model, tokenizer)."""
+    from tests.helpers.sampling import char_tokenizer, peaked_llama
+
     path = tmp_path_factory.mktemp("tiny_llama")
     tok = char_tokenizer()
     model = peaked_llama(len(tok))

@@ -5,23 +5,19 @@ from __future__ import annotations
 
 import json
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from humanline_cli.world.tokenizer import build_tokenizer
 from tests.helpers.cli import run_cli
+from tests.helpers.models import tiny_llama
 
 
 def test_eval_command_uses_the_tasks_eval_split_columns_and_chat_template(tmp_path):
     import datasets
 
     tok = build_tokenizer()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, head_dim=32, num_key_value_heads=2, max_position_embeddings=64,
-                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     model_dir = tmp_path / "model"
-    LlamaForCausalLM(cfg).save_pretrained(model_dir, safe_serialization=True)
+    tiny_llama(0, vocab_size=len(tok), hidden_size=64, intermediate_size=128, head_dim=32,
+               pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+               eos_token_id=tok.eos_token_id).save_pretrained(model_dir, safe_serialization=True)
     tok.save_pretrained(model_dir)
     train = [{"problem": f"{a}+{a}=", "solution": str(2 * a)} for a in range(10)]
     test = [{"problem": f"{a}*3=", "solution": str(3 * a)} for a in range(6)]

@@ -1,4 +1,4 @@
-"""`humanline sample` (issue 24): an offline dataset from a model's own samples, scored by the task's labeller,
+"""`humanline sample`: an offline dataset from a model's own samples, scored by the task's labeller,
 in TRL formats (groups with rewards, pairs best vs worst with scores, unpaired for KTO) with a card; the same
 completions whatever the chunking (determinism), and a crashed run resumed by the same command."""
 from __future__ import annotations

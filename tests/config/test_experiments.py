@@ -53,9 +53,9 @@ def test_every_sweep_point_composes_and_validates(name):
     grid = {(o, d, h) for o in ("dpo", "kto", "grpo") for d in ("offline", "online") for h in (True, False)}
     if name == "laptop_regimes":
         grid = {(o, d, h) for o, d, h in grid if not (d == "online" and h)}
-    if name == "paper_math":  # the authors' GRPO recipe: online, stale rounds plain and humanline (issue 24)
+    if name == "paper_math":  # the authors' GRPO recipe: online, stale rounds plain and humanline
         grid = {("grpo", "online", False), ("grpo", "online", True)}
-    if name == "laptop_async":  # asynchronous online rounds (issue 26): online only, 4 lags, 3 seeds
+    if name == "laptop_async":  # asynchronous online rounds: online only, 4 lags, 3 seeds
         grid = {(o, "online", h) for o in ("dpo", "kto", "grpo") for h in (True, False)}
         assert len(points) == cfg.regime_study_size == 3 * 4 * 2 * 3
         assert {p[1] for p in points} == {f"data.async_lag={k}" for k in (0, 1, 2, 4)}

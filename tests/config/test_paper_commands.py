@@ -1,7 +1,7 @@
 """Every `humanline train` command of the docs' "Scaling up" and "Reproducing the paper's tables" sections
-(README.md and humanline_cli/docs/*.md, wherever they live now), and the paper-scale commands issue 20
-asks for, compose and validate with backend=cuda at every point of their sweep (validation only: no
-CUDA, no weights). `sampler=hf` composes with every experiment file."""
+(README.md and humanline_cli/docs/*.md, wherever they live), and the pinned paper-scale commands, compose and
+validate with backend=cuda at every point of their sweep (validation only: no CUDA, no weights). `sampler=hf`
+composes with every experiment file."""
 from __future__ import annotations
 
 import itertools
@@ -21,7 +21,7 @@ from humanline_cli.schema import GROUP_SCHEMAS
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("Scaling up", "Reproducing the paper's tables")
-# issue 20's own list (what users must be able to type), pinned here whatever the docs say
+# the paper-scale commands users must be able to type, pinned here whatever the docs say
 PINNED = [
     "humanline train -m backend=cuda backend.strategy=fsdp backend.nproc=8 experiment=paper_instruction_following",
     "humanline train -m backend=cuda backend.strategy=ddp backend.nproc=8 experiment=paper_instruction_following",
@@ -139,7 +139,7 @@ def test_documented_scaling_and_paper_commands_validate(cmd):
 
 
 @pytest.mark.parametrize("cmd", PINNED)
-def test_issue_20_paper_commands_validate(cmd):
+def test_pinned_paper_scale_commands_validate(cmd):
     assert _validate_all(cmd) == (_sweep_size(cmd) if " -m " in cmd else 1)
 
 

@@ -192,22 +192,11 @@ def test_sync_reference_converts_dtype():
 
 
 def test_sync_reference_tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.helpers.models import tiny_llama
 
-    cfg = LlamaConfig(
-        vocab_size=32,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    pol = LlamaForCausalLM(cfg).eval()
-    torch.manual_seed(1)
-    ref = LlamaForCausalLM(cfg).eval()
+    shape = dict(vocab_size=32, hidden_size=64, intermediate_size=128, tie_word_embeddings=True)
+    pol = tiny_llama(0, **shape).eval()
+    ref = tiny_llama(1, **shape).eval()
     ids = torch.randint(0, 32, (2, 7))
     with torch.no_grad():
         assert not torch.equal(pol(input_ids=ids).logits, ref(input_ids=ids).logits)

@@ -11,7 +11,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from humanline_cli import schema as S
 from humanline_cli.core.batches import BinaryBatch, GroupBatch, PairBatch, to_device
@@ -33,7 +32,7 @@ from humanline_cli.errors import UserError
 from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.source import Shard, micro_batches
 from tests.helpers.cli import FAST, TINY_WORLD
-from tests.helpers.models import spread_llama
+from tests.helpers.models import spread_llama, tiny_llama
 from tests.helpers.numerics import FP64, assert_same, assert_same_rows, close, random_seqs, values_and_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
@@ -328,10 +327,7 @@ def test_a_model_that_ignores_position_ids_is_refused_in_one_line(route):
 
 def test_the_check_runs_in_eval_mode_and_restores_training_flags():
     """Dropout would make packed and padded differ at random: the check runs without it."""
-    torch.manual_seed(43)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=64, attention_dropout=0.5)
-    model = LlamaForCausalLM(cfg).float().train()
+    model = tiny_llama(43, attention_dropout=0.5).train()
     check_packing(model, packed(random_seqs(64, seed=44)))  # would raise if the check ran with dropout
     assert all(m.training for m in model.modules())
 

@@ -9,7 +9,7 @@ default, avx2, avx512), so a bound tuned on one machine fails on another. The ru
   difference of up to ~lr * d / eps (float32: d ~ 1e-7 * |grad| -> 1e-2 * lr), and later steps carry it
   on. In float64, d ~ 1e-16 * |grad| * (terms summed, <= 1e4), so lr * d / eps stays below ~1e-9.
 - Single forward/backward comparisons stay in float32 where they test float32 paths, with the bound
-  written next to them (see test_tensor_ops.close).
+  written next to them (see numerics.close).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def test_every_engine_call_runs_on_the_ranks_device(monkeypatch):
     s.close()
     kinds = {e.split(":")[0] for e, _ in log}
     assert {"start", "generate", "push", "sleep", "wake_up", "reset_prefix_cache"} <= kinds, log
-    assert [d for _, d in log] == [3] * len(log), log  # the order of the calls: tests/test_wake_order.py
+    assert [d for _, d in log] == [3] * len(log), log  # the order of the calls: tests/sampling/test_wake_order.py
     assert cuda.current_device() == 3  # the caller's own device is left as it was
 
 

@@ -1,4 +1,4 @@
-"""Stale on-policy rounds (issue 24): data.generate_every=K sizes each online round to serve K optimizer
+"""Stale on-policy rounds: data.generate_every=K sizes each online round to serve K optimizer
 steps (the authors' math "offline": one generation per 64 steps). K=1 is online with a round per step, exactly;
 K>1 reuses one generation for K steps; reports call the family stale-K and pair it with online and humanline."""
 from __future__ import annotations

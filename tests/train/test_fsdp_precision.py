@@ -10,21 +10,19 @@ import pytest
 import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
 from humanline_cli.backend import shard_model
 from humanline_cli.train.trainer import grad_sync
 from tests.helpers.cli import FAST, TINY_WORLD, run_cli
+from tests.helpers.models import tiny_llama
 
 WORLD = 2
 N_SEQS, T, VOCAB = 4, 8, 64
 
 
-def _model(dtype=torch.float64) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    return LlamaForCausalLM(cfg).to(dtype)
+def _model(dtype=torch.float64):
+    return tiny_llama(0, vocab_size=VOCAB, num_attention_heads=4, max_position_embeddings=32).to(dtype)
 
 
 def _data() -> torch.Tensor:

@@ -5,7 +5,8 @@ downloaded (HF_HUB_OFFLINE=1)."""
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig
+
+from tests.helpers.models import tiny_llama
 
 REPO = "tiny-org/tiny-llama"
 BIN = "tiny-org/tiny-llama-bin"
@@ -14,16 +15,12 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 def _fake_hub(tmp_path, monkeypatch, repo_id: str = REPO, safetensors: bool = True):
     import huggingface_hub.constants
-    from transformers import AutoModelForCausalLM
 
     cache = tmp_path / "hub"
     repo = cache / ("models--" + repo_id.replace("/", "--"))
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(COMMIT)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False))
+    model = tiny_llama(0, hidden_size=16, intermediate_size=32, max_position_embeddings=32)
     snapshot = repo / "snapshots" / COMMIT
     model.save_pretrained(snapshot)
     if not safetensors:  # an older repo: the weights as pytorch_model.bin

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from tests.helpers.cli import FAST, TINY_WORLD, run_cli
+from tests.helpers.models import tiny_llama
 from tests.helpers.numerics import FP64, SAVED_REL, assert_same_rows, max_weight_diff
 
 ADAPTER = Path("model") / "adapter" / "policy" / "adapter_model.safetensors"
@@ -21,14 +22,9 @@ ADAPTER = Path("model") / "adapter" / "policy" / "adapter_model.safetensors"
 def _lora_model():
     """A tiny float64 Llama with r=4 adapters whose B is random (peft starts B at 0: a merge would be
     the base weights alone), the same on every rank."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from humanline_cli.core.lora import apply_lora
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
-    model = apply_lora(LlamaForCausalLM(cfg).double(), r=4, alpha=8, dropout=0.0)
+    model = apply_lora(tiny_llama(0, tie_word_embeddings=True).double(), r=4, alpha=8, dropout=0.0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:

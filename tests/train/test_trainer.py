@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from humanline_cli.backend import make_backend
 from humanline_cli.config import TrainSpec
@@ -23,14 +22,12 @@ from humanline_cli.train.build import Parts
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.train.tracking import Tracker
 from humanline_cli.train.trainer import train
+from tests.helpers.models import tiny_llama
 
 
-def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, head_dim=32, num_key_value_heads=2, max_position_embeddings=32,
-                      tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).train()
+def trainer_llama(seed=0):
+    return tiny_llama(seed, vocab_size=32, hidden_size=64, intermediate_size=128, head_dim=32,
+                      max_position_embeddings=32, tie_word_embeddings=True).train()
 
 
 class SnapshotSource:
@@ -62,7 +59,7 @@ def _spec(steps, hl=HumanlineSpec(), beta=0.1, online=False):
 
 
 def _run(tmp_path, steps, hl=HumanlineSpec(), beta=0.1, resets=False, round_every=0):
-    policy = tiny_llama()
+    policy = trainer_llama()
     reference = FrozenCopy(policy)
     start = {k: v.clone() for k, v in policy.state_dict().items()}
     source = SnapshotSource(policy, round_every)

@@ -1,4 +1,4 @@
-"""Self-sampled offline data in the bundled world (`task.world.offline.source=policy`, issue 24): the
+"""Self-sampled offline data in the bundled world (`task.world.offline.source=policy`): the
 starting policy's own T=1 samples, scored by the labeller, best vs worst (the paper's instruction-following
 offline set, llama3-ultrafeedback-armorm, is Llama-3-8B-Instruct's own samples scored by ArmoRM)."""
 from __future__ import annotations
