@@ -26,6 +26,9 @@ class SourceWrapper:
     def load_state_dict(self, state: dict) -> None:
         self.source.load_state_dict(state)
 
+    def sample_tokens_per_s(self) -> float | None:
+        return self.source.sample_tokens_per_s()
+
     def close(self) -> None:
         self.source.close()
 
