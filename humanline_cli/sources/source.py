@@ -1,7 +1,6 @@
 """What every data source shares: its rank's share of each global batch (the interface: core/interfaces.py)."""
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 from humanline_cli.core.interfaces import Source, StepData
@@ -94,8 +93,7 @@ def micro_batches(units: list, collate, micro: int, shard: Shard = Shard(), leng
     out = []
     for i in range(0, len(mine), micro):
         batch = collate(mine[i:i + micro], theirs[i:i + micro])
-        with contextlib.suppress(AttributeError):  # its units, named if its loss is not finite (trainer)
-            batch.units = mine[i:i + micro]
+        batch.units = mine[i:i + micro]  # named if its loss is not finite (trainer)
         out.append(batch)
     most = -(-len(units) // shard.world_size)  # the longest share
     while len(out) < -(-most // micro):  # same count on every rank: pad with weight-0 fillers
@@ -107,4 +105,4 @@ def micro_batches(units: list, collate, micro: int, shard: Shard = Shard(), leng
 
 def is_filler(batch) -> bool:
     """A padding micro-batch (micro_batches): it runs the collectives, it trains nothing (weight 0)."""
-    return getattr(batch, "filler", False)
+    return batch.filler

@@ -226,7 +226,7 @@ def _short(x) -> str:
 def blame(batch, most: int = 3) -> str:
     """', units: prompt '...' (rewards [...]), ...': the units a micro-batch was built from (sources attach
     them as `batch.units`), for the message of a non-finite loss; '' when the batch does not carry them."""
-    units = getattr(batch, "units", None)
+    units = batch.units
     if not units:
         return ""
     names = []

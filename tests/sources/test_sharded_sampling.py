@@ -121,7 +121,7 @@ def test_every_unit_is_trained_once_and_ranks_cut_the_same_number_of_micro_batch
 
     def collate(mine, theirs):
         assert theirs == [(u + 1) % n for u in mine]
-        return SimpleNamespace(ids=list(mine))
+        return SimpleNamespace(ids=list(mine), units=None, filler=False)
 
     for rank, want in ((0, rank0), (1, rank1)):
         got = micro_batches(units, collate, 2, Shard(rank, 2))
