@@ -7,7 +7,7 @@ cannot tell them apart.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 
 import torch
 
@@ -66,7 +66,7 @@ def to_device(obj, device: torch.device):
     """Move every tensor field (recursively through Seqs) to `device`."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
-    if obj is None or not hasattr(obj, "__dataclass_fields__"):
+    if obj is None or not is_dataclass(obj):
         return obj
     return replace(obj, **{f.name: to_device(getattr(obj, f.name), device) for f in fields(obj)})
 
