@@ -1,6 +1,7 @@
 """What every data source shares: its rank's share of each global batch (the interface: core/interfaces.py)."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from humanline_cli.core.interfaces import Source, StepData
@@ -93,7 +94,8 @@ def micro_batches(units: list, collate, micro: int, shard: Shard = Shard(), leng
     out = []
     for i in range(0, len(mine), micro):
         batch = collate(mine[i:i + micro], theirs[i:i + micro])
-        batch.units = mine[i:i + micro]  # named if its loss is not finite (trainer)
+        with contextlib.suppress(AttributeError):  # its units, named if its loss is not finite (trainer)
+            batch.units = mine[i:i + micro]
         out.append(batch)
     most = -(-len(units) // shard.world_size)  # the longest share
     while len(out) < -(-most // micro):  # same count on every rank: pad with weight-0 fillers
