@@ -18,7 +18,11 @@ run *ARGS:
 
 # the test suite: two worker processes (tests run torch on one thread each), whole files per worker
 test *ARGS:
-    {{py}} -m pytest -q -n 2 --dist loadfile -m "not real_model_long" {{ARGS}}
+    {{py}} -m pytest -q -n 2 --dist loadfile -m "not real_model_long and not gpu" {{ARGS}}
+
+# the tests marked gpu, on a CUDA machine (each fails where torch sees no CUDA device)
+test-gpu *ARGS:
+    {{py}} -m pytest -q -m gpu {{ARGS}}
 
 # the SmolLM2 runs kept outside `just test` for its time budget (online GRPO with sampler=hf, online DPO and KTO
 # with sampler=vllm, offline DPO/KTO/GRPO on its own samples then eval and report)
@@ -27,7 +31,7 @@ test-real-model *ARGS:
 
 # tests comparing two computations equal in exact arithmetic (packed vs padded, N ranks vs 1, micro-batches,
 # chunked vs full logits, cached reference, LoRA): they run in float64 (backend.precision=fp64)
-equivalence := "tests/test_packing.py tests/test_distributed.py tests/test_tensor_ops.py tests/test_reference_cache.py tests/test_lora.py tests/test_trainer.py"
+equivalence := "tests/core/test_packing.py tests/train/test_distributed.py tests/core/test_logprobs.py tests/core/test_reference_cache.py tests/core/test_lora.py tests/train/test_trainer.py"
 
 # the equivalence tests under every CPU kernel set torch can pick here: default, avx2, and avx512 where the CPU has it
 test-kernels *ARGS:

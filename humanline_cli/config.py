@@ -125,6 +125,19 @@ def compose_error(e: BaseException) -> str:
     return "; ".join(lines[:3]) if lines else type(e).__name__
 
 
+def compose_train(overrides: list[str]):
+    """conf/train.yaml composed with `overrides` outside the Hydra app (the bench commands); a composition error
+    is one UserError line naming the key."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+
+    try:
+        with initialize_config_module(config_module="conf", version_base="1.3"):
+            return compose("train", overrides=overrides)
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        raise UserError(compose_error(e)) from None
+
+
 def _positive(value, key: str):
     if value is None or isinstance(value, bool) or not value > 0 or (isinstance(value, float) and not math.isfinite(value)):
         raise UserError(f"config key '{key}' must be > 0, got {value}")

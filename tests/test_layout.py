@@ -148,3 +148,22 @@ def test_the_package_has_no_test_hook():
     hits = [f"{p.relative_to(PKG)}:{i}" for p in sorted(PKG.rglob("*.py"))
             for i, line in enumerate(p.read_text().splitlines(), 1) if "HUMANLINE_TEST_" in line]
     assert hits == []
+
+
+def test_tests_share_code_through_helpers_only():
+    """Tests mirror the package (tests/<folder>/ for humanline_cli/<folder>/, plus config/, e2e/, helpers/ and
+    faults/), and a test file imports tests/helpers/, never another test module or conftest (fixtures come from
+    conftest.py by name)."""
+    tests = Path(__file__).resolve().parent
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders - {p.name for p in PKG.iterdir() if p.is_dir()} <= {"config", "e2e", "helpers", "faults"}
+    bad = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                leaf = name.rsplit(".", 1)[-1]
+                if leaf == "conftest" or leaf.startswith("test_") or name in ("numerics", "fake_cuda_vllm"):
+                    bad.append(f"{path.relative_to(tests)}:{node.lineno} imports {name}")
+    assert bad == []

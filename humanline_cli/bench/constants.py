@@ -49,18 +49,9 @@ def _loadavg() -> str | None:
 
 
 def compose_online(overrides: list[str], extra: tuple[str, ...] = ()):
-    from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    from humanline_cli.config import compose_train, resolve
 
-    from humanline_cli.config import compose_error, resolve
-
-    try:
-        with initialize_config_module(config_module="conf", version_base="1.3"):
-            cfg = compose("train", overrides=[*overrides, *extra])
-    except (HydraException, OmegaConfBaseException, ValueError) as e:
-        raise UserError(compose_error(e)) from None
-    spec = resolve(cfg)
+    spec = resolve(compose_train([*overrides, *extra]))
     if spec.regime != "online":
         raise UserError("bench constants=true measures an online run's constants: add data=online (or a regime)")
     return spec

@@ -97,11 +97,7 @@ def _value(key: str, value: str):
 
 
 def compose_spec(overrides: list[str], opts: dict, humanline: bool, extra: tuple[str, ...] = ()):
-    from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from humanline_cli.config import compose_error, resolve
+    from humanline_cli.config import compose_train, resolve
 
     user = [o for o in overrides if o.lstrip("+~").split("=")[0] != "humanline"]
     mine = [f"train.steps={opts['warmup'] + opts['steps']}", "train.log_every=1000000", "train.save_model=false",
@@ -110,13 +106,9 @@ def compose_spec(overrides: list[str], opts: dict, humanline: bool, extra: tuple
         mine.append(f"train.batch_size={opts['batch_size']}")
     if opts["threads"]:
         mine.append(f"threads={opts['threads']}")
-    try:
-        with initialize_config_module(config_module="conf", version_base="1.3"):
-            cfg = compose("train", overrides=[*user, *mine])
-            if humanline:  # a declared key in newer configs, appended (+) in older ones
-                cfg = compose("train", overrides=[*user, *mine, ("" if "humanline" in cfg else "+") + "humanline=true"])
-    except (HydraException, OmegaConfBaseException, ValueError) as e:
-        raise UserError(compose_error(e)) from None
+    cfg = compose_train([*user, *mine])
+    if humanline:  # a declared key in newer configs, appended (+) in older ones
+        cfg = compose_train([*user, *mine, ("" if "humanline" in cfg else "+") + "humanline=true"])
     spec = resolve(cfg)
     if spec.regime != "offline":
         raise UserError("bench times offline training steps; drop data=online")
@@ -226,20 +218,12 @@ def summarise(name: str, runs: list[Run], matmul_params: int, peak: float) -> di
 
 # -- the command -----------------------------------------------------------------------------------
 def run_bench(opts: dict, overrides: list[str], console) -> dict:
-    from humanline_cli.bench.trl_runs import _quiet, trl_available, trl_grpo_run, trl_run
-
-    plain = compose_spec(overrides, opts, humanline=False, extra=("train.reference_cache=false",))
-    cached = compose_spec(overrides, opts, humanline=False, extra=("train.reference_cache=true",))
-    hl = compose_spec(overrides, opts, humanline=True)
+    specs = {"plain": compose_spec(overrides, opts, humanline=False, extra=("train.reference_cache=false",)),
+             "cached": compose_spec(overrides, opts, humanline=False, extra=("train.reference_cache=true",)),
+             "humanline": compose_spec(overrides, opts, humanline=True)}
+    plain = specs["plain"]
     objective = plain.objective
-    want_trl = opts["trl"] is True or (opts["trl"] == "auto" and trl_available())
-    if opts["trl"] is True and not trl_available():
-        raise UserError("bench: trl=true but TRL is not installed (pip install -e '.[bench]')")
-    lora = getattr(getattr(plain.model_cfg, "lora", None), "r", 0) or 0
-    if want_trl and lora > 0:  # the TRL rows mirror full fine-tuning only
-        want_trl, no_trl = False, "model.lora.r > 0: the TRL comparison covers full fine-tuning only"
-    else:
-        no_trl = "TRL not installed (pip install -e '.[bench]') or trl=false"
+    want_trl, no_trl = _trl_plan(opts, plain)
     info: dict = {}
     runs: dict[str, list[Run]] = {"project": [], "project_humanline": []}
     if opts["cache"]:
@@ -253,32 +237,68 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
         for name in runs:
             console.print(f"[dim]bench {objective}: run {r + 1}/{opts['repeats']} {name}[/]")
             _release()
-            match name:
-                case "project":
-                    runs[name].append(project_run(plain, opts["warmup"], info))
-                case "project_humanline":
-                    runs[name].append(project_run(hl, opts["warmup"], info))
-                case "project_cached":
-                    runs[name].append(project_run(cached, opts["warmup"], info, prefill=True))
-                case "trl" if objective == "grpo":
-                    with _quiet():
-                        runs[name].append(trl_grpo_run(plain, info, opts["warmup"]))
-                case "trl":
-                    with _quiet():
-                        runs[name].append(trl_run(plain, info, opts["warmup"]))
-                case "trl_cached":
-                    with _quiet():
-                        runs[name].append(trl_run(plain, info, opts["warmup"], precompute=True))
+            runs[name].append(_one_run(name, specs, opts["warmup"], info))
             if not peaks:  # the matmul shape: the model's MLP on the first run's micro-batch size
                 r0 = runs["project"][0]
                 shape = (max(64, round(sum(r0.tokens) / len(r0.tokens) / plain.train.accumulation)),
                          info["hidden_size"], info["intermediate_size"])
                 dtype = info["backend"].autocast_dtype or torch.float32
             peaks.append(matmul_peak(*shape, info["backend"].device, dtype))  # after every run
-    backend = info["backend"]
     peak = max(peaks)  # a busy moment only lowers a measurement, so the best is the machine's peak
     rows = {name: summarise(name, rs, info["matmul_params"], peak) for name, rs in runs.items()}
-    result = {
+    result = _result(plain, opts, info, rows, shape, dtype, peak,
+                     (GRPO_NOTE if objective == "grpo" else None) if want_trl else no_trl)
+    if opts["sampler"]:
+        from humanline_cli.bench.sampling_speed import sampler_bench
+
+        result["sampler"] = sampler_bench(plain, info, opts["prompts"])
+        for got in result["sampler"].values():  # decoding: a forward of 2 P FLOPs per generated token
+            if isinstance(got, dict) and "tokens_per_s" in got:
+                got["mfu"] = 2 * info["matmul_params"] * got["tokens_per_s"] / peak
+    return result
+
+
+def _trl_plan(opts: dict, plain) -> tuple[bool, str]:
+    """(whether the TRL rows run, the note saying why not)."""
+    from humanline_cli.bench.trl_runs import trl_available
+
+    want_trl = opts["trl"] is True or (opts["trl"] == "auto" and trl_available())
+    if opts["trl"] is True and not trl_available():
+        raise UserError("bench: trl=true but TRL is not installed (pip install -e '.[bench]')")
+    lora = plain.model_cfg.lora.r or 0
+    if want_trl and lora > 0:  # the TRL rows mirror full fine-tuning only
+        return False, "model.lora.r > 0: the TRL comparison covers full fine-tuning only"
+    return want_trl, "TRL not installed (pip install -e '.[bench]') or trl=false"
+
+
+def _one_run(name: str, specs: dict, warmup: int, info: dict) -> Run:
+    """One timed run of the row `name`: the project's loop (plain, humanline, cached reference) or TRL's."""
+    from humanline_cli.bench.trl_runs import _quiet, trl_grpo_run, trl_run
+
+    plain = specs["plain"]
+    match name:
+        case "project":
+            return project_run(plain, warmup, info)
+        case "project_humanline":
+            return project_run(specs["humanline"], warmup, info)
+        case "project_cached":
+            return project_run(specs["cached"], warmup, info, prefill=True)
+        case "trl" if plain.objective == "grpo":
+            with _quiet():
+                return trl_grpo_run(plain, info, warmup)
+        case "trl":
+            with _quiet():
+                return trl_run(plain, info, warmup)
+        case "trl_cached":
+            with _quiet():
+                return trl_run(plain, info, warmup, precompute=True)
+    raise ValueError(f"bench: no run named {name}")
+
+
+def _result(plain, opts: dict, info: dict, rows: dict, shape: tuple, dtype, peak: float, trl_note) -> dict:
+    """bench.json's body: the setup, the rows, and the ratios between them."""
+    backend, objective = info["backend"], plain.objective
+    return {
         "objective": objective, "unit": PROPERTIES[objective].unit, "task": plain.task, "model": plain.model,
         "batch_size": plain.train.batch_size, "micro_batch_size": plain.train.micro_batch_size,
         "max_length": plain.train.max_length, "steps": opts["steps"], "warmup": opts["warmup"],
@@ -296,17 +316,9 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
                           if "project_cached" in rows else None),
         "trl_cached_ratio": (rows["project_cached"]["units_per_s"] / rows["trl_cached"]["units_per_s"]
                              if "trl_cached" in rows else None),
-        "trl_note": (GRPO_NOTE if objective == "grpo" else None) if want_trl else no_trl,
+        "trl_note": trl_note,
         "versions": _versions(),
     }
-    if opts["sampler"]:
-        from humanline_cli.bench.sampling_speed import sampler_bench
-
-        result["sampler"] = sampler_bench(plain, info, opts["prompts"])
-        for got in result["sampler"].values():  # decoding: a forward of 2 P FLOPs per generated token
-            if isinstance(got, dict) and "tokens_per_s" in got:
-                got["mfu"] = 2 * info["matmul_params"] * got["tokens_per_s"] / peak
-    return result
 
 
 def _release() -> None:

@@ -52,13 +52,9 @@ def run(shape: str = "tiny", device: str = "cpu", objectives=("dpo", "kto", "grp
     peak_gib (CUDA: max_memory_allocated; CPU: None) against estimate_gib, ok."""
     import torch
 
-    from humanline_cli.backend import clip_grad_norm
     from humanline_cli.core.batches import Seqs
-    from humanline_cli.core.humanline import sync_reference
-    from humanline_cli.core.logprobs import token_logps
     from humanline_cli.core.objectives import PROPERTIES
     from humanline_cli.core.reference import FrozenCopy
-    from humanline_cli.memory import estimate
 
     cuda = device.startswith("cuda")
     dev = torch.device(device)
@@ -76,59 +72,82 @@ def run(shape: str = "tiny", device: str = "cpu", objectives=("dpo", "kto", "grp
             g = torch.Generator().manual_seed(1)
             ids = torch.randint(0, policy.config.vocab_size, (seqs_n, tokens), generator=g).to(dev)
             seqs = Seqs(ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))
-            auto = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(dev)
-            times, losses = [], []
-            for _ in range(steps):
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                if humanline:
-                    with torch.no_grad():
-                        sync_reference(policy, reference.model)
-                with auto:
-                    ref = reference.logps(seqs)
-                    ratio = token_logps(policy, seqs) - ref
-                if humanline:
-                    ratio = ratio.clamp(-1.5, 1.5)
-                loss = -torch.nn.functional.logsigmoid(ratio.sum(-1)).mean()
-                loss.backward()
-                clip_grad_norm(list(policy.parameters()), 1.0, _ONE)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                if cuda:
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-                losses.append(float(loss.detach()))
+            times, losses = _timed_steps(policy, reference, opt, seqs, humanline, steps, cuda)
             step_s = sorted(times[1:] or times)[len(times[1:] or times) // 2]
-            n_tok = seqs_n * tokens
-            flops = (10 if gradient_checkpointing else 8) * n_params * n_tok
-            est = estimate(policy.config, seqs_per_micro=seqs_n, max_length=tokens, params=n_params,
-                           gradient_checkpointing=gradient_checkpointing, activation_bytes=2.0 if cuda else 4.0,
-                           autocast=cuda)
             peak = torch.cuda.max_memory_allocated(dev) / GB if cuda else None
             row = {"check": f"step_{objective}_hl-{str(humanline).lower()}", "shape": shape, "params": n_params,
-                   "seqs_per_micro": seqs_n, "tokens": tokens, "step_s": round(step_s, 4),
-                   "tokens_per_s": round(n_tok / step_s, 1),
-                   "mfu": round(flops / step_s / (peak_tflops * 1e12), 4) if cuda else None,
-                   "loss": losses[-1], "peak_gib": None if peak is None else round(peak, 3),
-                   "estimate_gib": round(est.total / GB, 3)}
-            row["memory_ratio"] = None if peak is None else round(peak / (est.total / GB), 3)
-            errors = []
-            if not all(math.isfinite(x) for x in losses):
-                errors.append(f"non-finite loss {losses}")
-            if peak is not None and abs(row["memory_ratio"] - 1) > tol:
-                errors.append(f"peak {peak:.2f} GiB is {row['memory_ratio']:.2f} x the estimate (tolerance {tol:.0%})")
-            row["ok"] = not errors
-            if errors:
-                row["error"] = "; ".join(errors)
-            rows.append(row)
+                   "seqs_per_micro": seqs_n, "tokens": tokens, "step_s": round(step_s, 4)}
+            rows.append(_judged(row, policy.config, losses, step_s, peak, gradient_checkpointing, cuda,
+                                peak_tflops, tol))
             del policy, reference, opt
             if cuda:
                 torch.cuda.empty_cache()
     return rows
+
+
+def _timed_steps(policy, reference, opt, seqs, humanline: bool, steps: int, cuda: bool):
+    """`steps` optimizer steps of a DPO-shaped loss on `seqs` (humanline: sync the reference first, clamp the
+    ratios): (wall seconds per step, loss per step)."""
+    import torch
+
+    from humanline_cli.backend import clip_grad_norm
+    from humanline_cli.core.humanline import sync_reference
+    from humanline_cli.core.logprobs import token_logps
+
+    auto = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    times, losses = [], []
+    for _ in range(steps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if humanline:
+            with torch.no_grad():
+                sync_reference(policy, reference.model)
+        with auto:
+            ref = reference.logps(seqs)
+            ratio = token_logps(policy, seqs) - ref
+        if humanline:
+            ratio = ratio.clamp(-1.5, 1.5)
+        loss = -torch.nn.functional.logsigmoid(ratio.sum(-1)).mean()
+        loss.backward()
+        clip_grad_norm(list(policy.parameters()), 1.0, _ONE)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    return times, losses
+
+
+def _judged(row: dict, config, losses: list[float], step_s: float, peak: float | None, gradient_checkpointing: bool,
+            cuda: bool, peak_tflops: float, tol: float) -> dict:
+    """`row` completed with throughput, MFU, the memory estimate against the peak, and ok (with the errors)."""
+    from humanline_cli.memory import estimate
+
+    n_params, seqs_n, tokens = row["params"], row["seqs_per_micro"], row["tokens"]
+    n_tok = seqs_n * tokens
+    flops = (10 if gradient_checkpointing else 8) * n_params * n_tok
+    est = estimate(config, seqs_per_micro=seqs_n, max_length=tokens, params=n_params,
+                   gradient_checkpointing=gradient_checkpointing, activation_bytes=2.0 if cuda else 4.0,
+                   autocast=cuda)
+    row.update({"tokens_per_s": round(n_tok / step_s, 1),
+                "mfu": round(flops / step_s / (peak_tflops * 1e12), 4) if cuda else None,
+                "loss": losses[-1], "peak_gib": None if peak is None else round(peak, 3),
+                "estimate_gib": round(est.total / GB, 3)})
+    row["memory_ratio"] = None if peak is None else round(peak / (est.total / GB), 3)
+    errors = []
+    if not all(math.isfinite(x) for x in losses):
+        errors.append(f"non-finite loss {losses}")
+    if peak is not None and abs(row["memory_ratio"] - 1) > tol:
+        errors.append(f"peak {peak:.2f} GiB is {row['memory_ratio']:.2f} x the estimate (tolerance {tol:.0%})")
+    row["ok"] = not errors
+    if errors:
+        row["error"] = "; ".join(errors)
+    return row
 
 
 class _OneProcess:  # backend.Dist of a plain run, for clip_grad_norm

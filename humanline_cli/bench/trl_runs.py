@@ -79,7 +79,7 @@ def _trl_common(spec, backend, out_dir: str) -> dict:
                 warmup_steps=math.ceil(tr.warmup_ratio * tr.steps), max_grad_norm=tr.max_grad_norm,
                 lr_scheduler_type="cosine_with_min_lr" if tr.schedule == "cosine" else "constant_with_warmup",
                 **({"lr_scheduler_kwargs": {"min_lr": 0.0}} if tr.schedule == "cosine" else {}),
-                optim="adamw_torch", gradient_checkpointing=bool(getattr(tr, "gradient_checkpointing", False)),
+                optim="adamw_torch", gradient_checkpointing=tr.gradient_checkpointing,
                 bf16=backend.autocast_dtype == torch.bfloat16,
                 fp16=False, use_cpu=backend.device.type == "cpu", report_to="none", save_strategy="no",
                 logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=spec.seed,

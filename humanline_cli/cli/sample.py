@@ -186,13 +186,10 @@ def card(spec, model_path: str, groups: list[dict], settings: dict) -> dict:
 
 def run_sample(spec, out: Path, chunk: int, progress: bool = True) -> dict:
     """Sample spec.data_cfg.n completions per prompt into out/ (see the module docstring); returns the card."""
-    from tqdm import tqdm
-
     from humanline_cli.backend import make_backend, seed_everything
     from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.data.files import load_rows
     from humanline_cli.models import load_policy, load_tokenizer
-    from humanline_cli.rewards.scorers import checked
     from humanline_cli.train.build import (
         make_encoder,
         make_labeller,
@@ -219,8 +216,28 @@ def run_sample(spec, out: Path, chunk: int, progress: bool = True) -> dict:
                             seed=spec.seed)
     settings = {"sampler": spec.sampler_cfg.name, "n": d.n, "temperature": d.temperature, "top_p": d.top_p,
                 "max_new_tokens": d.max_new_tokens, "seed": spec.seed}
-    groups_path, state_path = out / "groups.jsonl", out / MARKER
-    state = {**settings, "model": model_path, "prompts": len(rows)}
+    groups_path = out / "groups.jsonl"
+    _claim(out, {**settings, "model": model_path, "prompts": len(rows)})
+    with _writing(groups_path, out):
+        done = _complete_lines(groups_path)
+    if done < len(rows):
+        policy = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code, dtype=backend.weights_dtype)
+        policy.eval()
+        sampler = make_sampler(spec, policy, tokenizer, backend, model_path)
+        labeller = make_labeller(spec, backend.device)
+        try:
+            _sample_groups(sampler, labeller, encoder, rows, params, groups_path, done, chunk, progress)
+        finally:
+            sampler.close()
+    groups = [json.loads(x) for x in groups_path.read_text(encoding="utf-8").splitlines()]
+    info = card(spec, model_path, groups, settings)
+    _write_derived(out, groups, info)
+    return info
+
+
+def _claim(out: Path, state: dict) -> None:
+    """Record the sampling settings in out/ (first run), or check that a rerun resumes with the same ones."""
+    state_path = out / MARKER
     if state_path.is_file():
         try:
             saved = json.loads(state_path.read_text())
@@ -232,43 +249,45 @@ def run_sample(spec, out: Path, chunk: int, progress: bool = True) -> dict:
     else:
         with _writing(state_path, out):
             _write(state_path, [state])
-    with _writing(groups_path, out):
-        done = _complete_lines(groups_path)
-    if done < len(rows):
-        policy = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code, dtype=backend.weights_dtype)
-        policy.eval()
-        sampler = make_sampler(spec, policy, tokenizer, backend, model_path)
-        name, labeller = make_labeller(spec, backend.device)
-        n, bar = d.n, tqdm(total=len(rows), initial=done, desc="sample", unit="prompt", disable=not progress,
-                           file=sys.stderr)
-        try:
-            for start in range(done, len(rows), chunk):
-                idx = list(range(start, min(start + chunk, len(rows))))
-                prompts = [rows[i]["prompt"] for i in idx]
-                got = sampler.generate([encoder.prompt_ids(q) for q in prompts], params, indices=idx)
-                texts = [encoder.prompt_text(q) for q in prompts for _ in range(n)]
-                answers = [rows[i].get("answer") for i in idx for _ in range(n)] if "answer" in rows[0] else None
-                scores = checked(name, labeller, texts, got.texts, answers)
-                lines = "".join(json.dumps({"prompt": q,
-                                            "completions": [_reply(q, t) for t in got.texts[a * n:(a + 1) * n]],
-                                            "rewards": scores[a * n:(a + 1) * n]}, ensure_ascii=False) + "\n"
-                                for a, q in enumerate(prompts))
-                with _writing(groups_path, out), open(groups_path, "a", encoding="utf-8") as f:
-                    f.write(lines)  # a chunk cut short (a full disk, a kill) leaves half a line: a rerun drops it
-                bar.update(len(idx))
-        finally:
-            bar.close()
-            sampler.close()
-    groups = [json.loads(x) for x in groups_path.read_text(encoding="utf-8").splitlines()]
+
+
+def _sample_groups(sampler, labeller, encoder, rows: list[dict], params, groups_path: Path, done: int, chunk: int,
+                   progress: bool) -> None:
+    """Sample and score rows[done:] `chunk` prompts at a time, appending one line per prompt to groups.jsonl."""
+    from tqdm import tqdm
+
+    from humanline_cli.rewards.scorers import checked
+
+    out, (name, label), n = groups_path.parent, labeller, params.n
+    bar = tqdm(total=len(rows), initial=done, desc="sample", unit="prompt", disable=not progress, file=sys.stderr)
+    try:
+        for start in range(done, len(rows), chunk):
+            idx = list(range(start, min(start + chunk, len(rows))))
+            prompts = [rows[i]["prompt"] for i in idx]
+            got = sampler.generate([encoder.prompt_ids(q) for q in prompts], params, indices=idx)
+            texts = [encoder.prompt_text(q) for q in prompts for _ in range(n)]
+            answers = [rows[i].get("answer") for i in idx for _ in range(n)] if "answer" in rows[0] else None
+            scores = checked(name, label, texts, got.texts, answers)
+            lines = "".join(json.dumps({"prompt": q,
+                                        "completions": [_reply(q, t) for t in got.texts[a * n:(a + 1) * n]],
+                                        "rewards": scores[a * n:(a + 1) * n]}, ensure_ascii=False) + "\n"
+                            for a, q in enumerate(prompts))
+            with _writing(groups_path, out), open(groups_path, "a", encoding="utf-8") as f:
+                f.write(lines)  # a chunk cut short (a full disk, a kill) leaves half a line: a rerun drops it
+            bar.update(len(idx))
+    finally:
+        bar.close()
+
+
+def _write_derived(out: Path, groups: list[dict], info: dict) -> None:
+    """pairs.jsonl and unpaired.jsonl from the groups, and the card."""
     derived = [derived_rows(g) for g in groups]
     with _writing(out / "pairs.jsonl", out):
         _write(out / "pairs.jsonl", (pair for pair, _ in derived))
     with _writing(out / "unpaired.jsonl", out):
         _write(out / "unpaired.jsonl", (u for _, rows_ in derived for u in rows_))
-    info = card(spec, model_path, groups, settings)
     with _writing(out / "card.json", out):
         _write_text(out / "card.json", json.dumps(info, indent=2) + "\n")
-    return info
 
 
 def main_sample(args: list[str]) -> int:

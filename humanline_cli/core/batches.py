@@ -7,7 +7,7 @@ cannot tell them apart.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 
 import torch
 
@@ -25,14 +25,22 @@ class Seqs:
 
 
 @dataclass
-class PairBatch:
+class _Cut:
+    """What sources.source.micro_batches records on each micro-batch it cuts."""
+
+    units: list | None = field(default=None, kw_only=True, compare=False, repr=False)  # named if its loss is not finite
+    filler: bool = field(default=False, kw_only=True)  # a padding copy: it runs the collectives, trains nothing
+
+
+@dataclass
+class PairBatch(_Cut):
     """DPO: `seqs` holds B chosen sequences followed by B rejected ones (one forward pass)."""
 
     seqs: Seqs
 
 
 @dataclass
-class BinaryBatch:
+class BinaryBatch(_Cut):
     """KTO: B examples with desirable (True) / undesirable labels, plus mismatched sequences
     (prompt i with completion i+1) for the KL reference point z0."""
 
@@ -42,7 +50,7 @@ class BinaryBatch:
 
 
 @dataclass
-class GroupBatch:
+class GroupBatch(_Cut):
     """GRPO: N completions with precomputed group-normalised advantages.
     `sampler_logps` (N, T-1) is present for online data (ratio_denominator=sampler)."""
 
@@ -58,7 +66,7 @@ def to_device(obj, device: torch.device):
     """Move every tensor field (recursively through Seqs) to `device`."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
-    if obj is None or not hasattr(obj, "__dataclass_fields__"):
+    if obj is None or not is_dataclass(obj):
         return obj
     return replace(obj, **{f.name: to_device(getattr(obj, f.name), device) for f in fields(obj)})
 

@@ -31,6 +31,9 @@ class Reference(Protocol):
     def n_params(self) -> int:
         """Parameters the reference adds to the run (0: none of its own)."""
 
+    def step_stats(self) -> dict:
+        """Metrics it adds to each logged step ({}: none; the log-prob cache: its hit fraction since the last call)."""
+
 
 @dataclass
 class StepData:
@@ -50,6 +53,9 @@ class Source(Protocol):
         """Everything a resumed run needs to continue the same stream of steps (checkpoints)."""
 
     def load_state_dict(self, state: dict) -> None: ...
+
+    def sample_tokens_per_s(self) -> float | None:
+        """Generated tokens per second of sampling so far (None: the source samples nothing, or not yet)."""
 
     def close(self) -> None: ...
 

@@ -47,6 +47,9 @@ class FrozenCopy:
     def n_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
+    def step_stats(self) -> dict:
+        return {}
+
 
 # ------------------------------------------------------------------ LoRA references (no second model copy)
 # Both run the one shared peft model. peft's adapter switches (disable_adapter, set_adapter) rewrite
@@ -95,6 +98,9 @@ class BaseReference:
 
     def n_params(self) -> int:
         return 0
+
+    def step_stats(self) -> dict:
+        return {}
 
 
 class AdapterReference:
@@ -162,6 +168,9 @@ class AdapterReference:
         from humanline_cli.core.lora import REFERENCE_ADAPTER
 
         return sum(p.numel() for p in self._tensors(REFERENCE_ADAPTER).values())
+
+    def step_stats(self) -> dict:
+        return {}
 
 
 def make_lora_reference(peft_model: torch.nn.Module, moving: bool) -> BaseReference | AdapterReference:

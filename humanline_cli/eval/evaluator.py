@@ -46,7 +46,8 @@ class Side:
 
 class Evaluator:
     """`judge` is a pointwise scorer (name, fn(prompts, replies, answers) -> scores) or, with
-    `pairwise`, an LLM judge whose compare(prompts, replies_a, replies_b) gives per-pair outcomes.
+    `pairwise`, an LLM judge (rewards/llm_judge.py, rewards/alpaca.py): its `name`, and compare(prompts, replies_a,
+    replies_b) giving a result with per-pair `outcomes`, `totals()`, `sections()` and `save(samples_path)`.
     `tempered_logps`: the run's log-prob mode (objective.tempered_logps), which a vLLM engine fixes at start
     and checks on every request; the evaluation reads only texts, so it asks for the engine's mode."""
 
@@ -58,15 +59,14 @@ class Evaluator:
         self.prompt_text = [encoder.prompt_text(p) for p in self.prompts]
         self.prompt_ids = [encoder.prompt_ids(p, f"eval prompt {i + 1}") for i, p in enumerate(self.prompts)]
         self.pairwise = pairwise
-        self.judge_name, self.judge = judge if pairwise is None else (
-            getattr(pairwise, "name", None) or f"llm/{pairwise.spec.model}", None)
+        self.judge_name, self.judge = judge if pairwise is None else (pairwise.name, None)
         self.params = SamplingParams(n=1, temperature=cfg.temperature, top_p=cfg.top_p,
                                      max_new_tokens=cfg.max_new_tokens, seed=seed + 99991, tempered_logps=tempered_logps)
         self.verifiable = verifiable and pairwise is None
         self.baseline: Side | None = None
         # greedy next to sampled (pointwise judges only: an LLM judge would pay twice)
         self.greedy_params = None
-        if getattr(cfg, "greedy", False) and cfg.temperature > 0 and pairwise is None:
+        if cfg.greedy and cfg.temperature > 0 and pairwise is None:
             self.greedy_params = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_new_tokens=cfg.max_new_tokens,
                                                 seed=seed + 99991)
         self.greedy_baseline: Side | None = None
@@ -178,10 +178,10 @@ class Evaluator:
             "judge": self.judge_name,
             "temperature": self.params.temperature,
             "judge_usage": res.totals(),
-            **(res.sections() if hasattr(res, "sections") else {}),  # judge=alpaca_eval: its WR and LC
+            **res.sections(),  # judge=alpaca_eval: its WR and LC
         }
-        if samples_path is not None and hasattr(res, "save"):
-            res.save(samples_path)  # the judge's own annotations file, next to the samples
+        if samples_path is not None:
+            res.save(samples_path)  # judge=alpaca_eval: its own annotations file, next to the samples
         if samples_path is not None:
             with open(samples_path, "w") as f:
                 for i, rec in enumerate(res.records):

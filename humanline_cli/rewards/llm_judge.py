@@ -166,6 +166,13 @@ class PairwiseResult:
                 "n_cache_hits": self.n_cache_hits, "n_retries": self.n_retries, "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens, "cost_usd": self.cost_usd}
 
+    def sections(self) -> dict:
+        """Summary sections of the judge's own ({}: its win rate is the summary's)."""
+        return {}
+
+    def save(self, samples_path) -> None:
+        """No annotations file of its own: the verdicts are the samples file's outcomes."""
+
 
 class _Cache:
     """One JSON file per key under root/<key[:2]>/; written atomically, so concurrent runs may share it."""
@@ -202,6 +209,7 @@ class LLMJudge:
         except ImportError:
             raise UserError("the LLM judge needs the openai client: pip install 'openai>=1.40'") from None
         self.spec = spec
+        self.name = f"llm/{spec.model}"  # the judge named in summary.json
         self.base_url, self._secret = endpoint(spec.base_url, spec.api_key_env, "LLM judge")
         self.template = load_template(spec.template)
         self.template_sha = hashlib.sha256(self.template.encode("utf-8")).hexdigest()

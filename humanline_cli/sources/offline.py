@@ -58,5 +58,8 @@ class OfflineSource:
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
 
+    def sample_tokens_per_s(self) -> float | None:
+        return None
+
     def close(self) -> None:
         pass

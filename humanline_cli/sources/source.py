@@ -26,6 +26,9 @@ class SourceWrapper:
     def load_state_dict(self, state: dict) -> None:
         self.source.load_state_dict(state)
 
+    def sample_tokens_per_s(self) -> float | None:
+        return self.source.sample_tokens_per_s()
+
     def close(self) -> None:
         self.source.close()
 
@@ -104,4 +107,4 @@ def micro_batches(units: list, collate, micro: int, shard: Shard = Shard(), leng
 
 def is_filler(batch) -> bool:
     """A padding micro-batch (micro_batches): it runs the collectives, it trains nothing (weight 0)."""
-    return getattr(batch, "filler", False)
+    return batch.filler

@@ -20,12 +20,11 @@ from humanline_cli import __version__
 from humanline_cli.atomic import write_text_atomic
 from humanline_cli.backend import wait_for_rank0
 from humanline_cli.config import RunSpec
+from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.errors import RunFailed
 from humanline_cli.eval.evaluator import flat_metrics
 from humanline_cli.models import tied_copies
 from humanline_cli.train.timing import PhaseTimer
-
-UNIT = {"dpo": "pairs", "kto": "examples", "grpo": "groups"}
 
 
 def _git_commit() -> str | None:
@@ -49,11 +48,11 @@ def header(spec: RunSpec, parts, console: Console) -> None:
     console.print(f"  task {spec.task}, model {spec.model} ({n_params / 1e6:.2f}M params), "
                   f"{parts.backend.describe()}, seed {spec.seed}")
     console.print(f"  data: {parts.source.describe()}")
-    if getattr(parts, "memory", None) is not None:
+    if parts.memory is not None:
         console.print(f"  {parts.memory.describe()}")
     for note in spec.notes:
         console.print(f"  [yellow]note:[/] {note}")
-    console.print(f"  {tr.steps} steps; a step sees {tr.batch_size} {UNIT[spec.objective]} "
+    console.print(f"  {tr.steps} steps; a step sees {tr.batch_size} {PROPERTIES[spec.objective].unit} "
                   f"(micro-batch {tr.micro_batch_size} x {tr.accumulation} accumulation), lr {tr.lr} "
                   f"({tr.schedule}, warm-up {tr.warmup_ratio:.0%})")
 
@@ -104,12 +103,12 @@ def run_summary(spec: RunSpec, parts, timer: PhaseTimer, last: dict, resumed: in
         "steps": spec.train.steps,
         "resumed_from_step": resumed,
         "batch_size": spec.train.batch_size,
-        "batch_unit": UNIT[spec.objective],
+        "batch_unit": PROPERTIES[spec.objective].unit,
         "eval": ev,
         "final_train_metrics": last,
         "wall_clock_s": timer.report(),
         "tokens_per_s": {"train": last.get("tokens_per_s"),
-                         "sample": getattr(parts.source, "sample_tokens_per_s", lambda: None)()},
+                         "sample": parts.source.sample_tokens_per_s()},
         "memory_gib": peak_memory(parts),
         "versions": {"humanline": __version__, "torch": torch.__version__,
                      "transformers": transformers.__version__},
@@ -120,7 +119,7 @@ def run_summary(spec: RunSpec, parts, timer: PhaseTimer, last: dict, resumed: in
 def peak_memory(parts) -> dict:
     """The memory estimate printed in the header and, on CUDA, what this rank's allocator really peaked
     at (torch.cuda.max_memory_allocated: tensors only, not the CUDA context or allocator slack)."""
-    est = getattr(parts, "memory", None)
+    est = parts.memory
     out = {"estimate": round(est.total / 1024**3, 3) if est is not None else None, "cuda_max_allocated": None}
     if parts.backend.device.type == "cuda":
         out["cuda_max_allocated"] = round(torch.cuda.max_memory_allocated(parts.backend.device) / 1024**3, 3)

@@ -204,8 +204,7 @@ def step_metrics(rows: list[dict], ranks: Ranks, lr: float, grad_norm: float, dt
                    **info)
     metrics["useful_token_fraction"] = m["_n_tokens"] / max(m["_n_processed"], 1.0)  # real / forward tokens
     metrics["tokens_processed"] = int(m["_n_processed"])  # the step's forward tokens: its counted work
-    if hasattr(reference, "step_stats"):  # CachedReference: how much of the reference forward was skipped
-        metrics.update(reference.step_stats())
+    metrics.update(reference.step_stats())  # the log-prob cache: how much of the reference forward was skipped
     metrics["wall_s"] = timer.elapsed()
     metrics.update({f"time/{k}": v for k, v in timer.report().items() if k != "total"})
     return metrics
@@ -227,7 +226,7 @@ def _short(x) -> str:
 def blame(batch, most: int = 3) -> str:
     """', units: prompt '...' (rewards [...]), ...': the units a micro-batch was built from (sources attach
     them as `batch.units`), for the message of a non-finite loss; '' when the batch does not carry them."""
-    units = getattr(batch, "units", None)
+    units = batch.units
     if not units:
         return ""
     names = []

@@ -1,7 +1,7 @@
 """Fault injection for tests that need a fault inside another process (a rank, a sampler process).
 
 Python imports `sitecustomize` at start-up from the first folder on sys.path that holds one: a test puts
-this folder on PYTHONPATH (tests/helpers.py `fault_env`), and every process of the run it starts (the CLI,
+this folder on PYTHONPATH (tests/conftest.py `fault_env`), and every process of the run it starts (the CLI,
 each rank torch's launcher spawns, each sampler process) patches the package here, before any of its code
 runs. The package itself has no fault hook. Inert unless one of these is set:
 

@@ -1,0 +1,108 @@
+"""`humanline bench`: argument split, the throughput arithmetic, and real runs through the CLI on the
+tiny world (project plain, project +humanline and, when TRL is importable, TRL on the same data)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from humanline_cli.bench.clock import Run
+from humanline_cli.bench.project import parse_args, summarise
+from humanline_cli.errors import UserError
+from tests.helpers.cli import TINY_WORLD, run_cli
+
+HAS_TRL = importlib.util.find_spec("trl") is not None
+
+
+def test_bench_keys_and_hydra_overrides_are_split():
+    opts, overrides = parse_args(["objective=kto", "steps=5", "batch_size=16", "threads=2", "trl=false",
+                                  "out=x.json", "+humanline=true", "task.world.sft.steps=40", "sampler=true"])
+    assert (opts["steps"], opts["batch_size"], opts["threads"], opts["trl"], opts["out"], opts["sampler"]) == \
+        (5, 16, 2, False, "x.json", True)
+    assert opts["warmup"] == 2 and opts["repeats"] == 2  # defaults
+    assert overrides == ["objective=kto", "+humanline=true", "task.world.sft.steps=40"]
+    for bad in (["steps=0"], ["warmup=0"], ["steps=many"], ["trl=maybe"], ["objective"]):
+        with pytest.raises(UserError):
+            parse_args(bad)
+
+
+def test_summarise_arithmetic():
+    # two runs: 3 steps of 0.5 s and 2 steps of 1.0 s, 8 units and 100 tokens (+ 40 KL tokens) per step
+    runs = [Run([0.5, 0.5, 0.5], [8] * 3, [100] * 3, [40] * 3), Run([1.0, 1.0], [8] * 2, [100] * 2, [40] * 2)]
+    row = summarise("project", runs, matmul_params=1000, peak=1e7)
+    # 5 steps, 3.5 s, 40 units, 500 tokens, 200 KL tokens
+    assert row["units_per_s"] == pytest.approx(40 / 3.5) and row["tokens_per_s"] == pytest.approx(500 / 3.5)
+    assert row["step_s"] == pytest.approx(0.7) and row["step_s_per_run"] == pytest.approx([0.5, 1.0])
+    # 8 P T (policy fwd+bwd 6PT + reference fwd 2PT) + 4 P T_kl = 8*1000*500 + 4*1000*200 = 4.8e6 FLOP
+    assert row["flops_per_s"] == pytest.approx(4.8e6 / 3.5) and row["mfu"] == pytest.approx(4.8e6 / 3.5 / 1e7)
+
+
+@pytest.fixture(scope="module")
+def tiny_world(cache_dir):
+    """Build the tiny world once, up front, so each CLI test below times only the bench."""
+    from humanline_cli.bench.project import compose_spec
+    from humanline_cli.train.build import prepare_world, resolve_path
+
+    opts, overrides = parse_args(["threads=1", *TINY_WORLD])
+    spec = compose_spec(overrides, opts, humanline=False)
+    prepare_world(spec, progress=False)
+    return resolve_path("world://policy", spec)
+
+
+def _bench(tmp_path, objective: str) -> tuple[dict, str]:
+    out = tmp_path / f"{objective}.json"
+    r = run_cli(["bench", f"objective={objective}", "steps=2", "warmup=1", "repeats=1", "batch_size=8", "threads=1",
+                 f"out={out}", *TINY_WORLD], cwd=tmp_path, env_extra={"COLUMNS": "200"}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text()), r.stdout
+
+
+@pytest.mark.parametrize("objective,unit", [("dpo", "pairs"), ("kto", "examples"), ("grpo", "groups")])
+def test_bench_cli_writes_consistent_json(tiny_world, tmp_path, objective, unit):
+    res, stdout = _bench(tmp_path, objective)
+    assert res["objective"] == objective and res["unit"] == unit and res["device"] == "cpu"
+    assert res["precision"] == "fp32" and res["threads"] == 1 and res["batch_size"] == 8
+    expected = {"project", "project_humanline", "project_cached"} | ({"trl"} if HAS_TRL else set())
+    if HAS_TRL and objective != "grpo":
+        expected.add("trl_cached")
+    assert set(res["rows"]) == expected
+    peak = res["matmul_peak"]["flops_per_s"]
+    assert peak > 0 and res["params"] >= res["matmul_params"] > 0
+    for row in res["rows"].values():
+        assert row["steps_timed"] == 2 and row["units"] == 2 * 8  # the warm-up step is not timed
+        assert row["units_per_s"] > 0 and row["tokens_per_s"] > 0 and row["flops_per_s"] > 0
+        assert row["units_per_s"] == pytest.approx(row["units"] / row["seconds"], rel=1e-12)
+        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"], rel=1e-12)
+        flops = 8 * res["matmul_params"] * row["tokens"] + 4 * res["matmul_params"] * row["kl_tokens"]
+        assert row["flops_per_s"] == pytest.approx(flops / row["seconds"], rel=1e-12)
+        assert row["mfu"] == pytest.approx(row["flops_per_s"] / peak, rel=1e-12)
+        assert (row["kl_tokens"] > 0) == (objective == "kto")
+    plain, hl = res["rows"]["project"], res["rows"]["project_humanline"]
+    assert plain["tokens"] == hl["tokens"]  # same seed, same batches: only the reference differs
+    assert res["humanline_overhead"] == pytest.approx(hl["step_s"] / plain["step_s"], rel=1e-12)
+    assert "humanline overhead" in stdout
+    cached = res["rows"]["project_cached"]
+    assert cached["tokens"] == plain["tokens"]  # the same batches, the reference forward skipped
+    assert cached["reference_cache_hit_fraction"] == 1.0 and "reference_cache_hit_fraction" not in plain
+    assert res["cache_speedup"] == pytest.approx(plain["step_s"] / cached["step_s"], rel=1e-12)
+    assert f"{res['cache_speedup']:.2f}x" in stdout
+    if HAS_TRL:
+        trl = res["rows"]["trl"]
+        assert res["trl_ratio"] == pytest.approx(plain["units_per_s"] / trl["units_per_s"], rel=1e-12)
+        assert res["trl_humanline_ratio"] == pytest.approx(hl["units_per_s"] / trl["units_per_s"], rel=1e-12)
+        # TRL tokenises the same conversations to the same tokens (its order differs; sizes are close)
+        assert 0.8 < trl["tokens"] / plain["tokens"] < 1.25
+        assert f"{res['trl_ratio']:.2f}x" in stdout and "TRL" in stdout
+        assert ("GRPOTrainer.compute_loss" in (res["trl_note"] or "")) == (objective == "grpo")
+        if objective != "grpo":
+            ratio = cached["units_per_s"] / res["rows"]["trl_cached"]["units_per_s"]
+            assert res["trl_cached_ratio"] == pytest.approx(ratio, rel=1e-12)
+            assert "precompute_ref_log_probs" in stdout
+    else:
+        assert res["trl_ratio"] is None and "TRL not installed" in res["trl_note"]
+
+
+def test_bench_rejects_online_data(tiny_world, tmp_path):
+    r = run_cli(["bench", "data=online", "steps=1", "warmup=1", "repeats=1", *TINY_WORLD], cwd=tmp_path)
+    assert r.returncode == 2 and "offline" in r.stderr and "Traceback" not in r.stderr

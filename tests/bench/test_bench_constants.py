@@ -1,0 +1,54 @@
+"""`humanline bench constants=true`: the cost model's constants measured with a real online run's parts on
+the tiny world, written as JSON whose fitted numbers follow from the raw timings it also records, and read back
+by `humanline report --target`. The world is the shared cache's (HUMANLINE_CACHE, else ~/.cache/humanline;
+the tests' session cache when another test set it first): built once, then only the bench is timed."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from humanline_cli.bench.constants import fit_line
+from tests.helpers.cli import TINY_WORLD, run_cli
+
+ONLINE = ["data=online", "objective=grpo", "train.batch_size=4", "data.prompts_per_round=4", "threads=1", *TINY_WORLD]
+
+
+def test_constants_follow_from_the_recorded_timings(tmp_path):
+    out = tmp_path / "constants.json"
+    r = run_cli(["bench", "constants=true", "prompts=16", "constant_steps=3", f"out={out}", *ONLINE], cwd=tmp_path,
+                timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    c = d["constants"]
+    assert d["target"] == "this" and d["estimated"] is False and d["model"] == "tiny" and d["threads"] == 1
+    assert d["loadavg_before"] and d["loadavg_after"]
+    calls = d["detail"]["generation"]["calls"]
+    # 1, then 16 / 64, / 16 (both raised to 2 prompts, kept once), / 4 and 16 prompts, x 8 samples
+    assert [x["sequences"] for x in calls] == [8 * s for s in (1, 2, 4, 16)]
+    assert c["concurrency"] == 256  # the HF sampler's batch size (conf/sampler: schema default)
+    # peak tokens/s: the largest call's tokens over its time less the one-token call's fixed cost
+    big = calls[-1]
+    assert c["sample_tokens_per_s"] == pytest.approx(big["tokens"] / (big["seconds"] - c["call_fixed_s"]), rel=1e-12)
+    # the curve: every size's tokens over its time less the fixed cost, by sequences per call
+    assert c["sample_curve"] == [[x["sequences"], pytest.approx(x["tokens"] / (x["seconds"] - c["call_fixed_s"]),
+                                                                rel=1e-12)] for x in calls]
+    checks = d["detail"]["generation"]["check_inner_calls"]
+    assert [x["sequences"] for x in checks] == [16, 32] and all(x["predicted_s"] > c["call_fixed_s"] for x in checks)
+    small = calls[0]  # one wave: latency per decoding step over its longest completion
+    assert c["decode_step_s"] == pytest.approx((small["seconds"] - c["call_fixed_s"]) / small["longest"], rel=1e-12)
+    # training: the least-squares line through both mini-runs' (forward tokens, train seconds) points
+    tr = d["detail"]["training"]
+    assert [t["batch_size"] for t in tr] == [4, 2]
+    a, b = fit_line([tuple(p) for t in tr for p in t["points"]])
+    assert c["step_fixed_s"] == pytest.approx(a, rel=1e-12)
+    assert c["train_flops_per_s"] == pytest.approx(8 * d["params"] / b, rel=1e-12)  # online: 6 + 2 reference
+    assert math.isinf(c["push_bytes_per_s"]) and c["push_fixed_s"] >= 0 and c["sync_fixed_s"] > 0
+    assert c["label_s_per_seq"] > 0 and c["other_step_s"] >= 0
+
+
+def test_constants_need_an_online_run(tmp_path):
+    r = run_cli(["bench", "constants=true", *TINY_WORLD], cwd=tmp_path)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and "data=online" in err[0]

@@ -1,0 +1,109 @@
+"""Experiment files (whole studies) compose and validate at every sweep point; launcher presets
+compose; re-running a multirun skips jobs whose run dir already holds a complete summary.json."""
+from __future__ import annotations
+
+import itertools
+import json
+from importlib.resources import files
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+
+from humanline_cli.config import resolve
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
+
+EXPERIMENTS = sorted(p.name[:-5] for p in files("conf").joinpath("experiment").iterdir() if p.name.endswith(".yaml"))
+
+
+def _compose(overrides, hydra=False):
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return compose("train", overrides=overrides, return_hydra_config=hydra)
+
+
+def _sweep_points(name):
+    cfg = _compose([f"experiment={name}"], hydra=True)
+    params = OmegaConf.to_container(cfg.hydra.sweeper.params)
+    keys = list(params)
+    parser = OverridesParser.create()  # Hydra's own grammar: a sweep value may hold commas inside {...}
+    overrides = [parser.parse_override(f"{k}={params[k]}") for k in keys]
+    values = [list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
+              for o in overrides]
+    return cfg, [[f"{k}={v}" for k, v in zip(keys, combo)] for combo in itertools.product(*values)]
+
+
+def test_the_documented_studies_exist():
+    assert {"laptop_arithmetic", "laptop_preference", "paper_instruction_following", "paper_math",
+            "paper_math_pairs", "laptop_paper_regimes"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_sweep_point_composes_and_validates(name):
+    cfg, points = _sweep_points(name)
+    assert cfg.hydra.sweep.dir == f"runs/experiments/{name}"
+    seen = set()
+    for point in points:
+        c = _compose([f"experiment={name}", *point])
+        OmegaConf.to_container(c, resolve=True)
+        spec = resolve(c)
+        seen.add((spec.objective, spec.regime, spec.humanline_on))
+    # the paper grid: 3 objectives x {offline, online} x humanline on/off; the regime study compares
+    # humanline-offline regimes with offline and online baselines (no humanline-online)
+    grid = {(o, d, h) for o in ("dpo", "kto", "grpo") for d in ("offline", "online") for h in (True, False)}
+    if name == "laptop_regimes":
+        grid = {(o, d, h) for o, d, h in grid if not (d == "online" and h)}
+    if name == "paper_math":  # the authors' GRPO recipe: online, stale rounds plain and humanline
+        grid = {("grpo", "online", False), ("grpo", "online", True)}
+    if name == "laptop_async":  # asynchronous online rounds: online only, 4 lags, 3 seeds
+        grid = {(o, "online", h) for o in ("dpo", "kto", "grpo") for h in (True, False)}
+        assert len(points) == cfg.regime_study_size == 3 * 4 * 2 * 3
+        assert {p[1] for p in points} == {f"data.async_lag={k}" for k in (0, 1, 2, 4)}
+        assert cfg.hydra.launcher.n_jobs == 1  # a job is already two processes: timing needs the cores
+    if name == "laptop_speed_check":  # the cost model's check: GRPO online, stale-16/64, async lag 1, 3 seeds
+        grid = {("grpo", "online", False)}
+        assert len(points) == cfg.regime_study_size == 4 * 3 and cfg.hydra.launcher.n_jobs == 1
+        assert [p[1] for p in points[:4]] == [f"regime={r}" for r in ("online", "stale16", "stale64", "async1")]
+    if name.startswith("laptop_pilot_headroom") or name.startswith("laptop_headroom"):  # GRPO, stale rounds
+        grid = {("grpo", "online", False), ("grpo", "online", True)}
+    assert seen == grid
+
+
+def test_paper_studies_use_the_paper_settings():
+    c = resolve(_compose(["experiment=paper_instruction_following", "objective=kto", "humanline=true"]))
+    assert c.train.lr == 5e-6 and c.train.batch_size == 64 and c.train.warmup_ratio == 0.1
+    assert c.humanline.clamp and c.humanline.sync and c.humanline.log_eps_P == -1.0 and c.humanline.log_eps_R == 1.5
+    cfg = _compose(["experiment=paper_instruction_following", "data=online"])
+    assert cfg.model.name_or_path == "meta-llama/Meta-Llama-3-8B-Instruct"
+    assert cfg.task.offline.path == "princeton-nlp/llama3-ultrafeedback-armorm"
+    assert (cfg.data.n, cfg.data.temperature, cfg.data.top_p, cfg.data.min_gap) == (8, 0.7, 0.95, 0.01)
+    assert cfg.sampler.name == "vllm" and cfg.backend.name == "cuda"
+    m = _compose(["experiment=paper_math_pairs"])
+    assert m.task.judge.kind == "verifier" and resolve(m).data_cfg.columns["instruction"] == "prompt"
+
+
+@pytest.mark.parametrize("launcher,target", [("local", "JoblibLauncher"), ("slurm", "SlurmLauncher")])
+def test_launcher_presets_compose(launcher, target):
+    cfg = _compose([f"hydra/launcher={launcher}"], hydra=True)
+    assert cfg.hydra.launcher._target_.endswith(target)
+    if launcher == "local":
+        assert cfg.hydra.launcher.n_jobs == 2
+    else:
+        assert cfg.hydra.launcher.gpus_per_node == 1
+
+
+def test_rerunning_a_sweep_skips_complete_runs(cache_dir, tmp_path):
+    args = ["train", "-m", "objective=dpo,kto", *TINY_WORLD, *FAST, "train.save_model=false",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    first = run_cli(args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    summaries = sorted((tmp_path / "sweep").glob("*/summary.json"))
+    assert len(summaries) == 2
+    # one run "crashed": its summary is gone; the re-run must redo it and skip the other
+    stamp = summaries[0].stat().st_mtime_ns
+    summaries[1].unlink()
+    second = run_cli(args, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert second.stderr.count("already complete") == 1
+    assert summaries[0].stat().st_mtime_ns == stamp
+    assert json.loads(summaries[1].read_text())["status"] == "complete"

@@ -1,0 +1,1 @@
+"""Shared test builders (plain functions and constants); fixtures live in conftest.py."""

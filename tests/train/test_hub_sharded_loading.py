@@ -1,0 +1,77 @@
+"""A hub id (what the paper configs name) is loaded sharded from its snapshot in the huggingface_hub cache,
+as a local folder is, and the memory estimate takes the same loading mode. A fake hub cache holds a tiny
+model (huggingface_hub's layout: models--ORG--NAME/{refs/main, snapshots/COMMIT/...}); nothing is
+downloaded (HF_HUB_OFFLINE=1)."""
+from __future__ import annotations
+
+import torch
+
+from tests.helpers.models import tiny_llama
+
+REPO = "tiny-org/tiny-llama"
+BIN = "tiny-org/tiny-llama-bin"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _fake_hub(tmp_path, monkeypatch, repo_id: str = REPO, safetensors: bool = True):
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    model = tiny_llama(0, hidden_size=16, intermediate_size=32, max_position_embeddings=32)
+    snapshot = repo / "snapshots" / COMMIT
+    model.save_pretrained(snapshot)
+    if not safetensors:  # an older repo: the weights as pytorch_model.bin
+        from safetensors.torch import load_file
+
+        torch.save(load_file(snapshot / "model.safetensors"), snapshot / "pytorch_model.bin")
+        (snapshot / "model.safetensors").unlink()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return model, snapshot
+
+
+def test_a_hub_id_is_loaded_sharded_from_its_cached_snapshot(tmp_path, monkeypatch):
+    from humanline_cli.train.sharded_load import load_policy_sharded, local_model_dir, sharded_loadable
+
+    model, snapshot = _fake_hub(tmp_path, monkeypatch)
+    assert local_model_dir(REPO) == str(snapshot)
+    assert sharded_loadable(REPO) and not sharded_loadable("tiny-org/not-cached")
+    sharded = []  # one process: the shard step is recorded, the whole tensors are read
+    policy = load_policy_sharded(REPO, torch.device("cpu"), torch.float64, lambda m: sharded.append(type(m).__name__))
+    assert sharded == ["LlamaForCausalLM"] and policy is not None
+    want = model.state_dict()
+    got = policy.state_dict()
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name].double()), name
+
+
+def test_the_memory_estimate_takes_the_loading_mode_build_parts_takes(tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.config import resolve
+    from humanline_cli.memory import estimate
+    from humanline_cli.train.build import memory_estimate
+
+    _fake_hub(tmp_path, monkeypatch)
+    _fake_hub(tmp_path, monkeypatch, BIN, safetensors=False)  # no safetensors: sharded loading cannot read it
+    common = ["task=custom", "data.path=unused.jsonl", "backend=cpu", "backend.strategy=fsdp", "backend.nproc=2",
+              "train.max_length=32", "train.max_prompt_length=16", "chat_template=false", "judge=none"]
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        spec = resolve(compose("train", overrides=[*common, f"model.name_or_path={REPO}"]))
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(REPO)
+    est = memory_estimate(spec, REPO, torch.device("cpu"))
+    kw = dict(seqs_per_micro=2 * spec.train.micro_batch_size, max_length=32, lora_r=0,
+              moving_reference=False, strategy="fsdp", ranks=2, gradient_checkpointing=False)
+    sharded, full = estimate(config, loading="sharded", **kw), estimate(config, loading="full", **kw)
+    assert full.loading > sharded.loading  # the two modes differ on this model
+    assert est.loading == sharded.loading
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        spec = resolve(compose("train", overrides=[*common, f"model.name_or_path={BIN}"]))
+    assert memory_estimate(spec, BIN, torch.device("cpu")).loading == full.loading  # loaded whole: estimated so
