@@ -115,7 +115,7 @@ def test_a_lora_base_loads_in_the_compute_dtype_under_bf16_autocast(tmp_path, mo
 
 
 def test_vllm_uses_cuda_graphs_by_default_on_cuda_and_eager_on_cpu(monkeypatch):
-    from fake_cuda_vllm import fake_tokenizer, install_fake_vllm
+    from tests.helpers.fake_vllm import fake_tokenizer, install_fake_vllm
 
     from humanline_cli.sampling.vllm import VLLMSampler
 
@@ -134,7 +134,7 @@ def test_unseeded_vllm_sends_one_request_of_n_per_prompt(monkeypatch):
     one seeded request per completion (any split over ranks samples the same)."""
     from types import SimpleNamespace
 
-    from fake_cuda_vllm import fake_tokenizer, install_fake_vllm
+    from tests.helpers.fake_vllm import fake_tokenizer, install_fake_vllm
 
     from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.sampling.vllm import VLLMSampler
