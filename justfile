@@ -18,7 +18,7 @@ run *ARGS:
 
 # the test suite: two worker processes (tests run torch on one thread each), whole files per worker
 test *ARGS:
-    {{py}} -m pytest -q -n 2 --dist loadfile -m "not real_model_long and not gpu" {{ARGS}}
+    {{py}} -m pytest -q -n 2 --dist loadfile -m "not real_model_long and not gpu" --durations=25 {{ARGS}}
 
 # the tests marked gpu, on a CUDA machine (each fails where torch sees no CUDA device)
 test-gpu *ARGS:
