@@ -83,28 +83,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_main(args) -> dict:
+def _loader(args, dist, fsdp: bool):
+    """how ("full" | "sharded") -> (policy, reference), loaded as the trainer loads them."""
     import torch
-    from transformers import AutoConfig
 
-    from humanline_cli.backend import clip_grad_norm, init_distributed, shard_model, wrap_policy
-    from humanline_cli.core.batches import Seqs
-    from humanline_cli.core.logprobs import token_logps
+    from humanline_cli.backend import shard_model, wrap_policy
     from humanline_cli.core.reference import build_reference
-    from humanline_cli.memory import estimate
     from humanline_cli.models import load_policy
 
-    torch.set_num_threads(1)
-    dist = init_distributed("cpu", 600)
-    strategy = "fsdp" if dist.enabled else "single"
-    config = AutoConfig.from_pretrained(args.model)
-    torch.manual_seed(1234 + dist.rank)
-    n, t = args.seqs, args.tokens
-    ids = torch.randint(0, config.vocab_size, (n, t))
-    seqs = Seqs(ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))
-    import gc
-
-    fsdp = strategy == "fsdp"
     prepare = ((lambda m: m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}))
                if args.gradient_checkpointing else None)
 
@@ -119,29 +105,23 @@ def rank_main(args) -> dict:
         if prepare is not None:
             prepare(policy)
         reference = build_reference(policy, lora=False, moving=True, cache=False, shard=shard_model if fsdp else None)
-        return wrap_policy(policy, strategy, dist, torch.device("cpu")), reference
+        return wrap_policy(policy, "fsdp" if fsdp else "single", dist, torch.device("cpu")), reference
 
-    meter = PeakRSS()
-    loading_full = None
-    if args.loading == "both":  # the full path first, measured and freed, then the sharded one that trains
-        gc.collect()
-        meter.mark()
-        base = _rss()
-        model, reference = load("full")
-        gc.collect()
-        loading_full = meter.mark() - base
-        del model, reference
-    gc.collect()
-    meter.mark()
-    base = _rss()
-    model, reference = load("full" if args.loading == "full" else "sharded")
-    gc.collect()
-    loading = meter.mark() - base
+    return load
+
+
+def _train_steps(args, model, reference, seqs, dist) -> list[float]:
+    """args.steps optimizer steps of args.micro accumulated micro-batches, as the trainer runs them: seconds each."""
+    import torch
+
+    from humanline_cli.backend import clip_grad_norm
+    from humanline_cli.core.logprobs import token_logps
+
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     steps = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        for _ in range(args.micro):  # gradient accumulation, as the trainer does
+        for _ in range(args.micro):
             ref = reference.logps(seqs)
             logps = token_logps(model, seqs)
             loss = -torch.nn.functional.logsigmoid((logps - ref).sum(-1)).mean() / args.micro
@@ -150,16 +130,18 @@ def rank_main(args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         steps.append(round(time.perf_counter() - t0, 2))
-    training = meter.mark() - base
-    meter.stop()
+    return steps
+
+
+def _write_report(args, config, dist, strategy: str, n: int, t: int, out: dict) -> None:
+    """Every rank's measurement gathered on rank 0, written beside the estimate (args.json)."""
+    from humanline_cli.memory import estimate
+
     est = estimate(config, seqs_per_micro=n, max_length=t, strategy=strategy, ranks=dist.world_size,
                    gradient_checkpointing=args.gradient_checkpointing, activation_bytes=4,
                    loading="full" if args.loading == "full" else "sharded")
     full = estimate(config, seqs_per_micro=n, max_length=t, strategy=strategy, ranks=dist.world_size, params=est.params,
                     gradient_checkpointing=args.gradient_checkpointing, activation_bytes=4, loading="full")
-    out = {"rank": dist.rank, "loading_gib": loading / GB,
-           "loading_full_gib": loading_full / GB if loading_full is not None else None, "training_gib": training / GB,
-           "peak_gib": max(loading, training) / GB, "step_s": steps}
     if dist.enabled:
         import torch.distributed as tdist
 
@@ -178,6 +160,50 @@ def rank_main(args) -> dict:
                                     "loading", "training", "total")} | {"loading_full": full.loading / GB},
                   "measured": rows}
         Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+def rank_main(args) -> dict:
+    import gc
+
+    import torch
+    from transformers import AutoConfig
+
+    from humanline_cli.backend import init_distributed
+    from humanline_cli.core.batches import Seqs
+
+    torch.set_num_threads(1)
+    dist = init_distributed("cpu", 600)
+    strategy = "fsdp" if dist.enabled else "single"
+    config = AutoConfig.from_pretrained(args.model)
+    torch.manual_seed(1234 + dist.rank)
+    n, t = args.seqs, args.tokens
+    ids = torch.randint(0, config.vocab_size, (n, t))
+    seqs = Seqs(ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))
+    load = _loader(args, dist, strategy == "fsdp")
+
+    meter = PeakRSS()
+    loading_full = None
+    if args.loading == "both":  # the full path first, measured and freed, then the sharded one that trains
+        gc.collect()
+        meter.mark()
+        base = _rss()
+        model, reference = load("full")
+        gc.collect()
+        loading_full = meter.mark() - base
+        del model, reference
+    gc.collect()
+    meter.mark()
+    base = _rss()
+    model, reference = load("full" if args.loading == "full" else "sharded")
+    gc.collect()
+    loading = meter.mark() - base
+    steps = _train_steps(args, model, reference, seqs, dist)
+    training = meter.mark() - base
+    meter.stop()
+    out = {"rank": dist.rank, "loading_gib": loading / GB,
+           "loading_full_gib": loading_full / GB if loading_full is not None else None, "training_gib": training / GB,
+           "peak_gib": max(loading, training) / GB, "step_s": steps}
+    _write_report(args, config, dist, strategy, n, t, out)
     return out
 
 

@@ -23,12 +23,6 @@ class FrozenWorldSampler:
         self.batch_size = batch_size
         self.autocast = autocast
 
-    def push_weights(self, policy) -> None:
-        self.model = policy
-
-    def close(self) -> None:
-        pass
-
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
         torch.manual_seed(params.seed)

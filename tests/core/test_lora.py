@@ -268,7 +268,7 @@ def test_merged_state_dict_matches_merge_and_unload_and_save_loads_as_plain_mode
         assert ("lm_head.weight" in set(f.keys())) is not tie
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) is tie
     pushed = [name for name, _ in policy_weights(policy)]
-    assert pushed == [name for name, _ in policy_weights(tiny_llama(tie=tie))]
+    assert pushed == [name for name, _ in policy_weights(lora_base_llama(tie=tie))]
     assert ("lm_head.weight" in pushed) is not tie
     seqs = pair_seqs()
     policy.eval()

