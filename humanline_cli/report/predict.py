@@ -22,9 +22,9 @@ wave of c x g sequences runs as many decoding steps as its longest completion, e
 tokens/s was measured at several call sizes (`sample_curve`, from `humanline bench constants=true`), S_peak is
 the rate at the call's own size, interpolated linearly in log(sequences per device) between the measured sizes
 and held at the end values outside them: on a CPU the transformers sampler's tokens/s still grows between
-calls of 512 and 8,192 sequences (docs/performance.md), so one peak measured at one size mispredicts the others. The max is the
-roofline: a call is throughput-bound when it is large, latency-bound when a few long completions keep a
-half-empty batch decoding. `c_other` is the loop's own time outside the phases (collating micro-batches,
+calls of 512 and 8,192 sequences (docs/performance.md), so one peak measured at one size mispredicts the
+others. The max is the roofline: a call is throughput-bound when it is large, latency-bound when a few long
+completions keep a half-empty batch decoding. `c_other` is the loop's own time outside the phases (collating micro-batches,
 logging, bookkeeping of each round).
 
 Synchronous rounds add the phases. Asynchronous rounds (lag >= 1, the sampler in its own process) overlap round

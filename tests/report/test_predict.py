@@ -5,8 +5,17 @@ import math
 
 import pytest
 
-from humanline_cli.report.predict import (Call, Target, Work, flops_per_token, generation_s, predict, sample_rate,
-                                          target_from_json, within)
+from humanline_cli.report.predict import (
+    Call,
+    Target,
+    Work,
+    flops_per_token,
+    generation_s,
+    predict,
+    sample_rate,
+    target_from_json,
+    within,
+)
 
 T = Target(name="t", source="hand", estimated=False, call_fixed_s=0.5, sample_tokens_per_s=1000.0, decode_step_s=0.01,
            concurrency=4, push_fixed_s=0.1, push_bytes_per_s=1e9, label_s_per_seq=0.001, train_flops_per_s=1e12,

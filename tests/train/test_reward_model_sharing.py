@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import torch
+
 from tests.helpers.models import build_tiny_reward_model, two_layer_llama
 
 # the tiny reward model's parameters (conftest.build_tiny_reward_model: vocab 52, hidden 64, intermediate 128,

@@ -115,9 +115,8 @@ def test_a_lora_base_loads_in_the_compute_dtype_under_bf16_autocast(tmp_path, mo
 
 
 def test_vllm_uses_cuda_graphs_by_default_on_cuda_and_eager_on_cpu(monkeypatch):
-    from tests.helpers.fake_vllm import fake_tokenizer, install_fake_vllm
-
     from humanline_cli.sampling.vllm import VLLMSampler
+    from tests.helpers.fake_vllm import fake_tokenizer, install_fake_vllm
 
     install_fake_vllm(monkeypatch, [], lambda: 0)  # a CUDA platform
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -134,10 +133,9 @@ def test_unseeded_vllm_sends_one_request_of_n_per_prompt(monkeypatch):
     one seeded request per completion (any split over ranks samples the same)."""
     from types import SimpleNamespace
 
-    from tests.helpers.fake_vllm import fake_tokenizer, install_fake_vllm
-
     from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.sampling.vllm import VLLMSampler
+    from tests.helpers.fake_vllm import fake_tokenizer, install_fake_vllm
 
     install_fake_vllm(monkeypatch, [], lambda: 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
