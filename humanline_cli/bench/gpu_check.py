@@ -56,7 +56,7 @@ def _train(out: Path, name: str, args: list[str], timeout: int = 600) -> dict:
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="humanline gpu-check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("runs/gpu_check"))
@@ -71,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
                                                       " cpu 4,16)")
     p.add_argument("--vllm-prompt-tokens", type=int, default=None, help="prompt length (default 128; cpu 100)")
     p.add_argument("--vllm-new-tokens", type=int, default=None, help="sampled tokens per sequence (default 64; cpu 8)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     import torch
 
     from humanline_cli.bench.step_bench import SHAPES, run
@@ -111,10 +115,16 @@ def main(argv: list[str] | None = None) -> int:
             checks.append({"check": "vllm", "ok": False, "error": f"{type(e).__name__}: {first}"})
     if cpu:
         return _finish(results, out)
+    _training_rows(out, n_gpu, checks)
+    return _finish(results, out)
+
+
+def _training_rows(out: Path, n_gpu: int, checks: list) -> None:
+    """The rows that run `humanline train` on CUDA: bf16 per objective, LoRA, online vLLM, DDP/FSDP on 2+ GPUs."""
     if missing("hydra") or missing("omegaconf"):  # every row below runs `humanline train` (Hydra composes it)
         checks.append({"check": "training_runs", "ok": True,
                        "skipped": "hydra not installed (bf16 runs, LoRA, DDP/FSDP and vLLM rows run `humanline train`)"})
-        return _finish(results, out)
+        return
     for objective in ("dpo", "kto", "grpo"):
         for hl in ("false", "true"):
             checks.append(_train(out, f"bf16_{objective}_hl-{hl}", ["backend=cuda", f"objective={objective}",
@@ -138,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
             checks.append(row)
     else:
         checks.append({"check": "ddp_fsdp", "ok": True, "skipped": "one visible GPU (needs 2+)"})
-    return _finish(results, out)
 
 
 def _finish(results: dict, out: Path) -> int:
