@@ -62,7 +62,7 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
     (virtual tokens live in its forward), or its config declares a logit transform listed in
     _HEAD_EXTRAS. An FSDP2 root is chunked too: the computation runs as the root's forward
     (_as_root_forward), so FSDP's hooks gather the head and arm the backward; so is a DDP wrapper's module, run
-    as the wrapper's forward (_as_ddp_forward), so DDP arms its gradient all-reduce.
+    as the wrapper's forward (_run_as_forward), so DDP arms its gradient all-reduce.
 
     `seqs.pack` (see the module docstring) takes the packed path, on either route, except for peft
     prompt-learning models (padded); a run checks once, at setup, that the model packs (check_packing).
@@ -71,7 +71,7 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
         return _as_root_forward(model, seqs, lambda: token_logps(model, seqs, chunk_size))
     inner = _unwrap_ddp(model)
     if inner is not model:
-        return _as_ddp_forward(model, seqs, lambda: token_logps(inner, seqs, chunk_size))
+        return _run_as_forward(inner, model, seqs, lambda: token_logps(inner, seqs, chunk_size))
     if runs_packed(model, seqs):
         return _packed_token_logps(model, seqs, chunk_size)
     split = _decoder_and_head(model)
@@ -99,33 +99,27 @@ def _as_root_forward(model: torch.nn.Module, seqs: Seqs, run):
     reduce-scatter, reshard) in hooks around the root's __call__; calling get_decoder() and the head
     directly would skip them. So the computation runs AS the root's forward for this one call: the hooks
     fire exactly as for model(...), and no (N, T, V) logits are built (one chunk at a time, as without FSDP)."""
-    def forward(input_ids, attention_mask):  # the tensors pass through __call__ (FSDP's input handling)
-        return run()
-
     _INSIDE_ROOT.add(model)
-    model.forward = forward  # an instance attribute: shadows the class's forward for this call only
     try:
-        return model(seqs.input_ids, seqs.attention_mask)
+        return _run_as_forward(model, model, seqs, run)
     finally:
-        del model.forward
         _INSIDE_ROOT.discard(model)
 
 
-def _as_ddp_forward(model: torch.nn.Module, seqs: Seqs, run):
-    """`run()` (token_logps on the wrapped model, chunked) as the forward of a DDP wrapper's module. DDP
-    prepares its gradient all-reduce in its own __call__ (from the outputs it returns), so the computation goes
-    through it, with the wrapped module's forward shadowed for this one call: the chunked head of one process,
-    never DDP's full (N, T, V) float32 logits (8 x 2,048 tokens x a 128k vocabulary: 8.4 GB)."""
-    inner = model.module
-
-    def forward(input_ids, attention_mask):  # the tensors pass through DDP's input handling
+def _run_as_forward(owner: torch.nn.Module, wrapper: torch.nn.Module, seqs: Seqs, run):
+    """`wrapper(input_ids, attention_mask)` with `owner`'s forward shadowed by `run()` for this one call: a
+    wrapper's hooks around __call__ (FSDP2's gathers and backward, DDP's gradient all-reduce, armed from the
+    outputs it returns) fire as for a plain call, while the computation is the chunked one. For DDP the owner
+    is the wrapped module: the chunked head of one process, never DDP's full (N, T, V) float32 logits
+    (8 x 2,048 tokens x a 128k vocabulary: 8.4 GB)."""
+    def forward(input_ids, attention_mask):  # the tensors pass through the wrapper's input handling
         return run()
 
-    inner.forward = forward  # an instance attribute: shadows the class's forward for this call only
+    owner.forward = forward  # an instance attribute: shadows the class's forward for this call only
     try:
-        return model(seqs.input_ids, seqs.attention_mask)
+        return wrapper(seqs.input_ids, seqs.attention_mask)
     finally:
-        del inner.forward
+        del owner.forward
 
 
 def _head_logps(model: torch.nn.Module, head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor,

@@ -112,6 +112,19 @@ def test_sampling_n_seeded(tiny, sampler):
         assert all(math.isfinite(x) and x <= 0.0 for x in lps)
 
 
+def _worst_rescore_gap(model, out, n: int) -> float:
+    """The largest |raw log-prob - the HF model's| over every sampled token, completion k rescored under
+    prompt k // n (prompt-major)."""
+    worst = 0.0
+    for k, (ids, lps) in enumerate(zip(out.token_ids, out.logps)):
+        prompt = PROMPTS[k // n]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+        worst = max(worst, (ref - torch.tensor(lps)).abs().max().item())
+    return worst
+
+
 def test_logps_are_raw_and_prompt_major(tiny, sampler):
     """At temperature 0.7 / top_p 0.9 processed log-probs would differ from raw ones: rescore every
     completion with the HF model; also checks completion j of prompt i sits at i * n + j."""
@@ -120,13 +133,7 @@ def test_logps_are_raw_and_prompt_major(tiny, sampler):
     out = sampler.generate(PROMPTS, SamplingParams(n=n, temperature=0.7, top_p=0.9,
                                                    max_new_tokens=MAX_NEW, seed=3))
     assert len(out.token_ids) == n * len(PROMPTS)
-    worst = 0.0
-    for k, (ids, lps) in enumerate(zip(out.token_ids, out.logps)):
-        prompt = PROMPTS[k // n]
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
-        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
-        worst = max(worst, (ref - torch.tensor(lps)).abs().max().item())
+    worst = _worst_rescore_gap(model, out, n)
     assert worst < LOGP_TOL, worst
 
 
@@ -141,13 +148,7 @@ def test_unseeded_requests_of_n_are_prompt_major_with_raw_logps(tiny, sampler):
     finally:
         sampler.seeded = True
     assert out.n == n and len(out.token_ids) == len(out.logps) == n * len(PROMPTS)
-    worst = 0.0
-    for k, (ids, lps) in enumerate(zip(out.token_ids, out.logps)):
-        prompt = PROMPTS[k // n]
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
-        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
-        worst = max(worst, (ref - torch.tensor(lps)).abs().max().item())
+    worst = _worst_rescore_gap(model, out, n)
     assert worst < LOGP_TOL, worst
 
 
