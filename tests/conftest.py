@@ -12,7 +12,9 @@ import pytest
 
 from tests.helpers.cli import MODEL_CACHE
 
-os.environ.setdefault("WANDB_MODE", "offline")
+# wandb off unless a test turns it on: an offline run starts wandb's service process (seconds a run); the tests of
+# the wandb record ask for `wandb.mode=offline` themselves
+os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -20,7 +20,7 @@ SUMMARY_KEYS = {"objective", "data", "humanline", "task", "model", "seed", "step
 def sweep(cache_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sweep")
     r = run_cli(["train", "-m", "objective=dpo,kto,grpo", "+humanline=true,false", *TINY_WORLD, *FAST,
-                 f"hydra.sweep.dir={out}"], cwd=out)
+                 "wandb.mode=offline", f"hydra.sweep.dir={out}"], cwd=out)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
 

