@@ -24,7 +24,8 @@ def _points(cfg) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("name,size", [("laptop_pilot_headroom", 6), ("laptop_pilot_headroom_lr", 9),
-                                       ("laptop_headroom", 15), ("laptop_headroom_frontier", 42)])
+                                       ("laptop_pilot_short", 8), ("laptop_headroom", 15),
+                                       ("laptop_headroom_frontier", 42)])
 def test_headroom_experiments_compose_with_their_stated_size(name, size):
     from humanline_cli.config import resolve
 
@@ -42,6 +43,13 @@ def test_headroom_experiments_compose_with_their_stated_size(name, size):
         assert sorted({s.data_cfg.generate_every for s in specs}) == [2, 8, 16, 32, 64, 100, 200]
         assert all(s.task_cfg.world["digits"] == 3 for s in specs)
         return
+    if name == "laptop_pilot_short":  # short runs, online and stale64 only: stale64 never regenerates (T <= 64)
+        assert not hl and all(s.seed == 0 and s.task_cfg.world["digits"] == 3 for s in specs)
+        assert sorted((s.train.steps, s.train.lr) for s in specs) == [(40, 1e-4)] * 2 + [(40, 2e-4)] * 2 + \
+            [(64, 1e-4)] * 2 + [(64, 2e-4)] * 2
+        assert all(s.train.steps <= 64 and s.train.steps % s.eval_cfg.every == 0 for s in specs)
+        assert sorted(str(s.data_cfg.generate_every) for s in specs) == ["64"] * 4 + ["None"] * 4
+        return
     assert len(hl) == size // 3
     stale = [s for s in specs if s.data_cfg.generate_every == 64]
     assert len(stale) == 2 * size // 3  # stale64 and humanline on it; online has no generate_every
@@ -49,6 +57,9 @@ def test_headroom_experiments_compose_with_their_stated_size(name, size):
         assert {s.seed for s in specs} == {1, 2, 3, 4, 5}  # seed 0 was the pilot's
         assert all(s.task_cfg.world["digits"] == 3 for s in specs)
         assert points[0][0] == "seed=1" and points[2][0] == "seed=1"  # seeds outer: an interrupted sweep keeps whole seeds
+        # pilot 3's kept setting: 64 steps, so stale64's one generation (generate_every=64) is never renewed,
+        # evaluated at the last step
+        assert all((s.train.steps, s.train.lr, s.eval_cfg.every) == (64, 1e-4, 8) for s in specs)
     elif name == "laptop_pilot_headroom_lr":  # the 3-digit world at higher lr, the same lr for every regime
         assert all(s.task_cfg.world["digits"] == 3 and s.seed == 0 for s in specs)
         assert sorted(s.train.lr for s in specs) == [3e-5] * 3 + [1e-4] * 3 + [3e-4] * 3
