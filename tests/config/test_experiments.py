@@ -66,6 +66,10 @@ def test_every_sweep_point_composes_and_validates(name):
         assert [p[1] for p in points[:4]] == [f"regime={r}" for r in ("online", "stale16", "stale64", "async1")]
     if name.startswith("laptop_pilot_headroom") or name.startswith("laptop_headroom"):  # GRPO, stale rounds
         grid = {("grpo", "online", False), ("grpo", "online", True)}
+    if name == "laptop_headroom_pairs":  # the study's regimes with DPO and KTO
+        grid = {(o, "online", h) for o in ("dpo", "kto") for h in (True, False)}
+    if name == "laptop_pilot_short":  # online and stale64 (stale rounds are online data), no humanline
+        grid = {("grpo", "online", False)}
     assert seen == grid
 
 

@@ -24,15 +24,30 @@ def _points(cfg) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("name,size", [("laptop_pilot_headroom", 6), ("laptop_pilot_headroom_lr", 9),
-                                       ("laptop_headroom", 15), ("laptop_headroom_frontier", 42)])
+                                       ("laptop_pilot_short", 8), ("laptop_headroom", 15),
+                                       ("laptop_headroom_pairs", 18),
+                                       ("laptop_headroom_frontier", 42)])
 def test_headroom_experiments_compose_with_their_stated_size(name, size):
-    from humanline_cli.config import resolve
+    from humanline_cli.config import resolve, round_prompts
 
     cfg = _compose(f"experiment={name}", hydra_cfg=True)
     points = _points(cfg)
     assert len(points) == cfg.regime_study_size == size
     assert cfg.hydra.launcher._target_.endswith("BasicLauncher")  # one run at a time
     specs = [resolve(_compose(f"experiment={name}", *p)) for p in points]
+    if name == "laptop_headroom_pairs":  # DPO and KTO on the study's world and regimes, 32 steps
+        assert sorted(s.objective for s in specs) == ["dpo"] * 9 + ["kto"] * 9 and {s.seed for s in specs} == {1, 2, 3}
+        assert all((s.train.steps, s.train.lr, s.eval_cfg.every, s.eval_cfg.n_prompts) == (32, 1e-4, 8, 1024)
+                   for s in specs)
+        assert all(s.task_cfg.world["digits"] == 3 and s.task_cfg.world["format"] == "plain" for s in specs)
+        hl = [s for s in specs if s.humanline_on]
+        assert len(hl) == 6 and all((s.humanline.sync_every, s.humanline.log_eps_P, s.humanline.log_eps_R)
+                                    == (16, -1.5, 1.5) and s.data_cfg.generate_every == 64 for s in hl)
+        # a stale round's prompts: 64 steps' worth (2,048 for dpo's 32 pairs and kto's 64 examples a step), so
+        # that with ties dropping about 40% of the groups its pairs still fill the 32 steps
+        assert {round_prompts(s.objective, s.train.batch_size, 64) for s in specs} == {2048}
+        assert [p[0] for p in points[:6]] == ["seed=1"] * 6  # seeds outer
+        return
     assert all(s.objective == "grpo" and s.eval_cfg.n_prompts == 1024 and s.eval_cfg.greedy for s in specs)
     assert all(s.task_cfg.world["n_eval_prompts"] == 1024 and s.task_cfg.world["format"] == "plain" for s in specs)
     hl = [s for s in specs if s.humanline_on]
@@ -42,6 +57,13 @@ def test_headroom_experiments_compose_with_their_stated_size(name, size):
         assert sorted({s.data_cfg.generate_every for s in specs}) == [2, 8, 16, 32, 64, 100, 200]
         assert all(s.task_cfg.world["digits"] == 3 for s in specs)
         return
+    if name == "laptop_pilot_short":  # short runs, online and stale64 only: stale64 never regenerates (T <= 64)
+        assert not hl and all(s.seed == 0 and s.task_cfg.world["digits"] == 3 for s in specs)
+        assert sorted((s.train.steps, s.train.lr) for s in specs) == [(40, 1e-4)] * 2 + [(40, 2e-4)] * 2 + \
+            [(64, 1e-4)] * 2 + [(64, 2e-4)] * 2
+        assert all(s.train.steps <= 64 and s.train.steps % s.eval_cfg.every == 0 for s in specs)
+        assert sorted(str(s.data_cfg.generate_every) for s in specs) == ["64"] * 4 + ["None"] * 4
+        return
     assert len(hl) == size // 3
     stale = [s for s in specs if s.data_cfg.generate_every == 64]
     assert len(stale) == 2 * size // 3  # stale64 and humanline on it; online has no generate_every
@@ -49,6 +71,9 @@ def test_headroom_experiments_compose_with_their_stated_size(name, size):
         assert {s.seed for s in specs} == {1, 2, 3, 4, 5}  # seed 0 was the pilot's
         assert all(s.task_cfg.world["digits"] == 3 for s in specs)
         assert points[0][0] == "seed=1" and points[2][0] == "seed=1"  # seeds outer: an interrupted sweep keeps whole seeds
+        # pilot 3's kept setting: 64 steps, so stale64's one generation (generate_every=64) is never renewed,
+        # evaluated at the last step
+        assert all((s.train.steps, s.train.lr, s.eval_cfg.every) == (64, 1e-4, 8) for s in specs)
     elif name == "laptop_pilot_headroom_lr":  # the 3-digit world at higher lr, the same lr for every regime
         assert all(s.task_cfg.world["digits"] == 3 and s.seed == 0 for s in specs)
         assert sorted(s.train.lr for s in specs) == [3e-5] * 3 + [1e-4] * 3 + [3e-4] * 3
