@@ -24,8 +24,8 @@ test *ARGS:
 test-gpu *ARGS:
     {{py}} -m pytest -q -m gpu {{ARGS}}
 
-# the SmolLM2 runs kept outside `just test` for its time budget (online GRPO with sampler=hf, online DPO and KTO
-# with sampler=vllm, offline DPO/KTO/GRPO on its own samples then eval and report)
+# the SmolLM2 run kept outside `just test` for its time budget (offline DPO/KTO/GRPO on its own samples, then eval
+# and report)
 test-real-model *ARGS:
     {{py}} -m pytest -q -n 2 --dist loadfile -m real_model_long {{ARGS}}
 

@@ -35,9 +35,11 @@ SMOLLM2 = ["model=smollm2", "task=chat_arithmetic", f"world_cache={MODEL_CACHE}"
            "eval.batch_size=4", "data.max_new_tokens=12", "train.lr=1e-5"]
 
 
-# Variables read when an interpreter or a native library starts (a sitecustomize on PYTHONPATH, the kernel set, thread
-# pools): a run given one of these starts a fresh interpreter, as a user's would
-STARTUP_ENV = ("PYTHON", "ATEN_", "OMP_", "MKL_", "KMP_", "LD_", "OPENBLAS_", "MALLOC_")
+# Variables read when an interpreter, a native library or a preloaded module starts (a sitecustomize on PYTHONPATH,
+# the kernel set, thread pools, huggingface_hub's cache and offline flags, home-relative cache paths): a run given
+# one of these starts a fresh interpreter, as a user's would
+STARTUP_ENV = ("PYTHON", "ATEN_", "OMP_", "MKL_", "KMP_", "LD_", "OPENBLAS_", "MALLOC_", "HF_", "HUGGINGFACE_",
+               "TRANSFORMERS_", "TORCH", "CUDA_", "HOME", "XDG_")
 
 
 def run_cli(args: list[str], cwd: Path, env_extra: dict | None = None, timeout: int = 600):
