@@ -68,6 +68,7 @@ def test_every_sweep_point_composes_and_validates(name):
         grid = {("grpo", "online", False), ("grpo", "online", True)}
         assert len(points) == cfg.regime_study_size == 3 * 2
         assert points[:3] == [["seed=0", f"regime={r}"] for r in ("hl_online", "stale16", "hl_stale16_sync1_lo1")]
+        resolve(_compose(["experiment=smollm2_demo"]))  # `train -m` validates the sweep's base before any point
         c = resolve(_compose(["experiment=smollm2_demo", "regime=stale16"]))
         # one stale round serves the whole run: 16 steps x 4 groups = 64 prompts, every train prompt once
         assert (c.train.steps, c.train.batch_size, c.data_cfg.generate_every, c.data_cfg.prompts_per_round) == (16, 4, 16, 64)
