@@ -64,6 +64,15 @@ def test_every_sweep_point_composes_and_validates(name):
         grid = {("grpo", "online", False)}
         assert len(points) == cfg.regime_study_size == 4 * 3 and cfg.hydra.launcher.n_jobs == 1
         assert [p[1] for p in points[:4]] == [f"regime={r}" for r in ("online", "stale16", "stale64", "async1")]
+    if name == "smollm2_demo":  # the real model: online humanline, stale-16 plain and humanline, 2 seeds, seed-major
+        grid = {("grpo", "online", False), ("grpo", "online", True)}
+        assert len(points) == cfg.regime_study_size == 3 * 2
+        assert points[:3] == [["seed=0", f"regime={r}"] for r in ("hl_online", "stale16", "hl_stale16_sync1_lo1")]
+        resolve(_compose(["experiment=smollm2_demo"]))  # `train -m` validates the sweep's base before any point
+        c = resolve(_compose(["experiment=smollm2_demo", "regime=stale16"]))
+        # one stale round serves the whole run: 16 steps x 4 groups = 64 prompts, every train prompt once
+        assert (c.train.steps, c.train.batch_size, c.data_cfg.generate_every, c.data_cfg.prompts_per_round) == (16, 4, 16, 64)
+        assert cfg.task.generator.n_train == 64 and cfg.task.generator.n_eval == cfg.eval.n_prompts == 86
     if name.startswith("laptop_pilot_headroom") or name.startswith("laptop_headroom"):  # GRPO, stale rounds
         grid = {("grpo", "online", False), ("grpo", "online", True)}
     if name == "laptop_headroom_pairs":  # the study's regimes with DPO and KTO
