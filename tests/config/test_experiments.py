@@ -71,7 +71,8 @@ def test_every_sweep_point_composes_and_validates(name):
         resolve(_compose(["experiment=smollm2_demo"]))  # `train -m` validates the sweep's base before any point
         c = resolve(_compose(["experiment=smollm2_demo", "regime=stale16"]))
         # one stale round serves the whole run: 16 steps x 4 groups = 64 prompts, every train prompt once
-        assert (c.train.steps, c.train.batch_size, c.data_cfg.generate_every, c.data_cfg.prompts_per_round) == (16, 4, 16, 64)
+        shape = (c.train.steps, c.train.batch_size, c.data_cfg.generate_every, c.data_cfg.prompts_per_round)
+        assert shape == (16, 4, 16, 64)
         assert cfg.task.generator.n_train == 64 and cfg.task.generator.n_eval == cfg.eval.n_prompts == 86
     if name.startswith("laptop_pilot_headroom") or name.startswith("laptop_headroom"):  # GRPO, stale rounds
         grid = {("grpo", "online", False), ("grpo", "online", True)}
