@@ -201,8 +201,7 @@ def measure(overrides: list[str], console, steps: int = 6, prompts: int = 64) ->
 
     load_before = _loadavg()
     spec = compose_online(overrides)
-    # training first: a run samples in a process that has trained, and such a process generates faster than a fresh
-    # one (the same HF-sampler call of 512 sequences timed ~25% slower in a fresh process on this project's CPU)
+    # training first: a run samples in a process that has trained, so its generation calls are timed in that state
     console.print("[dim]constants: training steps at the run's batch size and at half of it[/]")
     tr = training_constants(overrides, steps)
     console.print("[dim]constants: generation, labelling, push, sync[/]")
