@@ -26,7 +26,7 @@ def _points(cfg) -> list[list[str]]:
 @pytest.mark.parametrize("name,size", [("laptop_pilot_headroom", 6), ("laptop_pilot_headroom_lr", 9),
                                        ("laptop_pilot_short", 8), ("laptop_headroom", 15),
                                        ("laptop_headroom_pairs", 18),
-                                       ("laptop_headroom_frontier", 42)])
+                                       ("laptop_headroom_frontier", 42), ("laptop_headroom_authors", 18)])
 def test_headroom_experiments_compose_with_their_stated_size(name, size):
     from humanline_cli.config import resolve, round_prompts
 
@@ -52,10 +52,23 @@ def test_headroom_experiments_compose_with_their_stated_size(name, size):
     assert all(s.task_cfg.world["n_eval_prompts"] == 1024 and s.task_cfg.world["format"] == "plain" for s in specs)
     hl = [s for s in specs if s.humanline_on]
     assert all((s.humanline.sync_every, s.humanline.log_eps_P, s.humanline.log_eps_R) == (16, -1.5, 1.5) for s in hl)
+    if name == "laptop_headroom_authors":  # the study's regimes at paper_math's objective and sampling settings
+        paper = resolve(_compose("experiment=paper_math"))
+        assert len(hl) == 6 and {s.seed for s in specs} == {1, 2, 3}
+        assert sorted({s.train.lr for s in specs}) == [1e-6, 1e-4] and [p[0] for p in points[:9]] == ["train.lr=1e-06"] * 9
+        for s in specs:
+            assert (s.train.steps, s.task_cfg.world["digits"]) == (64, 3)
+            for field in ("beta", "tempered_logps", "aggregation", "std_ddof", "std_eps"):
+                assert getattr(s.objective_cfg, field) == getattr(paper.objective_cfg, field), field
+            assert s.train.weight_decay == paper.train.weight_decay == 0.0
+            assert s.data_cfg.temperature == paper.data_cfg.temperature == 0.7
+        return
     if name == "laptop_headroom_frontier":
         assert len(hl) == 21 and {s.seed for s in specs} == {1, 2, 3}
-        assert sorted({s.data_cfg.generate_every for s in specs}) == [2, 8, 16, 32, 64, 100, 200]
-        assert all(s.task_cfg.world["digits"] == 3 for s in specs)
+        assert sorted({s.data_cfg.generate_every for s in specs}) == [1, 2, 4, 8, 16, 32, 64]
+        # the study's setting, so that K=1 / K=64 off / K=64 on are its online / stale64 / humanline regimes
+        assert all(s.task_cfg.world["digits"] == 3 and (s.train.steps, s.train.lr) == (64, 1e-4) for s in specs)
+        assert all(s.train.steps % s.eval_cfg.every == 0 for s in specs)
         return
     if name == "laptop_pilot_short":  # short runs, online and stale64 only: stale64 never regenerates (T <= 64)
         assert not hl and all(s.seed == 0 and s.task_cfg.world["digits"] == 3 for s in specs)
