@@ -18,16 +18,11 @@ run *ARGS:
 
 # the test suite: two worker processes (tests run torch on one thread each), whole files per worker
 test *ARGS:
-    {{py}} -m pytest -q -n 2 --dist loadfile -m "not real_model_long and not gpu" --durations=25 {{ARGS}}
+    {{py}} -m pytest -q -n 2 --dist loadfile -m "not gpu" --durations=25 {{ARGS}}
 
 # the tests marked gpu, on a CUDA machine (each fails where torch sees no CUDA device)
 test-gpu *ARGS:
     {{py}} -m pytest -q -m gpu {{ARGS}}
-
-# the SmolLM2 run kept outside `just test` for its time budget (offline DPO/KTO/GRPO on its own samples, then eval
-# and report)
-test-real-model *ARGS:
-    {{py}} -m pytest -q -n 2 --dist loadfile -m real_model_long {{ARGS}}
 
 # tests comparing two computations equal in exact arithmetic (packed vs padded, N ranks vs 1, micro-batches,
 # chunked vs full logits, cached reference, LoRA): they run in float64 (backend.precision=fp64)
@@ -63,16 +58,25 @@ memory-check *ARGS:
 gpu-check *ARGS:
     {{py}} -m humanline_cli.bench.gpu_check {{ARGS}}
 
-# the cost model's check on this machine (docs/performance.md): constants, the 12-run sweep, constants again,
-# then the prediction from each beside the measurement; niced, one job at a time, the load recorded before and after
+# the cost model's check on this machine (docs/performance.md): the constants measured before the 12-run sweep and
+# after each of its three seeds (four sets), pooled (each constant's median, its spread kept), then the prediction
+# from the pooled set and from the first and last sets beside the measurement; niced, one job at a time, the load
+# recorded before and after
 speed-check *ARGS:
-    mkdir -p runs/experiments/laptop_speed_check
-    cat /proc/loadavg > runs/experiments/laptop_speed_check/loadavg.txt
-    nice -n 10 {{venv}}/bin/humanline bench constants=true prompts=1024 experiment=laptop_speed_check out=runs/experiments/laptop_speed_check/constants.json {{ARGS}}
-    nice -n 10 {{venv}}/bin/humanline train -m experiment=laptop_speed_check {{ARGS}}
-    nice -n 10 {{venv}}/bin/humanline bench constants=true prompts=1024 experiment=laptop_speed_check out=runs/experiments/laptop_speed_check/constants_after.json {{ARGS}}
-    cat /proc/loadavg >> runs/experiments/laptop_speed_check/loadavg.txt
-    {{venv}}/bin/humanline report runs/experiments/laptop_speed_check --target runs/experiments/laptop_speed_check/constants.json --target runs/experiments/laptop_speed_check/constants_after.json --target h100 --target h200x8
+    #!/usr/bin/env bash
+    set -euo pipefail
+    d=runs/experiments/laptop_speed_check
+    mkdir -p $d
+    cat /proc/loadavg > $d/loadavg.txt
+    bench() { nice -n 10 {{venv}}/bin/humanline bench constants=true prompts=1024 experiment=laptop_speed_check out=$d/constants_$1.json {{ARGS}}; }
+    bench 0
+    for seed in 0 1 2; do
+        nice -n 10 {{venv}}/bin/humanline train -m experiment=laptop_speed_check seed=$seed {{ARGS}}
+        bench $((seed + 1))
+    done
+    cat /proc/loadavg >> $d/loadavg.txt
+    {{venv}}/bin/humanline bench pool=$d/constants_0.json,$d/constants_1.json,$d/constants_2.json,$d/constants_3.json out=$d/constants_pooled.json
+    {{venv}}/bin/humanline report $d --target $d/constants_pooled.json --target $d/constants_0.json --target $d/constants_3.json --target h100 --target h200x8
 
 lint:
     {{venv}}/bin/ruff check humanline_cli tests

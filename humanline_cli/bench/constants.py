@@ -244,3 +244,59 @@ def print_constants(res: dict, console) -> None:
     for chk in res["detail"]["generation"]["check_inner_calls"]:
         console.print(f"  call of {chk['sequences']} sequences, from its neighbours: predicted "
                       f"{chk['predicted_s']:.3f} s, measured {chk['measured_s']:.3f} s", highlight=False)
+
+
+def pool_constants(sets: list[dict], names: list[str]) -> dict:
+    """One constants file from several measured on the same machine for the same run (`humanline bench
+    pool=a.json,b.json,...`): each constant the median over the sets, each size of the sampler's curve likewise,
+    and every constant's spread (min, median, max, (max - min) / median) kept beside it, so that a prediction says
+    how far the machine itself moved while the sets were measured."""
+    if len(sets) < 2:
+        raise UserError("bench pool=: give at least two constants files (comma-separated)")
+    first = sets[0]
+    for name, d in zip(names, sets):
+        if "constants" not in d or d.get("target") != "this":
+            raise UserError(f"bench pool=: {name} is not a constants file of `humanline bench constants=true`")
+        if (d.get("model"), d.get("threads"), d.get("overrides")) != (first.get("model"), first.get("threads"),
+                                                                     first.get("overrides")):
+            raise UserError(f"bench pool=: {name} was measured for another run than {names[0]} (model, threads or "
+                            f"overrides differ)")
+    spread, pooled = {}, {}
+    for key, v in first["constants"].items():
+        if key == "sample_curve":
+            continue
+        if isinstance(v, (int, float)) and all(isinstance(d["constants"].get(key), (int, float)) for d in sets):
+            vals = [float(d["constants"][key]) for d in sets]
+            pooled[key] = statistics.median(vals)
+            spread[key] = _spread(vals)
+        else:
+            pooled[key] = v
+    curves = [dict((int(m), float(r)) for m, r in d["constants"].get("sample_curve", ())) for d in sets]
+    sizes = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    pooled["sample_curve"] = [[m, statistics.median(c[m] for c in curves)] for m in sizes]
+    for m in sizes:
+        spread[f"sample_curve@{m}"] = _spread([c[m] for c in curves])
+    if pooled["sample_curve"]:  # the peak is the largest call's rate, as each set defines it
+        pooled["sample_tokens_per_s"] = pooled["sample_curve"][-1][1]
+    times = [d.get("source", "").partition(" at ")[2].partition(" (")[0] for d in sets]
+    return {**{k: v for k, v in first.items() if k not in ("constants", "detail", "source", "loadavg_before",
+                                                            "loadavg_after")},
+            "source": f"median of {len(sets)} sets of `humanline bench constants=true` measured on {first.get('host')} "
+                      f"from {times[0] or '?'} to {times[-1] or '?'} ({', '.join(names)})",
+            "constants": pooled, "spread": spread, "pooled_from": names,
+            "loadavg": [[d.get("loadavg_before"), d.get("loadavg_after")] for d in sets]}
+
+
+def _spread(vals: list[float]) -> dict:
+    med = statistics.median(vals)
+    rel = (max(vals) - min(vals)) / med if med and math.isfinite(med) else 0.0
+    return {"min": min(vals), "median": med, "max": max(vals), "spread": rel, "values": vals}
+
+
+def print_pooled(res: dict, console) -> None:
+    console.print(f"constants pooled: {res['source']}", highlight=False)
+    console.print(f"  {'constant':26s} {'min':>12s} {'median':>12s} {'max':>12s} {'(max-min)/median':>17s}",
+                  highlight=False)
+    for k, s in res["spread"].items():
+        console.print(f"  {k:26s} {s['min']:12.5g} {s['median']:12.5g} {s['max']:12.5g} {s['spread']:17.1%}",
+                      highlight=False)

@@ -15,7 +15,10 @@ model=..., backend=cuda, train.max_length=..., train.micro_batch_size=..., hl.sy
                     bound max(sample, train) per round (bench/async_bench.py)
     constants=false true: instead, the cost model's constants of this machine for the composed online run
                     (bench/constants.py; `humanline report DIR --target FILE` predicts from them): generation
-                    at 1, prompts/8 and prompts prompts, training for constant_steps=6 steps at 2 batch sizes
+                    at 1, prompts/64, /16, /4 and prompts prompts, training for constant_steps=12 steps at 2
+                    batch sizes
+    pool=           a.json,b.json,...: instead, one constants file from several sets measured for the same run
+                    (each constant's median over them, its spread kept beside it) -> out=
     out=runs/bench/<objective>-<time>.json
 
 Systems run interleaved (project, project+humanline, TRL, project, ...) so a shared machine's drift
@@ -55,7 +58,7 @@ from humanline_cli.sources.source import SourceWrapper
 
 DEFAULTS = {"steps": 20, "warmup": 2, "repeats": 2, "batch_size": None, "threads": None, "trl": "auto",
             "cache": True, "sampler": False, "prompts": 64, "out": None, "async_rounds": 0,
-            "constants": False, "constant_steps": 6}
+            "constants": False, "constant_steps": 12, "pool": None}
 GRPO_NOTE = ("TRL's GRPOTrainer only trains on its own generations (no offline groups): its row times "
              "GRPOTrainer.compute_loss on the same fixed groups (reference forward, loss, backward, clip, AdamW "
              "step in the bench's loop), not GRPOTrainer.train")
@@ -81,7 +84,7 @@ def parse_args(args: list[str]) -> tuple[dict, list[str]]:
 
 
 def _value(key: str, value: str):
-    if key in ("out",):
+    if key in ("out", "pool"):
         return value
     low = value.lower()
     if low in ("true", "false"):
@@ -350,6 +353,22 @@ def _main_async(opts: dict, overrides: list[str], console) -> int:
     return _write_result(res, opts, "async-", print_async, console)
 
 
+def _main_pool(opts: dict, overrides: list[str], console) -> int:
+    from humanline_cli.bench.constants import pool_constants, print_pooled
+
+    if overrides:
+        raise UserError(f"bench pool=: takes no overrides (got {' '.join(overrides)})")
+    names = [n for n in opts["pool"].split(",") if n]
+    sets = []
+    for n in names:
+        try:
+            sets.append(json.loads(Path(n).read_text()))
+        except (OSError, ValueError) as e:
+            raise UserError(f"bench pool=: cannot read {n} ({type(e).__name__}: {e})") from None
+    res = pool_constants(sets, [Path(n).name for n in names])
+    return _write_result(res, opts, "constants-pooled-", print_pooled, console)
+
+
 def _write_result(res: dict, opts: dict, prefix: str, printer, console) -> int:
     """The bench's JSON (`out=` or runs/bench/<prefix><objective>-<time>.json), then its table."""
     out = Path(opts["out"] or f"runs/bench/{prefix}{res['objective']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
@@ -369,6 +388,8 @@ def main_bench(args: list[str]) -> int:
     console = Console()
     try:
         opts, overrides = parse_args(args)
+        if opts["pool"]:
+            return _main_pool(opts, overrides, console)
         if opts["async_rounds"]:
             return _main_async(opts, overrides, console)
         if opts["constants"]:

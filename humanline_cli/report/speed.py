@@ -163,7 +163,8 @@ def speed_rows(runs: list, specs: list[TargetSpec]) -> tuple[list[SpeedRow], lis
                 skipped += 1
                 continue
             t, shape = tf
-            sources[spec.name] = t.source + "".join(f"; {k} {v}" for k, v in t.notes.items())
+            sources[spec.name] = t.source + "".join(f"; {k} {v}" for k, v in t.notes.items()) + \
+                spread_note(spec.constants)
             bpp = spec.constants.get("bytes_per_param", 4) if spec.constants is not None else 2  # GPU targets: bf16
             work = run_work(r, shape.matmul_params, bpp * shape.params)
             if work is None:
@@ -179,6 +180,17 @@ def speed_rows(runs: list, specs: list[TargetSpec]) -> tuple[list[SpeedRow], lis
             meas = _mean_phases([m for _, m, _ in items]) if spec.constants is not None else None
             rows.append(SpeedRow(spec.name, items[0][2].estimated, task, obj, regime, len(items), pred, meas))
     return rows, notes, sources
+
+
+def spread_note(constants: dict | None) -> str:
+    """A pooled constants file's spread over its sets, for the constants the loop's phases rest on."""
+    spread = (constants or {}).get("spread") or {}
+    keys = [k for k in spread if k in ("train_flops_per_s", "other_step_s", "call_fixed_s", "label_s_per_seq")
+            or k.startswith("sample_curve@")]
+    if not keys:
+        return ""
+    return ("; spread of each constant over the sets, (max - min) / median: "
+            + ", ".join(f"{k} {spread[k]['spread']:.0%}" for k in keys))
 
 
 def _mean_phases(dicts: list[dict]) -> dict:

@@ -26,7 +26,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from humanline_cli.train.checkpoint import Checkpoints
 from humanline_cli.train.finish import finish, header, print_summary
 from humanline_cli.train.lock import RunDirLock
 from humanline_cli.train.rundir import is_complete, prepare_run_dir
-from humanline_cli.train.signals import StepMarker, StopSignal, interrupted_where
+from humanline_cli.train.signals import StepMarker, StopSignal, ignore_further_ctrl_c, interrupted_where
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.train.tracking import (
     NullTracker,
@@ -320,9 +319,9 @@ def run_rank(spec: RunSpec, ctx: Context, console: Console | None = None) -> dic
     except BaseException as caught:
         e = out_of_memory(caught) or caught  # one line instead of torch's allocator traceback
         where = interrupted_where(e, trained, at) if isinstance(e, KeyboardInterrupt) else None
-        if where is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C (the agent forwards one) must not
-        failed = failure_record(e, timer.report(), where)  # cut failed.json short
+        if where is not None:
+            ignore_further_ctrl_c()
+        failed = failure_record(e, timer.report(), where)
         if ctx.distributed:
             failed = _rank_failure(e, ctx, spec, failed, where, timer)
         note = write_failed_json(ctx.run_dir / "failed.json", failed) if ctx.main and ctx.run_dir.is_dir() else None

@@ -244,14 +244,23 @@ def test_ctrl_c_mid_training_is_one_line_exit_130_and_failed_json(world, tmp_pat
 def test_an_interruption_carries_its_step():
     """Ctrl-C inside the training loop (StepMarker) becomes Interrupted("at step N"); elsewhere the job
     says before or after training. No frame is read."""
+    import signal
+
     from humanline_cli.errors import Interrupted
     from humanline_cli.train.signals import StepMarker, interrupted_where
 
-    with pytest.raises(Interrupted) as e, StepMarker() as at:
-        for step in range(1, 10):
-            at.step = step
-            if step == 7:
-                raise KeyboardInterrupt
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(Interrupted) as e, StepMarker() as at:
+            for step in range(1, 10):
+                at.step = step
+                if step == 7:
+                    raise KeyboardInterrupt
+        # from the first Ctrl-C on, further ones are ignored: the run's ending (the progress bar's last line, the
+        # failure record) is not cut short by the second one torch's agent forwards to every rank
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert isinstance(e.value, KeyboardInterrupt) and interrupted_where(e.value) == "at step 7"
     # a second Ctrl-C (torch's agent forwards one to every rank) raised while the first unwinds keeps its step
     first = e.value

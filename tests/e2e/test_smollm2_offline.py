@@ -102,7 +102,6 @@ def test_sample_of_the_model_itself(sampled):
         assert all("<|im_end|>" not in c for c in g["completions"])  # the stop token never reaches the text
 
 
-@pytest.mark.real_model_long
 def test_offline_dpo_kto_grpo_on_own_samples_then_eval_and_report(sampled, tmp_path):
     runs = tmp_path / "runs"
     # every prompt's best vs worst sample, its scores dropped: tied pairs (both right or both wrong, likely with 3

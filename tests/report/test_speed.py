@@ -165,3 +165,49 @@ def test_fit_line_by_hand():
     assert fit_line([(100, 1.5), (200, 2.5), (300, 3.5)]) == pytest.approx((0.5, 0.01))
     # a negative intercept is noise: the line through the origin with the mean ratio sum(y) / sum(x)
     assert fit_line([(100, 0.5), (200, 1.6)]) == pytest.approx((0.0, 2.1 / 300))
+
+
+def test_pooled_constants_are_medians_with_their_spread_and_predict(tmp_path, capsys):
+    """`humanline bench pool=a,b,c`: each constant the median of three sets, the curve per size likewise, every
+    constant's spread kept; the report reads the pooled file as a target and names the spread."""
+    from humanline_cli.bench.project import main_bench
+
+    files = []
+    for i, (flops, other, curve512) in enumerate([(8000.0, 0.25, 12.0), (6000.0, 0.35, 10.0), (10000.0, 0.30, 9.0)]):
+        d = json.loads(json.dumps(CONSTANTS))
+        d.update(threads=1, overrides=["experiment=x"], host="vm", objective="grpo",
+                 source=f"measured by `humanline bench constants=true` on vm at 2026-12-02 0{i}:00:00 UTC (loadavg 1)")
+        d["constants"].update(train_flops_per_s=flops, other_step_s=other, sample_curve=[[8, 5.0 + i], [512, curve512]])
+        files.append(tmp_path / f"c{i}.json")
+        files[-1].write_text(json.dumps(d))
+    out = tmp_path / "pooled.json"
+    assert main_bench([f"pool={','.join(map(str, files))}", f"out={out}"]) == 0
+    p = json.loads(out.read_text())
+    c = p["constants"]
+    assert c["train_flops_per_s"] == 8000.0 and c["other_step_s"] == 0.30 and c["call_fixed_s"] == 0.5
+    assert c["sample_curve"] == [[8, 6.0], [512, 10.0]] and c["sample_tokens_per_s"] == 10.0  # the largest call's
+    s = p["spread"]
+    assert s["train_flops_per_s"]["spread"] == pytest.approx((10000 - 6000) / 8000, rel=1e-12)  # 50%
+    assert s["sample_curve@512"]["spread"] == pytest.approx((12 - 9) / 10, rel=1e-12)
+    assert s["call_fixed_s"]["spread"] == 0.0 and p["pooled_from"] == ["c0.json", "c1.json", "c2.json"]
+    assert "median of 3 sets" in p["source"] and "00:00:00" in p["source"] and "02:00:00" in p["source"]
+    printed = capsys.readouterr().out
+    assert "train_flops_per_s" in printed and "50.0%" in printed  # the spread table
+    spec = parse_target(str(out))
+    assert spec.constants["constants"]["train_flops_per_s"] == 8000.0
+    from humanline_cli.report.speed import spread_note
+
+    assert "train_flops_per_s 50%" in spread_note(p) and "sample_curve@512 30%" in spread_note(p)
+
+
+def test_pooling_refuses_sets_of_another_run(tmp_path, capsys):
+    from humanline_cli.bench.project import main_bench
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({**CONSTANTS, "threads": 1, "overrides": ["experiment=x"]}))
+    b.write_text(json.dumps({**CONSTANTS, "threads": 2, "overrides": ["experiment=x"]}))
+    out = tmp_path / "pooled.json"
+    assert main_bench([f"pool={a},{b}", f"out={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "b.json was measured for another run" in err[0] and not out.exists()
+    assert main_bench([f"pool={a}", f"out={out}"]) == 2 and not out.exists()
