@@ -4,7 +4,8 @@ threads), written to a JSON file `humanline report --target FILE` reads.
 
 - generation: the run's sampler on the run's prompts and sampling settings at call sizes of 1, prompts / 64,
   prompts / 16, prompts / 4 and `prompts` prompts x n samples (prompts=64 by default; give the largest call the
-  sweep makes, e.g. prompts=1024 for stale-64 rounds of 1024 prompts), each timed 3 times (median); the fixed
+  sweep makes, e.g. prompts=1024 for stale-64 rounds of 1024 prompts), each timed 3 to 15 times, as many as
+  span about 3 s (median); the fixed
   cost per call is a call of one sequence and one token; the latency per decoding step comes from the smallest
   real call (one wave: latency-bound), the peak tokens/s from the largest (throughput-bound), and every size's
   tokens/s is kept as the sampler's curve (the report interpolates it at each call's size); each inner size is
@@ -34,6 +35,9 @@ import time
 from pathlib import Path
 
 from humanline_cli.errors import UserError
+
+
+REPEAT_SPAN_S = 3.0  # seconds of timed calls per generation size (3 to 15 calls)
 
 
 def call_sizes(prompts: int) -> tuple[int, ...]:
@@ -84,11 +88,15 @@ def generation_constants(source, concurrency: int, sizes: tuple[int, ...]) -> di
     for k, size in enumerate(sizes):
         prompts = [enc.prompt_ids(rows[i % len(rows)]["prompt"]) for i in range(size)]
         p = SamplingParams(**{**vars(params), "seed": 7 + k})
+        t0 = time.perf_counter()
         sampler.generate(prompts, p)  # untimed: the first call at a new shape
-        s, out = _median_time(lambda prompts=prompts, p=p: sampler.generate(prompts, p), 3)
+        # a short call is timed often enough to span about REPEAT_SPAN_S seconds: one call of a few tenths of a
+        # second moves by a quarter between measurements on a shared host, the median of many moves less
+        repeats = min(15, max(3, math.ceil(REPEAT_SPAN_S / max(time.perf_counter() - t0, 1e-3))))
+        s, out = _median_time(lambda prompts=prompts, p=p: sampler.generate(prompts, p), repeats)
         lengths = [len(ids) for ids in out.token_ids]
         calls.append({"prompts": size, "sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
-                      "seconds": s, "tokens_per_s": sum(lengths) / max(s - fixed, 1e-9), "completions": out})
+                      "seconds": s, "repeats": repeats, "tokens_per_s": sum(lengths) / max(s - fixed, 1e-9), "completions": out})
     small, big = calls[0], calls[-1]
     waves = math.ceil(small["sequences"] / concurrency)
     decode_step = max(small["seconds"] - fixed, 1e-9) / (waves * small["longest"])

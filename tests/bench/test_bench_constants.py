@@ -27,6 +27,9 @@ def test_constants_follow_from_the_recorded_timings(tmp_path):
     calls = d["detail"]["generation"]["calls"]
     # 1, then 16 / 64, / 16 (both raised to 2 prompts, kept once), / 4 and 16 prompts, x 8 samples
     assert [x["sequences"] for x in calls] == [8 * s for s in (1, 2, 4, 16)]
+    # each size timed as often as spans about 3 s, 3 to 15 calls: a call's time is a median of many
+    # (the one-prompt call takes a few hundredths of a second: the cap, 15)
+    assert all(3 <= x["repeats"] <= 15 for x in calls) and calls[0]["repeats"] == 15
     assert c["concurrency"] == 256  # the HF sampler's batch size (conf/sampler: schema default)
     # peak tokens/s: the largest call's tokens over its time less the one-token call's fixed cost
     big = calls[-1]
