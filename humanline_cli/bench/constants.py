@@ -36,7 +36,6 @@ from pathlib import Path
 
 from humanline_cli.errors import UserError
 
-
 REPEAT_SPAN_S = 3.0  # seconds of timed calls per generation size (3 to 15 calls)
 
 
