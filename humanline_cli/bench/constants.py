@@ -95,7 +95,8 @@ def generation_constants(source, concurrency: int, sizes: tuple[int, ...]) -> di
         s, out = _median_time(lambda prompts=prompts, p=p: sampler.generate(prompts, p), repeats)
         lengths = [len(ids) for ids in out.token_ids]
         calls.append({"prompts": size, "sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
-                      "seconds": s, "repeats": repeats, "tokens_per_s": sum(lengths) / max(s - fixed, 1e-9), "completions": out})
+                      "seconds": s, "repeats": repeats, "tokens_per_s": sum(lengths) / max(s - fixed, 1e-9),
+                      "completions": out})
     small, big = calls[0], calls[-1]
     waves = math.ceil(small["sequences"] / concurrency)
     decode_step = max(small["seconds"] - fixed, 1e-9) / (waves * small["longest"])
