@@ -80,7 +80,35 @@ def test_every_sweep_point_composes_and_validates(name):
         grid = {(o, "online", h) for o in ("dpo", "kto") for h in (True, False)}
     if name == "laptop_pilot_short":  # online and stale64 (stale rounds are online data), no humanline
         grid = {("grpo", "online", False)}
+    if name == "laptop_one_pass":  # online, plain offline and humanline offline, DPO and KTO
+        grid = {(o, d, h) for o in ("dpo", "kto") for d, h in (("online", False), ("offline", False),
+                                                               ("offline", True))}
     assert seen == grid
+
+
+def test_one_pass_study_trains_one_pass_over_the_self_sampled_groups():
+    cfg, points = _sweep_points("laptop_one_pass")
+    assert len(points) == cfg.regime_study_size == 3 * 2 * 2 * 3
+    assert cfg.hydra.launcher._target_.endswith("BasicLauncher")  # one run at a time
+    # seeds outer: an interrupted sweep keeps whole seeds, each with both learning rates
+    assert [p[0] for p in points[:12]] == ["seed=1"] * 12 and [p[1] for p in points[:12]] == \
+        ["train.lr=1e-06"] * 6 + ["train.lr=3e-06"] * 6
+    specs = [resolve(_compose(["experiment=laptop_one_pass", *p])) for p in points]
+    assert {s.seed for s in specs} == {1, 2, 3} and sorted({s.train.lr for s in specs}) == [1e-6, 3e-6]
+    # the built world's offline_groups.jsonl: 3,699 of its 4,096 prompts have 8 samples that differ in score
+    # (docs/results.md); one pass is ceil(3699 / 32) DPO steps = ceil(2 * 3699 / 64) KTO steps = 116
+    for s in specs:
+        assert s.train.steps == -(-3699 * (2 if s.objective == "kto" else 1) // s.train.batch_size) == 116
+        assert (s.eval_cfg.every, s.eval_cfg.n_prompts, s.eval_cfg.greedy, s.threads) == (58, 256, True, 1)
+        assert s.task_cfg.world["offline"]["source"] == "policy" and s.task_cfg.world["offline"]["n_per_prompt"] == 8
+        assert s.data_cfg.min_gap == 0.01  # offline pairs are built as online rounds build theirs
+    offline = [s for s in specs if s.regime == "offline"]
+    online = [s for s in specs if s.regime == "online"]
+    assert len(offline) == 24 and all(s.data_cfg.path == "world://offline_groups.jsonl" for s in offline)
+    assert sum(s.humanline_on for s in offline) == 12 and not any(s.humanline_on for s in online)
+    assert all(s.data_cfg.prompts == "world://prompts_train.jsonl" for s in online)  # the offline set's prompts
+    hl = [s for s in specs if s.humanline_on]
+    assert all((s.humanline.sync_every, s.humanline.log_eps_P, s.humanline.log_eps_R) == (1, -1.0, 1.5) for s in hl)
 
 
 def test_paper_studies_use_the_paper_settings():
