@@ -17,7 +17,8 @@ threads), written to a JSON file `humanline report --target FILE` reads.
   run's batch size and at half of it; every step's train phase against its forward tokens (metrics
   `tokens_processed`), the first step of each dropped (allocation); a least-squares line gives the per-step fixed
   cost and the FLOP/s of the per-token part (F x P x tokens / FLOP/s, F as the model counts it); the loop's time
-  outside the phases per step is `other`.
+  outside the phases per step is `other`; then the run's batch once more with data.async_lag=1 (the sampler
+  process beside the trainer): each phase's time there over its time alone is an `async_*_factor`;
 The training constants are measured first, so that the generation calls are timed in a process that has
 trained, as a run's are.
 The machine's load (/proc/loadavg) before and after is recorded: on a shared machine the constants hold only
@@ -160,12 +161,18 @@ def _mini_run(spec, tmp: Path) -> dict:
               rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
               console=Console(file=io.StringIO()), eval_every=spec.eval_cfg.every)
         wall = time.perf_counter() - t0
-        phases = sum(v - before.get(k, 0.0) for k, v in timer.seconds.items())
+        spent = {k: v - before.get(k, 0.0) for k, v in timer.seconds.items()}
+        lagged = bool(spec.data_cfg.async_lag)
+        # asynchronous rounds: `sample` is the sampler process's own time, overlapped with the loop's wall-clock
+        phases = sum(v for k, v in spent.items() if not (lagged and k == "sample"))
         rows = tracker.rows
         per_step = [(r["tokens_processed"], r["time/train"] - (rows[i - 1]["time/train"] if i else 0.0))
                     for i, r in enumerate(rows)]
         tracker.tracker.finish(0)
         return {"steps": len(rows), "per_step": per_step[1:], "other_s": max(wall - phases, 0.0),
+                "sample_s": spent.get("sample", 0.0), "rounds": max((int(r.get("online/round", 0)) for r in rows),
+                                                                     default=0),
+                "async_lag": int(spec.data_cfg.async_lag or 0),
                 "params": sum(p.numel() for p in parts.policy.parameters()),
                 "gradient_checkpointing": spec.train.gradient_checkpointing}
     finally:
@@ -185,22 +192,47 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return a, b
 
 
+def overlap_factors(alone: dict, beside: dict) -> dict:
+    """Asynchronous rounds' slowdowns from two mini-runs at the same batch and steps, without and with
+    data.async_lag=1: per-step train seconds, per-step `other`, and sampling seconds per round, beside / alone."""
+    def mean_step(r):
+        return statistics.fmean(s for _, s in r["per_step"])
+
+    def per_round(r):
+        return r["sample_s"] / max(r["rounds"], 1)
+
+    def ratio(a, b):
+        return a / b if b > 0 and a > 0 else 1.0
+
+    return {"async_train_factor": ratio(mean_step(beside), mean_step(alone)),
+            "async_other_factor": ratio(beside["other_s"] / beside["steps"], alone["other_s"] / alone["steps"]),
+            "async_sample_factor": ratio(per_round(beside), per_round(alone))}
+
+
 def training_constants(overrides: list[str], steps: int) -> dict:
     spec = compose_online(overrides)
     b = spec.train.batch_size
     runs = []
+    common = (f"train.steps={steps}", "train.log_every=1", "eval.every=0", "train.save_model=false",
+              "train.checkpoint_every=0")
     for batch in (b, max(1, b // 2)):
-        s = compose_online(overrides, (f"train.batch_size={batch}", f"train.steps={steps}", "train.log_every=1",
-                                       "eval.every=0", "train.save_model=false", "train.checkpoint_every=0"))
+        s = compose_online(overrides, (f"train.batch_size={batch}", *common, "data.async_lag=0"))
         with tempfile.TemporaryDirectory() as tmp:
             runs.append({"batch_size": batch, **_mini_run(s, Path(tmp))})
+    # the run's batch again with its rounds sampled one round ahead in the sampler process: what sharing the host
+    # costs each phase (the factors; the line below is fitted on the runs alone)
+    s = compose_online(overrides, (f"train.batch_size={b}", *common, "data.async_lag=1"))
+    with tempfile.TemporaryDirectory() as tmp:
+        lagged = {"batch_size": b, **_mini_run(s, Path(tmp))}
     points = [p for r in runs for p in r["per_step"]]
     a, slope = fit_line(points)
     p = runs[0]["params"]
     factor = 6 + 2 + 2 * bool(runs[0]["gradient_checkpointing"])  # online: the reference's forward every step
     other = sum(r["other_s"] for r in runs) / sum(r["steps"] for r in runs)
     return {"step_fixed_s": a, "train_flops_per_s": factor * p / slope, "other_step_s": other, "params": p,
-            "runs": [{k: v for k, v in r.items() if k != "per_step"} | {"points": r["per_step"]} for r in runs]}
+            **overlap_factors(runs[0], lagged),
+            "runs": [{k: v for k, v in r.items() if k != "per_step"} | {"points": r["per_step"]}
+                     for r in (*runs, lagged)]}
 
 
 def measure(overrides: list[str], console, steps: int = 6, prompts: int = 64) -> dict:
@@ -227,7 +259,9 @@ def measure(overrides: list[str], console, steps: int = 6, prompts: int = 64) ->
     constants = {**{k: v for k, v in gen.items() if k not in ("calls", "check_inner_calls")},
                  "push_fixed_s": push_s, "push_bytes_per_s": math.inf, "sync_fixed_s": sync_s, "sync_bytes_per_s": math.inf,
                  "step_fixed_s": tr["step_fixed_s"], "train_flops_per_s": tr["train_flops_per_s"],
-                 "other_step_s": tr["other_step_s"], "gpus": 1}
+                 "other_step_s": tr["other_step_s"], "async_sample_factor": tr["async_sample_factor"],
+                 "async_train_factor": tr["async_train_factor"], "async_other_factor": tr["async_other_factor"],
+                 "gpus": 1}
     return {"target": "this", "estimated": False, "objective": spec.objective, "host": socket.gethostname(),
             "cpus": os.cpu_count(),
             "threads": spec.threads, "model": spec.model, "params": tr["params"], "bytes_per_param": 4,

@@ -30,7 +30,9 @@ logging, bookkeeping of each round).
 Synchronous rounds add the phases. Asynchronous rounds (lag >= 1, the sampler in its own process) overlap round
 r + 1's sampling with round r's training: wall = s_1 + sum_r max(t_r, s_(r+1)), with s_r a call's sampling and
 t_r the trainer's time for round r (its steps' train, sync, other, its labelling and push); the trainer's idle
-time `wait_for_sample` is that wall minus the trainer's own phases.
+time `wait_for_sample` is that wall minus the trainer's own phases. The two processes share the host, so under
+asynchronous rounds each call's sampling, the train phase and `other` are scaled by the target's measured factors
+(`async_*_factor`: the phase's time beside the other process over its time alone; 1 where not measured).
 """
 from __future__ import annotations
 
@@ -61,6 +63,13 @@ class Target:
     sync_bytes_per_s: float      # device memory copy bandwidth of a sync
     other_step_s: float = 0.0    # per step, outside the phases (collation, logging)
     gpus: int = 1
+    # asynchronous rounds: the sampler process and the trainer run at once and share the host (caches, memory
+    # bandwidth, the interpreter's own threads); each factor is that phase's time beside the other over its time
+    # alone, measured by `humanline bench constants=true` (1.0: no measurement, e.g. a GPU target's sampler on
+    # its own device)
+    async_sample_factor: float = 1.0
+    async_train_factor: float = 1.0
+    async_other_factor: float = 1.0
     sample_curve: tuple = ()     # ((sequences per call on one device, tokens/s), ...) measured, by size
     notes: dict = field(default_factory=dict, compare=False)  # constant -> where its value comes from
 
@@ -127,17 +136,21 @@ def predict(work: Work, t: Target) -> dict:
     """Predicted seconds by phase (LOOP_PHASES, plus `wait_for_sample` under asynchronous rounds) and `loop`,
     the wall-clock of the training loop (setup, evaluation and saving are not modelled)."""
     r = len(work.calls)
-    sample_per_call = [call_s(c, t) for c in work.calls]
+    overlap = bool(work.async_lag and r)
+    f_sample, f_train, f_other = ((t.async_sample_factor, t.async_train_factor, t.async_other_factor) if overlap
+                                  else (1.0, 1.0, 1.0))
+    sample_per_call = [f_sample * call_s(c, t) for c in work.calls]
     out = {
         "sample": sum(sample_per_call),
         "push": r * _copy_s(t.push_fixed_s, work.weight_bytes, t.push_bytes_per_s),
         "label": sum(c.sequences for c in work.calls) * t.label_s_per_seq / t.gpus,
-        "train": work.steps * t.step_fixed_s + flops_per_token(work) * work.train_tokens / (t.gpus * t.train_flops_per_s),
+        "train": f_train * (work.steps * t.step_fixed_s
+                            + flops_per_token(work) * work.train_tokens / (t.gpus * t.train_flops_per_s)),
         "sync": work.syncs * _copy_s(t.sync_fixed_s, work.weight_bytes, t.sync_bytes_per_s),
-        "other": work.steps * t.other_step_s,
+        "other": f_other * work.steps * t.other_step_s,
     }
     trainer = out["push"] + out["label"] + out["train"] + out["sync"] + out["other"]
-    if work.async_lag and r:
+    if overlap:
         # each round's share of the trainer's time, in proportion to its steps (rounds hold equal steps)
         per_round = trainer / r
         wall = sample_per_call[0] + sum(max(per_round, sample_per_call[i + 1] if i + 1 < r else 0.0)
@@ -165,6 +178,7 @@ def target_from_json(d: dict) -> Target:
         "call_fixed_s", "sample_tokens_per_s", "decode_step_s", "concurrency", "push_fixed_s", "push_bytes_per_s",
         "label_s_per_seq", "train_flops_per_s", "step_fixed_s", "sync_fixed_s", "sync_bytes_per_s")}
     curve = tuple((float(m), float(r)) for m, r in c.get("sample_curve", ()))
+    factors = {k: float(c.get(k, 1.0)) for k in ("async_sample_factor", "async_train_factor", "async_other_factor")}
     return Target(name=d.get("target", "this"), source=d.get("source", "?"), estimated=bool(d.get("estimated", False)),
                   other_step_s=float(c.get("other_step_s", 0.0)), gpus=int(c.get("gpus", 1)), sample_curve=curve,
-                  **fields)
+                  **factors, **fields)

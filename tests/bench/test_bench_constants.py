@@ -43,12 +43,19 @@ def test_constants_follow_from_the_recorded_timings(tmp_path):
     assert c["decode_step_s"] == pytest.approx((small["seconds"] - c["call_fixed_s"]) / small["longest"], rel=1e-12)
     # training: the least-squares line through both mini-runs' (forward tokens, train seconds) points
     tr = d["detail"]["training"]
-    assert [t["batch_size"] for t in tr] == [4, 2]
-    a, b = fit_line([tuple(p) for t in tr for p in t["points"]])
+    assert [(t["batch_size"], t["async_lag"]) for t in tr] == [(4, 0), (2, 0), (4, 1)]
+    a, b = fit_line([tuple(p) for t in tr[:2] for p in t["points"]])  # the line: the runs without the sampler process
     assert c["step_fixed_s"] == pytest.approx(a, rel=1e-12)
     assert c["train_flops_per_s"] == pytest.approx(8 * d["params"] / b, rel=1e-12)  # online: 6 + 2 reference
     assert math.isinf(c["push_bytes_per_s"]) and c["push_fixed_s"] >= 0 and c["sync_fixed_s"] > 0
     assert c["label_s_per_seq"] > 0 and c["other_step_s"] >= 0
+    # the overlap factors: the run's batch with the sampler process beside it (lag 1) over the same batch alone
+    alone, beside = tr[0], tr[2]
+    step = lambda t: sum(s for _, s in t["points"]) / len(t["points"])  # noqa: E731
+    assert c["async_train_factor"] == pytest.approx(step(beside) / step(alone), rel=1e-12)
+    assert c["async_sample_factor"] == pytest.approx((beside["sample_s"] / beside["rounds"]) /
+                                                     (alone["sample_s"] / alone["rounds"]), rel=1e-12)
+    assert alone["rounds"] == beside["rounds"] == 3  # 3 steps of 4 groups, rounds of 4 prompts: one a step
 
 
 def test_constants_need_an_online_run(tmp_path):

@@ -104,6 +104,23 @@ def test_async_overlap():
     assert q["loop"] == pytest.approx(6.5 + max(trainer / 2, 0.8) + trainer / 2, rel=1e-12)
 
 
+def test_async_overlap_factors_scale_sampling_train_and_other():
+    lagged = Work(**{**vars(W), "async_lag": 1})
+    shared = Target(**{**vars(T), "async_sample_factor": 1.5, "async_train_factor": 1.1, "async_other_factor": 2.0})
+    p = predict(lagged, shared)
+    assert p["sample"] == pytest.approx(1.5 * 7.3, rel=1e-12)
+    assert p["train"] == pytest.approx(1.1 * 80.8, rel=1e-12) and p["other"] == pytest.approx(2.0 * 0.4, rel=1e-12)
+    trainer = 4.2 + 0.01 + 1.1 * 80.8 + 0.5 + 2.0 * 0.4  # 94.39 over 2 rounds
+    assert p["loop"] == pytest.approx(1.5 * 6.5 + trainer, rel=1e-12)  # the first call, then the trainer's pace
+    assert p["wait_for_sample"] == pytest.approx(1.5 * 6.5, rel=1e-12)
+    # synchronous rounds: the factors do not apply (one process at a time)
+    assert predict(W, shared) == predict(W, T)
+    assert target_from_json({"constants": {**{k: getattr(shared, k) for k in (
+        "call_fixed_s", "sample_tokens_per_s", "decode_step_s", "concurrency", "push_fixed_s", "push_bytes_per_s",
+        "label_s_per_seq", "train_flops_per_s", "step_fixed_s", "sync_fixed_s", "sync_bytes_per_s")},
+        "async_train_factor": 1.1}}).async_train_factor == 1.1
+
+
 def test_live_weights_push_is_fixed_cost_only():
     live = Target(**{**vars(T), "push_bytes_per_s": math.inf, "push_fixed_s": 0.0})
     assert predict(W, live)["push"] == 0.0
