@@ -163,8 +163,9 @@ def _mini_run(spec, tmp: Path) -> dict:
         wall = time.perf_counter() - t0
         spent = {k: v - before.get(k, 0.0) for k, v in timer.seconds.items()}
         lagged = bool(spec.data_cfg.async_lag)
-        # asynchronous rounds: `sample` is the sampler process's own time, overlapped with the loop's wall-clock
-        phases = sum(v for k, v in spent.items() if not (lagged and k == "sample"))
+        # asynchronous rounds: `sample` and `wait_for_trainer` are the sampler process's own times, overlapped with
+        # the loop's wall-clock, not part of it
+        phases = sum(v for k, v in spent.items() if not (lagged and k in ("sample", "wait_for_trainer")))
         rows = tracker.rows
         per_step = [(r["tokens_processed"], r["time/train"] - (rows[i - 1]["time/train"] if i else 0.0))
                     for i, r in enumerate(rows)]

@@ -55,6 +55,9 @@ def test_constants_follow_from_the_recorded_timings(tmp_path):
     assert c["async_train_factor"] == pytest.approx(step(beside) / step(alone), rel=1e-12)
     assert c["async_sample_factor"] == pytest.approx((beside["sample_s"] / beside["rounds"]) /
                                                      (alone["sample_s"] / alone["rounds"]), rel=1e-12)
+    assert c["async_other_factor"] == pytest.approx((beside["other_s"] / beside["steps"]) /
+                                                    (alone["other_s"] / alone["steps"]), rel=1e-12)
+    assert beside["other_s"] > 0  # the sampler process's own times (sample, its wait for the trainer) are not the loop's
     assert alone["rounds"] == beside["rounds"] == 3  # 3 steps of 4 groups, rounds of 4 prompts: one a step
 
 
