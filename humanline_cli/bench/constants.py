@@ -13,8 +13,9 @@ threads), written to a JSON file `humanline report --target FILE` reads.
 - labelling: the task's labeller on the largest call's completions, seconds per completion;
 - push and sync: sampler.push_weights(policy) and reference.sync(policy), 5 times each (median; fixed costs at
   this model's size: the bytes are inside them);
-- training: the real loop (trainer.train, the online source included) for `constant_steps` steps (6) at the
-  run's batch size and at half of it; every step's train phase against its forward tokens (metrics
+- training: the real loop (trainer.train, the online source included) for `constant_steps` steps (12) at the
+  run's batch size and at half of it (after an untimed 3-step run whose `other` beyond its steps' share is the
+  run's one-time cost, `other_once_s`); every step's train phase against its forward tokens (metrics
   `tokens_processed`), the first step of each dropped (allocation); a least-squares line gives the per-step fixed
   cost and the FLOP/s of the per-token part (F x P x tokens / FLOP/s, F as the model counts it); the loop's time
   outside the phases per step is `other`; then the run's batch once more with data.async_lag=1 (the sampler
@@ -218,8 +219,8 @@ def training_constants(overrides: list[str], steps: int) -> dict:
     # untimed: the process's one-time costs (lazy imports, first allocations, the tracker's first files) would
     # otherwise land in the first measured run's `other` and be counted again at every step of the prediction
     with tempfile.TemporaryDirectory() as tmp:
-        _mini_run(compose_online(overrides, (f"train.batch_size={b}", "train.steps=3", *common, "data.async_lag=0")),
-                  Path(tmp))
+        first = _mini_run(compose_online(overrides, (f"train.batch_size={b}", "train.steps=3", *common,
+                                                     "data.async_lag=0")), Path(tmp))
     common = (f"train.steps={steps}", *common)
     for batch in (b, max(1, b // 2)):
         s = compose_online(overrides, (f"train.batch_size={batch}", *common, "data.async_lag=0"))
@@ -235,7 +236,10 @@ def training_constants(overrides: list[str], steps: int) -> dict:
     p = runs[0]["params"]
     factor = 6 + 2 + 2 * bool(runs[0]["gradient_checkpointing"])  # online: the reference's forward every step
     other = sum(r["other_s"] for r in runs) / sum(r["steps"] for r in runs)
-    return {"step_fixed_s": a, "train_flops_per_s": factor * p / slope, "other_step_s": other, "params": p,
+    # a run pays those one-time costs once: the first run's `other` beyond its steps' share
+    once = max(first["other_s"] - first["steps"] * other, 0.0)
+    return {"step_fixed_s": a, "train_flops_per_s": factor * p / slope, "other_step_s": other, "other_once_s": once,
+            "first_run": {k: v for k, v in first.items() if k != "per_step"}, "params": p,
             **overlap_factors(runs[0], lagged),
             "runs": [{k: v for k, v in r.items() if k != "per_step"} | {"points": r["per_step"]}
                      for r in (*runs, lagged)]}
@@ -265,7 +269,8 @@ def measure(overrides: list[str], console, steps: int = 6, prompts: int = 64) ->
     constants = {**{k: v for k, v in gen.items() if k not in ("calls", "check_inner_calls")},
                  "push_fixed_s": push_s, "push_bytes_per_s": math.inf, "sync_fixed_s": sync_s, "sync_bytes_per_s": math.inf,
                  "step_fixed_s": tr["step_fixed_s"], "train_flops_per_s": tr["train_flops_per_s"],
-                 "other_step_s": tr["other_step_s"], "async_sample_factor": tr["async_sample_factor"],
+                 "other_step_s": tr["other_step_s"], "other_once_s": tr["other_once_s"],
+                 "async_sample_factor": tr["async_sample_factor"],
                  "async_train_factor": tr["async_train_factor"], "async_other_factor": tr["async_other_factor"],
                  "gpus": 1}
     return {"target": "this", "estimated": False, "objective": spec.objective, "host": socket.gethostname(),
@@ -275,7 +280,7 @@ def measure(overrides: list[str], console, steps: int = 6, prompts: int = 64) ->
                       f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')} (loadavg {load_before})",
             "overrides": overrides, "constants": constants,
             "detail": {"generation": {"calls": gen["calls"], "check_inner_calls": gen["check_inner_calls"]},
-                       "training": tr["runs"], "push_s": push_s, "sync_s": sync_s},
+                       "training": tr["runs"], "training_first": tr["first_run"], "push_s": push_s, "sync_s": sync_s},
             "loadavg_before": load_before, "loadavg_after": _loadavg()}
 
 

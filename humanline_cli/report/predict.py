@@ -8,7 +8,7 @@ longest completion L_r tokens) on a target with the constants of `Target` spends
     label  = sum_r m_r x c_label
     train  = T x c_step + F x P x N_train / (g x Phi),   F = 6 + 2 [reference forward] + 2 [gradient checkpointing]
     sync   = Y x (c_sync + W / b_sync)
-    other  = T x c_other
+    other  = c_once + T x c_other
 
 with P the parameters every token multiplies, W the bytes of one copy of the weights, N_train the tokens the
 policy's forward processes over the run (prompt + completion, all steps), Y the reference syncs (humanline: one
@@ -62,6 +62,7 @@ class Target:
     sync_fixed_s: float          # per reference sync
     sync_bytes_per_s: float      # device memory copy bandwidth of a sync
     other_step_s: float = 0.0    # per step, outside the phases (collation, logging)
+    other_once_s: float = 0.0    # once per run, outside the phases (the loop's first step and round: lazy set-up)
     gpus: int = 1
     # asynchronous rounds: the sampler process and the trainer run at once and share the host (caches, memory
     # bandwidth, the interpreter's own threads); each factor is that phase's time beside the other over its time
@@ -147,7 +148,7 @@ def predict(work: Work, t: Target) -> dict:
         "train": f_train * (work.steps * t.step_fixed_s
                             + flops_per_token(work) * work.train_tokens / (t.gpus * t.train_flops_per_s)),
         "sync": work.syncs * _copy_s(t.sync_fixed_s, work.weight_bytes, t.sync_bytes_per_s),
-        "other": f_other * work.steps * t.other_step_s,
+        "other": f_other * (t.other_once_s + work.steps * t.other_step_s),
     }
     trainer = out["push"] + out["label"] + out["train"] + out["sync"] + out["other"]
     if overlap:
@@ -180,5 +181,6 @@ def target_from_json(d: dict) -> Target:
     curve = tuple((float(m), float(r)) for m, r in c.get("sample_curve", ()))
     factors = {k: float(c.get(k, 1.0)) for k in ("async_sample_factor", "async_train_factor", "async_other_factor")}
     return Target(name=d.get("target", "this"), source=d.get("source", "?"), estimated=bool(d.get("estimated", False)),
-                  other_step_s=float(c.get("other_step_s", 0.0)), gpus=int(c.get("gpus", 1)), sample_curve=curve,
+                  other_step_s=float(c.get("other_step_s", 0.0)), other_once_s=float(c.get("other_once_s", 0.0)),
+                  gpus=int(c.get("gpus", 1)), sample_curve=curve,
                   **factors, **fields)

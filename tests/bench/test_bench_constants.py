@@ -59,6 +59,10 @@ def test_constants_follow_from_the_recorded_timings(tmp_path):
                                                     (alone["other_s"] / alone["steps"]), rel=1e-12)
     assert beside["other_s"] > 0  # the sampler process's own times (sample, its wait for the trainer) are not the loop's
     assert alone["rounds"] == beside["rounds"] == 3  # 3 steps of 4 groups, rounds of 4 prompts: one a step
+    # the one-time cost: the first (untimed) run's other beyond its 3 steps at the per-step rate
+    first = d["detail"]["training_first"]
+    assert first["steps"] == 3 and c["other_once_s"] == pytest.approx(
+        max(first["other_s"] - 3 * c["other_step_s"], 0.0), rel=1e-12, abs=1e-15)
 
 
 def test_constants_need_an_online_run(tmp_path):

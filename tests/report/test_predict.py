@@ -121,6 +121,12 @@ def test_async_overlap_factors_scale_sampling_train_and_other():
         "async_train_factor": 1.1}}).async_train_factor == 1.1
 
 
+def test_other_once_per_run_plus_per_step():
+    once = Target(**{**vars(T), "other_once_s": 0.3})
+    assert predict(W, once)["other"] == pytest.approx(0.3 + 4 * 0.1, rel=1e-12)
+    assert predict(W, once)["loop"] == pytest.approx(predict(W, T)["loop"] + 0.3, rel=1e-12)
+
+
 def test_live_weights_push_is_fixed_cost_only():
     live = Target(**{**vars(T), "push_bytes_per_s": math.inf, "push_fixed_s": 0.0})
     assert predict(W, live)["push"] == 0.0
