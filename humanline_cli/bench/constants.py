@@ -147,6 +147,7 @@ def _mini_run(spec, tmp: Path) -> dict:
     from rich.console import Console
 
     from humanline_cli.core.humanline import ReferenceRule
+    from humanline_cli.report.speed import loop_and_other
     from humanline_cli.train.build import build_parts
     from humanline_cli.train.timing import PhaseTimer
     from humanline_cli.train.tracking import Tracker
@@ -163,15 +164,12 @@ def _mini_run(spec, tmp: Path) -> dict:
               console=Console(file=io.StringIO()), eval_every=spec.eval_cfg.every)
         wall = time.perf_counter() - t0
         spent = {k: v - before.get(k, 0.0) for k, v in timer.seconds.items()}
-        lagged = bool(spec.data_cfg.async_lag)
-        # asynchronous rounds: `sample` and `wait_for_trainer` are the sampler process's own times, overlapped with
-        # the loop's wall-clock, not part of it
-        phases = sum(v for k, v in spent.items() if not (lagged and k in ("sample", "wait_for_trainer")))
+        _, other = loop_and_other(spent, wall, bool(spec.data_cfg.async_lag))
         rows = tracker.rows
         per_step = [(r["tokens_processed"], r["time/train"] - (rows[i - 1]["time/train"] if i else 0.0))
                     for i, r in enumerate(rows)]
         tracker.tracker.finish(0)
-        return {"steps": len(rows), "per_step": per_step[1:], "other_s": max(wall - phases, 0.0),
+        return {"steps": len(rows), "per_step": per_step[1:], "other_s": other,
                 "sample_s": spent.get("sample", 0.0), "rounds": max((int(r.get("online/round", 0)) for r in rows),
                                                                      default=0),
                 "async_lag": int(spec.data_cfg.async_lag or 0),
@@ -245,7 +243,7 @@ def training_constants(overrides: list[str], steps: int) -> dict:
                      for r in (*runs, lagged)]}
 
 
-def measure(overrides: list[str], console, steps: int = 6, prompts: int = 64) -> dict:
+def measure(overrides: list[str], console, steps: int, prompts: int) -> dict:
     from humanline_cli.train.build import build_parts
     from humanline_cli.train.timing import PhaseTimer
 

@@ -64,17 +64,23 @@ def run_work(run, matmul_params: float, weight_bytes: float) -> Work | None:
                 syncs=syncs, async_lag=int(cfg.get("data.async_lag") or 0) if online else 0)
 
 
+def loop_and_other(seconds: dict, wall: float, lagged: bool) -> tuple[float, float]:
+    """The training loop's wall-clock (`wall` less the parts the model leaves out) and its time outside the timed
+    phases. Under asynchronous rounds `sample` is the sampler process's own time, overlapped with the loop and not
+    part of it, and `wait_for_sample` is the trainer's idle time, which is."""
+    loop = wall - sum(float(seconds.get(k, 0.0) or 0.0) for k in LEFT_OUT)
+    keys = [k for k in TIMED if not (lagged and k == "sample")] + (["wait_for_sample"] if lagged else [])
+    trainer = sum(float(seconds.get(k, 0.0) or 0.0) for k in keys)
+    return loop, max(loop - trainer, 0.0)
+
+
 def measured(summary: dict) -> dict:
     w = summary.get("wall_clock_s") or {}
-    loop = float(w.get("total", 0.0)) - sum(float(w.get(k, 0.0) or 0.0) for k in LEFT_OUT)
+    lagged = "wait_for_sample" in w  # asynchronous: sample ran in its own process, overlapped
     out = {k: float(w.get(k, 0.0) or 0.0) for k in TIMED}
-    if "wait_for_sample" in w:  # asynchronous: sample ran in its own process, overlapped
+    if lagged:
         out["wait_for_sample"] = float(w["wait_for_sample"])
-        trainer = sum(out[k] for k in TIMED if k != "sample") + out["wait_for_sample"]
-    else:
-        trainer = sum(out.values())
-    out["other"] = max(loop - trainer, 0.0)
-    out["loop"] = loop
+    out["loop"], out["other"] = loop_and_other(w, float(w.get("total", 0.0)), lagged)
     return out
 
 
