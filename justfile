@@ -69,14 +69,20 @@ speed-check *ARGS:
     mkdir -p $d
     cat /proc/loadavg > $d/loadavg.txt
     bench() { nice -n 10 {{venv}}/bin/humanline bench constants=true prompts=1024 experiment=laptop_speed_check out=$d/constants_$1.json {{ARGS}}; }
+    # each seed runs the four regimes in a row in one process, starting one place later each time, so that no
+    # regime always runs first (or last) after a set of constants; a set before the sweep and after each seed
+    regimes=(online stale16 stale64 async1)
     bench 0
-    for seed in 0 1 2; do
-        nice -n 10 {{venv}}/bin/humanline train -m experiment=laptop_speed_check seed=$seed {{ARGS}}
+    sets=$d/constants_0.json
+    for seed in 0 1 2 3 4; do
+        order=$(for i in 0 1 2 3; do echo -n "${regimes[$(( (seed + i) % 4 ))]},"; done)
+        nice -n 10 {{venv}}/bin/humanline train -m experiment=laptop_speed_check seed=$seed regime=${order%,} {{ARGS}}
         bench $((seed + 1))
+        sets=$sets,$d/constants_$((seed + 1)).json
     done
     cat /proc/loadavg >> $d/loadavg.txt
-    {{venv}}/bin/humanline bench pool=$d/constants_0.json,$d/constants_1.json,$d/constants_2.json,$d/constants_3.json out=$d/constants_pooled.json
-    {{venv}}/bin/humanline report $d --target $d/constants_pooled.json --target $d/constants_0.json --target $d/constants_3.json --target h100 --target h200x8
+    {{venv}}/bin/humanline bench pool=$sets out=$d/constants_pooled.json
+    {{venv}}/bin/humanline report $d --target $d/constants_pooled.json --target $d/constants_0.json --target $d/constants_5.json --target h100 --target h200x8
 
 lint:
     {{venv}}/bin/ruff check humanline_cli tests

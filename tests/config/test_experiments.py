@@ -60,9 +60,9 @@ def test_every_sweep_point_composes_and_validates(name):
         assert len(points) == cfg.regime_study_size == 3 * 4 * 2 * 3
         assert {p[1] for p in points} == {f"data.async_lag={k}" for k in (0, 1, 2, 4)}
         assert cfg.hydra.launcher.n_jobs == 1  # a job is already two processes: timing needs the cores
-    if name == "laptop_speed_check":  # the cost model's check: GRPO online, stale-16/64, async lag 1, 3 seeds
+    if name == "laptop_speed_check":  # the cost model's check: GRPO online, stale-16/64, async lag 1, 5 seeds
         grid = {("grpo", "online", False)}
-        assert len(points) == cfg.regime_study_size == 4 * 3 and cfg.hydra.launcher.n_jobs == 1
+        assert len(points) == cfg.regime_study_size == 4 * 5 and cfg.hydra.launcher.n_jobs == 1
         assert [p[1] for p in points[:4]] == [f"regime={r}" for r in ("online", "stale16", "stale64", "async1")]
     if name == "smollm2_demo":  # the real model: online humanline, stale-16 plain and humanline, 2 seeds, seed-major
         grid = {("grpo", "online", False), ("grpo", "online", True)}
