@@ -160,6 +160,17 @@ def _write_text(path: Path, text: str) -> None:
         raise
 
 
+def labeller_text(spec) -> str:
+    """Who scored the samples. A bundled world's scorer says its role too: the judge and the proxy labeller of
+    one world score the same completions differently, and a set must say which it holds."""
+    if spec.reward_cfg.kind != "task":
+        return f"reward={spec.reward_cfg.kind}"
+    lab = spec.task_cfg.labeller
+    kind = getattr(lab.kind, "value", lab.kind)
+    world = f" {lab.task}/{lab.role}" if kind == "world" and lab.task and lab.role else ""
+    return f"task.labeller: {kind}" + (f" {lab.name_or_path}" if lab.name_or_path else "") + world
+
+
 def card(spec, model_path: str, groups: list[dict], settings: dict) -> dict:
     scores = [s for g in groups for s in g["rewards"]]
 
@@ -168,9 +179,7 @@ def card(spec, model_path: str, groups: list[dict], settings: dict) -> dict:
 
     return {
         "model": spec.model_cfg.name_or_path, "model_path": model_path,
-        "labeller": (f"reward={spec.reward_cfg.kind}" if spec.reward_cfg.kind != "task" else
-                     f"task.labeller: {spec.task_cfg.labeller.kind}"
-                     + (f" {spec.task_cfg.labeller.name_or_path}" if spec.task_cfg.labeller.name_or_path else "")),
+        "labeller": labeller_text(spec),
         "task": spec.task, "prompts": spec.data_cfg.prompts, "sampling": settings,
         "counts": {"prompts": len(groups), "samples": len(scores),
                    "pairs_strict": sum(max(g["rewards"]) > min(g["rewards"]) for g in groups),

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
-from humanline_cli.cli.sample import derived_rows
+from humanline_cli.cli.sample import derived_rows, labeller_text
 from humanline_cli.world.rewards import score
 from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 
@@ -29,6 +30,16 @@ def test_pairs_and_unpaired_from_a_group_hand_computed():
     assert [u["label"] for u in unpaired] == [False, False]  # all tied: desirable iff score >= 0.5
 
 
+def test_the_card_names_a_world_scorers_role():
+    def spec(kind, role, reward="task"):
+        labeller = SimpleNamespace(kind=kind, name_or_path=None, task="arithmetic", role=role)
+        return SimpleNamespace(reward_cfg=SimpleNamespace(kind=reward), task_cfg=SimpleNamespace(labeller=labeller))
+
+    assert labeller_text(spec("world", "judge")) == "task.labeller: world arithmetic/judge"
+    assert labeller_text(spec("world", "labeller")) == "task.labeller: world arithmetic/labeller"
+    assert labeller_text(spec("world", "judge", reward="model")) == "reward=model"
+
+
 def test_sample_formats_determinism_resume_and_training_on_it(cache_dir, tmp_path):
     a = tmp_path / "a"
     r = run_cli([*ARGS, f"out={a}", "chunk=8"], tmp_path)
@@ -42,7 +53,7 @@ def test_sample_formats_determinism_resume_and_training_on_it(cache_dir, tmp_pat
         assert g["rewards"] == score("arithmetic", "labeller", [g["prompt"][0]["content"]] * 4, texts)
         assert (p["score_chosen"], p["score_rejected"]) == (max(g["rewards"]), min(g["rewards"]))
     c = json.loads((a / "card.json").read_text())
-    assert c["model"] == "world://policy" and c["labeller"] == "task.labeller: world"
+    assert c["model"] == "world://policy" and c["labeller"] == "task.labeller: world arithmetic/labeller"
     assert c["sampling"] == {"sampler": "hf", "n": 4, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 16,
                              "seed": 0}
     scores = [s for g in groups for s in g["rewards"]]
