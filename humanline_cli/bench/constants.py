@@ -18,8 +18,13 @@ threads), written to a JSON file `humanline report --target FILE` reads.
   run's one-time cost, `other_once_s`); every step's train phase against its forward tokens (metrics
   `tokens_processed`), the first step of each dropped (allocation); a least-squares line gives the per-step fixed
   cost and the FLOP/s of the per-token part (F x P x tokens / FLOP/s, F as the model counts it); the loop's time
-  outside the phases per step is `other`; then the run's batch once more with data.async_lag=1 (the sampler
-  process beside the trainer): each phase's time there over its time alone is an `async_*_factor`;
+  outside the phases per step, against the step's forward tokens at the two batch sizes, is `other` (a fixed part
+  and a per-token part: collation tokenizes every sequence); then the run's batch once more with data.async_lag=1
+  (the sampler process beside the trainer): each phase's time there over its time alone is an `async_*_factor`;
+- the sampler inside the loop: the generation calls the two runs without the sampler process made, after each
+  run's first, against the curve's prediction for the same call; the median ratio is `sample_loop_factor` (calls
+  timed back to back and the same calls between optimizer steps differed by 0-15% here,
+  from one session to the next).
 The training constants are measured first, so that the generation calls are timed in a process that has
 trained, as a run's are.
 The machine's load (/proc/loadavg) before and after is recorded: on a shared machine the constants hold only
@@ -77,7 +82,7 @@ def generation_constants(source, concurrency: int, sizes: tuple[int, ...]) -> di
     """Call sizes `sizes` (prompts x n) on the run's sampler: per-call fixed cost, latency per decoding step,
     peak tokens/s, tokens/s at every size (the curve), and each inner size predicted from its neighbours."""
     from humanline_cli.core.interfaces import SamplingParams
-    from humanline_cli.report.predict import Call, Target, call_s
+    from humanline_cli.report.predict import Call, call_s
     from humanline_cli.rewards.scorers import checked
 
     rows, enc, params = source.rows, source.encoder, source.params
@@ -106,10 +111,9 @@ def generation_constants(source, concurrency: int, sizes: tuple[int, ...]) -> di
     checks = []
     for i in range(1, len(calls) - 1):
         c = calls[i]
-        t = Target(name="check", source="", estimated=False, call_fixed_s=fixed, sample_tokens_per_s=big["tokens_per_s"],
-                   decode_step_s=decode_step, concurrency=concurrency, push_fixed_s=0.0, push_bytes_per_s=math.inf,
-                   label_s_per_seq=0.0, train_flops_per_s=1.0, step_fixed_s=0.0, sync_fixed_s=0.0,
-                   sync_bytes_per_s=math.inf, sample_curve=tuple(curve[:i] + curve[i + 1:]))
+        t = sampler_target({"call_fixed_s": fixed, "sample_tokens_per_s": big["tokens_per_s"],
+                            "decode_step_s": decode_step, "concurrency": concurrency,
+                            "sample_curve": curve[:i] + curve[i + 1:]})
         checks.append({"sequences": c["sequences"], "measured_s": c["seconds"],
                        "predicted_s": call_s(Call(c["sequences"], c["tokens"], c["longest"]), t)})
     # the labeller on the largest call's completions
@@ -122,6 +126,40 @@ def generation_constants(source, concurrency: int, sizes: tuple[int, ...]) -> di
     return {"call_fixed_s": fixed, "decode_step_s": decode_step, "sample_tokens_per_s": big["tokens_per_s"],
             "sample_curve": curve, "concurrency": concurrency, "label_s_per_seq": label_s / len(out.texts),
             "calls": calls, "check_inner_calls": checks}
+
+
+def sampler_target(gen: dict):
+    """A target holding only the sampler's constants (the rest zero or free): what a call costs by the curve."""
+    from humanline_cli.report.predict import Target
+
+    return Target(name="sampler", source="", estimated=False, call_fixed_s=gen["call_fixed_s"],
+                  sample_tokens_per_s=gen["sample_tokens_per_s"], decode_step_s=gen["decode_step_s"],
+                  concurrency=gen["concurrency"], push_fixed_s=0.0, push_bytes_per_s=math.inf, label_s_per_seq=0.0,
+                  train_flops_per_s=1.0, step_fixed_s=0.0, sync_fixed_s=0.0, sync_bytes_per_s=math.inf,
+                  sample_curve=tuple(tuple(x) for x in gen["sample_curve"]))
+
+
+def loop_calls(rows: list[dict], calls: tuple) -> list[dict]:
+    """The generation calls a synchronous mini-run made inside its loop, after its first (which also pays the
+    run's first-call costs), each with its seconds: the sample phase's growth over the step that made it."""
+    out, prev, seen = [], 0.0, set()
+    for r in rows:
+        rnd, t = int(r.get("online/round", 0)), float(r.get("time/sample", 0.0))
+        if rnd and rnd not in seen:
+            seen.add(rnd)
+            if 1 < rnd <= len(calls):
+                c = calls[rnd - 1]
+                out.append({"sequences": c.sequences, "tokens": c.tokens, "longest": c.longest, "seconds": t - prev})
+        prev = t
+    return out
+
+
+def loop_factor(in_loop: list[dict], sampler) -> float:
+    """The median over calls made inside the loop of their seconds over the curve's prediction (1.0: none)."""
+    from humanline_cli.report.predict import Call, call_s
+
+    ratios = [c["seconds"] / call_s(Call(c["sequences"], c["tokens"], c["longest"]), sampler) for c in in_loop]
+    return statistics.median(ratios) if ratios else 1.0
 
 
 class _Steps:
@@ -147,6 +185,7 @@ def _mini_run(spec, tmp: Path) -> dict:
     from rich.console import Console
 
     from humanline_cli.core.humanline import ReferenceRule
+    from humanline_cli.report.cost import calls_of
     from humanline_cli.report.speed import loop_and_other
     from humanline_cli.train.build import build_parts
     from humanline_cli.train.timing import PhaseTimer
@@ -169,7 +208,10 @@ def _mini_run(spec, tmp: Path) -> dict:
         per_step = [(r["tokens_processed"], r["time/train"] - (rows[i - 1]["time/train"] if i else 0.0))
                     for i, r in enumerate(rows)]
         tracker.tracker.finish(0)
-        return {"steps": len(rows), "per_step": per_step[1:], "other_s": other,
+        lagged = bool(spec.data_cfg.async_lag)  # the sampler process's calls are timed in it, not by the loop's rows
+        return {"in_loop_calls": [] if lagged else loop_calls(rows, calls_of(tmp) or ()),
+                "steps": len(rows), "per_step": per_step[1:], "other_s": other,
+                "tokens_per_step": statistics.fmean(r["tokens_processed"] for r in rows),
                 "sample_s": spent.get("sample", 0.0), "rounds": max((int(r.get("online/round", 0)) for r in rows),
                                                                      default=0),
                 "async_lag": int(spec.data_cfg.async_lag or 0),
@@ -190,6 +232,16 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     if a < 0 or b <= 0:
         return 0.0, sum(y for _, y in points) / sum(x for x, _ in points)
     return a, b
+
+
+def other_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """`other` per step = a + b x the step's forward tokens through (tokens per step, other per step) of runs at
+    different batch sizes; flat (their mean, b = 0) when `other` does not rise with the tokens (noise)."""
+    mx = statistics.fmean(x for x, _ in points)
+    my = statistics.fmean(y for _, y in points)
+    if sum((x - mx) * (y - my) for x, y in points) <= 0:
+        return my, 0.0
+    return fit_line(points)
 
 
 def overlap_factors(alone: dict, beside: dict) -> dict:
@@ -233,10 +285,11 @@ def training_constants(overrides: list[str], steps: int) -> dict:
     a, slope = fit_line(points)
     p = runs[0]["params"]
     factor = 6 + 2 + 2 * bool(runs[0]["gradient_checkpointing"])  # online: the reference's forward every step
-    other = sum(r["other_s"] for r in runs) / sum(r["steps"] for r in runs)
+    o_step, o_tok = other_line([(r["tokens_per_step"], r["other_s"] / r["steps"]) for r in runs])
     # a run pays those one-time costs once: the first run's `other` beyond its steps' share
-    once = max(first["other_s"] - first["steps"] * other, 0.0)
-    return {"step_fixed_s": a, "train_flops_per_s": factor * p / slope, "other_step_s": other, "other_once_s": once,
+    once = max(first["other_s"] - first["steps"] * (o_step + o_tok * first["tokens_per_step"]), 0.0)
+    return {"step_fixed_s": a, "train_flops_per_s": factor * p / slope, "other_step_s": o_step,
+            "other_s_per_token": o_tok, "other_once_s": once,
             "first_run": {k: v for k, v in first.items() if k != "per_step"}, "params": p,
             **overlap_factors(runs[0], lagged),
             "runs": [{k: v for k, v in r.items() if k != "per_step"} | {"points": r["per_step"]}
@@ -244,6 +297,7 @@ def training_constants(overrides: list[str], steps: int) -> dict:
 
 
 def measure(overrides: list[str], console, steps: int, prompts: int) -> dict:
+    from humanline_cli.report.predict import Call, call_s
     from humanline_cli.train.build import build_parts
     from humanline_cli.train.timing import PhaseTimer
 
@@ -264,10 +318,17 @@ def measure(overrides: list[str], console, steps: int, prompts: int) -> dict:
             sync_s, _ = _median_time(lambda: parts.reference.sync(parts.policy), 5)
         finally:
             parts.close()
+    # the calls the training loop made (the mini-runs without the sampler process), against the curve
+    in_loop = [c for r in tr["runs"] if not r["async_lag"] for c in r["in_loop_calls"]]
+    sampler = sampler_target(gen)
+    for c in in_loop:
+        c["predicted_s"] = call_s(Call(c["sequences"], c["tokens"], c["longest"]), sampler)
     constants = {**{k: v for k, v in gen.items() if k not in ("calls", "check_inner_calls")},
+                 "sample_loop_factor": loop_factor(in_loop, sampler),
                  "push_fixed_s": push_s, "push_bytes_per_s": math.inf, "sync_fixed_s": sync_s, "sync_bytes_per_s": math.inf,
                  "step_fixed_s": tr["step_fixed_s"], "train_flops_per_s": tr["train_flops_per_s"],
-                 "other_step_s": tr["other_step_s"], "other_once_s": tr["other_once_s"],
+                 "other_step_s": tr["other_step_s"], "other_s_per_token": tr["other_s_per_token"],
+                 "other_once_s": tr["other_once_s"],
                  "async_sample_factor": tr["async_sample_factor"],
                  "async_train_factor": tr["async_train_factor"], "async_other_factor": tr["async_other_factor"],
                  "gpus": 1}
@@ -277,7 +338,8 @@ def measure(overrides: list[str], console, steps: int, prompts: int) -> dict:
             "source": f"measured by `humanline bench constants=true` on {socket.gethostname()} at "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')} (loadavg {load_before})",
             "overrides": overrides, "constants": constants,
-            "detail": {"generation": {"calls": gen["calls"], "check_inner_calls": gen["check_inner_calls"]},
+            "detail": {"generation": {"calls": gen["calls"], "check_inner_calls": gen["check_inner_calls"],
+                                      "in_loop_calls": in_loop},
                        "training": tr["runs"], "training_first": tr["first_run"], "push_s": push_s, "sync_s": sync_s},
             "loadavg_before": load_before, "loadavg_after": _loadavg()}
 

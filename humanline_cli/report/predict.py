@@ -8,7 +8,7 @@ longest completion L_r tokens) on a target with the constants of `Target` spends
     label  = sum_r m_r x c_label
     train  = T x c_step + F x P x N_train / (g x Phi),   F = 6 + 2 [reference forward] + 2 [gradient checkpointing]
     sync   = Y x (c_sync + W / b_sync)
-    other  = c_once + T x c_other
+    other  = c_once + T x c_other + N_train x c_other_tok
 
 with P the parameters every token multiplies, W the bytes of one copy of the weights, N_train the tokens the
 policy's forward processes over the run (prompt + completion, all steps), Y the reference syncs (humanline: one
@@ -24,8 +24,9 @@ the rate at the call's own size, interpolated linearly in log(sequences per devi
 and held at the end values outside them: on a CPU the transformers sampler's tokens/s still grows between
 calls of 512 and 8,192 sequences (docs/performance.md), so one peak measured at one size mispredicts the
 others. The max is the roofline: a call is throughput-bound when it is large, latency-bound when a few long
-completions keep a half-empty batch decoding. `c_other` is the loop's own time outside the phases (collating micro-batches,
-logging, bookkeeping of each round).
+completions keep a half-empty batch decoding. `c_other` is the loop's own time outside the phases per step (logging,
+bookkeeping of each round) and `c_other_tok` its part that grows with the step's tokens (collating micro-batches
+tokenizes and pads every sequence: at half the batch a step's `other` is nearly half).
 
 Synchronous rounds add the phases. Asynchronous rounds (lag >= 1, the sampler in its own process) overlap round
 r + 1's sampling with round r's training: wall = s_1 + sum_r max(t_r, s_(r+1)), with s_r a call's sampling and
@@ -33,6 +34,10 @@ t_r the trainer's time for round r (its steps' train, sync, other, its labelling
 time `wait_for_sample` is that wall minus the trainer's own phases. The two processes share the host, so under
 asynchronous rounds each call's sampling, the train phase and `other` are scaled by the target's measured factors
 (`async_*_factor`: the phase's time beside the other process over its time alone; 1 where not measured).
+
+The sampler's curve is timed with calls run back to back; a run's calls sit between optimizer steps, which leave
+the caches and the heap to training. Every call is scaled by `sample_loop_factor`, the bench's calls inside its own
+training loop over the same calls predicted from the curve (1 where not measured).
 """
 from __future__ import annotations
 
@@ -63,6 +68,7 @@ class Target:
     sync_bytes_per_s: float      # device memory copy bandwidth of a sync
     other_step_s: float = 0.0    # per step, outside the phases (collation, logging)
     other_once_s: float = 0.0    # once per run, outside the phases (the loop's first step and round: lazy set-up)
+    other_s_per_token: float = 0.0  # outside the phases, per forward token of a step (collation)
     gpus: int = 1
     # asynchronous rounds: the sampler process and the trainer run at once and share the host (caches, memory
     # bandwidth, the interpreter's own threads); each factor is that phase's time beside the other over its time
@@ -72,6 +78,9 @@ class Target:
     async_train_factor: float = 1.0
     async_other_factor: float = 1.0
     sample_curve: tuple = ()     # ((sequences per call on one device, tokens/s), ...) measured, by size
+    # a call inside the training loop (between optimizer steps) over the same call timed on its own, back to back:
+    # measured from the bench's own loop (1.0: no measurement)
+    sample_loop_factor: float = 1.0
     notes: dict = field(default_factory=dict, compare=False)  # constant -> where its value comes from
 
 
@@ -140,7 +149,7 @@ def predict(work: Work, t: Target) -> dict:
     overlap = bool(work.async_lag and r)
     f_sample, f_train, f_other = ((t.async_sample_factor, t.async_train_factor, t.async_other_factor) if overlap
                                   else (1.0, 1.0, 1.0))
-    sample_per_call = [f_sample * call_s(c, t) for c in work.calls]
+    sample_per_call = [f_sample * t.sample_loop_factor * call_s(c, t) for c in work.calls]
     out = {
         "sample": sum(sample_per_call),
         "push": r * _copy_s(t.push_fixed_s, work.weight_bytes, t.push_bytes_per_s),
@@ -148,7 +157,7 @@ def predict(work: Work, t: Target) -> dict:
         "train": f_train * (work.steps * t.step_fixed_s
                             + flops_per_token(work) * work.train_tokens / (t.gpus * t.train_flops_per_s)),
         "sync": work.syncs * _copy_s(t.sync_fixed_s, work.weight_bytes, t.sync_bytes_per_s),
-        "other": f_other * (t.other_once_s + work.steps * t.other_step_s),
+        "other": f_other * (t.other_once_s + work.steps * t.other_step_s + work.train_tokens * t.other_s_per_token),
     }
     trainer = out["push"] + out["label"] + out["train"] + out["sync"] + out["other"]
     if overlap:
@@ -179,8 +188,10 @@ def target_from_json(d: dict) -> Target:
         "call_fixed_s", "sample_tokens_per_s", "decode_step_s", "concurrency", "push_fixed_s", "push_bytes_per_s",
         "label_s_per_seq", "train_flops_per_s", "step_fixed_s", "sync_fixed_s", "sync_bytes_per_s")}
     curve = tuple((float(m), float(r)) for m, r in c.get("sample_curve", ()))
-    factors = {k: float(c.get(k, 1.0)) for k in ("async_sample_factor", "async_train_factor", "async_other_factor")}
+    factors = {k: float(c.get(k, 1.0)) for k in ("async_sample_factor", "async_train_factor", "async_other_factor",
+                                                  "sample_loop_factor")}
     return Target(name=d.get("target", "this"), source=d.get("source", "?"), estimated=bool(d.get("estimated", False)),
                   other_step_s=float(c.get("other_step_s", 0.0)), other_once_s=float(c.get("other_once_s", 0.0)),
+                  other_s_per_token=float(c.get("other_s_per_token", 0.0)),
                   gpus=int(c.get("gpus", 1)), sample_curve=curve,
                   **factors, **fields)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 
-from humanline_cli.bench.constants import fit_line
+from humanline_cli.bench.constants import fit_line, other_line, sampler_target
+from humanline_cli.report.predict import Call, call_s
 from tests.helpers.cli import TINY_WORLD, run_cli
 
 ONLINE = ["data=online", "objective=grpo", "train.batch_size=4", "data.prompts_per_round=4", "threads=1", *TINY_WORLD]
@@ -59,10 +61,34 @@ def test_constants_follow_from_the_recorded_timings(tmp_path):
                                                     (alone["other_s"] / alone["steps"]), rel=1e-12)
     assert beside["other_s"] > 0  # the sampler process's own times (sample, its wait for the trainer) are not the loop's
     assert alone["rounds"] == beside["rounds"] == 3  # 3 steps of 4 groups, rounds of 4 prompts: one a step
+    # the sampler inside the loop: the alone runs' calls after their first, against the curve's prediction
+    in_loop = d["detail"]["generation"]["in_loop_calls"]
+    assert len(in_loop) >= 2 and all(x["sequences"] == 4 * 8 and x["seconds"] > 0 for x in in_loop)
+    sampler = sampler_target(c)
+    for x in in_loop:
+        assert x["predicted_s"] == pytest.approx(call_s(Call(x["sequences"], x["tokens"], x["longest"]), sampler),
+                                                 rel=1e-12)
+    assert c["sample_loop_factor"] == pytest.approx(statistics.median(x["seconds"] / x["predicted_s"] for x in in_loop),
+                                                    rel=1e-12)
+    # `other` per step against the step's forward tokens, through the two batch sizes' runs
+    assert tr[0]["tokens_per_step"] > tr[1]["tokens_per_step"] > 0
+    o_step, o_tok = other_line([(t["tokens_per_step"], t["other_s"] / t["steps"]) for t in tr[:2]])
+    assert (c["other_step_s"], c["other_s_per_token"]) == (pytest.approx(o_step, rel=1e-12, abs=1e-15),
+                                                            pytest.approx(o_tok, rel=1e-12, abs=1e-18))
     # the one-time cost: the first (untimed) run's other beyond its 3 steps at the per-step rate
     first = d["detail"]["training_first"]
+    per_step = c["other_step_s"] + c["other_s_per_token"] * first["tokens_per_step"]
     assert first["steps"] == 3 and c["other_once_s"] == pytest.approx(
-        max(first["other_s"] - 3 * c["other_step_s"], 0.0), rel=1e-12, abs=1e-15)
+        max(first["other_s"] - 3 * per_step, 0.0), rel=1e-12, abs=1e-15)
+
+
+def test_other_line_rises_with_tokens_or_is_flat():
+    # two batch sizes: exactly through both points (0.01 + 1e-5 x tokens)
+    assert other_line([(1000.0, 0.02), (500.0, 0.015)]) == (pytest.approx(0.01, rel=1e-12), pytest.approx(1e-5, rel=1e-12))
+    # falling with tokens is noise: the mean, flat
+    assert other_line([(1000.0, 0.01), (500.0, 0.02)]) == (pytest.approx(0.015, rel=1e-12), 0.0)
+    # a negative intercept: through zero (y = b x, b = sum y / sum x = 0.03 / 1500)
+    assert other_line([(1000.0, 0.025), (500.0, 0.005)]) == (0.0, pytest.approx(0.03 / 1500, rel=1e-12))
 
 
 def test_constants_need_an_online_run(tmp_path):

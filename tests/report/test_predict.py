@@ -127,6 +127,24 @@ def test_other_once_per_run_plus_per_step():
     assert predict(W, once)["loop"] == pytest.approx(predict(W, T)["loop"] + 0.3, rel=1e-12)
 
 
+def test_calls_inside_the_loop_scale_by_the_loop_factor():
+    loop = Target(**{**vars(T), "sample_loop_factor": 1.2})
+    assert predict(W, loop)["sample"] == pytest.approx(1.2 * 7.3, rel=1e-12)
+    assert predict(W, loop)["loop"] == pytest.approx(predict(W, T)["loop"] + 0.2 * 7.3, rel=1e-12)
+    both = Target(**{**vars(loop), "async_sample_factor": 1.5})  # the sampler process: both factors
+    assert predict(Work(**{**vars(W), "async_lag": 1}), both)["sample"] == pytest.approx(1.5 * 1.2 * 7.3, rel=1e-12)
+
+
+def test_other_grows_with_the_steps_tokens():
+    # 10,000 forward tokens over the run at 2e-5 s each: 0.2 s beside the per-step 4 x 0.1
+    tok = Target(**{**vars(T), "other_s_per_token": 2e-5})
+    assert predict(W, tok)["other"] == pytest.approx(4 * 0.1 + 10_000 * 2e-5, rel=1e-12)
+    assert target_from_json({"constants": {**{k: getattr(tok, k) for k in (
+        "call_fixed_s", "sample_tokens_per_s", "decode_step_s", "concurrency", "push_fixed_s", "push_bytes_per_s",
+        "label_s_per_seq", "train_flops_per_s", "step_fixed_s", "sync_fixed_s", "sync_bytes_per_s")},
+        "other_s_per_token": 2e-5}}).other_s_per_token == 2e-5
+
+
 def test_live_weights_push_is_fixed_cost_only():
     live = Target(**{**vars(T), "push_bytes_per_s": math.inf, "push_fixed_s": 0.0})
     assert predict(W, live)["push"] == 0.0
