@@ -70,6 +70,9 @@ def _rank(rank: int, store: str, out: str, mode: str) -> None:
                            "exp_avg": str(opt.state[p]["exp_avg"].to_local().dtype),
                            "exp_avg_sq": str(opt.state[p]["exp_avg_sq"].to_local().dtype),
                            "sharded": p.to_local().numel() < p.numel()}, open(out, "w"))
+        # both ranks done (rank 0's file written) before either tears its group down: one rank's teardown racing
+        # the other's last collective ended a rank in std::terminate once, under a loaded suite
+        tdist.barrier()
     finally:
         tdist.destroy_process_group()
 
