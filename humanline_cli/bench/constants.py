@@ -154,14 +154,6 @@ def loop_calls(rows: list[dict], calls: tuple) -> list[dict]:
     return out
 
 
-def loop_factor(in_loop: list[dict], sampler) -> float:
-    """The median over calls made inside the loop of their seconds over the curve's prediction (1.0: none)."""
-    from humanline_cli.report.predict import Call, call_s
-
-    ratios = [c["seconds"] / call_s(Call(c["sequences"], c["tokens"], c["longest"]), sampler) for c in in_loop]
-    return statistics.median(ratios) if ratios else 1.0
-
-
 class _Steps:
     """The run's own tracker (metrics.jsonl and wandb as the run configures them: their per-step cost is part of
     `other`), keeping every step's metrics for the fit (train.log_every=1)."""
@@ -203,12 +195,12 @@ def _mini_run(spec, tmp: Path) -> dict:
               console=Console(file=io.StringIO()), eval_every=spec.eval_cfg.every)
         wall = time.perf_counter() - t0
         spent = {k: v - before.get(k, 0.0) for k, v in timer.seconds.items()}
-        _, other = loop_and_other(spent, wall, bool(spec.data_cfg.async_lag))
+        lagged = bool(spec.data_cfg.async_lag)  # the sampler process's calls are timed in it, not by the loop's rows
+        _, other = loop_and_other(spent, wall, lagged)
         rows = tracker.rows
         per_step = [(r["tokens_processed"], r["time/train"] - (rows[i - 1]["time/train"] if i else 0.0))
                     for i, r in enumerate(rows)]
         tracker.tracker.finish(0)
-        lagged = bool(spec.data_cfg.async_lag)  # the sampler process's calls are timed in it, not by the loop's rows
         return {"in_loop_calls": [] if lagged else loop_calls(rows, calls_of(tmp) or ()),
                 "steps": len(rows), "per_step": per_step[1:], "other_s": other,
                 "tokens_per_step": statistics.fmean(r["tokens_processed"] for r in rows),
@@ -318,13 +310,14 @@ def measure(overrides: list[str], console, steps: int, prompts: int) -> dict:
             sync_s, _ = _median_time(lambda: parts.reference.sync(parts.policy), 5)
         finally:
             parts.close()
-    # the calls the training loop made (the mini-runs without the sampler process), against the curve
-    in_loop = [c for r in tr["runs"] if not r["async_lag"] for c in r["in_loop_calls"]]
+    # the calls the training loop made (the mini-runs without the sampler process: the lagged one records none),
+    # against the curve; their median ratio is the loop's factor (1.0: none made)
     sampler = sampler_target(gen)
-    for c in in_loop:
-        c["predicted_s"] = call_s(Call(c["sequences"], c["tokens"], c["longest"]), sampler)
+    in_loop = [{**c, "predicted_s": call_s(Call(c["sequences"], c["tokens"], c["longest"]), sampler)}
+               for r in tr["runs"] for c in r["in_loop_calls"]]
+    loop_factor = statistics.median(c["seconds"] / c["predicted_s"] for c in in_loop) if in_loop else 1.0
     constants = {**{k: v for k, v in gen.items() if k not in ("calls", "check_inner_calls")},
-                 "sample_loop_factor": loop_factor(in_loop, sampler),
+                 "sample_loop_factor": loop_factor,
                  "push_fixed_s": push_s, "push_bytes_per_s": math.inf, "sync_fixed_s": sync_s, "sync_bytes_per_s": math.inf,
                  "step_fixed_s": tr["step_fixed_s"], "train_flops_per_s": tr["train_flops_per_s"],
                  "other_step_s": tr["other_step_s"], "other_s_per_token": tr["other_s_per_token"],

@@ -191,8 +191,8 @@ def speed_rows(runs: list, specs: list[TargetSpec]) -> tuple[list[SpeedRow], lis
 def spread_note(constants: dict | None) -> str:
     """A pooled constants file's spread over its sets, for the constants the loop's phases rest on."""
     spread = (constants or {}).get("spread") or {}
-    keys = [k for k in spread if k in ("train_flops_per_s", "other_step_s", "other_s_per_token", "call_fixed_s",
-                                             "label_s_per_seq")
+    keys = [k for k in spread
+            if k in ("train_flops_per_s", "other_step_s", "other_s_per_token", "call_fixed_s", "label_s_per_seq")
             or k.startswith(("sample_curve@", "async_", "sample_loop"))]
     if not keys:
         return ""
