@@ -30,9 +30,11 @@ ALIASES = {"task.offline.path": "data.path", "task.prompts.train": "data.prompts
 
 @dataclass
 class TrainSpec(S.TrainConfig):
-    """train.* as the schema declares it, with micro_batch_size derived (never None) and the ranks that
-    share each global batch (backend.nproc under ddp/fsdp)."""
+    """train.* as the schema declares it, with micro_batch_size an integer (under auto, each rank's whole share
+    until the builder fits it to the device's memory) and the ranks that share each global batch (backend.nproc
+    under ddp/fsdp)."""
     ranks: int = 1
+    micro_auto: bool = False  # train.micro_batch_size=auto: the builder picks the largest size that fits
 
     @property
     def accumulation(self) -> int:
@@ -87,16 +89,33 @@ class Groups:
     root: S.RootConfig
 
 
-def resolve(cfg: DictConfig) -> RunSpec:
-    """The run's frozen spec from a composed or saved config: typed, checked per group, derived."""
+def resolve(cfg: DictConfig, launched_ranks: int | None = None) -> RunSpec:
+    """The run's frozen spec from a composed or saved config: typed, checked per group, derived.
+    `launched_ranks`: the ranks an outside launcher (torchrun, WORLD_SIZE) started, which backend.nproc then is."""
     try:  # resolve every interpolation once (a bad one is reported here)
         config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True, throw_on_missing=False)
     except OmegaConfBaseException as e:
         raise _err(e) from None
     config.pop("hydra", None)
+    if launched_ranks is not None:
+        config["backend"] = launched_backend(config.get("backend") or {}, launched_ranks)
     g = typed(config)
     check(g)
     return derive(g, config)
+
+
+def launched_backend(backend: dict, ranks: int) -> dict:
+    """backend.* of a job an outside launcher started as `ranks` processes: nproc is their count (the batch splits
+    over them, the memory estimate shards over them); a different count set by hand, or no strategy to share the
+    batch with, is an error."""
+    nproc, strategy = backend.get("nproc", 1), backend.get("strategy", "single")
+    if nproc not in (1, ranks):
+        raise UserError(f"backend.nproc={nproc} but the launcher started {ranks} ranks (WORLD_SIZE): leave "
+                        f"backend.nproc unset under torchrun")
+    if strategy == "single":
+        raise UserError(f"the launcher started {ranks} ranks (WORLD_SIZE) but backend.strategy=single: set "
+                        f"backend.strategy=ddp or backend.strategy=fsdp")
+    return {**backend, "nproc": ranks}
 
 
 # ------------------------------------------------------------------ errors
@@ -300,6 +319,8 @@ def check_backend(backend: S.BackendConfig) -> None:
 def check_train(t: S.TrainConfig, objective: S.ObjectiveConfig, backend: S.BackendConfig) -> None:
     """train.*: the global batch splits over the ranks into whole micro-batches; lengths; fractions."""
     batch, ranks = _positive(t.batch_size, "train.batch_size"), rank_count(backend)
+    if not micro_auto(t) and (isinstance(t.micro_batch_size, bool) or not isinstance(t.micro_batch_size, int)):
+        raise UserError(f"train.micro_batch_size must be auto or a positive integer, got {t.micro_batch_size!r}")
     micro, _ = micro_batch(t, ranks)
     uneven = micro > 0 and (batch % ranks or (batch // ranks) % micro)
     if uneven and ranks > 1:
@@ -454,11 +475,17 @@ def rank_count(backend: S.BackendConfig) -> int:
     return backend.nproc if backend.strategy != "single" else 1
 
 
+def micro_auto(t: S.TrainConfig) -> bool:
+    return t.micro_batch_size in ("auto", None)
+
+
 def micro_batch(t: S.TrainConfig, ranks: int) -> tuple[int, int | None]:
     """(micro-batch size, the size asked for when more ranks than micro-batches capped it, else None).
-    Unset: each rank's whole share. Set above a rank's share (paper_math's micro-batch of 8 on 8 GPUs): the
-    share, since the update does not depend on the split."""
-    micro = t.micro_batch_size or max(1, t.batch_size // ranks)
+    auto: each rank's whole share (the builder then fits it to memory). Set above a rank's share (paper_math's
+    micro-batch of 8 on 8 GPUs): the share, since the update does not depend on the split."""
+    if micro_auto(t):
+        return max(1, t.batch_size // ranks), None
+    micro = t.micro_batch_size
     share = t.batch_size // ranks
     if ranks > 1 and t.batch_size % ranks == 0 and 0 < share < micro:
         return share, micro
@@ -494,7 +521,8 @@ def derive(g: Groups, config: dict) -> RunSpec:
     if capped is not None:
         notes.append(f"train.micro_batch_size={capped} > the {micro} units each of {ranks} ranks trains per step: "
                      f"micro-batches of {micro}")
-    train = TrainSpec(**{**vars(root.train), "micro_batch_size": micro, "ranks": ranks})
+    train = TrainSpec(**{**vars(root.train), "micro_batch_size": micro, "ranks": ranks,
+                         "micro_auto": micro_auto(root.train)})
     if task.world is not None:  # the knobs set (None: the world kind's default, in world/defaults.py)
         task = dataclasses.replace(task, world=_set_keys(dataclasses.asdict(task.world)))
     # the task's renames for its offline data, under the user's own (data.columns wins per key);

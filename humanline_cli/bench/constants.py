@@ -186,6 +186,7 @@ def _mini_run(spec, tmp: Path) -> dict:
 
     timer = PhaseTimer()
     parts = build_parts(spec, timer, tmp)
+    spec = parts.spec  # its micro-batch fitted to this machine's memory
     try:
         tracker = _Steps(Tracker(tmp, spec.config, spec.wandb, "constants"))
         before = dict(timer.seconds)

@@ -165,6 +165,7 @@ def project_run(spec, warmup: int, info: dict, prefill: bool = False) -> Run:
     with tempfile.TemporaryDirectory() as tmp:
         timer = PhaseTimer()
         parts = build_parts(spec, timer, Path(tmp))
+        spec = parts.spec  # its micro-batch fitted to this machine's memory
         try:
             device = parts.backend.device
             if prefill:

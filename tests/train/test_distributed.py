@@ -133,9 +133,25 @@ def test_torchrun_habit_gives_one_run_dir_written_by_rank_0(tmp_path, cache_dir)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "complete"
+    # backend.nproc is torchrun's WORLD_SIZE: the header's estimate and the recorded config count both ranks
+    assert "DDP x2" in " ".join(r.stderr.split()), r.stderr[-3000:]
+    assert json.loads((out / "resolved_config.json").read_text())["backend"]["nproc"] == 2
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [1, 2, 3]  # one writer: each step logged once
     own_rows, _ = _train(tmp_path, "own", ["objective=kto", *FP64, "backend.strategy=ddp", "backend.nproc=2"])
     # the same 2-rank split, started another way; torchrun's environment (OMP_NUM_THREADS, ...) may pick
     # other kernels, so not bitwise in float32 (observed 6e-8 apart): float64, relative 1e-9
     assert_same_rows(own_rows, rows)
+
+
+def test_an_outside_launchers_ranks_are_backend_nproc():
+    from humanline_cli.config import launched_backend
+    from humanline_cli.errors import UserError
+
+    assert launched_backend({"strategy": "fsdp", "nproc": 1, "timeout_s": 5.0}, 2) == {
+        "strategy": "fsdp", "nproc": 2, "timeout_s": 5.0}
+    assert launched_backend({"strategy": "ddp", "nproc": 4}, 4)["nproc"] == 4
+    with pytest.raises(UserError, match=r"^backend.nproc=3 but the launcher started 2 ranks"):
+        launched_backend({"strategy": "ddp", "nproc": 3}, 2)
+    with pytest.raises(UserError, match=r"backend.strategy=single: set backend.strategy=ddp"):
+        launched_backend({"strategy": "single", "nproc": 1}, 2)

@@ -1,0 +1,149 @@
+"""Memory that fits: the host memory a CPU run may take (MemAvailable, a cgroup's limit), the largest micro-batch
+whose estimate fits under train.micro_batch_size=auto, a size set by hand refused in one line naming one that
+fits, the evaluation's memory in the check, and a vLLM-cpu engine's share taken off the budget."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from humanline_cli.memory import GB, generate_bytes, host_available_bytes, largest_fitting, size
+
+
+def test_host_memory_is_memavailable_capped_by_the_cgroup(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   20000000 kB\n")
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    assert host_available_bytes(str(meminfo), str(cg)) == 20000000 * 1024  # no cgroup files: MemAvailable
+    (cg / "memory.max").write_text("max\n")
+    (cg / "memory.current").write_text("123\n")
+    assert host_available_bytes(str(meminfo), str(cg)) == 20000000 * 1024  # no limit set
+    # a 16 GiB limit holding 6 GiB, 2 GiB of it reclaimable page cache: 16 - (6 - 2) = 12 GiB left
+    (cg / "memory.max").write_text(f"{16 * GB}\n")
+    (cg / "memory.current").write_text(f"{6 * GB}\n")
+    (cg / "memory.stat").write_text(f"anon 1\ninactive_file {2 * GB}\nactive_file 5\n")
+    assert host_available_bytes(str(meminfo), str(cg)) == 12 * GB
+    assert host_available_bytes(str(tmp_path / "none"), str(tmp_path / "none")) is None
+
+
+def test_largest_fitting_divides_the_share():
+    # 32 units a rank: divisors 32, 16, 8, 4, 2, 1; those <= 6 fit, so 4 (6 and 5 do not divide 32)
+    assert largest_fitting(32, 1, lambda m: m <= 6) == 4
+    assert largest_fitting(32, 2, lambda m: m <= 1) is None  # kto's z0 needs at least 2
+    assert largest_fitting(12, 1, lambda m: True) == 12
+
+
+def test_generate_bytes_by_hand():
+    from transformers import LlamaConfig
+
+    c = LlamaConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=4)
+    # KV cache: 2 x 3 layers x kv 4 x 4 bytes x 5 prompts x (6 + 2) tokens = 3840; prefill, one layer over the
+    # prompts: 4 x (4 x 16 + 3 x 8 + 2 x 8 + 2 x 4) x 5 x 6 = 13440; logits 4 x 5 x 100 = 2000
+    assert generate_bytes(c, 5, 6, 2, 4.0) == 3840 + 13440 + 2000
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                head_dim=32).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _spec(model_dir, *extra):
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.config import resolve
+
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return resolve(compose("train", overrides=["backend=cpu", "backend.precision=fp32", "objective=grpo",
+                                                   f"model.name_or_path={model_dir}", "data.prompts=x.jsonl",
+                                                   "train.max_length=64", "train.max_prompt_length=32",
+                                                   "eval.max_new_tokens=16", *extra]))
+
+
+def _host(monkeypatch, nbytes):
+    from humanline_cli.train import build
+
+    monkeypatch.setattr(build, "host_available_bytes", lambda: float(nbytes))
+
+
+def test_auto_takes_the_largest_micro_batch_that_fits(model_dir, monkeypatch):
+    from humanline_cli.train.build import fit_memory, memory_estimate
+
+    spec = _spec(model_dir, "data=online", "sampler=hf", "objective.batch_size=32", "eval.batch_size=1")
+    assert spec.train.micro_auto and spec.train.micro_batch_size == 32  # the whole share until fitted
+    cpu = torch.device("cpu")
+    train_peak = {m: max(e.training, e.loading) for m in (32, 16, 8, 4)
+                  for e in [memory_estimate(spec, str(model_dir), cpu, micro=m)]}
+    # a host where 90% of it holds a micro-batch of 8 groups but not 16
+    host = (train_peak[8] + train_peak[16]) / 2 / 0.9
+    _host(monkeypatch, host)
+    fitted, est = fit_memory(spec, str(model_dir), cpu)
+    assert fitted.train.micro_batch_size == 8 and fitted.train.accumulation == 4
+    assert max(est.training, est.loading) == train_peak[8] <= 0.9 * host < train_peak[16]
+    assert fitted.notes[-1].startswith("train.micro_batch_size=auto: 8 of 32 units")
+    _host(monkeypatch, 10**15)  # room for everything: the whole share, as before
+    assert fit_memory(spec, str(model_dir), cpu)[0].train.micro_batch_size == 32
+
+
+def test_a_micro_batch_set_by_hand_that_cannot_fit_names_one_that_does(model_dir, monkeypatch):
+    from humanline_cli.errors import UserError
+    from humanline_cli.train.build import fit_memory, memory_estimate
+
+    spec = _spec(model_dir, "data=online", "sampler=hf", "objective.batch_size=32", "train.micro_batch_size=32",
+                 "eval.batch_size=1")
+    cpu = torch.device("cpu")
+    peak = {m: max(e.training, e.loading) for m in (32, 4, 2)
+            for e in [memory_estimate(spec, str(model_dir), cpu, micro=m)]}
+    _host(monkeypatch, (peak[4] + peak[2]) / 2 / 0.9)
+    with pytest.raises(UserError) as e:
+        fit_memory(spec, str(model_dir), cpu)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("train.micro_batch_size=32 will not fit:")
+    assert f"{size(peak[32])} estimated per device" in msg and "train.micro_batch_size=2 fits" in msg
+    _host(monkeypatch, peak[32] / 0.9 * 1.01)  # it fits: the spec is unchanged, no note
+    fitted, _ = fit_memory(spec, str(model_dir), cpu)
+    assert fitted is spec
+
+
+def test_the_evaluation_batch_is_checked(model_dir, monkeypatch):
+    """Offline runs evaluate with transformers' generate: its KV cache over eval.batch_size prompts counts."""
+    from humanline_cli.errors import UserError
+    from humanline_cli.train.build import fit_memory, memory_estimate
+
+    small = _spec(model_dir, "objective=dpo", "eval.batch_size=4")
+    big = _spec(model_dir, "objective=dpo", "eval.batch_size=4096")
+    cpu = torch.device("cpu")
+    e_small, e_big = (memory_estimate(s, str(model_dir), cpu) for s in (small, big))
+    assert e_big.evaluating - e_small.evaluating == pytest.approx(
+        generate_bytes(_llama(model_dir), 4092, 32, 16, 4.0), rel=1e-12)  # linear in the batch
+    assert e_big.evaluating > max(e_big.training, e_big.loading)  # the evaluation is this run's peak
+    _host(monkeypatch, max(e_big.training, e_big.loading) / 0.9 * 1.01)
+    with pytest.raises(UserError, match=r"^eval.batch_size=4096 will not fit: evaluation needs"):
+        fit_memory(big, str(model_dir), cpu)
+    assert fit_memory(small, str(model_dir), cpu)[1].evaluating == e_small.evaluating
+
+
+def _llama(model_dir):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def test_a_vllm_cpu_engine_takes_its_share_of_the_host(model_dir, monkeypatch):
+    from humanline_cli.train.build import VLLM_CPU_RUNTIME, device_memory
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    _host(monkeypatch, 20 * GB)
+    cpu = torch.device("cpu")
+    spec = _spec(model_dir, "data=online", "sampler=vllm", "sampler.cpu_kvcache_gb=3")
+    assert device_memory(spec, cpu, 1000) == (20 * GB, 3 * GB + 4 * 1000 + VLLM_CPU_RUNTIME)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM reads the variable first
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # four ranks on this host share it
+    assert device_memory(spec, cpu, 1000) == (5 * GB, 2 * GB + 4 * 1000 + VLLM_CPU_RUNTIME)
+    assert device_memory(_spec(model_dir, "data=online", "sampler=hf"), cpu, 1000) == (5 * GB, 0.0)
