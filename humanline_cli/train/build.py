@@ -47,6 +47,7 @@ from humanline_cli.memory import (
     estimate,
     host_available_bytes,
     largest_fitting,
+    rss_bytes,
     size,
 )
 from humanline_cli.models import load_policy, load_tokenizer
@@ -55,7 +56,13 @@ from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.online import OnlineSource, RoundSpec
 from humanline_cli.sources.source import Shard
 from humanline_cli.train.lengths import check_model_lengths
-from humanline_cli.train.sharded_load import load_policy_sharded, sharded_loadable, sharded_reference
+from humanline_cli.train.sharded_load import (
+    fetch_snapshot,
+    is_hub_id,
+    load_policy_sharded,
+    sharded_loadable,
+    sharded_reference,
+)
 
 WORLD = "world://"
 GENERATED = "gen://"       # a generated task's files (task.generator; world/chat_arithmetic.py)
@@ -145,6 +152,7 @@ class Parts:
     memory: MemoryEstimate | None = None  # printed in the run header (None: the model's config could not be read)
     math500: Math500Eval | None = None    # eval.math500.prompts set, else None
     spec: RunSpec | None = None           # the spec the parts were built for, its micro-batch fitted (fit_memory)
+    rss_before_weights: int = 0           # this process's resident memory before any weight loaded (bytes)
 
     def close(self) -> None:
         """Release engines and samplers (a vLLM engine holds its memory until closed)."""
@@ -451,11 +459,21 @@ def device_memory(spec: RunSpec, device: torch.device, params: int) -> tuple[flo
     if avail is None:
         return 0.0, 0.0
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or int(os.environ.get("WORLD_SIZE", "1"))
-    share = 0.0
-    if vllm:
-        kv_gb = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or spec.sampler_cfg.cpu_kvcache_gb)
-        share = kv_gb * GB + 4.0 * params + VLLM_CPU_RUNTIME
-    return avail / max(1, local), share
+    return avail / max(1, local), _vllm_cpu_bytes(spec, params) if vllm else 0.0
+
+
+def _fetch_hint(spec: RunSpec, est: MemoryEstimate) -> str:
+    """What to run when loading is the peak because a hub id's weights are not in the local cache."""
+    path = spec.model_cfg.name_or_path
+    if not (loads_sharded(spec) and est.loading > est.training and is_hub_id(path) and not sharded_loadable(path)):
+        return ""
+    return (f"; {path} is not in the local huggingface_hub cache as safetensors, so every rank would load it whole: "
+            f"fetch it first (hf download {path}) and rerun, and it loads sharded")
+
+
+def _vllm_cpu_bytes(spec: RunSpec, params: int) -> float:
+    kv_gb = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or spec.sampler_cfg.cpu_kvcache_gb)
+    return kv_gb * GB + 4.0 * params + VLLM_CPU_RUNTIME
 
 
 def fit_memory(spec: RunSpec, model_path: str, device: torch.device,
@@ -474,6 +492,8 @@ def fit_memory(spec: RunSpec, model_path: str, device: torch.device,
     if est is None:
         return spec, None
     total, vllm = device_memory(spec, device, est.params)
+    if device.type != "cuda" and spec.regime == "online" and spec.sampler_cfg.name == "vllm":
+        est = dataclasses.replace(est, sampler=_vllm_cpu_bytes(spec, est.params))
     if total <= 0:  # the device's memory is unknown: the estimate is printed, nothing is checked
         return spec, est
     room = 0.9 * (total - vllm)
@@ -499,7 +519,7 @@ def fit_memory(spec: RunSpec, model_path: str, device: torch.device,
     if micro == 0:
         fitting = None if auto else largest_fitting(share, smallest, fits)
         if fitting is None:
-            raise UserError(check_fits(estimate_for(smallest), room / 0.9) + f" ({where})")
+            raise UserError(check_fits(estimate_for(smallest), room / 0.9) + f" ({where})" + _fetch_hint(spec, est))
         kept = (", kept whole under auto since objective.aggregation=dapo_micro's loss depends on the split"
                 if tr.micro_auto else "")
         raise UserError(f"train.micro_batch_size={tr.micro_batch_size}{kept} will not fit: {size(est.total)} "
@@ -507,11 +527,18 @@ def fit_memory(spec: RunSpec, model_path: str, device: torch.device,
                         f"({size(estimate_for(fitting).total)})")
     if not tr.micro_auto:
         return spec, est
-    est = estimate_for(micro)
+    est = dataclasses.replace(estimate_for(micro), sampler=est.sampler)
     note = (f"train.micro_batch_size=auto: {micro} of {share} units a rank trains per step (the largest whose "
             f"estimate, {size(est.total)}, fits {where}: {size(room)})")
     return dataclasses.replace(spec, train=dataclasses.replace(tr, micro_batch_size=micro),
                                notes=(*spec.notes, note)), est
+
+
+def loads_sharded(spec: RunSpec) -> bool:
+    """Whether the policy loads sharded (FSDP2 full fine-tuning without remote code) where its files can be read."""
+    b = spec.backend_cfg
+    return (b.strategy.value == "fsdp" and b.nproc > 1 and spec.model_cfg.lora.r == 0
+            and not spec.model_cfg.trust_remote_code)
 
 
 def _checkpointing(model: torch.nn.Module) -> None:
@@ -559,12 +586,16 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     if spec.model_cfg.name_or_path.startswith(PACKAGED) or (spec.model_cfg.tokenizer or "").startswith(PACKAGED):
         with timer.phase("model"):  # a packaged model (model=smollm2): converted on first use (minutes), cached after
             prepare_model(spec)
+    if dist.is_main and loads_sharded(spec):  # a hub id's first run: sharded loading reads the cached snapshot
+        with timer.phase("model"):
+            fetch_snapshot(spec.model_cfg.name_or_path)
     if dist.enabled and dist.is_main:
         wait_for_rank0()
     seed_everything(spec.seed)  # a world built just now drew from the RNGs: LoRA's init must not depend on it
     model_path, tok_path = model_paths(spec)
     check_model_lengths(spec, model_path)  # config.json only: before any data or weight loads
     spec, memory = fit_memory(spec, model_path, backend.device, Shard(dist.rank, dist.world_size))
+    rss_before = rss_bytes()  # what the run's own memory is measured from (the interpreter and imports are not)
     trust = spec.model_cfg.trust_remote_code
     tokenizer = load_tokenizer(tok_path, trust)
     encoder = make_encoder(spec, tokenizer)
@@ -613,4 +644,4 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         eval_sampler = HFSampler(policy, tokenizer, spec.eval_cfg.batch_size, backend.autocast,
                                  lockstep=shard.max_int if fsdp else None)
     return Parts(backend, tokenizer, encoder, policy, reference, source, evaluator, eval_sampler, train_model, dist,
-                 memory, math500, spec)
+                 memory, math500, spec, rss_before)

