@@ -118,7 +118,7 @@ def _sweep(root, per_prompt: dict) -> None:
                                               for p, x in zip(prompts, scores)))
 
 
-def test_report_prints_paired_differences_and_no_gap(tmp_path, capsys):
+def test_report_prints_paired_differences_and_an_unbounded_gap_closed(tmp_path, capsys):
     root = tmp_path / "sweep"
     # greedy accuracy per seed: offline 0.50, 0.50; online 1.00, 0.75; humanline 0.75, 0.50
     _sweep(root, {"offline": [[1, 1, 0, 0], [1, 0, 1, 0]], "online": [[1, 1, 1, 1], [1, 1, 1, 0]],
