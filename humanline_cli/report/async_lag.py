@@ -10,8 +10,9 @@ import re
 import statistics
 from dataclasses import dataclass
 
-from humanline_cli.report.gap_closed import mean_ci, metric_of, metric_value
+from humanline_cli.report.gap_closed import metric_of, metric_value
 from humanline_cli.report.groups import derived_from, group_runs, signature
+from humanline_cli.report.stats import mean_ci
 
 _ASYNC = re.compile(r"(humanline-)?((?:stale-\d+-)?)async-(\d+)$")
 CSV_COLUMNS = ("task", "objective", "set", "humanline", "lag", "metric", "lag0_mean", "lag0_lo", "lag0_hi",

@@ -15,7 +15,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from humanline_cli.report.gap_closed import mean_ci, metric_value
+from humanline_cli.report.gap_closed import metric_value
+from humanline_cli.report.stats import mean_ci
 
 
 def run_drift(metrics: list[dict], key: str = "drift/kl") -> float | None:

@@ -1,18 +1,21 @@
 """The paper's question, per comparison set: how much of the offline -> online gap does
 humanline-offline close, at what wall-clock?
 
-gap closed = (humanline-offline - offline) / (online - offline), computed per seed (runs paired by
-seed) on the chosen metric, then averaged with a 95% Student-t interval across seeds (one seed: no
-interval). A comparison set is a group of complete runs whose configs agree on everything except the
-family-defining keys (data regime, humanline, hl, sampler, reward): report.py's grouping decides it.
-The metric is the greedy task accuracy when runs recorded it (eval.greedy.accuracy), else the sampled
-accuracy, else the sampled win rate against the starting policy.
+gap closed = mean(humanline-offline - offline) / mean(online - offline) over the seeds all three have
+(paired by seed), a ratio of means, on the chosen metric, with Fieller's 95% interval from the seed-level
+covariance of the two differences; only where the gap's own t-interval across seeds lies above 0 (else
+"unbounded": the ratio's interval has no finite bounds, and no ratio is printed). One seed: no interval; the
+gap is decided by a prompt-level bootstrap. A comparison set is a group of complete runs whose configs agree on
+everything except the family-defining keys (data regime, humanline, hl, sampler, reward): report.py's grouping
+decides it. The metric is the greedy task accuracy when runs recorded it (eval.greedy.accuracy), else the
+sampled accuracy, else the sampled win rate against the starting policy.
 
 Speed is reported two ways. `speedup`: online wall-clock / humanline-offline wall-clock over the same
-number of steps. `equal_quality`: the paper's framing, from learning curves (eval.every > 0): per seed,
-the work time (train + sample + label + sync + push, i.e. without evaluation and setup) online needs to
-first reach the score humanline-offline ends at, divided by humanline-offline's work time to reach it,
-with linear interpolation between evaluation points (the starting policy's score at time 0).
+number of steps. `equal_quality`: the paper's framing, from learning curves (eval.every > 0): the target is
+humanline-offline's mean final score; per seed, the work time (train + sample + label + sync + push, i.e.
+without evaluation and setup) to first reach it, with linear interpolation between evaluation points (the
+starting policy's score at time 0), censored at the run's end where it never does; the speedup is online's
+Kaplan-Meier median time over humanline-offline's, beside how many seeds of each reached the target.
 `online_sampling_share`: the part of online's work time spent producing data (sample + label +
 push), mean over seeds. 1 / (1 - share) bounds what any offline method can save against online
 training on the same sequences per step (offline skips exactly that part).
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from humanline_cli.report.groups import derived_from, group_runs, signature
-from humanline_cli.report.stats import excludes_zero, paired_t, t975
+from humanline_cli.report.stats import excludes_zero, fieller, km_median, mean_ci, paired_t, prompt_bootstrap
 
 
 def metric_of(summary: dict) -> tuple[str, float | None]:
@@ -42,39 +45,33 @@ def gap_closed(offline: dict, online: dict, humanline: dict, gap_interval: tuple
     """Each argument maps seed -> metric value; seeds present in all three are paired and handed to
     `gap_closed_paired` (see there). `gap_interval`: see gap_closed_paired."""
     seeds = sorted(set(offline) & set(online) & set(humanline), key=str)
-    out = gap_closed_paired([offline[s] for s in seeds], [online[s] for s in seeds], [humanline[s] for s in seeds],
-                            gap_interval)
-    out["per_seed"] = {s: out["per_seed"][i] for i, s in enumerate(seeds) if i in out["per_seed"]}
-    return out
+    return gap_closed_paired([offline[s] for s in seeds], [online[s] for s in seeds], [humanline[s] for s in seeds],
+                             gap_interval)
 
 
 def gap_closed_paired(offline: list, online: list, humanline: list, gap_interval: tuple | None = None) -> dict:
-    """Gap closed for runs already paired by seed (index i is the same seed in all three lists).
+    """Gap closed for runs already paired by seed (index i is the same seed in all three lists): the ratio of
+    means mean(humanline - offline) / mean(online - offline) with Fieller's 95% interval (stats.fieller, the
+    seed-level covariance of the two differences).
 
-    The gap (online - offline) comes first: its paired mean with a 95% t-interval across seeds
-    (stats.paired_t), or `gap_interval` (lo, hi) where the caller has a better one (a prompt bootstrap for a
-    single seed). Only a gap whose interval lies wholly above 0 has a ratio to report (`verdict` "gap");
-    otherwise the verdict is "no gap" (the interval holds 0, or there is none: one seed and no bootstrap) or
-    "online below" (the whole interval under 0), and mean/lo/hi are None. With a gap: (humanline - offline) /
-    (online - offline) per seed, averaged with a 95% t-interval across seeds; a seed whose own online and
-    offline values are equal is left out (counted in `skipped`)."""
+    The gap (online - offline) comes first: its paired mean with a 95% t-interval across seeds (stats.paired_t).
+    Only a gap whose interval lies wholly above 0 has a ratio to report (`verdict` "gap"), and exactly then is
+    Fieller's interval finite; otherwise the verdict is "unbounded" (the gap's interval reaches 0, so the
+    ratio's interval has no finite bounds) or "online below" (the whole interval under 0), and mean/lo/hi are
+    None. One seed has no seed-level interval: `gap_interval` (lo, hi), the caller's prompt-level bootstrap of
+    the gap, decides whether there is one, and the ratio is given without an interval."""
     gap = paired_t(online, offline)
-    lo, hi = gap_interval if gap_interval is not None else (gap["lo"], gap["hi"])
-    verdict = "gap" if excludes_zero(lo, hi) and lo > 0 else ("online below" if excludes_zero(lo, hi) else "no gap")
-    base = {"gap": {**gap, "lo": lo, "hi": hi}, "verdict": verdict, "per_seed": {}, "skipped": 0}
+    lo, hi = gap_interval if gap["n"] == 1 and gap_interval is not None else (gap["lo"], gap["hi"])
+    verdict = "gap" if excludes_zero(lo, hi) and lo > 0 else ("online below" if excludes_zero(lo, hi) else "unbounded")
+    base = {"gap": {**gap, "lo": lo, "hi": hi}, "verdict": verdict, "n": gap["n"]}
     if verdict != "gap":
-        return {**base, "n": gap["n"], "mean": None, "lo": None, "hi": None}  # n: the paired seeds
-    for i, (off, on, hl) in enumerate(zip(offline, online, humanline)):
-        if on == off:
-            base["skipped"] += 1
-        else:
-            base["per_seed"][i] = (hl - off) / (on - off)
-    ci = mean_ci(list(base["per_seed"].values())) or {"mean": None, "lo": None, "hi": None}
-    return {**base, "n": len(base["per_seed"]), "mean": ci["mean"], "lo": ci["lo"], "hi": ci["hi"]}
+        return {**base, "mean": None, "lo": None, "hi": None}
+    f = fieller([h - o for h, o in zip(humanline, offline)], [n - o for n, o in zip(online, offline)])
+    return {**base, "mean": f["ratio"], "lo": f["lo"], "hi": f["hi"]}
 
 
 def gap_text(g: dict) -> str:
-    """The gap-closed cell: the ratio [interval] where there is a gap, else why there is no ratio."""
+    """The gap-closed cell: the ratio [Fieller interval] where there is a gap, else why there is no ratio."""
     if g.get("verdict", "gap") != "gap":
         return g["verdict"]
     if g["mean"] is None:
@@ -127,32 +124,41 @@ def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
     return None
 
 
+def times_to_target(curves: list, target: float) -> tuple[list[float], list[bool]]:
+    """Per curve [(time, score)]: its time to first reach `target` and True, or, where it never does, the time
+    of its last point (the run ended short of the target: right-censored there) and False."""
+    times, reached = [], []
+    for c in curves:
+        t = time_to(c, target)
+        times.append(c[-1][0] if t is None else t)
+        reached.append(t is not None)
+    return times, reached
+
+
 def equal_quality(online: dict, humanline: dict) -> dict:
-    """Each maps seed -> learning curve. Per paired seed: online's time to humanline-offline's final
-    score over humanline-offline's own time to it. `never`: seeds where online never got there (not
-    averaged: online is then slower than any finite ratio says)."""
-    seeds = sorted(set(online) & set(humanline), key=str)
-    ratios, never, points = {}, 0, min((len(c) for c in [*online.values(), *humanline.values()]), default=0)
-    for s in seeds:
-        target = humanline[s][-1][1]
-        t_on, t_hl = time_to(online[s], target), time_to(humanline[s], target)
-        if t_on is None:
-            never += 1
-        elif t_hl:
-            ratios[s] = t_on / t_hl
-    return {"per_seed": ratios, "never": never, "mean": statistics.fmean(ratios.values()) if ratios else None,
-            "min_points": points}
+    """Each maps seed -> learning curve. The target is humanline-offline's final score, mean over its seeds (a
+    rule fixed before the curves are read, the same whatever the number of seeds). Per regime: each seed's work
+    time to first reach the target, censored at its run's end where it never does, and the Kaplan-Meier median
+    of those times (stats.km_median; None when fewer than half reached it). `speedup`: online's median over
+    humanline-offline's. `never`: online seeds that did not reach it."""
+    target = statistics.fmean(c[-1][1] for c in humanline.values())
+    out: dict = {"target": target}
+    for name, curves in (("online", online), ("humanline-offline", humanline)):
+        times, hit = times_to_target(list(curves.values()), target)
+        out[name] = {"median": km_median(times, hit), "reached": sum(hit), "n": len(hit)}
+    on, hl = out["online"]["median"], out["humanline-offline"]["median"]
+    out["speedup"] = on / hl if on is not None and hl else None
+    out["never"] = out["online"]["n"] - out["online"]["reached"]
+    return out
 
 
-def mean_ci(values: list[float]) -> dict | None:
-    """Mean and 95% Student-t interval across seeds (no interval for one value); None for none."""
-    if not values:
-        return None
-    m = statistics.fmean(values)
-    if len(values) < 2:
-        return {"mean": m, "lo": None, "hi": None, "n": 1}
-    half = t975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    return {"mean": m, "lo": m - half, "hi": m + half, "n": len(values)}
+def equal_quality_text(eq: dict | None) -> str:
+    """The at-equal-quality cell: the ratio of medians and how many seeds of each regime reached the target."""
+    if not eq:
+        return "n/a"
+    ratio = "–" if eq["speedup"] is None else f"{eq['speedup']:.2f}x"
+    on, hl = eq["online"], eq["humanline-offline"]
+    return f"{ratio} (reached: online {on['reached']} of {on['n']}, humanline {hl['reached']} of {hl['n']})"
 
 
 def _fmt(ci: dict | None) -> str:
@@ -288,13 +294,11 @@ def paired_differences(arms: dict, per_prompt: dict | None = None, contrasts=CON
     """Paired differences for arms already paired by seed: `arms` maps an arm to its per-seed scores (index i
     is the same seed in every arm); `per_prompt` (optional) maps an arm to its (seeds x prompts) per-prompt
     scores, in the same seed order and one prompt order. One row per contrast (a, b): a - b with a 95%
-    t-interval across seeds (`t`) and a prompt x seed bootstrap interval (`boot`, None without per-prompt
-    scores)."""
-    from humanline_cli.report.stats import bootstrap_paired
-
+    t-interval across seeds (`t`, the interval a comparison is read by) and a prompt-level bootstrap interval
+    (`boot`, stats.prompt_bootstrap; None without per-prompt scores)."""
     rows = []
     for a, b in contrasts:
-        boot = bootstrap_paired(per_prompt[a], per_prompt[b]) if per_prompt else None
+        boot = prompt_bootstrap(per_prompt[a], per_prompt[b]) if per_prompt else None
         rows.append({"contrast": (a, b), "t": paired_t(arms[a], arms[b]), "boot": boot})
     return rows
 
@@ -354,7 +358,7 @@ def csv_row(r: GapRow) -> dict:
     values = (r.task, r.objective, r.label, r.metric, num(r.offline), num(r.online), num(r.humanline_offline),
               num(g["mean"]), num(g["lo"]), num(g["hi"]), str(g["n"]), num(g["gap"]["mean"]), num(g["gap"]["lo"]),
               num(g["gap"]["hi"]), g["verdict"], str(r.online_wall_s), str(r.humanline_wall_s),
-              num(r.speedup, ".4g"), "" if not r.equal else num(r.equal["mean"], ".4g"),
+              num(r.speedup, ".4g"), "" if not r.equal else num(r.equal["speedup"], ".4g"),
               "" if not r.equal else str(r.equal["never"]), num(r.online_sampling_share, ".4g"),
               num(r.matched_bound, ".4g"))
     return dict(zip(CSV_COLUMNS, values))
@@ -379,12 +383,16 @@ def metric_value(summary: dict, name: str) -> float | None:
 def markdown(rows: list[GapRow]) -> list[str]:
     if not rows:
         return ["No comparison set has offline, online and humanline-offline runs: no gap to report.", ""]
-    lines = ["gap closed = (humanline-offline - offline) / (online - offline), per seed (paired), mean "
-             "[95% t-interval across seeds], given only where the gap online - offline has an interval wholly above 0 "
-             "(t-interval across seeds; one seed: the prompt bootstrap), else `no gap` (or `online below`); "
+    lines = ["gap closed = mean(humanline-offline - offline) / mean(online - offline) over seeds paired by seed (a "
+             "ratio of means) [95% Fieller interval from the seed-level covariance], given only where the gap online - "
+             "offline has a 95% t-interval across seeds wholly above 0, else `unbounded` (the gap's interval reaches "
+             "0, so the ratio's has no finite bounds) or `online below`; one seed: no interval, the gap decided by a "
+             "prompt-level bootstrap (prompt-level only). "
              "speedup = online wall-clock / humanline-offline wall-clock at equal "
-             "steps; at equal quality = online's work time to reach humanline-offline's final score / "
-             "humanline-offline's (learning curves; n/a without mid-run evals, eval.every); online sampling = "
+             "steps; at equal quality = online's work time to reach humanline-offline's mean final score / "
+             "humanline-offline's, each the Kaplan-Meier median over seeds (a seed that never reaches it is censored "
+             "at its run's end; `–`: fewer than half reached it), with how many seeds of each reached it (learning "
+             "curves; n/a without mid-run evals, eval.every); online sampling = "
              "share of online's work time spent sampling, labelling and pushing weights, and the speedup it bounds: "
              "1 / (1 - share) is the most any offline run can save against online on the same sequences per step.",
              "",
@@ -395,11 +403,7 @@ def markdown(rows: list[GapRow]) -> list[str]:
         g = r.gap
         gap = gap_text(g)
         speed = f"{r.speedup:.2f}x" if r.speedup else "n/a"
-        eq = "n/a"
-        if r.equal:
-            eq = f"{r.equal['mean']:.2f}x" if r.equal["mean"] is not None else "–"
-            if r.equal["never"]:
-                eq += f" (online never reached it in {r.equal['never']} seed(s))"
+        eq = equal_quality_text(r.equal)
         bound = "n/a" if r.matched_bound is None else f"{r.online_sampling_share:.0%} ({r.matched_bound:.2f}x)"
         lines.append(f"| {r.task} | {r.objective} | {r.label or '–'} | {r.metric} | {r.offline:.3f} | {r.online:.3f} | "
                      f"{r.humanline_offline:.3f} | {gap} | {g['n']} | {speed} | {eq} | {bound} |")
@@ -419,14 +423,15 @@ def markdown(rows: list[GapRow]) -> list[str]:
 
 def paired_markdown(rows: list[GapRow]) -> list[str]:
     """The paired differences of every comparison, greedy and sampled: a - b, mean over seeds with a 95%
-    t-interval across seeds and a prompt x seed bootstrap interval."""
+    t-interval across seeds (the reported interval) and a prompt-level bootstrap interval beside it."""
     body = [r for r in rows if r.paired]
     if not body:
         return ["No comparison has paired runs.", ""]
-    lines = ["a - b per seed (runs paired by seed), mean [95% t-interval across seeds] and [95% prompt x seed "
-             "bootstrap interval: seeds and eval prompts resampled together, 2000 replicates]; `–`: no interval "
+    lines = ["a - b per seed (runs paired by seed), mean [95% t-interval across seeds: the reported interval] and "
+             "[95% prompt-level bootstrap: the eval prompts resampled, 2000 replicates, the seeds held fixed, so it "
+             "leaves out seed-to-seed variation and is narrower than the truth when seeds differ]; `–`: no interval "
              "(one seed, or no per-prompt samples). greedy = temperature 0, sampled = eval.temperature.", "",
-             "| task | objective | set | metric | a - b | mean | t-interval | bootstrap | seeds |",
+             "| task | objective | set | metric | a - b | mean | t-interval | bootstrap (prompt-level only) | seeds |",
              "|---|---|---|---|---|---|---|---|---|"]
     names = {"greedy accuracy": "greedy", "accuracy": "sampled"}
     for r in body:
@@ -457,8 +462,9 @@ def bar_chart(labels: list[str], values: list[tuple], path, colors: list[str] | 
     import matplotlib.pyplot as plt
 
     means = [m for m, _, _ in values]
-    err = [[m - (lo if lo is not None else m) for m, lo, _ in values],
-           [(hi if hi is not None else m) - m for m, _, hi in values]]
+    # max(0, ...): a zero-width interval can sit a rounding error off its own mean
+    err = [[max(0.0, m - (lo if lo is not None else m)) for m, lo, _ in values],
+           [max(0.0, (hi if hi is not None else m) - m) for m, _, hi in values]]
     if len(values) <= 10:  # vertical bars
         fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(values) + 2), 4.0))
         ax.bar(range(len(values)), means, yerr=err, capsize=4, color=colors or "#4c72b0")
@@ -476,7 +482,7 @@ def bar_chart(labels: list[str], values: list[tuple], path, colors: list[str] | 
         ax.set_yticklabels([label.replace("\n", " ") for label in labels], fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("gap closed by humanline-offline")
-    ax.set_title("(humanline-offline - offline) / (online - offline), 95% CI over seeds")
+    ax.set_title("mean(humanline-offline - offline) / mean(online - offline), 95% Fieller interval")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

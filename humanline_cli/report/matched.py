@@ -1,28 +1,36 @@
-"""Matched-quality speedup: per regime, the training loop's wall-clock to reach a named score, from its runs'
-learning curves, with a 95% interval over seeds; "not reached" where a seed's curve never gets there.
+"""Matched-quality speedup: per regime, the training loop's wall-clock to reach a target score, from its runs'
+learning curves, as time to an event that some seeds never reach: "k of n seeds reached" beside the
+Kaplan-Meier median over seeds, a seed that never reaches the target censored at its run's end.
 
-The target score defaults to online's final score (mean over its seeds) minus its interval's half-width (the
-lowest final score online's seeds support; with one seed, online's final score itself). A run's learning curve
-is its evaluations: the starting policy at step 0, every mid-run evaluation, the final one; each point is placed
-at the loop's wall-clock when its step ended (metrics.jsonl `wall_s` less setup, evaluation, saving,
-checkpoints and the sampler's start-up: what `loop` counts in report/speed.py) and at its step. Between points
-the curve is linear; the first crossing counts.
+The target is fixed before any time is read: `--accuracy` names it (the way a pre-registered study does), else
+the rule start + TARGET_GAIN x (online's mean final score - start). The rule reads means only, so it does not
+move with the number of seeds. A run's learning curve is its evaluations: the starting policy at step 0, every
+mid-run evaluation, the final one; each point is placed at the loop's wall-clock when its step ended
+(metrics.jsonl `wall_s` less setup, evaluation, saving, checkpoints and the sampler's start-up: what `loop`
+counts in report/speed.py) and at its step. Between points the curve is linear; the first crossing counts.
 
-Per regime: seconds to the target (measured), steps to it, and, given predictions, the predicted loop seconds
-prorated by steps to it (machine-independent steps times a target's predicted seconds per step). Speedup over
-online = online's seconds to the target over the regime's, per seed where both reached it (paired by seed). The
-equal-step speedup (online's whole loop over the regime's, the same number of steps, not the same quality) is
-given beside it and labelled so.
+Why the Kaplan-Meier median and not a ratio of restricted mean times: regimes end at different loop seconds (a
+stale regime's run is shorter), so a restricted mean needs one horizon no later than the shortest run, and
+would cut online's times off there; the median takes each seed's own end as its censoring time and is defined
+whenever at least half the seeds reached the target. Averaging the seeds that reached it (as a mean of raw
+times or ratios does) drops exactly the slow seeds.
+
+Per regime: median seconds to the target (measured), median steps to it, and, given predictions, the predicted
+loop seconds prorated by median steps to it (machine-independent steps times a target's predicted seconds per
+step). Speedup over online = online's median seconds over the regime's. The equal-step speedup (online's whole
+loop over the regime's, the same number of steps, not the same quality) is given beside it and labelled so.
 """
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
 
-from humanline_cli.report.gap_closed import CURVE_KEYS, mean_ci, metric_of, metric_value, time_to
+from humanline_cli.report.gap_closed import CURVE_KEYS, metric_of, metric_value, time_to
 from humanline_cli.report.regime_map import regime_label
+from humanline_cli.report.stats import km_median
 
 LEFT_OUT = ("setup", "eval", "save", "checkpoint", "sampler_start")
+TARGET_GAIN = 0.9  # the default target: this share of online's mean gain over the start
 
 
 def curve(summary: dict, metrics: list[dict], metric: str) -> list[tuple[int, float, float]]:
@@ -62,6 +70,22 @@ def reach(points: list[tuple[int, float, float]], target: float) -> tuple[float,
     return steps, time_to([(p[1], p[2]) for p in points], target)
 
 
+def km_medians(points_by_seed: dict, target: float) -> dict:
+    """Per seed, (steps, seconds) to `target`, or, where the curve never reaches it, at its last point
+    (censored); the Kaplan-Meier medians of steps and of seconds over the seeds (stats.km_median)."""
+    reached, ended = {}, {}
+    for seed, points in points_by_seed.items():
+        x = reach(points, target)
+        if x is not None:
+            reached[seed] = x
+        elif points:
+            ended[seed] = (float(points[-1][0]), points[-1][1])
+    both = [*reached.values(), *ended.values()]
+    hit = [True] * len(reached) + [False] * len(ended)
+    return {"reached": reached, "ended": ended, "steps": km_median([st for st, _ in both], hit),
+            "seconds": km_median([s for _, s in both], hit)}
+
+
 @dataclass(frozen=True)
 class MatchedRow:
     task: str
@@ -71,19 +95,26 @@ class MatchedRow:
     target: float
     target_note: str
     seeds: int
-    reached: dict        # seed -> (steps, seconds)
+    reached: dict        # seed -> (steps, seconds) at the target
+    ended: dict          # seed -> (steps, seconds) at the run's end, for the seeds that never reached it
     steps: int           # steps of the runs (the equal-step comparison)
     loop_s: float        # mean measured loop seconds of the whole run
-    speedup: dict | None  # mean_ci over paired seeds of online seconds / this regime's seconds
+    steps_to: float | None   # Kaplan-Meier median steps to the target (None: fewer than half reached it)
+    seconds: float | None    # Kaplan-Meier median loop seconds to the target
+    speedup: float | None    # online's median seconds / this regime's
     equal_step_speedup: float | None
 
-    @property
-    def seconds(self) -> dict | None:
-        return mean_ci([s for _, s in self.reached.values()])
 
-    @property
-    def steps_to(self) -> dict | None:
-        return mean_ci([st for st, _ in self.reached.values()])
+def target_of(online_curves: list, accuracy: float | None) -> tuple[float, str]:
+    """The target score and how it was set: `accuracy` where named in advance (--accuracy), else the rule
+    start + TARGET_GAIN x (online's mean final score - start), start = online's mean starting score. The rule
+    reads only means, so the target does not move with the number of seeds (a mean minus a half-width would)."""
+    if accuracy is not None:
+        return accuracy, "named (--accuracy)"
+    start = statistics.fmean(c[0][2] for c in online_curves)
+    final = statistics.fmean(c[-1][2] for c in online_curves)
+    return start + TARGET_GAIN * (final - start), (f"start {start:.4g} + {TARGET_GAIN:g} x (online's mean final "
+                                                    f"{final:.4g} - start)")
 
 
 def matched_rows(runs: list, accuracy: float | None = None) -> list[MatchedRow]:
@@ -99,36 +130,28 @@ def matched_rows(runs: list, accuracy: float | None = None) -> list[MatchedRow]:
         metric = metric_of(online[0].summary)[0]
         if metric == "none":
             continue
-        finals = [v for v in (metric_value(r.summary, metric) for r in online) if v is not None]
-        if accuracy is not None:
-            target, note = accuracy, "named (--accuracy)"
-        else:
-            ci = mean_ci(finals)
-            half = (ci["hi"] - ci["mean"]) if ci and ci["hi"] is not None else 0.0
-            target = ci["mean"] - half
-            note = (f"online's final {ci['mean']:.4g} minus its half-width {half:.3g}" if len(finals) > 1
-                    else f"online's final {ci['mean']:.4g} (one seed: no interval)")
         curves = {name: {r.seed: (r, curve(r.summary, r.metrics, metric)) for r in rs} for name, rs in regimes.items()}
-        on_reached = {s: reach(c, target) for s, (_, c) in curves["online"].items()}
+        on_curves = [c for _, c in curves["online"].values() if c]
+        if not on_curves:
+            continue
+        target, note = target_of(on_curves, accuracy)
+        on_med = km_medians({s: c for s, (_, c) in curves["online"].items()}, target)["seconds"]
         on_loop = statistics.fmean(_loop_at((r.summary.get("wall_clock_s") or {}).get("total", 0.0),
                                             r.summary.get("wall_clock_s") or {}) for r in online)
         for name, seeds in curves.items():
-            reached = {s: x for s, x in ((s, reach(c, target)) for s, (_, c) in seeds.items()) if x is not None}
-            ratios = [on_reached[s][1] / reached[s][1] for s in reached
-                      if on_reached.get(s) is not None and reached[s][1] > 0]
+            med = km_medians({s: c for s, (_, c) in seeds.items()}, target)
             loop = statistics.fmean(_loop_at((r.summary.get("wall_clock_s") or {}).get("total", 0.0),
                                              r.summary.get("wall_clock_s") or {}) for r, _ in seeds.values())
             steps = int(next(iter(seeds.values()))[0].summary.get("steps") or 0)
-            rows.append(MatchedRow(task, obj, name, metric, target, note, len(seeds), reached, steps, loop,
-                                   mean_ci(ratios), on_loop / loop if loop else None))
+            speedup = on_med / med["seconds"] if on_med is not None and med["seconds"] else None
+            rows.append(MatchedRow(task, obj, name, metric, target, note, len(seeds), med["reached"], med["ended"],
+                                   steps, loop, med["steps"], med["seconds"], speedup,
+                                   on_loop / loop if loop else None))
     return rows
 
 
-def _ci(ci: dict | None, fmt: str) -> str:
-    if ci is None:
-        return "–"
-    s = format(ci["mean"], fmt)
-    return s + (f" [{format(ci['lo'], fmt)}, {format(ci['hi'], fmt)}]" if ci["lo"] is not None else "")
+def _num(x: float | None, fmt: str) -> str:
+    return "–" if x is None else format(x, fmt)
 
 
 def markdown(rows: list[MatchedRow], predicted: dict | None = None) -> list[str]:
@@ -136,24 +159,26 @@ def markdown(rows: list[MatchedRow], predicted: dict | None = None) -> list[str]
     if not rows:
         return ["No online runs with learning curves to match."]
     targets = dict.fromkeys(f"{r.task} / {r.objective}: {r.metric} {r.target:.4g} ({r.target_note})" for r in rows)
-    out = [f"Target: {'; '.join(targets)}. Loop wall-clock to reach it, mean [95% interval] over the seeds that did; "
-           "speedup over online paired by seed. The equal-step column compares whole runs of the same steps (not the "
-           "same quality).", ""]
+    out = [f"Target: {'; '.join(targets)}. Per seed, the loop wall-clock (and steps) to first reach it; a seed that "
+           "never reaches it is censored at its run's end. Each regime: how many of its seeds reached it, and the "
+           "Kaplan-Meier median over seeds (the smallest time by which at least half its seeds are estimated to "
+           "have reached it; `–`: fewer than half did). Speedup at matched quality = online's median seconds / the "
+           "regime's (no interval: a ratio of medians of a few censored seeds has none worth printing). The "
+           "equal-step column compares whole runs of the same steps (not the same quality).", ""]
     extra = list(predicted or {})
-    out += ["| task | objective | regime | reached | steps to target | seconds to target (measured) | "
+    out += ["| task | objective | regime | reached | median steps to target | median seconds to target (measured) | "
             + "".join(f"predicted s on {t} | " for t in extra)
             + "speedup at matched quality | speedup at equal steps (not matched quality) |",
             "|---|---|---|---|---|---|" + "---|" * len(extra) + "---|---|"]
     for r in rows:
-        reached = f"{len(r.reached)}/{r.seeds}" + ("" if len(r.reached) == r.seeds else " (not reached: "
-                                                  f"{r.seeds - len(r.reached)})")
+        reached = f"{len(r.reached)} of {r.seeds}" + ("" if not r.ended else f" (not reached: {len(r.ended)})")
         preds = []
         for t in extra:
             loop = predicted[t].get((r.task, r.objective, r.regime))
-            st = r.steps_to
-            preds.append("–" if loop is None or st is None or not r.steps else f"{loop * st['mean'] / r.steps:.4g}")
-        out.append(f"| {r.task} | {r.objective} | {r.regime} | {reached} | {_ci(r.steps_to, '.1f')} | "
-                   f"{_ci(r.seconds, '.1f')} | " + "".join(p + " | " for p in preds)
-                   + f"{_ci(r.speedup, '.2f')}{'x' if r.speedup else ''} | "
+            preds.append("–" if loop is None or r.steps_to is None or not r.steps
+                         else f"{loop * r.steps_to / r.steps:.4g}")
+        out.append(f"| {r.task} | {r.objective} | {r.regime} | {reached} | {_num(r.steps_to, '.1f')} | "
+                   f"{_num(r.seconds, '.1f')} | " + "".join(p + " | " for p in preds)
+                   + ("–" if r.speedup is None else f"{r.speedup:.2f}x") + " | "
                    + ("–" if r.equal_step_speedup is None else f"{r.equal_step_speedup:.2f}x") + " |")
     return out

@@ -39,9 +39,9 @@ def test_frontier_rows_hand_computed(tmp_path):
     # per-run drift: (0 + .05 + .10) / 3 = .05 and (0 + .07 + .08) / 3 = .05: mean .05, zero-width interval
     assert k64["drift_kl"]["mean"] == pytest.approx(0.05) and k64["drift_kl"]["hi"] == pytest.approx(0.05)
     assert k64["drift_logratio"]["mean"] == pytest.approx(-0.05)
-    # greedy 0.60, 0.64: mean 0.62, half 12.706 * sd(0.028284) / sqrt(2) = 0.25412
+    # greedy 0.60, 0.64: mean 0.62, half t(0.975, 1) * sd / sqrt(2) = 12.706205 * 0.028284 / sqrt(2) = 0.25412
     assert k64["greedy"]["mean"] == pytest.approx(0.62)
-    assert k64["greedy"]["lo"] == pytest.approx(0.62 - 12.706 * math.sqrt(0.0008) / math.sqrt(2))
+    assert k64["greedy"]["lo"] == pytest.approx(0.62 - 12.706205 * math.sqrt(0.0008) / math.sqrt(2))
     assert k64["sampled"]["mean"] == pytest.approx(0.52)
     assert rows[0]["drift_kl"]["mean"] == pytest.approx((0.001 + 0.002) / 2)
     table = markdown(rows)

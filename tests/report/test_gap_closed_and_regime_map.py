@@ -39,18 +39,22 @@ def test_summary_has_greedy_and_sampled_with_subsets(tmp_path, cache_dir):
 def test_gap_closed_hand_computed():
     off, on, hl = {0: 0.70, 1: 0.72, 2: 0.68}, {0: 0.90, 1: 0.92, 2: 0.88}, {0: 0.80, 1: 0.87, 2: 0.82}
     g = gap_closed(off, on, hl)
-    per = [0.10 / 0.20, 0.15 / 0.20, 0.14 / 0.20]  # 0.5, 0.75, 0.7
-    assert [g["per_seed"][s] for s in (0, 1, 2)] == pytest.approx(per)
-    mean = sum(per) / 3  # 0.65
-    sd = math.sqrt(sum((x - mean) ** 2 for x in per) / 2)  # 0.1322876
+    # x = humanline - offline = 0.10, 0.15, 0.14; y = online - offline = 0.20 on every seed, so v22 = v12 = 0
+    # and Fieller's quadratic b^2 R^2 - 2 a b R + a^2 - t^2 v11 = 0 has roots (a +- t sqrt(v11)) / b: the
+    # t-interval of mean(x) divided by 0.2
+    sd = math.sqrt((0.03**2 + 0.02**2 + 0.01**2) / 2)  # sd of x around its mean 0.13
+    half = 4.302653 * sd / math.sqrt(3) / 0.2
     assert g["mean"] == pytest.approx(0.65) and g["n"] == 3
-    assert (g["lo"], g["hi"]) == pytest.approx((mean - 4.303 * sd / math.sqrt(3), mean + 4.303 * sd / math.sqrt(3)))
-    # a seed with no gap (online == offline) is left out, unpaired seeds too; the gap's own t-interval over the
-    # two paired seeds (0.2, 0.0) holds 0, so only a caller-supplied interval above 0 gives a ratio
+    assert (g["lo"], g["hi"]) == pytest.approx((0.65 - half, 0.65 + half), abs=1e-6)
+    # a seed with no gap (online == offline) counts in the denominator, unpaired seeds are left out; the gap's
+    # own t-interval over the two paired seeds (0.2, 0.0) holds 0, so the ratio is unbounded
     g2 = gap_closed({0: 0.7, 1: 0.5, 3: 0.1}, {0: 0.9, 1: 0.5}, {0: 0.8, 1: 0.6, 2: 0.9})
-    assert g2["verdict"] == "no gap" and g2["mean"] is None
-    g2 = gap_closed({0: 0.7, 1: 0.5, 3: 0.1}, {0: 0.9, 1: 0.5}, {0: 0.8, 1: 0.6, 2: 0.9}, gap_interval=(0.05, 0.15))
-    assert g2["n"] == 1 and g2["skipped"] == 1 and g2["mean"] == pytest.approx(0.5) and g2["lo"] is None
+    assert g2["verdict"] == "unbounded" and g2["mean"] is None and g2["n"] == 2
+    # a caller's interval replaces the t-interval only for one seed (which has none)
+    g3 = gap_closed({0: 0.7, 1: 0.5}, {0: 0.9, 1: 0.5}, {0: 0.8, 1: 0.6}, gap_interval=(0.05, 0.15))
+    assert g3["verdict"] == "unbounded"
+    g4 = gap_closed({0: 0.7, 3: 0.1}, {0: 0.9}, {0: 0.8, 2: 0.9}, gap_interval=(0.05, 0.15))
+    assert g4["verdict"] == "gap" and g4["n"] == 1 and g4["mean"] == pytest.approx(0.5) and g4["lo"] is None
 
 
 def test_report_has_the_gap_closed_section(tmp_path):
@@ -159,8 +163,19 @@ def test_learning_curves_and_speedup_at_equal_quality_hand_computed():
     assert time_to(online, 0.85) == pytest.approx(25.0)  # 10 + 30 * (0.05 / 0.1)
     assert time_to(online, 0.5) == 0.0 and time_to(online, 0.95) is None
     hl = [(0.0, 0.6), (4.0, 0.7), (10.0, 0.85)]
+    # the target is humanline-offline's mean final score, (0.85 + 0.95) / 2 = 0.9: online reaches it at its
+    # end (40 s) on both seeds; humanline seed 0 never does (censored at 10 s), seed 1 at 0.6 + 0.3 x 8 / 0.35:
+    # at 8 x 0.3 / 0.35 = 6.857 s. Kaplan-Meier: humanline's estimated share short of it drops to 1/2 at
+    # 6.857 s (two at risk, one reaches it), so its median is 6.857 s; online's is 40 s
+    hl = [(0.0, 0.6), (4.0, 0.7), (10.0, 0.85)]
     eq = equal_quality({0: online, 1: online}, {0: hl, 1: [(0.0, 0.6), (8.0, 0.95)]})
-    assert eq["per_seed"] == {0: pytest.approx(2.5)} and eq["never"] == 1 and eq["mean"] == pytest.approx(2.5)
+    assert eq["target"] == pytest.approx(0.9) and eq["never"] == 0
+    assert eq["online"] == {"median": pytest.approx(40.0), "reached": 2, "n": 2}
+    assert eq["humanline-offline"] == {"median": pytest.approx(8 * 0.3 / 0.35), "reached": 1, "n": 2}
+    assert eq["speedup"] == pytest.approx(40.0 / (8 * 0.3 / 0.35))  # 5.833
+    # three humanline seeds, one reaching it: the median is undefined and there is no speedup
+    eq3 = equal_quality({0: online}, {0: hl, 1: [(0.0, 0.6), (8.0, 0.95)], 2: hl})
+    assert eq3["humanline-offline"]["median"] is None and eq3["speedup"] is None
 
 
 def test_report_gives_the_speedup_at_equal_quality_from_learning_curves(tmp_path):
@@ -182,7 +197,7 @@ def test_report_gives_the_speedup_at_equal_quality_from_learning_curves(tmp_path
     line = next(x for x in md.splitlines() if x.startswith("| arithmetic | grpo"))
     # online [(0, .6), (20, .8), (40, .9)] reaches .85 at 30 s; humanline-offline reaches it at its end, 10 s
     # online spent 10 / 40 of its work time sampling: at matched sequences offline saves at most 40 / 30
-    assert line.endswith("| 2 | 1.80x | 3.00x | 25% (1.33x) |"), line
+    assert line.endswith("| 2 | 1.80x | 3.00x (reached: online 2 of 2, humanline 2 of 2) | 25% (1.33x) |"), line
     csv_row = (root / "gap_closed.csv").read_text().splitlines()[1].split(",")
     assert csv_row[-4:] == ["3", "0", "0.25", "1.333"]
 

@@ -1,4 +1,4 @@
-"""Paired differences (by seed) with t-intervals and a prompt x seed bootstrap, and gap closed only where the
+"""Paired differences (by seed) with t-intervals and a prompt-level bootstrap, and gap closed only where the
 gap's interval excludes 0: hand-computed numbers."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from humanline_cli.report.aggregate import build_report, print_report
 from humanline_cli.report.gap_closed import gap_closed, gap_closed_paired, gap_text, paired_differences
-from humanline_cli.report.stats import bootstrap_paired, excludes_zero, paired_t
+from humanline_cli.report.stats import excludes_zero, paired_t, prompt_bootstrap
 from tests.helpers.runs import config, run_dir
 
 
@@ -17,32 +17,34 @@ def test_paired_t_hand_computed():
     p = paired_t([0.80, 0.87, 0.82], [0.70, 0.72, 0.68])
     assert p["diffs"] == pytest.approx([0.10, 0.15, 0.14]) and p["n"] == 3
     sd = math.sqrt((0.03**2 + 0.02**2 + 0.01**2) / 2)  # 0.0264575
-    half = 4.303 * sd / math.sqrt(3)  # 0.0657296
+    half = 4.302653 * sd / math.sqrt(3)  # t(0.975, 2) = 4.302653: 0.0657246
     assert p["mean"] == pytest.approx(0.13)
     assert (p["lo"], p["hi"]) == pytest.approx((0.13 - half, 0.13 + half))
-    assert (p["lo"], p["hi"]) == pytest.approx((0.0642704, 0.1957296), abs=1e-6)
+    assert (p["lo"], p["hi"]) == pytest.approx((0.0642754, 0.1957246), abs=1e-6)
     one = paired_t([0.9], [0.7])
     assert one["mean"] == pytest.approx(0.2) and one["lo"] is None and one["n"] == 1
     with pytest.raises(ValueError):
         paired_t([1.0, 2.0], [1.0])
 
 
-def test_bootstrap_paired_hand_computed():
+def test_prompt_bootstrap_hand_computed():
     # one seed, two prompts, differences 1 and 0: a replicate draws 2 prompts with replacement, so its mean is
     # 0 (p 1/4), 1/2 (p 1/2) or 1 (p 1/4); the 2.5% and 97.5% quantiles of 2000 replicates are 0 and 1
-    b = bootstrap_paired([[1.0, 0.0]], [[0.0, 0.0]])
+    b = prompt_bootstrap([[1.0, 0.0]], [[0.0, 0.0]])
     assert b["mean"] == 0.5 and (b["lo"], b["hi"]) == (0.0, 1.0) and (b["n_seeds"], b["n_prompts"]) == (1, 2)
     # a constant difference has a zero-width interval, whatever is resampled
-    c = bootstrap_paired([[0.75] * 4] * 3, [[0.5] * 4] * 3)
+    c = prompt_bootstrap([[0.75] * 4] * 3, [[0.5] * 4] * 3)
     assert (c["mean"], c["lo"], c["hi"]) == (0.25, 0.25, 0.25)
-    # seeds are resampled too: two seeds, each constant across prompts (1 and 0), same three outcomes as above
-    s = bootstrap_paired([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]], [[0.0] * 3, [0.0] * 3])
-    assert s["mean"] == 0.5 and (s["lo"], s["hi"]) == (0.0, 1.0)
+    # the seeds are held fixed: two seeds, one +1 on every prompt and one 0, average 1/2 on every prompt, so
+    # the interval is [0.5, 0.5] though the seeds disagree completely; this is why it is printed as
+    # "prompt-level only" and the t-interval over seeds is the reported one
+    s = prompt_bootstrap([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]], [[0.0] * 3, [0.0] * 3])
+    assert (s["mean"], s["lo"], s["hi"]) == (0.5, 0.5, 0.5)
     # paired: the same prompt draw for both arms, so a shared per-prompt effect cancels exactly
     a = [[0.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]]
-    assert bootstrap_paired(a, a)["lo"] == 0.0 and bootstrap_paired(a, a)["hi"] == 0.0
+    assert prompt_bootstrap(a, a)["lo"] == 0.0 and prompt_bootstrap(a, a)["hi"] == 0.0
     with pytest.raises(ValueError):
-        bootstrap_paired([1.0, 2.0], [1.0, 2.0])
+        prompt_bootstrap([1.0, 2.0], [1.0, 2.0])
 
 
 def test_excludes_zero():
@@ -58,9 +60,9 @@ def test_gap_closed_refuses_a_ratio_when_the_gap_interval_holds_zero():
     # gap diffs 0.004, 0.008: mean 0.006, sd 0.0028284, half 12.706 * 0.0028284 / sqrt(2) = 0.025412
     assert g["gap"]["mean"] == pytest.approx(0.006)
     assert (g["gap"]["lo"], g["gap"]["hi"]) == pytest.approx((0.006 - 0.025412, 0.006 + 0.025412), abs=1e-6)
-    assert g["verdict"] == "no gap" and g["mean"] is None and g["n"] == 2 and gap_text(g) == "no gap"
+    assert g["verdict"] == "unbounded" and g["mean"] is None and g["n"] == 2 and gap_text(g) == "unbounded"
     # one seed has no t-interval: no gap unless the caller supplies one (the prompt bootstrap)
-    assert gap_closed_paired([0.7], [0.9], [0.8])["verdict"] == "no gap"
+    assert gap_closed_paired([0.7], [0.9], [0.8])["verdict"] == "unbounded"
     one = gap_closed_paired([0.7], [0.9], [0.8], gap_interval=(0.15, 0.25))
     assert one["verdict"] == "gap" and one["mean"] == pytest.approx(0.5) and one["lo"] is None
     assert gap_text(one) == "50%"
@@ -69,15 +71,24 @@ def test_gap_closed_refuses_a_ratio_when_the_gap_interval_holds_zero():
     assert below["verdict"] == "online below" and below["mean"] is None and gap_text(below) == "online below"
 
 
-def test_gap_closed_with_a_gap_pairs_by_seed():
-    off, on, hl = {0: 0.70, 1: 0.72, 2: 0.68}, {0: 0.90, 1: 0.94, 2: 0.88}, {0: 0.80, 1: 0.83, 2: 0.82, 5: 0.1}
+def test_gap_closed_is_a_ratio_of_means_with_a_fieller_interval_paired_by_seed():
+    # seed 5 has humanline only: left out. Per seed x = humanline - offline = 0.10, 0.18, 0.10 and
+    # y = online - offline = 0.16, 0.26, 0.24
+    off, on, hl = {0: 0.60, 1: 0.62, 2: 0.64}, {0: 0.76, 1: 0.88, 2: 0.88}, {0: 0.70, 1: 0.80, 2: 0.74, 5: 0.1}
     g = gap_closed(off, on, hl)
-    # gaps 0.20, 0.22, 0.20 (interval above 0); ratios 0.5, 0.5, 0.7
-    assert g["verdict"] == "gap" and g["per_seed"] == pytest.approx({0: 0.5, 1: 0.5, 2: 0.7})
-    mean, sd = 1.7 / 3, math.sqrt(((0.5 - 1.7 / 3) ** 2 * 2 + (0.7 - 1.7 / 3) ** 2) / 2)
-    assert g["mean"] == pytest.approx(mean)
-    assert (g["lo"], g["hi"]) == pytest.approx((mean - 4.303 * sd / math.sqrt(3), mean + 4.303 * sd / math.sqrt(3)))
-    assert gap_text(g) == f"{mean:.0%} [{g['lo']:.0%}, {g['hi']:.0%}]"
+    # ratio of means: mean(x) / mean(y) = (0.38 / 3) / (0.66 / 3) = 0.575758 (the mean of per-seed ratios
+    # 0.625, 0.692, 0.417 would be 0.578)
+    assert g["verdict"] == "gap" and g["n"] == 3 and g["mean"] == pytest.approx(0.38 / 0.66)
+    # Fieller, in hundredths: a = 38/3, b = 22; variances of the means (sample (co)variance / 3):
+    # v11 = (64 + 256 + 64) / 9 / 2 / 3 = 64/9, v22 = (36 + 16 + 4) / 2 / 3 = 28/3, v12 = 32 / 2 / 3 = 16/3;
+    # t(0.975, 2)^2 = 4.302653^2 = 18.512820
+    t2 = 4.302653 ** 2
+    qa, qb, qc = 22**2 - t2 * 28 / 3, 38 / 3 * 22 - t2 * 16 / 3, (38 / 3) ** 2 - t2 * 64 / 9
+    # = 311.2137, 179.9316, 28.7968; roots (qb -+ sqrt(qb^2 - qa qc)) / qa
+    root = math.sqrt(qb**2 - qa * qc)
+    assert (g["lo"], g["hi"]) == pytest.approx(((qb - root) / qa, (qb + root) / qa), abs=1e-6)
+    assert (g["lo"], g["hi"]) == pytest.approx((0.086494, 1.069828), abs=1e-6)
+    assert gap_text(g) == "58% [9%, 107%]"
 
 
 def test_paired_differences_rows():
@@ -107,7 +118,7 @@ def _sweep(root, per_prompt: dict) -> None:
                                               for p, x in zip(prompts, scores)))
 
 
-def test_report_prints_paired_differences_and_no_gap(tmp_path, capsys):
+def test_report_prints_paired_differences_and_an_unbounded_gap_closed(tmp_path, capsys):
     root = tmp_path / "sweep"
     # greedy accuracy per seed: offline 0.50, 0.50; online 1.00, 0.75; humanline 0.75, 0.50
     _sweep(root, {"offline": [[1, 1, 0, 0], [1, 0, 1, 0]], "online": [[1, 1, 1, 1], [1, 1, 1, 0]],
@@ -126,13 +137,14 @@ def test_report_prints_paired_differences_and_no_gap(tmp_path, capsys):
     lo, hi = (float(v) for v in greedy[2].split(" | ")[7].strip("[]").split(", "))
     assert lo <= 0.375 <= hi
     gap_line = next(x for x in md.split("## Gap closed")[1].splitlines() if x.startswith("| arithmetic | grpo"))
-    assert "| no gap |" in gap_line
+    assert "| unbounded |" in gap_line
     csv = (root / "gap_closed.csv").read_text().splitlines()
     head, row = csv[0].split(","), csv[1].split(",")
-    assert dict(zip(head, row))["gap_verdict"] == "no gap" and dict(zip(head, row))["gap"] == "0.375"
+    assert dict(zip(head, row))["gap_verdict"] == "unbounded" and dict(zip(head, row))["gap"] == "0.375"
+    assert "bootstrap (prompt-level only)" in section
     print_report(rep)
     out = capsys.readouterr().out
-    assert "Paired differences" in out and "online - offline | +0.375" in out and "no gap" in out
+    assert "Paired differences" in out and "online - offline | +0.375" in out and "unbounded" in out
 
 
 def test_report_one_seed_gap_decided_by_the_prompt_bootstrap(tmp_path):

@@ -73,7 +73,7 @@ def test_multi_seed_ci_is_t_interval(runs_dir):
     row = read_csv(runs_dir / "report.csv")[("arithmetic", "grpo", "humanline-offline")]
     wins = [0.60, 0.62, 0.67]
     mean, sd = sum(wins) / 3, statistics.stdev(wins)
-    half = 4.303 * sd / math.sqrt(3)  # t(0.975, df=2)
+    half = 4.302653 * sd / math.sqrt(3)  # t(0.975, df=2)
     assert float(row["win_rate_mean"]) == pytest.approx(0.63)
     assert float(row["win_rate_std"]) == pytest.approx(sd, rel=1e-5)
     assert float(row["win_rate_lo"]) == pytest.approx(mean - half, rel=1e-5)
@@ -81,14 +81,18 @@ def test_multi_seed_ci_is_t_interval(runs_dir):
     assert (mean - half, mean + half) == pytest.approx((0.5404, 0.7196), abs=1e-3)
     # two seeds far apart: the interval is clipped to [0, 1]
     lo, hi = win_rate_ci([0.60, 0.70])
-    assert lo == pytest.approx(0.65 - 12.706 * statistics.stdev([0.6, 0.7]) / math.sqrt(2)) and hi == 1.0
+    assert lo == pytest.approx(0.65 - 12.706205 * statistics.stdev([0.6, 0.7]) / math.sqrt(2)) and hi == 1.0
 
 
 def test_t_quantiles():
-    assert t975(1) == pytest.approx(12.706, abs=1e-3)
-    assert t975(10) == pytest.approx(2.228, abs=1e-3)
-    assert t975(60) == pytest.approx(2.000, abs=2e-3)
-    assert t975(120) == pytest.approx(1.980, abs=2e-3)
+    # printed t-tables (e.g. NIST's) to their 4 or 5 significant digits
+    assert t975(1) == pytest.approx(12.7062, abs=1e-4)
+    assert t975(2) == pytest.approx(4.3027, abs=1e-4)
+    assert t975(10) == pytest.approx(2.2281, abs=1e-4)
+    assert t975(60) == pytest.approx(2.0003, abs=1e-4)
+    assert t975(120) == pytest.approx(1.9799, abs=1e-4)
+    with pytest.raises(ValueError):
+        t975(0)
 
 
 def test_markdown_lists_failed_and_incomplete(runs_dir):

@@ -129,7 +129,7 @@ def test_curve_and_reach_by_hand():
     assert reach(pts, 0.95) is None
 
 
-def test_matched_quality_speedup_with_interval_and_not_reached(tmp_path):
+def test_matched_quality_is_a_censored_median_with_seeds_reached(tmp_path):
     root = tmp_path / "sweep"
     wall = {"total": 40.0, "setup": 0.0, "train": 30.0}
     finals = (0.80, 0.82, 0.84)
@@ -142,21 +142,25 @@ def test_matched_quality_speedup_with_interval_and_not_reached(tmp_path):
         _run(root, "stale64", seed, rounds=[[1]], tokens_per_step=[10] * 4, wall={**wall, "total": 20.0},
              final=0.9 if good else 0.6, evals=[(2, 0.9 if good else 0.6, 10.0, 0.0)])
     rep = build_report(root)
-    # target = 0.82 - t(0.975, 2) x 0.02 / sqrt(3) = 0.82 - 4.303 x 0.011547 = 0.770312
-    target = 0.82 - 4.303 * 0.02 / math.sqrt(3)
-    assert f"arithmetic / grpo: greedy accuracy {target:.4g} (online's final 0.82 minus its half-width" in rep.markdown
-    # online: from (20 s, 0.6) to (40 s, final): 20 + 20 (t - 0.6) / (final - 0.6)
+    # the target rule: start 0.5 + 0.9 x (online's mean final 0.82 - 0.5) = 0.788, whatever the seed count
+    target = 0.5 + 0.9 * (0.82 - 0.5)
+    assert (f"arithmetic / grpo: greedy accuracy {target:.4g} (start 0.5 + 0.9 x (online's mean final 0.82 - start))"
+            in rep.markdown)
+    # online: from (step 2, 20 s, 0.6) to (step 4, 40 s, final), all three reach it: 38.8, 37.09, 35.67 s;
+    # with nothing censored the Kaplan-Meier median of three is the middle one, final 0.82's
     on = [20 + 20 * (target - 0.6) / (f - 0.6) for f in finals]
-    # stale64 seeds 0, 1: from (0 s, 0.5) to (10 s, 0.9): 10 (t - 0.5) / 0.4
+    assert on == pytest.approx([38.8, 37.090909, 35.666667])
+    # stale64 seeds 0, 1: from (0 s, 0.5) to (10 s, 0.9): 10 x 0.288 / 0.4 = 7.2 s at step 2 x 0.72 = 1.44;
+    # seed 2 never reaches it, censored at its end (20 s). Kaplan-Meier: 3 at risk at 7.2 s, 2 reach it, the
+    # share short of it drops to 1/3 there, so the median is 7.2 s (the censored seed still counts in the
+    # risk set, where a mean over the seeds that reached it would simply drop it)
     st = 10 * (target - 0.5) / 0.4
-    r0, r1 = on[0] / st, on[1] / st
-    mean = (r0 + r1) / 2
-    half = 12.706 * abs(r0 - r1) / math.sqrt(2) / math.sqrt(2)
     section = rep.markdown.split("## Speedup at matched quality", 1)[1]
     line = next(x for x in section.splitlines() if x.startswith("| arithmetic | grpo | stale64 |"))
-    assert "2/3 (not reached: 1)" in line
-    assert f"{mean:.2f} [{mean - half:.2f}, {mean + half:.2f}]x" in line
-    assert "2.00x" in line  # equal steps: 40 / 20, labelled as such in the header
+    assert line == (f"| arithmetic | grpo | stale64 | 2 of 3 (not reached: 1) | 1.4 | {st:.1f} | "
+                    f"{on[1] / st:.2f}x | 2.00x |")  # 37.0909 / 7.2 = 5.15x; equal steps: 40 / 20
+    online = next(x for x in section.splitlines() if x.startswith("| arithmetic | grpo | online |"))
+    assert online == f"| arithmetic | grpo | online | 3 of 3 | 3.7 | {on[1]:.1f} | 1.00x | 1.00x |"
     assert "speedup at equal steps (not matched quality)" in rep.markdown
 
 
