@@ -147,3 +147,23 @@ def test_a_vllm_cpu_engine_takes_its_share_of_the_host(model_dir, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # four ranks on this host share it
     assert device_memory(spec, cpu, 1000) == (5 * GB, 2 * GB + 4 * 1000 + VLLM_CPU_RUNTIME)
     assert device_memory(_spec(model_dir, "data=online", "sampler=hf"), cpu, 1000) == (5 * GB, 0.0)
+
+
+def test_the_readme_real_model_command_with_a_micro_batch_too_large_is_refused(smollm2, tmp_path):
+    """The README's SmolLM2 command with train.micro_batch_size=256 train.batch_size=256 (2,048 sequences of 128
+    tokens in one micro-batch, about 315 GiB): one line, exit 2, before any weight loads or any round is sampled."""
+    import json
+
+    from tests.helpers.cli import MODEL_CACHE, run_cli
+
+    run = tmp_path / "run"
+    r = run_cli(["train", "model=smollm2", "task=chat_arithmetic", "objective=grpo", "data=online", "sampler=vllm",
+                 "+humanline=true", "train.micro_batch_size=256", "train.batch_size=256", f"world_cache={MODEL_CACHE}",
+                 f"hydra.run.dir={run}"], tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = [x for x in r.stderr.splitlines() if x.startswith("humanline: error:")]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert lines[0].startswith("humanline: error: train.micro_batch_size=256 will not fit: 315.")
+    assert "train.micro_batch_size=" in lines[0].split("; ")[-1] and "fits" in lines[0].split("; ")[-1]
+    failed = json.loads((run / "failed.json").read_text())
+    assert failed["wall_clock_s"].get("sample", 0) == 0 and not (run / "metrics.jsonl").exists()
