@@ -73,8 +73,8 @@ def rows(prefix: str, options: dict[str, type]) -> list[tuple[str, str, str]]:
         key = f"{prefix}.{name}" if prefix else name
         first = next(iter(having.values()))
         inner = nested(first, name)
-        if inner is not None:
-            out += rows(key, {"": inner})
+        if inner is not None:  # a node: its own help on a `key.*` row, then its keys
+            out += [(f"`{key}.*`", "", help_of(first, name))] + rows(key, {"": inner})
             continue
         defaults = {opt: default_of(cls.__dataclass_fields__[name]) for opt, cls in having.items()}
         if len(options) > 1 and all(d == opt for opt, d in defaults.items()):

@@ -360,7 +360,9 @@ class TaskGeneratorConfig:
 class TaskConfig:
     name: str = knob(MISSING, "the task's name (the option chosen)")
     lengths: TaskLengths = knob(factory=TaskLengths, help="the task's length defaults")
-    world: Optional[WorldConfig] = knob(None, "bundled tasks only (arithmetic, preference): the world's knobs")
+    world: Optional[WorldConfig] = knob(None, "bundled tasks only (arithmetic, preference): the world's knobs "
+                                              "(docs/world.md); a null knob is the world kind's default "
+                                              "(humanline_cli/world/defaults.py)")
     generator: Optional[TaskGeneratorConfig] = knob(None, "generated prompt files (gen:// paths)")
     prompts: TaskPrompts = knob(factory=TaskPrompts, help="prompts of online rounds and of the evaluation")
     offline: DataFiles = knob(factory=DataFiles, help="the task's offline data (data.path and data.split default to "

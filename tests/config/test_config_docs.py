@@ -61,6 +61,7 @@ class _B(_A):
 def test_the_generator_writes_each_key_with_its_default_and_help():
     assert docs_gen.rows("g", {"a": _A, "b": _B}) == [
         ("`g.x`", "a: `1`; b: `2`", "x help"),
+        ("`g.inner.*`", "", "a node"),
         ("`g.inner.k`", "`0.5`", "inner help"),
         ("`g.y`", "`null`", "(b only) y | z"),
     ]
