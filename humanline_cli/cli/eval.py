@@ -11,7 +11,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from humanline_cli.errors import UserError
+from humanline_cli.errors import UserError, ignore_ctrl_c
 
 # what a later evaluation may choose: the judge (judge=..., or the task's own: task.judge.*), the held-out
 # prompts (task.prompts.eval, its split and column renames) and the sampling (eval.*); never what was trained
@@ -167,9 +167,7 @@ def main_eval(argv: list[str]) -> int:
         print(f"humanline: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # eval trains nothing: say so, not cli.train's "before training"
-        import signal
-
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this line short
+        ignore_ctrl_c()  # a second Ctrl-C must not cut this line short
         print(f"humanline: eval of {args.run_dir} interrupted (Ctrl-C) before it finished; rerun the same command "
               f"(a result file is written only once its evaluation is complete)", file=sys.stderr)
         return 130

@@ -35,7 +35,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from humanline_cli.errors import UserError
+from humanline_cli.errors import UserError, ignore_ctrl_c
 
 OWN_KEYS = ("out", "chunk")
 MARKER = "sampling.json"  # written first into DIR: the settings a resume must match, and proof DIR is ours
@@ -315,7 +315,7 @@ def main_sample(args: list[str]) -> int:
         print(f"humanline: error: {e.filename or 'humanline sample'}: {e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this line short
+        ignore_ctrl_c()  # a second Ctrl-C must not cut this line short
         print(f"humanline: sample interrupted (Ctrl-C); {_resume_note(out)}", file=sys.stderr)
         return 130
     except Terminated:

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from humanline_cli.cli.overrides import check_group_choices, precheck_overrides
-from humanline_cli.errors import RunFailed, UserError, fail, one_line
+from humanline_cli.errors import RunFailed, UserError, fail, ignore_ctrl_c, one_line
 
 
 @dataclass
@@ -43,7 +42,7 @@ def _full_error() -> bool:
 
 def report_interrupt(where: str = "before training"):
     """Ctrl-C outside a job (starting up, composing): nothing was written."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt this report
+    ignore_ctrl_c()  # a second Ctrl-C must not interrupt this report
     print(f"humanline: interrupted {where}", file=sys.stderr)
     sys.exit(130)
 
@@ -88,7 +87,7 @@ def _train_app(sweep: Sweep):
             sweep.bug = not isinstance(e, (UserError, RunFailed, OSError))
             raise
         if end.code == 130:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt this report
+            ignore_ctrl_c()  # a second Ctrl-C must not interrupt this report
         if end.error and multirun:  # one failed job does not stop a sweep; report lists it from failed.json
             _sweep_job_failed(sweep, ctx.run_dir, end.message)
             return

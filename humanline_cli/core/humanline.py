@@ -18,15 +18,23 @@ import torch
 from humanline_cli.schema import HumanlineConfig
 
 
-@dataclass(frozen=True)
-class HumanlineSpec:
-    """What a run does: clamp and sync are on only with +humanline=true (and hl.clamp / hl.sync); the band
-    and the sync period default to the schema's (one source of every default)."""
+@dataclass
+class HumanlineSpec(HumanlineConfig):
+    """hl.* as the schema declares it (the band and the sync period are the schema's fields), with clamp and sync
+    meaning "on in this run": humanline=true and hl.clamp / hl.sync, so both are off unless the run turns humanline
+    on. Treat as read-only, like the rest of the run's spec."""
     clamp: bool = False
     sync: bool = False
-    log_eps_P: float = HumanlineConfig.log_eps_P
-    log_eps_R: float = HumanlineConfig.log_eps_R
-    sync_every: int = HumanlineConfig.sync_every
+
+    @classmethod
+    def from_config(cls, on: bool, hl: HumanlineConfig) -> HumanlineSpec:
+        """The spec of a run: humanline=`on` (the root key) with the knobs `hl`."""
+        return cls(**{**vars(hl), "clamp": on and hl.clamp, "sync": on and hl.sync})
+
+    @property
+    def on(self) -> bool:
+        """Humanline runs (the config check refuses humanline=true with both parts off)."""
+        return self.clamp or self.sync
 
 
 def clamp_logratios(token_logratio: torch.Tensor, spec: HumanlineSpec) -> torch.Tensor:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from humanline_cli.core.interfaces import Completions, SamplingParams
-from humanline_cli.errors import RunFailed
+from humanline_cli.errors import RunFailed, ignore_ctrl_c
 from humanline_cli.sampling.proc_clock import cpu_s, keep_freed_memory, page_faults, run_queue_s
 
 START_TIMEOUT_S = 600.0  # the child's start (imports, model load) may take minutes for a large model
@@ -277,7 +277,7 @@ def _child(spec: ChildSpec, requests, results) -> None:
     import multiprocessing
 
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_ctrl_c()
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
     keep_freed_memory()  # before the model's and the first round's allocations

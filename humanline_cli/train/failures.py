@@ -165,6 +165,36 @@ def clear(run_dir: Path, job: str | None = None) -> None:
         (Path(run_dir) / FAILURES).rmdir()  # only when no other job's records are left
 
 
+FAILED_JSON = "failed.json"
+
+
+def write_failed(run_dir: Path, obj: dict) -> str | None:
+    """The one writer of <run_dir>/failed.json: a rank's own failure, and the launching process's correction once
+    the ranks ended (another rank's root cause, or the step a Ctrl-C landed in). Nothing when the run dir does not
+    exist (the job failed before making it). Whatever the disk allows: the full record; else (a full disk) as short
+    a record as fits, written in place; else nothing. Returns None when the full record was written (or there is
+    no run dir), else a note for the error line saying what happened. Never raises: the failure being recorded
+    comes first."""
+    path = Path(run_dir) / FAILED_JSON
+    if not path.parent.is_dir():
+        return None
+    try:
+        write_json_atomic(path, obj)
+        return None
+    except RunFailed as e:
+        why = str(e.__cause__.strerror if isinstance(e.__cause__, OSError) and e.__cause__.strerror else e)
+    short = json.dumps({"status": "failed", "error": str(obj.get("error", ""))[:200]})
+    for text in (short, '{"status":"failed"}'):
+        try:
+            with open(path, "w") as f:
+                f.write(text)
+            return f"failed.json shortened ({why})"
+        except OSError:
+            with contextlib.suppress(OSError):
+                path.unlink()
+    return f"failed.json could not be written ({why})"
+
+
 def failed_json(rec: dict) -> dict:
     """failed.json's content for a rank's record (the same keys a one-process failure writes, plus rank)."""
     return {"status": "failed", "error": f"{rec['type']}: rank {rec['rank']}: {rec['message']}", "rank": rec["rank"],

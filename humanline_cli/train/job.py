@@ -35,21 +35,16 @@ from humanline_cli.atomic import write_text_atomic
 from humanline_cli.backend import wait_for_rank0
 from humanline_cli.config import RunSpec, resolve
 from humanline_cli.core.humanline import ReferenceRule
-from humanline_cli.errors import Interrupted, Preempted, RunFailed, UserError, one_line
+from humanline_cli.errors import Interrupted, Preempted, RunFailed, UserError, ignore_ctrl_c, one_line
 from humanline_cli.train import failures
 from humanline_cli.train.build import build_parts
 from humanline_cli.train.checkpoint import Checkpoints
 from humanline_cli.train.finish import finish, header, print_summary
 from humanline_cli.train.lock import RunDirLock
 from humanline_cli.train.rundir import is_complete, prepare_run_dir
-from humanline_cli.train.signals import StepMarker, StopSignal, ignore_further_ctrl_c, interrupted_where
+from humanline_cli.train.signals import StepMarker, StopSignal, interrupted_where
 from humanline_cli.train.timing import PhaseTimer
-from humanline_cli.train.tracking import (
-    NullTracker,
-    Tracker,
-    masked_config,
-    write_failed_json,
-)
+from humanline_cli.train.tracking import NullTracker, Tracker, masked_config
 from humanline_cli.train.trainer import train
 
 HYDRA_DIR = ".hydra"  # the job's record of its config, written after the lock (never by Hydra itself)
@@ -287,58 +282,59 @@ def run_rank(spec: RunSpec, ctx: Context, console: Console | None = None) -> dic
             rec = failures.root_cause(ctx.run_dir)
             return rec is not None and rec["type"] != "Preempted"
     trained = False
-    stop = StopSignal(peer_failed).__enter__()  # SIGTERM: a checkpoint at the next step boundary, then Preempted
     try:
-        with timer.phase("setup"):
-            parts = build_parts(spec, timer, ctx.run_dir)
-            spec = parts.spec  # its micro-batch fitted to this device's memory
-            if not ctx.main:
-                console = Console(file=io.StringIO())  # one progress display, rank 0's
-            tr = spec.train
-            checkpoints = Checkpoints(ctx.run_dir, tr.checkpoint_every, tr.keep_checkpoints, parts.dist, console)
-            resume_from = checkpoints.latest() if spec.resume else None
-            tracker = Tracker(ctx.run_dir, spec.config, spec.wandb, ctx.run_dir.name,
-                              resume=resume_from is not None) if ctx.main else NullTracker()
-            wait_for_rank0()  # rank 0 starts wandb (seconds): the others wait outside the training group's timeout
-        resumed = int(resume_from.name.removeprefix("step_")) if resume_from is not None else None
-        if resumed is not None:
-            console.print(f"humanline: resuming {ctx.run_dir} from step {resumed} of {tr.steps} "
-                          f"(checkpoints/{resume_from.name}; resume=false starts over)", soft_wrap=True, markup=False,
-                          highlight=False)
-        header(spec, parts, console)
-        if resume_from is None and parts.evaluator is not None:  # a resumed run: from the checkpoint
-            with timer.phase("eval"):
-                parts.evaluator.set_baseline(parts.eval_sampler)
-        last = train(spec.train, spec.humanline, parts, stop, objective=spec.objective_cfg,
-                     rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
-                     console=console, eval_every=spec.eval_cfg.every, checkpoints=checkpoints,
-                     resume_from=resume_from, at=at)
-        trained = True  # an interruption from here on lands after training
-        summary = finish(spec, parts, tracker, timer, ctx.run_dir, last, resumed)
-        tracker.finish(0)
-        if ctx.main:
-            print_summary(summary, ctx.run_dir, console)
-        return summary
-    except BaseException as caught:
-        e = out_of_memory(caught) or caught  # one line instead of torch's allocator traceback
-        where = interrupted_where(e, trained, at) if isinstance(e, KeyboardInterrupt) else None
-        if where is not None:
-            ignore_further_ctrl_c()
-        failed = failure_record(e, timer.report(), where)
-        if ctx.distributed:
-            failed = _rank_failure(e, ctx, spec, failed, where, timer)
-        note = write_failed_json(ctx.run_dir / "failed.json", failed) if ctx.main and ctx.run_dir.is_dir() else None
-        if note is None and ctx.main and isinstance(e, RunFailed) and isinstance(e.__cause__, OSError):
-            note = "failed.json written"  # a failed write (a full disk): the line says what failed.json got
-        if tracker is not None:
-            tracker.finish(1)
-        if note is not None and isinstance(e, (UserError, RunFailed)):  # a full disk: the error line says so
-            raise type(e)(f"{e}; {note}") from caught
-        if e is not caught:
-            raise e from caught
-        raise
+        # SIGTERM: a checkpoint at the next step boundary, then Preempted; its previous handler is back for the cleanup
+        with StopSignal(peer_failed) as stop:
+            try:
+                with timer.phase("setup"):
+                    parts = build_parts(spec, timer, ctx.run_dir)
+                    spec = parts.spec  # its micro-batch fitted to this device's memory
+                    if not ctx.main:
+                        console = Console(file=io.StringIO())  # one progress display, rank 0's
+                    tr = spec.train
+                    checkpoints = Checkpoints(ctx.run_dir, tr.checkpoint_every, tr.keep_checkpoints, parts.dist, console)
+                    resume_from = checkpoints.latest() if spec.resume else None
+                    tracker = Tracker(ctx.run_dir, spec.config, spec.wandb, ctx.run_dir.name,
+                                      resume=resume_from is not None) if ctx.main else NullTracker()
+                    wait_for_rank0()  # rank 0 starts wandb (seconds): the others wait outside the group's timeout
+                resumed = int(resume_from.name.removeprefix("step_")) if resume_from is not None else None
+                if resumed is not None:
+                    console.print(f"humanline: resuming {ctx.run_dir} from step {resumed} of {tr.steps} "
+                                  f"(checkpoints/{resume_from.name}; resume=false starts over)", soft_wrap=True,
+                                  markup=False, highlight=False)
+                header(spec, parts, console)
+                if resume_from is None and parts.evaluator is not None:  # a resumed run: from the checkpoint
+                    with timer.phase("eval"):
+                        parts.evaluator.set_baseline(parts.eval_sampler)
+                last = train(spec.train, spec.humanline, parts, stop, objective=spec.objective_cfg,
+                             rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
+                             console=console, eval_every=spec.eval_cfg.every, checkpoints=checkpoints,
+                             resume_from=resume_from, at=at)
+                trained = True  # an interruption from here on lands after training
+                summary = finish(spec, parts, tracker, timer, ctx.run_dir, last, resumed)
+                tracker.finish(0)
+                if ctx.main:
+                    print_summary(summary, ctx.run_dir, console)
+                return summary
+            except BaseException as caught:
+                e = out_of_memory(caught) or caught  # one line instead of torch's allocator traceback
+                where = interrupted_where(e, trained, at) if isinstance(e, KeyboardInterrupt) else None
+                if where is not None:
+                    ignore_ctrl_c()
+                failed = failure_record(e, timer.report(), where)
+                if ctx.distributed:
+                    failed = _rank_failure(e, ctx, spec, failed, where, timer)
+                note = failures.write_failed(ctx.run_dir, failed) if ctx.main else None
+                if note is None and ctx.main and isinstance(e, RunFailed) and isinstance(e.__cause__, OSError):
+                    note = "failed.json written"  # a failed write (a full disk): the line says what failed.json got
+                if tracker is not None:
+                    tracker.finish(1)
+                if note is not None and isinstance(e, (UserError, RunFailed)):  # a full disk: the error line says so
+                    raise type(e)(f"{e}; {note}") from caught
+                if e is not caught:
+                    raise e from caught
+                raise
     finally:  # engines, samplers and wandb are released whatever happened (a sweep runs on in this process)
-        stop.__exit__()
         if parts is not None:
             parts.close()
         if tracker is not None:

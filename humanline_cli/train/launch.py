@@ -57,7 +57,6 @@ def launch(entry, args: tuple, run_dir: Path, nproc: int) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from humanline_cli.atomic import write_json_atomic
     from humanline_cli.train import failures
 
     conf = launch_config(nproc)
@@ -95,8 +94,8 @@ def launch(entry, args: tuple, run_dir: Path, nproc: int) -> None:
         if rec is None:  # killed without a word (kill -9, out of memory, a segfault)
             first = str(e).strip().splitlines()[0] if str(e).strip() else "ChildFailedError"
             raise RunFailed(f"a rank crashed: {first}") from None
-        if Path(run_dir).is_dir():  # rank 0 may have died second, on the transport error: the cause is rec
-            write_json_atomic(Path(run_dir) / "failed.json", failures.failed_json(rec))
+        # rank 0 may have died second, on the transport error: failed.json says the root cause, rec
+        failures.write_failed(run_dir, failures.failed_json(rec))
         raise failures.as_exception(rec) from None
     finally:
         quiet.setLevel(level)
@@ -110,13 +109,11 @@ def _record_interrupt_in_failed_json(run_dir: Path, where: str) -> None:
     import json
 
     from humanline_cli.train import failures
-    from humanline_cli.train.tracking import write_failed_json
 
-    path = run_dir / "failed.json"
     try:
-        failed = json.loads(path.read_text())
+        failed = json.loads((run_dir / failures.FAILED_JSON).read_text())
     except (OSError, ValueError):
         return  # not written (no run dir yet, or a full disk): nothing to correct
     if failed.get("interrupted"):
         return
-    write_failed_json(path, failures.interrupted_json(where, failed.get("wall_clock_s")))
+    failures.write_failed(run_dir, failures.interrupted_json(where, failed.get("wall_clock_s")))

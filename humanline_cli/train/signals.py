@@ -17,7 +17,7 @@ from __future__ import annotations
 import signal
 import threading
 
-from humanline_cli.errors import Interrupted, Preempted
+from humanline_cli.errors import Interrupted, Preempted, ignore_ctrl_c
 
 
 class StopSignal:
@@ -57,13 +57,6 @@ class StopSignal:
             self._old = None
 
 
-def ignore_further_ctrl_c() -> None:
-    """After the first Ctrl-C, the run is ending: a second one (torch's agent forwards the terminal's to every rank)
-    must not cut the ending short, such as the progress bar's last line before its newline or failed.json."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 class StepMarker:
     """The step in flight: the loop sets `at.step = step` at the top of each step inside `with at:`, and a
     Ctrl-C there becomes `Interrupted("at step N")`, which carries the step to whoever reports it. The
@@ -83,7 +76,7 @@ class StepMarker:
         if exc_type is not None:  # a second Ctrl-C (the agent forwards one) can land while this one unwinds
             self.unwinding = True
         if exc_type is KeyboardInterrupt:
-            ignore_further_ctrl_c()
+            ignore_ctrl_c()
             if self.step is not None:
                 raise Interrupted(f"at step {self.step}") from exc
         return False

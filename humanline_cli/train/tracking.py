@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 from humanline_cli.atomic import write_json_atomic, write_text_atomic
-from humanline_cli.errors import RunFailed, cannot_write
+from humanline_cli.errors import cannot_write
 
 MASK = "***"
 # the last word of a key's name that marks its value as a credential ...
@@ -102,27 +102,6 @@ def mask_saved_configs(paths) -> list[Path]:
             write_text_atomic(path, OmegaConf.to_yaml(OmegaConf.create(clean)), path.with_name(f".{path.name}.tmp"))
             changed.append(path)
     return changed
-
-
-def write_failed_json(path: Path, obj: dict) -> str | None:
-    """failed.json, whatever the disk allows: the full record; else (a full disk) as short a record as
-    fits, written in place; else nothing. Returns None when the full record was written, else a note
-    for the error line saying what happened. Never raises: the failure being recorded comes first."""
-    try:
-        write_json_atomic(path, obj)
-        return None
-    except RunFailed as e:
-        why = str(e.__cause__.strerror if isinstance(e.__cause__, OSError) and e.__cause__.strerror else e)
-    short = json.dumps({"status": "failed", "error": str(obj.get("error", ""))[:200]})
-    for text in (short, '{"status":"failed"}'):
-        try:
-            with open(path, "w") as f:
-                f.write(text)
-            return f"failed.json shortened ({why})"
-        except OSError:
-            with contextlib.suppress(OSError):
-                path.unlink()
-    return f"failed.json could not be written ({why})"
 
 
 WANDB_ID = "wandb_id.txt"  # the run's wandb id: a resumed run continues the same wandb run

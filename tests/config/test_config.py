@@ -98,3 +98,16 @@ def test_bad_config_is_rejected_with_the_key_named(overrides, needle):
         resolve(_compose(overrides))
     assert needle in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_the_humanline_spec_is_the_schema_with_the_switch_applied():
+    from humanline_cli.core.humanline import HumanlineSpec
+    from humanline_cli.schema import HumanlineConfig
+
+    knobs = HumanlineConfig(clamp=False, log_eps_P=-0.5, sync_every=3)
+    off, on = HumanlineSpec.from_config(False, knobs), HumanlineSpec.from_config(True, knobs)
+    assert vars(off) == {"clamp": False, "sync": False, "log_eps_P": -0.5, "log_eps_R": 1.5, "sync_every": 3}
+    assert vars(on) == {"clamp": False, "sync": True, "log_eps_P": -0.5, "log_eps_R": 1.5, "sync_every": 3}
+    assert (off.on, on.on) == (False, True)
+    # the band and the period are the schema's fields, not declared again
+    assert set(HumanlineSpec.__dict__.get("__annotations__", {})) == {"clamp", "sync"}

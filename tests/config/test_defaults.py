@@ -5,7 +5,8 @@
 - The bundled world's knobs are typed in the schema (None = the world kind's default) and valued in one
   place, humanline_cli/world/defaults.py: the task files name the kind only.
 - The specs derived from the config (TrainSpec, RunSpec, HumanlineSpec, LLMJudgeSpec, AlpacaEvalSpec) take their
-  defaults from the schema classes (TrainSpec and the judge specs extend them), never from a literal of their own.
+  defaults from the schema classes (TrainSpec, HumanlineSpec and the judge specs extend them), never from a literal
+  of their own.
 """
 from __future__ import annotations
 

@@ -324,7 +324,7 @@ def _enospc(*a, **k):
 def test_full_disk_at_summary_and_failed_json(tmp_path, monkeypatch):
     from humanline_cli import atomic
     from humanline_cli.errors import RunFailed
-    from humanline_cli.train import tracking as T
+    from humanline_cli.train import failures
 
     real_write_text = Path.write_text
     full = {"summary.json.tmp", "failed.json.tmp"}  # the temp files of atomic writes cannot be written
@@ -334,13 +334,13 @@ def test_full_disk_at_summary_and_failed_json(tmp_path, monkeypatch):
         atomic.write_json_atomic(tmp_path / "summary.json", {"status": "complete"})
     assert str(e.value) == f"cannot write {tmp_path / 'summary.json'}: No space left on device"
     # the full record does not fit, a short one does (written in place)
-    note = T.write_failed_json(tmp_path / "failed.json", {"status": "failed", "error": "RunFailed: x" * 100})
+    note = failures.write_failed(tmp_path, {"status": "failed", "error": "RunFailed: x" * 100})
     assert note == "failed.json shortened (No space left on device)"
     assert json.loads((tmp_path / "failed.json").read_text()) == {"status": "failed", "error": ("RunFailed: x" * 100)[:200]}
     # not one byte fits: nothing is left, and the note says so
     monkeypatch.setattr("builtins.open", lambda path, mode="r", *a, **k: _enospc())
     (tmp_path / "failed.json").unlink()
-    assert T.write_failed_json(tmp_path / "failed.json", {"status": "failed"}) == (
+    assert failures.write_failed(tmp_path, {"status": "failed"}) == (
         "failed.json could not be written (No space left on device)")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no summary.json.tmp, no failed.json(.tmp)
 
