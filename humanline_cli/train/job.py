@@ -167,13 +167,13 @@ class Job:
     def _join_torchrun(self, lock: RunDirLock) -> Outcome:
         """torchrun started this process as one rank and every rank ran Hydra: rank 0 prepares its run dir
         and hands the spec and the dir to the others (or the error that stopped it: every rank ends)."""
-        import torch
         import torch.distributed as tdist
 
         from humanline_cli.backend import init_distributed
 
-        timeout_s = (self.cfg.get("backend") or {}).get("timeout_s")  # the spec is rank 0's, not here yet
-        init_distributed("cuda" if torch.cuda.is_available() else "cpu", timeout_s)
+        backend = self.cfg.get("backend") or {}  # the spec is rank 0's, not here yet
+        # the configured device picks the process group's backend (backend=cpu on a CUDA host: gloo, CPU tensors)
+        init_distributed(str(backend.get("device", "auto")), backend.get("timeout_s"))
         box: list = [None, None, None]  # spec, run dir, the exception that stopped rank 0
         log = None
         if self.ctx.main:
@@ -181,6 +181,9 @@ class Job:
                 box[0], box[1] = self._prepare(lock), str(self.ctx.run_dir)
             except Exception as e:  # noqa: BLE001 - handed to every rank, raised by each
                 box[2] = e
+        # preparing (hashing a checkpoint to resume, moving old outputs aside) can outlast backend.timeout_s: the
+        # others wait for it in the gloo wait group, so the broadcast that hands the result out never waits long
+        wait_for_rank0()
         tdist.broadcast_object_list(box, src=0)
         spec, run_dir, error = box
         try:
