@@ -50,7 +50,7 @@ from humanline_cli.memory import (
     rss_bytes,
     size,
 )
-from humanline_cli.models import load_policy, load_tokenizer
+from humanline_cli.models import load_error, load_policy, load_tokenizer, provide_removed_names
 from humanline_cli.rewards.scorers import make_scorer
 from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.online import OnlineSource, RoundSpec
@@ -396,8 +396,13 @@ def _reward_bytes(spec: RunSpec, rank: int) -> float:
 
     total = 0.0
     for path, trust in reward_models_on_rank(spec, rank):
+        if trust:
+            provide_removed_names()  # ArmoRM's own code imports a name transformers 5 dropped
         with contextlib.suppress(OSError, ValueError):  # RewardModel reports a missing model in one line
-            total += reward_model_bytes(AutoConfig.from_pretrained(path, trust_remote_code=trust), trust)
+            try:
+                total += reward_model_bytes(AutoConfig.from_pretrained(path, trust_remote_code=trust), trust)
+            except ImportError as e:  # its own code does not import here: one line now, before any weight loads
+                raise load_error("reward model", path, e, "trust_remote_code") from None
     return total
 
 
