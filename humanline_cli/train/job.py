@@ -192,6 +192,9 @@ class Job:
         path = self.ctx.run_dir / self.ctx.nodes.marker
         try:
             spec = self._prepare(lock)
+            if spec is not None and not spawn_count(spec):  # each node would train alone, into one run dir
+                raise UserError(f"{self.ctx.nodes.count} nodes need ranks to meet: backend.strategy=ddp or fsdp "
+                                f"with backend.nproc >= 2 (the GPUs of one node)")
         except Exception as e:
             with contextlib.suppress(OSError):  # a run dir it cannot write: the other nodes time out saying so
                 _leave_marker(path, {"error": one_line(e), "user": isinstance(e, UserError)})

@@ -111,7 +111,7 @@ def test_slurm_nodes_node0_alone_locks_and_prepares_the_others_wait_for_it(tmp_p
     (t0_prepared,), (t0, n0, spec0, lock0), (t1, n1, spec1, lock1) = \
         got[("prepared", 0)], got[("launch", 0)], got[("launch", 1)]
     assert spec1 == spec0 and n0 == n1 == 2  # node 0's spec, handed over whole
-    assert t1 >= t0_prepared  # node 1 launched only once node 0 had prepared
+    assert t1 >= t0_prepared and t0 >= t0_prepared  # node 1 launched only once node 0 had prepared
     assert lock0 == lock1 and lock0.split()[0].isdigit()  # node 0's pid held the lock through both launches
     assert got[("end", 0)] == got[("end", 1)] == (0, None)
     # node 0's record and log alone; the marker is gone once the ranks ran
@@ -122,3 +122,10 @@ def test_slurm_nodes_node0_alone_locks_and_prepares_the_others_wait_for_it(tmp_p
     assert not any(k[0] in ("launch", "prepared") for k in got)
     assert got[("end", 0)] == got[("end", 1)] and got[("end", 0)][0] == 2
     assert got[("end", 0)][1].startswith(f"{run} is in use by another job (pid {os.getpid()} on ")
+    # one process per node would train alone, each into the same run dir: refused on every node, before a launch
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        single = compose("train", overrides=[*TINY_WORLD, "backend=cpu"])
+    got = _two_nodes(tmp_path / "single", single)
+    assert not any(k[0] == "launch" for k in got)
+    assert got[("end", 0)] == got[("end", 1)] == (2, "2 nodes need ranks to meet: backend.strategy=ddp or fsdp with "
+                                                     "backend.nproc >= 2 (the GPUs of one node)")
