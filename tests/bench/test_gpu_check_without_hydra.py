@@ -1,7 +1,8 @@
 """`just gpu-check` on a GPU machine with torch and transformers but no Hydra, omegaconf, datasets, wandb or
 vLLM: its torch-only rows (the step checks) run, the rows that need `humanline train` or vLLM say they
-were skipped and why, and the check exits 1 (a row asked for did not run) unless `--only step` leaves them out. A subprocess blocks those imports (sys.modules[name] = None makes any import of
-them fail) and runs the step rows on CPU, then the CUDA path with torch.cuda faked (no GPU here)."""
+were skipped and why, and the check exits 1 (a row asked for did not run) unless `--only step` leaves them
+out. A subprocess blocks those imports (sys.modules[name] = None makes any import of them fail) and runs the
+step rows on CPU, then the CUDA path with torch.cuda faked (no GPU here)."""
 from __future__ import annotations
 
 import json
