@@ -88,6 +88,25 @@ class Dist:
 DEFAULT_TIMEOUT_S = 300.0  # backend.timeout_s: long enough for a checkpoint write, short enough to notice
 
 
+# vLLM resets torch's peak-memory counter when its engine starts (it profiles its own use from there): the peak
+# each engine call found, kept here per device, so a run's reported peak still covers what came before
+# (loading the policy, training steps before a restarted engine). Process-wide, as torch's own counter is.
+_PEAK_BEFORE_RESETS: dict[int, int] = {}
+
+
+def keep_peak(device: int, before: int) -> None:
+    """An engine call on CUDA `device` is done; `before`: torch.cuda.max_memory_allocated as the call began."""
+    if torch.cuda.max_memory_allocated(device) < before:  # the call reset the counter
+        _PEAK_BEFORE_RESETS[device] = max(_PEAK_BEFORE_RESETS.get(device, 0), before)
+
+
+def max_allocated(device: torch.device) -> int:
+    """This process's peak of allocated CUDA memory on `device` (torch.cuda.max_memory_allocated), across the
+    resets vLLM made."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(torch.cuda.max_memory_allocated(index), _PEAK_BEFORE_RESETS.get(index, 0))
+
+
 def init_distributed(device: str, timeout_s: float | None = None) -> Dist:
     """Join the process group that torch's launcher (elastic launch / torchrun) described in the
     environment: NCCL with one GPU per rank under CUDA, gloo on CPU. A no-op without WORLD_SIZE.

@@ -24,6 +24,24 @@ def needs_remote_code(e: BaseException) -> bool:
     return "trust_remote_code" in str(e) and "custom code" in str(e)
 
 
+# Names transformers 5 removed from its modelling modules that published remote code still imports. ArmoRM's
+# modeling_custom.py (RLHFlow/ArmoRM-Llama3-8B-v0.1, the paper's labeller and judge) imports LLAMA_INPUTS_DOCSTRING
+# only to decorate its forward's docstring, so an empty docstring restores it exactly; any other name is left
+# missing, and the ImportError is one line (load_error).
+REMOVED_NAMES = {"transformers.models.llama.modeling_llama": {"LLAMA_INPUTS_DOCSTRING": ""}}
+
+
+def provide_removed_names() -> None:
+    """Put back REMOVED_NAMES (each only where missing) before a model's own code is imported."""
+    import importlib
+
+    for module, names in REMOVED_NAMES.items():
+        mod = importlib.import_module(module)
+        for name, value in names.items():
+            if not hasattr(mod, name):
+                setattr(mod, name, value)
+
+
 def corrupted_weights(path: str) -> str | None:
     """The first *.safetensors file in a local model dir whose header safetensors cannot read."""
     from safetensors import safe_open
@@ -44,6 +62,12 @@ def load_error(what: str, path: str, e: BaseException, trust_key: str) -> UserEr
         key = trust_key if "=" in trust_key else f"{trust_key}=true"
         return UserError(f"{what} {path} needs its own code to load (config.json auto_map); if you trust it, "
                          f"set {key}")
+    if isinstance(e, ImportError):  # the model's own code imports what this transformers no longer has
+        import transformers
+
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return UserError(f"cannot load {what} {path}: its own code (trust_remote_code) does not import under "
+                         f"transformers {transformers.__version__}: {first}")
     bad = corrupted_weights(path) if os.path.isdir(path) else None
     if bad:
         return UserError(f"cannot load {what} from {path}: corrupted or truncated weights file {bad}")

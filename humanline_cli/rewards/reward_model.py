@@ -10,7 +10,7 @@ import copy
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from humanline_cli.models import check_loaded, load_error, quiet_load
+from humanline_cli.models import check_loaded, load_error, provide_removed_names, quiet_load
 
 
 class RewardModel:
@@ -20,12 +20,14 @@ class RewardModel:
         """`trust_key` is the config key that turns remote code on for this model, named in the
         one-line error when the model needs it (task.judge..., task.labeller..., reward...); `key` is
         the key naming the model, in the error for a checkpoint without a trained score head."""
+        if trust_remote_code:
+            provide_removed_names()  # ArmoRM's own code imports a name transformers 5 dropped
         try:
             self.tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
             model, info = quiet_load(AutoModelForSequenceClassification.from_pretrained,
                                      path, use_safetensors=True, trust_remote_code=trust_remote_code,
                                      output_loading_info=True)
-        except Exception as e:  # OSError, ValueError, a corrupted safetensors or tokenizer file
+        except Exception as e:  # OSError, ValueError, a corrupted file, an ImportError in the model's own code
             raise load_error("reward model", path, e, trust_key) from None
         check_loaded("reward model (AutoModelForSequenceClassification)", path, info, key)
         self.model = model.eval()

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from humanline_cli.backend import keep_peak
 from humanline_cli.core.interfaces import Completions, SamplingParams
 from humanline_cli.errors import RunFailed, UserError
 from humanline_cli.sampling.sampler import cut_at_eos, sample_seed
@@ -151,7 +152,10 @@ class VLLMSampler:
             try:
                 if self._cuda_device is not None:
                     torch.cuda.set_device(self._cuda_device)
+                    before = torch.cuda.max_memory_allocated(self._cuda_device)
                 box["value"] = fn()
+                if self._cuda_device is not None:  # vLLM's start resets torch's peak counter: keep the peak
+                    keep_peak(self._cuda_device, before)
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 box["error"] = e
 

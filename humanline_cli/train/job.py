@@ -9,6 +9,9 @@
   4. record the job in the dir: `.hydra/` (config, hydra, overrides; secrets masked) and train.log;
   5. run it here, on the ranks it starts (torch's elastic launch), or as rank 0 of torchrun's ranks
      (rank 0 does 1-4 and hands the spec and run dir to the others).
+A SLURM job of several nodes (hydra/launcher=slurm_multinode) runs this on every node, on one run dir that every
+node must see (a shared file system): node 0 alone does 1-4 and leaves a marker holding the spec (or the error
+that stopped it); the other nodes wait for that marker, then start their ranks, which meet node 0's.
 `run_rank` is one rank's part: set up (parts, resume), train, finish (model, summary.json, the end-of-run
 evaluations), and on failure failed.json (rank 0) and the rank's record for whoever reports the job
 (train/failures.py).
@@ -19,14 +22,17 @@ dir, where the command was typed) is a `Context`, computed once and passed to ev
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
 import logging
 import os
+import pickle
 import signal
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
@@ -53,6 +59,34 @@ LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's o
 
 
 @dataclass(frozen=True)
+class Nodes:
+    """This node's place in a SLURM job of several nodes (index 0 of count 1 elsewhere); `job` names the job and
+    its restart (a requeued job keeps its id), so a marker left by an earlier one is never taken for its own."""
+
+    index: int = 0
+    count: int = 1
+    job: str = ""
+
+    @property
+    def marker(self) -> str:
+        return f"{NODE0_MARKER}{self.job}"
+
+
+NODE0_MARKER = ".node0-"  # + Nodes.job: node 0's prepared spec (or error), for the other nodes of its job
+NODE0_WAIT_S = 3600.0     # how long another node waits for it: a resume's prepare hashes the checkpoint (minutes)
+
+
+def slurm_nodes(env=None) -> Nodes:
+    """Nodes as SLURM set them for a job's task (srun: SLURM_NNODES, SLURM_NODEID); read once per process."""
+    env = os.environ if env is None else env
+    count = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1")) or 1)
+    if count <= 1:
+        return Nodes()
+    return Nodes(int(env.get("SLURM_NODEID", "0") or 0), count,
+                 f"{env.get('SLURM_JOB_ID', 'job')}.{env.get('SLURM_RESTART_COUNT', '0') or 0}")
+
+
+@dataclass(frozen=True)
 class Context:
     """Where and as what this process runs the job."""
 
@@ -60,6 +94,7 @@ class Context:
     cwd: Path              # where the command was typed: relative data paths mean files there
     rank: int = 0
     world_size: int = 1    # > 1: a rank of a distributed job (torch's launcher set RANK / WORLD_SIZE)
+    nodes: Nodes = field(default_factory=Nodes)  # a SLURM job of several nodes: this node's place in it
 
     @property
     def main(self) -> bool:
@@ -114,6 +149,7 @@ class Job:
         self.ctx = ctx
         self.record = record
         self.full_error = full_error  # HYDRA_FULL_ERROR=1: an error's traceback too (Hydra prints it)
+        self._spec_marker: Path | None = None  # node 0 of several: the marker to remove once the ranks ran
 
     def run(self) -> Outcome:
         """The whole job; returns how it ended (a bug's exception goes through, exit 1)."""
@@ -122,10 +158,10 @@ class Job:
         try:
             if self.ctx.distributed:
                 return self._join_torchrun(lock)
-            spec = self._prepare(lock)
+            spec = self._wait_for_node0() if self.ctx.nodes.index > 0 else self._prepare_node0(lock)
             if spec is None:
                 return Outcome(0)
-            log = _attach_log(self.ctx.run_dir)
+            log = _attach_log(self.ctx.run_dir) if self.ctx.nodes.index == 0 else None
             nproc = spawn_count(spec)
             if nproc:
                 _launch(spec, self.ctx, nproc)
@@ -139,12 +175,50 @@ class Job:
             return end
         finally:
             _detach_log(log)
+            if self._spec_marker is not None:  # every node read it before its ranks met ours at rendezvous
+                self._spec_marker.unlink(missing_ok=True)
             lock.release()
+
+    def _prepare_node0(self, lock: RunDirLock) -> RunSpec | None:
+        """_prepare; in a job of several nodes, its result (the spec, None, or the error) also left in the run
+        dir for the other nodes, which wait for it instead of taking the lock themselves."""
+        if self.ctx.nodes.count <= 1:
+            return self._prepare(lock)
+        path = self.ctx.run_dir / self.ctx.nodes.marker
+        try:
+            spec = self._prepare(lock)
+            if spec is not None and not spawn_count(spec):  # each node would train alone, into one run dir
+                raise UserError(f"{self.ctx.nodes.count} nodes need ranks to meet: backend.strategy=ddp or fsdp "
+                                f"with backend.nproc >= 2 (the GPUs of one node)")
+        except Exception as e:
+            with contextlib.suppress(OSError):  # a run dir it cannot write: the other nodes time out saying so
+                _leave_marker(path, {"error": one_line(e), "user": isinstance(e, UserError)})
+            raise
+        _leave_marker(path, {"spec": spec})
+        self._spec_marker = path if spec is not None else None  # None: a complete run, no launch to wait for
+        return spec
+
+    def _wait_for_node0(self) -> RunSpec | None:
+        """Node 1.. of a job of several nodes: node 0's prepared spec (None: nothing to do), or its error."""
+        nodes, path = self.ctx.nodes, self.ctx.run_dir / self.ctx.nodes.marker
+        deadline = time.monotonic() + NODE0_WAIT_S
+        while not path.is_file():
+            if time.monotonic() > deadline:
+                raise UserError(f"node {nodes.index} of {nodes.count}: node 0 did not prepare {self.ctx.run_dir} "
+                                f"within {NODE0_WAIT_S:g} s (no {path.name}); the nodes of a job need a shared file "
+                                f"system holding the run dir (hydra.run.dir / hydra.sweep.dir on it)")
+            time.sleep(0.2)
+        box = pickle.loads(path.read_bytes())
+        if "error" in box:  # node 0's own line (a busy run dir, a bad config): the job ends the same way here
+            raise UserError(box["error"]) if box["user"] else RunFailed(f"node 0: {box['error']}")
+        return box["spec"]
 
     def _prepare(self, lock: RunDirLock) -> RunSpec | None:
         """Steps 1-4: lock, validate, the resume rule, the record. None: nothing to do (a complete run)."""
         run_dir = self.ctx.run_dir
         lock.acquire()  # held until the job ends, ranks included
+        for old in run_dir.glob(f"{NODE0_MARKER}*"):  # earlier jobs' markers: never outputs of a run
+            old.unlink(missing_ok=True)
         if lock.stale:
             print(f"humanline: note: {run_dir} was locked by a job that is gone ({lock.stale}); taking it over",
                   file=sys.stderr)
@@ -162,13 +236,13 @@ class Job:
     def _join_torchrun(self, lock: RunDirLock) -> Outcome:
         """torchrun started this process as one rank and every rank ran Hydra: rank 0 prepares its run dir
         and hands the spec and the dir to the others (or the error that stopped it: every rank ends)."""
-        import torch
         import torch.distributed as tdist
 
         from humanline_cli.backend import init_distributed
 
-        timeout_s = (self.cfg.get("backend") or {}).get("timeout_s")  # the spec is rank 0's, not here yet
-        init_distributed("cuda" if torch.cuda.is_available() else "cpu", timeout_s)
+        backend = self.cfg.get("backend") or {}  # the spec is rank 0's, not here yet
+        # the configured device picks the process group's backend (backend=cpu on a CUDA host: gloo, CPU tensors)
+        init_distributed(str(backend.get("device", "auto")), backend.get("timeout_s"))
         box: list = [None, None, None]  # spec, run dir, the exception that stopped rank 0
         log = None
         if self.ctx.main:
@@ -176,6 +250,9 @@ class Job:
                 box[0], box[1] = self._prepare(lock), str(self.ctx.run_dir)
             except Exception as e:  # noqa: BLE001 - handed to every rank, raised by each
                 box[2] = e
+        # preparing (hashing a checkpoint to resume, moving old outputs aside) can outlast backend.timeout_s: the
+        # others wait for it in the gloo wait group, so the broadcast that hands the result out never waits long
+        wait_for_rank0()
         tdist.broadcast_object_list(box, src=0)
         spec, run_dir, error = box
         try:
@@ -191,6 +268,13 @@ class Job:
         if tdist.is_initialized():
             tdist.destroy_process_group()
         return Outcome(0)
+
+
+def _leave_marker(path: Path, box: dict) -> None:
+    """Node 0's result for the other nodes, whole or not at all (they poll for the file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(pickle.dumps(box))
+    os.replace(tmp, path)
 
 
 def spawn_count(spec: RunSpec) -> int:

@@ -33,5 +33,5 @@ def test_without_vllm_the_rows_say_skipped(monkeypatch):
     from humanline_cli.bench import vllm_rows
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # any import of vllm fails, as where it is not installed
-    assert vllm_rows.run("tiny-vllm", "cpu", calls=(4,)) == [{"check": "vllm", "ok": True,
+    assert vllm_rows.run("tiny-vllm", "cpu", calls=(4,)) == [{"check": "vllm", "ok": False,
                                                               "skipped": "vllm not installed"}]

@@ -83,3 +83,26 @@ def test_sample_formats_determinism_resume_and_training_on_it(cache_dir, tmp_pat
                  "train.batch_size=4", "eval.n_prompts=8", f"hydra.run.dir={run}"], tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads((run / "summary.json").read_text())["status"] == "complete"
+
+
+def test_sample_asks_a_tempered_engine_for_tempered_logps(cache_dir, tmp_path, monkeypatch):
+    # a vLLM engine started under objective.tempered_logps refuses any sampled request in the other mode, so
+    # `humanline sample` must send the run's mode (the transformers sampler stands in for the engine here)
+    from humanline_cli.cli.sample import _spec, run_sample
+    from humanline_cli.train import build
+
+    asked = []
+    real = build.make_sampler
+
+    def recording(*args, **kwargs):
+        sampler = real(*args, **kwargs)
+        generate = sampler.generate
+        sampler.generate = lambda ids, params, indices=None: (asked.append(params), generate(ids, params, indices))[1]
+        return sampler
+
+    monkeypatch.setattr(build, "make_sampler", recording)
+    spec = _spec([*TINY_WORLD, "objective=grpo", "objective.tempered_logps=true", "data.temperature=0.7",
+                  "data.n=2", "data.limit=3", "data.max_new_tokens=4", "threads=1"])
+    info = run_sample(spec, tmp_path / "out", chunk=8, progress=False)
+    assert info["counts"] == {**info["counts"], "prompts": 3, "samples": 6}
+    assert [(p.tempered_logps, p.temperature, p.n, p.max_new_tokens) for p in asked] == [(True, 0.7, 2, 4)]

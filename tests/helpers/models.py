@@ -125,3 +125,49 @@ def spread_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, tie: bool =
     with torch.no_grad():  # a random init gives near-uniform logits; spread them so the test means something
         model.get_output_embeddings().weight.mul_(20.0)
     return model.to(dtype)  # the same float32 init, then (for float64) widened exactly
+
+
+# A reward model's own code as ArmoRM ships it (modeling_custom.py): it imports LLAMA_INPUTS_DOCSTRING, which
+# transformers 5 removed, to decorate forward, and returns its reward as `score`. The weights are those of
+# build_tiny_reward_model's LlamaForSequenceClassification (model.*, score.weight), so its scores are that model's
+# last-token logits. `extra_import`: one more name imported from the same module (a name no transformers has).
+REMOTE_REWARD_CODE = '''
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel, LLAMA_INPUTS_DOCSTRING{extra}
+from transformers.utils import ModelOutput, add_start_docstrings_to_model_forward
+
+
+@dataclass
+class RewardOutput(ModelOutput):
+    score: torch.FloatTensor = None
+
+
+class TinyGatedRewardModel(LlamaPreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = LlamaModel(config)
+        self.score = nn.Linear(config.hidden_size, 1, bias=False)
+        self.post_init()
+
+    @add_start_docstrings_to_model_forward(LLAMA_INPUTS_DOCSTRING)
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        hidden = self.model(input_ids, attention_mask=attention_mask).last_hidden_state
+        last = attention_mask.sum(-1) - 1  # right padding: the last real token
+        return RewardOutput(score=self.score(hidden[torch.arange(len(hidden)), last]))
+'''
+
+
+def build_remote_code_reward_model(path: Path, extra_import: str | None = None):
+    """build_tiny_reward_model's model and tokenizer in `path`, loaded through its own code (config.json auto_map
+    to modeling_custom.py, ArmoRM's layout) under trust_remote_code; returns (model, tokenizer)."""
+    model, tok = build_tiny_reward_model(path)
+    (path / "modeling_custom.py").write_text(REMOTE_REWARD_CODE.format(extra=f", {extra_import}" if extra_import
+                                                                       else ""))
+    config = json.loads((path / "config.json").read_text())
+    config.update(architectures=["TinyGatedRewardModel"],
+                  auto_map={"AutoModelForSequenceClassification": "modeling_custom.TinyGatedRewardModel"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return model, tok

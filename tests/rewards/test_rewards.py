@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from humanline_cli.errors import RunFailed, UserError
+from humanline_cli.rewards.reward_model import RewardModel
 from humanline_cli.rewards.scorers import checked, make_scorer
-from tests.helpers.models import build_tiny_reward_model
+from tests.helpers.models import build_remote_code_reward_model, build_tiny_reward_model
 
 
 def test_math_verifier_values():
@@ -64,3 +65,46 @@ def test_checked_rejects_nan_and_wrong_counts():
     assert checked("r", lambda p, c, a=None: [1], ["p"], ["c"]) == [1.0]
     with pytest.raises(UserError, match="unknown reward kind"):
         make_scorer({"kind": "gpt"})
+
+
+def _direct_scores(model, tok, prompts, comps):
+    out = []
+    for p, c in zip(prompts, comps):
+        text = tok.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}],
+                                       tokenize=False)
+        with torch.no_grad():
+            out.append(float(model(**tok(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0]))
+    return out
+
+
+def test_a_reward_model_whose_own_code_imports_a_name_transformers_5_dropped_loads(tmp_path, monkeypatch):
+    # ArmoRM's modeling_custom.py imports LLAMA_INPUTS_DOCSTRING (gone in transformers 5): it loads and scores as the
+    # same weights do in transformers' own class, and the estimate counts its bytes instead of dying in a traceback
+    from humanline_cli.train import build
+
+    path = tmp_path / "gated_rm"
+    model, tok = build_remote_code_reward_model(path)
+    prompts, comps = ["12+34=", "1+1=", "99+1="], ["46", "2", "100 or so"]
+    scores = RewardModel(str(path), batch_size=3, trust_remote_code=True)(prompts, comps)
+    assert scores == pytest.approx(_direct_scores(model, tok, prompts, comps), abs=1e-5)
+    monkeypatch.setattr(build, "reward_models_on_rank", lambda spec, rank: {(str(path), True): None})
+    assert build._reward_bytes(None, 0) == 4 * sum(p.numel() for p in model.parameters())  # fp32 weights
+
+
+def test_a_reward_models_own_code_that_does_not_import_is_one_line(tmp_path, monkeypatch):
+    from humanline_cli.train import build
+
+    path = tmp_path / "broken_rm"
+    build_remote_code_reward_model(path, extra_import="NO_SUCH_NAME")
+    import transformers
+
+    line = (f"cannot load reward model {path}: its own code (trust_remote_code) does not import under transformers "
+            f"{transformers.__version__}: cannot import name 'NO_SUCH_NAME' from "
+            f"'transformers.models.llama.modeling_llama'")
+    with pytest.raises(UserError) as e:
+        RewardModel(str(path), trust_remote_code=True)
+    assert str(e.value).startswith(line)
+    monkeypatch.setattr(build, "reward_models_on_rank", lambda spec, rank: {(str(path), True): None})
+    with pytest.raises(UserError) as e:  # the estimate, before any weight loads, says the same
+        build._reward_bytes(None, 0)
+    assert str(e.value).startswith(line) and "\n" not in str(e.value)

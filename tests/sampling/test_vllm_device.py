@@ -45,3 +45,36 @@ def test_without_cuda_no_device_is_selected(monkeypatch):
     s = VLLMSampler("unused", fake_tokenizer(), timeout_s=10)
     s.generate([[5]], SamplingParams(n=1, temperature=0.0, max_new_tokens=4, seed=0))
     assert [e for e, _ in log] == ["start", "generate"]
+
+
+def test_the_peak_before_the_engine_reset_it_is_the_runs_peak(monkeypatch):
+    # vLLM resets torch's peak-memory counter when its engine starts; the summary's cuda_max_allocated still
+    # covers what came before it (the policy's load, earlier steps). torch.cuda's counter is faked (no GPU here)
+    from types import SimpleNamespace
+
+    from humanline_cli import backend
+    from humanline_cli.sampling.vllm import VLLMSampler
+    from humanline_cli.train.finish import peak_memory
+
+    log: list = []
+    cuda = FakeCuda(log).install(monkeypatch)
+    install_fake_vllm(monkeypatch, log, cuda.current_device)
+    peak = {3: 7 * 1024**3}  # 7 GiB allocated at most before the engine starts
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak[int(device)])
+    monkeypatch.setattr(backend, "_PEAK_BEFORE_RESETS", {})
+    import vllm
+
+    start = vllm.LLM
+
+    def resetting_start(**kw):  # what vLLM's memory profiling does as the engine starts, then its own 2 GiB
+        peak[3] = 2 * 1024**3
+        return start(**kw)
+
+    monkeypatch.setattr(vllm, "LLM", resetting_start)
+    cuda.set_device(3)
+    s = VLLMSampler("unused", fake_tokenizer(), timeout_s=10)
+    s.close()
+    parts = SimpleNamespace(memory=None, backend=SimpleNamespace(device=torch.device("cuda", 3)), rss_before_weights=0)
+    assert peak_memory(parts)["cuda_max_allocated"] == 7.0
+    peak[3] = 9 * 1024**3  # a later, higher peak (training with the engine asleep) is the counter's own
+    assert peak_memory(parts)["cuda_max_allocated"] == 9.0

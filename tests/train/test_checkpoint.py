@@ -282,3 +282,56 @@ def test_sweep_skips_only_jobs_with_the_same_config(cache_dir, tmp_path):
     assert len(refusals) == 2 and all("train.lr: 0.001 -> 0.0001" in ln for ln in refusals)
     assert {j: _files(j) for j in jobs} == before  # results and their .hydra/config.yaml untouched
     # (the same sweep again skips both: test_experiments.py::test_rerunning_a_sweep_skips_complete_runs)
+
+
+def _rng_rank(rank: int, port: int, out, tmp: str) -> None:
+    """One of 2 gloo ranks: its own seeds, a checkpoint's RNG entries through the files rank 0 writes, then the
+    rank's numbers after a restore from them."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from humanline_cli.backend import init_distributed
+    from humanline_cli.train.checkpoint import from_json, rank_rngs, rng_entries, set_rank_rng, to_json
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    dist = init_distributed("cpu", 30)
+    torch.manual_seed(100 + rank)
+    random.seed(200 + rank)
+    np.random.seed(300 + rank)
+    rngs = rank_rngs(dist)
+    drawn = (torch.rand(2).tolist(), random.random(), float(np.random.rand()))
+    if rank == 0:  # rank 0 writes what every rank reads
+        tensors, state = rng_entries(rngs)
+        save_file(tensors, f"{tmp}/tensors.safetensors")
+        Path(f"{tmp}/state.json").write_text(json.dumps(to_json(state)))
+    torch.distributed.barrier()
+    torch.manual_seed(0)  # whatever happened since
+    random.seed(0)
+    np.random.seed(0)
+    set_rank_rng(load_file(f"{tmp}/tensors.safetensors"), from_json(json.loads(Path(f"{tmp}/state.json").read_text())),
+                 rank)
+    out.put((rank, drawn, (torch.rand(2).tolist(), random.random(), float(np.random.rand()))))
+    torch.distributed.destroy_process_group()
+
+
+def test_each_rank_resumes_from_its_own_rng_states(tmp_path):
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rng_rank, args=(r, port, out, str(tmp_path))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    got = sorted(out.get(timeout=5) for _ in procs)
+    for rank, drawn, restored in got:
+        assert restored == drawn, rank  # torch, python and numpy: the numbers this rank drew after the save
+    assert got[0][1] != got[1][1]  # and the ranks' numbers differ (each its own seeds), as before the save
