@@ -10,7 +10,7 @@
   5. run it here, on the ranks it starts (torch's elastic launch), or as rank 0 of torchrun's ranks
      (rank 0 does 1-4 and hands the spec and run dir to the others).
 A SLURM job of several nodes (hydra/launcher=slurm_multinode) runs this on every node, on one run dir that every
-node must see (a shared file system): node 0 alone does 1-4 and leaves a marker holding the spec (or the error
+node must see (a shared file system): node 0 alone does 1-4 and leaves a marker (JSON: prepared, or the error
 that stopped it); the other nodes wait for that marker, then start their ranks, which meet node 0's.
 `run_rank` is one rank's part: set up (parts, resume), train, finish (model, summary.json, the end-of-run
 evaluations), and on failure failed.json (rank 0) and the rank's record for whoever reports the job
@@ -28,7 +28,6 @@ import io
 import json
 import logging
 import os
-import pickle
 import signal
 import sys
 import time
@@ -72,7 +71,7 @@ class Nodes:
         return f"{NODE0_MARKER}{self.job}"
 
 
-NODE0_MARKER = ".node0-"  # + Nodes.job: node 0's prepared spec (or error), for the other nodes of its job
+NODE0_MARKER = ".node0-"  # + Nodes.job: node 0 prepared the run dir (or its error), JSON, for the other nodes of its job
 NODE0_WAIT_S = 3600.0     # how long another node waits for it: a resume's prepare hashes the checkpoint (minutes)
 
 
@@ -180,7 +179,7 @@ class Job:
             lock.release()
 
     def _prepare_node0(self, lock: RunDirLock) -> RunSpec | None:
-        """_prepare; in a job of several nodes, its result (the spec, None, or the error) also left in the run
+        """_prepare; in a job of several nodes, whether it prepared (or its error) also left in the run
         dir for the other nodes, which wait for it instead of taking the lock themselves."""
         if self.ctx.nodes.count <= 1:
             return self._prepare(lock)
@@ -194,12 +193,13 @@ class Job:
             with contextlib.suppress(OSError):  # a run dir it cannot write: the other nodes time out saying so
                 _leave_marker(path, {"error": one_line(e), "user": isinstance(e, UserError)})
             raise
-        _leave_marker(path, {"spec": spec})
+        _leave_marker(path, {"prepared": spec is not None})
         self._spec_marker = path if spec is not None else None  # None: a complete run, no launch to wait for
         return spec
 
     def _wait_for_node0(self) -> RunSpec | None:
-        """Node 1.. of a job of several nodes: node 0's prepared spec (None: nothing to do), or its error."""
+        """Node 1.. of a job of several nodes: the spec node 0 prepared (resolved here from the same config; None:
+        nothing to do), or node 0's error."""
         nodes, path = self.ctx.nodes, self.ctx.run_dir / self.ctx.nodes.marker
         deadline = time.monotonic() + NODE0_WAIT_S
         while not path.is_file():
@@ -208,10 +208,13 @@ class Job:
                                 f"within {NODE0_WAIT_S:g} s (no {path.name}); the nodes of a job need a shared file "
                                 f"system holding the run dir (hydra.run.dir / hydra.sweep.dir on it)")
             time.sleep(0.2)
-        box = pickle.loads(path.read_bytes())
+        box = json.loads(path.read_text())
         if "error" in box:  # node 0's own line (a busy run dir, a bad config): the job ends the same way here
             raise UserError(box["error"]) if box["user"] else RunFailed(f"node 0: {box['error']}")
-        return box["spec"]
+        if not box["prepared"]:  # a complete run: nothing to do on any node
+            return None
+        # the same config resolves to node 0's spec; the marker holds no object (never a pickle to load)
+        return dataclasses.replace(resolve(self.cfg), cwd=str(self.ctx.cwd))
 
     def _prepare(self, lock: RunDirLock) -> RunSpec | None:
         """Steps 1-4: lock, validate, the resume rule, the record. None: nothing to do (a complete run)."""
@@ -273,7 +276,7 @@ class Job:
 def _leave_marker(path: Path, box: dict) -> None:
     """Node 0's result for the other nodes, whole or not at all (they poll for the file)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(pickle.dumps(box))
+    tmp.write_text(json.dumps(box))
     os.replace(tmp, path)
 
 
