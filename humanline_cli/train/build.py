@@ -510,10 +510,6 @@ def fit_memory(spec: RunSpec, model_path: str, device: torch.device,
     room = 0.9 * (total - vllm)
     where = (f"90% of {size(total)} of {'GPU memory' if device.type == 'cuda' else 'host memory available'}"
              + (f" less {size(vllm)} for vLLM" if vllm else ""))
-    if est.evaluating > room:
-        raise UserError(f"eval.batch_size={spec.eval_cfg.batch_size} will not fit: evaluation needs "
-                        f"{size(est.evaluating)} estimated per device > {where} ({size(room)}); "
-                        f"lower eval.batch_size")
 
     def fits(m: int) -> bool:
         e = estimate_for(m)
@@ -529,16 +525,24 @@ def fit_memory(spec: RunSpec, model_path: str, device: torch.device,
         micro = tr.micro_batch_size if fits(tr.micro_batch_size) else 0
     if micro == 0:
         fitting = None if auto else largest_fitting(share, smallest, fits)
-        if fitting is None:
-            raise UserError(check_fits(estimate_for(smallest), room / 0.9) + f" ({where})" + _fetch_hint(spec, est))
+        if fitting is None:  # not even the smallest micro-batch: what else would make it fit
+            lead = "" if auto else (f"train.micro_batch_size={tr.micro_batch_size} will not fit: {size(est.total)} "
+                                    f"estimated per device, and no micro-batch does: ")
+            raise UserError(lead + check_fits(estimate_for(smallest), room / 0.9) + f" ({where})"
+                            + _fetch_hint(spec, est))
         kept = (", kept whole under auto since objective.aggregation=dapo_micro's loss depends on the split"
                 if tr.micro_auto else "")
         raise UserError(f"train.micro_batch_size={tr.micro_batch_size}{kept} will not fit: {size(est.total)} "
                         f"estimated per device > {where} ({size(room)}); train.micro_batch_size={fitting} fits "
                         f"({size(estimate_for(fitting).total)})")
+    if micro != tr.micro_batch_size:
+        est = dataclasses.replace(estimate_for(micro), sampler=est.sampler)
+    if est.evaluating > room:  # the evaluation's batch is the peak, whatever the micro-batch
+        raise UserError(f"eval.batch_size={spec.eval_cfg.batch_size} will not fit: evaluation needs "
+                        f"{size(est.evaluating)} estimated per device > {where} ({size(room)}); "
+                        f"lower eval.batch_size")
     if not tr.micro_auto:
         return spec, est
-    est = dataclasses.replace(estimate_for(micro), sampler=est.sampler)
     note = (f"train.micro_batch_size=auto: {micro} of {share} units a rank trains per step (the largest whose "
             f"estimate, {size(est.total)}, fits {where}: {size(room)})")
     return dataclasses.replace(spec, train=dataclasses.replace(tr, micro_batch_size=micro),

@@ -146,9 +146,10 @@ def test_the_memory_check_counts_the_vllm_share(tmp_path, monkeypatch):
     def spec(*extra):
         with initialize_config_module(config_module="conf", version_base="1.3"):
             # fp32 on both devices: the estimate depends on the compute dtype (auto = bf16 on CUDA)
+            # eval.batch_size=1: the HF sampler's evaluation (KV cache of the batch) stays below training's peak
             return resolve(compose("train", overrides=["backend=cpu", "backend.precision=fp32",
                                                         f"model.name_or_path={tmp_path}", "data.prompts=x.jsonl",
-                                                        *extra]))
+                                                        "eval.batch_size=1", *extra]))
 
     est = memory_estimate(spec("data=online", "sampler=vllm"), str(tmp_path), torch.device("cpu"))
     total = est.total / 0.82
