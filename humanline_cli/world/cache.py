@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,18 +27,23 @@ def materialise(cfg: Mapping, cache_root: str | os.PathLike, progress: bool = Tr
     crash never leaves a half world; a per-world lock file makes a second
     process wait for the first build instead of repeating it. A build that
     was killed (no `finally`) leaves its `.tmp-*` sibling behind: the next
-    build removes those whose builder is gone (`_remove_stale_tmp`).
+    build removes those whose builder is gone (`_remove_stale_tmp`). A
+    cached world whose world.json records other build settings than the
+    current code uses (`make.build_settings`) is rebuilt, with a note.
     """
     full = resolve(cfg)
     root = Path(cache_root)
     target = root / f"{full['kind']}-{world_hash(full)}"
-    if _complete(target):
+    if _complete(target) and _built_otherwise(target) is None:
         return target
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if _complete(target):  # another process built it while we waited
-            return target
+            why = _built_otherwise(target)
+            if why is None:
+                return target
+            print(f"humanline: note: world {target} {why}; building it again", file=sys.stderr, flush=True)
         _remove_stale_tmp(root, target.name)
         tmp = root / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
@@ -49,6 +56,20 @@ def materialise(cfg: Mapping, cache_root: str | os.PathLike, progress: bool = Tr
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _built_otherwise(target: Path) -> str | None:
+    """Why the complete world at `target` is not what the current code builds (its world.json's build settings
+    differ from `make.build_settings()`), or None when it is."""
+    try:
+        info = json.loads((target / "world.json").read_text())
+    except (OSError, ValueError):
+        return "has an unreadable world.json"
+    for key, now in make.build_settings().items():
+        was = info.get(key) if isinstance(info, dict) else None
+        if was != now:
+            return f"was built with {key}={was} (the build now uses {now}, which gives other weights)"
+    return None
 
 
 def _pid_alive(pid: int) -> bool:
