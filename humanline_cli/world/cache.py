@@ -14,6 +14,7 @@ from pathlib import Path
 from humanline_cli.world import make
 from humanline_cli.world.defaults import resolve
 from humanline_cli.world.naming import WORLD_FILES, WORLD_VERSION, world_hash
+from humanline_cli.world.stale import remove_stale_tmp
 
 
 def _complete(path: Path) -> bool:
@@ -27,7 +28,7 @@ def materialise(cfg: Mapping, cache_root: str | os.PathLike, progress: bool = Tr
     crash never leaves a half world; a per-world lock file makes a second
     process wait for the first build instead of repeating it. A build that
     was killed (no `finally`) leaves its `.tmp-*` sibling behind: the next
-    build removes those whose builder is gone (`_remove_stale_tmp`). A
+    build removes those whose builder is gone (`remove_stale_tmp`). A
     cached world whose world.json records other build settings than the
     current code uses (`make.build_settings`) is rebuilt, with a note.
     """
@@ -44,7 +45,7 @@ def materialise(cfg: Mapping, cache_root: str | os.PathLike, progress: bool = Tr
             if why is None:
                 return target
             print(f"humanline: note: world {target} {why}; building it again", file=sys.stderr, flush=True)
-        _remove_stale_tmp(root, target.name)
+        remove_stale_tmp(root, target.name)
         tmp = root / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
@@ -70,44 +71,6 @@ def _built_otherwise(target: Path) -> str | None:
         if was != now:
             return f"was built with {key}={was} (the build now uses {now}, which gives other weights)"
     return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
-def _remove_stale_tmp(root: Path, holding: str) -> list[Path]:
-    """Remove `.tmp-<world>-<pid>-<hex>` dirs left by killed builds; called while holding the lock
-    of world `holding`. A dir is stale when its builder's pid is not alive and no one holds its
-    world's lock (ours, for `holding`; for other worlds a non-blocking try of theirs, so a build in
-    progress elsewhere, even on another host sharing the cache, is never touched)."""
-    removed = []
-    for tmp in root.glob(".tmp-*"):
-        name, _, rest = tmp.name[len(".tmp-"):].rpartition("-")  # rest: the uuid part
-        name, _, pid = name.rpartition("-")
-        if not tmp.is_dir() or not name or not pid.isdigit() or _pid_alive(int(pid)):
-            continue
-        if name == holding:
-            shutil.rmtree(tmp, ignore_errors=True)
-            removed.append(tmp)
-            continue
-        lock_path = root / f".{name}.lock"
-        if not lock_path.exists():
-            continue
-        with open(lock_path, "a") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:  # that world is being built right now
-                continue
-            shutil.rmtree(tmp, ignore_errors=True)
-            removed.append(tmp)
-    return removed
 
 
 def _build(full: dict, tmp: Path, progress: bool) -> None:

@@ -27,6 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from humanline_cli.errors import UserError
+from humanline_cli.world.stale import remove_stale_tmp
 
 SCHEME = "packaged://"
 DONE = "packaged.json"  # written last: a folder holding it is complete
@@ -107,6 +108,7 @@ def materialise(name: str, cache_root: str | os.PathLike, progress: bool = True)
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if is_converted(target):  # another process converted it while we waited
             return target
+        remove_stale_tmp(root, target.name)  # a killed conversion's half-written copy (~0.5 GB)
         tmp = root / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
