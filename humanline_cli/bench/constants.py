@@ -186,6 +186,7 @@ def _mini_run(spec, tmp: Path) -> dict:
 
     timer = PhaseTimer()
     parts = build_parts(spec, timer, tmp)
+    tracker = None
     try:
         tracker = _Steps(Tracker(tmp, spec.config, spec.wandb, "constants"))
         before = dict(timer.seconds)
@@ -201,6 +202,7 @@ def _mini_run(spec, tmp: Path) -> dict:
         per_step = [(r["tokens_processed"], r["time/train"] - (rows[i - 1]["time/train"] if i else 0.0))
                     for i, r in enumerate(rows)]
         tracker.tracker.finish(0)
+        tracker = None
         return {"in_loop_calls": [] if lagged else loop_calls(rows, calls_of(tmp) or ()),
                 "steps": len(rows), "per_step": per_step[1:], "other_s": other,
                 "tokens_per_step": statistics.fmean(r["tokens_processed"] for r in rows),
@@ -210,6 +212,8 @@ def _mini_run(spec, tmp: Path) -> dict:
                 "params": sum(p.numel() for p in parts.policy.parameters()),
                 "gradient_checkpointing": spec.train.gradient_checkpointing}
     finally:
+        if tracker is not None:  # interrupted: wandb's run ends here, not in its exit hook (which prints its history)
+            tracker.tracker.finish(1)
         parts.close()
 
 

@@ -43,6 +43,7 @@ import copy
 import gc
 import io
 import json
+import os
 import sys
 import tempfile
 import time
@@ -415,6 +416,7 @@ def main_bench(args: list[str]) -> int:
         print(__doc__.split("\n\n", 1)[1].split("Systems run")[0].rstrip())
         return 0
     console = Console()
+    os.environ.setdefault("WANDB_SILENT", "true")  # as in train: the mini-runs' wandb says nothing on the console
     try:
         opts, overrides = parse_args(args)
         if opts["out"]:
@@ -433,6 +435,12 @@ def main_bench(args: list[str]) -> int:
     except UserError as e:
         print(f"humanline: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # nothing is written before the measurement ends (out= comes last)
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this line short
+        print("humanline: bench interrupted (Ctrl-C) while measuring; nothing was written", file=sys.stderr)
+        return 130
     from humanline_cli.bench.table import print_result
 
     return _write_result(res, opts, "", print_result, console)

@@ -143,3 +143,23 @@ def test_bench_cli_writes_consistent_json(tiny_world, tmp_path, objective, unit)
 def test_bench_rejects_online_data(tiny_world, tmp_path):
     r = run_cli(["bench", "data=online", "steps=1", "warmup=1", "repeats=1", *TINY_WORLD], cwd=tmp_path)
     assert r.returncode == 2 and "offline" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ctrl_c_while_measuring_constants_is_one_line_exit_130(tmp_path, capsys, monkeypatch):
+    import signal
+
+    import humanline_cli.bench.constants as constants
+    from humanline_cli.bench.project import main_bench
+
+    def measure(*a, **k):  # Ctrl-C lands mid-measurement
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(constants, "measure", measure)
+    monkeypatch.chdir(tmp_path)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        assert main_bench(["constants=true"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert capsys.readouterr().err == "humanline: bench interrupted (Ctrl-C) while measuring; nothing was written\n"
+    assert not list(tmp_path.iterdir())
