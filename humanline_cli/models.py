@@ -37,6 +37,14 @@ def corrupted_weights(path: str) -> str | None:
     return None
 
 
+def pickle_only(path: str) -> list[str]:
+    """The pickle weight files (*.bin, *.pt, *.pth, *.ckpt) of a local model dir that has no *.safetensors."""
+    if glob.glob(os.path.join(path, "*.safetensors")):
+        return []
+    return sorted(os.path.basename(f) for ext in ("bin", "pt", "pth", "ckpt")
+                  for f in glob.glob(os.path.join(path, f"*.{ext}")))
+
+
 def load_error(what: str, path: str, e: BaseException, trust_key: str) -> UserError:
     """One line for a failed from_pretrained: which key to set for remote code, which weights file
     is corrupted, else the library's first line."""
@@ -46,7 +54,16 @@ def load_error(what: str, path: str, e: BaseException, trust_key: str) -> UserEr
                          f"set {key}")
     bad = corrupted_weights(path) if os.path.isdir(path) else None
     if bad:
-        return UserError(f"cannot load {what} from {path}: corrupted or truncated weights file {bad}")
+        from humanline_cli.world.packaged import DONE
+
+        again = (f"; remove {path} and the next run converts it again"  # a converted packaged model: ours to redo
+                 if os.path.isfile(os.path.join(path, DONE)) else "")
+        return UserError(f"cannot load {what} from {path}: corrupted or truncated weights file {bad}{again}")
+    pickled = pickle_only(path) if os.path.isdir(path) else []
+    if pickled:
+        return UserError(f"cannot load {what} from {path}: its weights are pickle files only ({', '.join(pickled)}), "
+                         f"which are never loaded (unpickling can run code); convert them to safetensors, e.g. "
+                         f"model.save_pretrained(dir, safe_serialization=True) where you trust the files")
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return UserError(f"cannot load {what} from {_where(path)}: {first}")
 

@@ -97,8 +97,8 @@ def is_converted(target: Path) -> bool:
 
 
 def materialise(name: str, cache_root: str | os.PathLike, progress: bool = True) -> Path:
-    """The converted folder of packaged model `name`, converting it first when missing (about a minute or two
-    on 2 CPU cores; a line on stderr says so)."""
+    """The converted folder of packaged model `name`, converting it first when missing (18-25 s on 2
+    quiet CPU cores; a line on stderr says so)."""
     target = converted_dir(name, cache_root)
     if is_converted(target):
         return target
@@ -114,7 +114,7 @@ def materialise(name: str, cache_root: str | os.PathLike, progress: bool = True)
         try:
             start = time.perf_counter()
             if progress:
-                print(f"humanline: converting {PACKAGED[name].label} into {target} (once per machine; about 2 min "
+                print(f"humanline: converting {PACKAGED[name].label} into {target} (once per machine; about 30 s "
                       f"on 2 CPU cores)", file=sys.stderr, flush=True)
             convert(name, tmp)
             if target.exists():  # an incomplete leftover: replace it
