@@ -14,6 +14,9 @@ from transformers.utils import logging as hf_logging
 
 from humanline_cli.errors import UserError
 
+# the file world/packaged.py writes last into a model it converted (a packaged model's folder in the cache)
+CONVERTED_MARK = "packaged.json"
+
 
 def _where(path: str) -> str:
     return path if os.path.exists(path) else f"{path} (not a local dir; hub download needs network)"
@@ -54,10 +57,8 @@ def load_error(what: str, path: str, e: BaseException, trust_key: str) -> UserEr
                          f"set {key}")
     bad = corrupted_weights(path) if os.path.isdir(path) else None
     if bad:
-        from humanline_cli.world.packaged import DONE
-
         again = (f"; remove {path} and the next run converts it again"  # a converted packaged model: ours to redo
-                 if os.path.isfile(os.path.join(path, DONE)) else "")
+                 if os.path.isfile(os.path.join(path, CONVERTED_MARK)) else "")
         return UserError(f"cannot load {what} from {path}: corrupted or truncated weights file {bad}{again}")
     pickled = pickle_only(path) if os.path.isdir(path) else []
     if pickled:

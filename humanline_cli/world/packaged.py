@@ -27,10 +27,11 @@ from functools import lru_cache
 from pathlib import Path
 
 from humanline_cli.errors import UserError
+from humanline_cli.models import CONVERTED_MARK
 from humanline_cli.world.stale import remove_stale_tmp
 
 SCHEME = "packaged://"
-DONE = "packaged.json"  # written last: a folder holding it is complete
+DONE = CONVERTED_MARK  # written last: a folder holding it is complete
 
 
 @dataclass(frozen=True)
