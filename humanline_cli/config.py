@@ -13,6 +13,7 @@ Every problem is a UserError with a one-line message naming the key, raised befo
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -145,6 +146,10 @@ def compose_error(e: BaseException) -> str:
         if isinstance(c, OmegaConfBaseException) and getattr(c, "full_key", None):
             return str(_err(c))
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    for i, line in enumerate(lines):  # Hydra's "Could not find": every option it lists, not the first
+        if line.startswith("Available options in") and line.endswith(":"):
+            options = [o for o in itertools.takewhile(lambda o: not o.endswith(":"), lines[i + 1:]) if "=" not in o]
+            return "; ".join([*lines[:i], f"{line[:-1]}: {', '.join(options)}"])
     return "; ".join(lines[:3]) if lines else type(e).__name__
 
 

@@ -14,6 +14,9 @@ from transformers.utils import logging as hf_logging
 
 from humanline_cli.errors import UserError
 
+# the file world/packaged.py writes last into a model it converted (a packaged model's folder in the cache)
+CONVERTED_MARK = "packaged.json"
+
 
 def _where(path: str) -> str:
     return path if os.path.exists(path) else f"{path} (not a local dir; hub download needs network)"
@@ -55,6 +58,14 @@ def corrupted_weights(path: str) -> str | None:
     return None
 
 
+def pickle_only(path: str) -> list[str]:
+    """The pickle weight files (*.bin, *.pt, *.pth, *.ckpt) of a local model dir that has no *.safetensors."""
+    if glob.glob(os.path.join(path, "*.safetensors")):
+        return []
+    return sorted(os.path.basename(f) for ext in ("bin", "pt", "pth", "ckpt")
+                  for f in glob.glob(os.path.join(path, f"*.{ext}")))
+
+
 def load_error(what: str, path: str, e: BaseException, trust_key: str) -> UserError:
     """One line for a failed from_pretrained: which key to set for remote code, which weights file
     is corrupted, else the library's first line."""
@@ -70,7 +81,14 @@ def load_error(what: str, path: str, e: BaseException, trust_key: str) -> UserEr
                          f"transformers {transformers.__version__}: {first}")
     bad = corrupted_weights(path) if os.path.isdir(path) else None
     if bad:
-        return UserError(f"cannot load {what} from {path}: corrupted or truncated weights file {bad}")
+        again = (f"; remove {path} and the next run converts it again"  # a converted packaged model: ours to redo
+                 if os.path.isfile(os.path.join(path, CONVERTED_MARK)) else "")
+        return UserError(f"cannot load {what} from {path}: corrupted or truncated weights file {bad}{again}")
+    pickled = pickle_only(path) if os.path.isdir(path) else []
+    if pickled:
+        return UserError(f"cannot load {what} from {path}: its weights are pickle files only ({', '.join(pickled)}), "
+                         f"which are never loaded (unpickling can run code); convert them to safetensors, e.g. "
+                         f"model.save_pretrained(dir, safe_serialization=True) where you trust the files")
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return UserError(f"cannot load {what} from {_where(path)}: {first}")
 

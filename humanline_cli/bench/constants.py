@@ -187,6 +187,7 @@ def _mini_run(spec, tmp: Path) -> dict:
     timer = PhaseTimer()
     parts = build_parts(spec, timer, tmp)
     spec = parts.spec  # its micro-batch fitted to this machine's memory
+    tracker = None
     try:
         tracker = _Steps(Tracker(tmp, spec.config, spec.wandb, "constants"))
         before = dict(timer.seconds)
@@ -202,6 +203,7 @@ def _mini_run(spec, tmp: Path) -> dict:
         per_step = [(r["tokens_processed"], r["time/train"] - (rows[i - 1]["time/train"] if i else 0.0))
                     for i, r in enumerate(rows)]
         tracker.tracker.finish(0)
+        tracker = None
         return {"in_loop_calls": [] if lagged else loop_calls(rows, calls_of(tmp) or ()),
                 "steps": len(rows), "per_step": per_step[1:], "other_s": other,
                 "tokens_per_step": statistics.fmean(r["tokens_processed"] for r in rows),
@@ -211,6 +213,8 @@ def _mini_run(spec, tmp: Path) -> dict:
                 "params": sum(p.numel() for p in parts.policy.parameters()),
                 "gradient_checkpointing": spec.train.gradient_checkpointing}
     finally:
+        if tracker is not None:  # interrupted: wandb's run ends here, not in its exit hook (which prints its history)
+            tracker.tracker.finish(1)
         parts.close()
 
 
@@ -331,7 +335,7 @@ def measure(overrides: list[str], console, steps: int, prompts: int) -> dict:
             "threads": spec.threads, "model": spec.model, "params": tr["params"], "bytes_per_param": 4,
             "source": f"measured by `humanline bench constants=true` on {socket.gethostname()} at "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')} (loadavg {load_before})",
-            "overrides": overrides, "constants": constants,
+            "overrides": overrides, "inputs": {"prompts": prompts, "constant_steps": steps}, "constants": constants,
             "detail": {"generation": {"calls": gen["calls"], "check_inner_calls": gen["check_inner_calls"],
                                       "in_loop_calls": in_loop},
                        "training": tr["runs"], "training_first": tr["first_run"], "push_s": push_s, "sync_s": sync_s},
@@ -368,6 +372,15 @@ def pool_constants(sets: list[dict], names: list[str]) -> dict:
                                                                      first.get("overrides")):
             raise UserError(f"bench pool=: {name} was measured for another run than {names[0]} (model, threads or "
                             f"overrides differ)")
+        # the same inputs measured again, or the spread and the curve's sizes mean nothing: a set whose curve has
+        # other sizes (other prompts=) would be cut to the sizes all share and its peak be a smaller call's
+        if d.get("inputs") != first.get("inputs") or _sizes(d) != _sizes(first):
+            raise UserError(f"bench pool=: {name} was measured with other inputs than {names[0]} ("
+                            f"{_inputs(d)} vs {_inputs(first)}); pool sets of the same prompts= and constant_steps=")
+    for i, (name, d) in enumerate(zip(names, sets)):
+        for other, e in zip(names[:i], sets[:i]):
+            if d.get("source") == e.get("source") and d.get("constants") == e.get("constants"):
+                raise UserError(f"bench pool=: {name} is the same measurement as {other}; pool distinct sets")
     spread, pooled = {}, {}
     for key, v in first["constants"].items():
         if key == "sample_curve":
@@ -392,6 +405,17 @@ def pool_constants(sets: list[dict], names: list[str]) -> dict:
                       f"from {times[0] or '?'} to {times[-1] or '?'} ({', '.join(names)})",
             "constants": pooled, "spread": spread, "pooled_from": names,
             "loadavg": [[d.get("loadavg_before"), d.get("loadavg_after")] for d in sets]}
+
+
+def _sizes(d: dict) -> list[int]:
+    """The call sizes of a set's sampler curve (prompts= decides them)."""
+    return sorted(int(m) for m, _ in d["constants"].get("sample_curve", ()))
+
+
+def _inputs(d: dict) -> str:
+    """A set's measured inputs, for a message: prompts= and constant_steps= where recorded, the curve's sizes."""
+    shown = [f"{k}={v}" for k, v in (d.get("inputs") or {}).items()]
+    return ", ".join([*shown, f"curve at {', '.join(map(str, _sizes(d))) or 'no'} sequences"])
 
 
 def _spread(vals: list[float]) -> dict:

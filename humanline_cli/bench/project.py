@@ -43,6 +43,7 @@ import copy
 import gc
 import io
 import json
+import os
 import sys
 import tempfile
 import time
@@ -80,13 +81,22 @@ def parse_args(args: list[str]) -> tuple[dict, list[str]]:
         raise UserError("bench: steps, warmup and repeats must be >= 1 (the first step is never timed)")
     if opts["trl"] not in ("auto", True, False):
         raise UserError(f"bench: trl must be auto, true or false, got {opts['trl']!r}")
+    for key in ("prompts", "constant_steps"):  # sizes of what is measured: 0 would measure nothing
+        if opts[key] is None or opts[key] < 1:
+            raise UserError(f"bench: {key} must be >= 1, got {opts[key]}")
     return opts, overrides
+
+
+# keys that take true or false, and nothing else
+BOOLEAN = ("cache", "sampler", "constants")
 
 
 def _value(key: str, value: str):
     if key in ("out", "pool"):
         return value
     low = value.lower()
+    if key in BOOLEAN and low not in ("true", "false"):
+        raise UserError(f"bench: {key} must be true or false, got {value!r}")
     if low in ("true", "false"):
         return low == "true"
     if key == "trl" and low == "auto":
@@ -370,6 +380,26 @@ def _main_pool(opts: dict, overrides: list[str], console) -> int:
     return _write_result(res, opts, "constants-pooled-", print_pooled, console)
 
 
+def _check_out(out: Path) -> None:
+    """Refuse an `out=` the result could not be written to before measuring, not after: a directory, a file in a
+    folder that is not one, or one that is not writable (the nearest existing folder decides)."""
+    if out.is_dir():
+        raise UserError(f"bench: out={out} is a directory; name a file such as {out / 'bench.json'}")
+    folder = out.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(f"bench: cannot write out={out}: {folder} is not a directory")
+    try:  # a real write (permission bits say nothing to root, nor about a read-only mount)
+        if out.exists():
+            with open(out, "a"):
+                pass
+        else:
+            tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise UserError(f"bench: cannot write out={out}: {e.strerror or e}") from None
+
+
 def _write_result(res: dict, opts: dict, prefix: str, printer, console) -> int:
     """The bench's JSON (`out=` or runs/bench/<prefix><objective>-<time>.json), then its table."""
     out = Path(opts["out"] or f"runs/bench/{prefix}{res['objective']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
@@ -387,8 +417,11 @@ def main_bench(args: list[str]) -> int:
         print(__doc__.split("\n\n", 1)[1].split("Systems run")[0].rstrip())
         return 0
     console = Console()
+    os.environ.setdefault("WANDB_SILENT", "true")  # as in train: the mini-runs' wandb says nothing on the console
     try:
         opts, overrides = parse_args(args)
+        if opts["out"]:
+            _check_out(Path(opts["out"]))
         if opts["pool"]:
             return _main_pool(opts, overrides, console)
         if opts["async_rounds"]:
@@ -403,6 +436,12 @@ def main_bench(args: list[str]) -> int:
     except UserError as e:
         print(f"humanline: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # nothing is written before the measurement ends (out= comes last)
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this line short
+        print("humanline: bench interrupted (Ctrl-C) while measuring; nothing was written", file=sys.stderr)
+        return 130
     from humanline_cli.bench.table import print_result
 
     return _write_result(res, opts, "", print_result, console)

@@ -149,6 +149,18 @@ def _save_math500(run_dir: Path, m: dict, seed: int) -> None:
         write_json_atomic(path, summary)
 
 
+def _masked(message: str, overrides: list[str]) -> str:
+    """`message` with the value of every secret-named override (`+judge.api_key=...`) masked, as the saved
+    config masks it: an error line may quote an override whole or echo its value."""
+    from humanline_cli.train.tracking import MASK, is_secret_key
+
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        if sep and value and is_secret_key(key.lstrip("+~")):
+            message = message.replace(value, MASK)
+    return message
+
+
 def main_eval(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="humanline eval", description=__doc__)
     p.add_argument("run_dir", type=Path)
@@ -164,7 +176,7 @@ def main_eval(argv: list[str]) -> int:
     try:
         r = evaluate_pair(args.run_dir, args.against, args.n_prompts, args.temperature, args.seed, args.overrides)
     except UserError as e:
-        print(f"humanline: error: {e}", file=sys.stderr)
+        print(f"humanline: error: {_masked(str(e), args.overrides)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # eval trains nothing: say so, not cli.train's "before training"
         ignore_ctrl_c()  # a second Ctrl-C must not cut this line short

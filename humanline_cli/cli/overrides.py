@@ -107,8 +107,24 @@ def precheck_overrides(args: list[str]) -> None:
             fail(problem)
 
 
+def hydra_key_problem(e: BaseException) -> str | None:
+    """One line for a composition error that names a `hydra.*` key (a key Hydra's config lacks, a value of the wrong
+    type: Hydra's own report is 7 lines without our prefix), or None. Other failures are left to Hydra itself: the
+    compose API is not the app, and a launcher or sweeper override may need the app."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from humanline_cli.config import compose_error
+
+    cur = e
+    while cur is not None:
+        if isinstance(cur, OmegaConfBaseException) and str(getattr(cur, "full_key", "") or "").startswith("hydra."):
+            return compose_error(e)
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
 def output_dir_problem(overrides: list[str], multirun: bool) -> str | None:
-    """Why Hydra could not create the run dir (the sweep dir under -m), or None. Checked before
+    """Why Hydra could not create the run dir (the sweep dir under -m), or a bad `hydra.*` key, or None. Checked before
     Hydra starts (Hydra's own failure there is a multi-line traceback). `${now:}` is resolved now, a
     second or so before Hydra does: only the parents matter, and they are the same. Creates nothing
     that stays (a probe dir is removed at once); an existing dir is only checked, never written."""
@@ -117,10 +133,10 @@ def output_dir_problem(overrides: list[str], multirun: bool) -> str | None:
     from omegaconf import OmegaConf
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    try:  # a config that will not compose with its hydra.* overrides is Hydra's to report
+    try:  # a config that will not compose with its hydra.* overrides is Hydra's to report, but for a bad hydra.* key
         path = Path(str(OmegaConf.select(compose("train", overrides=overrides, return_hydra_config=True), key)))
-    except Exception:
-        return None
+    except Exception as e:
+        return hydra_key_problem(e)
     path = path.absolute()
     where = f"cannot write the run dir {path}"
     try:

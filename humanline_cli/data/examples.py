@@ -52,6 +52,10 @@ def detect_format(row: dict, where: str) -> str:
                     f"groups: prompt/completions/rewards)")
 
 
+# the roles chat templates know
+ROLES = ("system", "user", "assistant", "tool")
+
+
 def text_value(value, field: str, where: str, role: str | None = None):
     """A string, or a list of {role, content} messages (ending with a `role` message if given)."""
     if isinstance(value, str):
@@ -59,6 +63,14 @@ def text_value(value, field: str, where: str, role: str | None = None):
     if isinstance(value, list) and value and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
     ):
+        # a chat template renders an unknown role as it likes (or drops it), and a labeller reads the last user
+        # message: a typo here would train on a prompt nobody wrote
+        unknown = next((m["role"] for m in value if m["role"] not in ROLES), None)
+        if unknown is not None:
+            raise UserError(f"{where}: field '{field}' has a message with role {unknown!r} (roles: "
+                            f"{', '.join(ROLES)})")
+        if field == "prompt" and not any(m["role"] == "user" for m in value):
+            raise UserError(f"{where}: field 'prompt' has no 'user' message")
         if role is not None and value[-1]["role"] != role:
             raise UserError(f"{where}: field '{field}' must end with a {role!r} message")
         return value

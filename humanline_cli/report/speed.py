@@ -105,6 +105,10 @@ def parse_target(word: str, gpu_check: dict | None = None) -> TargetSpec:
         return TargetSpec(low, gpu=kind, gpus=int(count or 1), mfu=mfu,
                           mfu_source="gpu_check.json, median of its step rows" if mfu is not None else None)
     p = Path(word)
+    if not p.exists() and (p.suffix or "/" in word):  # meant as a file: say it is missing, not what else is valid
+        raise SpeedError(f"--target {word}: no such file")
+    if p.is_dir():
+        raise SpeedError(f"--target {word}: is a directory, not a constants file from `humanline bench constants=true`")
     if not p.is_file():
         raise SpeedError(f"--target {word!r}: neither h100, h200 (optionally xN) nor a constants file from "
                          f"`humanline bench constants=true`")
@@ -158,8 +162,12 @@ def speed_rows(runs: list, specs: list[TargetSpec]) -> tuple[list[SpeedRow], lis
     rows, notes, sources = [], [], {}
     for spec in specs:
         by: dict[tuple, list] = {}
-        skipped = 0
+        skipped, other_setting = 0, []
         for r in complete:
+            why = constants_mismatch(spec.constants, r) if spec.constants is not None else None
+            if why is not None:  # constants of another setting would predict another machine's speed
+                other_setting.append(f"{r.path.name} ({why})")
+                continue
             calls = calls_of(r.path)
             if calls is None:
                 skipped += 1
@@ -181,11 +189,36 @@ def speed_rows(runs: list, specs: list[TargetSpec]) -> tuple[list[SpeedRow], lis
             notes.append(f"{spec.name}: {skipped} complete run(s) left out (no per-completion `tokens` in samples.jsonl "
                          f"or no `tokens_processed` in metrics.jsonl: recorded before they were, or another model "
                          f"than the constants file's)")
+        if other_setting:
+            notes.append(f"{spec.name}: {len(other_setting)} complete run(s) left out, measured for another setting "
+                         f"than the constants file's: {', '.join(other_setting[:3])}"
+                         + (f" and {len(other_setting) - 3} more" if len(other_setting) > 3 else ""))
         for (task, obj, regime), items in by.items():
             pred = _mean_phases([p for p, _, _ in items])
             meas = _mean_phases([m for _, m, _ in items]) if spec.constants is not None else None
             rows.append(SpeedRow(spec.name, items[0][2].estimated, task, obj, regime, len(items), pred, meas))
     return rows, notes, sources
+
+
+def constants_mismatch(d: dict, run) -> str | None:
+    """How the run's resolved config differs from the setting a constants file was measured for (its `threads`
+    and its dotted `key=value` overrides the run's config also holds), or None when it does not."""
+    import yaml
+
+    cfg = run.config or {}
+    checks = [("threads", d["threads"])] if "threads" in d else []
+    for o in d.get("overrides") or ():
+        key, sep, value = str(o).partition("=")
+        key = key.lstrip("+~")
+        if sep and "." in key:
+            try:
+                checks.append((key, yaml.safe_load(value)))
+            except yaml.YAMLError:
+                checks.append((key, value))
+    for key, measured_for in checks:
+        if key in cfg and cfg[key] != measured_for:
+            return f"{key}={cfg[key]}, the constants' {measured_for}"
+    return None
 
 
 def spread_note(constants: dict | None) -> str:

@@ -135,13 +135,21 @@ def root_cause(run_dir: Path, job: str | None = None) -> dict | None:
     return min(primary or recs, key=lambda r: r["time"])
 
 
+def rerun_hint(run_dir: Path) -> str:
+    """What rerunning the command does for this run dir: resume from its newest checkpoint, or start over."""
+    ckpts = Path(run_dir) / "checkpoints"
+    steps = sorted(int(p.name[5:]) for p in ckpts.glob("step_*") if p.name[5:].isdigit()) if ckpts.is_dir() else []
+    if steps:
+        return f"rerun the same command to resume from checkpoints/step_{steps[-1]}"
+    return "rerun the same command to start over (no checkpoint was written)"
+
+
 def killed(child_failed, run_dir: Path, job: str, world: int) -> dict | None:
     """A record for a rank that died without writing one (kill -9, the OOM killer, a lost machine),
     when the others only saw it go: the rank torch's ChildFailedError saw die by a signal other than
     the agent's own SIGTERM, else the ranks with no record (the agent reports only the first exit it
     polls, which may be a survivor's)."""
-    what = ("without a word (kill -9, out of host memory, a lost machine); rerun the same command to resume "
-            "from the last checkpoint")
+    what = f"without a word (kill -9, out of host memory, a lost machine); {rerun_hint(run_dir)}"
     for rank, f in sorted(getattr(child_failed, "failures", {}).items()):
         if f.exitcode < 0 and f.signal_name() not in ("SIGTERM", "SIGINT"):
             return _silent(rank, f"killed by {f.signal_name()} {what}")

@@ -82,8 +82,8 @@ def launch(entry, args: tuple, run_dir: Path, nproc: int) -> None:
             if where is not None:
                 _record_interrupt_in_failed_json(Path(run_dir), where)
             raise (Interrupted(where) if where else KeyboardInterrupt()) from None
-        raise Preempted(f"stopped by {signal.Signals(e.sigval).name} (the ranks ended without a checkpoint); "
-                        f"rerun the same command to resume from the last checkpoint") from None
+        raise Preempted(f"stopped by {signal.Signals(e.sigval).name} (the ranks ended without a new checkpoint); "
+                        f"{failures.rerun_hint(Path(run_dir))}") from None
     except ChildFailedError as e:
         rec = failures.root_cause(run_dir, conf.run_id)
         dead = failures.killed(e, run_dir, conf.run_id, conf.nproc_per_node * conf.max_nodes)

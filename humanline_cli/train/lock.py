@@ -18,6 +18,7 @@ import errno
 import fcntl
 import os
 import socket
+import time
 from pathlib import Path
 
 from humanline_cli.errors import RunDirBusy
@@ -46,6 +47,18 @@ def _alive(pid: int | None, host: str) -> bool | None:
     return True
 
 
+def _holder_text(fd: int, tries: int = 20, wait_s: float = 0.025) -> str:
+    """The busy lock file's `pid host`: a holder that has just taken the flock writes it a moment later, so an
+    empty (or the previous holder's half-overwritten) file is read again for up to tries x wait_s."""
+
+    for _ in range(tries):
+        text = os.pread(fd, 256, 0).decode(errors="replace")
+        if _holder(text)[0] is not None and text.endswith("\n"):
+            return text
+        time.sleep(wait_s)
+    return text
+
+
 class RunDirLock:
     """`with RunDirLock(run_dir) as lock:` holds the run dir for the job; `lock.stale` names a dead
     holder whose `.lock` file was taken over (None when the file was fresh)."""
@@ -64,13 +77,14 @@ class RunDirLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            text = os.pread(fd, 256, 0).decode(errors="replace")
+            busy = e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+            text = _holder_text(fd) if busy else ""
             os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            if busy:
                 pid, host = _holder(text)
-                raise RunDirBusy(f"{self.path.parent} is in use by another job (pid {pid if pid else '?'} on "
-                                 f"{host}, lock {self.path}); wait for it to end or choose another "
-                                 f"hydra.run.dir") from None
+                holder = f"pid {pid} on {host}" if pid else "it has not written its pid yet"
+                raise RunDirBusy(f"{self.path.parent} is in use by another job ({holder}, lock {self.path}); wait "
+                                 f"for it to end or choose another hydra.run.dir") from None
             raise RunDirBusy(f"cannot lock {self.path}: {e.strerror} (a file system without flock? "
                              f"HUMANLINE_NO_RUN_LOCK=1 runs without the lock)") from None
         old = os.pread(fd, 256, 0).decode(errors="replace")
@@ -79,8 +93,9 @@ class RunDirLock:
             # the flock was free, so its holder is gone (or on another host sharing the file system
             # without working flock, which the message lets the user judge)
             self.stale = f"pid {pid} on {host}" + (" (still running?)" if _alive(pid, host) else "")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        mine = f"{os.getpid()} {socket.gethostname()}\n".encode()
+        os.pwrite(fd, mine, 0)  # then cut the old tail: the file is never empty while held
+        os.ftruncate(fd, len(mine))
         self.fd = fd
         return self
 

@@ -40,8 +40,8 @@ class StopSignal:
             return
         self.requested = True
         if not self.armed:
-            raise Preempted("stopped by SIGTERM outside training (nothing to checkpoint); rerun the same command to "
-                            "resume from the last checkpoint")
+            raise Preempted("stopped by SIGTERM outside training (nothing to checkpoint); rerun the same command "
+                            "(it resumes from the last checkpoint, or starts over where none was written)")
 
     def arm(self, on: bool) -> None:
         self.armed = on

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 from humanline_cli.world import make
 from humanline_cli.world.defaults import resolve
 from humanline_cli.world.naming import WORLD_FILES, WORLD_VERSION, world_hash
+from humanline_cli.world.stale import remove_stale_tmp
 
 
 def _complete(path: Path) -> bool:
@@ -25,19 +28,24 @@ def materialise(cfg: Mapping, cache_root: str | os.PathLike, progress: bool = Tr
     crash never leaves a half world; a per-world lock file makes a second
     process wait for the first build instead of repeating it. A build that
     was killed (no `finally`) leaves its `.tmp-*` sibling behind: the next
-    build removes those whose builder is gone (`_remove_stale_tmp`).
+    build removes those whose builder is gone (`remove_stale_tmp`). A
+    cached world whose world.json records other build settings than the
+    current code uses (`make.build_settings`) is rebuilt, with a note.
     """
     full = resolve(cfg)
     root = Path(cache_root)
     target = root / f"{full['kind']}-{world_hash(full)}"
-    if _complete(target):
+    if _complete(target) and _built_otherwise(target) is None:
         return target
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if _complete(target):  # another process built it while we waited
-            return target
-        _remove_stale_tmp(root, target.name)
+            why = _built_otherwise(target)
+            if why is None:
+                return target
+            print(f"humanline: note: world {target} {why}; building it again", file=sys.stderr, flush=True)
+        remove_stale_tmp(root, target.name)
         tmp = root / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
@@ -51,42 +59,18 @@ def materialise(cfg: Mapping, cache_root: str | os.PathLike, progress: bool = Tr
     return target
 
 
-def _pid_alive(pid: int) -> bool:
+def _built_otherwise(target: Path) -> str | None:
+    """Why the complete world at `target` is not what the current code builds (its world.json's build settings
+    differ from `make.build_settings()`), or None when it is."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
-def _remove_stale_tmp(root: Path, holding: str) -> list[Path]:
-    """Remove `.tmp-<world>-<pid>-<hex>` dirs left by killed builds; called while holding the lock
-    of world `holding`. A dir is stale when its builder's pid is not alive and no one holds its
-    world's lock (ours, for `holding`; for other worlds a non-blocking try of theirs, so a build in
-    progress elsewhere, even on another host sharing the cache, is never touched)."""
-    removed = []
-    for tmp in root.glob(".tmp-*"):
-        name, _, rest = tmp.name[len(".tmp-"):].rpartition("-")  # rest: the uuid part
-        name, _, pid = name.rpartition("-")
-        if not tmp.is_dir() or not name or not pid.isdigit() or _pid_alive(int(pid)):
-            continue
-        if name == holding:
-            shutil.rmtree(tmp, ignore_errors=True)
-            removed.append(tmp)
-            continue
-        lock_path = root / f".{name}.lock"
-        if not lock_path.exists():
-            continue
-        with open(lock_path, "a") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:  # that world is being built right now
-                continue
-            shutil.rmtree(tmp, ignore_errors=True)
-            removed.append(tmp)
-    return removed
+        info = json.loads((target / "world.json").read_text())
+    except (OSError, ValueError):
+        return "has an unreadable world.json"
+    for key, now in make.build_settings().items():
+        was = info.get(key) if isinstance(info, dict) else None
+        if was != now:
+            return f"was built with {key}={was} (the build now uses {now}, which gives other weights)"
+    return None
 
 
 def _build(full: dict, tmp: Path, progress: bool) -> None:

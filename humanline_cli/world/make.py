@@ -17,6 +17,7 @@ independent replies per prompt): self-sampled offline data, as in the paper.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
@@ -36,6 +37,17 @@ from humanline_cli.world.tokenizer import build_tokenizer
 # teacher's floor is ~0.3). A stuck run gets up to two extra rounds of SFT.
 STUCK_LOSS = {"arithmetic": 0.6}
 RESCUE_ROUNDS = 2
+
+# torch threads a build runs on, whatever the run's `threads=`: a float32 sum split over more threads rounds
+# differently, and 1,200 steps of SFT carry that into the weights (and across STUCK_LOSS: the default world got
+# a rescue round at 2 threads and none at 1). One thread makes the build the same on any machine's thread count.
+BUILD_THREADS = 1
+
+
+def build_settings() -> dict:
+    """What world.json records about how the current code builds a world; a cached world whose record differs
+    was built by other code and is rebuilt (cache.materialise)."""
+    return {"torch_threads": BUILD_THREADS}
 
 # Longest reply + EOS, with slack so a rambling policy is still cut short (arithmetic: d + 1 answer digits).
 MAX_NEW = {"arithmetic": 5, "preference": 16}
@@ -223,7 +235,23 @@ def offline_stats(recs: dict[str, list[dict]]) -> dict:
     }
 
 
+@contextlib.contextmanager
+def _build_threads():
+    """torch on BUILD_THREADS for the build, the caller's thread count restored after (the run trains on it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(BUILD_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def build(cfg: dict, out_dir: Path, version: int, progress: bool) -> dict:
+    with _build_threads():
+        return _build(cfg, out_dir, version, progress)
+
+
+def _build(cfg: dict, out_dir: Path, version: int, progress: bool) -> dict:
     start = time.perf_counter()
     seed = int(cfg["seed"])
     train, eval_, draw, teacher = _prompts(cfg, random.Random(f"{seed}:prompts"))
@@ -234,7 +262,7 @@ def build(cfg: dict, out_dir: Path, version: int, progress: bool) -> dict:
     losses = policy.sft(model, enc, cfg["sft"], draw, teacher, sft_rng, progress)
     rescues = 0
     while rescues < RESCUE_ROUNDS and _tail(losses) > STUCK_LOSS.get(cfg["kind"], float("inf")):
-        rescues += 1  # deterministic: same seed, same decision
+        rescues += 1  # deterministic for a seed on BUILD_THREADS threads (same losses, same decision)
         more = dict(cfg["sft"], steps=max(1, cfg["sft"]["steps"] // 2), warmup=0)
         losses += policy.sft(model, enc, more, draw, teacher, sft_rng, progress)
     model.save_pretrained(out_dir / "policy", safe_serialization=True)
@@ -270,7 +298,8 @@ def build(cfg: dict, out_dir: Path, version: int, progress: bool) -> dict:
         "version": version,
         "cfg": hash_view(cfg),
         "build_seconds": round(time.perf_counter() - start, 2),
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(),  # BUILD_THREADS (build_settings), whatever the run's threads=
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the kernel set it ran on (AVX2, AVX512, ...)
         "sft_final_loss": _tail(losses),
         "sft_steps_run": len(losses),
         "sft_rescue_rounds": rescues,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +26,42 @@ def test_bench_keys_and_hydra_overrides_are_split():
     for bad in (["steps=0"], ["warmup=0"], ["steps=many"], ["trl=maybe"], ["objective"]):
         with pytest.raises(UserError):
             parse_args(bad)
+
+
+@pytest.mark.parametrize("arg, msg", [
+    ("prompts=0", "bench: prompts must be >= 1, got 0"),
+    ("constant_steps=0", "bench: constant_steps must be >= 1, got 0"),
+    ("constants=maybe", "bench: constants must be true or false, got 'maybe'"),
+    ("sampler=1", "bench: sampler must be true or false, got '1'"),
+])
+def test_bench_keys_refuse_a_zero_size_and_a_non_boolean(arg, msg):
+    with pytest.raises(UserError) as e:
+        parse_args([arg])
+    assert str(e.value) == msg
+
+
+def _unwritable_outs(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    return [(tmp_path, f"bench: out={tmp_path} is a directory; name a file such as {tmp_path / 'bench.json'}"),
+            (a_file / "b.json", f"bench: cannot write out={a_file / 'b.json'}: {a_file} is not a directory"),
+            (Path("/proc/bench.json"), "bench: cannot write out=/proc/bench.json: ")]
+
+
+def test_bench_out_is_checked_before_measuring(tmp_path, capsys, monkeypatch):
+    import humanline_cli.bench.constants as constants
+    from humanline_cli.bench.project import main_bench
+
+    def measure(*a, **k):  # never reached: out= is checked first
+        raise AssertionError("measured before checking out=")
+
+    monkeypatch.setattr(constants, "measure", measure)
+    for out, msg in _unwritable_outs(tmp_path):
+        for mode in ("constants=true", f"pool={tmp_path / 'missing.json'}"):
+            assert main_bench([mode, f"out={out}"]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"humanline: error: {msg}") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing written
 
 
 def test_summarise_arithmetic():
@@ -106,3 +143,23 @@ def test_bench_cli_writes_consistent_json(tiny_world, tmp_path, objective, unit)
 def test_bench_rejects_online_data(tiny_world, tmp_path):
     r = run_cli(["bench", "data=online", "steps=1", "warmup=1", "repeats=1", *TINY_WORLD], cwd=tmp_path)
     assert r.returncode == 2 and "offline" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ctrl_c_while_measuring_constants_is_one_line_exit_130(tmp_path, capsys, monkeypatch):
+    import signal
+
+    import humanline_cli.bench.constants as constants
+    from humanline_cli.bench.project import main_bench
+
+    def measure(*a, **k):  # Ctrl-C lands mid-measurement
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(constants, "measure", measure)
+    monkeypatch.chdir(tmp_path)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        assert main_bench(["constants=true"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert capsys.readouterr().err == "humanline: bench interrupted (Ctrl-C) while measuring; nothing was written\n"
+    assert not list(tmp_path.iterdir())

@@ -388,6 +388,21 @@ def test_policy_and_tokenizer_errors_are_one_line(models, tmp_path):
     assert str(e.value) == (f"cannot load model from {models['truncated']}: corrupted or truncated weights file "
                             f"{models['truncated']}/model.safetensors (Error while deserializing header: "
                             f"incomplete metadata, file not fully covered)")
+    converted = tmp_path / "smollm2-0123456789abcdef"  # a damaged converted packaged model: we convert it again
+    shutil.copytree(models["truncated"], converted)
+    (converted / "packaged.json").write_text("{}\n")
+    with pytest.raises(UserError) as e:
+        load_policy(str(converted), torch.device("cpu"))
+    assert str(e.value).endswith(f"file not fully covered); remove {converted} and the next run converts it again")
+    pickled = tmp_path / "pickled"  # a model saved the old way: pytorch_model.bin only
+    shutil.copytree(models["truncated"], pickled)
+    (pickled / "model.safetensors").unlink()
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    with pytest.raises(UserError) as e:
+        load_policy(str(pickled), torch.device("cpu"))
+    assert str(e.value) == (f"cannot load model from {pickled}: its weights are pickle files only (pytorch_model.bin), "
+                            f"which are never loaded (unpickling can run code); convert them to safetensors, e.g. "
+                            f"model.save_pretrained(dir, safe_serialization=True) where you trust the files")
     broken = tmp_path / "tok"
     shutil.copytree(models["truncated"], broken)
     (broken / "tokenizer.json").write_text('{"version": "1.0", "model": ')  # cut off mid-file

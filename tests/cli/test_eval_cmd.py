@@ -44,3 +44,18 @@ def test_eval_command_uses_the_tasks_eval_split_columns_and_chat_template(tmp_pa
     # greedy generation from the same chat-wrapped prompt ids: the trained policy's replies match the run's
     trained = [json.loads(x)["policy"] for x in (run / "eval_samples.jsonl").read_text().splitlines()]
     assert [json.loads(x)["policy"] for x in (run / "eval_vs_start_samples.jsonl").read_text().splitlines()] == trained
+
+
+def test_eval_error_line_masks_a_secret_override(tmp_path, capsys):
+    from humanline_cli.cli.eval import main_eval
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("{}\n")
+    (run / "model").mkdir()
+    (run / "model" / "config.json").write_text("{}\n")
+    assert main_eval([str(run), "+judge.api_key=sk-test-0123456789"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("humanline: error: humanline eval takes judge=NAME, judge.KEY=VALUE, task.judge.KEY=VALUE, "
+                   "task.prompts.KEY=VALUE, task.verifiable=BOOL and eval.KEY=VALUE overrides; got "
+                   "'+judge.api_key=***'\n")

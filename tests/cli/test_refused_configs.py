@@ -41,3 +41,26 @@ def test_a_refusal_is_one_line_exit_2_through_the_cli(tmp_path):
         "humanline: error: objective=grpo needs data.n >= 2 samples per prompt, got data.n=1 (a group of one has no "
         "reward spread: every advantage is 0 and nothing trains)"]
     assert not (tmp_path / "run" / "resolved_config.json").exists()
+
+
+def test_could_not_find_lists_every_option():
+    from humanline_cli.config import compose_train
+
+    with pytest.raises(UserError) as e:
+        compose_train(["experiment=no_such_exp"])
+    msg = str(e.value)
+    assert msg.startswith("In 'train': Could not find 'experiment/no_such_exp'; Available options in 'experiment': "
+                          "laptop_arithmetic, laptop_async, ")
+    assert msg.endswith(", paper_math_pairs, smollm2_demo") and "\n" not in msg and "search path" not in msg
+
+
+@pytest.mark.parametrize("override, msg", [
+    ("hydra.rn.dir=x", "config key 'hydra.rn': Key 'rn' not in 'HydraConf'"),
+    ("hydra.job.chdir=maybe", "config key 'hydra.job.chdir': Value 'maybe' is not a valid bool (type str)"),
+])
+def test_a_mistyped_hydra_override_is_one_line(override, msg, capsys):
+    from humanline_cli.cli.overrides import precheck_overrides
+
+    with pytest.raises(SystemExit) as e:
+        precheck_overrides([override])
+    assert e.value.code == 2 and capsys.readouterr().err == f"humanline: error: {msg}\n"

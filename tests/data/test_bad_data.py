@@ -250,3 +250,17 @@ def test_cli_zero_eval_prompts_names_the_key_not_the_file(tmp_path, cache_dir):
     r = _train(tmp_path, "eval.n_prompts=0")
     _one_line_exit_2(r, "eval.n_prompts", tmp_path)
     assert "empty" not in r.stderr and "0" in r.stderr
+
+
+def test_cli_refuses_a_chat_prompt_with_an_unknown_role_offline(tmp_path, cache_dir):
+    wizard = {**ROW, "prompt": [{"role": "wizard", "content": "1+2="}]}
+    data = _jsonl(tmp_path / "prefs.jsonl", [json.dumps(ROW), json.dumps(wizard)])
+    _one_line_exit_2(_train(tmp_path, f"data.path={data}"), f"humanline: error: {data}:2: field 'prompt' has a "
+                     "message with role 'wizard' (roles: system, user, assistant, tool)", tmp_path)
+
+
+def test_cli_refuses_a_chat_prompt_without_a_user_message_online(tmp_path, cache_dir):
+    rows = [{"prompt": [{"role": "user", "content": "1+2="}]}] * 2 + [{"prompt": [{"role": "system", "content": "1+2="}]}]
+    prompts = _jsonl(tmp_path / "prompts.jsonl", [json.dumps(r) for r in rows])
+    r = _train(tmp_path, "data=online", f"task.prompts.train={prompts}")
+    _one_line_exit_2(r, f"humanline: error: {prompts}:3: field 'prompt' has no 'user' message", tmp_path)

@@ -114,6 +114,13 @@ def test_bad_target_is_one_line_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--target 'a100'" in err[0]
     assert not (root / "report.md").exists()
+    missing = tmp_path / "no_such_constants.json"
+    assert main_report([str(root), "--target", str(missing)]) == 2
+    assert capsys.readouterr().err == f"humanline: error: --target {missing}: no such file\n"
+    assert main_report([str(root), "--target", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"humanline: error: --target {tmp_path}: is a directory, not a constants file "
+                                       "from `humanline bench constants=true`\n")
+    assert not (root / "report.md").exists()
 
 
 def test_curve_and_reach_by_hand():
@@ -215,3 +222,57 @@ def test_pooling_refuses_sets_of_another_run(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "b.json was measured for another run" in err[0] and not out.exists()
     assert main_bench([f"pool={a}", f"out={out}"]) == 2 and not out.exists()
+
+
+def _constants_set(tmp_path, name, curve, inputs=None, hour=0):
+    d = json.loads(json.dumps(CONSTANTS))
+    d.update(threads=1, overrides=["experiment=x"], host="vm", objective="grpo",
+             source=f"measured by `humanline bench constants=true` on vm at 2026-12-02 0{hour}:00:00 UTC (loadavg 1)")
+    if inputs is not None:
+        d["inputs"] = inputs
+    d["constants"]["sample_curve"] = curve
+    (tmp_path / name).write_text(json.dumps(d))
+    return tmp_path / name
+
+
+def test_pooling_refuses_sets_of_other_prompts_and_a_set_twice(tmp_path, capsys):
+    from humanline_cli.bench.project import main_bench
+
+    out = tmp_path / "pooled.json"
+    a = _constants_set(tmp_path, "a.json", [[1, 900.0], [16, 5672.0], [64, 11121.0]])
+    b = _constants_set(tmp_path, "b.json", [[1, 880.0], [16, 5600.0]], hour=1)  # prompts=16: no 64-sequence call
+    assert main_bench([f"pool={a},{b}", f"out={out}"]) == 2
+    assert capsys.readouterr().err == (
+        "humanline: error: bench pool=: b.json was measured with other inputs than a.json (curve at 1, 16 sequences "
+        "vs curve at 1, 16, 64 sequences); pool sets of the same prompts= and constant_steps=\n")
+    c = _constants_set(tmp_path, "c.json", [[1, 900.0]], {"prompts": 8, "constant_steps": 12}, hour=2)
+    d = _constants_set(tmp_path, "d.json", [[1, 900.0]], {"prompts": 8, "constant_steps": 6}, hour=3)
+    assert main_bench([f"pool={c},{d}", f"out={out}"]) == 2
+    assert capsys.readouterr().err == (
+        "humanline: error: bench pool=: d.json was measured with other inputs than c.json (prompts=8, "
+        "constant_steps=6, curve at 1 sequences vs prompts=8, constant_steps=12, curve at 1 sequences); pool sets "
+        "of the same prompts= and constant_steps=\n")
+    assert main_bench([f"pool={a},{a}", f"out={out}"]) == 2
+    assert capsys.readouterr().err == ("humanline: error: bench pool=: a.json is the same measurement as a.json; "
+                                       "pool distinct sets\n")
+    assert not out.exists()
+
+
+def test_target_constants_of_another_setting_leave_the_run_out_with_a_note(tmp_path):
+    root = tmp_path / "sweep"
+    wall = {"total": 60.0, "setup": 10.0, "eval": 5.0, "save": 1.0, "sample": 5.0, "label": 0.1, "train": 30.0,
+            "sync": 0.5, "push": 0.0}
+    for seed, threads in ((0, 1), (1, 2)):
+        d = _run(root, "online", seed, rounds=[[2, 3, 1, 2]], tokens_per_step=[100] * 4, wall=wall)
+        cfg = yaml.safe_load((d / ".hydra" / "config.yaml").read_text())
+        (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump({**cfg, "threads": threads}))
+    cfile = tmp_path / "constants.json"
+    cfile.write_text(json.dumps({**CONSTANTS, "threads": 1, "overrides": ["train.steps=4", "objective=grpo"]}))
+    rep = build_report(root, targets=[parse_target(str(cfile))])
+    with open(root / "predicted.csv") as f:
+        assert {r["n_runs"] for r in csv.DictReader(f)} == {"1"}  # seed 0 only
+    assert ("this (constants.json): 1 complete run(s) left out, measured for another setting than the constants "
+            "file's: online_seed1 (threads=2, the constants' 1)") in rep.markdown
+    cfile.write_text(json.dumps({**CONSTANTS, "threads": 1, "overrides": ["train.steps=8"]}))
+    rep = build_report(root, targets=[parse_target(str(cfile))])
+    assert "online_seed0 (train.steps=4, the constants' 8), online_seed1 (threads=2, the constants' 1)" in rep.markdown

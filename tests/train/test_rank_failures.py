@@ -109,3 +109,10 @@ def test_a_rank_that_died_without_a_record_is_named(tmp_path, monkeypatch):
 
     rec = failures.killed(type("E", (), {"failures": {1: Killed()}})(), tmp_path, "job2", 2)
     assert rec["rank"] == 1 and rec["message"].startswith("killed by SIGKILL without a word")
+    # what a rerun does, as this run dir stands: no checkpoint yet, then the newest one
+    assert rec["message"].endswith("; rerun the same command to start over (no checkpoint was written)")
+    for step in (4, 12):
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "damaged-step_16").mkdir()
+    rec = failures.killed(type("E", (), {"failures": {1: Killed()}})(), tmp_path, "job2", 2)
+    assert rec["message"].endswith("; rerun the same command to resume from checkpoints/step_12")
