@@ -22,23 +22,16 @@ training on the same sequences per step (offline skips exactly that part).
 """
 from __future__ import annotations
 
-import math
+import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from humanline_cli.report.groups import derived_from, group_runs, signature
+import pandas as pd
+
+from humanline_cli.report.frame import METRICS, WORK, curve, metric_of, points
+from humanline_cli.report.groups import derived_from, groups, signature
 from humanline_cli.report.stats import excludes_zero, fieller, km_median, mean_ci, paired_t, prompt_bootstrap
-
-
-def metric_of(summary: dict) -> tuple[str, float | None]:
-    ev = summary.get("eval") or {}
-    greedy = ev.get("greedy") or {}
-    for name, value in (("greedy accuracy", greedy.get("accuracy")), ("accuracy", ev.get("accuracy")),
-                        ("win rate", ev.get("win_rate"))):
-        if value is not None:
-            return name, float(value)
-    return "none", None
 
 
 def gap_closed(offline: dict, online: dict, humanline: dict, gap_interval: tuple | None = None) -> dict:
@@ -77,40 +70,6 @@ def gap_text(g: dict) -> str:
     if g["mean"] is None:
         return "–"
     return f"{g['mean']:.0%}" + (f" [{g['lo']:.0%}, {g['hi']:.0%}]" if g["lo"] is not None else "")
-
-
-WORK = ("train", "sample", "label", "sync", "push")  # phases that are the cost of learning
-CURVE_KEYS = {"greedy accuracy": ("eval/greedy/accuracy", ("greedy", "start_accuracy")),
-              "accuracy": ("eval/accuracy", (None, "start_accuracy")),
-              "win rate": ("eval/win_rate", None)}
-
-
-def _work(times: dict) -> float:
-    return float(sum(times.get(k, 0.0) or 0.0 for k in WORK))
-
-
-def learning_curve(summary: dict, metrics: list[dict], metric: str) -> list[tuple[float, float]]:
-    """[(work seconds, score)]: the starting policy at 0, every mid-run evaluation (timed by the train
-    row logged at the same step: eval.every a multiple of train.log_every), the final evaluation."""
-    key, start = CURVE_KEYS[metric]
-    ev = summary.get("eval") or {}
-    points = []
-    if start is None:
-        points.append((0.0, 0.5))  # a policy against itself
-    else:
-        mode, field_ = start
-        value = (ev.get(mode) or {}).get(field_) if mode else ev.get(field_)
-        if value is not None:
-            points.append((0.0, float(value)))
-    train_rows = {r["step"]: r for r in metrics if "time/train" in r}
-    for r in metrics:
-        if key in r and r.get("step") in train_rows:
-            t = _work({k.removeprefix("time/"): v for k, v in train_rows[r["step"]].items() if k.startswith("time/")})
-            points.append((t, float(r[key])))
-    final = metric_value(summary, metric)
-    if final is not None:
-        points.append((_work(summary.get("wall_clock_s") or {}), final))
-    return points
 
 
 def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
@@ -199,29 +158,29 @@ class GapRow:
         return None
 
 
-def gap_rows(runs: list, ignore=()) -> list[GapRow]:
-    """From complete runs (report.Run objects), one row per comparison: a set holding an online group, a
+def gap_rows(runs: pd.DataFrame, ignore=()) -> list[GapRow]:
+    """From complete runs (report/frame.py), one row per comparison: a set holding an online group, a
     baseline (offline, or stale-K on-policy rounds) and humanline runs on that baseline's data (one row per
     humanline hl.* setting; see _comparisons)."""
-
-    groups = group_runs(runs, ignore)
+    gs = groups(runs, ignore)
+    pts = points(runs)
     rows = []
-    for task in sorted({g.task for g in groups}):
-        tg = [g for g in groups if g.task == task]
+    for task, tg in gs.groupby("task", sort=True):
         derived = derived_from(tg)
         sets: dict[tuple, dict] = {}
-        for g in tg:
-            sets.setdefault((g.objective, signature(g, derived)[2]), {}).setdefault(g.family, []).append(g)
+        for g in tg.itertuples():
+            sets.setdefault((g.objective, signature(g, derived)), {}).setdefault(g.family, []).append(g)
         for (objective, sig), fams in sorted(sets.items(), key=lambda kv: str(kv[0])):
             # differing = what tells this set apart from the other sets OF THE SAME OBJECTIVE
             differing = _differing_keys([s for (o, s) in sets if o == objective])
             set_label = ", ".join(f"{k}={v}" for k, v in (sig or ()) if k in differing)
             for base, hl_group, hl_label in _comparisons(fams):
-                by = {"offline": {r.seed: r for r in fams[base][0].runs},
-                      "online": {r.seed: r for r in fams["online"][0].runs},
-                      "humanline-offline": {r.seed: r for r in hl_group.runs}}
+                arms = {"offline": fams[base][0], "online": fams["online"][0], "humanline-offline": hl_group}
+                arms = pd.concat([runs.loc[g.members].assign(arm=arm) for arm, g in arms.items()])
+                # one run per arm and seed (the last, as a seed's runs differing only in ignored keys are one)
+                arms = arms[~arms.duplicated(["arm", "seed"], keep="last")]
                 label = ", ".join(x for x in (set_label, "" if base == "offline" else base, hl_label) if x)
-                row = _gap_row(task, objective, label, by)
+                row = _gap_row(task, objective, label, arms, pts)
                 if row is not None:
                     rows.append(row)
     return rows
@@ -248,43 +207,48 @@ def _comparisons(fams: dict) -> list[tuple]:
     return out
 
 
-def _gap_row(task: str, objective: str, label: str, by: dict) -> GapRow | None:
-    """One comparison: `by` maps offline (the baseline), online and humanline-offline to {seed: run}."""
-    names = {metric_of(r.summary)[0] for f in by for r in by[f].values()}
+def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.DataFrame) -> GapRow | None:
+    """One comparison: `arms` holds the runs of the offline (the baseline), online and humanline-offline arms
+    (column `arm`); `pts` their evaluation points (frame.points)."""
+    names = set(arms["summary"].map(metric_of))
     metric = sorted(names)[0] if len(names) == 1 else "win rate"
-    vals = {f: {s: metric_value(r.summary, metric) for s, r in by[f].items()} for f in by}
-    vals = {f: {s: v for s, v in d.items() if v is not None} for f, d in vals.items()}
-    if not all(vals.values()):
+    scores = arms.reindex(columns=["arm", "seed", *METRICS.values()]).rename(
+        columns={v: k for k, v in METRICS.items()})
+    wide = scores.pivot(index="seed", columns="arm", values=metric).astype(float)
+    if not all(wide.get(a, pd.Series(dtype=float)).notna().any() for a in ARMS):
         return None
-    wall = {f: statistics.fmean(r.summary.get("wall_clock_s", {}).get("total", math.nan) for r in by[f].values())
-            for f in ("online", "humanline-offline")}
-    scores = {f: {mode: mean_ci([v for r in by[f].values() if (v := metric_value(r.summary, mode)) is not None])
-                  for mode in ("greedy accuracy", "accuracy", "win rate")} for f in by}
-    curves = {f: {s: learning_curve(r.summary, r.metrics, metric) for s, r in by[f].items()}
-              for f in ("online", "humanline-offline")}
-    mid = all(len(c) > 2 for f in curves for c in curves[f].values())  # at least one mid-run eval
-    share = [_sampling_share(r.summary.get("wall_clock_s") or {}) for r in by["online"].values()]
-    share = [x for x in share if x is not None]
-    seeds = sorted(set.intersection(*(set(vals[f]) for f in vals)), key=str)
+    paired_seeds = wide.dropna().sort_index(key=lambda s: s.map(str))  # seeds every arm scored, paired
+    by_arm = arms.groupby("arm")
+    wall = by_arm["wall_clock_s.total"].mean() if "wall_clock_s.total" in arms else {}
+    means = {a: {m: mean_ci(scores[scores.arm == a][m].dropna().astype(float)) for m in METRICS} for a in ARMS}
+    curves = {a: {r.seed: curve(pts[pts.run == i], metric) for i, r in arms[arms.arm == a].iterrows()}
+              for a in ("online", "humanline-offline")}
+    mid = all(len(c) > 2 for a in curves for c in curves[a].values())  # at least one mid-run eval
+    share = [s for r in arms[arms.arm == "online"].itertuples() if (s := _sampling_share(r.summary)) is not None]
     paired = {}
     for mode in ("greedy accuracy", "accuracy"):
-        arms = {f: [metric_value(by[f][s].summary, mode) for s in seeds] for f in by}
-        if seeds and all(v is not None for a in arms.values() for v in a):
-            paired[mode] = paired_differences(arms, prompt_scores({f: [by[f][s] for s in seeds] for f in by}, mode))
+        both = scores.pivot(index="seed", columns="arm", values=mode).astype(float).reindex(paired_seeds.index)
+        if len(both) and both.notna().all().all():
+            runs_by_arm = {a: [arms[(arms.arm == a) & (arms.seed == s)].iloc[0] for s in both.index] for a in ARMS}
+            paired[mode] = paired_differences({a: both[a].tolist() for a in ARMS}, prompt_scores(runs_by_arm, mode))
     gap_interval = None
-    if len(seeds) == 1 and metric in paired:  # one seed: no t-interval, so the prompt bootstrap decides the gap
+    if len(paired_seeds) == 1 and metric in paired:  # one seed: no t-interval, so the prompt bootstrap decides it
         boot = next(p["boot"] for p in paired[metric] if p["contrast"] == ("online", "offline"))
         gap_interval = (boot["lo"], boot["hi"]) if boot else None
-    return GapRow(task, objective, label, metric, statistics.fmean(vals["offline"].values()),
-                  statistics.fmean(vals["online"].values()),
-                  statistics.fmean(vals["humanline-offline"].values()),
-                  gap_closed(vals["offline"], vals["online"], vals["humanline-offline"], gap_interval),
-                  wall["online"], wall["humanline-offline"],
+    off, on, hl = (paired_seeds[a].tolist() for a in ARMS)
+    return GapRow(task, objective, label, metric, *(float(wide[a].mean()) for a in ARMS),
+                  gap_closed_paired(off, on, hl, gap_interval), _float(wall.get("online")),
+                  _float(wall.get("humanline-offline")),
                   equal_quality(curves["online"], curves["humanline-offline"]) if mid else None,
-                  scores, statistics.fmean(share) if share else None,
+                  means, statistics.fmean(share) if share else None,
                   paired=[{**p, "metric": m} for m, rows in paired.items() for p in rows])
 
 
+def _float(x) -> float | None:
+    return None if x is None or pd.isna(x) else float(x)
+
+
+ARMS = ("offline", "online", "humanline-offline")
 # The contrasts a comparison reports, (a, b) for a - b: the humanline effect, what is left to online, the gap.
 CONTRASTS = (("humanline-offline", "offline"), ("online", "humanline-offline"), ("online", "offline"))
 SAMPLES = {"greedy accuracy": "eval_samples_greedy.jsonl", "accuracy": "eval_samples.jsonl"}
@@ -307,8 +271,6 @@ def prompt_scores(runs_by_arm: dict, metric: str) -> dict | None:
     """{arm: (seeds x prompts) per-prompt scores} from each run's eval samples file (SAMPLES[metric]), the
     prompts every run scored, in one order; None when any run lacks the file (older runs wrote no greedy
     samples) or the runs share no prompt."""
-    import json
-
     name = SAMPLES.get(metric)
     if name is None:
         return None
@@ -316,7 +278,7 @@ def prompt_scores(runs_by_arm: dict, metric: str) -> dict | None:
     for arm, runs in runs_by_arm.items():
         table[arm] = []
         for run in runs:
-            f = Path(run.path) / name
+            f = Path(run["path"]) / name
             if not f.is_file():
                 return None
             rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
@@ -328,8 +290,9 @@ def prompt_scores(runs_by_arm: dict, metric: str) -> dict | None:
     return {arm: [[d[p] for p in order] for d in runs] for arm, runs in table.items()}
 
 
-def _sampling_share(times: dict) -> float | None:
-    work = _work(times)
+def _sampling_share(summary: dict) -> float | None:
+    times = summary.get("wall_clock_s") or {}
+    work = sum(float(times.get(k, 0.0) or 0.0) for k in WORK)
     if work <= 0:
         return None
     return sum(float(times.get(k, 0.0) or 0.0) for k in ("sample", "label", "push")) / work
@@ -348,36 +311,18 @@ CSV_COLUMNS = ("task", "objective", "set", "metric", "offline", "online", "human
                "speedup_equal_quality", "online_never_reached", "online_sampling_share", "speedup_bound_matched")
 
 
-def csv_row(r: GapRow) -> dict:
-    """One gap-closed row as gap_closed.csv writes it (strings; empty where there is no value)."""
-    g = r.gap
-
-    def num(x, fmt=".6g"):
-        return "" if x is None else format(x, fmt)
-
-    values = (r.task, r.objective, r.label, r.metric, num(r.offline), num(r.online), num(r.humanline_offline),
-              num(g["mean"]), num(g["lo"]), num(g["hi"]), str(g["n"]), num(g["gap"]["mean"]), num(g["gap"]["lo"]),
-              num(g["gap"]["hi"]), g["verdict"], str(r.online_wall_s), str(r.humanline_wall_s),
-              num(r.speedup, ".4g"), "" if not r.equal else num(r.equal["speedup"], ".4g"),
-              "" if not r.equal else str(r.equal["never"]), num(r.online_sampling_share, ".4g"),
-              num(r.matched_bound, ".4g"))
-    return dict(zip(CSV_COLUMNS, values))
+# gap_closed.csv's precision: speeds and shares to 4 significant digits, the other numbers to 6, wall-clock in full
+DIGITS = {c: 4 if c.startswith(("speedup", "online_sampling")) else 6 for c in CSV_COLUMNS if not c.endswith("wall_s")}
 
 
-def write_csv(rows: list[GapRow], path) -> None:
-    import csv
-
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        w.writeheader()
-        w.writerows(csv_row(r) for r in rows)
-
-
-def metric_value(summary: dict, name: str) -> float | None:
-    ev = summary.get("eval") or {}
-    value = {"greedy accuracy": (ev.get("greedy") or {}).get("accuracy"), "accuracy": ev.get("accuracy"),
-             "win rate": ev.get("win_rate")}.get(name)
-    return None if value is None else float(value)
+def gap_frame(rows: list[GapRow]) -> pd.DataFrame:
+    """gap_closed.csv: one row per comparison (None where there is no value, written empty)."""
+    return pd.DataFrame([(r.task, r.objective, r.label, r.metric, r.offline, r.online, r.humanline_offline,
+                          r.gap["mean"], r.gap["lo"], r.gap["hi"], r.gap["n"], r.gap["gap"]["mean"],
+                          r.gap["gap"]["lo"], r.gap["gap"]["hi"], r.gap["verdict"], r.online_wall_s,
+                          r.humanline_wall_s, r.speedup, r.equal and r.equal["speedup"],
+                          r.equal and r.equal["never"], r.online_sampling_share, r.matched_bound) for r in rows],
+                        columns=CSV_COLUMNS, dtype=object)
 
 
 def markdown(rows: list[GapRow]) -> list[str]:

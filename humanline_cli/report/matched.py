@@ -25,41 +25,24 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from humanline_cli.report.gap_closed import CURVE_KEYS, metric_of, metric_value, time_to
-from humanline_cli.report.regime_map import regime_label
+import pandas as pd
+
+from humanline_cli.report.frame import LEFT_OUT, metric_of, run_points
+from humanline_cli.report.gap_closed import time_to
 from humanline_cli.report.stats import km_median
 
-LEFT_OUT = ("setup", "eval", "save", "checkpoint", "sampler_start")
 TARGET_GAIN = 0.9  # the default target: this share of online's mean gain over the start
 
 
 def curve(summary: dict, metrics: list[dict], metric: str) -> list[tuple[int, float, float]]:
     """[(step, loop seconds, score)]: start at (0, 0), mid-run evaluations, the final evaluation."""
-    key, start = CURVE_KEYS[metric]
-    ev = summary.get("eval") or {}
-    points = []
-    if start is None:
-        points.append((0, 0.0, 0.5))
-    else:
-        mode, field_ = start
-        value = (ev.get(mode) or {}).get(field_) if mode else ev.get(field_)
-        if value is not None:
-            points.append((0, 0.0, float(value)))
-    train_rows = {r["step"]: r for r in metrics if "wall_s" in r and "time/train" in r}
-    for r in metrics:
-        if key in r and r.get("step") in train_rows:
-            t = train_rows[r["step"]]
-            points.append((int(r["step"]), _loop_at(t["wall_s"], {k[5:]: v for k, v in t.items() if k.startswith("time/")}),
-                           float(r[key])))
-    final = metric_value(summary, metric)
+    got = run_points(summary, metrics)[["step", "loop_s", metric]].dropna()
+    return [(int(st), float(t), float(v)) for st, t, v in got.itertuples(index=False)]
+
+
+def _loop(summary: dict) -> float:
     w = summary.get("wall_clock_s") or {}
-    if final is not None and w:
-        points.append((int(summary.get("steps") or 0), _loop_at(w.get("total", 0.0), w), final))
-    return points
-
-
-def _loop_at(wall: float, phases: dict) -> float:
-    return float(wall) - sum(float(phases.get(k, 0.0) or 0.0) for k in LEFT_OUT)
+    return float(w.get("total", 0.0)) - sum(float(w.get(k, 0.0) or 0.0) for k in LEFT_OUT)
 
 
 def reach(points: list[tuple[int, float, float]], target: float) -> tuple[float, float] | None:
@@ -117,32 +100,28 @@ def target_of(online_curves: list, accuracy: float | None) -> tuple[float, str]:
                                                     f"{final:.4g} - start)")
 
 
-def matched_rows(runs: list, accuracy: float | None = None) -> list[MatchedRow]:
-    by: dict[tuple, dict] = {}
-    for r in runs:
-        if r.status == "complete":
-            by.setdefault((r.task, r.objective), {}).setdefault(regime_label(r), []).append(r)
+def matched_rows(runs: pd.DataFrame, accuracy: float | None = None) -> list[MatchedRow]:
+    """Per (task, objective) with online runs, one row per regime (the runs' `regime` column), in first-seen order."""
     rows = []
-    for (task, obj), regimes in by.items():
-        online = regimes.get("online")
-        if not online:
+    for (task, obj), tr in runs.groupby(["task", "objective"], sort=False):
+        if "online" not in set(tr.regime):
             continue
-        metric = metric_of(online[0].summary)[0]
+        metric = metric_of(tr[tr.regime == "online"].iloc[0]["summary"])
         if metric == "none":
             continue
-        curves = {name: {r.seed: (r, curve(r.summary, r.metrics, metric)) for r in rs} for name, rs in regimes.items()}
+        # per regime: seed -> (summary, curve), a seed's last run
+        curves = {name: {r.seed: (r.summary, curve(r.summary, r.metrics, metric)) for r in rs.itertuples()}
+                  for name, rs in tr.groupby("regime", sort=False)}
         on_curves = [c for _, c in curves["online"].values() if c]
         if not on_curves:
             continue
         target, note = target_of(on_curves, accuracy)
         on_med = km_medians({s: c for s, (_, c) in curves["online"].items()}, target)["seconds"]
-        on_loop = statistics.fmean(_loop_at((r.summary.get("wall_clock_s") or {}).get("total", 0.0),
-                                            r.summary.get("wall_clock_s") or {}) for r in online)
+        on_loop = statistics.fmean(tr[tr.regime == "online"]["summary"].map(_loop))
         for name, seeds in curves.items():
             med = km_medians({s: c for s, (_, c) in seeds.items()}, target)
-            loop = statistics.fmean(_loop_at((r.summary.get("wall_clock_s") or {}).get("total", 0.0),
-                                             r.summary.get("wall_clock_s") or {}) for r, _ in seeds.values())
-            steps = int(next(iter(seeds.values()))[0].summary.get("steps") or 0)
+            loop = statistics.fmean(_loop(summary) for summary, _ in seeds.values())
+            steps = int(next(iter(seeds.values()))[0].get("steps") or 0)
             speedup = on_med / med["seconds"] if on_med is not None and med["seconds"] else None
             rows.append(MatchedRow(task, obj, name, metric, target, note, len(seeds), med["reached"], med["ended"],
                                    steps, loop, med["steps"], med["seconds"], speedup,

@@ -16,15 +16,15 @@ the trainer's idle time, and `loop` the wall-clock.
 """
 from __future__ import annotations
 
-import csv
 import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
+
 from humanline_cli.report.cost import calls_of
 from humanline_cli.report.predict import Target, Work, predict, target_from_json
-from humanline_cli.report.regime_map import regime_label
 from humanline_cli.report.targets import ASSUMED, SHAPES, Shape, gpu_target, mfu_from_gpu_check
 
 LEFT_OUT = ("setup", "eval", "save", "checkpoint", "sampler_start")
@@ -45,23 +45,26 @@ def train_tokens(metrics: list[dict], steps: int) -> float | None:
 
 
 def run_work(run, matmul_params: float, weight_bytes: float) -> Work | None:
-    """The counted work of one complete run, None when it did not record it (older runs)."""
+    """The counted work of one complete run (a runs-frame row), None when it did not record it (older runs).
+    When the reference moves, and so how many syncs the run made, is the method's rule (core ReferenceRule)."""
+    from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule
+    from humanline_cli.core.reference import reference_moves
+
     calls = calls_of(run.path)
     steps = int(run.summary.get("steps") or 0)
     tokens = train_tokens(run.metrics, steps)
     if calls is None or tokens is None or not steps:
         return None
     cfg = run.config or {}
-    humanline_sync = bool(run.humanline and cfg.get("hl.sync", True))
-    online = cfg.get("data.regime", run.data) == "online"  # run.data names stale rounds apart (stale-64)
-    if humanline_sync:
-        syncs = steps // max(int(cfg.get("hl.sync_every") or 1), 1)
-    else:
-        syncs = len(calls) if online else 0  # plain online: the reference takes each round's starting policy
-    cached = not online and not run.humanline and bool(cfg.get("train.reference_cache", False))
+    regime = str(cfg.get("data.regime", run.data))  # run.data names stale rounds apart (stale-64)
+    spec = HumanlineSpec(sync=bool(run.humanline and cfg.get("hl.sync", True)),
+                         sync_every=max(int(cfg.get("hl.sync_every") or 1), 1))
+    rule = ReferenceRule.from_spec(spec, regime)
+    syncs = sum(map(rule.before_optimizer_step, range(1, steps + 1))) + (len(calls) if rule.reset_each_round else 0)
+    cached = not reference_moves(spec, regime) and bool(cfg.get("train.reference_cache", False))
     return Work(params=matmul_params, weight_bytes=weight_bytes, calls=calls, steps=steps, train_tokens=tokens,
                 reference_forward=not cached, gradient_checkpointing=bool(cfg.get("train.gradient_checkpointing")),
-                syncs=syncs, async_lag=int(cfg.get("data.async_lag") or 0) if online else 0)
+                syncs=syncs, async_lag=int(cfg.get("data.async_lag") or 0) if regime == "online" else 0)
 
 
 def loop_and_other(seconds: dict, wall: float, lagged: bool) -> tuple[float, float]:
@@ -150,10 +153,10 @@ class SpeedRow:
     measured: dict | None  # phase -> mean measured seconds (None: another machine's prediction)
 
 
-def speed_rows(runs: list, specs: list[TargetSpec]) -> tuple[list[SpeedRow], list[str], dict]:
+def speed_rows(runs: pd.DataFrame, specs: list[TargetSpec]) -> tuple[list[SpeedRow], list[str], dict]:
     """Per target and (task, objective, regime): predicted and (on `this`) measured seconds by phase; notes on
     left-out runs; each target's sources (its constants and where they come from)."""
-    complete = [r for r in runs if r.status == "complete"]
+    complete = list(runs[runs.status == "complete"].itertuples())
     constants = [s.constants for s in specs if s.constants is not None]
     rows, notes, sources = [], [], {}
     for spec in specs:
@@ -176,7 +179,7 @@ def speed_rows(runs: list, specs: list[TargetSpec]) -> tuple[list[SpeedRow], lis
             if work is None:
                 skipped += 1
                 continue
-            by.setdefault((r.task, r.objective, regime_label(r)), []).append((predict(work, t), measured(r.summary), t))
+            by.setdefault((r.task, r.objective, r.regime), []).append((predict(work, t), measured(r.summary), t))
         if skipped:
             notes.append(f"{spec.name}: {skipped} complete run(s) left out (no per-completion `tokens` in samples.jsonl "
                          f"or no `tokens_processed` in metrics.jsonl: recorded before they were, or another model "
@@ -225,26 +228,23 @@ def checked(row: SpeedRow, tolerance: float = 0.15) -> dict:
     return out
 
 
-def write_csv(rows: list[SpeedRow], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["target", "estimated", "task", "objective", "regime", "n_runs", "phase", "predicted_s", "measured_s",
-                    "predicted_over_measured", "predicted_speedup_vs_online", "measured_speedup_vs_online"])
-        for r in rows:
-            on = _online(rows, r)
-            for k in SHOWN:
-                if k not in r.predicted and not (r.measured and k in r.measured):
-                    continue
-                p, m = r.predicted.get(k), (r.measured or {}).get(k)
-                sp = on.predicted["loop"] / r.predicted["loop"] if on and k == "loop" and r.predicted["loop"] else None
-                sm = (on.measured["loop"] / r.measured["loop"] if on and on.measured and r.measured and k == "loop"
-                      and r.measured["loop"] else None)
-                w.writerow([r.target, r.estimated, r.task, r.objective, r.regime, r.n_runs, k, _g(p), _g(m),
-                            _g(p / m if p is not None and m else None), _g(sp), _g(sm)])
-
-
-def _g(x) -> str:
-    return "" if x is None else f"{x:.8g}"
+def predicted_frame(rows: list[SpeedRow]) -> pd.DataFrame:
+    """predicted.csv: one row per target, regime and phase, predicted beside measured, and the loop's speedups."""
+    out = []
+    for r in rows:
+        on = _online(rows, r)
+        for k in SHOWN:
+            if k not in r.predicted and not (r.measured and k in r.measured):
+                continue
+            p, m = r.predicted.get(k), (r.measured or {}).get(k)
+            sp = on.predicted["loop"] / r.predicted["loop"] if on and k == "loop" and r.predicted["loop"] else None
+            sm = (on.measured["loop"] / r.measured["loop"] if on and on.measured and r.measured and k == "loop"
+                  and r.measured["loop"] else None)
+            out.append((r.target, r.estimated, r.task, r.objective, r.regime, r.n_runs, k, p, m,
+                        p / m if p is not None and m else None, sp, sm))
+    return pd.DataFrame(out, dtype=object, columns=[
+        "target", "estimated", "task", "objective", "regime", "n_runs", "phase", "predicted_s", "measured_s",
+        "predicted_over_measured", "predicted_speedup_vs_online", "measured_speedup_vs_online"])
 
 
 def _s(x) -> str:
