@@ -44,10 +44,19 @@ def train_tokens(metrics: list[dict], steps: int) -> float | None:
     return float(sum(rows.values())) if len(rows) >= steps else statistics.fmean(rows.values()) * steps
 
 
+def reference_syncs(spec, regime: str, steps: int, rounds: int) -> int:
+    """How often the reference takes the policy's weights over `steps` optimizer steps and `rounds` sampling
+    rounds, by the method's own rule (core ReferenceRule) for a humanline spec and data regime."""
+    from humanline_cli.core.humanline import ReferenceRule
+
+    rule = ReferenceRule.from_spec(spec, regime)
+    return sum(map(rule.before_optimizer_step, range(1, steps + 1))) + (rounds if rule.reset_each_round else 0)
+
+
 def run_work(run, matmul_params: float, weight_bytes: float) -> Work | None:
     """The counted work of one complete run (a runs-frame row), None when it did not record it (older runs).
     When the reference moves, and so how many syncs the run made, is the method's rule (core ReferenceRule)."""
-    from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule
+    from humanline_cli.core.humanline import HumanlineSpec
     from humanline_cli.core.reference import reference_moves
 
     calls = calls_of(run.path)
@@ -59,8 +68,7 @@ def run_work(run, matmul_params: float, weight_bytes: float) -> Work | None:
     regime = str(cfg.get("data.regime", run.data))  # run.data names stale rounds apart (stale-64)
     spec = HumanlineSpec(sync=bool(run.humanline and cfg.get("hl.sync", True)),
                          sync_every=max(int(cfg.get("hl.sync_every") or 1), 1))
-    rule = ReferenceRule.from_spec(spec, regime)
-    syncs = sum(map(rule.before_optimizer_step, range(1, steps + 1))) + (len(calls) if rule.reset_each_round else 0)
+    syncs = reference_syncs(spec, regime, steps, len(calls))
     cached = not reference_moves(spec, regime) and bool(cfg.get("train.reference_cache", False))
     return Work(params=matmul_params, weight_bytes=weight_bytes, calls=calls, steps=steps, train_tokens=tokens,
                 reference_forward=not cached, gradient_checkpointing=bool(cfg.get("train.gradient_checkpointing")),
