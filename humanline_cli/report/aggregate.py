@@ -22,7 +22,7 @@ import pandas as pd
 
 from humanline_cli.errors import UserError
 from humanline_cli.report import async_lag, cost, gap_closed, matched, speed
-from humanline_cli.report.frame import MARKERS, find_run_dirs, frame, load_run, write_csv
+from humanline_cli.report.frame import MARKERS, find_run_dirs, frame, load_run, md_table, write_csv
 from humanline_cli.report.groups import DEFAULT_IGNORE, collapse_duplicates, label, parse_ignore, under
 from humanline_cli.report.plots import FAMILIES, OBJECTIVES, log_to_wandb, make_plots, order
 from humanline_cli.report.regime_map import regime_gap_rows, with_regimes
@@ -215,12 +215,9 @@ def render_markdown(rep_root: Path, cells, runs, plots: dict, skipped: dict, out
                   (f"Each cell: win rate vs the starting policy, mean ± sd over seeds [95% CI]; {metric} "
                    f"mean ± sd{'' if metric == 'accuracy' else ' (no verifier for this task)'}; mean wall-clock "
                    "seconds (speedup = online wall-clock / this wall-clock); number of seeds."), "",
-                  "| objective | " + " | ".join(_md(k) for k in row_keys + fams) + " |",
-                  "|---|" + "---|" * (len(row_keys) + len(fams))]
-        for row in rows:
-            cols = [_md(v) for v in row[1]] + [_md(_cell_text(grid, row, f, "<br>")) for f in fams]
-            lines.append(f"| **{row[0]}** | " + " | ".join(cols) + " |")
-        lines.append("")
+                  *md_table(["objective", *(_md(k) for k in row_keys + fams)],
+                            [(f"**{row[0]}**", *(_md(v) for v in row[1]),
+                              *(_md(_cell_text(grid, row, f, "<br>")) for f in fams)) for row in rows]), ""]
     lines += ["## Failed or incomplete runs", ""]
     problems = [r for r in runs if r.status != "complete"]
     if not problems:

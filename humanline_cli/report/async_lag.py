@@ -10,7 +10,7 @@ import re
 
 import pandas as pd
 
-from humanline_cli.report.frame import METRICS, metric_of
+from humanline_cli.report.frame import METRICS, ci_text, md_table, metric_of
 from humanline_cli.report.groups import derived_from, groups, signature
 from humanline_cli.report.stats import mean_ci
 
@@ -67,23 +67,17 @@ def _row(task, objective, label, humanline: bool, lag: int, sync: pd.DataFrame, 
              delta["lo"], delta["hi"], delta["n"], wall0, wall, wall0 / wall if wall0 and wall else None)]
 
 
-def _fmt(mean, lo, hi, signed: bool = False) -> str:
-    if mean is None:
-        return "–"
-    f = "{:+.3f}" if signed else "{:.3f}"
-    return f.format(mean) + ("" if lo is None else f" [{f.format(lo)}, {f.format(hi)}]")
-
-
 def markdown(rows: pd.DataFrame) -> list[str]:
-    lines = ["Each lag L > 0 against synchronous online (lag 0) with the same humanline setting: score mean [95% "
-             "t-interval across seeds], whether lag L's mean lies in lag 0's interval, the paired per-seed "
-             "difference lag L - lag 0, and speedup = lag-0 wall-clock / lag-L wall-clock at equal steps.", "",
-             "| task | objective | set | humanline | lag | metric | lag 0 | lag L | in lag 0's interval | "
-             "lag L - lag 0 | seeds | speedup |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows.itertuples():
-        within = "n/a" if r.within_lag0_interval is None else ("yes" if r.within_lag0_interval else "no")
-        lines.append(f"| {r.task} | {r.objective} | {r.set or '–'} | {'on' if r.humanline else 'off'} | {r.lag} | "
-                     f"{r.metric} | {_fmt(r.lag0_mean, r.lag0_lo, r.lag0_hi)} | {_fmt(r.lag_mean, r.lag_lo, r.lag_hi)}"
-                     f" | {within} | {_fmt(r.delta_mean, r.delta_lo, r.delta_hi, signed=True)} | {r.n_seeds} | "
-                     f"{f'{r.speedup:.2f}x' if r.speedup else 'n/a'} |")
-    return lines + [""]
+    def ci(r, a, b, fmt=".3f"):
+        return ci_text({"mean": getattr(r, a), "lo": getattr(r, b + "_lo"), "hi": getattr(r, b + "_hi")}, fmt)
+
+    return ["Each lag L > 0 against synchronous online (lag 0) with the same humanline setting: score mean [95% "
+            "t-interval across seeds], whether lag L's mean lies in lag 0's interval, the paired per-seed "
+            "difference lag L - lag 0, and speedup = lag-0 wall-clock / lag-L wall-clock at equal steps.", "",
+            *md_table(["task", "objective", "set", "humanline", "lag", "metric", "lag 0", "lag L",
+                       "in lag 0's interval", "lag L - lag 0", "seeds", "speedup"],
+                      [(r.task, r.objective, r.set or "–", "on" if r.humanline else "off", r.lag, r.metric,
+                        ci(r, "lag0_mean", "lag0"), ci(r, "lag_mean", "lag"),
+                        {None: "n/a", True: "yes", False: "no"}[r.within_lag0_interval],
+                        ci(r, "delta_mean", "delta", "+.3f"), r.n_seeds,
+                        f"{r.speedup:.2f}x" if r.speedup else "n/a") for r in rows.itertuples()]), ""]

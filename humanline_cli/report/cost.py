@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from humanline_cli.report.frame import md_table
 from humanline_cli.report.predict import Call
 
 CSV_COLUMNS = ("task", "objective", "regime", "n_runs", "units_trained", "sampled_sequences", "generation_calls",
@@ -84,22 +85,20 @@ def cost_rows(runs: pd.DataFrame) -> pd.DataFrame:
     return out[list(CSV_COLUMNS)]
 
 
-def _num(x: float | None, fmt: str) -> str:
-    return "–" if x is None or x != x else format(x, fmt)
-
-
 def markdown(rows: pd.DataFrame) -> list[str]:
     if rows.empty:
         return ["No complete runs."]
-    out = ["Generation during training, at matched training units (mean over the regime's runs; ratios against "
-           "online of the same objective). Offline data was sampled once before the runs and is not counted.", "",
-           "| task | objective | regime | runs | units trained | sampled sequences | generation calls | "
-           "weight pushes | sequences per call | pushes vs online | generated tokens | longest completion per call |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows.itertuples():
-        out.append(f"| {r.task} | {r.objective} | {r.regime} | {r.n_runs} | {r.units_trained:.0f} | "
-                   f"{r.sampled_sequences:.0f} | {r.generation_calls:.1f} | {r.weight_pushes:.1f} | "
-                   f"{_num(r.sequences_per_call, '.0f')} | {_num(r.pushes_vs_online, '.3f')}"
-                   f"{'' if r.pushes_vs_online is None else 'x'} | {_num(r.generated_tokens, '.0f')} | "
-                   f"{_num(r.longest_completion_per_call, '.1f')} |")
-    return out
+
+    def f(x, spec: str) -> str:
+        return "–" if x is None or x != x else spec.format(x)
+
+    return ["Generation during training, at matched training units (mean over the regime's runs; ratios against "
+            "online of the same objective). Offline data was sampled once before the runs and is not counted.", "",
+            *md_table(["task", "objective", "regime", "runs", "units trained", "sampled sequences", "generation calls",
+                       "weight pushes", "sequences per call", "pushes vs online", "generated tokens",
+                       "longest completion per call"],
+                      [(r.task, r.objective, r.regime, r.n_runs, f(r.units_trained, "{:.0f}"),
+                        f(r.sampled_sequences, "{:.0f}"), f(r.generation_calls, "{:.1f}"), f(r.weight_pushes, "{:.1f}"),
+                        f(r.sequences_per_call, "{:.0f}"), f(r.pushes_vs_online, "{:.3f}x"),
+                        f(r.generated_tokens, "{:.0f}"), f(r.longest_completion_per_call, "{:.1f}"))
+                       for r in rows.itertuples()])]

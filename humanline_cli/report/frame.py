@@ -270,3 +270,16 @@ def write_csv(table: pd.DataFrame, path: Path, digits: int | dict | None = None)
         out[c] = [None if isinstance(x, float) and x != x else format(x, f".{d}g") if d and isinstance(x, float)
                   else x for x in out[c]]
     out.to_csv(path, index=False, lineterminator="\r\n")  # as the csv module writes, so files stay byte-identical
+
+
+def ci_text(ci: dict | None, fmt: str = ".3f") -> str:
+    """A mean and its interval (stats.mean_ci) as `mean [lo, hi]`, the mean alone without one, "–" for none."""
+    if ci is None or ci.get("mean") is None:
+        return "–"
+    return format(ci["mean"], fmt) + ("" if ci.get("lo") is None else f" [{ci['lo']:{fmt}}, {ci['hi']:{fmt}}]")
+
+
+def md_table(head: list[str], rows) -> list[str]:
+    """A Markdown pipe table: the header, its rule, one line per row of display cells."""
+    return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            + ["| " + " | ".join(map(str, r)) + " |" for r in rows])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from humanline_cli.report.frame import column, load
+from humanline_cli.report.frame import ci_text, column, load, md_table
 from humanline_cli.report.stats import mean_ci
 
 
@@ -39,21 +39,12 @@ def frontier_rows(runs: pd.DataFrame) -> list[dict]:
             for (objective, k, hl), rs in runs.groupby(["objective", "K", "humanline"], sort=True)]
 
 
-def _ci(c: dict | None, fmt: str = ".3f") -> str:
-    if c is None:
-        return "–"
-    return format(c["mean"], fmt) + (f" [{c['lo']:{fmt}}, {c['hi']:{fmt}}]" if c["lo"] is not None else "")
-
-
 def markdown(rows: list[dict]) -> list[str]:
-    out = ["| objective | K | humanline | seeds | drift KL (nats/token) | drift log-ratio | greedy | sampled |",
-           "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        k = "online" if r["K"] == 0 else str(r["K"])
-        out.append(f"| {r['objective']} | {k} | {'on' if r['humanline'] else 'off'} | {r['n']} | "
-                   f"{_ci(r['drift_kl'], '.2e')} | {_ci(r['drift_logratio'], '+.4f')} | {_ci(r['greedy'])} | "
-                   f"{_ci(r['sampled'])} |")
-    return out
+    return md_table(["objective", "K", "humanline", "seeds", "drift KL (nats/token)", "drift log-ratio", "greedy",
+                     "sampled"],
+                    [(r["objective"], "online" if r["K"] == 0 else r["K"], "on" if r["humanline"] else "off", r["n"],
+                      ci_text(r["drift_kl"], ".2e"), ci_text(r["drift_logratio"], "+.4f"), ci_text(r["greedy"]),
+                      ci_text(r["sampled"])) for r in rows])
 
 
 DRIFT_FLOOR = 1e-5  # on-policy drift is float round-off (|KL| < 1e-8): drawn at this floor, labelled "~0"

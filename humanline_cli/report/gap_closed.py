@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from humanline_cli.report.frame import METRICS, WORK, curve, metric_of, points
+from humanline_cli.report.frame import METRICS, WORK, ci_text, curve, md_table, metric_of, points
 from humanline_cli.report.groups import derived_from, groups, signature
 from humanline_cli.report.stats import excludes_zero, fieller, km_median, mean_ci, paired_t, prompt_bootstrap
 
@@ -118,12 +118,6 @@ def equal_quality_text(eq: dict | None) -> str:
     ratio = "–" if eq["speedup"] is None else f"{eq['speedup']:.2f}x"
     on, hl = eq["online"], eq["humanline-offline"]
     return f"{ratio} (reached: online {on['reached']} of {on['n']}, humanline {hl['reached']} of {hl['n']})"
-
-
-def _fmt(ci: dict | None) -> str:
-    if ci is None:
-        return "–"
-    return f"{ci['mean']:.3f}" + (f" [{ci['lo']:.3f}, {ci['hi']:.3f}]" if ci["lo"] is not None else "")
 
 
 @dataclass
@@ -340,30 +334,22 @@ def markdown(rows: list[GapRow]) -> list[str]:
              "curves; n/a without mid-run evals, eval.every); online sampling = "
              "share of online's work time spent sampling, labelling and pushing weights, and the speedup it bounds: "
              "1 / (1 - share) is the most any offline run can save against online on the same sequences per step.",
-             "",
-             "| task | objective | set | metric | offline | online | humanline-offline | gap closed | seeds | speedup "
-             "| at equal quality | online sampling (bound) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        g = r.gap
-        gap = gap_text(g)
-        speed = f"{r.speedup:.2f}x" if r.speedup else "n/a"
-        eq = equal_quality_text(r.equal)
-        bound = "n/a" if r.matched_bound is None else f"{r.online_sampling_share:.0%} ({r.matched_bound:.2f}x)"
-        lines.append(f"| {r.task} | {r.objective} | {r.label or '–'} | {r.metric} | {r.offline:.3f} | {r.online:.3f} | "
-                     f"{r.humanline_offline:.3f} | {gap} | {g['n']} | {speed} | {eq} | {bound} |")
-    lines.append("")
-    lines += ["Scores per family, mean [95% t-interval across seeds]: greedy accuracy (temperature 0) and sampled "
-              "accuracy (eval.temperature), or the sampled win rate against the starting policy where the task "
-              "has no accuracy.", "",
-              "| task | objective | set | mode | offline | online | humanline-offline |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        for mode, name in (("greedy accuracy", "greedy"), ("accuracy", "sampled"), ("win rate", "sampled win rate")):
-            cells = [(r.scores or {}).get(f, {}).get(mode) for f in ("offline", "online", "humanline-offline")]
-            if any(c is not None for c in cells) and not (mode == "win rate" and r.metric != "win rate"):
-                lines.append(f"| {r.task} | {r.objective} | {r.label or '–'} | {name} | "
-                             + " | ".join(_fmt(c) for c in cells) + " |")
-    return lines + [""]
+             "", *md_table(["task", "objective", "set", "metric", "offline", "online", "humanline-offline", "gap closed",
+                            "seeds", "speedup", "at equal quality", "online sampling (bound)"],
+                           [(r.task, r.objective, r.label or "–", r.metric, f"{r.offline:.3f}", f"{r.online:.3f}",
+                             f"{r.humanline_offline:.3f}", gap_text(r.gap), r.gap["n"],
+                             f"{r.speedup:.2f}x" if r.speedup else "n/a", equal_quality_text(r.equal),
+                             "n/a" if r.matched_bound is None else
+                             f"{r.online_sampling_share:.0%} ({r.matched_bound:.2f}x)") for r in rows]), ""]
+    modes = (("greedy accuracy", "greedy"), ("accuracy", "sampled"), ("win rate", "sampled win rate"))
+    scores = [(r, name, [(r.scores or {}).get(a, {}).get(mode) for a in ARMS]) for r in rows for mode, name in modes
+              if mode != "win rate" or r.metric == "win rate"]
+    return lines + ["Scores per family, mean [95% t-interval across seeds]: greedy accuracy (temperature 0) and sampled "
+                    "accuracy (eval.temperature), or the sampled win rate against the starting policy where the task "
+                    "has no accuracy.", "",
+                    *md_table(["task", "objective", "set", "mode", *ARMS],
+                              [(r.task, r.objective, r.label or "–", name, *map(ci_text, cells))
+                               for r, name, cells in scores if any(c is not None for c in cells)]), ""]
 
 
 def paired_markdown(rows: list[GapRow]) -> list[str]:
@@ -375,18 +361,17 @@ def paired_markdown(rows: list[GapRow]) -> list[str]:
     lines = ["a - b per seed (runs paired by seed), mean [95% t-interval across seeds: the reported interval] and "
              "[95% prompt-level bootstrap: the eval prompts resampled, 2000 replicates, the seeds held fixed, so it "
              "leaves out seed-to-seed variation and is narrower than the truth when seeds differ]; `–`: no interval "
-             "(one seed, or no per-prompt samples). greedy = temperature 0, sampled = eval.temperature.", "",
-             "| task | objective | set | metric | a - b | mean | t-interval | bootstrap (prompt-level only) | seeds |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "(one seed, or no per-prompt samples). greedy = temperature 0, sampled = eval.temperature.", ""]
     names = {"greedy accuracy": "greedy", "accuracy": "sampled"}
-    for r in body:
-        for p in r.paired:
-            t, b = p["t"], p["boot"]
-            ti = f"[{t['lo']:+.3f}, {t['hi']:+.3f}]" if t["lo"] is not None else "–"
-            bi = f"[{b['lo']:+.3f}, {b['hi']:+.3f}]" if b else "–"
-            lines.append(f"| {r.task} | {r.objective} | {r.label or '–'} | {names.get(p['metric'], p['metric'])} | "
-                         f"{p['contrast'][0]} - {p['contrast'][1]} | {t['mean']:+.3f} | {ti} | {bi} | {t['n']} |")
-    return lines + [""]
+
+    def interval(x) -> str:
+        return f"[{x['lo']:+.3f}, {x['hi']:+.3f}]" if x and x["lo"] is not None else "–"
+
+    return lines + md_table(["task", "objective", "set", "metric", "a - b", "mean", "t-interval",
+                             "bootstrap (prompt-level only)", "seeds"],
+                            [(r.task, r.objective, r.label or "–", names.get(p["metric"], p["metric"]),
+                              " - ".join(p["contrast"]), f"{p['t']['mean']:+.3f}", interval(p["t"]), interval(p["boot"]),
+                              p["t"]["n"]) for r in body for p in r.paired]) + [""]
 
 
 def plot(rows: list[GapRow], path) -> bool:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from humanline_cli.report.frame import LEFT_OUT, metric_of, run_points
+from humanline_cli.report.frame import LEFT_OUT, md_table, metric_of, run_points
 from humanline_cli.report.gap_closed import time_to
 from humanline_cli.report.stats import km_median
 
@@ -129,8 +129,8 @@ def matched_rows(runs: pd.DataFrame, accuracy: float | None = None) -> list[Matc
     return rows
 
 
-def _num(x: float | None, fmt: str) -> str:
-    return "–" if x is None else format(x, fmt)
+def _num(x: float | None, fmt: str, unit: str = "") -> str:
+    return "–" if x is None else format(x, fmt) + unit
 
 
 def markdown(rows: list[MatchedRow], predicted: dict | None = None) -> list[str]:
@@ -145,19 +145,15 @@ def markdown(rows: list[MatchedRow], predicted: dict | None = None) -> list[str]
            "regime's (no interval: a ratio of medians of a few censored seeds has none worth printing). The "
            "equal-step column compares whole runs of the same steps (not the same quality).", ""]
     extra = list(predicted or {})
-    out += ["| task | objective | regime | reached | median steps to target | median seconds to target (measured) | "
-            + "".join(f"predicted s on {t} | " for t in extra)
-            + "speedup at matched quality | speedup at equal steps (not matched quality) |",
-            "|---|---|---|---|---|---|" + "---|" * len(extra) + "---|---|"]
-    for r in rows:
-        reached = f"{len(r.reached)} of {r.seeds}" + ("" if not r.ended else f" (not reached: {len(r.ended)})")
-        preds = []
-        for t in extra:
-            loop = predicted[t].get((r.task, r.objective, r.regime))
-            preds.append("–" if loop is None or r.steps_to is None or not r.steps
-                         else f"{loop * r.steps_to / r.steps:.4g}")
-        out.append(f"| {r.task} | {r.objective} | {r.regime} | {reached} | {_num(r.steps_to, '.1f')} | "
-                   f"{_num(r.seconds, '.1f')} | " + "".join(p + " | " for p in preds)
-                   + ("–" if r.speedup is None else f"{r.speedup:.2f}x") + " | "
-                   + ("–" if r.equal_step_speedup is None else f"{r.equal_step_speedup:.2f}x") + " |")
-    return out
+
+    def predicted_s(r: MatchedRow, t: str) -> str:
+        loop = predicted[t].get((r.task, r.objective, r.regime))
+        return "–" if loop is None or r.steps_to is None or not r.steps else f"{loop * r.steps_to / r.steps:.4g}"
+
+    return out + md_table(["task", "objective", "regime", "reached", "median steps to target",
+                           "median seconds to target (measured)", *(f"predicted s on {t}" for t in extra),
+                           "speedup at matched quality", "speedup at equal steps (not matched quality)"],
+                          [(r.task, r.objective, r.regime, f"{len(r.reached)} of {r.seeds}"
+                            + ("" if not r.ended else f" (not reached: {len(r.ended)})"), _num(r.steps_to, ".1f"),
+                            _num(r.seconds, ".1f"), *(predicted_s(r, t) for t in extra), _num(r.speedup, ".2f", "x"),
+                            _num(r.equal_step_speedup, ".2f", "x")) for r in rows])

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from humanline_cli.report.frame import load, write_csv
-from humanline_cli.report.gap_closed import DIGITS, bar_chart, gap_frame, gap_rows
+from humanline_cli.report.frame import load, md_table, write_csv
+from humanline_cli.report.gap_closed import DIGITS, bar_chart, gap_frame, gap_rows, gap_text
 from humanline_cli.report.groups import collapse_duplicates, label
 
 
@@ -143,26 +143,24 @@ def _num(x) -> float | None:
 
 def markdown(rows) -> list[str]:
     """Rows as dicts (gap_closed.csv's columns and `regime`), or a frame of them."""
-    if isinstance(rows, pd.DataFrame):
-        rows = rows.to_dict("records")
-    out = ["| regime | objective | metric | offline | online | humanline-offline | gap closed | seeds "
-           "| speedup (equal steps) | at equal quality | online sampling (bound) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        g, lo, hi = _num(r["gap_closed"]), _num(r["gap_closed_lo"]), _num(r["gap_closed_hi"])
-        gap = "–" if g is None else f"{g:.0%}" + (f" [{lo:.0%}, {hi:.0%}]" if lo is not None else "")
-        if r.get("gap_verdict") not in (None, "", "gap"):  # the gap's interval holds 0: no ratio (gap_closed.py)
-            gap = r["gap_verdict"]
-        eq = _num(r.get("speedup_equal_quality", ""))
-        sp = _num(r["speedup"])
+    rows = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else rows
+
+    def speed(r, key) -> str:
+        v = _num(r.get(key, ""))
+        return "n/a" if v is None else f"{v:.2f}x"
+
+    def cells(r) -> tuple:
+        gap = {"verdict": r.get("gap_verdict") or "gap", "mean": _num(r["gap_closed"]), "lo": _num(r["gap_closed_lo"]),
+               "hi": _num(r["gap_closed_hi"])}
         share, bound = _num(r.get("online_sampling_share", "")), _num(r.get("speedup_bound_matched", ""))
-        sampling = "n/a" if share is None or bound is None else f"{share:.0%} ({bound:.2f}x)"
         vs = r.get("compared_with")
-        regime = r["regime"] + (f" (vs {vs})" if vs and vs != "offline, online" else "")
-        out.append(f"| {regime} | {r['objective']} | {r['metric']} | {float(r['offline']):.3f} | "
-                   f"{float(r['online']):.3f} | {float(r['humanline_offline']):.3f} | {gap} | {r['n_seeds']} | "
-                   f"{'n/a' if sp is None else f'{sp:.2f}x'} | {'n/a' if eq is None else f'{eq:.2f}x'} | {sampling} |")
-    return out
+        return (r["regime"] + (f" (vs {vs})" if vs and vs != "offline, online" else ""), r["objective"], r["metric"],
+                *(f"{float(r[k]):.3f}" for k in ("offline", "online", "humanline_offline")), gap_text(gap),
+                r["n_seeds"], speed(r, "speedup"), speed(r, "speedup_equal_quality"),
+                "n/a" if share is None or bound is None else f"{share:.0%} ({bound:.2f}x)")
+
+    return md_table(["regime", "objective", "metric", "offline", "online", "humanline-offline", "gap closed", "seeds",
+                     "speedup (equal steps)", "at equal quality", "online sampling (bound)"], [cells(r) for r in rows])
 
 
 def plot(rows, path: Path) -> None:

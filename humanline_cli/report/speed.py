@@ -24,6 +24,7 @@ from pathlib import Path
 import pandas as pd
 
 from humanline_cli.report.cost import calls_of
+from humanline_cli.report.frame import md_table
 from humanline_cli.report.predict import Target, Work, predict, target_from_json
 from humanline_cli.report.targets import ASSUMED, SHAPES, Shape, gpu_target, mfu_from_gpu_check
 
@@ -259,6 +260,15 @@ def _s(x) -> str:
     return "–" if x is None else (f"{x:.3g}" if x < 100 else f"{x:.0f}")
 
 
+def _measured_cell(r: SpeedRow, k: str, chk: dict) -> str:
+    """predicted / measured (ratio), the ratio marked ! outside 0.85-1.15 on a checked phase."""
+    p, m = r.predicted.get(k), r.measured.get(k)
+    if p is None and m is None:
+        return "–"
+    mark = " !" if k in chk and abs(chk[k] - 1) > 0.15 else ""
+    return f"{_s(p)} / {_s(m)}" + (f" ({p / m:.2f}{mark})" if p is not None and m else "")
+
+
 def markdown(rows: list[SpeedRow], notes: list[str], sources: dict) -> list[str]:
     if not rows:
         return ["No run recorded its counted work (per-completion tokens and per-step forward tokens)."] + notes
@@ -268,37 +278,27 @@ def markdown(rows: list[SpeedRow], notes: list[str], sources: dict) -> list[str]
         est = rs[0].estimated
         out += [f"**Target {target}**{' (ESTIMATE: built on public figures and assumptions)' if est else ''}: "
                 f"{sources.get(target, '')}", ""]
+        speedups = []
+        for r in rs:
+            on = _online(rows, r)
+            speedups.append((f"{on.predicted['loop'] / r.predicted['loop']:.2f}x" if on else "–")
+                            + (f" ({on.measured['loop'] / r.measured['loop']:.2f}x)" if on and on.measured else ""))
         if rs[0].measured is not None:
+            phases = ("sample", "train", "sync", "other", "wait_for_sample", "loop")
             out += ["Seconds by phase, predicted / measured (ratio); ratios outside 0.85-1.15 on a phase holding at "
                     f"least {CHECKED_SHARE:.0%} of the loop are marked !; loop = the training loop's wall-clock "
                     "(setup, evaluation, saving left out). Speedup = online's loop over the regime's.", "",
-                    "| task | objective | regime | runs | sample | train | sync | other | wait for sample | loop | "
-                    "speedup vs online, predicted (measured) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-            for r in rs:
-                chk = checked(r)
-                cells = []
-                for k in ("sample", "train", "sync", "other", "wait_for_sample", "loop"):
-                    p, m = r.predicted.get(k), r.measured.get(k)
-                    if p is None and m is None:
-                        cells.append("–")
-                        continue
-                    mark = " !" if k in chk and abs(chk[k] - 1) > 0.15 else ""
-                    ratio = f" ({p / m:.2f}{mark})" if p is not None and m else ""
-                    cells.append(f"{_s(p)} / {_s(m)}{ratio}")
-                on = _online(rows, r)
-                sp = f"{on.predicted['loop'] / r.predicted['loop']:.2f}x" if on else "–"
-                sm = f" ({on.measured['loop'] / r.measured['loop']:.2f}x)" if on and on.measured else ""
-                out.append(f"| {r.task} | {r.objective} | {r.regime} | {r.n_runs} | " + " | ".join(cells) + f" | {sp}{sm} |")
+                    *md_table(["task", "objective", "regime", "runs", "sample", "train", "sync", "other",
+                               "wait for sample", "loop", "speedup vs online, predicted (measured)"],
+                              [(r.task, r.objective, r.regime, r.n_runs,
+                                *(_measured_cell(r, k, checked(r)) for k in phases), sp)
+                               for r, sp in zip(rs, speedups)])]
         else:
+            phases = ("sample", "push", "train", "sync", "label", "loop")
             out += ["Predicted seconds by phase (no measurement on this target). Speedup = online's loop over the "
                     "regime's, at the same counted work (the runs' own steps, calls and tokens).", "",
-                    "| task | objective | regime | runs | sample | push | train | sync | label | loop | "
-                    "speedup vs online |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-            for r in rs:
-                on = _online(rows, r)
-                sp = f"{on.predicted['loop'] / r.predicted['loop']:.2f}x" if on else "–"
-                out.append(f"| {r.task} | {r.objective} | {r.regime} | {r.n_runs} | "
-                           + " | ".join(_s(r.predicted.get(k)) for k in ("sample", "push", "train", "sync", "label", "loop"))
-                           + f" | {sp} |")
+                    *md_table(["task", "objective", "regime", "runs", *phases, "speedup vs online"],
+                              [(r.task, r.objective, r.regime, r.n_runs, *(_s(r.predicted.get(k)) for k in phases), sp)
+                               for r, sp in zip(rs, speedups)])]
         out.append("")
     return out + notes
