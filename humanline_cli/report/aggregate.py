@@ -39,6 +39,7 @@ FIELDS = {"win_rate": "eval.win_rate", "accuracy": "eval.accuracy", "reward": "e
           "math500_greedy": "eval.math500.greedy_accuracy", "math500_sampled": "eval.math500.sampled_accuracy",
           "wall_clock_s": "wall_clock_s.total", "sample_s": "wall_clock_s.sample", "label_s": "wall_clock_s.label",
           "train_s": "wall_clock_s.train"}
+WALL = ("wall_clock_s", "sample_s", "label_s", "train_s")
 CI_NOTE = ("Win rate is against the starting policy on the same eval prompts (per-prompt outcome 1 win, 1/2 tie, 0 loss). "
            "95% CI: for a single seed, the run's own normal-approximation interval on the per-prompt outcomes "
            "(mean ± 1.96·sd/√n); for two or more seeds, a Student-t interval across the seeds' win rates "
@@ -111,18 +112,15 @@ def aggregate(runs: pd.DataFrame, groups: pd.DataFrame) -> list[dict]:
         ci = members["eval.win_rate_ci"].iloc[0] if "eval.win_rate_ci" in members else None
         lo, hi = win_rate_ci(wr, ci if isinstance(ci, (list, tuple)) else None) if wr else (None, None)
         has_verifier = bool(verifier[g.task])
+        for k in WALL:  # wall-clock: the mean alone
+            st[k] = st.pop(f"{k}_mean")
+            del st[f"{k}_std"]
+        if not has_verifier:
+            st["accuracy_mean"] = st["accuracy_std"] = None
         cells.append({
-            "task": g.task, "objective": g.objective, "family": g.family, "n_seeds": len(members),
-            "win_rate_mean": st["win_rate_mean"], "win_rate_std": st["win_rate_std"], "win_rate_lo": lo,
-            "win_rate_hi": hi, "lc_win_rate_mean": st["lc_win_rate_mean"], "lc_win_rate_std": st["lc_win_rate_std"],
-            **{f"math500_{k}_{m}": st[f"math500_{k}_{m}"] for k in ("greedy", "sampled") for m in ("mean", "std")},
-            "accuracy_mean": st["accuracy_mean"] if has_verifier else None,
-            "accuracy_std": st["accuracy_std"] if has_verifier else None,
-            "reward_mean": st["reward_mean"], "reward_std": st["reward_std"],
-            "wall_clock_s": st["wall_clock_s_mean"], "sample_s": st["sample_s_mean"], "label_s": st["label_s_mean"],
-            "train_s": st["train_s_mean"],
-            "speedup_vs_online": online_wall / st["wall_clock_s_mean"] if online_wall and st["wall_clock_s_mean"]
-            else None,
+            "task": g.task, "objective": g.objective, "family": g.family, "n_seeds": len(members), **st,
+            "win_rate_lo": lo, "win_rate_hi": hi,
+            "speedup_vs_online": online_wall / st["wall_clock_s"] if online_wall and st["wall_clock_s"] else None,
             "metric": "accuracy" if has_verifier else "judge reward", "seeds": members["seed"].tolist(),
             "config": g.labels, "row": g.row, "label": g.label})
     obj_rank = {o: i for i, o in enumerate(order({c["objective"] for c in cells}, OBJECTIVES))}

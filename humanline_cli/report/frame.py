@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import numbers
 import os
 from pathlib import Path
 
@@ -190,9 +192,8 @@ def load(root: Path) -> pd.DataFrame:
 
 def num(value) -> float | None:
     """A finite number or None (a missing cell, NaN, a bool or text is no number)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (
-            float("inf"), float("-inf")):
-        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        return None  # numbers.Real: numpy's scalars too, as a frame's cells are
     return float(value)
 
 

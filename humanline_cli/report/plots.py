@@ -10,7 +10,9 @@ import math
 import sys
 from pathlib import Path
 
-from humanline_cli.report.frame import num, run_points
+import pandas as pd
+
+from humanline_cli.report.frame import num, points, run_points
 from humanline_cli.schema import HumanlineConfig
 
 OBJECTIVES = ("dpo", "kto", "grpo")
@@ -81,8 +83,8 @@ def _keys(pairs):
     return keys, (lambda k: f"{k[0]} / {k[1]}" if multi else k[1])
 
 
-def plot_eval_vs_wallclock(runs, path: Path) -> str | None:
-    curves = [(r, *eval_curve(r)) for r in runs]
+def plot_eval_vs_wallclock(frame, path: Path) -> str | None:
+    curves = [(r, *eval_curve(r)) for r in frame.itertuples()]
     curves = [c for c in curves if len(c[2]) >= 1]
     if not curves:
         return "no complete run has eval numbers"
@@ -101,49 +103,44 @@ def plot_eval_vs_wallclock(runs, path: Path) -> str | None:
     return _save(fig, path)
 
 
-def step_curve(run, mode: str) -> list[tuple[int, float]]:
-    """[(step, accuracy)] of one eval mode ("greedy" or "sampled"): the start at step 0, the periodic evals
-    (eval.every) from metrics.jsonl, the final eval at the run's last step (one value per step, the last)."""
-    pts = run_points(run.summary, run.metrics)[["step", f"{mode} accuracy"]].dropna()
-    return sorted(dict(zip(pts["step"].astype(int), pts[f"{mode} accuracy"].astype(float))).items())
+def step_curves(frame, mode: str):
+    """Evaluation points (frame.points) of one mode ("greedy" or "sampled") of the runs that evaluated mid-run:
+    one accuracy per run and step (the last), with the run's task, objective and regime."""
+    pts = points(frame).dropna(subset=[f"{mode} accuracy"]).drop_duplicates(["run", "step"], keep="last")
+    pts = pts[pts.groupby("run")["run"].transform("size") > 2]  # the start, a mid-run eval, the end
+    return pts.join(frame[["task", "objective", "regime"]], on="run")
 
 
-def plot_eval_vs_step(runs, path: Path) -> str | None:
+def plot_eval_vs_step(frame, path: Path) -> str | None:
     """Learning curves at matched training units: accuracy against the optimizer step, the mean over each
     regime's seeds at the steps all its seeds evaluated; one panel per objective and eval mode (greedy, sampled)."""
-    modes = [m for m in ("greedy", "sampled") if any(len(step_curve(r, m)) > 2 for r in runs)]
-    if not modes:
+    curves = {m: c for m in ("greedy", "sampled") if len(c := step_curves(frame, m))}
+    if not curves:
         return "no complete run has periodic greedy or sampled accuracy (eval.every > 0 on a verifier task)"
     import matplotlib.pyplot as plt
 
-    keys, title = _keys((r.task, r.objective) for r in runs if any(len(step_curve(r, m)) > 2 for m in modes))
-    fig, axes = plt.subplots(len(modes), len(keys), figsize=(6 * len(keys), 4.5 * len(modes)), squeeze=False)
-    labels = sorted({r.regime for r in runs})
+    keys, title = _keys(zip(*(pd.concat(curves.values())[c] for c in ("task", "objective"))))
+    fig, axes = plt.subplots(len(curves), len(keys), figsize=(6 * len(keys), 4.5 * len(curves)), squeeze=False)
+    labels = sorted(set(frame["regime"]))
     cmap = plt.get_cmap("tab20")
-    colors = {lab: cmap(i % 20) for i, lab in enumerate(labels)}
-    for i, mode in enumerate(modes):
+    for i, (mode, pts) in enumerate(curves.items()):
         for j, key in enumerate(keys):
             ax = axes[i][j]
             ax.set_title(f"{title(key)}, {mode} accuracy")
             ax.grid(alpha=0.3)
             ax.set_xlabel("optimizer step (matched training units)")
-            by: dict[str, list[dict]] = {}
-            for r in runs:
-                if (r.task, r.objective) == key and len(step_curve(r, mode)) > 2:
-                    by.setdefault(r.regime, []).append(dict(step_curve(r, mode)))
-            for lab in sorted(by):
-                curves = by[lab]
-                steps = sorted(set.intersection(*(set(c) for c in curves)))
-                ys = [sum(c[s] for c in curves) / len(curves) for s in steps]
-                ax.plot(steps, ys, marker="o", ms=3, color=colors[lab], alpha=0.85,
-                        linestyle=LINESTYLES[labels.index(lab) // 10 % len(LINESTYLES)],
-                        label=f"{lab} (n={len(curves)})")
+            mine = pts[(pts.task == key[0]) & (pts.objective == key[1])]
+            for lab, g in mine.groupby("regime", sort=True):
+                wide = g.pivot(index="step", columns="run", values=f"{mode} accuracy").dropna()  # steps all evaluated
+                k = labels.index(lab)
+                ax.plot(wide.index.astype(int), wide.mean(axis=1), marker="o", ms=3, color=cmap(k % 20), alpha=0.85,
+                        linestyle=LINESTYLES[k // 10 % len(LINESTYLES)], label=f"{lab} (n={wide.shape[1]})")
             ax.legend(fontsize=7, ncol=2)
     return _save(fig, path)
 
 
-def plot_unclamped_fraction(runs, path: Path) -> str | None:
-    hl = [r for r in runs if r.humanline and any(num(m.get("humanline/unclamped_fraction")) is not None
+def plot_unclamped_fraction(frame, path: Path) -> str | None:
+    hl = [r for r in frame.itertuples() if r.humanline and any(num(m.get("humanline/unclamped_fraction")) is not None
                                                  for m in r.metrics)]
     if not hl:
         return "no humanline run logged humanline/unclamped_fraction"
@@ -173,9 +170,9 @@ def late_histogram(run) -> list[float] | None:
     return [sum(float(r["counts"][i]) for r in late if len(r["counts"]) == n) for i in range(n)]
 
 
-def plot_logratio_hist(runs, path: Path) -> str | None:
+def plot_logratio_hist(frame, path: Path) -> str | None:
     hists, meta, bands = {}, {}, {}
-    for r in runs:
+    for r in frame.itertuples():
         h = late_histogram(r)
         if h is None:
             continue
@@ -228,7 +225,7 @@ def make_plots(frame, out_dir: Path) -> tuple[dict, dict]:
     """Write the PNGs of the labelled runs frame; returns ({name: path}, {name: why skipped})."""
     import matplotlib
 
-    runs = list(frame.itertuples())
+
     matplotlib.use("Agg", force=True)
     plots, skipped = {}, {}
     for name, fn in (("eval_vs_wallclock.png", plot_eval_vs_wallclock),
@@ -237,7 +234,7 @@ def make_plots(frame, out_dir: Path) -> tuple[dict, dict]:
                      ("logratio_hist.png", plot_logratio_hist)):
         path = out_dir / name
         try:
-            why = fn(runs, path)
+            why = fn(frame, path)
         except Exception as e:  # a bad plot must not lose the table (reported as skipped)
             why = f"plot failed: {type(e).__name__}: {e}"
         if why is None:
