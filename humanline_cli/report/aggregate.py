@@ -1,5 +1,9 @@
 """`humanline report <dir>`: aggregate run dirs into a paper-style table (report.md, report.csv, PNG plots).
 
+The run dirs load into one data frame (report/frame.py), grouped and labelled by report/groups.py; each section
+of the report is a function of that frame (gap closed, paired differences, cost, predicted wall-clock, matched
+quality, asynchronous rounds), and each CSV is written from a frame.
+
 A run dir is any directory holding `.hydra/config.yaml`, `summary.json`, `failed.json` or `metrics.jsonl`.
 Complete runs (summary.json with status "complete") feed the aggregates; failed runs (failed.json) and
 incomplete runs (neither file) are listed with their reason and never aggregated.

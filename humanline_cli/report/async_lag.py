@@ -11,7 +11,7 @@ import re
 import pandas as pd
 
 from humanline_cli.report.frame import METRICS, ci_text, md_table, metric_of
-from humanline_cli.report.groups import derived_from, groups, signature
+from humanline_cli.report.groups import comparison_sets
 from humanline_cli.report.stats import mean_ci
 
 _ASYNC = re.compile(r"(humanline-)?((?:stale-\d+-)?)async-(\d+)$")
@@ -29,22 +29,16 @@ def async_rows(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
     family `online` (`humanline-online` for humanline, `stale-K` for `stale-K-async-L`) with the same config
     outside the data and humanline keys and the same hl.* settings. Empty without such a pair."""
     rows = []
-    gs = groups(runs, ignore)
-    for task, tg in gs.groupby("task", sort=True):
-        derived = derived_from(tg)
-        sets: dict[tuple, list] = {}
-        for g in tg.itertuples():
-            sets.setdefault((g.objective, signature(g, derived)), []).append(g)
-        for (objective, _), members in sorted(sets.items(), key=lambda kv: str(kv[0])):
-            for g in members:
-                m = _ASYNC.match(g.family)
-                if m is None:
-                    continue
-                sync_family = (m.group(1) or "") + (m.group(2).removesuffix("-") or "online")
-                partners = [p for p in members if p.family == sync_family and _hl(p) == _hl(g)]
-                if len(partners) == 1:
-                    rows += _row(task, objective, m.group(2).removesuffix("-"), bool(m.group(1)), int(m.group(3)),
-                                 runs.loc[partners[0].members], runs.loc[g.members])
+    for task, objective, _, members in comparison_sets(runs, ignore):
+        for g in members:
+            m = _ASYNC.match(g.family)
+            if m is None:
+                continue
+            sync_family = (m.group(1) or "") + (m.group(2).removesuffix("-") or "online")
+            partners = [p for p in members if p.family == sync_family and _hl(p) == _hl(g)]
+            if len(partners) == 1:
+                rows += _row(task, objective, m.group(2).removesuffix("-"), bool(m.group(1)), int(m.group(3)),
+                             runs.loc[partners[0].members], runs.loc[g.members])
     return pd.DataFrame(rows, columns=CSV_COLUMNS, dtype=object)
 
 

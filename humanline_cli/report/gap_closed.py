@@ -6,9 +6,10 @@ gap closed = mean(humanline-offline - offline) / mean(online - offline) over the
 covariance of the two differences; only where the gap's own t-interval across seeds lies above 0 (else
 "unbounded": the ratio's interval has no finite bounds, and no ratio is printed). One seed: no interval; the
 gap is decided by a prompt-level bootstrap. A comparison set is a group of complete runs whose configs agree on
-everything except the family-defining keys (data regime, humanline, hl, sampler, reward): report.py's grouping
-decides it. The metric is the greedy task accuracy when runs recorded it (eval.greedy.accuracy), else the
-sampled accuracy, else the sampled win rate against the starting policy.
+everything except the family-defining keys (data regime, humanline, hl, sampler, reward): report/groups.py
+decides it, over the runs frame (report/frame.py); the arms are paired by seed with a pivot. The metric is the
+greedy task accuracy when runs recorded it (eval.greedy.accuracy), else the sampled accuracy, else the sampled
+win rate against the starting policy.
 
 Speed is reported two ways. `speedup`: online wall-clock / humanline-offline wall-clock over the same
 number of steps. `equal_quality`: the paper's framing, from learning curves (eval.every > 0): the target is
@@ -30,7 +31,7 @@ from pathlib import Path
 import pandas as pd
 
 from humanline_cli.report.frame import METRICS, WORK, ci_text, curve, md_table, metric_of, points
-from humanline_cli.report.groups import derived_from, groups, signature
+from humanline_cli.report.groups import comparison_sets, differing_keys
 from humanline_cli.report.stats import excludes_zero, fieller, km_median, mean_ci, paired_t, prompt_bootstrap
 
 
@@ -156,27 +157,21 @@ def gap_rows(runs: pd.DataFrame, ignore=()) -> list[GapRow]:
     """From complete runs (report/frame.py), one row per comparison: a set holding an online group, a
     baseline (offline, or stale-K on-policy rounds) and humanline runs on that baseline's data (one row per
     humanline hl.* setting; see _comparisons)."""
-    gs = groups(runs, ignore)
     pts = points(runs)
     rows = []
-    for task, tg in gs.groupby("task", sort=True):
-        derived = derived_from(tg)
-        sets: dict[tuple, dict] = {}
-        for g in tg.itertuples():
-            sets.setdefault((g.objective, signature(g, derived)), {}).setdefault(g.family, []).append(g)
-        for (objective, sig), fams in sorted(sets.items(), key=lambda kv: str(kv[0])):
-            # differing = what tells this set apart from the other sets OF THE SAME OBJECTIVE
-            differing = _differing_keys([s for (o, s) in sets if o == objective])
-            set_label = ", ".join(f"{k}={v}" for k, v in (sig or ()) if k in differing)
-            for base, hl_group, hl_label in _comparisons(fams):
-                arms = {"offline": fams[base][0], "online": fams["online"][0], "humanline-offline": hl_group}
-                arms = pd.concat([runs.loc[g.members].assign(arm=arm) for arm, g in arms.items()])
-                # one run per arm and seed (the last, as a seed's runs differing only in ignored keys are one)
-                arms = arms[~arms.duplicated(["arm", "seed"], keep="last")]
-                label = ", ".join(x for x in (set_label, "" if base == "offline" else base, hl_label) if x)
-                row = _gap_row(task, objective, label, arms, pts)
-                if row is not None:
-                    rows.append(row)
+    for task, objective, set_label, members in comparison_sets(runs, ignore):
+        fams: dict[str, list] = {}
+        for g in members:
+            fams.setdefault(g.family, []).append(g)
+        for base, hl_group, hl_label in _comparisons(fams):
+            arms = {"offline": fams[base][0], "online": fams["online"][0], "humanline-offline": hl_group}
+            arms = pd.concat([runs.loc[g.members].assign(arm=arm) for arm, g in arms.items()])
+            # one run per arm and seed (the last, as a seed's runs differing only in ignored keys are one)
+            arms = arms[~arms.duplicated(["arm", "seed"], keep="last")]
+            label = ", ".join(x for x in (set_label, "" if base == "offline" else base, hl_label) if x)
+            row = _gap_row(task, objective, label, arms, pts)
+            if row is not None:
+                rows.append(row)
     return rows
 
 
@@ -194,7 +189,7 @@ def _comparisons(fams: dict) -> list[tuple]:
         hls = fams.get(f"humanline-{base}", [])
         if len(fams[base]) != 1 or not hls:
             continue
-        differ = _differing_keys([tuple(sorted((k, str(v)) for k, v in (g.cfg or {}).items() if k.startswith("hl.")))
+        differ = differing_keys([tuple(sorted((k, str(v)) for k, v in (g.cfg or {}).items() if k.startswith("hl.")))
                                   for g in hls]) if len(hls) > 1 else set()
         for g in hls:
             out.append((base, g, ", ".join(f"{k}={(g.cfg or {}).get(k)}" for k in sorted(differ))))
@@ -290,13 +285,6 @@ def _sampling_share(summary: dict) -> float | None:
     if work <= 0:
         return None
     return sum(float(times.get(k, 0.0) or 0.0) for k in ("sample", "label", "push")) / work
-
-
-def _differing_keys(signatures: list) -> set:
-    """Keys whose values differ between comparison sets (what a reader needs to tell them apart)."""
-    dicts = [dict(s) for s in signatures if s is not None]
-    keys = {k for d in dicts for k in d}
-    return {k for k in keys if len({d.get(k) for d in dicts}) > 1}
 
 
 CSV_COLUMNS = ("task", "objective", "set", "metric", "offline", "online", "humanline_offline", "gap_closed",

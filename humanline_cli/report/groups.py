@@ -129,6 +129,29 @@ def signature(g, derived: dict) -> tuple | None:
     return tuple(sorted((k, canon(v)) for k, v in g.cfg.items() if not family_defining(k, derived)))
 
 
+def differing_keys(signatures: list) -> set:
+    """Keys whose values differ between signatures (what a reader needs to tell them apart)."""
+    dicts = [dict(s) for s in signatures if s is not None]
+    keys = {k for d in dicts for k in d}
+    return {k for k in keys if len({d.get(k) for d in dicts}) > 1}
+
+
+def comparison_sets(runs: pd.DataFrame, ignore=()) -> list[tuple[str, str, str, list]]:
+    """The groups of complete runs whose configs agree outside the family-defining keys, what a comparison pairs:
+    (task, objective, label, its groups as rows of `groups`), by task, then objective and signature. The label
+    names the keys that tell the set apart from the objective's other sets."""
+    out = []
+    for task, tg in groups(runs, ignore).groupby("task", sort=True):
+        derived = derived_from(tg)
+        sets: dict[tuple, list] = {}
+        for g in tg.itertuples():
+            sets.setdefault((g.objective, signature(g, derived)), []).append(g)
+        for (objective, sig), members in sorted(sets.items(), key=lambda kv: str(kv[0])):
+            differing = differing_keys([s for (o, s) in sets if o == objective])
+            out.append((task, objective, ", ".join(f"{k}={v}" for k, v in (sig or ()) if k in differing), members))
+    return out
+
+
 def varying_keys(groups_: pd.DataFrame, derived: dict) -> dict[str, set]:
     """key -> the scopes in which it takes more than one value (an absent key counts as a value)."""
     seen: dict[str, dict] = {}
