@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -121,39 +120,16 @@ def equal_quality_text(eq: dict | None) -> str:
     return f"{ratio} (reached: online {on['reached']} of {on['n']}, humanline {hl['reached']} of {hl['n']})"
 
 
-@dataclass
-class GapRow:
-    task: str
-    objective: str
-    label: str          # what distinguishes this comparison set (its varying keys)
-    metric: str
-    offline: float
-    online: float
-    humanline_offline: float
-    gap: dict
-    online_wall_s: float | None
-    humanline_wall_s: float | None
-    equal: dict | None = None  # equal_quality(...) when the runs have learning curves
-    scores: dict | None = None  # family -> metric name -> mean_ci(...) over seeds
-    online_sampling_share: float | None = None  # (sample + label + push) / work time of online runs
-    regime: str | None = None  # a regime sweep's humanline-offline regime (regime_map.regime_gap_rows)
-    compared_with: str | None = None  # ... and the offline, online regimes it was compared with
-    paired: list | None = None  # paired_differences(...) rows, greedy and sampled
-
-    @property
-    def matched_bound(self) -> float | None:
-        """The largest speedup skipping online's data production can give at matched sequences."""
-        share = self.online_sampling_share
-        return None if share is None or share >= 1 else 1.0 / (1.0 - share)
-
-    @property
-    def speedup(self) -> float | None:
-        if self.online_wall_s and self.humanline_wall_s:
-            return self.online_wall_s / self.humanline_wall_s
-        return None
+# A comparison's row: its set, the arms' mean scores, the gap closed (gap_closed_paired's dict, `closed`), wall-clock
+# and speedups, equal quality (equal_quality's dict, None without learning curves), the arms' scores per mode
+# (mean_ci), online's sampling share and the speedup it bounds, the paired differences, and for a regime sweep the
+# humanline regime and the regimes it was compared with.
+ROW = ("task", "objective", "set", "metric", "offline", "online", "humanline_offline", "closed", "online_wall_s",
+       "humanline_offline_wall_s", "speedup", "equal", "scores", "online_sampling_share", "speedup_bound_matched",
+       "paired", "regime", "compared_with")
 
 
-def gap_rows(runs: pd.DataFrame, ignore=()) -> list[GapRow]:
+def gap_rows(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
     """From complete runs (report/frame.py), one row per comparison: a set holding an online group, a
     baseline (offline, or stale-K on-policy rounds) and humanline runs on that baseline's data (one row per
     humanline hl.* setting; see _comparisons)."""
@@ -172,7 +148,7 @@ def gap_rows(runs: pd.DataFrame, ignore=()) -> list[GapRow]:
             row = _gap_row(task, objective, label, arms, pts)
             if row is not None:
                 rows.append(row)
-    return rows
+    return pd.DataFrame(rows, columns=ROW, dtype=object)
 
 
 def _comparisons(fams: dict) -> list[tuple]:
@@ -196,7 +172,7 @@ def _comparisons(fams: dict) -> list[tuple]:
     return out
 
 
-def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.DataFrame) -> GapRow | None:
+def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.DataFrame) -> dict | None:
     """One comparison: `arms` holds the runs of the offline (the baseline), online and humanline-offline arms
     (column `arm`); `pts` their evaluation points (frame.points)."""
     names = set(arms["summary"].map(metric_of))
@@ -225,12 +201,17 @@ def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.
         boot = next(p["boot"] for p in paired[metric] if p["contrast"] == ("online", "offline"))
         gap_interval = (boot["lo"], boot["hi"]) if boot else None
     off, on, hl = (paired_seeds[a].tolist() for a in ARMS)
-    return GapRow(task, objective, label, metric, *(float(wide[a].mean()) for a in ARMS),
-                  gap_closed_paired(off, on, hl, gap_interval), _float(wall.get("online")),
-                  _float(wall.get("humanline-offline")),
-                  equal_quality(curves["online"], curves["humanline-offline"]) if mid else None,
-                  means, statistics.fmean(share) if share else None,
-                  paired=[{**p, "metric": m} for m, rows in paired.items() for p in rows])
+    on_wall, hl_wall = _float(wall.get("online")), _float(wall.get("humanline-offline"))
+    share = statistics.fmean(share) if share else None
+    return {"task": task, "objective": objective, "set": label, "metric": metric,
+            **{a.replace("-", "_"): float(wide[a].mean()) for a in ARMS},
+            "closed": gap_closed_paired(off, on, hl, gap_interval), "online_wall_s": on_wall,
+            "humanline_offline_wall_s": hl_wall, "speedup": on_wall / hl_wall if on_wall and hl_wall else None,
+            "equal": equal_quality(curves["online"], curves["humanline-offline"]) if mid else None, "scores": means,
+            # the bound: the largest speedup skipping online's data production can give at matched sequences
+            "online_sampling_share": share,
+            "speedup_bound_matched": None if share is None or share >= 1 else 1 / (1 - share),
+            "paired": [{**p, "metric": m} for m, rows in paired.items() for p in rows]}
 
 
 def _float(x) -> float | None:
@@ -297,18 +278,19 @@ CSV_COLUMNS = ("task", "objective", "set", "metric", "offline", "online", "human
 DIGITS = {c: 4 if c.startswith(("speedup", "online_sampling")) else 6 for c in CSV_COLUMNS if not c.endswith("wall_s")}
 
 
-def gap_frame(rows: list[GapRow]) -> pd.DataFrame:
+def gap_frame(rows: pd.DataFrame) -> pd.DataFrame:
     """gap_closed.csv: one row per comparison (None where there is no value, written empty)."""
-    return pd.DataFrame([(r.task, r.objective, r.label, r.metric, r.offline, r.online, r.humanline_offline,
-                          r.gap["mean"], r.gap["lo"], r.gap["hi"], r.gap["n"], r.gap["gap"]["mean"],
-                          r.gap["gap"]["lo"], r.gap["gap"]["hi"], r.gap["verdict"], r.online_wall_s,
-                          r.humanline_wall_s, r.speedup, r.equal and r.equal["speedup"],
-                          r.equal and r.equal["never"], r.online_sampling_share, r.matched_bound) for r in rows],
-                        columns=CSV_COLUMNS, dtype=object)
+    closed, equal = rows["closed"], rows["equal"]
+    return rows.assign(gap_closed=closed.map(lambda g: g["mean"]), gap_closed_lo=closed.map(lambda g: g["lo"]),
+                       gap_closed_hi=closed.map(lambda g: g["hi"]), n_seeds=closed.map(lambda g: g["n"]),
+                       gap=closed.map(lambda g: g["gap"]["mean"]), gap_lo=closed.map(lambda g: g["gap"]["lo"]),
+                       gap_hi=closed.map(lambda g: g["gap"]["hi"]), gap_verdict=closed.map(lambda g: g["verdict"]),
+                       speedup_equal_quality=equal.map(lambda e: e and e["speedup"]),
+                       online_never_reached=equal.map(lambda e: e and e["never"]))[list(CSV_COLUMNS)].astype(object)
 
 
-def markdown(rows: list[GapRow]) -> list[str]:
-    if not rows:
+def markdown(rows: pd.DataFrame) -> list[str]:
+    if rows.empty:
         return ["No comparison set has offline, online and humanline-offline runs: no gap to report.", ""]
     lines = ["gap closed = mean(humanline-offline - offline) / mean(online - offline) over seeds paired by seed (a "
              "ratio of means) [95% Fieller interval from the seed-level covariance], given only where the gap online - "
@@ -324,26 +306,27 @@ def markdown(rows: list[GapRow]) -> list[str]:
              "1 / (1 - share) is the most any offline run can save against online on the same sequences per step.",
              "", *md_table(["task", "objective", "set", "metric", "offline", "online", "humanline-offline", "gap closed",
                             "seeds", "speedup", "at equal quality", "online sampling (bound)"],
-                           [(r.task, r.objective, r.label or "–", r.metric, f"{r.offline:.3f}", f"{r.online:.3f}",
-                             f"{r.humanline_offline:.3f}", gap_text(r.gap), r.gap["n"],
+                           [(r.task, r.objective, r.set or "–", r.metric, f"{r.offline:.3f}", f"{r.online:.3f}",
+                             f"{r.humanline_offline:.3f}", gap_text(r.closed), r.closed["n"],
                              f"{r.speedup:.2f}x" if r.speedup else "n/a", equal_quality_text(r.equal),
-                             "n/a" if r.matched_bound is None else
-                             f"{r.online_sampling_share:.0%} ({r.matched_bound:.2f}x)") for r in rows]), ""]
+                             "n/a" if r.speedup_bound_matched is None else
+                             f"{r.online_sampling_share:.0%} ({r.speedup_bound_matched:.2f}x)")
+                            for r in rows.itertuples()]), ""]
     modes = (("greedy accuracy", "greedy"), ("accuracy", "sampled"), ("win rate", "sampled win rate"))
-    scores = [(r, name, [(r.scores or {}).get(a, {}).get(mode) for a in ARMS]) for r in rows for mode, name in modes
-              if mode != "win rate" or r.metric == "win rate"]
+    scores = [(r, name, [(r.scores or {}).get(a, {}).get(mode) for a in ARMS]) for r in rows.itertuples()
+              for mode, name in modes if mode != "win rate" or r.metric == "win rate"]
     return lines + ["Scores per family, mean [95% t-interval across seeds]: greedy accuracy (temperature 0) and sampled "
                     "accuracy (eval.temperature), or the sampled win rate against the starting policy where the task "
                     "has no accuracy.", "",
                     *md_table(["task", "objective", "set", "mode", *ARMS],
-                              [(r.task, r.objective, r.label or "–", name, *map(ci_text, cells))
+                              [(r.task, r.objective, r.set or "–", name, *map(ci_text, cells))
                                for r, name, cells in scores if any(c is not None for c in cells)]), ""]
 
 
-def paired_markdown(rows: list[GapRow]) -> list[str]:
+def paired_markdown(rows: pd.DataFrame) -> list[str]:
     """The paired differences of every comparison, greedy and sampled: a - b, mean over seeds with a 95%
     t-interval across seeds (the reported interval) and a prompt-level bootstrap interval beside it."""
-    body = [r for r in rows if r.paired]
+    body = [r for r in rows.itertuples() if r.paired]
     if not body:
         return ["No comparison has paired runs.", ""]
     lines = ["a - b per seed (runs paired by seed), mean [95% t-interval across seeds: the reported interval] and "
@@ -357,18 +340,18 @@ def paired_markdown(rows: list[GapRow]) -> list[str]:
 
     return lines + md_table(["task", "objective", "set", "metric", "a - b", "mean", "t-interval",
                              "bootstrap (prompt-level only)", "seeds"],
-                            [(r.task, r.objective, r.label or "–", names.get(p["metric"], p["metric"]),
+                            [(r.task, r.objective, r.set or "–", names.get(p["metric"], p["metric"]),
                               " - ".join(p["contrast"]), f"{p['t']['mean']:+.3f}", interval(p["t"]), interval(p["boot"]),
                               p["t"]["n"]) for r in body for p in r.paired]) + [""]
 
 
-def plot(rows: list[GapRow], path) -> bool:
+def plot(rows: pd.DataFrame, path) -> bool:
     """Bar chart of gap closed with its interval, one bar per comparison set (PNG)."""
-    rows = [r for r in rows if r.gap["mean"] is not None]
+    rows = [r for r in rows.itertuples() if r.closed["mean"] is not None]
     if not rows:
         return False
-    bar_chart([f"{r.task}/{r.objective}" + (f"\n{r.label}" if r.label else "") for r in rows],
-              [(r.gap["mean"], r.gap["lo"], r.gap["hi"]) for r in rows], path)
+    bar_chart([f"{r.task}/{r.objective}" + (f"\n{r.set}" if r.set else "") for r in rows],
+              [(r.closed["mean"], r.closed["lo"], r.closed["hi"]) for r in rows], path)
     return True
 
 

@@ -102,8 +102,8 @@ def _sweep_order(root: Path, name_of: dict[str, str]) -> list[str]:
     return first + sorted(set(name_of.values()) - set(first))
 
 
-def regime_gap_rows(runs: pd.DataFrame) -> list:
-    """gap_closed.GapRow per humanline regime and objective, from complete runs (with_regimes) of a sweep over
+def regime_gap_rows(runs: pd.DataFrame) -> pd.DataFrame:
+    """gap_closed.gap_rows per humanline regime and objective, from complete runs (with_regimes) of a sweep over
     named regimes: each humanline regime against the baseline and target its regime_meta names, where the sweep
     has both. The row's label is the regime (and its baselines when they are not the plain ones). Empty when no
     run has a regime."""
@@ -120,21 +120,18 @@ def regime_gap_rows(runs: pd.DataFrame) -> list:
         offline, online = meta.get("baseline"), meta.get("target")
         if meta.get("family") != "humanline" or offline not in by or online not in by:
             continue
-        for g in gap_rows(pd.concat([by[name], by[offline], by[online]]), ignore=SWEEP_IGNORE):
-            vs = f"{offline}, {online}"
-            g.label = name + ("" if vs == "offline, online" else f" (vs {vs})")
-            g.regime, g.compared_with = name, vs
-            rows.append(g)
-    return rows
+        vs = f"{offline}, {online}"
+        rows.append(gap_rows(pd.concat([by[name], by[offline], by[online]]), ignore=SWEEP_IGNORE).assign(
+            set=name + ("" if vs == "offline, online" else f" (vs {vs})"), regime=name, compared_with=vs))
+    return pd.concat(rows, ignore_index=True) if rows else gap_rows(runs.iloc[:0])
 
 
 def sweep_rows(root: Path) -> pd.DataFrame:
     """Gap-closed rows (`regime`, `compared_with`, then gap_closed.csv's columns) of one regime sweep."""
     runs = load(root)
     complete = collapse_duplicates(runs[runs.status == "complete"])[0] if len(runs) else runs  # a copy is no seed
-    rows = regime_gap_rows(with_regimes(label(complete)[0])) if len(complete) else []
-    return pd.concat([pd.DataFrame({"regime": [g.regime for g in rows], "compared_with": [g.compared_with for g in rows]},
-                                   dtype=object), gap_frame(rows)], axis=1)
+    rows = regime_gap_rows(with_regimes(label(complete)[0])) if len(complete) else gap_rows(complete)
+    return pd.concat([rows[["regime", "compared_with"]], gap_frame(rows)], axis=1)
 
 
 def _num(x) -> float | None:
