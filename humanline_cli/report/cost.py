@@ -72,6 +72,8 @@ def _mean(s: pd.Series) -> float | None:
 def cost_rows(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per (task, objective, regime) of the complete runs (CSV_COLUMNS), in first-seen order: the mean
     over its runs of each count, and its pushes and sequences against online of the same objective."""
+    if runs.empty:
+        return pd.DataFrame(columns=CSV_COLUMNS)
     per = pd.DataFrame([run_cost(r.path, r.summary) for r in runs.itertuples()], index=runs.index, dtype=float)
     per[["task", "objective", "regime"]] = runs[["task", "objective", "regime"]]
     by = per.groupby(["task", "objective", "regime"], sort=False)

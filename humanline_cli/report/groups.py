@@ -85,11 +85,9 @@ def groups(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
     ident = [None if c is None else canon(sorted((k, canon(v)) for k, v in c.items())) for c in cfg]
     key = pd.Series([canon([t, o, f, i]) for t, o, f, i in zip(runs.task, runs.objective, runs.family, ident)],
                     index=runs.index)
-    by = runs.assign(cfg=cfg).groupby(key, sort=False)
-    out = by.agg(task=("task", "first"), objective=("objective", "first"), family=("family", "first"),
-                 cfg=("cfg", "first"), raw=("raw", "first"))
-    out["members"] = [list(g.index) for _, g in by]
-    return out.reset_index(drop=True)
+    members = [list(g.index) for _, g in runs.groupby(key, sort=False)]
+    out = runs.assign(cfg=cfg).loc[[m[0] for m in members], ["task", "objective", "family", "cfg", "raw"]]
+    return out.assign(members=members).reset_index(drop=True)
 
 
 def derived_from(groups_: pd.DataFrame) -> dict[str, str]:
