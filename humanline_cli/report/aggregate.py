@@ -302,7 +302,7 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
         md += "\n## Predicted wall-clock (cost model)\n\n" + "\n".join(speed.markdown(srows, notes, sources)) + "\n"
         for r in srows:
             predicted_loops.setdefault(r.target, {})[(r.task, r.objective, r.regime)] = r.predicted["loop"]
-    if mrows:
+    if not mrows.empty:
         md += "\n## Speedup at matched quality\n\n" + "\n".join(matched.markdown(mrows, predicted_loops)) + "\n"
     lagged = async_lag.async_rows(complete, ignore)  # only sweeps with data.async_lag > 0 get the section
     if len(lagged):

@@ -23,7 +23,6 @@ loop over the regime's, the same number of steps, not the same quality) is given
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
 
 import pandas as pd
 
@@ -69,23 +68,12 @@ def km_medians(points_by_seed: dict, target: float) -> dict:
             "seconds": km_median([s for _, s in both], hit)}
 
 
-@dataclass(frozen=True)
-class MatchedRow:
-    task: str
-    objective: str
-    regime: str
-    metric: str
-    target: float
-    target_note: str
-    seeds: int
-    reached: dict        # seed -> (steps, seconds) at the target
-    ended: dict          # seed -> (steps, seconds) at the run's end, for the seeds that never reached it
-    steps: int           # steps of the runs (the equal-step comparison)
-    loop_s: float        # mean measured loop seconds of the whole run
-    steps_to: float | None   # Kaplan-Meier median steps to the target (None: fewer than half reached it)
-    seconds: float | None    # Kaplan-Meier median loop seconds to the target
-    speedup: float | None    # online's median seconds / this regime's
-    equal_step_speedup: float | None
+# A regime's row: the target and how it was set, its seeds, those that reached it ({seed: (steps, seconds)}) and
+# those that ended short ({seed: (steps, seconds) at the end}), the runs' steps and mean loop seconds, the
+# Kaplan-Meier medians of steps and seconds to the target (None: fewer than half reached it), online's median
+# seconds over this regime's, and online's whole loop over this regime's (equal steps, not equal quality).
+ROW = ("task", "objective", "regime", "metric", "target", "target_note", "seeds", "reached", "ended", "steps",
+       "loop_s", "steps_to", "seconds", "speedup", "equal_step_speedup")
 
 
 def target_of(online_curves: list, accuracy: float | None) -> tuple[float, str]:
@@ -100,7 +88,7 @@ def target_of(online_curves: list, accuracy: float | None) -> tuple[float, str]:
                                                     f"{final:.4g} - start)")
 
 
-def matched_rows(runs: pd.DataFrame, accuracy: float | None = None) -> list[MatchedRow]:
+def matched_rows(runs: pd.DataFrame, accuracy: float | None = None) -> pd.DataFrame:
     """Per (task, objective) with online runs, one row per regime (the runs' `regime` column), in first-seen order."""
     rows = []
     for (task, obj), tr in runs.groupby(["task", "objective"], sort=False):
@@ -123,20 +111,20 @@ def matched_rows(runs: pd.DataFrame, accuracy: float | None = None) -> list[Matc
             loop = statistics.fmean(_loop(summary) for summary, _ in seeds.values())
             steps = int(next(iter(seeds.values()))[0].get("steps") or 0)
             speedup = on_med / med["seconds"] if on_med is not None and med["seconds"] else None
-            rows.append(MatchedRow(task, obj, name, metric, target, note, len(seeds), med["reached"], med["ended"],
-                                   steps, loop, med["steps"], med["seconds"], speedup,
-                                   on_loop / loop if loop else None))
-    return rows
+            rows.append((task, obj, name, metric, target, note, len(seeds), med["reached"], med["ended"], steps, loop,
+                         med["steps"], med["seconds"], speedup, on_loop / loop if loop else None))
+    return pd.DataFrame(rows, columns=ROW, dtype=object)
 
 
 def _num(x: float | None, fmt: str, unit: str = "") -> str:
     return "–" if x is None else format(x, fmt) + unit
 
 
-def markdown(rows: list[MatchedRow], predicted: dict | None = None) -> list[str]:
+def markdown(rows: pd.DataFrame, predicted: dict | None = None) -> list[str]:
     """`predicted`: target name -> {(task, objective, regime): predicted loop seconds of the whole run}."""
-    if not rows:
+    if rows.empty:
         return ["No online runs with learning curves to match."]
+    rows = list(rows.itertuples())
     targets = dict.fromkeys(f"{r.task} / {r.objective}: {r.metric} {r.target:.4g} ({r.target_note})" for r in rows)
     out = [f"Target: {'; '.join(targets)}. Per seed, the loop wall-clock (and steps) to first reach it; a seed that "
            "never reaches it is censored at its run's end. Each regime: how many of its seeds reached it, and the "
@@ -146,7 +134,7 @@ def markdown(rows: list[MatchedRow], predicted: dict | None = None) -> list[str]
            "equal-step column compares whole runs of the same steps (not the same quality).", ""]
     extra = list(predicted or {})
 
-    def predicted_s(r: MatchedRow, t: str) -> str:
+    def predicted_s(r, t: str) -> str:
         loop = predicted[t].get((r.task, r.objective, r.regime))
         return "–" if loop is None or r.steps_to is None or not r.steps else f"{loop * r.steps_to / r.steps:.4g}"
 
