@@ -300,7 +300,7 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
         files["predicted.csv"] = out_dir / "predicted.csv"
         write_csv(speed.predicted_frame(srows), files["predicted.csv"], 8)
         md += "\n## Predicted wall-clock (cost model)\n\n" + "\n".join(speed.markdown(srows, notes, sources)) + "\n"
-        for r in srows:
+        for r in srows.itertuples():
             predicted_loops.setdefault(r.target, {})[(r.task, r.objective, r.regime)] = r.predicted["loop"]
     if not mrows.empty:
         md += "\n## Speedup at matched quality\n\n" + "\n".join(matched.markdown(mrows, predicted_loops)) + "\n"

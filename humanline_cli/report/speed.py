@@ -150,19 +150,12 @@ def target_for(run, spec: TargetSpec, constants: list[dict], work_calls: tuple) 
 
 
 # ------------------------------------------------------------------ rows
-@dataclass(frozen=True)
-class SpeedRow:
-    target: str
-    estimated: bool
-    task: str
-    objective: str
-    regime: str
-    n_runs: int
-    predicted: dict     # phase -> mean predicted seconds
-    measured: dict | None  # phase -> mean measured seconds (None: another machine's prediction)
+# A row per target and (task, objective, regime): whether the target is an estimate, the runs counted, and the mean
+# predicted and (on `this`, else None) measured seconds by phase.
+ROW = ("target", "estimated", "task", "objective", "regime", "n_runs", "predicted", "measured")
 
 
-def speed_rows(runs: pd.DataFrame, specs: list[TargetSpec]) -> tuple[list[SpeedRow], list[str], dict]:
+def speed_rows(runs: pd.DataFrame, specs: list[TargetSpec]) -> tuple[pd.DataFrame, list[str], dict]:
     """Per target and (task, objective, regime): predicted and (on `this`) measured seconds by phase; notes on
     left-out runs; each target's sources (its constants and where they come from)."""
     complete = list(runs[runs.status == "complete"].itertuples())
@@ -196,8 +189,8 @@ def speed_rows(runs: pd.DataFrame, specs: list[TargetSpec]) -> tuple[list[SpeedR
         for (task, obj, regime), items in by.items():
             pred = _mean_phases([p for p, _, _ in items])
             meas = _mean_phases([m for _, m, _ in items]) if spec.constants is not None else None
-            rows.append(SpeedRow(spec.name, items[0][2].estimated, task, obj, regime, len(items), pred, meas))
-    return rows, notes, sources
+            rows.append((spec.name, items[0][2].estimated, task, obj, regime, len(items), pred, meas))
+    return pd.DataFrame(rows, columns=ROW, dtype=object), notes, sources
 
 
 def spread_note(constants: dict | None) -> str:
@@ -217,14 +210,13 @@ def _mean_phases(dicts: list[dict]) -> dict:
     return {k: statistics.fmean(d.get(k, 0.0) for d in dicts) for k in keys}
 
 
-def _online(rows: list[SpeedRow], row: SpeedRow) -> SpeedRow | None:
-    for r in rows:
-        if (r.target, r.task, r.objective, r.regime) == (row.target, row.task, row.objective, "online"):
-            return r
-    return None
+def _online(rows: list, row):
+    """Online's row of the same target, task and objective, None without one."""
+    return next((r for r in rows if (r.target, r.task, r.objective, r.regime) == (row.target, row.task, row.objective,
+                                                                                  "online")), None)
 
 
-def checked(row: SpeedRow, tolerance: float = 0.15) -> dict:
+def checked(row, tolerance: float = 0.15) -> dict:
     """Phase -> predicted / measured for phases holding >= CHECKED_SHARE of the measured loop (and the loop)."""
     if row.measured is None:
         return {}
@@ -237,9 +229,9 @@ def checked(row: SpeedRow, tolerance: float = 0.15) -> dict:
     return out
 
 
-def predicted_frame(rows: list[SpeedRow]) -> pd.DataFrame:
+def predicted_frame(rows: pd.DataFrame) -> pd.DataFrame:
     """predicted.csv: one row per target, regime and phase, predicted beside measured, and the loop's speedups."""
-    out = []
+    rows, out = list(rows.itertuples()), []
     for r in rows:
         on = _online(rows, r)
         for k in SHOWN:
@@ -260,7 +252,7 @@ def _s(x) -> str:
     return "–" if x is None else (f"{x:.3g}" if x < 100 else f"{x:.0f}")
 
 
-def _measured_cell(r: SpeedRow, k: str, chk: dict) -> str:
+def _measured_cell(r, k: str, chk: dict) -> str:
     """predicted / measured (ratio), the ratio marked ! outside 0.85-1.15 on a checked phase."""
     p, m = r.predicted.get(k), r.measured.get(k)
     if p is None and m is None:
@@ -269,7 +261,8 @@ def _measured_cell(r: SpeedRow, k: str, chk: dict) -> str:
     return f"{_s(p)} / {_s(m)}" + (f" ({p / m:.2f}{mark})" if p is not None and m else "")
 
 
-def markdown(rows: list[SpeedRow], notes: list[str], sources: dict) -> list[str]:
+def markdown(rows: pd.DataFrame, notes: list[str], sources: dict) -> list[str]:
+    rows = list(rows.itertuples())
     if not rows:
         return ["No run recorded its counted work (per-completion tokens and per-step forward tokens)."] + notes
     out = []
