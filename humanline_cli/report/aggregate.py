@@ -1,5 +1,9 @@
 """`humanline report <dir>`: aggregate run dirs into a paper-style table (report.md, report.csv, PNG plots).
 
+The run dirs load into one data frame (report/frame.py), grouped and labelled by report/groups.py; each section
+of the report is a function of that frame (gap closed, paired differences, cost, predicted wall-clock, matched
+quality, asynchronous rounds), and each CSV is written from a frame.
+
 A run dir is any directory holding `.hydra/config.yaml`, `summary.json`, `failed.json` or `metrics.jsonl`.
 Complete runs (summary.json with status "complete") feed the aggregates; failed runs (failed.json) and
 incomplete runs (neither file) are listed with their reason and never aggregated.
@@ -11,44 +15,35 @@ between groups become extra columns (report.md, console, report.csv) or a label 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
+
 from humanline_cli.errors import UserError
 from humanline_cli.report import async_lag, cost, gap_closed, matched, speed
-from humanline_cli.report.groups import (
-    DEFAULT_IGNORE,
-    Group,
-    _under,
-    collapse_duplicates,
-    derived_from,
-    family_defining,
-    group_labels,
-    group_runs,
-    parse_ignore,
-    signature,
-    varying_keys,
-)
+from humanline_cli.report.frame import MARKERS, find_run_dirs, frame, load_run, md_table, write_csv
+from humanline_cli.report.groups import DEFAULT_IGNORE, collapse_duplicates, label, parse_ignore, under
 from humanline_cli.report.plots import FAMILIES, OBJECTIVES, log_to_wandb, make_plots, order
-from humanline_cli.report.regime_map import regime_gap_rows
-from humanline_cli.report.runs import (
-    MARKERS,
-    Run,
-    find_run_dirs,
-    load_run,
-)
+from humanline_cli.report.regime_map import regime_gap_rows, with_regimes
 from humanline_cli.report.stats import win_rate_ci
 
 CSV_COLUMNS = ("task", "objective", "family", "n_seeds", "win_rate_mean", "win_rate_std", "win_rate_lo", "win_rate_hi",
                "accuracy_mean", "accuracy_std", "reward_mean", "wall_clock_s", "sample_s", "label_s", "train_s",
                "speedup_vs_online")
-# Never change results: not part of a group's identity (nor is `seed`, which is what a group pools over).
+# A cell's numbers: its name -> the summary field averaged over the group's seeds (mean and sd).
+FIELDS = {"win_rate": "eval.win_rate", "accuracy": "eval.accuracy", "reward": "eval.reward_mean",
+          # judge=alpaca_eval: its length-controlled win rate (percent there), as a fraction like WR
+          "lc_win_rate": "eval.alpaca_eval.lc_win_rate",
+          # eval.math500: benchmark accuracy of the trained policy, greedy and sampled
+          "math500_greedy": "eval.math500.greedy_accuracy", "math500_sampled": "eval.math500.sampled_accuracy",
+          "wall_clock_s": "wall_clock_s.total", "sample_s": "wall_clock_s.sample", "label_s": "wall_clock_s.label",
+          "train_s": "wall_clock_s.train"}
+WALL = ("wall_clock_s", "sample_s", "label_s", "train_s")
 CI_NOTE = ("Win rate is against the starting policy on the same eval prompts (per-prompt outcome 1 win, 1/2 tie, 0 loss). "
            "95% CI: for a single seed, the run's own normal-approximation interval on the per-prompt outcomes "
            "(mean ± 1.96·sd/√n); for two or more seeds, a Student-t interval across the seeds' win rates "
@@ -64,7 +59,7 @@ class ReportError(UserError):
 class Report:
     root: Path
     out_dir: Path
-    runs: list  # every Run found
+    frame: pd.DataFrame  # one row per run dir (report/frame.py), complete runs with their `group` and `variant`
     cells: list  # one dict per config group: the CSV columns + "metric", "seeds", "config", "row", "label"
     markdown: str
     files: dict  # name -> Path of everything written
@@ -75,22 +70,20 @@ class Report:
     duplicates: tuple = ()  # groups.Duplicate: run dirs that are another dir's run again, counted once
 
     @property
-    def complete(self):
+    def runs(self) -> list:
+        return list(self.frame.itertuples())
+
+    @property
+    def complete(self) -> list:
         return [r for r in self.runs if r.status == "complete"]
 
     @property
-    def problems(self):
+    def problems(self) -> list:
         return [r for r in self.runs if r.status != "complete"]
 
 
-def _mean(xs):
-    xs = [float(x) for x in xs if x is not None]
-    return statistics.fmean(xs) if xs else None
-
-
-def _std(xs):
-    xs = [float(x) for x in xs if x is not None]
-    return statistics.stdev(xs) if len(xs) >= 2 else None
+def _none(x):
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
 
 
 def _natural(v: str):
@@ -100,72 +93,45 @@ def _natural(v: str):
         return (1 if v else 2, 0.0, v)
 
 
-def _wall(g: Group):
-    return _mean(r.summary.get("wall_clock_s", {}).get("total") for r in g.runs)
-
-
-def aggregate(runs: list[Run], ignore=()) -> list[dict]:
-    """One cell per config group, ordered by task, objective, row labels, family, cell label."""
-    groups = group_runs(runs, ignore)
+def aggregate(runs: pd.DataFrame, groups: pd.DataFrame) -> list[dict]:
+    """One cell per config group (labelled runs and groups of groups.label), ordered by task, objective, row
+    labels, family, cell label."""
+    runs = runs.reindex(columns=list(runs.columns) + [c for c in FIELDS.values() if c not in runs.columns])
+    values = pd.DataFrame({name: pd.to_numeric(runs[col], errors="coerce") for name, col in FIELDS.items()})
+    values["lc_win_rate"] /= 100
+    stats = values.groupby(runs["group"]).agg(["mean", "std"])
+    verifier = runs.groupby("task")["eval.accuracy"].apply(lambda s: s.notna().any())
+    online = {}
+    for i, g in groups.iterrows():
+        if g.family == "online":
+            online.setdefault(g.sig, []).append(i)
     cells = []
-    for task in sorted({g.task for g in groups}):
-        tg = [g for g in groups if g.task == task]
-        has_verifier = any((r.summary.get("eval") or {}).get("accuracy") is not None for g in tg for r in g.runs)
-        derived = derived_from(tg)
-        varying = varying_keys(tg, derived)
-        row_keys = sorted(k for k in varying if not family_defining(k, derived))
-        online = {}
-        for g in tg:
-            if g.family == "online":
-                online.setdefault(signature(g, derived), []).append(g)
-        for g in tg:
-            labels = group_labels(g, varying, derived)
-            for r in g.runs:
-                r.variant = ", ".join(f"{k}={v}" for k, v in labels.items())
-            match = [g] if g.family == "online" else online.get(signature(g, derived), [])
-            # exactly one online group with an otherwise identical config, or no speedup (never a guess)
-            online_wall = _wall(match[0]) if len(match) == 1 else None
-            runs_ = sorted(g.runs, key=lambda r: str(r.seed))
-            ev = [(r.summary.get("eval") or {}) for r in runs_]
-            wall = [r.summary.get("wall_clock_s", {}) for r in runs_]
-            wr = [float(e["win_rate"]) for e in ev if e.get("win_rate") is not None]
-            lo, hi = win_rate_ci(wr, ev[0].get("win_rate_ci")) if wr else (None, None)
-            wall_mean = _mean(w.get("total") for w in wall)
-            cells.append({
-                "task": task, "objective": g.objective, "family": g.family, "n_seeds": len(runs_),
-                "win_rate_mean": _mean(wr), "win_rate_std": _std(wr), "win_rate_lo": lo, "win_rate_hi": hi,
-                # judge=alpaca_eval: its length-controlled win rate (percent there), as a fraction like WR
-                "lc_win_rate_mean": _mean(_lc(e) for e in ev), "lc_win_rate_std": _std(_lc(e) for e in ev),
-                # eval.math500: benchmark accuracy of the trained policy, greedy and sampled (mean ± sd over seeds)
-                **{f"math500_{k}_{stat}": fn(_m500(e, k) for e in ev) for k in ("greedy", "sampled")
-                   for stat, fn in (("mean", _mean), ("std", _std))},
-                "accuracy_mean": _mean(e.get("accuracy") for e in ev) if has_verifier else None,
-                "accuracy_std": _std(e.get("accuracy") for e in ev) if has_verifier else None,
-                "reward_mean": _mean(e.get("reward_mean") for e in ev),
-                "reward_std": _std(e.get("reward_mean") for e in ev),
-                "wall_clock_s": wall_mean, "sample_s": _mean(w.get("sample") for w in wall),
-                "label_s": _mean(w.get("label") for w in wall), "train_s": _mean(w.get("train") for w in wall),
-                "speedup_vs_online": online_wall / wall_mean if online_wall and wall_mean else None,
-                "metric": "accuracy" if has_verifier else "judge reward",
-                "seeds": [r.seed for r in runs_],
-                "config": labels,  # varying key -> value, for report.csv
-                "row": tuple((k, labels.get(k, "–")) for k in row_keys),
-                "label": ", ".join(f"{k}={v}" for k, v in labels.items() if k not in row_keys),
-            })
+    for i, g in groups.iterrows():
+        st = {f"{k}_{m}": _none(v) for (k, m), v in stats.loc[i].items()}
+        match = [i] if g.family == "online" else online.get(g.sig, [])
+        # exactly one online group with an otherwise identical config, or no speedup (never a guess)
+        online_wall = _none(stats.loc[match[0], ("wall_clock_s", "mean")]) if len(match) == 1 else None
+        members = runs.loc[g.members].sort_values("seed", key=lambda s: s.map(str))
+        wr = members["eval.win_rate"].dropna().astype(float).tolist()
+        ci = members["eval.win_rate_ci"].iloc[0] if "eval.win_rate_ci" in members else None
+        lo, hi = win_rate_ci(wr, ci if isinstance(ci, (list, tuple)) else None) if wr else (None, None)
+        has_verifier = bool(verifier[g.task])
+        for k in WALL:  # wall-clock: the mean alone
+            st[k] = st.pop(f"{k}_mean")
+            del st[f"{k}_std"]
+        if not has_verifier:
+            st["accuracy_mean"] = st["accuracy_std"] = None
+        cells.append({
+            "task": g.task, "objective": g.objective, "family": g.family, "n_seeds": len(members), **st,
+            "win_rate_lo": lo, "win_rate_hi": hi,
+            "speedup_vs_online": online_wall / st["wall_clock_s"] if online_wall and st["wall_clock_s"] else None,
+            "metric": "accuracy" if has_verifier else "judge reward", "seeds": members["seed"].tolist(),
+            "config": g.labels, "row": g.row, "label": g.label})
     obj_rank = {o: i for i, o in enumerate(order({c["objective"] for c in cells}, OBJECTIVES))}
     fam_rank = {f: i for i, f in enumerate(order({c["family"] for c in cells}, FAMILIES))}
     cells.sort(key=lambda c: (c["task"], obj_rank[c["objective"]], [_natural(v) for _, v in c["row"]],
                               fam_rank[c["family"]], c["label"]))
     return cells
-
-
-def _m500(ev: dict, mode: str) -> float | None:
-    return (ev.get("math500") or {}).get(f"{mode}_accuracy")
-
-
-def _lc(ev: dict) -> float | None:
-    lc = (ev.get("alpaca_eval") or {}).get("lc_win_rate")
-    return None if lc is None else float(lc) / 100
 
 
 # ---------------------------------------------------------------- formatting
@@ -251,12 +217,9 @@ def render_markdown(rep_root: Path, cells, runs, plots: dict, skipped: dict, out
                   (f"Each cell: win rate vs the starting policy, mean ± sd over seeds [95% CI]; {metric} "
                    f"mean ± sd{'' if metric == 'accuracy' else ' (no verifier for this task)'}; mean wall-clock "
                    "seconds (speedup = online wall-clock / this wall-clock); number of seeds."), "",
-                  "| objective | " + " | ".join(_md(k) for k in row_keys + fams) + " |",
-                  "|---|" + "---|" * (len(row_keys) + len(fams))]
-        for row in rows:
-            cols = [_md(v) for v in row[1]] + [_md(_cell_text(grid, row, f, "<br>")) for f in fams]
-            lines.append(f"| **{row[0]}** | " + " | ".join(cols) + " |")
-        lines.append("")
+                  *md_table(["objective", *(_md(k) for k in row_keys + fams)],
+                            [(f"**{row[0]}**", *(_md(v) for v in row[1]),
+                              *(_md(_cell_text(grid, row, f, "<br>")) for f in fams)) for row in rows]), ""]
     lines += ["## Failed or incomplete runs", ""]
     problems = [r for r in runs if r.status != "complete"]
     if not problems:
@@ -287,18 +250,9 @@ def csv_columns(cells: list[dict]) -> tuple:
     return CSV_COLUMNS[:i] + tuple(keys) + CSV_COLUMNS[i:]
 
 
-def _csv_value(c: dict, k: str):
-    v = c[k] if k in CSV_COLUMNS else c["config"].get(k)
-    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else (f"{v:.8g}" if isinstance(v, float) else v)
-
-
-def write_csv(path: Path, cells: list[dict], columns=None) -> None:
-    columns = columns or csv_columns(cells)
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(columns)
-        for c in cells:
-            w.writerow([_csv_value(c, k) for k in columns])
+def cells_frame(cells: list[dict], columns) -> pd.DataFrame:
+    """report.csv's rows: the cells' numbers with their varying config keys."""
+    return pd.DataFrame([{**c["config"], **c} for c in cells], columns=list(columns))
 
 
 # ---------------------------------------------------------------- entry points
@@ -313,18 +267,22 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
         raise ReportError(f"no run dirs under {root} (looked for .hydra/config.yaml, {', '.join(MARKERS)})")
     out_dir = Path(out_dir) if out_dir is not None else root
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = [load_run(d) for d in run_dirs]
+    runs = frame([load_run(d) for d in run_dirs])
     # a copied run dir is the same run, never a second seed (n=2 with a zero-width interval)
-    complete, duplicates = collapse_duplicates([r for r in runs if r.status == "complete"])
-    cells = aggregate(complete, ignore)
+    complete, duplicates = collapse_duplicates(runs[runs.status == "complete"])
+    complete, groups = label(complete, ignore)
+    complete = with_regimes(complete)
+    cells = aggregate(complete, groups)
     plots, skipped = make_plots(complete, out_dir)
-    md = render_markdown(root, cells, runs, plots, skipped, out_dir, ignore, duplicates)
+    listed = list(runs.itertuples())
+    md = render_markdown(root, cells, listed, plots, skipped, out_dir, ignore, duplicates)
 
     # a sweep over named regimes (experiment=laptop_regimes) pairs each regime with its own baselines
-    gaps = regime_gap_rows(complete) or gap_closed.gap_rows(complete, ignore)
+    gaps = regime_gap_rows(complete)
+    gaps = gap_closed.gap_rows(complete, ignore) if gaps.empty else gaps
     files = {"report.md": out_dir / "report.md", "report.csv": out_dir / "report.csv", **plots,
              "gap_closed.csv": out_dir / "gap_closed.csv"}
-    gap_closed.write_csv(gaps, files["gap_closed.csv"])
+    write_csv(gap_closed.gap_frame(gaps), files["gap_closed.csv"], gap_closed.DIGITS)
     if gap_closed.plot(gaps, out_dir / "gap_closed.png"):
         files["gap_closed.png"] = out_dir / "gap_closed.png"
     md += "\n## Gap closed by humanline-offline\n\n" + "\n".join(gap_closed.markdown(gaps))
@@ -333,33 +291,34 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     md += "\n## Paired differences\n\n" + "\n".join(gap_closed.paired_markdown(gaps))
     costs = cost.cost_rows(complete)
     files["cost.csv"] = out_dir / "cost.csv"
-    cost.write_csv(costs, files["cost.csv"])
+    write_csv(costs, files["cost.csv"], 8)
     md += "\n## Generation cost at matched training units\n\n" + "\n".join(cost.markdown(costs)) + "\n"
     mrows = matched.matched_rows(complete, accuracy)
     predicted_loops: dict = {}
     if targets:  # the cost model's prediction per regime, beside the measurement (report/speed.py)
         srows, notes, sources = speed.speed_rows(complete, list(targets))
         files["predicted.csv"] = out_dir / "predicted.csv"
-        speed.write_csv(srows, files["predicted.csv"])
+        write_csv(speed.predicted_frame(srows), files["predicted.csv"], 8)
         md += "\n## Predicted wall-clock (cost model)\n\n" + "\n".join(speed.markdown(srows, notes, sources)) + "\n"
-        for r in srows:
+        for r in srows.itertuples():
             predicted_loops.setdefault(r.target, {})[(r.task, r.objective, r.regime)] = r.predicted["loop"]
-    if mrows:
+    if not mrows.empty:
         md += "\n## Speedup at matched quality\n\n" + "\n".join(matched.markdown(mrows, predicted_loops)) + "\n"
     lagged = async_lag.async_rows(complete, ignore)  # only sweeps with data.async_lag > 0 get the section
-    if lagged:
+    if len(lagged):
         files["async.csv"] = out_dir / "async.csv"
-        async_lag.write_csv(lagged, files["async.csv"])
+        write_csv(lagged, files["async.csv"])
         md += "\n## Asynchronous rounds vs synchronous online\n\n" + "\n".join(async_lag.markdown(lagged))
     else:
         (out_dir / "async.csv").unlink(missing_ok=True)  # never an earlier report's table
     files["report.md"].write_text(md)
     columns = csv_columns(cells)
-    write_csv(files["report.csv"], cells, columns)
-    known = {k for r in complete if r.config for k in r.config}
-    unused = tuple(p for p in ignore if not any(_under(k, (p,)) for k in known))
-    rep = Report(root=root, out_dir=out_dir, runs=runs, cells=cells, markdown=md, files=files, skipped_plots=skipped,
-                 columns=columns, unused_ignores=unused, duplicates=tuple(duplicates))
+    write_csv(cells_frame(cells, columns), files["report.csv"], 8)
+    known = {k for c in complete["config"] if c for k in c}
+    unused = tuple(p for p in ignore if not any(under(k, (p,)) for k in known))
+    rep = Report(root=root, out_dir=out_dir, frame=pd.concat([complete, runs.drop(complete.index)]).sort_index(),
+                 cells=cells, markdown=md, files=files, skipped_plots=skipped, columns=columns, unused_ignores=unused,
+                 duplicates=tuple(duplicates))
     if wandb_mode is not None:
         rep.wandb_error = log_to_wandb(rep, wandb_mode)
     return rep

@@ -18,48 +18,18 @@ they say where a GPU run's speedup would come from even where this CPU's wall-cl
 """
 from __future__ import annotations
 
-import csv
 import json
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
+
+from humanline_cli.report.frame import md_table
 from humanline_cli.report.predict import Call
-from humanline_cli.report.regime_map import regime_label
 
 CSV_COLUMNS = ("task", "objective", "regime", "n_runs", "units_trained", "sampled_sequences", "generation_calls",
                "weight_pushes", "sequences_per_call", "pushes_vs_online", "sequences_vs_online", "generated_tokens",
                "longest_completion_per_call")
-
-
-@dataclass(frozen=True)
-class RunCost:
-    units: int
-    sequences: int
-    calls: int
-    tokens: int | None = None             # generated tokens, all calls
-    longest_per_call: float | None = None  # mean over calls of the call's longest completion (tokens)
-
-    @property
-    def pushes(self) -> int:
-        return self.calls  # the online source pushes (or snapshots, under async) once per round
-
-
-@dataclass(frozen=True)
-class CostRow:
-    task: str
-    objective: str
-    regime: str
-    costs: tuple  # RunCost per seed
-
-    def mean(self, attr: str) -> float | None:
-        values = [getattr(c, attr) for c in self.costs]
-        return None if any(v is None for v in values) or not values else statistics.fmean(values)
-
-    @property
-    def per_call(self) -> float | None:
-        calls = self.mean("calls")
-        return self.mean("sequences") / calls if calls else None
 
 
 def calls_of(run_path: Path) -> tuple | None:
@@ -80,77 +50,57 @@ def calls_of(run_path: Path) -> tuple | None:
     return tuple(Call(len(v), sum(v), max(v)) for _, v in sorted(rounds.items()))
 
 
-def run_cost(run) -> RunCost:
-    """A complete run's generation counts, read from its summary.json and samples.jsonl."""
-    s = run.summary
-    units = int(s.get("steps") or 0) * int(s.get("batch_size") or 0)
-    calls = int((s.get("final_train_metrics") or {}).get("online/round") or 0)
-    samples = Path(run.path) / "samples.jsonl"
-    sequences = 0
-    if samples.is_file():
-        with open(samples, "rb") as f:
-            sequences = sum(1 for line in f if line.strip())
-    counted = calls_of(run.path)
-    if not counted:  # offline (no samples) or recorded before per-completion tokens
-        return RunCost(units, sequences, calls, 0 if counted == () else None, None)
-    return RunCost(units, sequences, calls, sum(c.tokens for c in counted),
-                   statistics.fmean(c.longest for c in counted))
+def run_cost(path: Path, summary: dict) -> dict:
+    """A complete run's generation counts, read from its summary.json and samples.jsonl. Pushes: the online source
+    pushes (or snapshots, under async) once per round."""
+    calls = int((summary.get("final_train_metrics") or {}).get("online/round") or 0)
+    samples = Path(path) / "samples.jsonl"
+    sequences = sum(1 for line in open(samples, "rb") if line.strip()) if samples.is_file() else 0
+    counted = calls_of(path)
+    tokens = sum(c.tokens for c in counted) if counted else (0 if counted == () else None)
+    return {"units_trained": int(summary.get("steps") or 0) * int(summary.get("batch_size") or 0),
+            "sampled_sequences": sequences, "generation_calls": calls, "weight_pushes": calls,
+            "generated_tokens": tokens,
+            "longest_completion_per_call": statistics.fmean(c.longest for c in counted) if counted else None}
 
 
-def cost_rows(runs: list) -> list[CostRow]:
-    """One row per (task, objective, regime) of the complete runs, in first-seen order."""
-    by: dict[tuple, list] = {}
-    for r in runs:
-        if r.status == "complete":
-            by.setdefault((r.task, r.objective, regime_label(r)), []).append(run_cost(r))
-    return [CostRow(t, o, name, tuple(cs)) for (t, o, name), cs in by.items()]
+def _mean(s: pd.Series) -> float | None:
+    """The mean over a regime's runs, None when any run lacks the count (recorded before it was)."""
+    return None if s.isna().any() else float(s.mean())
 
 
-def _online(rows: list[CostRow], row: CostRow) -> CostRow | None:
-    match = [r for r in rows if (r.task, r.objective, r.regime) == (row.task, row.objective, "online")]
-    return match[0] if match else None
+def cost_rows(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per (task, objective, regime) of the complete runs (CSV_COLUMNS), in first-seen order: the mean
+    over its runs of each count, and its pushes and sequences against online of the same objective."""
+    if runs.empty:
+        return pd.DataFrame(columns=CSV_COLUMNS)
+    per = pd.DataFrame([run_cost(r.path, r.summary) for r in runs.itertuples()], index=runs.index, dtype=float)
+    per[["task", "objective", "regime"]] = runs[["task", "objective", "regime"]]
+    by = per.groupby(["task", "objective", "regime"], sort=False)
+    out = by.agg(_mean).reset_index().astype(object)
+    out.insert(3, "n_runs", by.size().to_numpy())
+    out["sequences_per_call"] = [s / c if c else None for s, c in zip(out.sampled_sequences, out.generation_calls)]
+    online = out[out.regime == "online"].set_index(["task", "objective"])
+    for col, of in (("pushes_vs_online", "weight_pushes"), ("sequences_vs_online", "sampled_sequences")):
+        base = [online[of].get((t, o)) for t, o in zip(out.task, out.objective)]
+        out[col] = [v / b if b else None for v, b in zip(out[of], base)]
+    return out[list(CSV_COLUMNS)]
 
 
-def _ratio(a: float, b: float | None) -> float | None:
-    return a / b if b else None
-
-
-def write_csv(rows: list[CostRow], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(CSV_COLUMNS)
-        for r in rows:
-            on = _online(rows, r)
-            w.writerow([r.task, r.objective, r.regime, len(r.costs), f"{r.mean('units'):.8g}",
-                        f"{r.mean('sequences'):.8g}", f"{r.mean('calls'):.8g}", f"{r.mean('pushes'):.8g}",
-                        "" if r.per_call is None else f"{r.per_call:.8g}",
-                        _fmt(_ratio(r.mean("pushes"), on and on.mean("pushes"))),
-                        _fmt(_ratio(r.mean("sequences"), on and on.mean("sequences"))), _fmt(r.mean("tokens")),
-                        _fmt(r.mean("longest_per_call"))])
-
-
-def _fmt(x: float | None) -> str:
-    return "" if x is None else f"{x:.8g}"
-
-
-def _num(x: float | None, fmt: str) -> str:
-    return "–" if x is None else format(x, fmt)
-
-
-def markdown(rows: list[CostRow]) -> list[str]:
-    if not rows:
+def markdown(rows: pd.DataFrame) -> list[str]:
+    if rows.empty:
         return ["No complete runs."]
-    out = ["Generation during training, at matched training units (mean over the regime's runs; ratios against "
-           "online of the same objective). Offline data was sampled once before the runs and is not counted.", "",
-           "| task | objective | regime | runs | units trained | sampled sequences | generation calls | "
-           "weight pushes | sequences per call | pushes vs online | generated tokens | longest completion per call |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        on = _online(rows, r)
-        ratio = _ratio(r.mean("pushes"), on and on.mean("pushes"))
-        out.append(f"| {r.task} | {r.objective} | {r.regime} | {len(r.costs)} | {r.mean('units'):.0f} | "
-                   f"{r.mean('sequences'):.0f} | {r.mean('calls'):.1f} | {r.mean('pushes'):.1f} | "
-                   f"{'–' if r.per_call is None else f'{r.per_call:.0f}'} | "
-                   f"{'–' if ratio is None else f'{ratio:.3f}x'} | {_num(r.mean('tokens'), '.0f')} | "
-                   f"{_num(r.mean('longest_per_call'), '.1f')} |")
-    return out
+
+    def f(x, spec: str) -> str:
+        return "–" if x is None or x != x else spec.format(x)
+
+    return ["Generation during training, at matched training units (mean over the regime's runs; ratios against "
+            "online of the same objective). Offline data was sampled once before the runs and is not counted.", "",
+            *md_table(["task", "objective", "regime", "runs", "units trained", "sampled sequences", "generation calls",
+                       "weight pushes", "sequences per call", "pushes vs online", "generated tokens",
+                       "longest completion per call"],
+                      [(r.task, r.objective, r.regime, r.n_runs, f(r.units_trained, "{:.0f}"),
+                        f(r.sampled_sequences, "{:.0f}"), f(r.generation_calls, "{:.1f}"), f(r.weight_pushes, "{:.1f}"),
+                        f(r.sequences_per_call, "{:.0f}"), f(r.pushes_vs_online, "{:.3f}x"),
+                        f(r.generated_tokens, "{:.0f}"), f(r.longest_completion_per_call, "{:.1f}"))
+                       for r in rows.itertuples()])]

@@ -15,7 +15,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from humanline_cli.report.gap_closed import metric_value
+import pandas as pd
+
+from humanline_cli.report.frame import ci_text, column, load, md_table
 from humanline_cli.report.stats import mean_ci
 
 
@@ -25,39 +27,24 @@ def run_drift(metrics: list[dict], key: str = "drift/kl") -> float | None:
     return statistics.fmean(vals) if vals else None
 
 
-def frontier_rows(runs: list) -> list[dict]:
+def frontier_rows(runs: pd.DataFrame) -> list[dict]:
     """One row per (objective, K, humanline) over complete runs that logged drift."""
-    cells: dict[tuple, list] = {}
-    for r in runs:
-        if r.status != "complete" or run_drift(r.metrics) is None:
-            continue
-        k = (r.config or {}).get("data.generate_every")
-        cells.setdefault((r.objective, int(k) if k not in (None, "None") else 0, bool(r.humanline)), []).append(r)
-    rows = []
-    for (objective, k, hl), rs in sorted(cells.items()):
-        rows.append({"objective": objective, "K": k, "humanline": hl, "n": len(rs),
-                     "drift_kl": mean_ci([run_drift(r.metrics) for r in rs]),
-                     "drift_logratio": mean_ci([run_drift(r.metrics, "drift/logratio_mean") for r in rs]),
-                     **{name: mean_ci([v for r in rs if (v := metric_value(r.summary, mode)) is not None])
-                        for name, mode in (("greedy", "greedy accuracy"), ("sampled", "accuracy"))}})
-    return rows
-
-
-def _ci(c: dict | None, fmt: str = ".3f") -> str:
-    if c is None:
-        return "–"
-    return format(c["mean"], fmt) + (f" [{c['lo']:{fmt}}, {c['hi']:{fmt}}]" if c["lo"] is not None else "")
+    runs = runs.assign(drift_kl=runs["metrics"].map(run_drift),
+                       drift_logratio=runs["metrics"].map(lambda m: run_drift(m, "drift/logratio_mean")),
+                       greedy=column(runs, "eval.greedy.accuracy"), sampled=column(runs, "eval.accuracy"),
+                       K=column(runs, "cfg.data.generate_every").fillna(0).astype(int))
+    runs = runs[(runs.status == "complete") & runs.drift_kl.notna()]
+    return [{"objective": objective, "K": k, "humanline": bool(hl), "n": len(rs),
+             **{c: mean_ci(rs[c].dropna().astype(float)) for c in ("drift_kl", "drift_logratio", "greedy", "sampled")}}
+            for (objective, k, hl), rs in runs.groupby(["objective", "K", "humanline"], sort=True)]
 
 
 def markdown(rows: list[dict]) -> list[str]:
-    out = ["| objective | K | humanline | seeds | drift KL (nats/token) | drift log-ratio | greedy | sampled |",
-           "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        k = "online" if r["K"] == 0 else str(r["K"])
-        out.append(f"| {r['objective']} | {k} | {'on' if r['humanline'] else 'off'} | {r['n']} | "
-                   f"{_ci(r['drift_kl'], '.2e')} | {_ci(r['drift_logratio'], '+.4f')} | {_ci(r['greedy'])} | "
-                   f"{_ci(r['sampled'])} |")
-    return out
+    return md_table(["objective", "K", "humanline", "seeds", "drift KL (nats/token)", "drift log-ratio", "greedy",
+                     "sampled"],
+                    [(r["objective"], "online" if r["K"] == 0 else r["K"], "on" if r["humanline"] else "off", r["n"],
+                      ci_text(r["drift_kl"], ".2e"), ci_text(r["drift_logratio"], "+.4f"), ci_text(r["greedy"]),
+                      ci_text(r["sampled"])) for r in rows])
 
 
 DRIFT_FLOOR = 1e-5  # on-policy drift is float round-off (|KL| < 1e-8): drawn at this floor, labelled "~0"
@@ -102,8 +89,6 @@ def plot(rows: list[dict], path: Path, metric: str = "greedy") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from humanline_cli.report.runs import find_run_dirs, load_run
-
     p = argparse.ArgumentParser(prog="python -m humanline_cli.report.frontier", description=__doc__.split("\n\n")[0])
     p.add_argument("dir", type=Path, help="a sweep over data.generate_every (and humanline)")
     p.add_argument("--out", type=Path, default=Path("frontier.png"), help="the PNG to write")
@@ -111,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.dir.is_dir():
         print(f"frontier: error: {a.dir}: no such directory", file=sys.stderr)
         return 2
-    rows = frontier_rows([load_run(d) for d in find_run_dirs(a.dir)])
+    runs = load(a.dir)
+    rows = frontier_rows(runs) if not runs.empty else []
     if not rows:
         print(f"frontier: error: {a.dir}: no complete run logged drift/kl (online data only)", file=sys.stderr)
         return 2

@@ -6,9 +6,10 @@ gap closed = mean(humanline-offline - offline) / mean(online - offline) over the
 covariance of the two differences; only where the gap's own t-interval across seeds lies above 0 (else
 "unbounded": the ratio's interval has no finite bounds, and no ratio is printed). One seed: no interval; the
 gap is decided by a prompt-level bootstrap. A comparison set is a group of complete runs whose configs agree on
-everything except the family-defining keys (data regime, humanline, hl, sampler, reward): report.py's grouping
-decides it. The metric is the greedy task accuracy when runs recorded it (eval.greedy.accuracy), else the
-sampled accuracy, else the sampled win rate against the starting policy.
+everything except the family-defining keys (data regime, humanline, hl, sampler, reward): report/groups.py
+decides it, over the runs frame (report/frame.py); the arms are paired by seed with a pivot. The metric is the
+greedy task accuracy when runs recorded it (eval.greedy.accuracy), else the sampled accuracy, else the sampled
+win rate against the starting policy.
 
 Speed is reported two ways. `speedup`: online wall-clock / humanline-offline wall-clock over the same
 number of steps. `equal_quality`: the paper's framing, from learning curves (eval.every > 0): the target is
@@ -22,23 +23,15 @@ training on the same sequences per step (offline skips exactly that part).
 """
 from __future__ import annotations
 
-import math
+import json
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 
-from humanline_cli.report.groups import derived_from, group_runs, signature
+import pandas as pd
+
+from humanline_cli.report.frame import METRICS, WORK, ci_text, curve, md_table, metric_of, points
+from humanline_cli.report.groups import comparison_sets, differing_keys
 from humanline_cli.report.stats import excludes_zero, fieller, km_median, mean_ci, paired_t, prompt_bootstrap
-
-
-def metric_of(summary: dict) -> tuple[str, float | None]:
-    ev = summary.get("eval") or {}
-    greedy = ev.get("greedy") or {}
-    for name, value in (("greedy accuracy", greedy.get("accuracy")), ("accuracy", ev.get("accuracy")),
-                        ("win rate", ev.get("win_rate"))):
-        if value is not None:
-            return name, float(value)
-    return "none", None
 
 
 def gap_closed(offline: dict, online: dict, humanline: dict, gap_interval: tuple | None = None) -> dict:
@@ -77,40 +70,6 @@ def gap_text(g: dict) -> str:
     if g["mean"] is None:
         return "–"
     return f"{g['mean']:.0%}" + (f" [{g['lo']:.0%}, {g['hi']:.0%}]" if g["lo"] is not None else "")
-
-
-WORK = ("train", "sample", "label", "sync", "push")  # phases that are the cost of learning
-CURVE_KEYS = {"greedy accuracy": ("eval/greedy/accuracy", ("greedy", "start_accuracy")),
-              "accuracy": ("eval/accuracy", (None, "start_accuracy")),
-              "win rate": ("eval/win_rate", None)}
-
-
-def _work(times: dict) -> float:
-    return float(sum(times.get(k, 0.0) or 0.0 for k in WORK))
-
-
-def learning_curve(summary: dict, metrics: list[dict], metric: str) -> list[tuple[float, float]]:
-    """[(work seconds, score)]: the starting policy at 0, every mid-run evaluation (timed by the train
-    row logged at the same step: eval.every a multiple of train.log_every), the final evaluation."""
-    key, start = CURVE_KEYS[metric]
-    ev = summary.get("eval") or {}
-    points = []
-    if start is None:
-        points.append((0.0, 0.5))  # a policy against itself
-    else:
-        mode, field_ = start
-        value = (ev.get(mode) or {}).get(field_) if mode else ev.get(field_)
-        if value is not None:
-            points.append((0.0, float(value)))
-    train_rows = {r["step"]: r for r in metrics if "time/train" in r}
-    for r in metrics:
-        if key in r and r.get("step") in train_rows:
-            t = _work({k.removeprefix("time/"): v for k, v in train_rows[r["step"]].items() if k.startswith("time/")})
-            points.append((t, float(r[key])))
-    final = metric_value(summary, metric)
-    if final is not None:
-        points.append((_work(summary.get("wall_clock_s") or {}), final))
-    return points
 
 
 def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
@@ -161,70 +120,35 @@ def equal_quality_text(eq: dict | None) -> str:
     return f"{ratio} (reached: online {on['reached']} of {on['n']}, humanline {hl['reached']} of {hl['n']})"
 
 
-def _fmt(ci: dict | None) -> str:
-    if ci is None:
-        return "–"
-    return f"{ci['mean']:.3f}" + (f" [{ci['lo']:.3f}, {ci['hi']:.3f}]" if ci["lo"] is not None else "")
+# A comparison's row: its set, the arms' mean scores, the gap closed (gap_closed_paired's dict, `closed`), wall-clock
+# and speedups, equal quality (equal_quality's dict, None without learning curves), the arms' scores per mode
+# (mean_ci), online's sampling share and the speedup it bounds, the paired differences, and for a regime sweep the
+# humanline regime and the regimes it was compared with.
+ROW = ("task", "objective", "set", "metric", "offline", "online", "humanline_offline", "closed", "online_wall_s",
+       "humanline_offline_wall_s", "speedup", "equal", "scores", "online_sampling_share", "speedup_bound_matched",
+       "paired", "regime", "compared_with")
 
 
-@dataclass
-class GapRow:
-    task: str
-    objective: str
-    label: str          # what distinguishes this comparison set (its varying keys)
-    metric: str
-    offline: float
-    online: float
-    humanline_offline: float
-    gap: dict
-    online_wall_s: float | None
-    humanline_wall_s: float | None
-    equal: dict | None = None  # equal_quality(...) when the runs have learning curves
-    scores: dict | None = None  # family -> metric name -> mean_ci(...) over seeds
-    online_sampling_share: float | None = None  # (sample + label + push) / work time of online runs
-    regime: str | None = None  # a regime sweep's humanline-offline regime (regime_map.regime_gap_rows)
-    compared_with: str | None = None  # ... and the offline, online regimes it was compared with
-    paired: list | None = None  # paired_differences(...) rows, greedy and sampled
-
-    @property
-    def matched_bound(self) -> float | None:
-        """The largest speedup skipping online's data production can give at matched sequences."""
-        share = self.online_sampling_share
-        return None if share is None or share >= 1 else 1.0 / (1.0 - share)
-
-    @property
-    def speedup(self) -> float | None:
-        if self.online_wall_s and self.humanline_wall_s:
-            return self.online_wall_s / self.humanline_wall_s
-        return None
-
-
-def gap_rows(runs: list, ignore=()) -> list[GapRow]:
-    """From complete runs (report.Run objects), one row per comparison: a set holding an online group, a
+def gap_rows(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
+    """From complete runs (report/frame.py), one row per comparison: a set holding an online group, a
     baseline (offline, or stale-K on-policy rounds) and humanline runs on that baseline's data (one row per
     humanline hl.* setting; see _comparisons)."""
-
-    groups = group_runs(runs, ignore)
+    pts = points(runs)
     rows = []
-    for task in sorted({g.task for g in groups}):
-        tg = [g for g in groups if g.task == task]
-        derived = derived_from(tg)
-        sets: dict[tuple, dict] = {}
-        for g in tg:
-            sets.setdefault((g.objective, signature(g, derived)[2]), {}).setdefault(g.family, []).append(g)
-        for (objective, sig), fams in sorted(sets.items(), key=lambda kv: str(kv[0])):
-            # differing = what tells this set apart from the other sets OF THE SAME OBJECTIVE
-            differing = _differing_keys([s for (o, s) in sets if o == objective])
-            set_label = ", ".join(f"{k}={v}" for k, v in (sig or ()) if k in differing)
-            for base, hl_group, hl_label in _comparisons(fams):
-                by = {"offline": {r.seed: r for r in fams[base][0].runs},
-                      "online": {r.seed: r for r in fams["online"][0].runs},
-                      "humanline-offline": {r.seed: r for r in hl_group.runs}}
-                label = ", ".join(x for x in (set_label, "" if base == "offline" else base, hl_label) if x)
-                row = _gap_row(task, objective, label, by)
-                if row is not None:
-                    rows.append(row)
-    return rows
+    for task, objective, set_label, members in comparison_sets(runs, ignore):
+        fams: dict[str, list] = {}
+        for g in members:
+            fams.setdefault(g.family, []).append(g)
+        for base, hl_group, hl_label in _comparisons(fams):
+            arms = {"offline": fams[base][0], "online": fams["online"][0], "humanline-offline": hl_group}
+            arms = pd.concat([runs.loc[g.members].assign(arm=arm) for arm, g in arms.items()])
+            # one run per arm and seed (the last, as a seed's runs differing only in ignored keys are one)
+            arms = arms[~arms.duplicated(["arm", "seed"], keep="last")]
+            label = ", ".join(x for x in (set_label, "" if base == "offline" else base, hl_label) if x)
+            row = _gap_row(task, objective, label, arms, pts)
+            if row is not None:
+                rows.append(row)
+    return pd.DataFrame(rows, columns=ROW, dtype=object)
 
 
 def _comparisons(fams: dict) -> list[tuple]:
@@ -241,50 +165,60 @@ def _comparisons(fams: dict) -> list[tuple]:
         hls = fams.get(f"humanline-{base}", [])
         if len(fams[base]) != 1 or not hls:
             continue
-        differ = _differing_keys([tuple(sorted((k, str(v)) for k, v in (g.cfg or {}).items() if k.startswith("hl.")))
+        differ = differing_keys([tuple(sorted((k, str(v)) for k, v in (g.cfg or {}).items() if k.startswith("hl.")))
                                   for g in hls]) if len(hls) > 1 else set()
         for g in hls:
             out.append((base, g, ", ".join(f"{k}={(g.cfg or {}).get(k)}" for k in sorted(differ))))
     return out
 
 
-def _gap_row(task: str, objective: str, label: str, by: dict) -> GapRow | None:
-    """One comparison: `by` maps offline (the baseline), online and humanline-offline to {seed: run}."""
-    names = {metric_of(r.summary)[0] for f in by for r in by[f].values()}
+def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.DataFrame) -> dict | None:
+    """One comparison: `arms` holds the runs of the offline (the baseline), online and humanline-offline arms
+    (column `arm`); `pts` their evaluation points (frame.points)."""
+    names = set(arms["summary"].map(metric_of))
     metric = sorted(names)[0] if len(names) == 1 else "win rate"
-    vals = {f: {s: metric_value(r.summary, metric) for s, r in by[f].items()} for f in by}
-    vals = {f: {s: v for s, v in d.items() if v is not None} for f, d in vals.items()}
-    if not all(vals.values()):
+    scores = arms.reindex(columns=["arm", "seed", *METRICS.values()]).rename(
+        columns={v: k for k, v in METRICS.items()})
+    wide = scores.pivot(index="seed", columns="arm", values=metric).astype(float)
+    if not all(wide.get(a, pd.Series(dtype=float)).notna().any() for a in ARMS):
         return None
-    wall = {f: statistics.fmean(r.summary.get("wall_clock_s", {}).get("total", math.nan) for r in by[f].values())
-            for f in ("online", "humanline-offline")}
-    scores = {f: {mode: mean_ci([v for r in by[f].values() if (v := metric_value(r.summary, mode)) is not None])
-                  for mode in ("greedy accuracy", "accuracy", "win rate")} for f in by}
-    curves = {f: {s: learning_curve(r.summary, r.metrics, metric) for s, r in by[f].items()}
-              for f in ("online", "humanline-offline")}
-    mid = all(len(c) > 2 for f in curves for c in curves[f].values())  # at least one mid-run eval
-    share = [_sampling_share(r.summary.get("wall_clock_s") or {}) for r in by["online"].values()]
-    share = [x for x in share if x is not None]
-    seeds = sorted(set.intersection(*(set(vals[f]) for f in vals)), key=str)
+    paired_seeds = wide.dropna().sort_index(key=lambda s: s.map(str))  # seeds every arm scored, paired
+    by_arm = arms.groupby("arm")
+    wall = by_arm["wall_clock_s.total"].mean() if "wall_clock_s.total" in arms else {}
+    means = {a: {m: mean_ci(scores[scores.arm == a][m].dropna().astype(float)) for m in METRICS} for a in ARMS}
+    curves = {a: {r.seed: curve(pts[pts.run == i], metric) for i, r in arms[arms.arm == a].iterrows()}
+              for a in ("online", "humanline-offline")}
+    mid = all(len(c) > 2 for a in curves for c in curves[a].values())  # at least one mid-run eval
+    share = [s for r in arms[arms.arm == "online"].itertuples() if (s := _sampling_share(r.summary)) is not None]
     paired = {}
     for mode in ("greedy accuracy", "accuracy"):
-        arms = {f: [metric_value(by[f][s].summary, mode) for s in seeds] for f in by}
-        if seeds and all(v is not None for a in arms.values() for v in a):
-            paired[mode] = paired_differences(arms, prompt_scores({f: [by[f][s] for s in seeds] for f in by}, mode))
+        both = scores.pivot(index="seed", columns="arm", values=mode).astype(float).reindex(paired_seeds.index)
+        if len(both) and both.notna().all().all():
+            runs_by_arm = {a: [arms[(arms.arm == a) & (arms.seed == s)].iloc[0] for s in both.index] for a in ARMS}
+            paired[mode] = paired_differences({a: both[a].tolist() for a in ARMS}, prompt_scores(runs_by_arm, mode))
     gap_interval = None
-    if len(seeds) == 1 and metric in paired:  # one seed: no t-interval, so the prompt bootstrap decides the gap
+    if len(paired_seeds) == 1 and metric in paired:  # one seed: no t-interval, so the prompt bootstrap decides it
         boot = next(p["boot"] for p in paired[metric] if p["contrast"] == ("online", "offline"))
         gap_interval = (boot["lo"], boot["hi"]) if boot else None
-    return GapRow(task, objective, label, metric, statistics.fmean(vals["offline"].values()),
-                  statistics.fmean(vals["online"].values()),
-                  statistics.fmean(vals["humanline-offline"].values()),
-                  gap_closed(vals["offline"], vals["online"], vals["humanline-offline"], gap_interval),
-                  wall["online"], wall["humanline-offline"],
-                  equal_quality(curves["online"], curves["humanline-offline"]) if mid else None,
-                  scores, statistics.fmean(share) if share else None,
-                  paired=[{**p, "metric": m} for m, rows in paired.items() for p in rows])
+    off, on, hl = (paired_seeds[a].tolist() for a in ARMS)
+    on_wall, hl_wall = _float(wall.get("online")), _float(wall.get("humanline-offline"))
+    share = statistics.fmean(share) if share else None
+    return {"task": task, "objective": objective, "set": label, "metric": metric,
+            **{a.replace("-", "_"): float(wide[a].mean()) for a in ARMS},
+            "closed": gap_closed_paired(off, on, hl, gap_interval), "online_wall_s": on_wall,
+            "humanline_offline_wall_s": hl_wall, "speedup": on_wall / hl_wall if on_wall and hl_wall else None,
+            "equal": equal_quality(curves["online"], curves["humanline-offline"]) if mid else None, "scores": means,
+            # the bound: the largest speedup skipping online's data production can give at matched sequences
+            "online_sampling_share": share,
+            "speedup_bound_matched": None if share is None or share >= 1 else 1 / (1 - share),
+            "paired": [{**p, "metric": m} for m, rows in paired.items() for p in rows]}
 
 
+def _float(x) -> float | None:
+    return None if x is None or pd.isna(x) else float(x)
+
+
+ARMS = ("offline", "online", "humanline-offline")
 # The contrasts a comparison reports, (a, b) for a - b: the humanline effect, what is left to online, the gap.
 CONTRASTS = (("humanline-offline", "offline"), ("online", "humanline-offline"), ("online", "offline"))
 SAMPLES = {"greedy accuracy": "eval_samples_greedy.jsonl", "accuracy": "eval_samples.jsonl"}
@@ -307,8 +241,6 @@ def prompt_scores(runs_by_arm: dict, metric: str) -> dict | None:
     """{arm: (seeds x prompts) per-prompt scores} from each run's eval samples file (SAMPLES[metric]), the
     prompts every run scored, in one order; None when any run lacks the file (older runs wrote no greedy
     samples) or the runs share no prompt."""
-    import json
-
     name = SAMPLES.get(metric)
     if name is None:
         return None
@@ -316,7 +248,7 @@ def prompt_scores(runs_by_arm: dict, metric: str) -> dict | None:
     for arm, runs in runs_by_arm.items():
         table[arm] = []
         for run in runs:
-            f = Path(run.path) / name
+            f = Path(run["path"]) / name
             if not f.is_file():
                 return None
             rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
@@ -328,18 +260,12 @@ def prompt_scores(runs_by_arm: dict, metric: str) -> dict | None:
     return {arm: [[d[p] for p in order] for d in runs] for arm, runs in table.items()}
 
 
-def _sampling_share(times: dict) -> float | None:
-    work = _work(times)
+def _sampling_share(summary: dict) -> float | None:
+    times = summary.get("wall_clock_s") or {}
+    work = sum(float(times.get(k, 0.0) or 0.0) for k in WORK)
     if work <= 0:
         return None
     return sum(float(times.get(k, 0.0) or 0.0) for k in ("sample", "label", "push")) / work
-
-
-def _differing_keys(signatures: list) -> set:
-    """Keys whose values differ between comparison sets (what a reader needs to tell them apart)."""
-    dicts = [dict(s) for s in signatures if s is not None]
-    keys = {k for d in dicts for k in d}
-    return {k for k in keys if len({d.get(k) for d in dicts}) > 1}
 
 
 CSV_COLUMNS = ("task", "objective", "set", "metric", "offline", "online", "humanline_offline", "gap_closed",
@@ -348,40 +274,23 @@ CSV_COLUMNS = ("task", "objective", "set", "metric", "offline", "online", "human
                "speedup_equal_quality", "online_never_reached", "online_sampling_share", "speedup_bound_matched")
 
 
-def csv_row(r: GapRow) -> dict:
-    """One gap-closed row as gap_closed.csv writes it (strings; empty where there is no value)."""
-    g = r.gap
-
-    def num(x, fmt=".6g"):
-        return "" if x is None else format(x, fmt)
-
-    values = (r.task, r.objective, r.label, r.metric, num(r.offline), num(r.online), num(r.humanline_offline),
-              num(g["mean"]), num(g["lo"]), num(g["hi"]), str(g["n"]), num(g["gap"]["mean"]), num(g["gap"]["lo"]),
-              num(g["gap"]["hi"]), g["verdict"], str(r.online_wall_s), str(r.humanline_wall_s),
-              num(r.speedup, ".4g"), "" if not r.equal else num(r.equal["speedup"], ".4g"),
-              "" if not r.equal else str(r.equal["never"]), num(r.online_sampling_share, ".4g"),
-              num(r.matched_bound, ".4g"))
-    return dict(zip(CSV_COLUMNS, values))
+# gap_closed.csv's precision: speeds and shares to 4 significant digits, the other numbers to 6, wall-clock in full
+DIGITS = {c: 4 if c.startswith(("speedup", "online_sampling")) else 6 for c in CSV_COLUMNS if not c.endswith("wall_s")}
 
 
-def write_csv(rows: list[GapRow], path) -> None:
-    import csv
-
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        w.writeheader()
-        w.writerows(csv_row(r) for r in rows)
-
-
-def metric_value(summary: dict, name: str) -> float | None:
-    ev = summary.get("eval") or {}
-    value = {"greedy accuracy": (ev.get("greedy") or {}).get("accuracy"), "accuracy": ev.get("accuracy"),
-             "win rate": ev.get("win_rate")}.get(name)
-    return None if value is None else float(value)
+def gap_frame(rows: pd.DataFrame) -> pd.DataFrame:
+    """gap_closed.csv: one row per comparison (None where there is no value, written empty)."""
+    closed, equal = rows["closed"], rows["equal"]
+    return rows.assign(gap_closed=closed.map(lambda g: g["mean"]), gap_closed_lo=closed.map(lambda g: g["lo"]),
+                       gap_closed_hi=closed.map(lambda g: g["hi"]), n_seeds=closed.map(lambda g: g["n"]),
+                       gap=closed.map(lambda g: g["gap"]["mean"]), gap_lo=closed.map(lambda g: g["gap"]["lo"]),
+                       gap_hi=closed.map(lambda g: g["gap"]["hi"]), gap_verdict=closed.map(lambda g: g["verdict"]),
+                       speedup_equal_quality=equal.map(lambda e: e and e["speedup"]),
+                       online_never_reached=equal.map(lambda e: e and e["never"]))[list(CSV_COLUMNS)].astype(object)
 
 
-def markdown(rows: list[GapRow]) -> list[str]:
-    if not rows:
+def markdown(rows: pd.DataFrame) -> list[str]:
+    if rows.empty:
         return ["No comparison set has offline, online and humanline-offline runs: no gap to report.", ""]
     lines = ["gap closed = mean(humanline-offline - offline) / mean(online - offline) over seeds paired by seed (a "
              "ratio of means) [95% Fieller interval from the seed-level covariance], given only where the gap online - "
@@ -395,62 +304,54 @@ def markdown(rows: list[GapRow]) -> list[str]:
              "curves; n/a without mid-run evals, eval.every); online sampling = "
              "share of online's work time spent sampling, labelling and pushing weights, and the speedup it bounds: "
              "1 / (1 - share) is the most any offline run can save against online on the same sequences per step.",
-             "",
-             "| task | objective | set | metric | offline | online | humanline-offline | gap closed | seeds | speedup "
-             "| at equal quality | online sampling (bound) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        g = r.gap
-        gap = gap_text(g)
-        speed = f"{r.speedup:.2f}x" if r.speedup else "n/a"
-        eq = equal_quality_text(r.equal)
-        bound = "n/a" if r.matched_bound is None else f"{r.online_sampling_share:.0%} ({r.matched_bound:.2f}x)"
-        lines.append(f"| {r.task} | {r.objective} | {r.label or '–'} | {r.metric} | {r.offline:.3f} | {r.online:.3f} | "
-                     f"{r.humanline_offline:.3f} | {gap} | {g['n']} | {speed} | {eq} | {bound} |")
-    lines.append("")
-    lines += ["Scores per family, mean [95% t-interval across seeds]: greedy accuracy (temperature 0) and sampled "
-              "accuracy (eval.temperature), or the sampled win rate against the starting policy where the task "
-              "has no accuracy.", "",
-              "| task | objective | set | mode | offline | online | humanline-offline |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        for mode, name in (("greedy accuracy", "greedy"), ("accuracy", "sampled"), ("win rate", "sampled win rate")):
-            cells = [(r.scores or {}).get(f, {}).get(mode) for f in ("offline", "online", "humanline-offline")]
-            if any(c is not None for c in cells) and not (mode == "win rate" and r.metric != "win rate"):
-                lines.append(f"| {r.task} | {r.objective} | {r.label or '–'} | {name} | "
-                             + " | ".join(_fmt(c) for c in cells) + " |")
-    return lines + [""]
+             "", *md_table(["task", "objective", "set", "metric", "offline", "online", "humanline-offline", "gap closed",
+                            "seeds", "speedup", "at equal quality", "online sampling (bound)"],
+                           [(r.task, r.objective, r.set or "–", r.metric, f"{r.offline:.3f}", f"{r.online:.3f}",
+                             f"{r.humanline_offline:.3f}", gap_text(r.closed), r.closed["n"],
+                             f"{r.speedup:.2f}x" if r.speedup else "n/a", equal_quality_text(r.equal),
+                             "n/a" if r.speedup_bound_matched is None else
+                             f"{r.online_sampling_share:.0%} ({r.speedup_bound_matched:.2f}x)")
+                            for r in rows.itertuples()]), ""]
+    modes = (("greedy accuracy", "greedy"), ("accuracy", "sampled"), ("win rate", "sampled win rate"))
+    scores = [(r, name, [(r.scores or {}).get(a, {}).get(mode) for a in ARMS]) for r in rows.itertuples()
+              for mode, name in modes if mode != "win rate" or r.metric == "win rate"]
+    return lines + ["Scores per family, mean [95% t-interval across seeds]: greedy accuracy (temperature 0) and sampled "
+                    "accuracy (eval.temperature), or the sampled win rate against the starting policy where the task "
+                    "has no accuracy.", "",
+                    *md_table(["task", "objective", "set", "mode", *ARMS],
+                              [(r.task, r.objective, r.set or "–", name, *map(ci_text, cells))
+                               for r, name, cells in scores if any(c is not None for c in cells)]), ""]
 
 
-def paired_markdown(rows: list[GapRow]) -> list[str]:
+def paired_markdown(rows: pd.DataFrame) -> list[str]:
     """The paired differences of every comparison, greedy and sampled: a - b, mean over seeds with a 95%
     t-interval across seeds (the reported interval) and a prompt-level bootstrap interval beside it."""
-    body = [r for r in rows if r.paired]
+    body = [r for r in rows.itertuples() if r.paired]
     if not body:
         return ["No comparison has paired runs.", ""]
     lines = ["a - b per seed (runs paired by seed), mean [95% t-interval across seeds: the reported interval] and "
              "[95% prompt-level bootstrap: the eval prompts resampled, 2000 replicates, the seeds held fixed, so it "
              "leaves out seed-to-seed variation and is narrower than the truth when seeds differ]; `–`: no interval "
-             "(one seed, or no per-prompt samples). greedy = temperature 0, sampled = eval.temperature.", "",
-             "| task | objective | set | metric | a - b | mean | t-interval | bootstrap (prompt-level only) | seeds |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "(one seed, or no per-prompt samples). greedy = temperature 0, sampled = eval.temperature.", ""]
     names = {"greedy accuracy": "greedy", "accuracy": "sampled"}
-    for r in body:
-        for p in r.paired:
-            t, b = p["t"], p["boot"]
-            ti = f"[{t['lo']:+.3f}, {t['hi']:+.3f}]" if t["lo"] is not None else "–"
-            bi = f"[{b['lo']:+.3f}, {b['hi']:+.3f}]" if b else "–"
-            lines.append(f"| {r.task} | {r.objective} | {r.label or '–'} | {names.get(p['metric'], p['metric'])} | "
-                         f"{p['contrast'][0]} - {p['contrast'][1]} | {t['mean']:+.3f} | {ti} | {bi} | {t['n']} |")
-    return lines + [""]
+
+    def interval(x) -> str:
+        return f"[{x['lo']:+.3f}, {x['hi']:+.3f}]" if x and x["lo"] is not None else "–"
+
+    return lines + md_table(["task", "objective", "set", "metric", "a - b", "mean", "t-interval",
+                             "bootstrap (prompt-level only)", "seeds"],
+                            [(r.task, r.objective, r.set or "–", names.get(p["metric"], p["metric"]),
+                              " - ".join(p["contrast"]), f"{p['t']['mean']:+.3f}", interval(p["t"]), interval(p["boot"]),
+                              p["t"]["n"]) for r in body for p in r.paired]) + [""]
 
 
-def plot(rows: list[GapRow], path) -> bool:
+def plot(rows: pd.DataFrame, path) -> bool:
     """Bar chart of gap closed with its interval, one bar per comparison set (PNG)."""
-    rows = [r for r in rows if r.gap["mean"] is not None]
+    rows = [r for r in rows.itertuples() if r.closed["mean"] is not None]
     if not rows:
         return False
-    bar_chart([f"{r.task}/{r.objective}" + (f"\n{r.label}" if r.label else "") for r in rows],
-              [(r.gap["mean"], r.gap["lo"], r.gap["hi"]) for r in rows], path)
+    bar_chart([f"{r.task}/{r.objective}" + (f"\n{r.set}" if r.set else "") for r in rows],
+              [(r.closed["mean"], r.closed["lo"], r.closed["hi"]) for r in rows], path)
     return True
 
 

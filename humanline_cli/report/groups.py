@@ -1,12 +1,15 @@
-"""How `humanline report` decides which runs are the same experiment: runs are grouped by their full
-resolved config minus the seed, result-neutral keys, inactive humanline knobs and the user's --ignore
-keys; the keys that vary between groups label them; speedups compare only groups whose configs agree
-outside the family-defining keys. Consumes report.Run objects (duck-typed: .config, .task, ...)."""
+"""Which runs are the same experiment, over the runs frame (report/frame.py): runs are grouped by their full
+resolved config minus the seed, result-neutral keys, inactive humanline knobs and the user's --ignore keys; the
+keys that vary between groups label them; speedups and comparisons pair only groups whose configs agree outside
+the family-defining keys. `groups(runs)` is one row per group (task, objective, family, its comparable config,
+its runs); the other functions read those rows."""
 from __future__ import annotations
 
 import json
 import re
 from dataclasses import dataclass
+
+import pandas as pd
 
 # regime_meta names a run's regime (a label, conf/regime/): the keys it describes are the ones compared
 DEFAULT_IGNORE = ("seed", "hydra", "wandb", "threads", "world_cache", "resume", "experiment_name", "regime_meta")
@@ -18,7 +21,7 @@ NO_CONFIG = "config.yaml"  # pseudo-key telling groups without .hydra/config.yam
 _INTERP = re.compile(r"\$\{(?:oc\.select:)?([A-Za-z_][\w.]*)(?=[},])")  # ${a.b} or ${oc.select:a.b,default}
 
 
-def _under(key: str, prefixes) -> bool:
+def under(key: str, prefixes) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
@@ -28,45 +31,24 @@ def parse_ignore(values) -> tuple[str, ...]:
     return tuple(dict.fromkeys(k for k in keys if k))
 
 
-def comparable_config(run, ignore=()) -> dict:
-    """The run's resolved config minus what never changes results, hl.* when humanline is off, and `ignore`.
+def comparable_config(config: dict, ignore=()) -> dict:
+    """A resolved config minus what never changes results, hl.* when humanline is off, and `ignore`.
     `humanline` itself goes too: absent and `false` both mean off, and the family (a group's axis) carries it."""
-    drop = DEFAULT_IGNORE + ("humanline",) + tuple(ignore) + (() if run.config.get("humanline") is True else ("hl",))
-    return {k: v for k, v in run.config.items() if not _under(k, drop)}
+    drop = DEFAULT_IGNORE + ("humanline",) + tuple(ignore) + (() if config.get("humanline") is True else ("hl",))
+    return {k: v for k, v in config.items() if not under(k, drop)}
 
 
-def _canon(v) -> str:
+def canon(v) -> str:
     return json.dumps(v, sort_keys=True, default=str)
 
 
 def show(v) -> str:
-    return v if isinstance(v, str) else _canon(v)
-
-
-@dataclass
-class Group:
-    """Complete runs that differ only by seed (or by ignored keys): the unit of n, mean, sd and CI."""
-    task: str
-    objective: str
-    family: str
-    runs: list
-    cfg: dict | None  # comparable_config of its runs; None for run dirs without .hydra/config.yaml
-    raw: dict
-
-
-def group_runs(runs: list, ignore=()) -> list[Group]:
-    groups: dict[tuple, Group] = {}
-    for r in runs:
-        cfg = comparable_config(r, ignore) if r.config is not None else None
-        ident = None if cfg is None else tuple(sorted((k, _canon(v)) for k, v in cfg.items()))
-        g = groups.setdefault((r.task, r.objective, r.family, ident), Group(r.task, r.objective, r.family, [], cfg, r.raw))
-        g.runs.append(r)
-    return list(groups.values())
+    return v if isinstance(v, str) else canon(v)
 
 
 @dataclass(frozen=True)
 class Duplicate:
-    """A run dir counted once: `dropped` is the same run as `kept` (same config and seed)."""
+    """A run dir counted once: `dropped` is the same run as `kept` (same config and seed); both are run rows."""
     dropped: object
     kept: object
     same_outputs: bool  # a copy (identical summary.json and metrics.jsonl) or a rerun of the same seed
@@ -76,33 +58,45 @@ class Duplicate:
         return f"{self.dropped.path} duplicates {self.kept.path} ({how}); counted once"
 
 
-def collapse_duplicates(runs: list) -> tuple[list, list[Duplicate]]:
+def collapse_duplicates(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[Duplicate]]:
     """One run per identity, so a copied run dir (to re-judge it, say) is never a second seed.
 
     Identity: the resolved config (less the keys that never change results, DEFAULT_IGNORE, but with the
     seed) when the run has one, else the fingerprint of its outputs. The first dir (sorted) is kept."""
-    kept: dict[tuple, object] = {}
-    out, dups = [], []
-    for r in sorted(runs, key=lambda r: str(r.path)):
-        if r.config is not None:
-            ident = ("config", r.task, r.objective, r.family, _canon(r.seed), _canon(comparable_config(r)))
-        else:
-            ident = ("outputs", r.fingerprint)
-        first = kept.setdefault(ident, r)
-        if first is r:
-            out.append(r)
-        else:
-            dups.append(Duplicate(r, first, r.fingerprint == first.fingerprint))
-    return out, dups
+    runs = runs.sort_values("path", key=lambda p: p.map(str))
+    first: dict[tuple, object] = {}
+    dups = []
+    for r in runs.itertuples():
+        ident = (("config", r.task, r.objective, r.family, canon(r.seed), canon(comparable_config(r.config)))
+                 if r.config is not None else ("outputs", r.fingerprint))
+        kept = first.setdefault(ident, r)
+        if kept is not r:
+            dups.append(Duplicate(r, kept, r.fingerprint == kept.fingerprint))
+    return runs.loc[[r.Index for r in first.values()]], dups
 
 
-def derived_from(groups: list[Group]) -> dict[str, str]:
+def groups(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
+    """Complete runs that differ only by seed (or by ignored keys): the unit of n, mean, sd and CI. One row per
+    group, in first-seen order: task, objective, family, cfg (comparable config; None without .hydra/config.yaml),
+    raw (a member's unresolved config), members (the runs' index labels)."""
+    if runs.empty:
+        return pd.DataFrame(columns=["task", "objective", "family", "cfg", "raw", "members"])
+    cfg = [None if c is None else comparable_config(c, ignore) for c in runs["config"]]
+    ident = [None if c is None else canon(sorted((k, canon(v)) for k, v in c.items())) for c in cfg]
+    key = pd.Series([canon([t, o, f, i]) for t, o, f, i in zip(runs.task, runs.objective, runs.family, ident)],
+                    index=runs.index)
+    members = [list(g.index) for _, g in runs.groupby(key, sort=False)]
+    out = runs.assign(cfg=cfg).loc[[m[0] for m in members], ["task", "objective", "family", "cfg", "raw"]]
+    return out.assign(members=members).reset_index(drop=True)
+
+
+def derived_from(groups_: pd.DataFrame) -> dict[str, str]:
     """key -> the one other subtree its value interpolates in every group that has the key
     (train.batch_size: ${objective.batch_size}). A key that is a literal anywhere is its own."""
     seen: dict[str, set] = {}
-    for g in groups:
-        for k in g.cfg or ():
-            refs = {r.split(".")[0] for r in _INTERP.findall(str(g.raw.get(k, "")))} - {k.split(".")[0]}
+    for cfg, raw in zip(groups_.cfg, groups_.raw):
+        for k in cfg or ():
+            refs = {r.split(".")[0] for r in _INTERP.findall(str(raw.get(k, "")))} - {k.split(".")[0]}
             seen.setdefault(k, set()).add(next(iter(refs)) if len(refs) == 1 else None)
     return {k: next(iter(s)) for k, s in seen.items() if len(s) == 1 and None not in s}
 
@@ -111,45 +105,68 @@ def family_defining(key: str, derived: dict) -> bool:
     return key.split(".")[0] in FAMILY_KEYS or derived.get(key) in FAMILY_KEYS
 
 
-def scope(g: Group, key: str, derived: dict):
+def scope(g, key: str, derived: dict):
     """Which groups a key is compared with: a config group's keys (model.*, data.*, objective.*, and keys that only
     interpolate one) only between groups that chose the same option (its name/regime/kind), so the defaults of
     dpo vs grpo or of offline vs online data never show as differences. None: the key does not apply here
     (an axis of the table, or hl.* with humanline off)."""
-    if g.cfg is None or key in AXIS_KEYS or (_under(key, ("hl",)) and not g.family.startswith("humanline-")):
+    if g.cfg is None or key in AXIS_KEYS or (under(key, ("hl",)) and not g.family.startswith("humanline-")):
         return None
     parts = []
     for top in (key.split(".")[0], derived.get(key)):
         if top is not None:
             sel = next((f"{top}.{s}" for s in ("name", "regime", "kind") if f"{top}.{s}" in g.cfg), None)
-            parts.append((top, None if sel is None or sel == key else _canon(g.cfg[sel])))
+            parts.append((top, None if sel is None or sel == key else canon(g.cfg[sel])))
     return tuple(parts)
 
 
-def signature(g: Group, derived: dict) -> tuple:
-    """What must match for a speedup: everything but the family-defining keys."""
+def signature(g, derived: dict) -> tuple | None:
+    """What must match for a speedup or a comparison: everything but the family-defining keys."""
     if g.cfg is None:
-        return (g.task, g.objective, None)
-    return (g.task, g.objective, tuple(sorted((k, _canon(v)) for k, v in g.cfg.items()
-                                              if not family_defining(k, derived))))
+        return None
+    return tuple(sorted((k, canon(v)) for k, v in g.cfg.items() if not family_defining(k, derived)))
 
 
-def varying_keys(groups: list[Group], derived: dict) -> dict[str, set]:
+def differing_keys(signatures: list) -> set:
+    """Keys whose values differ between signatures (what a reader needs to tell them apart)."""
+    dicts = [dict(s) for s in signatures if s is not None]
+    keys = {k for d in dicts for k in d}
+    return {k for k in keys if len({d.get(k) for d in dicts}) > 1}
+
+
+def comparison_sets(runs: pd.DataFrame, ignore=()) -> list[tuple[str, str, str, list]]:
+    """The groups of complete runs whose configs agree outside the family-defining keys, what a comparison pairs:
+    (task, objective, label, its groups as rows of `groups`), by task, then objective and signature. The label
+    names the keys that tell the set apart from the objective's other sets."""
+    out = []
+    for task, tg in groups(runs, ignore).groupby("task", sort=True):
+        derived = derived_from(tg)
+        sets: dict[tuple, list] = {}
+        for g in tg.itertuples():
+            sets.setdefault((g.objective, signature(g, derived)), []).append(g)
+        for (objective, sig), members in sorted(sets.items(), key=lambda kv: str(kv[0])):
+            differing = differing_keys([s for (o, s) in sets if o == objective])
+            out.append((task, objective, ", ".join(f"{k}={v}" for k, v in (sig or ()) if k in differing), members))
+    return out
+
+
+def varying_keys(groups_: pd.DataFrame, derived: dict) -> dict[str, set]:
     """key -> the scopes in which it takes more than one value (an absent key counts as a value)."""
     seen: dict[str, dict] = {}
-    for k in sorted({k for g in groups if g.cfg for k in g.cfg}):
-        for g in groups:
+    rows = list(groups_.itertuples())
+    for k in sorted({k for g in rows if g.cfg for k in g.cfg}):
+        for g in rows:
             sc = scope(g, k, derived)
             if sc is not None:
-                seen.setdefault(k, {}).setdefault(sc, set()).add(_canon(g.cfg[k]) if k in g.cfg else None)
+                seen.setdefault(k, {}).setdefault(sc, set()).add(canon(g.cfg[k]) if k in g.cfg else None)
     out = {k: {sc for sc, vals in by.items() if len(vals) > 1} for k, by in seen.items()}
     out = {k: scs for k, scs in out.items() if scs}
-    if any(g.cfg is None for g in groups) and any(g.cfg is not None for g in groups):
+    if any(g.cfg is None for g in rows) and any(g.cfg is not None for g in rows):
         out[NO_CONFIG] = {None}
     return out
 
 
-def group_labels(g: Group, varying: dict, derived: dict) -> dict:
+def group_labels(g, varying: dict, derived: dict) -> dict:
     """The varying keys this group has a distinguishing value for, as display strings."""
     if g.cfg is None:
         return {NO_CONFIG: "missing"} if NO_CONFIG in varying else {}
@@ -157,4 +174,26 @@ def group_labels(g: Group, varying: dict, derived: dict) -> dict:
             if k != NO_CONFIG and scope(g, k, derived) in scs}
 
 
-# ---------------------------------------------------------------- aggregation
+def label(runs: pd.DataFrame, ignore=()) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Complete runs -> (runs with `group` and `variant`, groups with `labels`, `row`, `label`, `sig`).
+
+    Per task: the keys that vary between its groups label them; those outside the family-defining subtrees
+    (train.lr, model.*) make the rows of its table (`row`), the others (data.path, hl.*) label a cell (`label`);
+    `variant` is every label, what tells a run's group apart at the same (task, objective, family); `sig` is the
+    group's comparison signature (task, objective, signature)."""
+    gs = groups(runs, ignore)
+    runs = runs.assign(group=-1, variant="")
+    gs["labels"], gs["row"], gs["label"], gs["sig"] = None, None, "", None
+    for _, tg in gs.groupby("task", sort=True):
+        derived = derived_from(tg)
+        varying = varying_keys(tg, derived)
+        row_keys = sorted(k for k in varying if not family_defining(k, derived))
+        for i, g in tg.iterrows():
+            labels = group_labels(g, varying, derived)
+            gs.at[i, "labels"] = labels
+            gs.at[i, "row"] = tuple((k, labels.get(k, "–")) for k in row_keys)
+            gs.at[i, "label"] = ", ".join(f"{k}={v}" for k, v in labels.items() if k not in row_keys)
+            gs.at[i, "sig"] = (g.task, g.objective, signature(g, derived))
+            runs.loc[g.members, "group"] = i
+            runs.loc[g.members, "variant"] = ", ".join(f"{k}={v}" for k, v in labels.items())
+    return runs, gs

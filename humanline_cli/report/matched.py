@@ -23,43 +23,25 @@ loop over the regime's, the same number of steps, not the same quality) is given
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
 
-from humanline_cli.report.gap_closed import CURVE_KEYS, metric_of, metric_value, time_to
-from humanline_cli.report.regime_map import regime_label
+import pandas as pd
+
+from humanline_cli.report.frame import LEFT_OUT, md_table, metric_of, run_points
+from humanline_cli.report.gap_closed import time_to
 from humanline_cli.report.stats import km_median
 
-LEFT_OUT = ("setup", "eval", "save", "checkpoint", "sampler_start")
 TARGET_GAIN = 0.9  # the default target: this share of online's mean gain over the start
 
 
 def curve(summary: dict, metrics: list[dict], metric: str) -> list[tuple[int, float, float]]:
     """[(step, loop seconds, score)]: start at (0, 0), mid-run evaluations, the final evaluation."""
-    key, start = CURVE_KEYS[metric]
-    ev = summary.get("eval") or {}
-    points = []
-    if start is None:
-        points.append((0, 0.0, 0.5))
-    else:
-        mode, field_ = start
-        value = (ev.get(mode) or {}).get(field_) if mode else ev.get(field_)
-        if value is not None:
-            points.append((0, 0.0, float(value)))
-    train_rows = {r["step"]: r for r in metrics if "wall_s" in r and "time/train" in r}
-    for r in metrics:
-        if key in r and r.get("step") in train_rows:
-            t = train_rows[r["step"]]
-            points.append((int(r["step"]), _loop_at(t["wall_s"], {k[5:]: v for k, v in t.items() if k.startswith("time/")}),
-                           float(r[key])))
-    final = metric_value(summary, metric)
+    got = run_points(summary, metrics)[["step", "loop_s", metric]].dropna()
+    return [(int(st), float(t), float(v)) for st, t, v in got.itertuples(index=False)]
+
+
+def _loop(summary: dict) -> float:
     w = summary.get("wall_clock_s") or {}
-    if final is not None and w:
-        points.append((int(summary.get("steps") or 0), _loop_at(w.get("total", 0.0), w), final))
-    return points
-
-
-def _loop_at(wall: float, phases: dict) -> float:
-    return float(wall) - sum(float(phases.get(k, 0.0) or 0.0) for k in LEFT_OUT)
+    return float(w.get("total", 0.0)) - sum(float(w.get(k, 0.0) or 0.0) for k in LEFT_OUT)
 
 
 def reach(points: list[tuple[int, float, float]], target: float) -> tuple[float, float] | None:
@@ -86,23 +68,12 @@ def km_medians(points_by_seed: dict, target: float) -> dict:
             "seconds": km_median([s for _, s in both], hit)}
 
 
-@dataclass(frozen=True)
-class MatchedRow:
-    task: str
-    objective: str
-    regime: str
-    metric: str
-    target: float
-    target_note: str
-    seeds: int
-    reached: dict        # seed -> (steps, seconds) at the target
-    ended: dict          # seed -> (steps, seconds) at the run's end, for the seeds that never reached it
-    steps: int           # steps of the runs (the equal-step comparison)
-    loop_s: float        # mean measured loop seconds of the whole run
-    steps_to: float | None   # Kaplan-Meier median steps to the target (None: fewer than half reached it)
-    seconds: float | None    # Kaplan-Meier median loop seconds to the target
-    speedup: float | None    # online's median seconds / this regime's
-    equal_step_speedup: float | None
+# A regime's row: the target and how it was set, its seeds, those that reached it ({seed: (steps, seconds)}) and
+# those that ended short ({seed: (steps, seconds) at the end}), the runs' steps and mean loop seconds, the
+# Kaplan-Meier medians of steps and seconds to the target (None: fewer than half reached it), online's median
+# seconds over this regime's, and online's whole loop over this regime's (equal steps, not equal quality).
+ROW = ("task", "objective", "regime", "metric", "target", "target_note", "seeds", "reached", "ended", "steps",
+       "loop_s", "steps_to", "seconds", "speedup", "equal_step_speedup")
 
 
 def target_of(online_curves: list, accuracy: float | None) -> tuple[float, str]:
@@ -117,47 +88,43 @@ def target_of(online_curves: list, accuracy: float | None) -> tuple[float, str]:
                                                     f"{final:.4g} - start)")
 
 
-def matched_rows(runs: list, accuracy: float | None = None) -> list[MatchedRow]:
-    by: dict[tuple, dict] = {}
-    for r in runs:
-        if r.status == "complete":
-            by.setdefault((r.task, r.objective), {}).setdefault(regime_label(r), []).append(r)
+def matched_rows(runs: pd.DataFrame, accuracy: float | None = None) -> pd.DataFrame:
+    """Per (task, objective) with online runs, one row per regime (the runs' `regime` column), in first-seen order."""
     rows = []
-    for (task, obj), regimes in by.items():
-        online = regimes.get("online")
-        if not online:
+    for (task, obj), tr in runs.groupby(["task", "objective"], sort=False):
+        if "online" not in set(tr.regime):
             continue
-        metric = metric_of(online[0].summary)[0]
+        metric = metric_of(tr[tr.regime == "online"].iloc[0]["summary"])
         if metric == "none":
             continue
-        curves = {name: {r.seed: (r, curve(r.summary, r.metrics, metric)) for r in rs} for name, rs in regimes.items()}
+        # per regime: seed -> (summary, curve), a seed's last run
+        curves = {name: {r.seed: (r.summary, curve(r.summary, r.metrics, metric)) for r in rs.itertuples()}
+                  for name, rs in tr.groupby("regime", sort=False)}
         on_curves = [c for _, c in curves["online"].values() if c]
         if not on_curves:
             continue
         target, note = target_of(on_curves, accuracy)
         on_med = km_medians({s: c for s, (_, c) in curves["online"].items()}, target)["seconds"]
-        on_loop = statistics.fmean(_loop_at((r.summary.get("wall_clock_s") or {}).get("total", 0.0),
-                                            r.summary.get("wall_clock_s") or {}) for r in online)
+        on_loop = statistics.fmean(tr[tr.regime == "online"]["summary"].map(_loop))
         for name, seeds in curves.items():
             med = km_medians({s: c for s, (_, c) in seeds.items()}, target)
-            loop = statistics.fmean(_loop_at((r.summary.get("wall_clock_s") or {}).get("total", 0.0),
-                                             r.summary.get("wall_clock_s") or {}) for r, _ in seeds.values())
-            steps = int(next(iter(seeds.values()))[0].summary.get("steps") or 0)
+            loop = statistics.fmean(_loop(summary) for summary, _ in seeds.values())
+            steps = int(next(iter(seeds.values()))[0].get("steps") or 0)
             speedup = on_med / med["seconds"] if on_med is not None and med["seconds"] else None
-            rows.append(MatchedRow(task, obj, name, metric, target, note, len(seeds), med["reached"], med["ended"],
-                                   steps, loop, med["steps"], med["seconds"], speedup,
-                                   on_loop / loop if loop else None))
-    return rows
+            rows.append((task, obj, name, metric, target, note, len(seeds), med["reached"], med["ended"], steps, loop,
+                         med["steps"], med["seconds"], speedup, on_loop / loop if loop else None))
+    return pd.DataFrame(rows, columns=ROW, dtype=object)
 
 
-def _num(x: float | None, fmt: str) -> str:
-    return "–" if x is None else format(x, fmt)
+def _num(x: float | None, fmt: str, unit: str = "") -> str:
+    return "–" if x is None else format(x, fmt) + unit
 
 
-def markdown(rows: list[MatchedRow], predicted: dict | None = None) -> list[str]:
+def markdown(rows: pd.DataFrame, predicted: dict | None = None) -> list[str]:
     """`predicted`: target name -> {(task, objective, regime): predicted loop seconds of the whole run}."""
-    if not rows:
+    if rows.empty:
         return ["No online runs with learning curves to match."]
+    rows = list(rows.itertuples())
     targets = dict.fromkeys(f"{r.task} / {r.objective}: {r.metric} {r.target:.4g} ({r.target_note})" for r in rows)
     out = [f"Target: {'; '.join(targets)}. Per seed, the loop wall-clock (and steps) to first reach it; a seed that "
            "never reaches it is censored at its run's end. Each regime: how many of its seeds reached it, and the "
@@ -166,19 +133,15 @@ def markdown(rows: list[MatchedRow], predicted: dict | None = None) -> list[str]
            "regime's (no interval: a ratio of medians of a few censored seeds has none worth printing). The "
            "equal-step column compares whole runs of the same steps (not the same quality).", ""]
     extra = list(predicted or {})
-    out += ["| task | objective | regime | reached | median steps to target | median seconds to target (measured) | "
-            + "".join(f"predicted s on {t} | " for t in extra)
-            + "speedup at matched quality | speedup at equal steps (not matched quality) |",
-            "|---|---|---|---|---|---|" + "---|" * len(extra) + "---|---|"]
-    for r in rows:
-        reached = f"{len(r.reached)} of {r.seeds}" + ("" if not r.ended else f" (not reached: {len(r.ended)})")
-        preds = []
-        for t in extra:
-            loop = predicted[t].get((r.task, r.objective, r.regime))
-            preds.append("–" if loop is None or r.steps_to is None or not r.steps
-                         else f"{loop * r.steps_to / r.steps:.4g}")
-        out.append(f"| {r.task} | {r.objective} | {r.regime} | {reached} | {_num(r.steps_to, '.1f')} | "
-                   f"{_num(r.seconds, '.1f')} | " + "".join(p + " | " for p in preds)
-                   + ("–" if r.speedup is None else f"{r.speedup:.2f}x") + " | "
-                   + ("–" if r.equal_step_speedup is None else f"{r.equal_step_speedup:.2f}x") + " |")
-    return out
+
+    def predicted_s(r, t: str) -> str:
+        loop = predicted[t].get((r.task, r.objective, r.regime))
+        return "–" if loop is None or r.steps_to is None or not r.steps else f"{loop * r.steps_to / r.steps:.4g}"
+
+    return out + md_table(["task", "objective", "regime", "reached", "median steps to target",
+                           "median seconds to target (measured)", *(f"predicted s on {t}" for t in extra),
+                           "speedup at matched quality", "speedup at equal steps (not matched quality)"],
+                          [(r.task, r.objective, r.regime, f"{len(r.reached)} of {r.seeds}"
+                            + ("" if not r.ended else f" (not reached: {len(r.ended)})"), _num(r.steps_to, ".1f"),
+                            _num(r.seconds, ".1f"), *(predicted_s(r, t) for t in extra), _num(r.speedup, ".2f", "x"),
+                            _num(r.equal_step_speedup, ".2f", "x")) for r in rows])

@@ -13,7 +13,10 @@ import math
 import sys
 from dataclasses import dataclass
 
+from humanline_cli.core.humanline import HumanlineSpec
+from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.report.predict import Call, Work, predict
+from humanline_cli.report.speed import reference_syncs
 from humanline_cli.report.targets import ASSUMED, GPUS, SHAPES, gpu_target
 
 
@@ -54,12 +57,12 @@ def counted_work(cfg, setting: Setting, gpus: int) -> Work:
     """The work of one run of the composed config `cfg` under the setting's length assumptions."""
     shape = SHAPES[setting.model]
     steps, batch = int(cfg.train.steps), int(cfg.train.batch_size)
-    obj = cfg.objective.name
+    props = PROPERTIES[cfg.objective.name]  # what a unit is, for this objective: the method's own entry
     online = cfg.data.regime == "online"
-    seqs_per_unit = {"grpo": int(cfg.data.n), "dpo": 2, "kto": 1}[obj]
+    seqs_per_unit = props.seqs_per_unit or int(cfg.data.n)  # 0: a GRPO group, data.n samples of one prompt
     calls: tuple = ()
     if online:
-        per_prompt_units = 2 if obj == "kto" else 1
+        per_prompt_units = props.units_per_prompt
         k = cfg.data.get("generate_every")
         prompts = k * batch // per_prompt_units if k else int(cfg.data.prompts_per_round)
         steps_per_call = k or max(1, prompts * per_prompt_units // batch)
@@ -67,8 +70,8 @@ def counted_work(cfg, setting: Setting, gpus: int) -> Work:
         m = prompts * int(cfg.data.n)
         calls = tuple(Call(m, round(m * setting.completion_tokens), setting.longest) for _ in range(n_calls))
     tokens = steps * batch * seqs_per_unit * (setting.prompt_tokens + setting.completion_tokens)
-    hl = bool(cfg.humanline) and bool(cfg.hl.sync)
-    syncs = steps // int(cfg.hl.sync_every) if hl else (len(calls) if online else 0)
+    spec = HumanlineSpec(sync=bool(cfg.humanline) and bool(cfg.hl.sync), sync_every=int(cfg.hl.sync_every))
+    syncs = reference_syncs(spec, str(cfg.data.regime), steps, len(calls))
     return Work(params=shape.matmul_params, weight_bytes=2 * shape.params, calls=calls, steps=steps,
                 train_tokens=tokens, reference_forward=True,
                 gradient_checkpointing=bool(cfg.train.gradient_checkpointing), syncs=syncs)

@@ -1,6 +1,7 @@
 """PNG plots for `humanline report` (matplotlib, Agg) and the optional wandb upload of the report.
 
-Consumes runs.Run objects (duck-typed: task, objective, family, variant, summary, metrics, logratios) and never
+Consumes the labelled runs frame (report/frame.py, groups.label, regime_map.with_regimes: task, objective, family,
+variant, regime, summary, metrics, logratios, config) and its evaluation points (frame.run_points), and never
 imports aggregate.py (imports point one way: aggregate -> plots). Runs of different config groups at the same
 (task, objective, family) are told apart by their `variant` label (and line style), never summed together."""
 from __future__ import annotations
@@ -9,13 +10,15 @@ import math
 import sys
 from pathlib import Path
 
+import pandas as pd
+
+from humanline_cli.report.frame import num, points, run_points
+from humanline_cli.schema import HumanlineConfig
+
 OBJECTIVES = ("dpo", "kto", "grpo")
 FAMILIES = ("offline", "online", "humanline-offline", "humanline-online")
 FAMILY_COLORS = {"offline": "tab:blue", "online": "tab:orange", "humanline-offline": "tab:green",
                  "humanline-online": "tab:red"}
-CLAMP_BAND = (-1.0, 1.5)  # default hl.log_eps_P, hl.log_eps_R
-
-
 LINESTYLES = ("-", "--", ":", "-.")
 
 
@@ -39,29 +42,13 @@ def _styles(runs) -> dict:
     return {v: LINESTYLES[i % len(LINESTYLES)] for i, v in enumerate(variants)}
 
 
-def _num(x):
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
-
-
 def eval_curve(run) -> tuple[str, list[tuple[float, float]]]:
-    """(metric name, [(wall_s, value)]): start at x=0, eval/* rows from metrics.jsonl, final at wall_clock total."""
-    ev = (run.summary.get("eval") or {})
-    if _num(ev.get("accuracy")) is not None:
-        metric, key, start, final = "accuracy", "eval/accuracy", ev.get("start_accuracy"), ev.get("accuracy")
-    elif _num(ev.get("reward_mean")) is not None:
-        metric, key, start, final = "judge reward", "eval/reward_mean", ev.get("start_reward_mean"), ev.get("reward_mean")
-    else:
-        metric, key, start, final = "win rate vs start", "eval/win_rate", 0.5, ev.get("win_rate")
-    pts = []
-    if _num(start) is not None:
-        pts.append((0.0, float(start)))
-    for row in run.metrics:
-        if _num(row.get(key)) is not None and _num(row.get("wall_s")) is not None:
-            pts.append((float(row["wall_s"]), float(row[key])))
-    total = _num(run.summary.get("wall_clock_s", {}).get("total"))
-    if total is not None and _num(final) is not None:
-        pts.append((total, float(final)))
-    return metric, sorted(pts)
+    """(metric name, [(wall_s, value)]): start at x=0, eval rows of metrics.jsonl, final at the wall-clock total."""
+    ev = run.summary.get("eval") or {}
+    name, col = (("accuracy", "accuracy") if num(ev.get("accuracy")) is not None else
+                 ("judge reward", "reward") if num(ev.get("reward_mean")) is not None else ("win rate vs start", "win rate"))
+    pts = run_points(run.summary, run.metrics)[["wall_s", col]].dropna()
+    return name, sorted(zip(pts["wall_s"].astype(float), pts[col].astype(float)))
 
 
 def _panels(keys: list, title_fmt):
@@ -96,8 +83,8 @@ def _keys(pairs):
     return keys, (lambda k: f"{k[0]} / {k[1]}" if multi else k[1])
 
 
-def plot_eval_vs_wallclock(runs, path: Path) -> str | None:
-    curves = [(r, *eval_curve(r)) for r in runs]
+def plot_eval_vs_wallclock(frame, path: Path) -> str | None:
+    curves = [(r, *eval_curve(r)) for r in frame.itertuples()]
     curves = [c for c in curves if len(c[2]) >= 1]
     if not curves:
         return "no complete run has eval numbers"
@@ -116,61 +103,44 @@ def plot_eval_vs_wallclock(runs, path: Path) -> str | None:
     return _save(fig, path)
 
 
-def step_curve(run, mode: str) -> list[tuple[int, float]]:
-    """[(step, accuracy)] of one eval mode ("greedy" or "sampled"): the start at step 0, the periodic
-    evals (eval.every) from metrics.jsonl, the final eval at the run's last step."""
-    ev = run.summary.get("eval") or {}
-    sub = ev.get(mode) or {}
-    start, final = _num(sub.get("start_accuracy")), _num(sub.get("accuracy"))
-    pts = {0: start} if start is not None else {}
-    for row in run.metrics:
-        v = _num(row.get(f"eval/{mode}/accuracy"))
-        if v is not None and _num(row.get("step")) is not None:
-            pts[int(row["step"])] = v
-    steps = _num(run.summary.get("steps"))
-    if steps is not None and final is not None:
-        pts[int(steps)] = final
-    return sorted(pts.items())
+def step_curves(frame, mode: str):
+    """Evaluation points (frame.points) of one mode ("greedy" or "sampled") of the runs that evaluated mid-run:
+    one accuracy per run and step (the last), with the run's task, objective and regime."""
+    pts = points(frame).dropna(subset=[f"{mode} accuracy"]).drop_duplicates(["run", "step"], keep="last")
+    pts = pts[pts.groupby("run")["run"].transform("size") > 2]  # the start, a mid-run eval, the end
+    return pts.join(frame[["task", "objective", "regime"]], on="run")
 
 
-def plot_eval_vs_step(runs, path: Path) -> str | None:
+def plot_eval_vs_step(frame, path: Path) -> str | None:
     """Learning curves at matched training units: accuracy against the optimizer step, the mean over each
     regime's seeds at the steps all its seeds evaluated; one panel per objective and eval mode (greedy, sampled)."""
-    modes = [m for m in ("greedy", "sampled") if any(len(step_curve(r, m)) > 2 for r in runs)]
-    if not modes:
+    curves = {m: c for m in ("greedy", "sampled") if len(c := step_curves(frame, m))}
+    if not curves:
         return "no complete run has periodic greedy or sampled accuracy (eval.every > 0 on a verifier task)"
     import matplotlib.pyplot as plt
 
-    from humanline_cli.report.regime_map import regime_label
-
-    keys, title = _keys((r.task, r.objective) for r in runs if any(len(step_curve(r, m)) > 2 for m in modes))
-    fig, axes = plt.subplots(len(modes), len(keys), figsize=(6 * len(keys), 4.5 * len(modes)), squeeze=False)
-    labels = sorted({regime_label(r) for r in runs})
+    keys, title = _keys(zip(*(pd.concat(curves.values())[c] for c in ("task", "objective"))))
+    fig, axes = plt.subplots(len(curves), len(keys), figsize=(6 * len(keys), 4.5 * len(curves)), squeeze=False)
+    labels = sorted(set(frame["regime"]))
     cmap = plt.get_cmap("tab20")
-    colors = {lab: cmap(i % 20) for i, lab in enumerate(labels)}
-    for i, mode in enumerate(modes):
+    for i, (mode, pts) in enumerate(curves.items()):
         for j, key in enumerate(keys):
             ax = axes[i][j]
             ax.set_title(f"{title(key)}, {mode} accuracy")
             ax.grid(alpha=0.3)
             ax.set_xlabel("optimizer step (matched training units)")
-            by: dict[str, list[dict]] = {}
-            for r in runs:
-                if (r.task, r.objective) == key and len(step_curve(r, mode)) > 2:
-                    by.setdefault(regime_label(r), []).append(dict(step_curve(r, mode)))
-            for lab in sorted(by):
-                curves = by[lab]
-                steps = sorted(set.intersection(*(set(c) for c in curves)))
-                ys = [sum(c[s] for c in curves) / len(curves) for s in steps]
-                ax.plot(steps, ys, marker="o", ms=3, color=colors[lab], alpha=0.85,
-                        linestyle=LINESTYLES[labels.index(lab) // 10 % len(LINESTYLES)],
-                        label=f"{lab} (n={len(curves)})")
+            mine = pts[(pts.task == key[0]) & (pts.objective == key[1])]
+            for lab, g in mine.groupby("regime", sort=True):
+                wide = g.pivot(index="step", columns="run", values=f"{mode} accuracy").dropna()  # steps all evaluated
+                k = labels.index(lab)
+                ax.plot(wide.index.astype(int), wide.mean(axis=1), marker="o", ms=3, color=cmap(k % 20), alpha=0.85,
+                        linestyle=LINESTYLES[k // 10 % len(LINESTYLES)], label=f"{lab} (n={wide.shape[1]})")
             ax.legend(fontsize=7, ncol=2)
     return _save(fig, path)
 
 
-def plot_unclamped_fraction(runs, path: Path) -> str | None:
-    hl = [r for r in runs if r.humanline and any(_num(m.get("humanline/unclamped_fraction")) is not None
+def plot_unclamped_fraction(frame, path: Path) -> str | None:
+    hl = [r for r in frame.itertuples() if r.humanline and any(num(m.get("humanline/unclamped_fraction")) is not None
                                                  for m in r.metrics)]
     if not hl:
         return "no humanline run logged humanline/unclamped_fraction"
@@ -179,7 +149,7 @@ def plot_unclamped_fraction(runs, path: Path) -> str | None:
     style = _styles(hl)
     for r in hl:
         pts = sorted((m["step"], m["humanline/unclamped_fraction"]) for m in r.metrics
-                     if _num(m.get("humanline/unclamped_fraction")) is not None and _num(m.get("step")) is not None)
+                     if num(m.get("humanline/unclamped_fraction")) is not None and num(m.get("step")) is not None)
         ax = axes[(r.task, r.objective)]
         ax.plot(*zip(*pts), linestyle=style[r.variant], color=_color(r.family), alpha=0.8, label=_label(r))
         ax.set_xlabel("step")
@@ -200,10 +170,9 @@ def late_histogram(run) -> list[float] | None:
     return [sum(float(r["counts"][i]) for r in late if len(r["counts"]) == n) for i in range(n)]
 
 
-def plot_logratio_hist(runs, path: Path) -> str | None:
-    hists = {}
-    meta = {}
-    for r in runs:
+def plot_logratio_hist(frame, path: Path) -> str | None:
+    hists, meta, bands = {}, {}, {}
+    for r in frame.itertuples():
         h = late_histogram(r)
         if h is None:
             continue
@@ -211,6 +180,10 @@ def plot_logratio_hist(runs, path: Path) -> str | None:
         prev = hists.get(key)
         hists[key] = h if prev is None else [a + b for a, b in zip(prev, h)]
         meta[key] = (r.logratios[0].get("lo", -3.0), r.logratios[0].get("hi", 3.0))
+        if r.humanline:  # the band the run's clamp used (its resolved hl.*, else the schema's default)
+            cfg = r.config or {}
+            bands.setdefault((r.task, r.objective), (cfg.get("hl.log_eps_P", HumanlineConfig.log_eps_P),
+                                                     cfg.get("hl.log_eps_R", HumanlineConfig.log_eps_R)))
     if not hists:
         return "no run wrote logratios.jsonl"
     keys, title = _keys((k[0], k[1]) for k in hists)
@@ -230,10 +203,11 @@ def plot_logratio_hist(runs, path: Path) -> str | None:
                   linewidth=1.5, label=f"{name} (out of range {(h[0] + h[-1]) / total:.1%})")
         ax.set_xlabel("token log-ratio log π/π_ref (last 25% of logged steps)")
         ax.set_ylabel("density")
-    for ax in axes.values():
-        for x in CLAMP_BAND:
+    for key, ax in axes.items():
+        band = bands.get(key, (HumanlineConfig.log_eps_P, HumanlineConfig.log_eps_R))
+        for x in band:
             ax.axvline(x, color="black", linestyle="--", linewidth=1)
-        ax.text(CLAMP_BAND[1], ax.get_ylim()[1] * 0.95, " clamp band", fontsize=8, va="top")
+        ax.text(band[1], ax.get_ylim()[1] * 0.95, " clamp band", fontsize=8, va="top")
         _legend_once(ax)
     return _save(fig, path)
 
@@ -247,9 +221,10 @@ def _save(fig, path: Path) -> None:
     plt.close(fig)
 
 
-def make_plots(runs, out_dir: Path) -> tuple[dict, dict]:
-    """Write the PNGs; returns ({name: path}, {name: why skipped})."""
+def make_plots(frame, out_dir: Path) -> tuple[dict, dict]:
+    """Write the PNGs of the labelled runs frame; returns ({name: path}, {name: why skipped})."""
     import matplotlib
+
 
     matplotlib.use("Agg", force=True)
     plots, skipped = {}, {}
@@ -259,7 +234,7 @@ def make_plots(runs, out_dir: Path) -> tuple[dict, dict]:
                      ("logratio_hist.png", plot_logratio_hist)):
         path = out_dir / name
         try:
-            why = fn(runs, path)
+            why = fn(frame, path)
         except Exception as e:  # a bad plot must not lose the table (reported as skipped)
             why = f"plot failed: {type(e).__name__}: {e}"
         if why is None:

@@ -19,22 +19,26 @@ interval, seeds, speedups) and writes a bar chart of gap closed per regime and o
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 import textwrap
 from pathlib import Path
 
+import pandas as pd
 
-def load(studies: list[tuple[str, Path]]) -> list[dict]:
-    rows = []
-    for label, path in studies:
+from humanline_cli.report.frame import load, md_table, write_csv
+from humanline_cli.report.gap_closed import DIGITS, bar_chart, gap_frame, gap_rows, gap_text
+from humanline_cli.report.groups import collapse_duplicates, label
+
+
+def load_studies(studies: list[tuple[str, Path]]) -> pd.DataFrame:
+    frames = []
+    for name, path in studies:
         f = path / "gap_closed.csv" if path.is_dir() else path
         if not f.is_file():
             raise FileNotFoundError(f"{f}: no gap_closed.csv (run `humanline report {path}` first)")
-        with open(f, newline="") as fh:
-            rows += [{**r, "regime": label} for r in csv.DictReader(fh)]
-    return rows
+        frames.append(pd.read_csv(f, dtype=str, keep_default_na=False).assign(regime=name))
+    return pd.concat(frames, ignore_index=True)
 
 
 # Keys a regime's runs may differ in from the online runs they are compared with (online ignores them).
@@ -65,21 +69,23 @@ def _declared(name: str) -> dict:
     return (yaml.safe_load(f.read_text()) or {}).get("regime_meta") or {} if f.is_file() else {}
 
 
-def regime_meta(run) -> dict:
-    """The run's regime as it declared it (name, family, baseline, target): its saved config's regime_meta,
+def regime_meta(config: dict | None, path: Path) -> dict:
+    """A run's regime as it declared it (name, family, baseline, target): its saved config's regime_meta,
     else (a run saved before regimes declared it) the one its `regime=` file declares now; {} for no regime."""
-    config = run.config or {}
-    meta = {k.removeprefix("regime_meta."): v for k, v in config.items() if k.startswith("regime_meta.")}
+    meta = {k.removeprefix("regime_meta."): v for k, v in (config or {}).items() if k.startswith("regime_meta.")}
     if meta.get("name"):
         return meta
-    name = regime_of(Path(run.path))
+    name = regime_of(Path(path))
     return _declared(name) if name else {}
 
 
-def regime_label(run) -> str:
-    """What names a run's regime in per-regime tables and plots: its declared regime where it has one, else
-    its report family (and the variant that tells its config group apart)."""
-    return regime_meta(run).get("name") or (f"{run.family} ({run.variant})" if run.variant else run.family)
+def with_regimes(runs: pd.DataFrame) -> pd.DataFrame:
+    """Labelled runs (groups.label) with `regime_meta` and `regime`, what names a run's regime in per-regime
+    tables and plots: its declared regime where it has one, else its family (and the variant that tells its
+    config group apart)."""
+    meta = [regime_meta(c, p) for c, p in zip(runs["config"], runs["path"])]
+    regime = [m.get("name") or (f"{f} ({v})" if v else f) for m, f, v in zip(meta, runs["family"], runs["variant"])]
+    return runs.assign(regime_meta=meta, regime=regime)
 
 
 def _sweep_order(root: Path, name_of: dict[str, str]) -> list[str]:
@@ -96,23 +102,16 @@ def _sweep_order(root: Path, name_of: dict[str, str]) -> list[str]:
     return first + sorted(set(name_of.values()) - set(first))
 
 
-def regime_gap_rows(runs: list) -> list:
-    """gap_closed.GapRow per humanline regime and objective, from complete runs of a sweep over named regimes:
-    each humanline regime against the baseline and target its regime_meta names, where the sweep has both.
-    The row's label is the regime (and its baselines when they are not the plain ones). Empty when no run
-    has a regime."""
-    from humanline_cli.report.gap_closed import gap_rows
-
-    by: dict[str, list] = {}
-    metas: dict[str, dict] = {}
-    name_of: dict[str, str] = {}
-    for run in runs:
-        meta = regime_meta(run)
-        if meta.get("name") and run.status == "complete":
-            by.setdefault(meta["name"], []).append(run)
-            metas[meta["name"]] = meta
-            name_of[regime_of(Path(run.path)) or meta["name"]] = meta["name"]
-    root = Path(os.path.commonpath([str(r.path) for r in runs])) if runs else Path(".")
+def regime_gap_rows(runs: pd.DataFrame) -> pd.DataFrame:
+    """gap_closed.gap_rows per humanline regime and objective, from complete runs (with_regimes) of a sweep over
+    named regimes: each humanline regime against the baseline and target its regime_meta names, where the sweep
+    has both. The row's label is the regime (and its baselines when they are not the plain ones). Empty when no
+    run has a regime."""
+    named = runs[[bool(m.get("name")) for m in runs["regime_meta"]]] if len(runs) else runs
+    by = {name: rs for name, rs in named.groupby("regime", sort=False)}
+    metas = {m["name"]: m for m in named["regime_meta"]}
+    name_of = {regime_of(Path(p)) or m["name"]: m["name"] for p, m in zip(named["path"], named["regime_meta"])}
+    root = Path(os.path.commonpath([str(p) for p in runs["path"]])) if len(runs) else Path(".")
     while root != root.parent and not (root / "multirun.yaml").is_file():
         root = root.parent  # the sweep dir, where multirun.yaml lists the regimes in order
     rows = []
@@ -121,62 +120,49 @@ def regime_gap_rows(runs: list) -> list:
         offline, online = meta.get("baseline"), meta.get("target")
         if meta.get("family") != "humanline" or offline not in by or online not in by:
             continue
-        for g in gap_rows(by[name] + by[offline] + by[online], ignore=SWEEP_IGNORE):
-            vs = f"{offline}, {online}"
-            g.label = name + ("" if vs == "offline, online" else f" (vs {vs})")
-            g.regime, g.compared_with = name, vs
-            rows.append(g)
-    return rows
+        vs = f"{offline}, {online}"
+        rows.append(gap_rows(pd.concat([by[name], by[offline], by[online]]), ignore=SWEEP_IGNORE).assign(
+            set=name + ("" if vs == "offline, online" else f" (vs {vs})"), regime=name, compared_with=vs))
+    return pd.concat(rows, ignore_index=True) if rows else gap_rows(runs.iloc[:0])
 
 
-def sweep_rows(root: Path) -> list[dict]:
-    """Gap-closed rows (gap_closed.csv's columns plus `regime`, `compared_with`) of one regime sweep."""
-    from humanline_cli.report.gap_closed import csv_row
-    from humanline_cli.report.groups import collapse_duplicates
-    from humanline_cli.report.runs import find_run_dirs, load_run
-
-    runs = [load_run(d) for d in find_run_dirs(root)]
-    rows = regime_gap_rows(collapse_duplicates([r for r in runs if r.status == "complete"])[0])  # a copy is not a seed
-    return [{**csv_row(g), "regime": g.regime, "compared_with": g.compared_with} for g in rows]
+def sweep_rows(root: Path) -> pd.DataFrame:
+    """Gap-closed rows (`regime`, `compared_with`, then gap_closed.csv's columns) of one regime sweep."""
+    runs = load(root)
+    complete = collapse_duplicates(runs[runs.status == "complete"])[0] if len(runs) else runs  # a copy is no seed
+    rows = regime_gap_rows(with_regimes(label(complete)[0])) if len(complete) else gap_rows(complete)
+    return pd.concat([rows[["regime", "compared_with"]], gap_frame(rows)], axis=1)
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    from humanline_cli.report.gap_closed import CSV_COLUMNS
-
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["regime", "compared_with", *CSV_COLUMNS])
-        w.writeheader()
-        w.writerows(rows)
+def _num(x) -> float | None:
+    return None if x is None or x == "" or (isinstance(x, float) and x != x) else float(x)
 
 
-def _num(x: str) -> float | None:
-    return float(x) if x not in ("", None) else None
+def markdown(rows) -> list[str]:
+    """Rows as dicts (gap_closed.csv's columns and `regime`), or a frame of them."""
+    rows = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else rows
 
+    def speed(r, key) -> str:
+        v = _num(r.get(key, ""))
+        return "n/a" if v is None else f"{v:.2f}x"
 
-def markdown(rows: list[dict]) -> list[str]:
-    out = ["| regime | objective | metric | offline | online | humanline-offline | gap closed | seeds "
-           "| speedup (equal steps) | at equal quality | online sampling (bound) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        g, lo, hi = _num(r["gap_closed"]), _num(r["gap_closed_lo"]), _num(r["gap_closed_hi"])
-        gap = "–" if g is None else f"{g:.0%}" + (f" [{lo:.0%}, {hi:.0%}]" if lo is not None else "")
-        if r.get("gap_verdict") not in (None, "", "gap"):  # the gap's interval holds 0: no ratio (gap_closed.py)
-            gap = r["gap_verdict"]
-        eq = _num(r.get("speedup_equal_quality", ""))
-        sp = _num(r["speedup"])
+    def cells(r) -> tuple:
+        gap = {"verdict": r.get("gap_verdict") or "gap", "mean": _num(r["gap_closed"]), "lo": _num(r["gap_closed_lo"]),
+               "hi": _num(r["gap_closed_hi"])}
         share, bound = _num(r.get("online_sampling_share", "")), _num(r.get("speedup_bound_matched", ""))
-        sampling = "n/a" if share is None or bound is None else f"{share:.0%} ({bound:.2f}x)"
         vs = r.get("compared_with")
-        regime = r["regime"] + (f" (vs {vs})" if vs and vs != "offline, online" else "")
-        out.append(f"| {regime} | {r['objective']} | {r['metric']} | {float(r['offline']):.3f} | "
-                   f"{float(r['online']):.3f} | {float(r['humanline_offline']):.3f} | {gap} | {r['n_seeds']} | "
-                   f"{'n/a' if sp is None else f'{sp:.2f}x'} | {'n/a' if eq is None else f'{eq:.2f}x'} | {sampling} |")
-    return out
+        return (r["regime"] + (f" (vs {vs})" if vs and vs != "offline, online" else ""), r["objective"], r["metric"],
+                *(f"{float(r[k]):.3f}" for k in ("offline", "online", "humanline_offline")), gap_text(gap),
+                r["n_seeds"], speed(r, "speedup"), speed(r, "speedup_equal_quality"),
+                "n/a" if share is None or bound is None else f"{share:.0%} ({bound:.2f}x)")
+
+    return md_table(["regime", "objective", "metric", "offline", "online", "humanline-offline", "gap closed", "seeds",
+                     "speedup (equal steps)", "at equal quality", "online sampling (bound)"], [cells(r) for r in rows])
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    from humanline_cli.report.gap_closed import bar_chart
-
+def plot(rows, path: Path) -> None:
+    if isinstance(rows, pd.DataFrame):
+        rows = rows.to_dict("records")
     colors = {"grpo": "#c44e52", "dpo": "#4c72b0", "kto": "#55a868"}
     rank = {o: i for i, o in enumerate(colors)}  # bars grouped by objective, regimes in their given order
     rows = sorted((r for r in rows if _num(r["gap_closed"]) is not None), key=lambda r: rank.get(r["objective"], 9))
@@ -197,13 +183,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"regime_map: error: {root}: no such directory", file=sys.stderr)
             return 2
         rows = sweep_rows(root)
-        if not rows:
+        if rows.empty:
             print(f"regime_map: error: {root}: no humanline-offline regime with its offline and online runs complete",
                   file=sys.stderr)
             return 2
         print("\n".join(markdown(rows)))
         plot(rows, Path(a.out))
-        write_csv(rows, Path(a.out).with_suffix(".csv"))
+        write_csv(rows, Path(a.out).with_suffix(".csv"), DIGITS)
         print(f"wrote {a.out} and {Path(a.out).with_suffix('.csv')}")
         return 0
     if not a.studies:
@@ -217,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         studies.append((label, Path(path)))
     try:
-        rows = load(studies)
+        rows = load_studies(studies)
     except FileNotFoundError as e:
         print(f"regime_map: error: {e}", file=sys.stderr)
         return 2

@@ -16,15 +16,16 @@ the trainer's idle time, and `loop` the wall-clock.
 """
 from __future__ import annotations
 
-import csv
 import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
+
 from humanline_cli.report.cost import calls_of
+from humanline_cli.report.frame import md_table
 from humanline_cli.report.predict import Target, Work, predict, target_from_json
-from humanline_cli.report.regime_map import regime_label
 from humanline_cli.report.targets import ASSUMED, SHAPES, Shape, gpu_target, mfu_from_gpu_check
 
 LEFT_OUT = ("setup", "eval", "save", "checkpoint", "sampler_start")
@@ -44,24 +45,35 @@ def train_tokens(metrics: list[dict], steps: int) -> float | None:
     return float(sum(rows.values())) if len(rows) >= steps else statistics.fmean(rows.values()) * steps
 
 
+def reference_syncs(spec, regime: str, steps: int, rounds: int) -> int:
+    """How often the reference takes the policy's weights over `steps` optimizer steps and `rounds` sampling
+    rounds, by the method's own rule (core ReferenceRule) for a humanline spec and data regime."""
+    from humanline_cli.core.humanline import ReferenceRule
+
+    rule = ReferenceRule.from_spec(spec, regime)
+    return sum(map(rule.before_optimizer_step, range(1, steps + 1))) + (rounds if rule.reset_each_round else 0)
+
+
 def run_work(run, matmul_params: float, weight_bytes: float) -> Work | None:
-    """The counted work of one complete run, None when it did not record it (older runs)."""
+    """The counted work of one complete run (a runs-frame row), None when it did not record it (older runs).
+    When the reference moves, and so how many syncs the run made, is the method's rule (core ReferenceRule)."""
+    from humanline_cli.core.humanline import HumanlineSpec
+    from humanline_cli.core.reference import reference_moves
+
     calls = calls_of(run.path)
     steps = int(run.summary.get("steps") or 0)
     tokens = train_tokens(run.metrics, steps)
     if calls is None or tokens is None or not steps:
         return None
     cfg = run.config or {}
-    humanline_sync = bool(run.humanline and cfg.get("hl.sync", True))
-    online = cfg.get("data.regime", run.data) == "online"  # run.data names stale rounds apart (stale-64)
-    if humanline_sync:
-        syncs = steps // max(int(cfg.get("hl.sync_every") or 1), 1)
-    else:
-        syncs = len(calls) if online else 0  # plain online: the reference takes each round's starting policy
-    cached = not online and not run.humanline and bool(cfg.get("train.reference_cache", False))
+    regime = str(cfg.get("data.regime", run.data))  # run.data names stale rounds apart (stale-64)
+    spec = HumanlineSpec(sync=bool(run.humanline and cfg.get("hl.sync", True)),
+                         sync_every=max(int(cfg.get("hl.sync_every") or 1), 1))
+    syncs = reference_syncs(spec, regime, steps, len(calls))
+    cached = not reference_moves(spec, regime) and bool(cfg.get("train.reference_cache", False))
     return Work(params=matmul_params, weight_bytes=weight_bytes, calls=calls, steps=steps, train_tokens=tokens,
                 reference_forward=not cached, gradient_checkpointing=bool(cfg.get("train.gradient_checkpointing")),
-                syncs=syncs, async_lag=int(cfg.get("data.async_lag") or 0) if online else 0)
+                syncs=syncs, async_lag=int(cfg.get("data.async_lag") or 0) if regime == "online" else 0)
 
 
 def loop_and_other(seconds: dict, wall: float, lagged: bool) -> tuple[float, float]:
@@ -142,22 +154,15 @@ def target_for(run, spec: TargetSpec, constants: list[dict], work_calls: tuple) 
 
 
 # ------------------------------------------------------------------ rows
-@dataclass(frozen=True)
-class SpeedRow:
-    target: str
-    estimated: bool
-    task: str
-    objective: str
-    regime: str
-    n_runs: int
-    predicted: dict     # phase -> mean predicted seconds
-    measured: dict | None  # phase -> mean measured seconds (None: another machine's prediction)
+# A row per target and (task, objective, regime): whether the target is an estimate, the runs counted, and the mean
+# predicted and (on `this`, else None) measured seconds by phase.
+ROW = ("target", "estimated", "task", "objective", "regime", "n_runs", "predicted", "measured")
 
 
-def speed_rows(runs: list, specs: list[TargetSpec]) -> tuple[list[SpeedRow], list[str], dict]:
+def speed_rows(runs: pd.DataFrame, specs: list[TargetSpec]) -> tuple[pd.DataFrame, list[str], dict]:
     """Per target and (task, objective, regime): predicted and (on `this`) measured seconds by phase; notes on
     left-out runs; each target's sources (its constants and where they come from)."""
-    complete = [r for r in runs if r.status == "complete"]
+    complete = list(runs[runs.status == "complete"].itertuples())
     constants = [s.constants for s in specs if s.constants is not None]
     rows, notes, sources = [], [], {}
     for spec in specs:
@@ -184,7 +189,7 @@ def speed_rows(runs: list, specs: list[TargetSpec]) -> tuple[list[SpeedRow], lis
             if work is None:
                 skipped += 1
                 continue
-            by.setdefault((r.task, r.objective, regime_label(r)), []).append((predict(work, t), measured(r.summary), t))
+            by.setdefault((r.task, r.objective, r.regime), []).append((predict(work, t), measured(r.summary), t))
         if skipped:
             notes.append(f"{spec.name}: {skipped} complete run(s) left out (no per-completion `tokens` in samples.jsonl "
                          f"or no `tokens_processed` in metrics.jsonl: recorded before they were, or another model "
@@ -196,8 +201,8 @@ def speed_rows(runs: list, specs: list[TargetSpec]) -> tuple[list[SpeedRow], lis
         for (task, obj, regime), items in by.items():
             pred = _mean_phases([p for p, _, _ in items])
             meas = _mean_phases([m for _, m, _ in items]) if spec.constants is not None else None
-            rows.append(SpeedRow(spec.name, items[0][2].estimated, task, obj, regime, len(items), pred, meas))
-    return rows, notes, sources
+            rows.append((spec.name, items[0][2].estimated, task, obj, regime, len(items), pred, meas))
+    return pd.DataFrame(rows, columns=ROW, dtype=object), notes, sources
 
 
 def constants_mismatch(d: dict, run) -> str | None:
@@ -238,14 +243,13 @@ def _mean_phases(dicts: list[dict]) -> dict:
     return {k: statistics.fmean(d.get(k, 0.0) for d in dicts) for k in keys}
 
 
-def _online(rows: list[SpeedRow], row: SpeedRow) -> SpeedRow | None:
-    for r in rows:
-        if (r.target, r.task, r.objective, r.regime) == (row.target, row.task, row.objective, "online"):
-            return r
-    return None
+def _online(rows: list, row):
+    """Online's row of the same target, task and objective, None without one."""
+    return next((r for r in rows if (r.target, r.task, r.objective, r.regime) == (row.target, row.task, row.objective,
+                                                                                  "online")), None)
 
 
-def checked(row: SpeedRow, tolerance: float = 0.15) -> dict:
+def checked(row, tolerance: float = 0.15) -> dict:
     """Phase -> predicted / measured for phases holding >= CHECKED_SHARE of the measured loop (and the loop)."""
     if row.measured is None:
         return {}
@@ -258,33 +262,40 @@ def checked(row: SpeedRow, tolerance: float = 0.15) -> dict:
     return out
 
 
-def write_csv(rows: list[SpeedRow], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["target", "estimated", "task", "objective", "regime", "n_runs", "phase", "predicted_s", "measured_s",
-                    "predicted_over_measured", "predicted_speedup_vs_online", "measured_speedup_vs_online"])
-        for r in rows:
-            on = _online(rows, r)
-            for k in SHOWN:
-                if k not in r.predicted and not (r.measured and k in r.measured):
-                    continue
-                p, m = r.predicted.get(k), (r.measured or {}).get(k)
-                sp = on.predicted["loop"] / r.predicted["loop"] if on and k == "loop" and r.predicted["loop"] else None
-                sm = (on.measured["loop"] / r.measured["loop"] if on and on.measured and r.measured and k == "loop"
-                      and r.measured["loop"] else None)
-                w.writerow([r.target, r.estimated, r.task, r.objective, r.regime, r.n_runs, k, _g(p), _g(m),
-                            _g(p / m if p is not None and m else None), _g(sp), _g(sm)])
-
-
-def _g(x) -> str:
-    return "" if x is None else f"{x:.8g}"
+def predicted_frame(rows: pd.DataFrame) -> pd.DataFrame:
+    """predicted.csv: one row per target, regime and phase, predicted beside measured, and the loop's speedups."""
+    rows, out = list(rows.itertuples()), []
+    for r in rows:
+        on = _online(rows, r)
+        for k in SHOWN:
+            if k not in r.predicted and not (r.measured and k in r.measured):
+                continue
+            p, m = r.predicted.get(k), (r.measured or {}).get(k)
+            sp = on.predicted["loop"] / r.predicted["loop"] if on and k == "loop" and r.predicted["loop"] else None
+            sm = (on.measured["loop"] / r.measured["loop"] if on and on.measured and r.measured and k == "loop"
+                  and r.measured["loop"] else None)
+            out.append((r.target, r.estimated, r.task, r.objective, r.regime, r.n_runs, k, p, m,
+                        p / m if p is not None and m else None, sp, sm))
+    return pd.DataFrame(out, dtype=object, columns=[
+        "target", "estimated", "task", "objective", "regime", "n_runs", "phase", "predicted_s", "measured_s",
+        "predicted_over_measured", "predicted_speedup_vs_online", "measured_speedup_vs_online"])
 
 
 def _s(x) -> str:
     return "–" if x is None else (f"{x:.3g}" if x < 100 else f"{x:.0f}")
 
 
-def markdown(rows: list[SpeedRow], notes: list[str], sources: dict) -> list[str]:
+def _measured_cell(r, k: str, chk: dict) -> str:
+    """predicted / measured (ratio), the ratio marked ! outside 0.85-1.15 on a checked phase."""
+    p, m = r.predicted.get(k), r.measured.get(k)
+    if p is None and m is None:
+        return "–"
+    mark = " !" if k in chk and abs(chk[k] - 1) > 0.15 else ""
+    return f"{_s(p)} / {_s(m)}" + (f" ({p / m:.2f}{mark})" if p is not None and m else "")
+
+
+def markdown(rows: pd.DataFrame, notes: list[str], sources: dict) -> list[str]:
+    rows = list(rows.itertuples())
     if not rows:
         return ["No run recorded its counted work (per-completion tokens and per-step forward tokens)."] + notes
     out = []
@@ -293,37 +304,27 @@ def markdown(rows: list[SpeedRow], notes: list[str], sources: dict) -> list[str]
         est = rs[0].estimated
         out += [f"**Target {target}**{' (ESTIMATE: built on public figures and assumptions)' if est else ''}: "
                 f"{sources.get(target, '')}", ""]
+        speedups = []
+        for r in rs:
+            on = _online(rows, r)
+            speedups.append((f"{on.predicted['loop'] / r.predicted['loop']:.2f}x" if on else "–")
+                            + (f" ({on.measured['loop'] / r.measured['loop']:.2f}x)" if on and on.measured else ""))
         if rs[0].measured is not None:
+            phases = ("sample", "train", "sync", "other", "wait_for_sample", "loop")
             out += ["Seconds by phase, predicted / measured (ratio); ratios outside 0.85-1.15 on a phase holding at "
                     f"least {CHECKED_SHARE:.0%} of the loop are marked !; loop = the training loop's wall-clock "
                     "(setup, evaluation, saving left out). Speedup = online's loop over the regime's.", "",
-                    "| task | objective | regime | runs | sample | train | sync | other | wait for sample | loop | "
-                    "speedup vs online, predicted (measured) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-            for r in rs:
-                chk = checked(r)
-                cells = []
-                for k in ("sample", "train", "sync", "other", "wait_for_sample", "loop"):
-                    p, m = r.predicted.get(k), r.measured.get(k)
-                    if p is None and m is None:
-                        cells.append("–")
-                        continue
-                    mark = " !" if k in chk and abs(chk[k] - 1) > 0.15 else ""
-                    ratio = f" ({p / m:.2f}{mark})" if p is not None and m else ""
-                    cells.append(f"{_s(p)} / {_s(m)}{ratio}")
-                on = _online(rows, r)
-                sp = f"{on.predicted['loop'] / r.predicted['loop']:.2f}x" if on else "–"
-                sm = f" ({on.measured['loop'] / r.measured['loop']:.2f}x)" if on and on.measured else ""
-                out.append(f"| {r.task} | {r.objective} | {r.regime} | {r.n_runs} | " + " | ".join(cells) + f" | {sp}{sm} |")
+                    *md_table(["task", "objective", "regime", "runs", "sample", "train", "sync", "other",
+                               "wait for sample", "loop", "speedup vs online, predicted (measured)"],
+                              [(r.task, r.objective, r.regime, r.n_runs,
+                                *(_measured_cell(r, k, checked(r)) for k in phases), sp)
+                               for r, sp in zip(rs, speedups)])]
         else:
+            phases = ("sample", "push", "train", "sync", "label", "loop")
             out += ["Predicted seconds by phase (no measurement on this target). Speedup = online's loop over the "
                     "regime's, at the same counted work (the runs' own steps, calls and tokens).", "",
-                    "| task | objective | regime | runs | sample | push | train | sync | label | loop | "
-                    "speedup vs online |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-            for r in rs:
-                on = _online(rows, r)
-                sp = f"{on.predicted['loop'] / r.predicted['loop']:.2f}x" if on else "–"
-                out.append(f"| {r.task} | {r.objective} | {r.regime} | {r.n_runs} | "
-                           + " | ".join(_s(r.predicted.get(k)) for k in ("sample", "push", "train", "sync", "label", "loop"))
-                           + f" | {sp} |")
+                    *md_table(["task", "objective", "regime", "runs", *phases, "speedup vs online"],
+                              [(r.task, r.objective, r.regime, r.n_runs, *(_s(r.predicted.get(k)) for k in phases), sp)
+                               for r, sp in zip(rs, speedups)])]
         out.append("")
     return out + notes

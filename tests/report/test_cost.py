@@ -57,7 +57,7 @@ def test_cost_table_counts_sequences_calls_and_pushes_per_regime(tmp_path):
 def test_learning_curves_average_seeds_at_each_step(tmp_path):
     """eval_vs_step.png: accuracy against the optimizer step, start (step 0), periodic evals (metrics.jsonl) and
     the final eval; the line is the mean of the seeds at the steps every seed evaluated."""
-    from humanline_cli.report.plots import step_curve
+    from humanline_cli.report.plots import step_curves
 
     root = tmp_path / "sweep"
     for seed, (mid, final) in enumerate([(0.70, 0.90), (0.80, 0.94)]):
@@ -70,7 +70,8 @@ def test_learning_curves_average_seeds_at_each_step(tmp_path):
                                          + json.dumps({"step": 150, "loss": 0.3}) + "\n")
     rep = build_report(root)
     assert "eval_vs_step.png" in rep.files and (root / "eval_vs_step.png").stat().st_size > 10_000
-    run0 = next(r for r in rep.runs if r.seed == 0)
-    assert step_curve(run0, "greedy") == [(0, 0.64), (100, 0.70), (200, 0.90)]
-    assert step_curve(run0, "sampled") == []  # no sampled numbers at all: no curve
+    greedy = step_curves(rep.frame, "greedy")
+    run0 = greedy[greedy.run == next(r.Index for r in rep.runs if r.seed == 0)]
+    assert list(zip(run0.step, run0["greedy accuracy"])) == [(0, 0.64), (100, 0.70), (200, 0.90)]
+    assert step_curves(rep.frame, "sampled").empty  # no sampled numbers at all: no curve
     assert "eval_vs_step.png" not in rep.skipped_plots

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from humanline_cli.report.frame import load
 from humanline_cli.report.frontier import frontier_rows, main, markdown, run_drift
-from humanline_cli.report.runs import find_run_dirs, load_run
 from tests.helpers.runs import config, run_dir
 
 
@@ -27,7 +27,7 @@ def _runs(root):
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     # an offline run logs no drift: not on the frontier
     run_dir(root, "offline/grpo_seed0", config(obj="grpo", seed=0), win=0.6, wall=10.0)
-    return [load_run(d) for d in find_run_dirs(root)]
+    return load(root)
 
 
 def test_frontier_rows_hand_computed(tmp_path):

@@ -151,14 +151,15 @@ def test_regime_map_from_one_sweep_pairs_each_humanline_regime_with_its_baseline
 
 
 def test_learning_curves_and_speedup_at_equal_quality_hand_computed():
-    from humanline_cli.report.gap_closed import equal_quality, learning_curve, time_to
+    from humanline_cli.report.frame import curve, run_points
+    from humanline_cli.report.gap_closed import equal_quality, time_to
 
     summary = {"eval": {"greedy": {"accuracy": 0.9, "start_accuracy": 0.6}},
                "wall_clock_s": {"setup": 99.0, "train": 10.0, "sample": 30.0, "eval": 5.0, "total": 144.0}}
     metrics = [{"step": 10, "loss": 0.5, "time/train": 1.0, "time/sample": 4.0, "time/eval": 0.0},
                {"step": 20, "loss": 0.4, "time/train": 2.0, "time/sample": 8.0, "time/eval": 1.0, "time/setup": 99.0},
                {"step": 20, "eval/greedy/accuracy": 0.8, "wall_s": 120.0}]
-    online = learning_curve(summary, metrics, "greedy accuracy")
+    online = curve(run_points(summary, metrics), "greedy accuracy", "work_s")
     assert online == [(0.0, 0.6), (10.0, 0.8), (40.0, 0.9)]  # work time: no eval, no setup
     assert time_to(online, 0.85) == pytest.approx(25.0)  # 10 + 30 * (0.05 / 0.1)
     assert time_to(online, 0.5) == 0.0 and time_to(online, 0.95) is None

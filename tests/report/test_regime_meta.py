@@ -80,7 +80,7 @@ def _pairs(root: Path) -> list[tuple]:
     from humanline_cli.report.regime_map import sweep_rows
 
     return [(r["regime"], r["compared_with"], r["metric"], round(float(r["gap_closed"]), 12))
-            for r in sweep_rows(root) if r["metric"] == "accuracy"]
+            for r in sweep_rows(root).to_dict("records") if r["metric"] == "accuracy"]
 
 
 def test_renaming_a_regime_file_changes_no_comparison(tmp_path):

@@ -1,0 +1,286 @@
+"""Run dirs as data frames, what every table and plot of `humanline report` is computed from.
+
+`load(root)` finds every run dir under `root` (one holding `.hydra/config.yaml`, `summary.json`, `failed.json` or
+`metrics.jsonl`) and returns one row per run: its status (complete, failed with the reason, incomplete with the
+last logged step), its labels (task, objective, data family, humanline, seed) from its resolved config and
+summary.json, its summary flattened (`eval.greedy.accuracy`, `wall_clock_s.total`, ...) and its resolved config
+flattened under `cfg.` (`cfg.data.generate_every`, ...), beside the raw material (the config as a dict, metrics and
+log-ratio rows) that the grouping and the plots read. `points(runs)` is the tidy long frame: one row per run and
+evaluation point (the starting policy, every mid-run evaluation, the final one) with its step, wall-clock, work
+and loop seconds and scores.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import numbers
+import os
+from pathlib import Path
+
+import pandas as pd
+
+MARKERS = ("summary.json", "failed.json", "metrics.jsonl")
+# The score a comparison reads, best first: greedy accuracy where runs recorded it, else sampled, else win rate.
+METRICS = {"greedy accuracy": "eval.greedy.accuracy", "accuracy": "eval.accuracy", "win rate": "eval.win_rate"}
+# Each score's key in metrics.jsonl and at the start (None: a policy against itself, 0.5).
+CURVE = {"greedy accuracy": ("eval/greedy/accuracy", "eval.greedy.start_accuracy"),
+         "accuracy": ("eval/accuracy", "eval.start_accuracy"), "win rate": ("eval/win_rate", None),
+         "reward": ("eval/reward_mean", "eval.start_reward_mean"),
+         "sampled accuracy": ("eval/sampled/accuracy", "eval.sampled.start_accuracy")}
+# each score at the end of the run, in summary.json
+FINAL = {**METRICS, "reward": "eval.reward_mean", "sampled accuracy": "eval.sampled.accuracy"}
+WORK = ("train", "sample", "label", "sync", "push")  # phases that are the cost of learning
+LEFT_OUT = ("setup", "eval", "save", "checkpoint", "sampler_start")  # the loop's seconds leave these out
+
+
+def find_run_dirs(root: Path) -> list[Path]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        d = Path(dirpath)
+        if (d / ".hydra" / "config.yaml").is_file() or any(m in filenames for m in MARKERS):
+            found.append(d)
+            dirnames[:] = []  # a run's own subdirs (model/, wandb/) are not runs
+        else:
+            dirnames[:] = sorted(n for n in dirnames if n not in ("wandb", "__pycache__") and not n.startswith(".git"))
+    return sorted(found)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue  # a half-written last line from a crashed run
+            if isinstance(obj, dict):
+                rows.append(obj)
+    return rows
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text()), None
+    except (OSError, ValueError) as e:
+        return None, f"unreadable {path.name}: {type(e).__name__}: {e}"
+
+
+def _flatten(tree, prefix="", out=None) -> dict:
+    out = {} if out is None else out
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            _flatten(v, f"{prefix}{k}.", out)
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def read_config(path: Path) -> tuple[dict, dict] | None:
+    """(resolved, raw) flat dotted-key views of a Hydra config.yaml, or None if unreadable.
+
+    Hydra saves the config with its interpolations (`${task.offline.path}`); each leaf is resolved on its own so
+    one that cannot be resolved here (a `${hydra:...}` resolver, a missing env var) keeps its text instead of
+    costing the whole config. Lists stay single values."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception:  # an unreadable config only costs the grouping (the run falls back to summary labels)
+        return None
+    if not isinstance(cfg, DictConfig):
+        return None
+    raw = _flatten(OmegaConf.to_container(cfg, resolve=False))
+    flat = {}
+
+    def walk(node, prefix):
+        for key in node:
+            name = f"{prefix}{key}"
+            try:
+                v = node[key]
+            except Exception:
+                flat[name] = raw.get(name, "???")
+                continue
+            if isinstance(v, DictConfig) and len(v):
+                walk(v, name + ".")
+            elif isinstance(v, (DictConfig, ListConfig)):
+                try:
+                    flat[name] = OmegaConf.to_container(v, resolve=True)
+                except Exception:
+                    flat[name] = OmegaConf.to_container(v, resolve=False)
+            else:
+                flat[name] = v
+
+    walk(cfg, "")
+    return flat, raw
+
+
+def data_family(regime: str, cfg: dict) -> str:
+    """The data part of a run's family: the regime, except for online rounds that are off-policy by design,
+    each a baseline of its own, compared with (synchronous, lag-0) online and with humanline on the same rounds:
+    - `stale-K`: rounds that serve K > 1 optimizer steps per generation (data.generate_every=K; the authors'
+      math "offline");
+    - `async-L`: rounds sampled L > 0 rounds ahead by the sampler process (data.async_lag=L), so never
+      averaged with another lag; both at once: `stale-K-async-L`."""
+    if regime != "online":
+        return regime
+    k, lag = cfg.get("data.generate_every"), cfg.get("data.async_lag")
+    parts = ([f"stale-{k}"] if isinstance(k, int) and k > 1 else []) + ([f"async-{lag}"] if isinstance(lag, int)
+                                                                         and lag > 0 else [])
+    return "-".join(parts) or regime
+
+
+def outputs_fingerprint(path: Path) -> str:
+    """What a run produced, by content: a copy of a run dir has the same fingerprint, a rerun of the same
+    config and seed (its own wall-clock in metrics.jsonl and summary.json) another one."""
+    h = hashlib.sha256()
+    for name in ("summary.json", "metrics.jsonl"):
+        f = path / name
+        h.update(name.encode() + b"\0" + (f.read_bytes() if f.is_file() else b"") + b"\0")
+    return h.hexdigest()
+
+
+def load_run(path: Path) -> dict:
+    """One run dir as a record: labels from its resolved config, overridden by a complete summary.json's."""
+    run = {"path": path, "status": "incomplete", "task": "?", "objective": "?", "data": "?", "humanline": False,
+           "seed": None, "reason": "", "summary": {}, "config": None, "raw": {},
+           "fingerprint": outputs_fingerprint(path), "metrics": read_jsonl(path / "metrics.jsonl"),
+           "logratios": read_jsonl(path / "logratios.jsonl")}
+    got = read_config(path / ".hydra" / "config.yaml") if (path / ".hydra" / "config.yaml").is_file() else None
+    if got is not None:
+        cfg, run["raw"] = got
+        run["config"] = cfg
+        run.update(objective=str(cfg.get("objective.name") or "?"), task=str(cfg.get("task.name") or "?"),
+                   data=data_family(str(cfg.get("data.regime") or "?"), cfg),
+                   humanline=cfg.get("humanline") is True)  # only present when the user passed +humanline=true
+        if cfg.get("seed") is not None:
+            run["seed"] = cfg["seed"]
+    if (path / "summary.json").is_file():
+        s, err = _read_json(path / "summary.json")
+        if isinstance(s, dict) and s.get("status") == "complete":
+            run.update(status="complete", summary=s, objective=str(s.get("objective")), task=str(s.get("task")),
+                       data=data_family(str(s.get("data")), run["config"] or {}), humanline=bool(s.get("humanline")),
+                       seed=s.get("seed"))
+            return run
+        run["status"] = "failed"
+        run["reason"] = err or f"summary.json has status {s.get('status') if isinstance(s, dict) else s!r}"
+    if (path / "failed.json").is_file():
+        f, err = _read_json(path / "failed.json")
+        run["status"] = "failed"
+        run["reason"] = err or str((f or {}).get("error") or "failed.json without an error message")
+    elif run["status"] == "incomplete":
+        steps = [r["step"] for r in run["metrics"] if isinstance(r.get("step"), (int, float))]
+        last = f"; last logged step {int(max(steps))}" if steps else "; no steps logged"
+        run["reason"] = "incomplete: no summary.json or failed.json (crashed, killed or still running)" + last
+    return run
+
+
+def frame(records: list[dict]) -> pd.DataFrame:
+    """Records of load_run -> one row per run: the record, its family, its summary flattened, its config under cfg."""
+    df = pd.DataFrame(records, dtype=object)  # seeds stay ints, a missing one None
+    if df.empty:
+        return df
+    df["family"] = [("humanline-" if h else "") + str(d) for h, d in zip(df["humanline"], df["data"])]
+    summary = pd.json_normalize([{k: v for k, v in s.items() if k not in df.columns} for s in df["summary"]])
+    config = pd.json_normalize([c or {} for c in df["config"]], max_level=0).add_prefix("cfg.")
+    return pd.concat([df, summary.set_index(df.index), config.set_index(df.index)], axis=1)
+
+
+def load(root: Path) -> pd.DataFrame:
+    return frame([load_run(d) for d in find_run_dirs(root)])
+
+
+def num(value) -> float | None:
+    """A finite number or None (a missing cell, NaN, a bool or text is no number)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        return None  # numbers.Real: numpy's scalars too, as a frame's cells are
+    return float(value)
+
+
+def metric_of(summary: dict) -> str:
+    """The score a run's comparisons read: the first of METRICS it recorded ("none" if it has none)."""
+    return next((name for name, key in METRICS.items() if num(get(summary, key)) is not None), "none")
+
+
+def _seconds(times: dict, keys) -> float:
+    return float(sum(float(times.get(k, 0.0) or 0.0) for k in keys))
+
+
+def get(tree: dict, dotted: str):
+    """tree["a"]["b"] for "a.b", None where any part is missing."""
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
+def run_points(summary: dict, metrics: list[dict]) -> pd.DataFrame:
+    """One run's evaluation points: `point` start / mid / final, `step`; `wall_s` (metrics.jsonl's for a mid-run
+    point, the summary's total at the end); `work_s` (train + sample + label + sync + push so far) and `loop_s`
+    (the wall-clock less setup, evaluation, saving, checkpoints and the sampler's start-up) from the train row
+    logged at the same step (NaN where there is none); and each score of CURVE (NaN where not recorded). The
+    start sits at step 0 and 0 seconds."""
+    start = {name: (0.5 if key is None else num(get(summary, key))) for name, (_, key) in CURVE.items()}
+    rows = [{"point": "start", "step": 0, "wall_s": 0.0, "work_s": 0.0, "loop_s": 0.0, **start}]
+    train = {r["step"]: r for r in metrics if "time/train" in r}
+    for r in metrics:
+        scores = {name: num(r.get(key)) for name, (key, _) in CURVE.items()}
+        if "step" not in r or all(v is None for v in scores.values()):
+            continue
+        t = train.get(r["step"])
+        times = {k.removeprefix("time/"): v for k, v in (t or {}).items() if k.startswith("time/")}
+        loop = num((t or {}).get("wall_s"))
+        rows.append({"point": "mid", "step": r["step"], "wall_s": num(r.get("wall_s")),
+                     "work_s": None if t is None else _seconds(times, WORK),
+                     "loop_s": None if loop is None else loop - _seconds(times, LEFT_OUT), **scores})
+    w = summary.get("wall_clock_s") or {}
+    final = {name: num(get(summary, key)) for name, key in FINAL.items()}
+    rows.append({"point": "final", "step": int(summary.get("steps") or 0), "wall_s": num(w.get("total")),
+                 "work_s": _seconds(w, WORK), "loop_s": float(w.get("total", 0.0)) - _seconds(w, LEFT_OUT) if w else None,
+                 **final})
+    numbers = ["step", "wall_s", "work_s", "loop_s", *CURVE]
+    out = pd.DataFrame(rows, columns=["point", *numbers])
+    out[numbers] = out[numbers].astype(float)  # None -> NaN
+    return out
+
+
+def points(runs: pd.DataFrame) -> pd.DataFrame:
+    """The tidy long frame: run_points of every run, `run` its index label in `runs`."""
+    return pd.concat([run_points(r["summary"], r["metrics"]).assign(run=i) for i, r in runs.iterrows()],
+                     ignore_index=True) if len(runs) else pd.DataFrame(columns=["run", "point", "step", *CURVE])
+
+
+def curve(pts: pd.DataFrame, metric: str, time: str = "work_s") -> list[tuple[float, float]]:
+    """One run's evaluation points (rows of `points`) as [(time, score)] where both were recorded, in order."""
+    got = pts[[time, metric]].dropna()
+    return list(zip(got[time].astype(float), got[metric].astype(float)))
+
+
+def column(runs: pd.DataFrame, key: str) -> pd.Series:
+    """A summary or config field of every run as numbers (NaN where absent or not a number)."""
+    if key not in runs:
+        return pd.Series(float("nan"), index=runs.index)
+    return pd.to_numeric(runs[key].map(lambda v: v if num(v) is not None else None), errors="coerce")
+
+
+def write_csv(table: pd.DataFrame, path: Path, digits: int | dict | None = None) -> None:
+    """A table as CSV: floats to `digits` significant digits (one for every column, or a column -> digits map;
+    a column not in it as Python prints it), missing values empty."""
+    out = table.astype(object)
+    for c in out:
+        d = digits.get(c) if isinstance(digits, dict) else digits
+        out[c] = [None if isinstance(x, float) and x != x else format(x, f".{d}g") if d and isinstance(x, float)
+                  else x for x in out[c]]
+    out.to_csv(path, index=False, lineterminator="\r\n")  # as the csv module writes, so files stay byte-identical
+
+
+def ci_text(ci: dict | None, fmt: str = ".3f") -> str:
+    """A mean and its interval (stats.mean_ci) as `mean [lo, hi]`, the mean alone without one, "–" for none."""
+    if ci is None or ci.get("mean") is None:
+        return "–"
+    return format(ci["mean"], fmt) + ("" if ci.get("lo") is None else f" [{ci['lo']:{fmt}}, {ci['hi']:{fmt}}]")
+
+
+def md_table(head: list[str], rows) -> list[str]:
+    """A Markdown pipe table: the header, its rule, one line per row of display cells."""
+    return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            + ["| " + " | ".join(map(str, r)) + " |" for r in rows])

@@ -1,0 +1,40 @@
+"""The report's data frames over the golden run dirs: one row per run dir with its config and summary flattened, and
+one row per run and evaluation point; the expected values follow from golden/make_runs.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from humanline_cli.report.frame import load, points
+
+STUDY = Path(__file__).resolve().parent / "golden" / "study"
+
+
+def test_one_row_per_run_dir_with_config_and_summary_flattened():
+    runs = load(STUDY)
+    # 24 grpo + 3 dpo + 4 kto + the copy are complete; one failed.json, one without summary or failure
+    assert len(runs) == 34
+    assert runs.status.value_counts().to_dict() == {"complete": 32, "failed": 1, "incomplete": 1}
+    failed = runs[runs.status == "failed"].iloc[0]
+    assert failed.reason == "RuntimeError: out of memory" and failed.seed == 7
+    assert runs[runs.status == "incomplete"].iloc[0].reason.endswith("last logged step 3")
+    stale = runs[runs.family == "humanline-stale-4"]
+    assert len(stale) == 3 and set(stale["cfg.data.generate_every"]) == {4} and set(stale["cfg.hl.sync_every"]) == {1}
+    online0 = runs[runs.path == STUDY / "grpo" / "online_0"].iloc[0]
+    assert online0["eval.greedy.accuracy"] == 0.80 and online0["wall_clock_s.total"] == 40.0
+    assert online0["final_train_metrics.online/round"] == 4 and online0.family == "online"
+
+
+def test_evaluation_points_carry_work_and_loop_seconds():
+    runs = load(STUDY)
+    i = runs.index[runs.path == STUDY / "grpo" / "online_0"][0]
+    pts = points(runs.loc[[i]])
+    assert pts.point.tolist() == ["start", "mid", "final"] and pts.step.tolist() == [0, 4, 8]
+    start, mid, final = (pts.iloc[k] for k in range(3))
+    assert start["greedy accuracy"] == 0.5 and start["win rate"] == 0.5 and start.work_s == 0.0
+    # mid: the train row of step 4 timed train 8 s and sample 8 s; wall-clock 20 s less 2 s of setup
+    assert (mid.work_s, mid.loop_s, mid["greedy accuracy"]) == (16.0, 18.0, 0.698)
+    # end: train 16 + sample 16 + label 1.6 + sync 0.1 + push 0.05; 40 s less setup 2, eval 1, save 0.2
+    assert final.work_s == pytest.approx(33.75) and final.loop_s == pytest.approx(36.8)
+    assert final["greedy accuracy"] == 0.80 and final["accuracy"] == pytest.approx(0.77)
