@@ -7,7 +7,10 @@ process's peak resident memory and its resident memory just before any weight lo
 difference (the interpreter and the imports are not the run's), predicted = the header's estimate plus the vLLM
 engine's part. The estimate counts every sequence at train.max_length, so the runs use sequences that fill it:
 DPO pairs whose prompt and completions are written to the length, and an online run whose max_length is its
-longest prompt plus data.max_new_tokens (the model's replies run to the cap). Prints a table and writes a JSON
+longest prompt plus data.max_new_tokens (the model's replies run to the cap). As `just memory-check` does, the runs
+get glibc's MALLOC_MMAP_THRESHOLD_ fixed (unless the caller set it), so that freed tensors go back to the OS and
+the resident memory follows the live tensors the estimate counts; with glibc's default, the allocator's kept blocks
+come on top (train/build.py's CPU_RSS_OVER_LIVE leaves room for them). Prints a line per run and writes a JSON
 file; exit 1 when a ratio measured / predicted is outside [1 - tol, 1 + tol].
 """
 from __future__ import annotations
@@ -52,7 +55,7 @@ def runs(tmp: Path) -> dict[str, list[str]]:
 
 def measure(name: str, args: list[str], tmp: Path) -> dict:
     run_dir = tmp / name.replace(" ", "_").replace(",", "")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "MALLOC_MMAP_THRESHOLD_": str(128 * 1024), **os.environ}
     r = subprocess.run([sys.executable, "-m", "humanline_cli", "train", *args, f"hydra.run.dir={run_dir}"],
                        env=env, capture_output=True, text=True)
     if r.returncode != 0:

@@ -133,7 +133,8 @@ def test_a_whole_load_that_will_not_fit_says_to_fetch_the_model(tmp_path, monkey
     monkeypatch.setattr(build, "_estimate", lambda *a: dataclasses.replace(real(*a), loading=whole))
     est = build.memory_estimate(spec, BIN, torch.device("cpu"))
     assert est.loading == whole > est.training
-    monkeypatch.setattr(build, "host_available_bytes", lambda: (est.training + est.loading) / 2 / 0.9)
+    host = (est.training + est.loading) / 2 / 0.9 * build.CPU_RSS_OVER_LIVE  # training fits, loading does not
+    monkeypatch.setattr(build, "host_available_bytes", lambda: host)
     with pytest.raises(UserError) as e:
         build.fit_memory(spec, BIN, torch.device("cpu"))
     assert "\n" not in str(e.value) and str(e.value).endswith(
