@@ -5,10 +5,11 @@ push then log-probs, NCCL collectives between two GPUs. Each is the product's ow
 it, at the smallest shape that still measures what the check is about."""
 from __future__ import annotations
 
-import multiprocessing
 import socket
 
 import pytest
+
+from tests.helpers.ranks import run_two_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -92,14 +93,6 @@ def test_nccl_collectives_between_two_gpus():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")  # CUDA in a forked child is undefined
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_nccl_rank, args=(r, port, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-    assert [p.exitcode for p in procs] == [0, 0]
-    got = sorted(out.get(timeout=5) for _ in procs)
+    got = run_two_ranks("spawn", _nccl_rank, lambda ctx: (port,), 180)  # CUDA in a forked child is undefined
     # each rank on its own GPU; 1 + 2 summed; one rank's False makes every rank's answer False; rank 0's object
     assert got == [(0, "nccl", 0, True, False, 3.0, "from rank 0"), (1, "nccl", 1, True, False, 3.0, "from rank 0")]

@@ -30,6 +30,7 @@ from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.train.tracking import NullTracker, Tracker
 from humanline_cli.train.trainer import train
 from tests.helpers.cli import BASE, run_cli
+from tests.helpers.ranks import run_two_ranks
 from tests.helpers.runs import read_rows
 from tests.helpers.training import offline_parts, run_train, train_spec
 
@@ -284,7 +285,7 @@ def test_sweep_skips_only_jobs_with_the_same_config(cache_dir, tmp_path):
     # (the same sweep again skips both: test_experiments.py::test_rerunning_a_sweep_skips_complete_runs)
 
 
-def _rng_rank(rank: int, port: int, out, tmp: str) -> None:
+def _rng_rank(rank: int, port: int, tmp: str, out) -> None:
     """One of 2 gloo ranks: its own seeds, a checkpoint's RNG entries through the files rank 0 writes, then the
     rank's numbers after a restore from them."""
     import os
@@ -317,21 +318,12 @@ def _rng_rank(rank: int, port: int, out, tmp: str) -> None:
 
 
 def test_each_rank_resumes_from_its_own_rng_states(tmp_path):
-    import multiprocessing
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rng_rank, args=(r, port, out, str(tmp_path))) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    assert [p.exitcode for p in procs] == [0, 0]
-    got = sorted(out.get(timeout=5) for _ in procs)
+    got = run_two_ranks("fork", _rng_rank, lambda ctx: (port, str(tmp_path)), 60)
     for rank, drawn, restored in got:
         assert restored == drawn, rank  # torch, python and numpy: the numbers this rank drew after the save
     assert got[0][1] != got[1][1]  # and the ranks' numbers differ (each its own seeds), as before the save

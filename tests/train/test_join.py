@@ -18,6 +18,7 @@ from humanline_cli.train import job as job_module
 from humanline_cli.train.job import Context, Job, slurm_nodes
 from humanline_cli.train.lock import RunDirLock
 from tests.helpers.cli import TINY_WORLD
+from tests.helpers.ranks import run_two_ranks
 
 PREPARE_S = 5.0  # rank 0's prepare (hashing a checkpoint to resume, in a real run) ...
 TIMEOUT_S = 2    # ... outlasts the training group's timeout
@@ -49,16 +50,9 @@ def _join_rank(rank: int, port: int, run_dir: str, start, done) -> None:
 
 
 def test_a_slow_rank0_prepare_outlasting_the_timeout_completes_on_gloo_for_backend_cpu(tmp_path):
-    ctx = multiprocessing.get_context("fork")  # the ranks start with this process's imports: seconds, not ten
-    start, done = ctx.Barrier(2), ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_join_rank, args=(r, port, str(tmp_path / "run"), start, done)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    assert [p.exitcode for p in procs] == [0, 0]
-    ends = sorted(done.get(timeout=5) for _ in procs)
+    # fork: the ranks start with this process's imports (seconds, not ten)
+    ends = run_two_ranks("fork", _join_rank, lambda ctx: (port, str(tmp_path / "run"), ctx.Barrier(2)), 120)
     assert [e[:4] for e in ends] == [(0, 0, None, "gloo"), (1, 0, None, "gloo")]
     assert ends[1][4] >= PREPARE_S > TIMEOUT_S  # rank 1 really waited out rank 0's prepare
 
