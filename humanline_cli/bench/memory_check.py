@@ -28,31 +28,28 @@ import threading
 import time
 from pathlib import Path
 
+from humanline_cli.memory import rss_bytes
+
 GB = 1024**3
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class PeakRSS:
     """Samples this process's RSS every `period` seconds in a thread; `mark()` starts a new phase."""
 
     def __init__(self, period: float = 0.001):
-        self.period, self.peak, self._stop = period, _rss(), threading.Event()
+        self.period, self.peak, self._stop = period, rss_bytes(), threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
 
     def _poll(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, rss_bytes())
             time.sleep(self.period)
 
     def mark(self) -> int:
         """The peak since the last mark (the current RSS included); the next phase starts now."""
-        peak = max(self.peak, _rss())
-        self.peak = _rss()
+        peak = max(self.peak, rss_bytes())
+        self.peak = rss_bytes()
         return peak
 
     def stop(self) -> None:
@@ -186,14 +183,14 @@ def rank_main(args) -> dict:
     if args.loading == "both":  # the full path first, measured and freed, then the sharded one that trains
         gc.collect()
         meter.mark()
-        base = _rss()
+        base = rss_bytes()
         model, reference = load("full")
         gc.collect()
         loading_full = meter.mark() - base
         del model, reference
     gc.collect()
     meter.mark()
-    base = _rss()
+    base = rss_bytes()
     model, reference = load("full" if args.loading == "full" else "sharded")
     gc.collect()
     loading = meter.mark() - base

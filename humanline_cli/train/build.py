@@ -410,7 +410,8 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device, rank: 
     """This rank's device memory for a micro-batch of `micro` units (default the spec's), from the model's config
     before any weight loads (the reward models it loads and its evaluation included); None where the config
     cannot be read. On CUDA a run that will not fit stops here with one line."""
-    est = _estimate(spec, model_path, device, rank, spec.train.micro_batch_size if micro is None else micro)
+    estimate_for = _estimator(spec, model_path, device, rank)
+    est = None if estimate_for is None else estimate_for(spec.train.micro_batch_size if micro is None else micro)
     if est is not None and device.type == "cuda":
         total, share = device_memory(spec, device, est.params)
         reason = check_fits(est, total - share)
@@ -420,15 +421,18 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device, rank: 
     return est
 
 
-def _estimate(spec: RunSpec, model_path: str, device: torch.device, rank: int, micro: int) -> MemoryEstimate | None:
+def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int):
+    """This rank's estimate as a function of the micro-batch (units), or None where the model's config cannot be
+    read. What does not depend on the micro-batch (the config, the parameter count on the meta device, the reward
+    models' bytes, the loading mode) is found once, however many sizes fit_memory tries."""
     from transformers import AutoConfig
+
+    from humanline_cli.memory import count_params
 
     try:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=spec.model_cfg.trust_remote_code)
     except (OSError, ValueError):
         return None  # load_policy reports the missing model in one line
-    # a GRPO group is data.n samples online; offline groups come from pairs (2)
-    seqs = PROPERTIES[spec.objective].sequences(micro, spec.data_cfg.n if spec.regime == "online" else 2)
     b = spec.backend_cfg
     fsdp = b.strategy.value == "fsdp" and b.nproc > 1
     bf16 = b.precision.value == "bf16" or (b.precision.value == "auto" and device.type == "cuda")
@@ -437,19 +441,24 @@ def _estimate(spec: RunSpec, model_path: str, device: torch.device, rank: int, m
     ev = spec.eval_cfg
     evaluating = evaluates(spec.judge_cfg, spec.task_cfg) or bool(ev.math500.prompts)
     hf_eval = evaluating and not vllm  # online runs evaluate with their round sampler
-    return estimate(config, seqs_per_micro=seqs, max_length=spec.train.max_length, lora_r=spec.model_cfg.lora.r,
-                    moving_reference=reference_moves(spec.humanline, spec.regime), strategy=b.strategy.value,
-                    ranks=b.nproc if b.strategy.value != "single" else 1,
-                    gradient_checkpointing=spec.train.gradient_checkpointing,
-                    # bf16 under FSDP2: the frozen reference is kept in bf16 (build_parts)
-                    reference_bytes=2.0 if fsdp and bf16 else None, weight_bytes=weight_bytes,
-                    activation_bytes=2.0 if bf16 else weight_bytes, autocast=bf16 and not fsdp,
-                    # a LoRA base under bf16 autocast loads in bf16 (policy_load_dtype)
-                    base_bytes=2.0 if bf16 and not fsdp and spec.model_cfg.lora.r > 0 else None,
-                    loading="sharded" if fsdp and spec.model_cfg.lora.r == 0 and not spec.model_cfg.trust_remote_code
-                    and sharded_loadable(model_path) else "full", reward_bytes=_reward_bytes(spec, rank),
-                    eval_batch=ev.batch_size if hf_eval else 0, eval_prompt_tokens=spec.train.max_prompt_length,
-                    eval_new_tokens=eval_new_tokens(ev, evaluating), eval_gathers=fsdp and vllm)
+    n = count_params(config)
+    fixed = dict(max_length=spec.train.max_length, lora_r=spec.model_cfg.lora.r,
+                 moving_reference=reference_moves(spec.humanline, spec.regime), strategy=b.strategy.value,
+                 ranks=b.nproc if b.strategy.value != "single" else 1,
+                 gradient_checkpointing=spec.train.gradient_checkpointing, params=n,
+                 # bf16 under FSDP2: the frozen reference is kept in bf16 (build_parts)
+                 reference_bytes=2.0 if fsdp and bf16 else None, weight_bytes=weight_bytes,
+                 activation_bytes=2.0 if bf16 else weight_bytes, autocast=bf16 and not fsdp,
+                 # a LoRA base under bf16 autocast loads in bf16 (policy_load_dtype)
+                 base_bytes=2.0 if bf16 and not fsdp and spec.model_cfg.lora.r > 0 else None,
+                 loading="sharded" if fsdp and spec.model_cfg.lora.r == 0 and not spec.model_cfg.trust_remote_code
+                 and sharded_loadable(model_path) else "full", reward_bytes=_reward_bytes(spec, rank),
+                 eval_batch=ev.batch_size if hf_eval else 0, eval_prompt_tokens=spec.train.max_prompt_length,
+                 eval_new_tokens=eval_new_tokens(ev, evaluating), eval_gathers=fsdp and vllm,
+                 sampler=_vllm_cpu_bytes(spec, n) if vllm and device.type != "cuda" else 0.0)
+    # a GRPO group is data.n samples online; offline groups come from pairs (2)
+    group = spec.data_cfg.n if spec.regime == "online" else 2
+    return lambda micro: estimate(config, seqs_per_micro=PROPERTIES[spec.objective].sequences(micro, group), **fixed)
 
 
 # glibc's allocator keeps freed blocks, so a CPU run's resident memory exceeds its live tensors (the estimate): real
@@ -500,16 +509,11 @@ def fit_memory(spec: RunSpec, model_path: str, device: torch.device,
     set by hand, or an evaluation batch, that does not fit stops here in one line naming the estimate, the memory
     and a size that fits."""
     tr = spec.train
-
-    def estimate_for(m: int) -> MemoryEstimate:
-        return _estimate(spec, model_path, device, shard.rank, m)
-
-    est = estimate_for(tr.micro_batch_size)
-    if est is None:
+    estimate_for = _estimator(spec, model_path, device, shard.rank)
+    if estimate_for is None:
         return spec, None
+    est = estimate_for(tr.micro_batch_size)
     total, vllm = device_memory(spec, device, est.params)
-    if device.type != "cuda" and spec.regime == "online" and spec.sampler_cfg.name == "vllm":
-        est = dataclasses.replace(est, sampler=_vllm_cpu_bytes(spec, est.params))
     if total <= 0:  # the device's memory is unknown: the estimate is printed, nothing is checked
         return spec, est
     cpu = device.type != "cuda"
@@ -543,7 +547,7 @@ def fit_memory(spec: RunSpec, model_path: str, device: torch.device,
                         f"estimated per device > {where} ({size(room)}); train.micro_batch_size={fitting} fits "
                         f"({size(estimate_for(fitting).total)})")
     if micro != tr.micro_batch_size:
-        est = dataclasses.replace(estimate_for(micro), sampler=est.sampler)
+        est = estimate_for(micro)
     if est.evaluating > room:  # the evaluation's batch is the peak, whatever the micro-batch
         raise UserError(f"eval.batch_size={spec.eval_cfg.batch_size} will not fit: evaluation needs "
                         f"{size(est.evaluating)} estimated per device > {where} ({size(room)}); "

@@ -56,7 +56,7 @@ def local_model_dir(path: str) -> str | None:
     the whole model."""
     if os.path.isdir(path):
         return path
-    if path.count("/") != 1 or path.startswith((".", "/")):
+    if not is_hub_id(path):
         return None
     try:
         from huggingface_hub import snapshot_download

@@ -127,10 +127,10 @@ def test_a_whole_load_that_will_not_fit_says_to_fetch_the_model(tmp_path, monkey
             f"model.name_or_path={BIN}"]))
     import dataclasses
 
-    real = build._estimate
+    real = build._estimator
     whole = 10 * build.memory_estimate(spec, BIN, torch.device("cpu")).training
     # at 8B loading whole is the peak (59.8 GiB before sharding); this tiny model's is its activations: raise it
-    monkeypatch.setattr(build, "_estimate", lambda *a: dataclasses.replace(real(*a), loading=whole))
+    monkeypatch.setattr(build, "_estimator", lambda *a: lambda m, f=real(*a): dataclasses.replace(f(m), loading=whole))
     est = build.memory_estimate(spec, BIN, torch.device("cpu"))
     assert est.loading == whole > est.training
     host = (est.training + est.loading) / 2 / 0.9 * build.CPU_RSS_OVER_LIVE  # training fits, loading does not
