@@ -354,6 +354,8 @@ class TaskGeneratorConfig:
     n_train: int = knob(2000, "training prompts")
     n_eval: int = knob(200, "evaluation prompts, disjoint from the train prompts")
     seed: int = knob(0, "the generator's seed")
+    instruction: str = knob("", "text after each question (e.g. 'Answer with the number only.'); the same "
+                                "problems, drawn from the same seed")
 
 
 @dataclass

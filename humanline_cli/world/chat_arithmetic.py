@@ -7,7 +7,8 @@ written to a temporary sibling and renamed into place. The task's paths `gen://N
 The judge and labeller are the verifier's `final_number` method: the last number in the reply is the answer.
 
 Difficulty: `digits` (operands of exactly that many digits) and `op` (add, sub with a non-negative result,
-mul, or mixed). SmolLM2-135M-Instruct's start accuracy per setting is in docs/results.md.
+mul, or mixed). `instruction` (e.g. "Answer with the number only.") follows each question: it moves a reply's
+format into the prompt, so that what training changes is the arithmetic. SmolLM2-135M-Instruct's start accuracy per setting is in docs/results.md.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ FILES = ("prompts_train.jsonl", "prompts_eval.jsonl", "task.json")
 def check(cfg: Mapping) -> dict:
     """The cfg as a plain dict, or a one-line UserError naming the bad key."""
     full = {k: cfg[k] for k in ("kind", "digits", "op", "n_train", "n_eval", "seed")}
+    if cfg.get("instruction"):  # only when set, so the folders of tasks without one keep their names
+        full["instruction"] = str(cfg["instruction"])
     if full["kind"] != "chat_arithmetic":
         raise UserError(f"config key 'task.generator.kind': unknown generator {full['kind']!r} (chat_arithmetic)")
     if full["op"] not in (*OPS, "mixed"):
@@ -52,15 +55,17 @@ def _bounds(digits: int) -> tuple[int, int]:
     return (0 if digits == 1 else 10 ** (digits - 1)), 10 ** digits - 1
 
 
-def problem(rng: random.Random, digits: int, op: str) -> tuple[str, str]:
-    """(prompt, answer) of one problem; sub puts the larger operand first."""
+def problem(rng: random.Random, digits: int, op: str, instruction: str = "") -> tuple[str, str]:
+    """(prompt, answer) of one problem; sub puts the larger operand first; `instruction` follows the question
+    after a space."""
     lo, hi = _bounds(digits)
     a, b = rng.randint(lo, hi), rng.randint(lo, hi)
     op = rng.choice(list(OPS)) if op == "mixed" else op
     if op == "sub" and b > a:
         a, b = b, a
     value = {"add": a + b, "sub": a - b, "mul": a * b}[op]
-    return f"What is {a} {OPS[op]} {b}?", str(value)
+    question = f"What is {a} {OPS[op]} {b}?"
+    return (f"{question} {instruction}" if instruction else question), str(value)
 
 
 def generate(cfg: Mapping) -> tuple[list[dict], list[dict]]:
@@ -69,7 +74,7 @@ def generate(cfg: Mapping) -> tuple[list[dict], list[dict]]:
     rng = random.Random(f"chat_arithmetic:{full['seed']}")
     seen: dict[str, str] = {}
     while len(seen) < full["n_eval"] + full["n_train"]:
-        prompt, answer = problem(rng, int(full["digits"]), full["op"])
+        prompt, answer = problem(rng, int(full["digits"]), full["op"], full.get("instruction", ""))
         seen.setdefault(prompt, answer)
     rows = [{"prompt": p, "answer": a} for p, a in seen.items()]
     return rows[full["n_eval"]:], rows[:full["n_eval"]]

@@ -59,3 +59,14 @@ def test_bad_knobs_are_one_line(bad, key):
     with pytest.raises(UserError) as e:
         chat_arithmetic.check({**CFG, **bad})
     assert key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_instruction_follows_each_question_and_keeps_the_problems(tmp_path):
+    train, eval_ = chat_arithmetic.generate(CFG)
+    said = {**CFG, "instruction": "Answer with the number only."}
+    train_i, eval_i = chat_arithmetic.generate(said)
+    assert [r["prompt"] for r in train_i] == [r["prompt"] + " Answer with the number only." for r in train]
+    assert [r["answer"] for r in eval_i] == [r["answer"] for r in eval_]
+    # a task without an instruction keeps its folder; one with an instruction gets its own
+    assert chat_arithmetic.task_dir({**CFG, "instruction": ""}, tmp_path) == chat_arithmetic.task_dir(CFG, tmp_path)
+    assert chat_arithmetic.task_dir(said, tmp_path) != chat_arithmetic.task_dir(CFG, tmp_path)
