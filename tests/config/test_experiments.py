@@ -74,6 +74,11 @@ def test_every_sweep_point_composes_and_validates(name):
         shape = (c.train.steps, c.train.batch_size, c.data_cfg.generate_every, c.data_cfg.prompts_per_round)
         assert shape == (16, 4, 16, 64)
         assert cfg.task.generator.n_train == 64 and cfg.task.generator.n_eval == cfg.eval.n_prompts == 86
+    if name == "smollm2_pilot":  # one seed outside the study's, plain online against plain stale16
+        grid = {("grpo", "online", False)}
+        assert points == [["seed=100", "regime=online"], ["seed=100", "regime=stale16"]]
+        assert len(points) == cfg.regime_study_size
+        assert cfg.task.generator.instruction == "Answer with the number only."
     if name.startswith("laptop_pilot_headroom") or name.startswith("laptop_headroom"):  # GRPO, stale rounds
         grid = {("grpo", "online", False), ("grpo", "online", True)}
     if name == "laptop_headroom_pairs":  # the study's regimes with DPO and KTO
