@@ -233,6 +233,8 @@ def check(g: Groups) -> None:
     check_objective(g.objective, g.data)
     check_backend(g.backend)
     check_train(g.root.train, g.objective, g.backend)
+    if g.root.train.compile and g.model.lora.r > 0:  # peft's adapter switches would retrace the graph per call
+        raise UserError("train.compile=true compiles full fine-tuning; model.lora.r > 0 is not compiled")
     check_eval(g.root.eval)
     check_data(g.data, g.objective, g.root.train, g.sampler)
     check_async(g.data, g.backend)
@@ -343,6 +345,8 @@ def check_train(t: S.TrainConfig, objective: S.ObjectiveConfig, backend: S.Backe
         raise UserError(f"objective={objective.name} needs train.micro_batch_size >= {need}: z0 pairs each prompt "
                         f"with the next example's completion in the micro-batch, so one example would be mismatched "
                         f"with itself")
+    if t.compile and backend.strategy.value == "fsdp":  # FSDP2's hooks around the root would run inside the graph
+        raise UserError("train.compile=true runs one process or DDP; backend.strategy=fsdp is not compiled")
     for key in ("steps", "lr", "max_grad_norm", "log_every", "max_length", "max_prompt_length"):
         _positive(getattr(t, key), f"train.{key}")
     if t.max_prompt_length >= t.max_length:

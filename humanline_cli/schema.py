@@ -522,6 +522,9 @@ class TrainConfig:
     save_dtype: SaveDtype = knob(SaveDtype.auto, "dtype of the saved model's weights: auto (bf16 when training "
                                                  "computes in bf16, else fp32) | fp32 | bf16")
     gradient_checkpointing: bool = knob(False, "recompute activations in backward (less memory, more time)")
+    compile: bool = knob(False, "the decoder's log-prob forwards (policy and reference) through torch.compile with "
+                                "dynamic shapes: fused elementwise ops; minutes of compile on first use, cached after; "
+                                "single process or DDP, full fine-tuning")
     packing: bool = knob(False, "each micro-batch's sequences as one padding-free row (position ids reset per "
                                 "sequence)")
     length_bucketing: bool = knob(True, "unpacked: micro-batches of similar lengths (sorted within each rank's share)")

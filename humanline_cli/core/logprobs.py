@@ -16,6 +16,7 @@ reference (reference.py calls this function on the same Seqs) and the KTO mismat
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from contextlib import nullcontext
 from dataclasses import replace
@@ -25,6 +26,11 @@ from torch.utils.checkpoint import checkpoint
 
 from humanline_cli.core.batches import Seqs
 from humanline_cli.errors import UserError
+
+# Decoders whose log-prob forwards run compiled (train.compile): decoder -> torch.compile(decoder). The compiled
+# wrapper shares the decoder's parameters and lives here rather than as an attribute (which would register it as
+# a submodule and double the state dict), so generate(), weight pushes and checkpoints see the module unchanged.
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # Float32 elements in one chunk's logits (2**25 = 128 MiB): 261 tokens at a 128k vocabulary,
 # the whole batch at once for a small one. The backward holds about four such buffers.
@@ -78,7 +84,7 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
     if split is None:
         return _full_logits_token_logps(model, seqs)
     decoder, head = split
-    out = decoder(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, use_cache=False)
+    out = _run_decoder(decoder, input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, use_cache=False)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     rows, cols = seqs.loss_mask[:, 1:].nonzero(as_tuple=True)  # position t predicts token t+1
     h = hidden[rows, cols]  # (M, H)
@@ -87,6 +93,31 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
     logps = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1, dtype=picked.dtype,
                         device=picked.device)
     return logps.index_put((rows, cols), picked)
+
+
+def compile_decoder(model: torch.nn.Module) -> bool:
+    """Route `model`'s decoder forwards in token_logps through torch.compile (inductor, dynamic shapes, so one graph
+    serves every sequence length). False where token_logps does not split the model (the full-logits path)."""
+    split = _decoder_and_head(_unwrap_ddp(model))
+    if split is None:
+        return False
+    _COMPILED[split[0]] = torch.compile(split[0], dynamic=True)
+    return True
+
+
+def _run_decoder(decoder: torch.nn.Module, **inputs):
+    """The decoder's forward, compiled where compile_decoder asked for it. A compile that fails (no C compiler, an
+    op inductor cannot lower) says so in one line and the run goes on eager."""
+    compiled = _COMPILED.get(decoder)
+    if compiled is None:
+        return decoder(**inputs)
+    try:
+        return compiled(**inputs)
+    except Exception as exc:  # noqa: BLE001 - any compile failure: the eager forward computes the same thing
+        _COMPILED.pop(decoder, None)
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        print(f"train.compile: torch.compile failed ({type(exc).__name__}: {first}); running eager", file=sys.stderr)
+        return decoder(**inputs)
 
 
 # FSDP2 roots whose forward is, right now, token_logps itself (see _as_root_forward)
@@ -173,7 +204,7 @@ def _packed_token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | No
         picked = sel.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(sel, dim=-1)
     else:
         decoder, head = split
-        out = decoder(input_ids=packed, position_ids=pos, use_cache=False)
+        out = _run_decoder(decoder, input_ids=packed, position_ids=pos, use_cache=False)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         picked = _head_logps(model, head, hidden[0, at], targets, chunk_size, seqs.temperature)
     logps = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1, dtype=picked.dtype,

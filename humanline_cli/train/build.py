@@ -31,7 +31,7 @@ from humanline_cli.backend import (
 )
 from humanline_cli.config import RunSpec, eval_new_tokens, evaluates
 from humanline_cli.core.interfaces import Reference, Sampler, SamplingParams, Source
-from humanline_cli.core.logprobs import check_packing, packing_probe
+from humanline_cli.core.logprobs import check_packing, compile_decoder, packing_probe
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.core.reference import build_reference, reference_moves
 from humanline_cli.data.collate import Collator, Encoder
@@ -655,6 +655,11 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
                                 agree=(lambda f: all_agree(f, dist)) if strategy == "fsdp" else None,
                                 built=sharded_reference(policy, backend.param_dtype or backend.weights_dtype,
                                                         backend.device, shard_model) if sharded else None)
+    if spec.train.compile:  # after the reference's copy: each model's decoder gets its own compiled wrapper
+        for m in (policy, getattr(reference, "model", None)):
+            if m is not None and not compile_decoder(m):
+                spec = dataclasses.replace(spec, notes=(*spec.notes, "train.compile: this model's log-probs take the "
+                                                         "full-logits path, which runs eager"))
     train_model = policy if sharded else wrap_policy(policy, strategy, dist, backend.device, backend.param_dtype)
     if spec.train.packing:  # setup step: the model packs (restarting position ids), checked once, on every rank
         with torch.no_grad():
