@@ -274,13 +274,25 @@ def write_csv(table: pd.DataFrame, path: Path, digits: int | dict | None = None)
 
 
 def ci_text(ci: dict | None, fmt: str = ".3f") -> str:
-    """A mean and its interval (stats.mean_ci) as `mean [lo, hi]`, the mean alone without one, "–" for none."""
+    """`mean [lo, hi]` (stats.mean_ci), the mean alone without an interval, "–" for none."""
     if ci is None or ci.get("mean") is None:
         return "–"
     return format(ci["mean"], fmt) + ("" if ci.get("lo") is None else f" [{ci['lo']:{fmt}}, {ci['hi']:{fmt}}]")
 
 
 def md_table(head: list[str], rows) -> list[str]:
-    """A Markdown pipe table: the header, its rule, one line per row of display cells."""
     return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
+def md(table: pd.DataFrame, fmt: dict | None = None) -> list[str]:
+    """A frame as a Markdown pipe table, headers with spaces for underscores; `fmt`: column -> a format string or
+    a function of the cell; a missing number shows as "–"."""
+    def cell(c, x):
+        f = (fmt or {}).get(c)
+        if x is None or (isinstance(x, float) and x != x):
+            return "–"
+        return f(x) if callable(f) else f.format(x) if f else x
+
+    return md_table([str(c).replace("_", " ") for c in table.columns],
+                    [[cell(c, x) for c, x in zip(table.columns, row)] for row in table.itertuples(index=False)])
