@@ -283,7 +283,7 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     files = {"report.md": out_dir / "report.md", "report.csv": out_dir / "report.csv", **plots,
              "gap_closed.csv": out_dir / "gap_closed.csv"}
     write_csv(gap_closed.gap_frame(gaps), files["gap_closed.csv"], gap_closed.DIGITS)
-    if gap_closed.plot(gaps, out_dir / "gap_closed.png"):
+    if gap_closed.plot(gap_closed.gap_frame(gaps), out_dir / "gap_closed.png"):
         files["gap_closed.png"] = out_dir / "gap_closed.png"
     md += "\n## Gap closed by humanline-offline\n\n" + "\n".join(gap_closed.markdown(gaps))
     if "gap_closed.png" in files:

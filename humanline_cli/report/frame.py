@@ -59,6 +59,12 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def common_metric(summaries) -> str:
+    """The score runs compared together read: the one they all chose (metric_of), else the win rate."""
+    names = set(map(metric_of, summaries))
+    return names.pop() if len(names) == 1 else "win rate"
+
+
 def _read_json(path: Path):
     try:
         return json.loads(path.read_text()), None
@@ -202,7 +208,7 @@ def metric_of(summary: dict) -> str:
     return next((name for name, key in METRICS.items() if num(get(summary, key)) is not None), "none")
 
 
-def _seconds(times: dict, keys) -> float:
+def seconds(times: dict, keys) -> float:
     return float(sum(float(times.get(k, 0.0) or 0.0) for k in keys))
 
 
@@ -230,12 +236,12 @@ def run_points(summary: dict, metrics: list[dict]) -> pd.DataFrame:
         times = {k.removeprefix("time/"): v for k, v in (t or {}).items() if k.startswith("time/")}
         loop = num((t or {}).get("wall_s"))
         rows.append({"point": "mid", "step": r["step"], "wall_s": num(r.get("wall_s")),
-                     "work_s": None if t is None else _seconds(times, WORK),
-                     "loop_s": None if loop is None else loop - _seconds(times, LEFT_OUT), **scores})
+                     "work_s": None if t is None else seconds(times, WORK),
+                     "loop_s": None if loop is None else loop - seconds(times, LEFT_OUT), **scores})
     w = summary.get("wall_clock_s") or {}
     final = {name: num(get(summary, key)) for name, key in FINAL.items()}
     rows.append({"point": "final", "step": int(summary.get("steps") or 0), "wall_s": num(w.get("total")),
-                 "work_s": _seconds(w, WORK), "loop_s": float(w.get("total", 0.0)) - _seconds(w, LEFT_OUT) if w else None,
+                 "work_s": seconds(w, WORK), "loop_s": float(w.get("total", 0.0)) - seconds(w, LEFT_OUT) if w else None,
                  **final})
     numbers = ["step", "wall_s", "work_s", "loop_s", *CURVE]
     out = pd.DataFrame(rows, columns=["point", *numbers])

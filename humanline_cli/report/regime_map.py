@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import textwrap
 from pathlib import Path
 
 import pandas as pd
 
 from humanline_cli.report.frame import load, md_table, write_csv
-from humanline_cli.report.gap_closed import DIGITS, bar_chart, gap_frame, gap_rows, gap_text
+from humanline_cli.report.gap_closed import DIGITS, GAP_HEAD, gap_cells, gap_frame, gap_rows, plot
 from humanline_cli.report.groups import collapse_duplicates, label
 
 
@@ -134,41 +133,14 @@ def sweep_rows(root: Path) -> pd.DataFrame:
     return pd.concat([rows[["regime", "compared_with"]], gap_frame(rows)], axis=1)
 
 
-def _num(x) -> float | None:
-    return None if x is None or x == "" or (isinstance(x, float) and x != x) else float(x)
-
-
 def markdown(rows) -> list[str]:
     """Rows as dicts (gap_closed.csv's columns and `regime`), or a frame of them."""
     rows = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else rows
-
-    def speed(r, key) -> str:
-        v = _num(r.get(key, ""))
-        return "n/a" if v is None else f"{v:.2f}x"
-
-    def cells(r) -> tuple:
-        gap = {"verdict": r.get("gap_verdict") or "gap", "mean": _num(r["gap_closed"]), "lo": _num(r["gap_closed_lo"]),
-               "hi": _num(r["gap_closed_hi"])}
-        share, bound = _num(r.get("online_sampling_share", "")), _num(r.get("speedup_bound_matched", ""))
-        vs = r.get("compared_with")
-        return (r["regime"] + (f" (vs {vs})" if vs and vs != "offline, online" else ""), r["objective"], r["metric"],
-                *(f"{float(r[k]):.3f}" for k in ("offline", "online", "humanline_offline")), gap_text(gap),
-                r["n_seeds"], speed(r, "speedup"), speed(r, "speedup_equal_quality"),
-                "n/a" if share is None or bound is None else f"{share:.0%} ({bound:.2f}x)")
-
-    return md_table(["regime", "objective", "metric", "offline", "online", "humanline-offline", "gap closed", "seeds",
-                     "speedup (equal steps)", "at equal quality", "online sampling (bound)"], [cells(r) for r in rows])
-
-
-def plot(rows, path: Path) -> None:
-    if isinstance(rows, pd.DataFrame):
-        rows = rows.to_dict("records")
-    colors = {"grpo": "#c44e52", "dpo": "#4c72b0", "kto": "#55a868"}
-    rank = {o: i for i, o in enumerate(colors)}  # bars grouped by objective, regimes in their given order
-    rows = sorted((r for r in rows if _num(r["gap_closed"]) is not None), key=lambda r: rank.get(r["objective"], 9))
-    bar_chart([f"{r['objective']}\n" + "\n".join(textwrap.wrap(r["regime"], 16)) for r in rows],
-              [(_num(r["gap_closed"]), _num(r["gap_closed_lo"]), _num(r["gap_closed_hi"])) for r in rows], path,
-              [colors.get(r["objective"], "grey") for r in rows])
+    vs = [r.get("compared_with") for r in rows]
+    return md_table(["regime", "objective", *GAP_HEAD, "speedup (equal steps)", "at equal quality",
+                     "online sampling (bound)"],
+                    [(r["regime"] + (f" (vs {v})" if v and v != "offline, online" else ""), r["objective"],
+                      *gap_cells(r)) for r, v in zip(rows, vs)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         print("\n".join(markdown(rows)))
-        plot(rows, Path(a.out))
+        plot(rows, Path(a.out), regimes=True)
         write_csv(rows, Path(a.out).with_suffix(".csv"), DIGITS)
         print(f"wrote {a.out} and {Path(a.out).with_suffix('.csv')}")
         return 0
@@ -208,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"regime_map: error: {e}", file=sys.stderr)
         return 2
     print("\n".join(markdown(rows)))
-    plot(rows, Path(a.out))
+    plot(rows, Path(a.out), regimes=True)
     print(f"wrote {a.out}")
     return 0
 
