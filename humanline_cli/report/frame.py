@@ -212,6 +212,12 @@ def seconds(times: dict, keys) -> float:
     return float(sum(float(times.get(k, 0.0) or 0.0) for k in keys))
 
 
+def loop_seconds(summary: dict) -> float:
+    """The training loop's wall-clock: the total less setup, evaluation, saving, checkpoints, the sampler's start."""
+    w = summary.get("wall_clock_s") or {}
+    return float(w.get("total", 0.0)) - seconds(w, LEFT_OUT)
+
+
 def get(tree: dict, dotted: str):
     """tree["a"]["b"] for "a.b", None where any part is missing."""
     for part in dotted.split("."):
@@ -241,7 +247,7 @@ def run_points(summary: dict, metrics: list[dict]) -> pd.DataFrame:
     w = summary.get("wall_clock_s") or {}
     final = {name: num(get(summary, key)) for name, key in FINAL.items()}
     rows.append({"point": "final", "step": int(summary.get("steps") or 0), "wall_s": num(w.get("total")),
-                 "work_s": seconds(w, WORK), "loop_s": float(w.get("total", 0.0)) - seconds(w, LEFT_OUT) if w else None,
+                 "work_s": seconds(w, WORK), "loop_s": loop_seconds(summary) if w else None,
                  **final})
     numbers = ["step", "wall_s", "work_s", "loop_s", *CURVE]
     out = pd.DataFrame(rows, columns=["point", *numbers])
