@@ -298,10 +298,10 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     if targets:  # the cost model's prediction per regime, beside the measurement (report/speed.py)
         srows, notes, sources = speed.speed_rows(complete, list(targets))
         files["predicted.csv"] = out_dir / "predicted.csv"
-        write_csv(speed.predicted_frame(srows), files["predicted.csv"], 8)
+        write_csv(srows, files["predicted.csv"], 8)
         md += "\n## Predicted wall-clock (cost model)\n\n" + "\n".join(speed.markdown(srows, notes, sources)) + "\n"
-        for r in srows.itertuples():
-            predicted_loops.setdefault(r.target, {})[(r.task, r.objective, r.regime)] = r.predicted["loop"]
+        for r in srows[srows.phase == "loop"].itertuples():
+            predicted_loops.setdefault(r.target, {})[(r.task, r.objective, r.regime)] = r.predicted_s
     if not mrows.empty:
         md += "\n## Speedup at matched quality\n\n" + "\n".join(matched.markdown(mrows, predicted_loops)) + "\n"
     lagged = async_lag.async_rows(complete, ignore)  # only sweeps with data.async_lag > 0 get the section

@@ -65,7 +65,7 @@ def markdown(rows: pd.DataFrame) -> list[str]:
                          "humanline": rows.humanline.map({True: "on", False: "off"}), "lag": rows.lag,
                          "metric": rows.metric, "lag 0": rows.apply(ci, axis=1, a="lag0"),
                          "lag L": rows.apply(ci, axis=1, a="lag"),
-                         "in lag 0's interval": rows.within_lag0_interval.map(lambda v: {True: "yes", False: "no"}.get(v, "n/a")),
+                         "in lag 0's interval": rows.within_lag0_interval.map({True: "yes", False: "no"}).fillna("n/a"),
                          "lag L - lag 0": rows.apply(ci, axis=1, a="delta"), "seeds": rows.n_seeds,
                          "speedup": rows.speedup.map(lambda x: f"{x:.2f}x" if x else "n/a")})
     return ["Each lag L > 0 against synchronous online (lag 0) with the same humanline setting: score mean [95% "

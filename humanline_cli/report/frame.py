@@ -212,6 +212,18 @@ def seconds(times: dict, keys) -> float:
     return float(sum(float(times.get(k, 0.0) or 0.0) for k in keys))
 
 
+def humanline_spec(run) -> object:
+    """A run's core HumanlineSpec: humanline on or off and its hl.* knobs, the schema's defaults where unset."""
+    from dataclasses import fields
+
+    from humanline_cli.core.humanline import HumanlineSpec
+    from humanline_cli.schema import HumanlineConfig
+
+    cfg = run.config or {}
+    hl = HumanlineConfig(**{f.name: cfg[f"hl.{f.name}"] for f in fields(HumanlineConfig) if f"hl.{f.name}" in cfg})
+    return HumanlineSpec.from_config(bool(run.humanline), hl)
+
+
 def loop_seconds(summary: dict) -> float:
     """The training loop's wall-clock: the total less setup, evaluation, saving, checkpoints, the sampler's start."""
     w = summary.get("wall_clock_s") or {}
