@@ -28,7 +28,8 @@ from humanline_cli.errors import UserError
 from humanline_cli.report import async_lag, cost, gap_closed, matched, speed
 from humanline_cli.report.frame import MARKERS, find_run_dirs, frame, load_run, md_table, write_csv
 from humanline_cli.report.groups import DEFAULT_IGNORE, collapse_duplicates, label, parse_ignore, under
-from humanline_cli.report.plots import FAMILIES, OBJECTIVES, log_to_wandb, make_plots, order
+from humanline_cli.core.objectives import PROPERTIES
+from humanline_cli.report.plots import FAMILIES, log_to_wandb, make_plots, order
 from humanline_cli.report.regime_map import regime_gap_rows, with_regimes
 from humanline_cli.report.stats import win_rate_ci
 
@@ -127,7 +128,7 @@ def aggregate(runs: pd.DataFrame, groups: pd.DataFrame) -> list[dict]:
             "speedup_vs_online": online_wall / st["wall_clock_s"] if online_wall and st["wall_clock_s"] else None,
             "metric": "accuracy" if has_verifier else "judge reward", "seeds": members["seed"].tolist(),
             "config": g.labels, "row": g.row, "label": g.label})
-    obj_rank = {o: i for i, o in enumerate(order({c["objective"] for c in cells}, OBJECTIVES))}
+    obj_rank = {o: i for i, o in enumerate(order({c["objective"] for c in cells}, PROPERTIES))}
     fam_rank = {f: i for i, f in enumerate(order({c["family"] for c in cells}, FAMILIES))}
     cells.sort(key=lambda c: (c["task"], obj_rank[c["objective"]], [_natural(v) for _, v in c["row"]],
                               fam_rank[c["family"]], c["label"]))
