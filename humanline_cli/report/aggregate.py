@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.errors import UserError
 from humanline_cli.report import async_lag, cost, gap_closed, matched, speed
 from humanline_cli.report.frame import MARKERS, find_run_dirs, frame, load_run, md_table, write_csv
 from humanline_cli.report.groups import DEFAULT_IGNORE, collapse_duplicates, label, parse_ignore, under
-from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.report.plots import FAMILIES, log_to_wandb, make_plots, order
 from humanline_cli.report.regime_map import regime_gap_rows, with_regimes
 from humanline_cli.report.stats import win_rate_ci

@@ -212,16 +212,16 @@ def seconds(times: dict, keys) -> float:
     return float(sum(float(times.get(k, 0.0) or 0.0) for k in keys))
 
 
-def humanline_spec(run) -> object:
-    """A run's core HumanlineSpec: humanline on or off and its hl.* knobs, the schema's defaults where unset."""
+def humanline_spec(cfg: dict | None, on: bool) -> object:
+    """core's HumanlineSpec of a flat config: humanline `on` and its hl.* knobs, the schema's defaults where unset."""
     from dataclasses import fields
 
     from humanline_cli.core.humanline import HumanlineSpec
     from humanline_cli.schema import HumanlineConfig
 
-    cfg = run.config or {}
+    cfg = cfg or {}
     hl = HumanlineConfig(**{f.name: cfg[f"hl.{f.name}"] for f in fields(HumanlineConfig) if f"hl.{f.name}" in cfg})
-    return HumanlineSpec.from_config(bool(run.humanline), hl)
+    return HumanlineSpec.from_config(bool(on), hl)
 
 
 def loop_seconds(summary: dict) -> float:

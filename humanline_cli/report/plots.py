@@ -149,7 +149,8 @@ def plot_logratio_hist(frame, path: Path) -> str | None:
         hists[key] = h if key not in hists else [a + b for a, b in zip(hists[key], h)]
         meta[key] = (r.logratios[0].get("lo", -3.0), r.logratios[0].get("hi", 3.0))
         if r.humanline:  # the band of the run's humanline spec
-            bands.setdefault((r.task, r.objective), (humanline_spec(r).log_eps_P, humanline_spec(r).log_eps_R))
+            spec = humanline_spec(r.config, True)
+            bands.setdefault((r.task, r.objective), (spec.log_eps_P, spec.log_eps_R))
     if not hists:
         return "no run wrote logratios.jsonl"
     fig, (axes,), _ = _panels({k[:2] for k in hists})

@@ -55,7 +55,7 @@ def run_work(run, matmul_params: float, weight_bytes: float) -> Work | None:
         return None
     cfg = run.config or {}
     regime = str(cfg.get("data.regime", run.data))
-    spec = humanline_spec(run)
+    spec = humanline_spec(cfg, run.humanline)
     cached = not reference_moves(spec, regime) and bool(cfg.get("train.reference_cache", False))
     return Work(params=matmul_params, weight_bytes=weight_bytes, calls=calls, steps=steps, train_tokens=tokens,
                 reference_forward=not cached, gradient_checkpointing=bool(cfg.get("train.gradient_checkpointing")),
