@@ -1,13 +1,7 @@
-"""Run dirs as data frames, what every table and plot of `humanline report` is computed from.
-
-`load(root)` finds every run dir under `root` (one holding `.hydra/config.yaml`, `summary.json`, `failed.json` or
-`metrics.jsonl`) and returns one row per run: its status (complete, failed with the reason, incomplete with the
-last logged step), its labels (task, objective, data family, humanline, seed) from its resolved config and
-summary.json, its summary flattened (`eval.greedy.accuracy`, `wall_clock_s.total`, ...) and its resolved config
-flattened under `cfg.` (`cfg.data.generate_every`, ...), beside the raw material (the config as a dict, metrics and
-log-ratio rows) that the grouping and the plots read. `points(runs)` is the tidy long frame: one row per run and
-evaluation point (the starting policy, every mid-run evaluation, the final one) with its step, wall-clock, work
-and loop seconds and scores.
+"""Run dirs as data frames, what every table and plot of `humanline report` is computed from: `load(root)` gives
+one row per run dir (status and reason, labels, its summary flattened, its resolved config flattened under `cfg.`,
+and the config, metrics and log-ratio rows themselves); `points(runs)` one row per run and evaluation point (the
+start, every mid-run evaluation, the final one) with its step, wall-clock, work and loop seconds and scores.
 """
 from __future__ import annotations
 
@@ -83,11 +77,8 @@ def _flatten(tree, prefix="", out=None) -> dict:
 
 
 def read_config(path: Path) -> tuple[dict, dict] | None:
-    """(resolved, raw) flat dotted-key views of a Hydra config.yaml, or None if unreadable.
-
-    Hydra saves the config with its interpolations (`${task.offline.path}`); each leaf is resolved on its own so
-    one that cannot be resolved here (a `${hydra:...}` resolver, a missing env var) keeps its text instead of
-    costing the whole config. Lists stay single values."""
+    """(resolved, raw) flat dotted-key views of a Hydra config.yaml, or None if unreadable. Each leaf resolves on
+    its own, so one that cannot here (`${hydra:...}`, a missing env var) keeps its text. Lists stay values."""
     from omegaconf import DictConfig, ListConfig, OmegaConf
 
     try:
@@ -122,12 +113,8 @@ def read_config(path: Path) -> tuple[dict, dict] | None:
 
 
 def data_family(regime: str, cfg: dict) -> str:
-    """The data part of a run's family: the regime, except for online rounds that are off-policy by design,
-    each a baseline of its own, compared with (synchronous, lag-0) online and with humanline on the same rounds:
-    - `stale-K`: rounds that serve K > 1 optimizer steps per generation (data.generate_every=K; the authors'
-      math "offline");
-    - `async-L`: rounds sampled L > 0 rounds ahead by the sampler process (data.async_lag=L), so never
-      averaged with another lag; both at once: `stale-K-async-L`."""
+    """The data part of a run's family: the regime, except online rounds that are off-policy by design, each a
+    baseline of its own: `stale-K` (K > 1 steps per generation), `async-L` (sampled L > 0 rounds ahead), or both."""
     if regime != "online":
         return regime
     k, lag = cfg.get("data.generate_every"), cfg.get("data.async_lag")
@@ -137,8 +124,7 @@ def data_family(regime: str, cfg: dict) -> str:
 
 
 def outputs_fingerprint(path: Path) -> str:
-    """What a run produced, by content: a copy of a run dir has the same fingerprint, a rerun of the same
-    config and seed (its own wall-clock in metrics.jsonl and summary.json) another one."""
+    """What a run produced, by content: a copy has the same fingerprint, a rerun of the same seed another."""
     h = hashlib.sha256()
     for name in ("summary.json", "metrics.jsonl"):
         f = path / name
@@ -238,11 +224,8 @@ def get(tree: dict, dotted: str):
 
 
 def run_points(summary: dict, metrics: list[dict]) -> pd.DataFrame:
-    """One run's evaluation points: `point` start / mid / final, `step`; `wall_s` (metrics.jsonl's for a mid-run
-    point, the summary's total at the end); `work_s` (train + sample + label + sync + push so far) and `loop_s`
-    (the wall-clock less setup, evaluation, saving, checkpoints and the sampler's start-up) from the train row
-    logged at the same step (NaN where there is none); and each score of CURVE (NaN where not recorded). The
-    start sits at step 0 and 0 seconds."""
+    """One run's evaluation points (start at step 0 and 0 s, mid, final): `wall_s`, `work_s` (WORK phases so far)
+    and `loop_s` (wall-clock less LEFT_OUT) from the train row of the same step, and each score of CURVE."""
     start = {name: (0.5 if key is None else num(get(summary, key))) for name, (_, key) in CURVE.items()}
     rows = [{"point": "start", "step": 0, "wall_s": 0.0, "work_s": 0.0, "loop_s": 0.0, **start}]
     train = {r["step"]: r for r in metrics if "time/train" in r}

@@ -1,20 +1,9 @@
-"""The regime map: gap closed by humanline-offline across several studies, one figure and one table.
-
-Each study is a `humanline report` output dir (its gap_closed.csv); a label names the regime:
-
-    python -m humanline_cli.report.regime_map --out map.png "pairs (rule)=runs/pairs" "groups of 8=runs/g8" ...
-
-or one sweep over named regimes (`regime=...`, conf/regime/; `experiment=laptop_regimes`):
+"""The regime map: gap closed by humanline-offline across regimes, one table and one bar chart, from studies
+(`humanline report` dirs, LABEL=DIR) or one sweep over named regimes (`--sweep DIR`, conf/regime/), where each
+humanline regime is compared with the `baseline` and `target` its regime_meta declares, matched by the name the
+runs saved. The offline data (`task.world.offline`) may differ from online's, which does not read it.
 
     python -m humanline_cli.report.regime_map --sweep runs/experiments/laptop_regimes --out map.png
-
-where each humanline regime is compared with the two regimes its `regime_meta` declares (conf/regime/*.yaml:
-`baseline`, the plain regime on the same data, offline or stale rounds; `target`, the online one), matched by
-the `regime_meta.name` the runs saved, never by a file name. The offline data (`task.world.offline`) may
-differ from online's, which does not read it.
-
-Prints a markdown table (regime, objective, offline / online / humanline-offline, gap closed with its
-interval, seeds, speedups) and writes a bar chart of gap closed per regime and objective (PNG).
 """
 from __future__ import annotations
 
@@ -69,8 +58,8 @@ def _declared(name: str) -> dict:
 
 
 def regime_meta(config: dict | None, path: Path) -> dict:
-    """A run's regime as it declared it (name, family, baseline, target): its saved config's regime_meta,
-    else (a run saved before regimes declared it) the one its `regime=` file declares now; {} for no regime."""
+    """A run's regime_meta (name, family, baseline, target) as saved, else as its `regime=` file declares it now;
+    {} for no regime."""
     meta = {k.removeprefix("regime_meta."): v for k, v in (config or {}).items() if k.startswith("regime_meta.")}
     if meta.get("name"):
         return meta
@@ -79,17 +68,14 @@ def regime_meta(config: dict | None, path: Path) -> dict:
 
 
 def with_regimes(runs: pd.DataFrame) -> pd.DataFrame:
-    """Labelled runs (groups.label) with `regime_meta` and `regime`, what names a run's regime in per-regime
-    tables and plots: its declared regime where it has one, else its family (and the variant that tells its
-    config group apart)."""
+    """Labelled runs with `regime_meta` and `regime`: the declared regime, else the family (and variant)."""
     meta = [regime_meta(c, p) for c, p in zip(runs["config"], runs["path"])]
     regime = [m.get("name") or (f"{f} ({v})" if v else f) for m, f, v in zip(meta, runs["family"], runs["variant"])]
     return runs.assign(regime_meta=meta, regime=regime)
 
 
 def _sweep_order(root: Path, name_of: dict[str, str]) -> list[str]:
-    """Regime names in the order the sweep lists their `regime=` files (multirun.yaml), then any others
-    alphabetically. `name_of`: the `regime=` value -> the regime's declared name."""
+    """Declared regime names in the order multirun.yaml lists their `regime=` values, then the rest sorted."""
     import yaml
 
     listed: list[str] = []
@@ -102,10 +88,8 @@ def _sweep_order(root: Path, name_of: dict[str, str]) -> list[str]:
 
 
 def regime_gap_rows(runs: pd.DataFrame) -> pd.DataFrame:
-    """gap_closed.gap_rows per humanline regime and objective, from complete runs (with_regimes) of a sweep over
-    named regimes: each humanline regime against the baseline and target its regime_meta names, where the sweep
-    has both. The row's label is the regime (and its baselines when they are not the plain ones). Empty when no
-    run has a regime."""
+    """gap_closed.gap_rows per humanline regime of a sweep over named regimes, against the baseline and target
+    its regime_meta names, in the sweep's order; empty when no run has a regime."""
     named = runs[[bool(m.get("name")) for m in runs["regime_meta"]]] if len(runs) else runs
     by = {name: rs for name, rs in named.groupby("regime", sort=False)}
     metas = {m["name"]: m for m in named["regime_meta"]}
