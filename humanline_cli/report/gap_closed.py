@@ -277,8 +277,6 @@ def markdown(rows: pd.DataFrame) -> list[str]:
 
 
 def paired_markdown(rows: pd.DataFrame) -> list[str]:
-    """The paired differences of every comparison, greedy and sampled: a - b, mean over seeds with a 95%
-    t-interval across seeds (the reported interval) and a prompt-level bootstrap interval beside it."""
     body = [r for r in rows.itertuples() if r.paired]
     if not body:
         return ["No comparison has paired runs.", ""]
@@ -318,33 +316,29 @@ def plot(table: pd.DataFrame, path, regimes: bool = False) -> bool:
 
 
 def bar_chart(labels: list[str], values: list[tuple], path, colors: list[str] | None = None) -> None:
-    """Gap closed per bar, (mean, lo, hi) each (lo/hi None: no interval), 0 and 1 marked (PNG)."""
+    """Gap closed per bar, (mean, lo, hi) each (lo/hi None: no interval), 0 and 1 marked; more than ten bars
+    lie one per row, top to bottom in the given order (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    means = [m for m, _, _ in values]
-    # max(0, ...): a zero-width interval can sit a rounding error off its own mean
-    err = [[max(0.0, m - (lo if lo is not None else m)) for m, lo, _ in values],
-           [max(0.0, (hi if hi is not None else m) - m) for m, _, hi in values]]
-    if len(values) <= 10:  # vertical bars
-        fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(values) + 2), 4.0))
-        ax.bar(range(len(values)), means, yerr=err, capsize=4, color=colors or "#4c72b0")
-        ax.axhline(0, color="black", lw=0.8)
-        ax.axhline(1, color="grey", lw=0.8, ls="--")
-        ax.set_xticks(list(range(len(values))))
+    v = pd.DataFrame(values, columns=["m", "lo", "hi"], dtype=float)
+    # clip(0): a zero-width interval can sit a rounding error off its own mean
+    err = [(v.m - v.lo.fillna(v.m)).clip(lower=0), (v.hi.fillna(v.m) - v.m).clip(lower=0)]
+    wide, n, name = len(v) <= 10, range(len(v)), "gap closed by humanline-offline"
+    fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(v) + 2), 4.0) if wide else (8.0, 0.32 * len(v) + 1.4))
+    if wide:
+        ax.bar(n, v.m, yerr=err, capsize=4, color=colors or "#4c72b0")
+        ax.set(xticks=list(n), ylabel=name)
         ax.set_xticklabels(labels, fontsize=7)
-        ax.set_ylabel("gap closed by humanline-offline")
-    else:  # many regimes: one row each, top to bottom in the given order
-        fig, ax = plt.subplots(figsize=(8.0, 0.32 * len(values) + 1.4))
-        ax.barh(range(len(values)), means, xerr=err, capsize=3, color=colors or "#4c72b0")
-        ax.axvline(0, color="black", lw=0.8)
-        ax.axvline(1, color="grey", lw=0.8, ls="--")
-        ax.set_yticks(list(range(len(values))))
+    else:
+        ax.barh(n, v.m, xerr=err, capsize=3, color=colors or "#4c72b0")
+        ax.set(yticks=list(n), xlabel=name)
         ax.set_yticklabels([label.replace("\n", " ") for label in labels], fontsize=7)
         ax.invert_yaxis()
-        ax.set_xlabel("gap closed by humanline-offline")
+    for x, style in ((0, {"color": "black"}), (1, {"color": "grey", "ls": "--"})):
+        (ax.axhline if wide else ax.axvline)(x, lw=0.8, **style)
     ax.set_title("mean(humanline-offline - offline) / mean(online - offline), 95% Fieller interval")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
