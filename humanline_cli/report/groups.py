@@ -127,14 +127,13 @@ def differing_keys(signatures: list) -> set:
 
 
 def comparison_sets(runs: pd.DataFrame, ignore=()) -> list[tuple[str, str, str, list]]:
-    """(task, objective, label, groups) per set of groups agreeing outside the family-defining keys; the label
-    names the keys that tell the set apart from the objective's other sets."""
+    """(task, objective, label, groups) per set of groups (label's rows) agreeing outside the family-defining
+    keys; the label names the keys that tell the set apart from the objective's other sets."""
     out = []
-    for task, tg in groups(runs, ignore).groupby("task", sort=True):
-        derived = derived_from(tg)
+    for task, tg in label(runs, ignore)[1].groupby("task", sort=True):
         sets: dict[tuple, list] = {}
         for g in tg.itertuples():
-            sets.setdefault((g.objective, signature(g, derived)), []).append(g)
+            sets.setdefault(g.sig[1:], []).append(g)
         for (objective, sig), members in sorted(sets.items(), key=lambda kv: str(kv[0])):
             differing = differing_keys([s for (o, s) in sets if o == objective])
             out.append((task, objective, ", ".join(f"{k}={v}" for k, v in (sig or ()) if k in differing), members))
