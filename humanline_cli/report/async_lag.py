@@ -7,9 +7,9 @@ import re
 
 import pandas as pd
 
-from humanline_cli.report.frame import METRICS, ci_text, md, metric_of
+from humanline_cli.report.frame import METRICS, ci_text, common_metric, md
 from humanline_cli.report.groups import comparison_sets
-from humanline_cli.report.stats import mean_ci
+from humanline_cli.report.stats import mean_ci, paired_t
 
 _ASYNC = re.compile(r"(humanline-)?((?:stale-\d+-)?)async-(\d+)$")
 CSV_COLUMNS = ("task", "objective", "set", "humanline", "lag", "metric", "lag0_mean", "lag0_lo", "lag0_hi",
@@ -39,22 +39,19 @@ def async_rows(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
 
 
 def _row(task, objective, label, humanline: bool, lag: int, sync: pd.DataFrame, lagged: pd.DataFrame) -> list:
-    both = pd.concat([sync, lagged])
-    names = set(both["summary"].map(metric_of))
-    metric = METRICS[sorted(names)[0] if len(names) == 1 else "win rate"]
-    a, b = (pd.to_numeric(x.set_index("seed")[metric], errors="coerce").dropna() for x in (sync, lagged))
-    a, b = a[~a.index.duplicated(keep="last")], b[~b.index.duplicated(keep="last")]
+    metric = common_metric(pd.concat([sync, lagged])["summary"])
+    a, b = (pd.to_numeric(x.set_index("seed")[METRICS[metric]], errors="coerce").dropna() for x in (sync, lagged))
+    a, b = (x[~x.index.duplicated(keep="last")] for x in (a, b))
     if a.empty or b.empty:
         return []
     common = sorted(set(a.index) & set(b.index), key=str)
-    lag0, lagl = mean_ci(a), mean_ci(b)
-    delta = mean_ci([b[s] - a[s] for s in common]) or {"mean": None, "lo": None, "hi": None, "n": 0}
+    lag0, lagl, delta = mean_ci(a), mean_ci(b), paired_t(b[common], a[common])
     wall0, wall = (float(pd.to_numeric(x.get("wall_clock_s.total"), errors="coerce").fillna(0.0).mean())
                    for x in (sync, lagged))
     within = None if lag0["lo"] is None else bool(lag0["lo"] <= lagl["mean"] <= lag0["hi"])
-    return [(task, objective, label, humanline, lag, next(k for k, v in METRICS.items() if v == metric),
-             lag0["mean"], lag0["lo"], lag0["hi"], lagl["mean"], lagl["lo"], lagl["hi"], within, delta["mean"],
-             delta["lo"], delta["hi"], delta["n"], wall0, wall, wall0 / wall if wall0 and wall else None)]
+    return [(task, objective, label, humanline, lag, metric, lag0["mean"], lag0["lo"], lag0["hi"], lagl["mean"],
+             lagl["lo"], lagl["hi"], within, delta["mean"], delta["lo"], delta["hi"], delta["n"], wall0, wall,
+             wall0 / wall if wall0 and wall else None)]
 
 
 def markdown(rows: pd.DataFrame) -> list[str]:
