@@ -24,10 +24,10 @@ def calls_of(run_path: Path) -> tuple | None:
     if not f.is_file():
         return ()
     rows = pd.DataFrame([json.loads(line) for line in f.read_text().splitlines() if line.strip()])
-    if len(rows) and "tokens" not in rows:
-        return None
     if rows.empty:
         return ()
+    if "tokens" not in rows or rows["tokens"].isna().any():
+        return None
     by = rows.astype({"round": int, "tokens": int}).groupby("round")["tokens"]
     return tuple(Call(int(n), int(g), int(m)) for n, g, m in zip(by.size(), by.sum(), by.max()))
 

@@ -1,7 +1,8 @@
-"""The regime map: gap closed by humanline-offline across regimes, one table and one bar chart, from studies
-(`humanline report` dirs, LABEL=DIR) or one sweep over named regimes (`--sweep DIR`, conf/regime/), where each
-humanline regime is compared with the `baseline` and `target` its regime_meta declares, matched by the name the
-runs saved. The offline data (`task.world.offline`) may differ from online's, which does not read it.
+"""The regime map: gap closed by humanline-offline across several studies, one figure and one table.
+
+Studies are `humanline report` dirs (LABEL=DIR), or one sweep over named regimes (`--sweep DIR`, conf/regime/)
+where each humanline regime is compared with the `baseline` and `target` its regime_meta declares, matched by the
+name the runs saved. The offline data (`task.world.offline`) may differ from online's, which does not read it.
 
     python -m humanline_cli.report.regime_map --sweep runs/experiments/laptop_regimes --out map.png
 """
