@@ -33,17 +33,17 @@ def _reward_model_s_per_seq(tokens: float) -> float:
 
 
 SETTINGS = (
-    Setting("paper_math (GRPO, Qwen2.5-1.5B-Instruct)", "qwen2_5_1_5b_instruct", 200, 600, 2048,
+    Setting("paper_math ({objective}, Qwen2.5-1.5B-Instruct)", "qwen2_5_1_5b_instruct", 200, 600, 2048,
             "math verifier (CPU)", ASSUMED["verifier_s_per_seq"],
             (("online", ["experiment=paper_math"]),
              ("stale-64", ["experiment=paper_math", "regime=stale64"]),
              ("humanline stale-64 (sync 16)", ["experiment=paper_math", "regime=hl_stale64_sync16_lo15"]))),
-    Setting("paper_instruction_following (DPO, Llama-3-8B-Instruct)", "llama3_8b_instruct", 300, 400, 1024,
+    Setting("paper_instruction_following ({objective}, Llama-3-8B-Instruct)", "llama3_8b_instruct", 300, 400, 1024,
             "ArmoRM reward model (8B forward)", _reward_model_s_per_seq(700),
-            (("online", ["experiment=paper_instruction_following", "objective=dpo", "data=online"]),
-             ("stale-64", ["experiment=paper_instruction_following", "objective=dpo", "data=online",
+            (("online", ["experiment=paper_instruction_following", "data=online"]),
+             ("stale-64", ["experiment=paper_instruction_following", "data=online",
                            "data.generate_every=64"]),
-             ("humanline-offline", ["experiment=paper_instruction_following", "objective=dpo", "data=offline",
+             ("humanline-offline", ["experiment=paper_instruction_following", "data=offline",
                                     "humanline=true"]))),
 )
 
@@ -74,12 +74,14 @@ def rows() -> list[dict]:
     out = []
     with initialize_config_module(config_module="conf", version_base="1.3"):
         for s in SETTINGS:
-            works = [(name, counted_work(compose("train", overrides=o), s, 1)) for name, o in s.regimes]
+            cfgs = [(name, compose("train", overrides=o)) for name, o in s.regimes]  # the objective: conf's default
+            works = [(name, counted_work(c, s, 1)) for name, c in cfgs]
+            title = s.name.format(objective=cfgs[0][1].objective.name.upper())
             for gpu, gpus in itertools.product(("h100", "h200"), (1, 8)):
                 t = gpu_target(gpu, SHAPES[s.model], gpus, s.prompt_tokens + s.completion_tokens / 2, s.label_s_per_seq)
                 base = predict(works[0][1], t)
-                out += [{"setting": s, "regime": name, "target": t, "work": w, "predicted": (p := predict(w, t)),
-                         "speedup": base["loop"] / p["loop"]} for name, w in works]
+                out += [{"setting": s, "title": title, "regime": name, "target": t, "work": w,
+                         "predicted": (p := predict(w, t)), "speedup": base["loop"] / p["loop"]} for name, w in works]
     return out
 
 
@@ -94,7 +96,7 @@ def markdown() -> list[str]:
                        "sync h", "loop h", "speedup vs online (equal steps)", "prompt + completion tokens (mean)",
                        "longest per call", "decode tok/s per GPU (peak)", "decode ms/step (latency)", "training MFU",
                        "label s/seq", "push fixed s"],
-                      [(s.name, r["regime"], t.name,
+                      [(r["title"], r["regime"], t.name,
                         f"{len(w.calls)} x {w.calls[0].sequences}" if w.calls else "0 (data sampled before)",
                         *(h(r, k) for k in ("sample", "push", "label", "train", "sync")), f"**{h(r, 'loop')}**",
                         f"**{r['speedup']:.2f}x**", f"{s.prompt_tokens:g} + {s.completion_tokens:g}", s.longest,
