@@ -134,39 +134,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", help="one sweep over named regimes (regime=...), e.g. runs/experiments/laptop_regimes")
     p.add_argument("--out", default="regime_map.png", help="the PNG to write (and, with --sweep, a CSV next to it)")
     a = p.parse_args(argv)
-    if a.sweep:
-        root = Path(a.sweep)
-        if not root.is_dir():
-            print(f"regime_map: error: {root}: no such directory", file=sys.stderr)
-            return 2
-        rows = sweep_rows(root)
-        if rows.empty:
-            print(f"regime_map: error: {root}: no humanline-offline regime with its offline and online runs complete",
-                  file=sys.stderr)
-            return 2
-        print("\n".join(markdown(rows)))
-        plot(rows, Path(a.out), regimes=True)
-        write_csv(rows, Path(a.out).with_suffix(".csv"), DIGITS)
-        print(f"wrote {a.out} and {Path(a.out).with_suffix('.csv')}")
-        return 0
-    if not a.studies:
-        print("regime_map: error: give LABEL=DIR studies or --sweep DIR", file=sys.stderr)
-        return 2
-    studies = []
-    for s in a.studies:
-        label, eq, path = s.partition("=")
-        if not eq:
-            print(f"regime_map: error: {s!r} is not LABEL=DIR", file=sys.stderr)
-            return 2
-        studies.append((label, Path(path)))
+    out = Path(a.out)
     try:
-        rows = load_studies(studies)
-    except FileNotFoundError as e:
+        if a.sweep:
+            if not Path(a.sweep).is_dir():
+                raise ValueError(f"{Path(a.sweep)}: no such directory")
+            rows = sweep_rows(Path(a.sweep))
+            if rows.empty:
+                raise ValueError(f"{Path(a.sweep)}: no humanline-offline regime with its offline and online runs complete")
+        elif not a.studies:
+            raise ValueError("give LABEL=DIR studies or --sweep DIR")
+        else:
+            bad = [s for s in a.studies if "=" not in s]
+            if bad:
+                raise ValueError(f"{bad[0]!r} is not LABEL=DIR")
+            rows = load_studies([(lab, Path(d)) for lab, _, d in (s.partition("=") for s in a.studies)])
+    except (ValueError, FileNotFoundError) as e:
         print(f"regime_map: error: {e}", file=sys.stderr)
         return 2
     print("\n".join(markdown(rows)))
-    plot(rows, Path(a.out), regimes=True)
-    print(f"wrote {a.out}")
+    plot(rows, out, regimes=True)
+    if a.sweep:  # a sweep's rows are new: written beside the figure
+        write_csv(rows, out.with_suffix(".csv"), DIGITS)
+    print(f"wrote {out}" + (f" and {out.with_suffix('.csv')}" if a.sweep else ""))
     return 0
 
 
