@@ -234,7 +234,7 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     gaps = gap_closed.gap_rows(complete, ignore) if gaps.empty else gaps
     table("gap_closed.csv", gap_closed.gap_frame(gaps), gap_closed.DIGITS)
     md += "\n## Gap closed by humanline-offline\n\n" + "\n".join(gap_closed.markdown(gaps))
-    if gap_closed.plot(gap_closed.gap_frame(gaps), out_dir / "gap_closed.png"):
+    if gap_closed.plot(gaps, out_dir / "gap_closed.png"):
         files["gap_closed.png"] = out_dir / "gap_closed.png"
         md += "\n![gap closed](gap_closed.png)\n"
     md += "\n## Paired differences\n\n" + "\n".join(gap_closed.paired_markdown(gaps))

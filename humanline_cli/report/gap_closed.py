@@ -92,13 +92,6 @@ def equal_quality_text(eq: dict | None) -> str:
         f" (reached: online {on['reached']} of {on['n']}, humanline {hl['reached']} of {hl['n']})"
 
 
-# `closed`: gap_closed_paired's dict; `equal`: equal_quality's (None without learning curves); `scores`: each
-# arm's mean_ci per metric; `paired`: paired_differences' rows; `regime`, `compared_with`: a regime sweep's.
-ROW = ("task", "objective", "set", "metric", "offline", "online", "humanline_offline", "closed", "online_wall_s",
-       "humanline_offline_wall_s", "speedup", "equal", "scores", "online_sampling_share", "speedup_bound_matched",
-       "paired", "regime", "compared_with")
-
-
 def gap_rows(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
     """One row per comparison of complete runs: an online group, a baseline and a humanline group on its data."""
     pts, rows = points(runs), []
@@ -156,12 +149,16 @@ def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.
     on_wall, hl_wall = (None if pd.isna(wall.get(a)) else float(wall[a]) for a in ARMS[1:])
     shares = [s for s in arms[arms.arm == "online"]["summary"].map(sampling_share) if s is not None]
     share = statistics.fmean(shares) if shares else None
+    closed = gap_closed_paired(*(paired_seeds[a].tolist() for a in ARMS), gap_interval)
+    equal = equal_quality(curves["online"], curves["humanline-offline"]) if mid else None
     return {"task": task, "objective": objective, "set": label, "metric": metric,
             **{a.replace("-", "_"): float(wide[a].mean()) for a in ARMS},
-            "closed": gap_closed_paired(*(paired_seeds[a].tolist() for a in ARMS), gap_interval),
-            "online_wall_s": on_wall, "humanline_offline_wall_s": hl_wall,
+            "gap_closed": closed["mean"], "gap_closed_lo": closed["lo"], "gap_closed_hi": closed["hi"],
+            "n_seeds": closed["n"], **{f"gap{s}": closed["gap"][k] for k, s in (("mean", ""), ("lo", "_lo"), ("hi", "_hi"))},
+            "gap_verdict": closed["verdict"], "online_wall_s": on_wall, "humanline_offline_wall_s": hl_wall,
             "speedup": on_wall / hl_wall if on_wall and hl_wall else None,
-            "equal": equal_quality(curves["online"], curves["humanline-offline"]) if mid else None,
+            "speedup_equal_quality": equal and equal["speedup"], "online_never_reached": equal and equal["never"],
+            "equal_text": equal_quality_text(equal),
             "scores": {a: {m: mean_ci(scores[scores.arm == a][m].dropna().astype(float)) for m in METRICS}
                        for a in ARMS},
             "online_sampling_share": share,
@@ -203,19 +200,16 @@ CSV_COLUMNS = ("task", "objective", "set", "metric", "offline", "online", "human
                "gap_closed_lo", "gap_closed_hi", "n_seeds", "gap", "gap_lo", "gap_hi", "gap_verdict", "online_wall_s",
                "humanline_offline_wall_s", "speedup", "speedup_equal_quality", "online_never_reached",
                "online_sampling_share", "speedup_bound_matched")
+# a comparison's row: gap_closed.csv's columns, the at-equal-quality cell, each arm's mean_ci per metric
+# (`scores`), paired_differences' rows (`paired`), and a regime sweep's `regime` and `compared_with`
+ROW = (*CSV_COLUMNS, "equal_text", "scores", "paired", "regime", "compared_with")
 # speeds and shares to 4 significant digits, the other numbers to 6, wall-clock in full
 DIGITS = {c: 4 if c.startswith(("speedup", "online_sampling")) else 6 for c in CSV_COLUMNS if not c.endswith("wall_s")}
 
 
 def gap_frame(rows: pd.DataFrame) -> pd.DataFrame:
     """gap_closed.csv: one row per comparison."""
-    closed = pd.DataFrame(list(rows["closed"]), index=rows.index)
-    gap = pd.DataFrame(list(closed["gap"]), index=rows.index) if len(rows) else closed
-    return rows.assign(gap_closed=closed.get("mean"), gap_closed_lo=closed.get("lo"), gap_closed_hi=closed.get("hi"),
-                       n_seeds=closed.get("n"), gap=gap.get("mean"), gap_lo=gap.get("lo"), gap_hi=gap.get("hi"),
-                       gap_verdict=closed.get("verdict"),
-                       speedup_equal_quality=rows["equal"].map(lambda e: e and e["speedup"]),
-                       online_never_reached=rows["equal"].map(lambda e: e and e["never"]))[list(CSV_COLUMNS)].astype(object)
+    return rows[list(CSV_COLUMNS)].astype(object)
 
 
 GAP_NOTE = ("gap closed = mean(humanline-offline - offline) / mean(online - offline) over seeds paired by seed (a "
@@ -260,7 +254,7 @@ GAP_HEAD = ["metric", "offline", "online", "humanline-offline", "gap closed", "s
 def markdown(rows: pd.DataFrame) -> list[str]:
     if rows.empty:
         return ["No comparison set has offline, online and humanline-offline runs: no gap to report.", ""]
-    table = gap_frame(rows).assign(equal_text=rows["equal"].map(equal_quality_text))
+    table = rows
     lines = [GAP_NOTE, "", *md_table(["task", "objective", "set", *GAP_HEAD, "speedup", "at equal quality",
                                       "online sampling (bound)"],
                                      [(r["task"], r["objective"], r["set"] or "–", *gap_cells(r))
