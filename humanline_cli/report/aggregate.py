@@ -1,22 +1,14 @@
-"""`humanline report <dir>`: aggregate run dirs into a paper-style table (report.md, report.csv, PNG plots).
+"""`humanline report <dir>`: run dirs -> report.md, report.csv, the comparison CSVs and PNG plots.
 
-The run dirs load into one data frame (report/frame.py), grouped and labelled by report/groups.py; each section
-of the report is a function of that frame (gap closed, paired differences, cost, predicted wall-clock, matched
-quality, asynchronous rounds), and each CSV is written from a frame.
-
-A run dir is any directory holding `.hydra/config.yaml`, `summary.json`, `failed.json` or `metrics.jsonl`.
-Complete runs (summary.json with status "complete") feed the aggregates; failed runs (failed.json) and
-incomplete runs (neither file) are listed with their reason and never aggregated.
-
-Runs are pooled as seeds only when their resolved configs match except for `seed` and keys that never change
-results (see `comparable_config`); a report that averages unlike runs is worse than none. Keys that differ
-between groups become extra columns (report.md, console, report.csv) or a label above a cell's numbers.
+A run dir holds `.hydra/config.yaml`, `summary.json`, `failed.json` or `metrics.jsonl`. Complete runs feed the
+tables; failed and incomplete runs are listed with their reason. Runs pool as seeds only when their resolved
+configs match but for the seed and result-neutral keys (report/groups.py): averaging unlike runs is worse than
+nothing. Keys that differ between groups become columns, or a label above a cell's numbers.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass
@@ -24,22 +16,21 @@ from pathlib import Path
 
 import pandas as pd
 
+from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.errors import UserError
 from humanline_cli.report import async_lag, cost, gap_closed, matched, speed
 from humanline_cli.report.frame import MARKERS, find_run_dirs, frame, load_run, md_table, write_csv
 from humanline_cli.report.groups import DEFAULT_IGNORE, collapse_duplicates, label, parse_ignore, under
-from humanline_cli.report.plots import FAMILIES, OBJECTIVES, log_to_wandb, make_plots, order
+from humanline_cli.report.plots import FAMILIES, log_to_wandb, make_plots, order
 from humanline_cli.report.regime_map import regime_gap_rows, with_regimes
 from humanline_cli.report.stats import win_rate_ci
 
 CSV_COLUMNS = ("task", "objective", "family", "n_seeds", "win_rate_mean", "win_rate_std", "win_rate_lo", "win_rate_hi",
                "accuracy_mean", "accuracy_std", "reward_mean", "wall_clock_s", "sample_s", "label_s", "train_s",
                "speedup_vs_online")
-# A cell's numbers: its name -> the summary field averaged over the group's seeds (mean and sd).
+# a cell's numbers: name -> the summary field, mean and sd over the group's seeds (wall-clock: the mean alone)
 FIELDS = {"win_rate": "eval.win_rate", "accuracy": "eval.accuracy", "reward": "eval.reward_mean",
-          # judge=alpaca_eval: its length-controlled win rate (percent there), as a fraction like WR
-          "lc_win_rate": "eval.alpaca_eval.lc_win_rate",
-          # eval.math500: benchmark accuracy of the trained policy, greedy and sampled
+          "lc_win_rate": "eval.alpaca_eval.lc_win_rate",  # percent there, a fraction here like WR
           "math500_greedy": "eval.math500.greedy_accuracy", "math500_sampled": "eval.math500.sampled_accuracy",
           "wall_clock_s": "wall_clock_s.total", "sample_s": "wall_clock_s.sample", "label_s": "wall_clock_s.label",
           "train_s": "wall_clock_s.train"}
@@ -59,15 +50,15 @@ class ReportError(UserError):
 class Report:
     root: Path
     out_dir: Path
-    frame: pd.DataFrame  # one row per run dir (report/frame.py), complete runs with their `group` and `variant`
+    frame: pd.DataFrame  # one row per run dir, complete runs with their `group` and `variant`
     cells: list  # one dict per config group: the CSV columns + "metric", "seeds", "config", "row", "label"
     markdown: str
     files: dict  # name -> Path of everything written
     skipped_plots: dict  # plot file name -> why it was skipped
     wandb_error: str | None = None
-    columns: tuple = CSV_COLUMNS  # report.csv's header: CSV_COLUMNS with the varying config keys after "family"
+    columns: tuple = CSV_COLUMNS  # report.csv's header, the varying config keys after "family"
     unused_ignores: tuple = ()  # --ignore keys that matched no config key (likely typos)
-    duplicates: tuple = ()  # groups.Duplicate: run dirs that are another dir's run again, counted once
+    duplicates: tuple = ()  # groups.Duplicate: run dirs counted once
 
     @property
     def runs(self) -> list:
@@ -82,10 +73,6 @@ class Report:
         return [r for r in self.runs if r.status != "complete"]
 
 
-def _none(x):
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
-
-
 def _natural(v: str):
     try:
         return (0, float(v), "")
@@ -94,86 +81,69 @@ def _natural(v: str):
 
 
 def aggregate(runs: pd.DataFrame, groups: pd.DataFrame) -> list[dict]:
-    """One cell per config group (labelled runs and groups of groups.label), ordered by task, objective, row
-    labels, family, cell label."""
+    """One cell per config group (groups.label), by task, objective, row labels, family and cell label."""
     runs = runs.reindex(columns=list(runs.columns) + [c for c in FIELDS.values() if c not in runs.columns])
     values = pd.DataFrame({name: pd.to_numeric(runs[col], errors="coerce") for name, col in FIELDS.items()})
     values["lc_win_rate"] /= 100
     stats = values.groupby(runs["group"]).agg(["mean", "std"])
+    stats.columns = [k if k in WALL else f"{k}_{m}" for k, m in stats.columns]
+    stats = stats.loc[:, ~stats.columns.duplicated()].astype(object)  # wall-clock keeps its mean
+    stats = stats.where(stats.notna(), None)
     verifier = runs.groupby("task")["eval.accuracy"].apply(lambda s: s.notna().any())
     online = {}
-    for i, g in groups.iterrows():
-        if g.family == "online":
-            online.setdefault(g.sig, []).append(i)
+    for i, g in groups[groups.family == "online"].iterrows():
+        online.setdefault(g.sig, []).append(i)
     cells = []
     for i, g in groups.iterrows():
-        st = {f"{k}_{m}": _none(v) for (k, m), v in stats.loc[i].items()}
+        st = stats.loc[i].to_dict()
         match = [i] if g.family == "online" else online.get(g.sig, [])
         # exactly one online group with an otherwise identical config, or no speedup (never a guess)
-        online_wall = _none(stats.loc[match[0], ("wall_clock_s", "mean")]) if len(match) == 1 else None
+        on_wall = stats.at[match[0], "wall_clock_s"] if len(match) == 1 else None
         members = runs.loc[g.members].sort_values("seed", key=lambda s: s.map(str))
         wr = members["eval.win_rate"].dropna().astype(float).tolist()
         ci = members["eval.win_rate_ci"].iloc[0] if "eval.win_rate_ci" in members else None
         lo, hi = win_rate_ci(wr, ci if isinstance(ci, (list, tuple)) else None) if wr else (None, None)
-        has_verifier = bool(verifier[g.task])
-        for k in WALL:  # wall-clock: the mean alone
-            st[k] = st.pop(f"{k}_mean")
-            del st[f"{k}_std"]
-        if not has_verifier:
+        if not verifier[g.task]:
             st["accuracy_mean"] = st["accuracy_std"] = None
-        cells.append({
-            "task": g.task, "objective": g.objective, "family": g.family, "n_seeds": len(members), **st,
-            "win_rate_lo": lo, "win_rate_hi": hi,
-            "speedup_vs_online": online_wall / st["wall_clock_s"] if online_wall and st["wall_clock_s"] else None,
-            "metric": "accuracy" if has_verifier else "judge reward", "seeds": members["seed"].tolist(),
-            "config": g.labels, "row": g.row, "label": g.label})
-    obj_rank = {o: i for i, o in enumerate(order({c["objective"] for c in cells}, OBJECTIVES))}
+        cells.append({"task": g.task, "objective": g.objective, "family": g.family, "n_seeds": len(members), **st,
+                      "win_rate_lo": lo, "win_rate_hi": hi,
+                      "speedup_vs_online": on_wall / st["wall_clock_s"] if on_wall and st["wall_clock_s"] else None,
+                      "metric": "accuracy" if verifier[g.task] else "judge reward", "seeds": members["seed"].tolist(),
+                      "config": g.labels, "row": g.row, "label": g.label})
+    obj_rank = {o: i for i, o in enumerate(order({c["objective"] for c in cells}, PROPERTIES))}
     fam_rank = {f: i for i, f in enumerate(order({c["family"] for c in cells}, FAMILIES))}
-    cells.sort(key=lambda c: (c["task"], obj_rank[c["objective"]], [_natural(v) for _, v in c["row"]],
-                              fam_rank[c["family"]], c["label"]))
-    return cells
+    return sorted(cells, key=lambda c: (c["task"], obj_rank[c["objective"]], [_natural(v) for _, v in c["row"]],
+                                        fam_rank[c["family"]], c["label"]))
 
 
-# ---------------------------------------------------------------- formatting
-def _pm(mean, std, digits=3) -> str:
-    if mean is None:
-        return "–"
-    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
+def _pm(c: dict, key: str) -> str:
+    mean, std = c.get(f"{key}_mean"), c.get(f"{key}_std")
+    return "–" if mean is None else f"{mean:.3f}" + (f" ± {std:.3f}" if std is not None else "")
 
 
 def cell_lines(c: dict) -> list[str]:
-    wr = _pm(c["win_rate_mean"], c["win_rate_std"])
-    if c["win_rate_lo"] is not None and not math.isnan(c["win_rate_lo"]):
-        wr += f" [{c['win_rate_lo']:.3f}, {c['win_rate_hi']:.3f}]"
-    if c.get("lc_win_rate_mean") is not None:
-        wr += ", LC " + _pm(c["lc_win_rate_mean"], c["lc_win_rate_std"])
-    if c["metric"] == "accuracy":
-        metric = "acc " + _pm(c["accuracy_mean"], c["accuracy_std"])
-    else:
-        metric = "judge reward " + _pm(c["reward_mean"], c["reward_std"])
-    m500 = [f"{mode} " + _pm(c[f"math500_{mode}_mean"], c[f"math500_{mode}_std"]) for mode in ("greedy", "sampled")
+    wr = _pm(c, "win_rate") + ("" if c["win_rate_lo"] is None or c["win_rate_lo"] != c["win_rate_lo"]
+                               else f" [{c['win_rate_lo']:.3f}, {c['win_rate_hi']:.3f}]")
+    wr += "" if c.get("lc_win_rate_mean") is None else ", LC " + _pm(c, "lc_win_rate")
+    metric = "acc " + _pm(c, "accuracy") if c["metric"] == "accuracy" else "judge reward " + _pm(c, "reward")
+    m500 = [f"{mode} " + _pm(c, f"math500_{mode}") for mode in ("greedy", "sampled")
             if c.get(f"math500_{mode}_mean") is not None]
-    metric_lines = [metric] + (["MATH-500 " + ", ".join(m500)] if m500 else [])
-    speed = f"{c['speedup_vs_online']:.2f}x" if c["speedup_vs_online"] is not None else "n/a"
-    wall = f"{c['wall_clock_s']:.1f} s" if c["wall_clock_s"] is not None else "–"
-    return ([c["label"]] if c["label"] else []) + [f"win {wr}", *metric_lines, f"{wall} ({speed} vs online)",
+    speed = "n/a" if c["speedup_vs_online"] is None else f"{c['speedup_vs_online']:.2f}x"
+    wall = "–" if c["wall_clock_s"] is None else f"{c['wall_clock_s']:.1f} s"
+    return ([c["label"]] if c["label"] else []) + [f"win {wr}", metric, *(["MATH-500 " + ", ".join(m500)] if m500
+                                                                         else []), f"{wall} ({speed} vs online)",
                                                    f"n={c['n_seeds']}"]
 
 
 def task_grid(cells: list[dict], task: str) -> tuple[list[str], list[tuple], list[str], dict]:
-    """(row keys, rows as (objective, row labels), families, {(row, family): [cells]}) for one task's table.
-
-    Rows are objectives; a row splits by the values of the varying keys outside the family-defining subtrees
-    (train.lr, model.*), shown as extra columns; keys inside them (data.path, hl.*) label the cell itself."""
+    """(row keys, rows as (objective, row labels), families, {(row, family): [cells]}) of one task's table: rows
+    split by the varying keys outside the family-defining subtrees; the others label the cell itself."""
     cs = [c for c in cells if c["task"] == task]
-    row_keys = [k for k, _ in cs[0]["row"]] if cs else []
-    rows, grid = [], {}
+    grid: dict = {}
     for c in cs:  # cells arrive sorted
-        row = (c["objective"], tuple(v for _, v in c["row"]))
-        if row not in rows:
-            rows.append(row)
-        grid.setdefault((row, c["family"]), []).append(c)
-    return row_keys, rows, order({c["family"] for c in cs}, FAMILIES), grid
+        grid.setdefault(((c["objective"], tuple(v for _, v in c["row"])), c["family"]), []).append(c)
+    return ([k for k, _ in cs[0]["row"]] if cs else [], list(dict.fromkeys(r for r, _ in grid)),
+            order({c["family"] for c in cs}, FAMILIES), grid)
 
 
 def _cell_text(grid, row, fam, sep: str) -> str:
@@ -195,17 +165,22 @@ def grouping_note(ignore) -> str:
             "without `.hydra/config.yaml` are grouped by their summary.json labels (task, objective, data, humanline).")
 
 
-def render_markdown(rep_root: Path, cells, runs, plots: dict, skipped: dict, out_dir: Path, ignore=(),
+def _rel(path: Path, base: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(base.resolve())) or "."
+    except ValueError:
+        return str(path)
+
+
+def render_markdown(root: Path, cells, runs: pd.DataFrame, plots: dict, skipped: dict, out_dir: Path, ignore=(),
                     duplicates=()) -> str:
-    complete = [r for r in runs if r.status == "complete"]
-    lines = [f"# humanline report: `{rep_root}`", "",
-             (f"{len(runs)} run dirs: {len(complete)} complete, "
-              f"{sum(r.status == 'failed' for r in runs)} failed, {sum(r.status == 'incomplete' for r in runs)} "
-              "incomplete (only complete runs are aggregated)."), ""]
+    n = runs.status.value_counts()
+    lines = [f"# humanline report: `{root}`", "",
+             (f"{len(runs)} run dirs: {n.get('complete', 0)} complete, {n.get('failed', 0)} failed, "
+              f"{n.get('incomplete', 0)} incomplete (only complete runs are aggregated)."), ""]
     if duplicates:
         lines += [f"{len(duplicates)} complete run dirs are another dir's run again (same config and seed) and are "
-                  "counted once:", "", *(f"- `{_rel(d.dropped.path, rep_root)}` duplicates "
-                                         f"`{_rel(d.kept.path, rep_root)}` "
+                  "counted once:", "", *(f"- `{_rel(d.dropped.path, root)}` duplicates `{_rel(d.kept.path, root)}` "
                                          f"({'identical outputs' if d.same_outputs else 'outputs differ'})"
                                          for d in duplicates), ""]
     if not cells:
@@ -217,49 +192,22 @@ def render_markdown(rep_root: Path, cells, runs, plots: dict, skipped: dict, out
                   (f"Each cell: win rate vs the starting policy, mean ± sd over seeds [95% CI]; {metric} "
                    f"mean ± sd{'' if metric == 'accuracy' else ' (no verifier for this task)'}; mean wall-clock "
                    "seconds (speedup = online wall-clock / this wall-clock); number of seeds."), "",
-                  *md_table(["objective", *(_md(k) for k in row_keys + fams)],
-                            [(f"**{row[0]}**", *(_md(v) for v in row[1]),
-                              *(_md(_cell_text(grid, row, f, "<br>")) for f in fams)) for row in rows]), ""]
-    lines += ["## Failed or incomplete runs", ""]
-    problems = [r for r in runs if r.status != "complete"]
-    if not problems:
-        lines.append("none")
-    for r in problems:
-        label = f"{r.task} / {r.objective} / {r.family} / seed {r.seed}"
-        lines.append(f"- **{r.status}** `{_rel(r.path, rep_root)}` ({label}): {r.reason}")
-    lines += ["", "## Confidence intervals", "", CI_NOTE, "", "## Grouping", "", grouping_note(ignore), "",
-              "## Plots", ""]
-    for name, path in plots.items():
-        lines.append(f"- [{name}]({_rel(path, out_dir)})")
-    for name, why in skipped.items():
-        lines.append(f"- `{name}` skipped: {why}")
-    lines += ["", "Numbers: [report.csv](report.csv)", ""]
+                  *md_table(["objective", *map(_md, row_keys + fams)],
+                            [(f"**{row[0]}**", *map(_md, row[1]), *(_md(_cell_text(grid, row, f, "<br>")) for f in fams))
+                             for row in rows]), ""]
+    problems = runs[runs.status != "complete"]
+    lines += ["## Failed or incomplete runs", "", *([] if len(problems) else ["none"]),
+              *(f"- **{r.status}** `{_rel(r.path, root)}` ({r.task} / {r.objective} / {r.family} / seed {r.seed}): "
+                f"{r.reason}" for r in problems.itertuples()),
+              "", "## Confidence intervals", "", CI_NOTE, "", "## Grouping", "", grouping_note(ignore), "",
+              "## Plots", "", *(f"- [{name}]({_rel(path, out_dir)})" for name, path in plots.items()),
+              *(f"- `{name}` skipped: {why}" for name, why in skipped.items()), "", "Numbers: [report.csv](report.csv)", ""]
     return "\n".join(lines)
 
 
-def _rel(path: Path, base: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(base.resolve())) or "."
-    except ValueError:
-        return str(path)
-
-
-def csv_columns(cells: list[dict]) -> tuple:
-    keys = sorted({k for c in cells for k in c["config"]})
-    i = CSV_COLUMNS.index("family") + 1
-    return CSV_COLUMNS[:i] + tuple(keys) + CSV_COLUMNS[i:]
-
-
-def cells_frame(cells: list[dict], columns) -> pd.DataFrame:
-    """report.csv's rows: the cells' numbers with their varying config keys."""
-    return pd.DataFrame([{**c["config"], **c} for c in cells], columns=list(columns))
-
-
-# ---------------------------------------------------------------- entry points
 def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None = None, ignore=(), targets=(),
                  accuracy: float | None = None) -> Report:
-    root = Path(root)
-    ignore = parse_ignore(ignore)
+    root, ignore = Path(root), parse_ignore(ignore)
     if not root.is_dir():
         raise ReportError(f"no such directory: {root}")
     run_dirs = find_run_dirs(root)
@@ -274,50 +222,47 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     complete = with_regimes(complete)
     cells = aggregate(complete, groups)
     plots, skipped = make_plots(complete, out_dir)
-    listed = list(runs.itertuples())
-    md = render_markdown(root, cells, listed, plots, skipped, out_dir, ignore, duplicates)
+    md = render_markdown(root, cells, runs, plots, skipped, out_dir, ignore, duplicates)
+    files = {"report.md": out_dir / "report.md", "report.csv": out_dir / "report.csv", **plots}
+
+    def table(name: str, rows: pd.DataFrame, digits=None) -> None:
+        files[name] = out_dir / name
+        write_csv(rows, files[name], digits)
 
     # a sweep over named regimes (experiment=laptop_regimes) pairs each regime with its own baselines
     gaps = regime_gap_rows(complete)
     gaps = gap_closed.gap_rows(complete, ignore) if gaps.empty else gaps
-    files = {"report.md": out_dir / "report.md", "report.csv": out_dir / "report.csv", **plots,
-             "gap_closed.csv": out_dir / "gap_closed.csv"}
-    write_csv(gap_closed.gap_frame(gaps), files["gap_closed.csv"], gap_closed.DIGITS)
+    table("gap_closed.csv", gap_closed.gap_frame(gaps), gap_closed.DIGITS)
+    md += "\n## Gap closed by humanline-offline\n\n" + "\n".join(gap_closed.markdown(gaps))
     if gap_closed.plot(gaps, out_dir / "gap_closed.png"):
         files["gap_closed.png"] = out_dir / "gap_closed.png"
-    md += "\n## Gap closed by humanline-offline\n\n" + "\n".join(gap_closed.markdown(gaps))
-    if "gap_closed.png" in files:
         md += "\n![gap closed](gap_closed.png)\n"
     md += "\n## Paired differences\n\n" + "\n".join(gap_closed.paired_markdown(gaps))
-    costs = cost.cost_rows(complete)
-    files["cost.csv"] = out_dir / "cost.csv"
-    write_csv(costs, files["cost.csv"], 8)
+    table("cost.csv", costs := cost.cost_rows(complete), 8)
     md += "\n## Generation cost at matched training units\n\n" + "\n".join(cost.markdown(costs)) + "\n"
-    mrows = matched.matched_rows(complete, accuracy)
     predicted_loops: dict = {}
     if targets:  # the cost model's prediction per regime, beside the measurement (report/speed.py)
         srows, notes, sources = speed.speed_rows(complete, list(targets))
-        files["predicted.csv"] = out_dir / "predicted.csv"
-        write_csv(speed.predicted_frame(srows), files["predicted.csv"], 8)
+        table("predicted.csv", srows, 8)
         md += "\n## Predicted wall-clock (cost model)\n\n" + "\n".join(speed.markdown(srows, notes, sources)) + "\n"
-        for r in srows.itertuples():
-            predicted_loops.setdefault(r.target, {})[(r.task, r.objective, r.regime)] = r.predicted["loop"]
+        for r in srows[srows.phase == "loop"].itertuples():
+            predicted_loops.setdefault(r.target, {})[(r.task, r.objective, r.regime)] = r.predicted_s
+    mrows = matched.matched_rows(complete, accuracy)
     if not mrows.empty:
         md += "\n## Speedup at matched quality\n\n" + "\n".join(matched.markdown(mrows, predicted_loops)) + "\n"
+    (out_dir / "async.csv").unlink(missing_ok=True)  # never an earlier report's table
     lagged = async_lag.async_rows(complete, ignore)  # only sweeps with data.async_lag > 0 get the section
     if len(lagged):
-        files["async.csv"] = out_dir / "async.csv"
-        write_csv(lagged, files["async.csv"])
+        table("async.csv", lagged)
         md += "\n## Asynchronous rounds vs synchronous online\n\n" + "\n".join(async_lag.markdown(lagged))
-    else:
-        (out_dir / "async.csv").unlink(missing_ok=True)  # never an earlier report's table
     files["report.md"].write_text(md)
-    columns = csv_columns(cells)
-    write_csv(cells_frame(cells, columns), files["report.csv"], 8)
+    keys = sorted({k for c in cells for k in c["config"]})
+    columns = CSV_COLUMNS[:3] + tuple(keys) + CSV_COLUMNS[3:]
+    write_csv(pd.DataFrame([{**c["config"], **c} for c in cells], columns=list(columns)), files["report.csv"], 8)
     known = {k for c in complete["config"] if c for k in c}
-    unused = tuple(p for p in ignore if not any(under(k, (p,)) for k in known))
     rep = Report(root=root, out_dir=out_dir, frame=pd.concat([complete, runs.drop(complete.index)]).sort_index(),
-                 cells=cells, markdown=md, files=files, skipped_plots=skipped, columns=columns, unused_ignores=unused,
+                 cells=cells, markdown=md, files=files, skipped_plots=skipped, columns=columns,
+                 unused_ignores=tuple(p for p in ignore if not any(under(k, (p,)) for k in known)),
                  duplicates=tuple(duplicates))
     if wandb_mode is not None:
         rep.wandb_error = log_to_wandb(rep, wandb_mode)
@@ -357,11 +302,8 @@ def print_report(rep: Report, console=None) -> None:
 
 
 def _section(md: str, title: str) -> str:
-    """The body of report.md's `## title` section (up to the next heading), stripped."""
-    head = f"## {title}\n"
-    if head not in md:
-        return ""
-    return md.split(head, 1)[1].split("\n## ", 1)[0].strip()
+    """The body of report.md's `## title` section, stripped."""
+    return md.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0].strip() if f"## {title}\n" in md else ""
 
 
 def main_report(argv: list[str]) -> int:
@@ -386,10 +328,7 @@ def main_report(argv: list[str]) -> int:
         targets = [speed.parse_target(t, gpu_check) for t in args.target]
         rep = build_report(args.dir, args.out, os.environ.get("WANDB_MODE", "offline") if args.wandb else None,
                            ignore=args.ignore, targets=targets, accuracy=args.accuracy)
-    except (OSError, ValueError) as e:
-        print(f"humanline: error: {e}", file=sys.stderr)
-        return 2
-    except ReportError as e:
+    except (OSError, ValueError, ReportError) as e:
         print(f"humanline: error: {e}", file=sys.stderr)
         return 2
     print_report(rep)

@@ -1,18 +1,15 @@
-"""`humanline report` on asynchronous online rounds (data.async_lag=L > 0, the families `async-L` and
-`humanline-async-L`): each lag paired with synchronous (lag-0) online of the same humanline setting and an
-otherwise identical config, so the table answers what the overlap costs in quality and buys in wall-clock, with
-and without humanline: the lag-L score against lag 0's 95% interval, the paired per-seed difference, and the
-wall-clock speedup lag 0 / lag L. Runs of different lags are different families (report/frame.data_family),
-never averaged together."""
+"""Asynchronous online rounds (data.async_lag=L > 0, families `async-L`, `humanline-async-L`), each lag paired
+with synchronous (lag-0) online of the same humanline setting and otherwise identical config: the lag-L score
+against lag 0's 95% interval, the paired per-seed difference, and the wall-clock speedup lag 0 / lag L."""
 from __future__ import annotations
 
 import re
 
 import pandas as pd
 
-from humanline_cli.report.frame import METRICS, ci_text, md_table, metric_of
+from humanline_cli.report.frame import METRICS, ci_text, common_metric, md
 from humanline_cli.report.groups import comparison_sets
-from humanline_cli.report.stats import mean_ci
+from humanline_cli.report.stats import mean_ci, paired_t
 
 _ASYNC = re.compile(r"(humanline-)?((?:stale-\d+-)?)async-(\d+)$")
 CSV_COLUMNS = ("task", "objective", "set", "humanline", "lag", "metric", "lag0_mean", "lag0_lo", "lag0_hi",
@@ -25,9 +22,8 @@ def _hl(g) -> tuple:
 
 
 def async_rows(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
-    """From complete runs: one row (CSV_COLUMNS) per lag-L group that has exactly one lag-0 partner, the group of
-    family `online` (`humanline-online` for humanline, `stale-K` for `stale-K-async-L`) with the same config
-    outside the data and humanline keys and the same hl.* settings. Empty without such a pair."""
+    """One row per lag-L group with exactly one lag-0 partner: `online` (`humanline-online`, `stale-K` for
+    `stale-K-async-L`) in its comparison set with the same hl.* settings."""
     rows = []
     for task, objective, _, members in comparison_sets(runs, ignore):
         for g in members:
@@ -43,35 +39,33 @@ def async_rows(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
 
 
 def _row(task, objective, label, humanline: bool, lag: int, sync: pd.DataFrame, lagged: pd.DataFrame) -> list:
-    both = pd.concat([sync, lagged])
-    names = set(both["summary"].map(metric_of))
-    metric = METRICS[sorted(names)[0] if len(names) == 1 else "win rate"]
-    a, b = (pd.to_numeric(x.set_index("seed")[metric], errors="coerce").dropna() for x in (sync, lagged))
-    a, b = a[~a.index.duplicated(keep="last")], b[~b.index.duplicated(keep="last")]
+    metric = common_metric(pd.concat([sync, lagged])["summary"])
+    a, b = (pd.to_numeric(x.set_index("seed")[METRICS[metric]], errors="coerce").dropna() for x in (sync, lagged))
+    a, b = (x[~x.index.duplicated(keep="last")] for x in (a, b))
     if a.empty or b.empty:
         return []
     common = sorted(set(a.index) & set(b.index), key=str)
-    lag0, lagl = mean_ci(a), mean_ci(b)
-    delta = mean_ci([b[s] - a[s] for s in common]) or {"mean": None, "lo": None, "hi": None, "n": 0}
+    lag0, lagl, delta = mean_ci(a), mean_ci(b), paired_t(b[common], a[common])
     wall0, wall = (float(pd.to_numeric(x.get("wall_clock_s.total"), errors="coerce").fillna(0.0).mean())
                    for x in (sync, lagged))
     within = None if lag0["lo"] is None else bool(lag0["lo"] <= lagl["mean"] <= lag0["hi"])
-    return [(task, objective, label, humanline, lag, next(k for k, v in METRICS.items() if v == metric),
-             lag0["mean"], lag0["lo"], lag0["hi"], lagl["mean"], lagl["lo"], lagl["hi"], within, delta["mean"],
-             delta["lo"], delta["hi"], delta["n"], wall0, wall, wall0 / wall if wall0 and wall else None)]
+    return [(task, objective, label, humanline, lag, metric, lag0["mean"], lag0["lo"], lag0["hi"], lagl["mean"],
+             lagl["lo"], lagl["hi"], within, delta["mean"], delta["lo"], delta["hi"], delta["n"], wall0, wall,
+             wall0 / wall if wall0 and wall else None)]
 
 
 def markdown(rows: pd.DataFrame) -> list[str]:
-    def ci(r, a, b, fmt=".3f"):
-        return ci_text({"mean": getattr(r, a), "lo": getattr(r, b + "_lo"), "hi": getattr(r, b + "_hi")}, fmt)
+    def ci(r, a):
+        return ci_text({"mean": r[f"{a}_mean"], "lo": r[f"{a}_lo"], "hi": r[f"{a}_hi"]}, "+.3f" if a == "delta" else ".3f")
 
+    view = pd.DataFrame({"task": rows.task, "objective": rows.objective, "set": rows.set.replace("", "–"),
+                         "humanline": rows.humanline.map({True: "on", False: "off"}), "lag": rows.lag,
+                         "metric": rows.metric, "lag 0": rows.apply(ci, axis=1, a="lag0"),
+                         "lag L": rows.apply(ci, axis=1, a="lag"),
+                         "in lag 0's interval": rows.within_lag0_interval.map({True: "yes", False: "no"}).fillna("n/a"),
+                         "lag L - lag 0": rows.apply(ci, axis=1, a="delta"), "seeds": rows.n_seeds,
+                         "speedup": rows.speedup.map(lambda x: f"{x:.2f}x" if x else "n/a")})
     return ["Each lag L > 0 against synchronous online (lag 0) with the same humanline setting: score mean [95% "
             "t-interval across seeds], whether lag L's mean lies in lag 0's interval, the paired per-seed "
             "difference lag L - lag 0, and speedup = lag-0 wall-clock / lag-L wall-clock at equal steps.", "",
-            *md_table(["task", "objective", "set", "humanline", "lag", "metric", "lag 0", "lag L",
-                       "in lag 0's interval", "lag L - lag 0", "seeds", "speedup"],
-                      [(r.task, r.objective, r.set or "–", "on" if r.humanline else "off", r.lag, r.metric,
-                        ci(r, "lag0_mean", "lag0"), ci(r, "lag_mean", "lag"),
-                        {None: "n/a", True: "yes", False: "no"}[r.within_lag0_interval],
-                        ci(r, "delta_mean", "delta", "+.3f"), r.n_seeds,
-                        f"{r.speedup:.2f}x" if r.speedup else "n/a") for r in rows.itertuples()]), ""]
+            *md(view), ""]

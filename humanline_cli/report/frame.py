@@ -1,13 +1,7 @@
-"""Run dirs as data frames, what every table and plot of `humanline report` is computed from.
-
-`load(root)` finds every run dir under `root` (one holding `.hydra/config.yaml`, `summary.json`, `failed.json` or
-`metrics.jsonl`) and returns one row per run: its status (complete, failed with the reason, incomplete with the
-last logged step), its labels (task, objective, data family, humanline, seed) from its resolved config and
-summary.json, its summary flattened (`eval.greedy.accuracy`, `wall_clock_s.total`, ...) and its resolved config
-flattened under `cfg.` (`cfg.data.generate_every`, ...), beside the raw material (the config as a dict, metrics and
-log-ratio rows) that the grouping and the plots read. `points(runs)` is the tidy long frame: one row per run and
-evaluation point (the starting policy, every mid-run evaluation, the final one) with its step, wall-clock, work
-and loop seconds and scores.
+"""Run dirs as data frames, what every table and plot of `humanline report` is computed from: `load(root)` gives
+one row per run dir (status and reason, labels, its summary flattened, its resolved config flattened under `cfg.`,
+and the config, metrics and log-ratio rows themselves); `points(runs)` one row per run and evaluation point (the
+start, every mid-run evaluation, the final one) with its step, wall-clock, work and loop seconds and scores.
 """
 from __future__ import annotations
 
@@ -59,6 +53,12 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def common_metric(summaries) -> str:
+    """The score runs compared together read: the one they all chose (metric_of), else the win rate."""
+    names = set(map(metric_of, summaries))
+    return names.pop() if len(names) == 1 else "win rate"
+
+
 def _read_json(path: Path):
     try:
         return json.loads(path.read_text()), None
@@ -77,11 +77,8 @@ def _flatten(tree, prefix="", out=None) -> dict:
 
 
 def read_config(path: Path) -> tuple[dict, dict] | None:
-    """(resolved, raw) flat dotted-key views of a Hydra config.yaml, or None if unreadable.
-
-    Hydra saves the config with its interpolations (`${task.offline.path}`); each leaf is resolved on its own so
-    one that cannot be resolved here (a `${hydra:...}` resolver, a missing env var) keeps its text instead of
-    costing the whole config. Lists stay single values."""
+    """(resolved, raw) flat dotted-key views of a Hydra config.yaml, or None if unreadable. Each leaf resolves on
+    its own, so one that cannot here (`${hydra:...}`, a missing env var) keeps its text. Lists stay values."""
     from omegaconf import DictConfig, ListConfig, OmegaConf
 
     try:
@@ -116,12 +113,8 @@ def read_config(path: Path) -> tuple[dict, dict] | None:
 
 
 def data_family(regime: str, cfg: dict) -> str:
-    """The data part of a run's family: the regime, except for online rounds that are off-policy by design,
-    each a baseline of its own, compared with (synchronous, lag-0) online and with humanline on the same rounds:
-    - `stale-K`: rounds that serve K > 1 optimizer steps per generation (data.generate_every=K; the authors'
-      math "offline");
-    - `async-L`: rounds sampled L > 0 rounds ahead by the sampler process (data.async_lag=L), so never
-      averaged with another lag; both at once: `stale-K-async-L`."""
+    """The data part of a run's family: the regime, except online rounds that are off-policy by design, each a
+    baseline of its own: `stale-K` (K > 1 steps per generation), `async-L` (sampled L > 0 rounds ahead), or both."""
     if regime != "online":
         return regime
     k, lag = cfg.get("data.generate_every"), cfg.get("data.async_lag")
@@ -131,8 +124,7 @@ def data_family(regime: str, cfg: dict) -> str:
 
 
 def outputs_fingerprint(path: Path) -> str:
-    """What a run produced, by content: a copy of a run dir has the same fingerprint, a rerun of the same
-    config and seed (its own wall-clock in metrics.jsonl and summary.json) another one."""
+    """What a run produced, by content: a copy has the same fingerprint, a rerun of the same seed another."""
     h = hashlib.sha256()
     for name in ("summary.json", "metrics.jsonl"):
         f = path / name
@@ -202,8 +194,26 @@ def metric_of(summary: dict) -> str:
     return next((name for name, key in METRICS.items() if num(get(summary, key)) is not None), "none")
 
 
-def _seconds(times: dict, keys) -> float:
+def seconds(times: dict, keys) -> float:
     return float(sum(float(times.get(k, 0.0) or 0.0) for k in keys))
+
+
+def humanline_spec(cfg: dict | None, on: bool) -> object:
+    """core's HumanlineSpec of a flat config: humanline `on` and its hl.* knobs, the schema's defaults where unset."""
+    from dataclasses import fields
+
+    from humanline_cli.core.humanline import HumanlineSpec
+    from humanline_cli.schema import HumanlineConfig
+
+    cfg = cfg or {}
+    hl = HumanlineConfig(**{f.name: cfg[f"hl.{f.name}"] for f in fields(HumanlineConfig) if f"hl.{f.name}" in cfg})
+    return HumanlineSpec.from_config(bool(on), hl)
+
+
+def loop_seconds(summary: dict) -> float:
+    """The training loop's wall-clock: the total less setup, evaluation, saving, checkpoints, the sampler's start."""
+    w = summary.get("wall_clock_s") or {}
+    return float(w.get("total", 0.0)) - seconds(w, LEFT_OUT)
 
 
 def get(tree: dict, dotted: str):
@@ -214,11 +224,8 @@ def get(tree: dict, dotted: str):
 
 
 def run_points(summary: dict, metrics: list[dict]) -> pd.DataFrame:
-    """One run's evaluation points: `point` start / mid / final, `step`; `wall_s` (metrics.jsonl's for a mid-run
-    point, the summary's total at the end); `work_s` (train + sample + label + sync + push so far) and `loop_s`
-    (the wall-clock less setup, evaluation, saving, checkpoints and the sampler's start-up) from the train row
-    logged at the same step (NaN where there is none); and each score of CURVE (NaN where not recorded). The
-    start sits at step 0 and 0 seconds."""
+    """One run's evaluation points (start at step 0 and 0 s, mid, final): `wall_s`, `work_s` (WORK phases so far)
+    and `loop_s` (wall-clock less LEFT_OUT) from the train row of the same step, and each score of CURVE."""
     start = {name: (0.5 if key is None else num(get(summary, key))) for name, (_, key) in CURVE.items()}
     rows = [{"point": "start", "step": 0, "wall_s": 0.0, "work_s": 0.0, "loop_s": 0.0, **start}]
     train = {r["step"]: r for r in metrics if "time/train" in r}
@@ -230,12 +237,12 @@ def run_points(summary: dict, metrics: list[dict]) -> pd.DataFrame:
         times = {k.removeprefix("time/"): v for k, v in (t or {}).items() if k.startswith("time/")}
         loop = num((t or {}).get("wall_s"))
         rows.append({"point": "mid", "step": r["step"], "wall_s": num(r.get("wall_s")),
-                     "work_s": None if t is None else _seconds(times, WORK),
-                     "loop_s": None if loop is None else loop - _seconds(times, LEFT_OUT), **scores})
+                     "work_s": None if t is None else seconds(times, WORK),
+                     "loop_s": None if loop is None else loop - seconds(times, LEFT_OUT), **scores})
     w = summary.get("wall_clock_s") or {}
     final = {name: num(get(summary, key)) for name, key in FINAL.items()}
     rows.append({"point": "final", "step": int(summary.get("steps") or 0), "wall_s": num(w.get("total")),
-                 "work_s": _seconds(w, WORK), "loop_s": float(w.get("total", 0.0)) - _seconds(w, LEFT_OUT) if w else None,
+                 "work_s": seconds(w, WORK), "loop_s": loop_seconds(summary) if w else None,
                  **final})
     numbers = ["step", "wall_s", "work_s", "loop_s", *CURVE]
     out = pd.DataFrame(rows, columns=["point", *numbers])
@@ -274,13 +281,25 @@ def write_csv(table: pd.DataFrame, path: Path, digits: int | dict | None = None)
 
 
 def ci_text(ci: dict | None, fmt: str = ".3f") -> str:
-    """A mean and its interval (stats.mean_ci) as `mean [lo, hi]`, the mean alone without one, "–" for none."""
+    """`mean [lo, hi]` (stats.mean_ci), the mean alone without an interval, "–" for none."""
     if ci is None or ci.get("mean") is None:
         return "–"
     return format(ci["mean"], fmt) + ("" if ci.get("lo") is None else f" [{ci['lo']:{fmt}}, {ci['hi']:{fmt}}]")
 
 
 def md_table(head: list[str], rows) -> list[str]:
-    """A Markdown pipe table: the header, its rule, one line per row of display cells."""
     return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
+def md(table: pd.DataFrame, fmt: dict | None = None) -> list[str]:
+    """A frame as a Markdown pipe table, headers with spaces for underscores; `fmt`: column -> a format string or
+    a function of the cell; a missing number shows as "–"."""
+    def cell(c, x):
+        f = (fmt or {}).get(c)
+        if x is None or (isinstance(x, float) and x != x):
+            return "–"
+        return f(x) if callable(f) else f.format(x) if f else x
+
+    return md_table([str(c).replace("_", " ") for c in table.columns],
+                    [[cell(c, x) for c, x in zip(table.columns, row)] for row in table.itertuples(index=False)])

@@ -1,17 +1,13 @@
 """The staleness frontier: final accuracy against measured drift from the sampler, humanline off and on.
 
-Each stale-K run (data.generate_every=K; online without it is K = its own round length) is placed at its
-measured drift, the mean over its logged steps of `drift/kl` (the k3 estimate of KL(sampler || policy) on the
-trained tokens, objectives.sampler_drift), so the axis does not depend on lr or steps per round and transfers
-to other settings (the authors' K=64 at lr 1e-6 sits where its drift does). Runs are pooled over seeds per
-(objective, K, humanline): mean and 95% t-interval of the greedy and sampled accuracy and of the drift.
+Each run sits at its mean logged `drift/kl` (KL(sampler || policy) per trained token), an axis that does not
+depend on lr or steps per round; runs pool over seeds per (objective, K = data.generate_every, humanline).
 
     python -m humanline_cli.report.frontier runs/experiments/laptop_headroom_frontier --out frontier.png
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,11 +16,14 @@ import pandas as pd
 from humanline_cli.report.frame import ci_text, column, load, md_table
 from humanline_cli.report.stats import mean_ci
 
+DRIFT_FLOOR = 1e-5  # on-policy drift is float round-off: drawn at this floor, labelled "~0"
+STATS = ("drift_kl", "drift_logratio", "greedy", "sampled")
+
 
 def run_drift(metrics: list[dict], key: str = "drift/kl") -> float | None:
-    """Mean of `key` over a run's logged train rows; None when the run logged none (offline data)."""
-    vals = [float(r[key]) for r in metrics if key in r]
-    return statistics.fmean(vals) if vals else None
+    """Mean of `key` over a run's logged rows; None when it logged none (offline data)."""
+    vals = pd.to_numeric(pd.Series([r.get(key) for r in metrics], dtype=object), errors="coerce").dropna()
+    return float(vals.mean()) if len(vals) else None
 
 
 def frontier_rows(runs: pd.DataFrame) -> list[dict]:
@@ -34,46 +33,39 @@ def frontier_rows(runs: pd.DataFrame) -> list[dict]:
                        greedy=column(runs, "eval.greedy.accuracy"), sampled=column(runs, "eval.accuracy"),
                        K=column(runs, "cfg.data.generate_every").fillna(0).astype(int))
     runs = runs[(runs.status == "complete") & runs.drift_kl.notna()]
-    return [{"objective": objective, "K": k, "humanline": bool(hl), "n": len(rs),
-             **{c: mean_ci(rs[c].dropna().astype(float)) for c in ("drift_kl", "drift_logratio", "greedy", "sampled")}}
-            for (objective, k, hl), rs in runs.groupby(["objective", "K", "humanline"], sort=True)]
+    return [{"objective": o, "K": k, "humanline": bool(hl), "n": len(rs),
+             **{c: mean_ci(rs[c].dropna().astype(float)) for c in STATS}}
+            for (o, k, hl), rs in runs.groupby(["objective", "K", "humanline"], sort=True)]
 
 
 def markdown(rows: list[dict]) -> list[str]:
     return md_table(["objective", "K", "humanline", "seeds", "drift KL (nats/token)", "drift log-ratio", "greedy",
                      "sampled"],
-                    [(r["objective"], "online" if r["K"] == 0 else r["K"], "on" if r["humanline"] else "off", r["n"],
-                      ci_text(r["drift_kl"], ".2e"), ci_text(r["drift_logratio"], "+.4f"), ci_text(r["greedy"]),
-                      ci_text(r["sampled"])) for r in rows])
-
-
-DRIFT_FLOOR = 1e-5  # on-policy drift is float round-off (|KL| < 1e-8): drawn at this floor, labelled "~0"
+                    [(r["objective"], r["K"] or "online", "on" if r["humanline"] else "off", r["n"],
+                      *(ci_text(r[c], f) for c, f in zip(STATS, (".2e", "+.4f", ".3f", ".3f")))) for r in rows])
 
 
 def plot(rows: list[dict], path: Path, metric: str = "greedy") -> None:
-    """Two panels: accuracy against K as set (data.generate_every), and against the drift each run measured."""
+    """Accuracy against K as set, and against the drift each run measured."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (by_k, by_drift) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for (objective, hl), color in zip(sorted({(r["objective"], r["humanline"]) for r in rows}),
-                                      ("#c44e52", "#4c72b0", "#55a868", "#8172b2", "#ccb974", "#64b5cd")):
-        label = f"{objective}, humanline {'on' if hl else 'off'}"
-        mine = [r for r in rows if (r["objective"], r["humanline"]) == (objective, hl) and r[metric]]
-        for ax, key in ((by_k, lambda r: r["K"] or 1), (by_drift, lambda r: max(r["drift_kl"]["mean"], DRIFT_FLOOR))):
-            pts = sorted(mine, key=key)
-            xs = [key(r) for r in pts]
-            ys = [r[metric]["mean"] for r in pts]
-            err = [[y - (r[metric]["lo"] if r[metric]["lo"] is not None else y) for y, r in zip(ys, pts)],
-                   [(r[metric]["hi"] if r[metric]["hi"] is not None else y) - y for y, r in zip(ys, pts)]]
-            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=color, label=label)
-            if ax is by_drift:
-                for x, y, r in zip(xs, ys, pts):
-                    k = "online" if r["K"] == 0 else f"K={r['K']}"
-                    ax.annotate(k + (" (~0)" if r["drift_kl"]["mean"] < DRIFT_FLOOR else ""), (x, y), fontsize=7,
-                                xytext=(3, 3), textcoords="offset points")
+    df = pd.DataFrame([r for r in rows if r[metric]])
+    df = df.assign(k=df.K.replace(0, 1), drift=[max(d["mean"], DRIFT_FLOOR) for d in df.drift_kl],
+                   y=[m["mean"] for m in df[metric]],
+                   lo=[m["mean"] - (m["lo"] if m["lo"] is not None else m["mean"]) for m in df[metric]],
+                   hi=[(m["hi"] if m["hi"] is not None else m["mean"]) - m["mean"] for m in df[metric]])
+    for i, ((objective, hl), g) in enumerate(df.groupby(["objective", "humanline"])):
+        for ax, x in ((by_k, "k"), (by_drift, "drift")):
+            g = g.sort_values(x)
+            ax.errorbar(g[x], g.y, yerr=[g.lo, g.hi], marker="o", capsize=3, color=f"C{i}",
+                        label=f"{objective}, humanline {'on' if hl else 'off'}")
+        for r in g.itertuples():
+            ax.annotate(("online" if r.K == 0 else f"K={r.K}") + (" (~0)" if r.drift_kl["mean"] < DRIFT_FLOOR else ""),
+                        (r.drift, r.y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     by_k.set_xscale("log", base=2)
     by_k.set_xlabel("K = optimizer steps per generation (1 = online)")
     by_k.set_ylabel(f"{metric} accuracy at the last step")

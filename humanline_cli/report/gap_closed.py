@@ -1,70 +1,55 @@
-"""The paper's question, per comparison set: how much of the offline -> online gap does
-humanline-offline close, at what wall-clock?
+"""The paper's question per comparison set: how much of the offline -> online gap does humanline-offline close,
+at what wall-clock?
 
-gap closed = mean(humanline-offline - offline) / mean(online - offline) over the seeds all three have
-(paired by seed), a ratio of means, on the chosen metric, with Fieller's 95% interval from the seed-level
-covariance of the two differences; only where the gap's own t-interval across seeds lies above 0 (else
-"unbounded": the ratio's interval has no finite bounds, and no ratio is printed). One seed: no interval; the
-gap is decided by a prompt-level bootstrap. A comparison set is a group of complete runs whose configs agree on
-everything except the family-defining keys (data regime, humanline, hl, sampler, reward): report/groups.py
-decides it, over the runs frame (report/frame.py); the arms are paired by seed with a pivot. The metric is the
-greedy task accuracy when runs recorded it (eval.greedy.accuracy), else the sampled accuracy, else the sampled
-win rate against the starting policy.
-
-Speed is reported two ways. `speedup`: online wall-clock / humanline-offline wall-clock over the same
-number of steps. `equal_quality`: the paper's framing, from learning curves (eval.every > 0): the target is
-humanline-offline's mean final score; per seed, the work time (train + sample + label + sync + push, i.e.
-without evaluation and setup) to first reach it, with linear interpolation between evaluation points (the
-starting policy's score at time 0), censored at the run's end where it never does; the speedup is online's
-Kaplan-Meier median time over humanline-offline's, beside how many seeds of each reached the target.
-`online_sampling_share`: the part of online's work time spent producing data (sample + label +
-push), mean over seeds. 1 / (1 - share) bounds what any offline method can save against online
-training on the same sequences per step (offline skips exactly that part).
+gap closed = mean(humanline-offline - offline) / mean(online - offline) over seeds paired by seed, with Fieller's
+95% interval, given only where the gap's own t-interval lies above 0 (one seed: a prompt-level bootstrap decides).
+A comparison set (report/groups.py) is a group of runs whose configs agree outside the family-defining keys.
+The metric is greedy accuracy where recorded, else sampled accuracy, else the win rate against the start.
+`speedup`: online / humanline-offline wall-clock at equal steps. `equal`: from learning curves, the work seconds
+to humanline-offline's mean final score, Kaplan-Meier medians over seeds (a seed short of it censored at its end).
+`online_sampling_share`: the part of online's work spent producing data; 1 / (1 - share) bounds what any
+offline method can save against online on the same sequences per step.
 """
 from __future__ import annotations
 
 import json
 import statistics
+import textwrap
 from pathlib import Path
 
 import pandas as pd
 
-from humanline_cli.report.frame import METRICS, WORK, ci_text, curve, md_table, metric_of, points
+from humanline_cli.report.frame import METRICS, WORK, ci_text, common_metric, curve, md_table, points, seconds
 from humanline_cli.report.groups import comparison_sets, differing_keys
 from humanline_cli.report.stats import excludes_zero, fieller, km_median, mean_ci, paired_t, prompt_bootstrap
 
+ARMS = ("offline", "online", "humanline-offline")
+# a - b: the humanline effect, what is left to online, the gap
+CONTRASTS = (("humanline-offline", "offline"), ("online", "humanline-offline"), ("online", "offline"))
+SAMPLES = {"greedy accuracy": "eval_samples_greedy.jsonl", "accuracy": "eval_samples.jsonl"}
+
 
 def gap_closed(offline: dict, online: dict, humanline: dict, gap_interval: tuple | None = None) -> dict:
-    """Each argument maps seed -> metric value; seeds present in all three are paired and handed to
-    `gap_closed_paired` (see there). `gap_interval`: see gap_closed_paired."""
+    """Each maps seed -> score; the seeds all three have are paired (gap_closed_paired)."""
     seeds = sorted(set(offline) & set(online) & set(humanline), key=str)
-    return gap_closed_paired([offline[s] for s in seeds], [online[s] for s in seeds], [humanline[s] for s in seeds],
-                             gap_interval)
+    return gap_closed_paired(*([arm[s] for s in seeds] for arm in (offline, online, humanline)), gap_interval)
 
 
 def gap_closed_paired(offline: list, online: list, humanline: list, gap_interval: tuple | None = None) -> dict:
-    """Gap closed for runs already paired by seed (index i is the same seed in all three lists): the ratio of
-    means mean(humanline - offline) / mean(online - offline) with Fieller's 95% interval (stats.fieller, the
-    seed-level covariance of the two differences).
-
-    The gap (online - offline) comes first: its paired mean with a 95% t-interval across seeds (stats.paired_t).
-    Only a gap whose interval lies wholly above 0 has a ratio to report (`verdict` "gap"), and exactly then is
-    Fieller's interval finite; otherwise the verdict is "unbounded" (the gap's interval reaches 0, so the
-    ratio's interval has no finite bounds) or "online below" (the whole interval under 0), and mean/lo/hi are
-    None. One seed has no seed-level interval: `gap_interval` (lo, hi), the caller's prompt-level bootstrap of
-    the gap, decides whether there is one, and the ratio is given without an interval."""
+    """The ratio of means with Fieller's interval where the gap's t-interval lies above 0 (`verdict` "gap"); else
+    "unbounded" (it reaches 0) or "online below", with no ratio. One seed: `gap_interval`, a prompt bootstrap of
+    the gap, decides, and the ratio has no interval."""
     gap = paired_t(online, offline)
     lo, hi = gap_interval if gap["n"] == 1 and gap_interval is not None else (gap["lo"], gap["hi"])
     verdict = "gap" if excludes_zero(lo, hi) and lo > 0 else ("online below" if excludes_zero(lo, hi) else "unbounded")
-    base = {"gap": {**gap, "lo": lo, "hi": hi}, "verdict": verdict, "n": gap["n"]}
-    if verdict != "gap":
-        return {**base, "mean": None, "lo": None, "hi": None}
-    f = fieller([h - o for h, o in zip(humanline, offline)], [n - o for n, o in zip(online, offline)])
-    return {**base, "mean": f["ratio"], "lo": f["lo"], "hi": f["hi"]}
+    out = {"gap": {**gap, "lo": lo, "hi": hi}, "verdict": verdict, "n": gap["n"], "mean": None, "lo": None, "hi": None}
+    if verdict == "gap":
+        f = fieller([h - o for h, o in zip(humanline, offline)], [n - o for n, o in zip(online, offline)])
+        out.update(mean=f["ratio"], lo=f["lo"], hi=f["hi"])
+    return out
 
 
 def gap_text(g: dict) -> str:
-    """The gap-closed cell: the ratio [Fieller interval] where there is a gap, else why there is no ratio."""
     if g.get("verdict", "gap") != "gap":
         return g["verdict"]
     if g["mean"] is None:
@@ -73,245 +58,207 @@ def gap_text(g: dict) -> str:
 
 
 def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
-    """Work seconds at which the curve first reaches `target` (linear between points), None if never."""
+    """The time at which the curve first reaches `target`, linear between points; None if never."""
     for i, (t, v) in enumerate(curve):
         if v >= target:
-            if i == 0:
-                return t
-            t0, v0 = curve[i - 1]
-            return t0 + (t - t0) * (target - v0) / (v - v0)
+            t0, v0 = curve[i - 1] if i else (t, v)
+            return t if not i else t0 + (t - t0) * (target - v0) / (v - v0)
     return None
 
 
 def times_to_target(curves: list, target: float) -> tuple[list[float], list[bool]]:
-    """Per curve [(time, score)]: its time to first reach `target` and True, or, where it never does, the time
-    of its last point (the run ended short of the target: right-censored there) and False."""
-    times, reached = [], []
-    for c in curves:
-        t = time_to(c, target)
-        times.append(c[-1][0] if t is None else t)
-        reached.append(t is not None)
-    return times, reached
+    """Per curve: its time to `target` and True, or its last point's time (censored there) and False."""
+    times = [time_to(c, target) for c in curves]
+    return [c[-1][0] if t is None else t for c, t in zip(curves, times)], [t is not None for t in times]
 
 
 def equal_quality(online: dict, humanline: dict) -> dict:
-    """Each maps seed -> learning curve. The target is humanline-offline's final score, mean over its seeds (a
-    rule fixed before the curves are read, the same whatever the number of seeds). Per regime: each seed's work
-    time to first reach the target, censored at its run's end where it never does, and the Kaplan-Meier median
-    of those times (stats.km_median; None when fewer than half reached it). `speedup`: online's median over
-    humanline-offline's. `never`: online seeds that did not reach it."""
-    target = statistics.fmean(c[-1][1] for c in humanline.values())
-    out: dict = {"target": target}
+    """Each maps seed -> learning curve. The target is humanline-offline's mean final score; per regime the
+    Kaplan-Meier median work time to it; `speedup` online's over humanline's; `never`: online seeds short of it."""
+    out: dict = {"target": statistics.fmean(c[-1][1] for c in humanline.values())}
     for name, curves in (("online", online), ("humanline-offline", humanline)):
-        times, hit = times_to_target(list(curves.values()), target)
+        times, hit = times_to_target(list(curves.values()), out["target"])
         out[name] = {"median": km_median(times, hit), "reached": sum(hit), "n": len(hit)}
     on, hl = out["online"]["median"], out["humanline-offline"]["median"]
-    out["speedup"] = on / hl if on is not None and hl else None
-    out["never"] = out["online"]["n"] - out["online"]["reached"]
-    return out
+    return {**out, "speedup": on / hl if on is not None and hl else None,
+            "never": out["online"]["n"] - out["online"]["reached"]}
 
 
 def equal_quality_text(eq: dict | None) -> str:
-    """The at-equal-quality cell: the ratio of medians and how many seeds of each regime reached the target."""
     if not eq:
         return "n/a"
-    ratio = "–" if eq["speedup"] is None else f"{eq['speedup']:.2f}x"
     on, hl = eq["online"], eq["humanline-offline"]
-    return f"{ratio} (reached: online {on['reached']} of {on['n']}, humanline {hl['reached']} of {hl['n']})"
-
-
-# A comparison's row: its set, the arms' mean scores, the gap closed (gap_closed_paired's dict, `closed`), wall-clock
-# and speedups, equal quality (equal_quality's dict, None without learning curves), the arms' scores per mode
-# (mean_ci), online's sampling share and the speedup it bounds, the paired differences, and for a regime sweep the
-# humanline regime and the regimes it was compared with.
-ROW = ("task", "objective", "set", "metric", "offline", "online", "humanline_offline", "closed", "online_wall_s",
-       "humanline_offline_wall_s", "speedup", "equal", "scores", "online_sampling_share", "speedup_bound_matched",
-       "paired", "regime", "compared_with")
+    return ("–" if eq["speedup"] is None else f"{eq['speedup']:.2f}x") + \
+        f" (reached: online {on['reached']} of {on['n']}, humanline {hl['reached']} of {hl['n']})"
 
 
 def gap_rows(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
-    """From complete runs (report/frame.py), one row per comparison: a set holding an online group, a
-    baseline (offline, or stale-K on-policy rounds) and humanline runs on that baseline's data (one row per
-    humanline hl.* setting; see _comparisons)."""
-    pts = points(runs)
-    rows = []
+    """One row per comparison of complete runs: an online group, a baseline and a humanline group on its data."""
+    pts, rows = points(runs), []
     for task, objective, set_label, members in comparison_sets(runs, ignore):
         fams: dict[str, list] = {}
         for g in members:
             fams.setdefault(g.family, []).append(g)
         for base, hl_group, hl_label in _comparisons(fams):
-            arms = {"offline": fams[base][0], "online": fams["online"][0], "humanline-offline": hl_group}
-            arms = pd.concat([runs.loc[g.members].assign(arm=arm) for arm, g in arms.items()])
-            # one run per arm and seed (the last, as a seed's runs differing only in ignored keys are one)
-            arms = arms[~arms.duplicated(["arm", "seed"], keep="last")]
+            groups = {"offline": fams[base][0], "online": fams["online"][0], "humanline-offline": hl_group}
+            arms = pd.concat([runs.loc[g.members].assign(arm=arm) for arm, g in groups.items()])
+            arms = arms[~arms.duplicated(["arm", "seed"], keep="last")]  # a seed's runs in ignored keys are one
             label = ", ".join(x for x in (set_label, "" if base == "offline" else base, hl_label) if x)
-            row = _gap_row(task, objective, label, arms, pts)
-            if row is not None:
-                rows.append(row)
-    return pd.DataFrame(rows, columns=ROW, dtype=object)
+            rows.append(_gap_row(task, objective, label, arms, pts))
+    return pd.DataFrame([r for r in rows if r], columns=ROW, dtype=object)
 
 
 def _comparisons(fams: dict) -> list[tuple]:
-    """(baseline family, humanline group, label) per comparison in one set: the baseline is plain offline,
-    stale on-policy rounds (`stale-K`, data.generate_every=K) or asynchronous rounds (`async-L`, data.async_lag=L,
-    compared with synchronous lag-0 online), each compared with online and with every humanline
-    group of the same data (`humanline-<baseline>`); several such groups (hl.* settings) are told apart by the hl
-    keys that differ between them. A baseline or online that is ambiguous (two groups of the family differ in
-    a family-defining key) gives nothing."""
-    out = []
+    """(baseline, humanline group, label): the baseline offline, `stale-K` or `async-L`, each against the one online
+    group and every `humanline-<baseline>` group, told apart by the hl.* keys that differ. Ambiguity gives none."""
     if len(fams.get("online", [])) != 1:
-        return out
+        return []
+    out = []
     for base in sorted(f for f in fams if f == "offline" or f.startswith(("stale-", "async-"))):
         hls = fams.get(f"humanline-{base}", [])
-        if len(fams[base]) != 1 or not hls:
+        if len(fams[base]) != 1:
             continue
         differ = differing_keys([tuple(sorted((k, str(v)) for k, v in (g.cfg or {}).items() if k.startswith("hl.")))
-                                  for g in hls]) if len(hls) > 1 else set()
-        for g in hls:
-            out.append((base, g, ", ".join(f"{k}={(g.cfg or {}).get(k)}" for k in sorted(differ))))
+                                 for g in hls]) if len(hls) > 1 else set()
+        out += [(base, g, ", ".join(f"{k}={(g.cfg or {}).get(k)}" for k in sorted(differ))) for g in hls]
     return out
 
 
 def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.DataFrame) -> dict | None:
-    """One comparison: `arms` holds the runs of the offline (the baseline), online and humanline-offline arms
-    (column `arm`); `pts` their evaluation points (frame.points)."""
-    names = set(arms["summary"].map(metric_of))
-    metric = sorted(names)[0] if len(names) == 1 else "win rate"
-    scores = arms.reindex(columns=["arm", "seed", *METRICS.values()]).rename(
-        columns={v: k for k, v in METRICS.items()})
-    wide = scores.pivot(index="seed", columns="arm", values=metric).astype(float)
-    if not all(wide.get(a, pd.Series(dtype=float)).notna().any() for a in ARMS):
+    """One comparison from its runs (column `arm`) and their evaluation points."""
+    metric = common_metric(arms["summary"])
+    scores = arms.reindex(columns=["arm", "seed", *METRICS.values()]).rename(columns={v: k for k, v in METRICS.items()})
+    wide = scores.pivot(index="seed", columns="arm", values=metric).reindex(columns=list(ARMS)).astype(float)
+    if not wide.notna().any().all():
         return None
-    paired_seeds = wide.dropna().sort_index(key=lambda s: s.map(str))  # seeds every arm scored, paired
-    by_arm = arms.groupby("arm")
-    wall = by_arm["wall_clock_s.total"].mean() if "wall_clock_s.total" in arms else {}
-    means = {a: {m: mean_ci(scores[scores.arm == a][m].dropna().astype(float)) for m in METRICS} for a in ARMS}
+    paired_seeds = wide.dropna().sort_index(key=lambda s: s.map(str))
     curves = {a: {r.seed: curve(pts[pts.run == i], metric) for i, r in arms[arms.arm == a].iterrows()}
-              for a in ("online", "humanline-offline")}
-    mid = all(len(c) > 2 for a in curves for c in curves[a].values())  # at least one mid-run eval
-    share = [s for r in arms[arms.arm == "online"].itertuples() if (s := _sampling_share(r.summary)) is not None]
+              for a in ARMS[1:]}
+    mid = all(len(c) > 2 for a in curves for c in curves[a].values())  # at least one mid-run evaluation
     paired = {}
-    for mode in ("greedy accuracy", "accuracy"):
+    for mode in SAMPLES:
         both = scores.pivot(index="seed", columns="arm", values=mode).astype(float).reindex(paired_seeds.index)
         if len(both) and both.notna().all().all():
             runs_by_arm = {a: [arms[(arms.arm == a) & (arms.seed == s)].iloc[0] for s in both.index] for a in ARMS}
             paired[mode] = paired_differences({a: both[a].tolist() for a in ARMS}, prompt_scores(runs_by_arm, mode))
     gap_interval = None
-    if len(paired_seeds) == 1 and metric in paired:  # one seed: no t-interval, so the prompt bootstrap decides it
+    if len(paired_seeds) == 1 and metric in paired:  # one seed: the prompt bootstrap decides the gap
         boot = next(p["boot"] for p in paired[metric] if p["contrast"] == ("online", "offline"))
         gap_interval = (boot["lo"], boot["hi"]) if boot else None
-    off, on, hl = (paired_seeds[a].tolist() for a in ARMS)
-    on_wall, hl_wall = _float(wall.get("online")), _float(wall.get("humanline-offline"))
-    share = statistics.fmean(share) if share else None
+    wall = arms.groupby("arm")["wall_clock_s.total"].mean() if "wall_clock_s.total" in arms else pd.Series(dtype=float)
+    on_wall, hl_wall = (None if pd.isna(wall.get(a)) else float(wall[a]) for a in ARMS[1:])
+    shares = [s for s in arms[arms.arm == "online"]["summary"].map(sampling_share) if s is not None]
+    share = statistics.fmean(shares) if shares else None
+    closed = gap_closed_paired(*(paired_seeds[a].tolist() for a in ARMS), gap_interval)
+    equal = equal_quality(curves["online"], curves["humanline-offline"]) if mid else None
     return {"task": task, "objective": objective, "set": label, "metric": metric,
             **{a.replace("-", "_"): float(wide[a].mean()) for a in ARMS},
-            "closed": gap_closed_paired(off, on, hl, gap_interval), "online_wall_s": on_wall,
-            "humanline_offline_wall_s": hl_wall, "speedup": on_wall / hl_wall if on_wall and hl_wall else None,
-            "equal": equal_quality(curves["online"], curves["humanline-offline"]) if mid else None, "scores": means,
-            # the bound: the largest speedup skipping online's data production can give at matched sequences
+            "gap_closed": closed["mean"], "gap_closed_lo": closed["lo"], "gap_closed_hi": closed["hi"],
+            "n_seeds": closed["n"], **{f"gap{s}": closed["gap"][k] for k, s in (("mean", ""), ("lo", "_lo"), ("hi", "_hi"))},
+            "gap_verdict": closed["verdict"], "online_wall_s": on_wall, "humanline_offline_wall_s": hl_wall,
+            "speedup": on_wall / hl_wall if on_wall and hl_wall else None,
+            "speedup_equal_quality": equal and equal["speedup"], "online_never_reached": equal and equal["never"],
+            "equal_text": equal_quality_text(equal),
+            "scores": {a: {m: mean_ci(scores[scores.arm == a][m].dropna().astype(float)) for m in METRICS}
+                       for a in ARMS},
             "online_sampling_share": share,
             "speedup_bound_matched": None if share is None or share >= 1 else 1 / (1 - share),
             "paired": [{**p, "metric": m} for m, rows in paired.items() for p in rows]}
 
 
-def _float(x) -> float | None:
-    return None if x is None or pd.isna(x) else float(x)
-
-
-ARMS = ("offline", "online", "humanline-offline")
-# The contrasts a comparison reports, (a, b) for a - b: the humanline effect, what is left to online, the gap.
-CONTRASTS = (("humanline-offline", "offline"), ("online", "humanline-offline"), ("online", "offline"))
-SAMPLES = {"greedy accuracy": "eval_samples_greedy.jsonl", "accuracy": "eval_samples.jsonl"}
+def sampling_share(summary: dict) -> float | None:
+    """The part of the work seconds spent producing data (sample + label + push)."""
+    times = summary.get("wall_clock_s") or {}
+    work = seconds(times, WORK)
+    return seconds(times, ("sample", "label", "push")) / work if work > 0 else None
 
 
 def paired_differences(arms: dict, per_prompt: dict | None = None, contrasts=CONTRASTS) -> list[dict]:
-    """Paired differences for arms already paired by seed: `arms` maps an arm to its per-seed scores (index i
-    is the same seed in every arm); `per_prompt` (optional) maps an arm to its (seeds x prompts) per-prompt
-    scores, in the same seed order and one prompt order. One row per contrast (a, b): a - b with a 95%
-    t-interval across seeds (`t`, the interval a comparison is read by) and a prompt-level bootstrap interval
-    (`boot`, stats.prompt_bootstrap; None without per-prompt scores)."""
-    rows = []
-    for a, b in contrasts:
-        boot = prompt_bootstrap(per_prompt[a], per_prompt[b]) if per_prompt else None
-        rows.append({"contrast": (a, b), "t": paired_t(arms[a], arms[b]), "boot": boot})
-    return rows
+    """Per contrast (a, b): a - b with a t-interval across seeds (`t`, paired by index) and a prompt-level
+    bootstrap over `per_prompt`'s (seeds x prompts) scores (`boot`; None without them)."""
+    return [{"contrast": (a, b), "t": paired_t(arms[a], arms[b]),
+             "boot": prompt_bootstrap(per_prompt[a], per_prompt[b]) if per_prompt else None} for a, b in contrasts]
 
 
 def prompt_scores(runs_by_arm: dict, metric: str) -> dict | None:
-    """{arm: (seeds x prompts) per-prompt scores} from each run's eval samples file (SAMPLES[metric]), the
-    prompts every run scored, in one order; None when any run lacks the file (older runs wrote no greedy
-    samples) or the runs share no prompt."""
-    name = SAMPLES.get(metric)
-    if name is None:
-        return None
+    """{arm: (seeds x prompts)} from each run's eval samples, over the prompts every run scored; None when a run
+    lacks the file or no prompt is shared."""
     table = {}
     for arm, runs in runs_by_arm.items():
         table[arm] = []
         for run in runs:
-            f = Path(run["path"]) / name
+            f = Path(run["path"]) / SAMPLES[metric]
             if not f.is_file():
                 return None
             rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
             table[arm].append({r["prompt"]: float(r["policy_score"]) for r in rows if r.get("policy_score") is not None})
-    common = set.intersection(*(set(d) for runs in table.values() for d in runs))
-    if not common:
-        return None
-    order = sorted(common)
-    return {arm: [[d[p] for p in order] for d in runs] for arm, runs in table.items()}
-
-
-def _sampling_share(summary: dict) -> float | None:
-    times = summary.get("wall_clock_s") or {}
-    work = sum(float(times.get(k, 0.0) or 0.0) for k in WORK)
-    if work <= 0:
-        return None
-    return sum(float(times.get(k, 0.0) or 0.0) for k in ("sample", "label", "push")) / work
+    common = sorted(set.intersection(*(set(d) for runs in table.values() for d in runs)))
+    return {arm: [[d[p] for p in common] for d in runs] for arm, runs in table.items()} if common else None
 
 
 CSV_COLUMNS = ("task", "objective", "set", "metric", "offline", "online", "humanline_offline", "gap_closed",
                "gap_closed_lo", "gap_closed_hi", "n_seeds", "gap", "gap_lo", "gap_hi", "gap_verdict", "online_wall_s",
-               "humanline_offline_wall_s", "speedup",
-               "speedup_equal_quality", "online_never_reached", "online_sampling_share", "speedup_bound_matched")
-
-
-# gap_closed.csv's precision: speeds and shares to 4 significant digits, the other numbers to 6, wall-clock in full
+               "humanline_offline_wall_s", "speedup", "speedup_equal_quality", "online_never_reached",
+               "online_sampling_share", "speedup_bound_matched")
+# a comparison's row: gap_closed.csv's columns, the at-equal-quality cell, each arm's mean_ci per metric
+# (`scores`), paired_differences' rows (`paired`), and a regime sweep's `regime` and `compared_with`
+ROW = (*CSV_COLUMNS, "equal_text", "scores", "paired", "regime", "compared_with")
+# speeds and shares to 4 significant digits, the other numbers to 6, wall-clock in full
 DIGITS = {c: 4 if c.startswith(("speedup", "online_sampling")) else 6 for c in CSV_COLUMNS if not c.endswith("wall_s")}
 
 
 def gap_frame(rows: pd.DataFrame) -> pd.DataFrame:
-    """gap_closed.csv: one row per comparison (None where there is no value, written empty)."""
-    closed, equal = rows["closed"], rows["equal"]
-    return rows.assign(gap_closed=closed.map(lambda g: g["mean"]), gap_closed_lo=closed.map(lambda g: g["lo"]),
-                       gap_closed_hi=closed.map(lambda g: g["hi"]), n_seeds=closed.map(lambda g: g["n"]),
-                       gap=closed.map(lambda g: g["gap"]["mean"]), gap_lo=closed.map(lambda g: g["gap"]["lo"]),
-                       gap_hi=closed.map(lambda g: g["gap"]["hi"]), gap_verdict=closed.map(lambda g: g["verdict"]),
-                       speedup_equal_quality=equal.map(lambda e: e and e["speedup"]),
-                       online_never_reached=equal.map(lambda e: e and e["never"]))[list(CSV_COLUMNS)].astype(object)
+    """gap_closed.csv: one row per comparison."""
+    return rows[list(CSV_COLUMNS)].astype(object)
+
+
+GAP_NOTE = ("gap closed = mean(humanline-offline - offline) / mean(online - offline) over seeds paired by seed (a "
+            "ratio of means) [95% Fieller interval from the seed-level covariance], given only where the gap online - "
+            "offline has a 95% t-interval across seeds wholly above 0, else `unbounded` (the gap's interval reaches "
+            "0, so the ratio's has no finite bounds) or `online below`; one seed: no interval, the gap decided by a "
+            "prompt-level bootstrap (prompt-level only). "
+            "speedup = online wall-clock / humanline-offline wall-clock at equal "
+            "steps; at equal quality = online's work time to reach humanline-offline's mean final score / "
+            "humanline-offline's, each the Kaplan-Meier median over seeds (a seed that never reaches it is censored "
+            "at its run's end; `–`: fewer than half reached it), with how many seeds of each reached it (learning "
+            "curves; n/a without mid-run evals, eval.every); online sampling = "
+            "share of online's work time spent sampling, labelling and pushing weights, and the speedup it bounds: "
+            "1 / (1 - share) is the most any offline run can save against online on the same sequences per step.")
+
+
+def _num(x) -> float | None:
+    """A number from a row of gap_closed.csv (text, empty or NaN) or of gap_frame."""
+    try:
+        return None if x is None or float(x) != float(x) else float(x)
+    except ValueError:
+        return None
+
+
+def gap_cells(r: dict) -> list:
+    """metric ... online sampling (bound): the table cells of one row of gap_closed.csv's columns (a row of
+    gap_frame, or one read back as text); `equal_text`, where present, is the at-equal-quality cell."""
+    def speed(key):
+        return "n/a" if not _num(r.get(key)) else f"{_num(r[key]):.2f}x"
+
+    gap = {"verdict": r.get("gap_verdict") or "gap", **{k: _num(r[f"gap_closed{s}"]) for k, s in
+                                                         (("mean", ""), ("lo", "_lo"), ("hi", "_hi"))}}
+    share, bound = _num(r.get("online_sampling_share")), _num(r.get("speedup_bound_matched"))
+    return [r["metric"], *(f"{_num(r[k]):.3f}" for k in ("offline", "online", "humanline_offline")), gap_text(gap),
+            r["n_seeds"], speed("speedup"), r.get("equal_text") or speed("speedup_equal_quality"),
+            "n/a" if share is None or bound is None else f"{share:.0%} ({bound:.2f}x)"]
+
+
+GAP_HEAD = ["metric", "offline", "online", "humanline-offline", "gap closed", "seeds"]
 
 
 def markdown(rows: pd.DataFrame) -> list[str]:
     if rows.empty:
         return ["No comparison set has offline, online and humanline-offline runs: no gap to report.", ""]
-    lines = ["gap closed = mean(humanline-offline - offline) / mean(online - offline) over seeds paired by seed (a "
-             "ratio of means) [95% Fieller interval from the seed-level covariance], given only where the gap online - "
-             "offline has a 95% t-interval across seeds wholly above 0, else `unbounded` (the gap's interval reaches "
-             "0, so the ratio's has no finite bounds) or `online below`; one seed: no interval, the gap decided by a "
-             "prompt-level bootstrap (prompt-level only). "
-             "speedup = online wall-clock / humanline-offline wall-clock at equal "
-             "steps; at equal quality = online's work time to reach humanline-offline's mean final score / "
-             "humanline-offline's, each the Kaplan-Meier median over seeds (a seed that never reaches it is censored "
-             "at its run's end; `–`: fewer than half reached it), with how many seeds of each reached it (learning "
-             "curves; n/a without mid-run evals, eval.every); online sampling = "
-             "share of online's work time spent sampling, labelling and pushing weights, and the speedup it bounds: "
-             "1 / (1 - share) is the most any offline run can save against online on the same sequences per step.",
-             "", *md_table(["task", "objective", "set", "metric", "offline", "online", "humanline-offline", "gap closed",
-                            "seeds", "speedup", "at equal quality", "online sampling (bound)"],
-                           [(r.task, r.objective, r.set or "–", r.metric, f"{r.offline:.3f}", f"{r.online:.3f}",
-                             f"{r.humanline_offline:.3f}", gap_text(r.closed), r.closed["n"],
-                             f"{r.speedup:.2f}x" if r.speedup else "n/a", equal_quality_text(r.equal),
-                             "n/a" if r.speedup_bound_matched is None else
-                             f"{r.online_sampling_share:.0%} ({r.speedup_bound_matched:.2f}x)")
-                            for r in rows.itertuples()]), ""]
+    table = rows
+    lines = [GAP_NOTE, "", *md_table(["task", "objective", "set", *GAP_HEAD, "speedup", "at equal quality",
+                                      "online sampling (bound)"],
+                                     [(r["task"], r["objective"], r["set"] or "–", *gap_cells(r))
+                                      for r in table.to_dict("records")]), ""]
     modes = (("greedy accuracy", "greedy"), ("accuracy", "sampled"), ("win rate", "sampled win rate"))
     scores = [(r, name, [(r.scores or {}).get(a, {}).get(mode) for a in ARMS]) for r in rows.itertuples()
               for mode, name in modes if mode != "win rate" or r.metric == "win rate"]
@@ -324,8 +271,6 @@ def markdown(rows: pd.DataFrame) -> list[str]:
 
 
 def paired_markdown(rows: pd.DataFrame) -> list[str]:
-    """The paired differences of every comparison, greedy and sampled: a - b, mean over seeds with a 95%
-    t-interval across seeds (the reported interval) and a prompt-level bootstrap interval beside it."""
     body = [r for r in rows.itertuples() if r.paired]
     if not body:
         return ["No comparison has paired runs.", ""]
@@ -345,44 +290,49 @@ def paired_markdown(rows: pd.DataFrame) -> list[str]:
                               p["t"]["n"]) for r in body for p in r.paired]) + [""]
 
 
-def plot(rows: pd.DataFrame, path) -> bool:
-    """Bar chart of gap closed with its interval, one bar per comparison set (PNG)."""
-    rows = [r for r in rows.itertuples() if r.closed["mean"] is not None]
-    if not rows:
+def plot(table: pd.DataFrame, path, regimes: bool = False) -> bool:
+    """Gap closed with its interval per comparison (rows of gap_closed.csv's columns); `regimes`: one bar per
+    regime, grouped and coloured by objective in PROPERTIES order. False when no row has a ratio."""
+    from humanline_cli.core.objectives import PROPERTIES
+
+    rows = [r for r in table.to_dict("records") if _num(r["gap_closed"]) is not None]
+    if regimes:
+        rank = {o: i for i, o in enumerate(PROPERTIES)}
+        rows.sort(key=lambda r: rank.get(r["objective"], len(rank)))
+    elif not rows:
         return False
-    bar_chart([f"{r.task}/{r.objective}" + (f"\n{r.set}" if r.set else "") for r in rows],
-              [(r.closed["mean"], r.closed["lo"], r.closed["hi"]) for r in rows], path)
+    labels = [f"{r['objective']}\n" + "\n".join(textwrap.wrap(r["regime"], 16)) if regimes else
+              f"{r['task']}/{r['objective']}" + (f"\n{r['set']}" if r["set"] else "") for r in rows]
+    colors = [f"C{list(PROPERTIES).index(r['objective'])}" if r["objective"] in PROPERTIES else "grey"
+              for r in rows] if regimes else None
+    bar_chart(labels, [tuple(_num(r[f"gap_closed{s}"]) for s in ("", "_lo", "_hi")) for r in rows], path, colors)
     return True
 
 
 def bar_chart(labels: list[str], values: list[tuple], path, colors: list[str] | None = None) -> None:
-    """Gap closed per bar, (mean, lo, hi) each (lo/hi None: no interval), 0 and 1 marked (PNG)."""
+    """Gap closed per bar, (mean, lo, hi) each (lo/hi None: no interval), 0 and 1 marked; more than ten bars
+    lie one per row, top to bottom in the given order (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    means = [m for m, _, _ in values]
-    # max(0, ...): a zero-width interval can sit a rounding error off its own mean
-    err = [[max(0.0, m - (lo if lo is not None else m)) for m, lo, _ in values],
-           [max(0.0, (hi if hi is not None else m) - m) for m, _, hi in values]]
-    if len(values) <= 10:  # vertical bars
-        fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(values) + 2), 4.0))
-        ax.bar(range(len(values)), means, yerr=err, capsize=4, color=colors or "#4c72b0")
-        ax.axhline(0, color="black", lw=0.8)
-        ax.axhline(1, color="grey", lw=0.8, ls="--")
-        ax.set_xticks(list(range(len(values))))
+    v = pd.DataFrame(values, columns=["m", "lo", "hi"], dtype=float)
+    # clip(0): a zero-width interval can sit a rounding error off its own mean
+    err = [(v.m - v.lo.fillna(v.m)).clip(lower=0), (v.hi.fillna(v.m) - v.m).clip(lower=0)]
+    wide, n, name = len(v) <= 10, range(len(v)), "gap closed by humanline-offline"
+    fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(v) + 2), 4.0) if wide else (8.0, 0.32 * len(v) + 1.4))
+    if wide:
+        ax.bar(n, v.m, yerr=err, capsize=4, color=colors or "#4c72b0")
+        ax.set(xticks=list(n), ylabel=name)
         ax.set_xticklabels(labels, fontsize=7)
-        ax.set_ylabel("gap closed by humanline-offline")
-    else:  # many regimes: one row each, top to bottom in the given order
-        fig, ax = plt.subplots(figsize=(8.0, 0.32 * len(values) + 1.4))
-        ax.barh(range(len(values)), means, xerr=err, capsize=3, color=colors or "#4c72b0")
-        ax.axvline(0, color="black", lw=0.8)
-        ax.axvline(1, color="grey", lw=0.8, ls="--")
-        ax.set_yticks(list(range(len(values))))
+    else:
+        ax.barh(n, v.m, xerr=err, capsize=3, color=colors or "#4c72b0")
+        ax.set(yticks=list(n), xlabel=name)
         ax.set_yticklabels([label.replace("\n", " ") for label in labels], fontsize=7)
         ax.invert_yaxis()
-        ax.set_xlabel("gap closed by humanline-offline")
+    for x, style in ((0, {"color": "black"}), (1, {"color": "grey", "ls": "--"})):
+        (ax.axhline if wide else ax.axvline)(x, lw=0.8, **style)
     ax.set_title("mean(humanline-offline - offline) / mean(online - offline), 95% Fieller interval")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,8 +1,6 @@
-"""Which runs are the same experiment, over the runs frame (report/frame.py): runs are grouped by their full
-resolved config minus the seed, result-neutral keys, inactive humanline knobs and the user's --ignore keys; the
-keys that vary between groups label them; speedups and comparisons pair only groups whose configs agree outside
-the family-defining keys. `groups(runs)` is one row per group (task, objective, family, its comparable config,
-its runs); the other functions read those rows."""
+"""Which runs are the same experiment: runs group by their resolved config less the seed, result-neutral keys,
+inactive humanline knobs and --ignore keys; the keys that vary between groups label them; comparisons pair only
+groups whose configs agree outside the family-defining keys."""
 from __future__ import annotations
 
 import json
@@ -32,8 +30,8 @@ def parse_ignore(values) -> tuple[str, ...]:
 
 
 def comparable_config(config: dict, ignore=()) -> dict:
-    """A resolved config minus what never changes results, hl.* when humanline is off, and `ignore`.
-    `humanline` itself goes too: absent and `false` both mean off, and the family (a group's axis) carries it."""
+    """A resolved config less what never changes results, hl.* with humanline off, `ignore`, and `humanline`
+    itself (absent and false both mean off; the family carries it)."""
     drop = DEFAULT_IGNORE + ("humanline",) + tuple(ignore) + (() if config.get("humanline") is True else ("hl",))
     return {k: v for k, v in config.items() if not under(k, drop)}
 
@@ -48,7 +46,7 @@ def show(v) -> str:
 
 @dataclass(frozen=True)
 class Duplicate:
-    """A run dir counted once: `dropped` is the same run as `kept` (same config and seed); both are run rows."""
+    """A run dir counted once: `dropped` is the same run (config and seed) as `kept`; both are run rows."""
     dropped: object
     kept: object
     same_outputs: bool  # a copy (identical summary.json and metrics.jsonl) or a rerun of the same seed
@@ -59,10 +57,8 @@ class Duplicate:
 
 
 def collapse_duplicates(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[Duplicate]]:
-    """One run per identity, so a copied run dir (to re-judge it, say) is never a second seed.
-
-    Identity: the resolved config (less the keys that never change results, DEFAULT_IGNORE, but with the
-    seed) when the run has one, else the fingerprint of its outputs. The first dir (sorted) is kept."""
+    """One run per identity (its config with the seed, else its outputs' fingerprint), so a copied run dir is
+    never a second seed; the first dir (sorted) is kept."""
     runs = runs.sort_values("path", key=lambda p: p.map(str))
     first: dict[tuple, object] = {}
     dups = []
@@ -76,9 +72,8 @@ def collapse_duplicates(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[Duplicat
 
 
 def groups(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
-    """Complete runs that differ only by seed (or by ignored keys): the unit of n, mean, sd and CI. One row per
-    group, in first-seen order: task, objective, family, cfg (comparable config; None without .hydra/config.yaml),
-    raw (a member's unresolved config), members (the runs' index labels)."""
+    """One row per group of runs differing only by seed (or ignored keys), first-seen order: task, objective,
+    family, cfg (comparable config; None without .hydra/config.yaml), raw, members (index labels)."""
     if runs.empty:
         return pd.DataFrame(columns=["task", "objective", "family", "cfg", "raw", "members"])
     cfg = [None if c is None else comparable_config(c, ignore) for c in runs["config"]]
@@ -91,8 +86,7 @@ def groups(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
 
 
 def derived_from(groups_: pd.DataFrame) -> dict[str, str]:
-    """key -> the one other subtree its value interpolates in every group that has the key
-    (train.batch_size: ${objective.batch_size}). A key that is a literal anywhere is its own."""
+    """key -> the one other subtree it interpolates in every group (train.batch_size: ${objective.batch_size})."""
     seen: dict[str, set] = {}
     for cfg, raw in zip(groups_.cfg, groups_.raw):
         for k in cfg or ():
@@ -106,10 +100,8 @@ def family_defining(key: str, derived: dict) -> bool:
 
 
 def scope(g, key: str, derived: dict):
-    """Which groups a key is compared with: a config group's keys (model.*, data.*, objective.*, and keys that only
-    interpolate one) only between groups that chose the same option (its name/regime/kind), so the defaults of
-    dpo vs grpo or of offline vs online data never show as differences. None: the key does not apply here
-    (an axis of the table, or hl.* with humanline off)."""
+    """Which groups a key is compared among: those that chose the same option of its subtree (name/regime/kind),
+    so two objectives' defaults never show as differences. None: the key does not apply (an axis, hl.* off)."""
     if g.cfg is None or key in AXIS_KEYS or (under(key, ("hl",)) and not g.family.startswith("humanline-")):
         return None
     parts = []
@@ -121,29 +113,27 @@ def scope(g, key: str, derived: dict):
 
 
 def signature(g, derived: dict) -> tuple | None:
-    """What must match for a speedup or a comparison: everything but the family-defining keys."""
+    """What must match for a speedup or a comparison: all but the family-defining keys."""
     if g.cfg is None:
         return None
     return tuple(sorted((k, canon(v)) for k, v in g.cfg.items() if not family_defining(k, derived)))
 
 
 def differing_keys(signatures: list) -> set:
-    """Keys whose values differ between signatures (what a reader needs to tell them apart)."""
+    """Keys whose values differ between signatures."""
     dicts = [dict(s) for s in signatures if s is not None]
     keys = {k for d in dicts for k in d}
     return {k for k in keys if len({d.get(k) for d in dicts}) > 1}
 
 
 def comparison_sets(runs: pd.DataFrame, ignore=()) -> list[tuple[str, str, str, list]]:
-    """The groups of complete runs whose configs agree outside the family-defining keys, what a comparison pairs:
-    (task, objective, label, its groups as rows of `groups`), by task, then objective and signature. The label
-    names the keys that tell the set apart from the objective's other sets."""
+    """(task, objective, label, groups) per set of groups (label's rows) agreeing outside the family-defining
+    keys; the label names the keys that tell the set apart from the objective's other sets."""
     out = []
-    for task, tg in groups(runs, ignore).groupby("task", sort=True):
-        derived = derived_from(tg)
+    for task, tg in label(runs, ignore)[1].groupby("task", sort=True):
         sets: dict[tuple, list] = {}
         for g in tg.itertuples():
-            sets.setdefault((g.objective, signature(g, derived)), []).append(g)
+            sets.setdefault(g.sig[1:], []).append(g)
         for (objective, sig), members in sorted(sets.items(), key=lambda kv: str(kv[0])):
             differing = differing_keys([s for (o, s) in sets if o == objective])
             out.append((task, objective, ", ".join(f"{k}={v}" for k, v in (sig or ()) if k in differing), members))
@@ -151,7 +141,7 @@ def comparison_sets(runs: pd.DataFrame, ignore=()) -> list[tuple[str, str, str, 
 
 
 def varying_keys(groups_: pd.DataFrame, derived: dict) -> dict[str, set]:
-    """key -> the scopes in which it takes more than one value (an absent key counts as a value)."""
+    """key -> the scopes in which it takes more than one value (absent counts as a value)."""
     seen: dict[str, dict] = {}
     rows = list(groups_.itertuples())
     for k in sorted({k for g in rows if g.cfg for k in g.cfg}):
@@ -167,7 +157,7 @@ def varying_keys(groups_: pd.DataFrame, derived: dict) -> dict[str, set]:
 
 
 def group_labels(g, varying: dict, derived: dict) -> dict:
-    """The varying keys this group has a distinguishing value for, as display strings."""
+    """The varying keys this group has a distinguishing value for, as text."""
     if g.cfg is None:
         return {NO_CONFIG: "missing"} if NO_CONFIG in varying else {}
     return {k: (show(g.cfg[k]) if k in g.cfg else "unset") for k, scs in varying.items()
@@ -175,12 +165,9 @@ def group_labels(g, varying: dict, derived: dict) -> dict:
 
 
 def label(runs: pd.DataFrame, ignore=()) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Complete runs -> (runs with `group` and `variant`, groups with `labels`, `row`, `label`, `sig`).
-
-    Per task: the keys that vary between its groups label them; those outside the family-defining subtrees
-    (train.lr, model.*) make the rows of its table (`row`), the others (data.path, hl.*) label a cell (`label`);
-    `variant` is every label, what tells a run's group apart at the same (task, objective, family); `sig` is the
-    group's comparison signature (task, objective, signature)."""
+    """Complete runs -> (runs with `group`, `variant`; groups with `labels`, `row`, `label`, `sig`). Per task the
+    varying keys outside the family-defining subtrees make a table's rows (`row`), the others label a cell
+    (`label`); `variant` is every label; `sig` is (task, objective, signature)."""
     gs = groups(runs, ignore)
     runs = runs.assign(group=-1, variant="")
     gs["labels"], gs["row"], gs["label"], gs["sig"] = None, None, "", None

@@ -1,9 +1,6 @@
-"""PNG plots for `humanline report` (matplotlib, Agg) and the optional wandb upload of the report.
-
-Consumes the labelled runs frame (report/frame.py, groups.label, regime_map.with_regimes: task, objective, family,
-variant, regime, summary, metrics, logratios, config) and its evaluation points (frame.run_points), and never
-imports aggregate.py (imports point one way: aggregate -> plots). Runs of different config groups at the same
-(task, objective, family) are told apart by their `variant` label (and line style), never summed together."""
+"""PNG plots of the labelled runs frame (report/frame.py, groups.label, regime_map.with_regimes) and the optional
+wandb upload. Config groups of one (task, objective, family) stay apart by their `variant` (and line style).
+Imports point one way: aggregate -> plots."""
 from __future__ import annotations
 
 import math
@@ -12,13 +9,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from humanline_cli.report.frame import num, points, run_points
+from humanline_cli.core.objectives import PROPERTIES
+from humanline_cli.report.frame import humanline_spec, num, points, run_points
 from humanline_cli.schema import HumanlineConfig
 
-OBJECTIVES = ("dpo", "kto", "grpo")
 FAMILIES = ("offline", "online", "humanline-offline", "humanline-online")
-FAMILY_COLORS = {"offline": "tab:blue", "online": "tab:orange", "humanline-offline": "tab:green",
-                 "humanline-online": "tab:red"}
+FAMILY_COLORS = dict(zip(FAMILIES, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
 LINESTYLES = ("-", "--", ":", "-.")
 
 
@@ -28,22 +24,16 @@ def order(values, preferred) -> list:
     return [v for v in preferred if v in values] + sorted(values - set(preferred))
 
 
-def _color(family: str) -> str:
-    return FAMILY_COLORS.get(family, "tab:gray")
+def _label(family: str, variant: str) -> str:
+    return f"{family} ({variant})" if variant else family
 
 
-def _label(run) -> str:
-    return f"{run.family} ({run.variant})" if run.variant else run.family
-
-
-def _styles(runs) -> dict:
-    """variant -> line style, so groups of one family stay apart when their colour is the same."""
-    variants = sorted({r.variant for r in runs})
-    return {v: LINESTYLES[i % len(LINESTYLES)] for i, v in enumerate(variants)}
+def _styles(variants) -> dict:
+    return {v: LINESTYLES[i % len(LINESTYLES)] for i, v in enumerate(sorted(set(variants)))}
 
 
 def eval_curve(run) -> tuple[str, list[tuple[float, float]]]:
-    """(metric name, [(wall_s, value)]): start at x=0, eval rows of metrics.jsonl, final at the wall-clock total."""
+    """(metric name, [(wall_s, value)]): the start at 0, every evaluation, the final one at the total."""
     ev = run.summary.get("eval") or {}
     name, col = (("accuracy", "accuracy") if num(ev.get("accuracy")) is not None else
                  ("judge reward", "reward") if num(ev.get("reward_mean")) is not None else ("win rate vs start", "win rate"))
@@ -51,83 +41,82 @@ def eval_curve(run) -> tuple[str, list[tuple[float, float]]]:
     return name, sorted(zip(pts["wall_s"].astype(float), pts[col].astype(float)))
 
 
-def _panels(keys: list, title_fmt):
+def _panels(pairs, rows: int = 1, size=(5, 4)):
+    """One panel per (task, objective), objectives in PROPERTIES order; titles name the task if several."""
     import matplotlib.pyplot as plt
 
-    n = len(keys)
-    fig, axes = plt.subplots(1, n, figsize=(5 * n, 4), squeeze=False)
-    axes = axes[0]
-    for ax, k in zip(axes, keys):
-        ax.set_title(title_fmt(k))
-        ax.grid(alpha=0.3)
-    return fig, dict(zip(keys, axes))
+    tasks = sorted({t for t, _ in pairs})
+    keys = [(t, o) for t in tasks for o in order({o for tt, o in pairs if tt == t}, PROPERTIES)]
+    fig, axes = plt.subplots(rows, len(keys), figsize=(size[0] * len(keys), size[1] * rows), squeeze=False)
+    titles = {k: f"{k[0]} / {k[1]}" if len(tasks) > 1 else k[1] for k in keys}
+    for row in axes:
+        for ax, k in zip(row, keys):
+            ax.set_title(titles[k])
+            ax.grid(alpha=0.3)
+    return fig, [dict(zip(keys, row)) for row in axes], titles
 
 
 def _legend_once(ax):
-    handles, labels = ax.get_legend_handles_labels()
-    seen = {}
-    for h, lab in zip(handles, labels):
-        seen.setdefault(lab, h)
+    seen = dict(zip(*reversed(ax.get_legend_handles_labels())))
     if seen:
         ax.legend(seen.values(), seen.keys(), fontsize=8)
 
 
-def _keys(pairs):
-    """Panels, one per (task, objective), objectives in dpo/kto/grpo order; titles name the task if several."""
-    pairs = set(pairs)
-    tasks = sorted({t for t, _ in pairs})
-    multi = len(tasks) > 1
-    keys = []
-    for t in tasks:
-        keys += [(t, o) for o in order({o for tt, o in pairs if tt == t}, OBJECTIVES)]
-    return keys, (lambda k: f"{k[0]} / {k[1]}" if multi else k[1])
+def _run_lines(runs: list, path: Path, xlabel: str, marker=None, ylim=None) -> None:
+    """One line per run [(run, ys label, [(x, y)])] in its (task, objective) panel, coloured by family."""
+    fig, (axes,), _ = _panels({(r.task, r.objective) for r, _, _ in runs})
+    style = _styles(r.variant for r, _, _ in runs)
+    for r, name, pts in runs:
+        ax = axes[(r.task, r.objective)]
+        ax.plot(*zip(*pts), marker=marker, ms=3, linestyle=style[r.variant],
+                color=FAMILY_COLORS.get(r.family, "tab:gray"), alpha=0.8, label=_label(r.family, r.variant))
+        ax.set(xlabel=xlabel, ylabel=name, **({"ylim": ylim} if ylim else {}))
+    for ax in axes.values():
+        _legend_once(ax)
+    _save(fig, path)
 
 
 def plot_eval_vs_wallclock(frame, path: Path) -> str | None:
     curves = [(r, *eval_curve(r)) for r in frame.itertuples()]
-    curves = [c for c in curves if len(c[2]) >= 1]
+    curves = [c for c in curves if c[2]]
     if not curves:
         return "no complete run has eval numbers"
-    keys, title = _keys((c[0].task, c[0].objective) for c in curves)
-    fig, axes = _panels(keys, title)
-    style = _styles(c[0] for c in curves)
-    for run, metric, pts in curves:
-        ax = axes[(run.task, run.objective)]
-        xs, ys = zip(*pts)
-        ax.plot(xs, ys, marker="o", linestyle=style[run.variant], ms=3, color=_color(run.family), alpha=0.8,
-                label=_label(run))
-        ax.set_xlabel("wall-clock (s)")
-        ax.set_ylabel(metric)
-    for ax in axes.values():
-        _legend_once(ax)
-    return _save(fig, path)
+    return _run_lines(curves, path, "wall-clock (s)", marker="o")
+
+
+def plot_unclamped_fraction(frame, path: Path) -> str | None:
+    key = "humanline/unclamped_fraction"
+    lines = [(r, "unclamped token fraction", sorted((m["step"], m[key]) for m in r.metrics
+                                                    if num(m.get(key)) is not None and num(m.get("step")) is not None))
+             for r in frame.itertuples() if r.humanline]
+    lines = [x for x in lines if x[2]]
+    if not lines:
+        return "no humanline run logged humanline/unclamped_fraction"
+    return _run_lines(lines, path, "step", ylim=(0, 1.02))
 
 
 def step_curves(frame, mode: str):
-    """Evaluation points (frame.points) of one mode ("greedy" or "sampled") of the runs that evaluated mid-run:
-    one accuracy per run and step (the last), with the run's task, objective and regime."""
+    """Evaluation points of one mode ("greedy" or "sampled") of the runs that evaluated mid-run: one score per
+    run and step (the last), with the run's task, objective and regime."""
     pts = points(frame).dropna(subset=[f"{mode} accuracy"]).drop_duplicates(["run", "step"], keep="last")
     pts = pts[pts.groupby("run")["run"].transform("size") > 2]  # the start, a mid-run eval, the end
     return pts.join(frame[["task", "objective", "regime"]], on="run")
 
 
 def plot_eval_vs_step(frame, path: Path) -> str | None:
-    """Learning curves at matched training units: accuracy against the optimizer step, the mean over each
-    regime's seeds at the steps all its seeds evaluated; one panel per objective and eval mode (greedy, sampled)."""
+    """Accuracy against the optimizer step (matched training units), the mean over each regime's seeds at the
+    steps all of them evaluated; one panel per objective and eval mode."""
     curves = {m: c for m in ("greedy", "sampled") if len(c := step_curves(frame, m))}
     if not curves:
         return "no complete run has periodic greedy or sampled accuracy (eval.every > 0 on a verifier task)"
     import matplotlib.pyplot as plt
 
-    keys, title = _keys(zip(*(pd.concat(curves.values())[c] for c in ("task", "objective"))))
-    fig, axes = plt.subplots(len(curves), len(keys), figsize=(6 * len(keys), 4.5 * len(curves)), squeeze=False)
-    labels = sorted(set(frame["regime"]))
-    cmap = plt.get_cmap("tab20")
-    for i, (mode, pts) in enumerate(curves.items()):
-        for j, key in enumerate(keys):
-            ax = axes[i][j]
-            ax.set_title(f"{title(key)}, {mode} accuracy")
-            ax.grid(alpha=0.3)
+    both = pd.concat(curves.values())
+    fig, axes, titles = _panels(set(zip(both.task, both.objective)), len(curves), (6, 4.5))
+    labels, cmap = sorted(set(frame["regime"])), plt.get_cmap("tab20")
+    for row, (mode, pts) in zip(axes, curves.items()):
+        for key, ax in row.items():
+            ax.set_title(f"{titles[key]}, {mode} accuracy")
             ax.set_xlabel("optimizer step (matched training units)")
             mine = pts[(pts.task == key[0]) & (pts.objective == key[1])]
             for lab, g in mine.groupby("regime", sort=True):
@@ -139,29 +128,8 @@ def plot_eval_vs_step(frame, path: Path) -> str | None:
     return _save(fig, path)
 
 
-def plot_unclamped_fraction(frame, path: Path) -> str | None:
-    hl = [r for r in frame.itertuples() if r.humanline and any(num(m.get("humanline/unclamped_fraction")) is not None
-                                                 for m in r.metrics)]
-    if not hl:
-        return "no humanline run logged humanline/unclamped_fraction"
-    keys, title = _keys((r.task, r.objective) for r in hl)
-    fig, axes = _panels(keys, title)
-    style = _styles(hl)
-    for r in hl:
-        pts = sorted((m["step"], m["humanline/unclamped_fraction"]) for m in r.metrics
-                     if num(m.get("humanline/unclamped_fraction")) is not None and num(m.get("step")) is not None)
-        ax = axes[(r.task, r.objective)]
-        ax.plot(*zip(*pts), linestyle=style[r.variant], color=_color(r.family), alpha=0.8, label=_label(r))
-        ax.set_xlabel("step")
-        ax.set_ylabel("unclamped token fraction")
-        ax.set_ylim(0, 1.02)
-    for ax in axes.values():
-        _legend_once(ax)
-    return _save(fig, path)
-
-
 def late_histogram(run) -> list[float] | None:
-    """Sum of the counts over the last 25% of the run's logged histogram steps (at least one step)."""
+    """The counts summed over the last 25% of the run's logged histogram steps (at least one)."""
     rows = sorted((r for r in run.logratios if isinstance(r.get("counts"), list)), key=lambda r: r.get("step", 0))
     if not rows:
         return None
@@ -171,40 +139,34 @@ def late_histogram(run) -> list[float] | None:
 
 
 def plot_logratio_hist(frame, path: Path) -> str | None:
+    """Token log-ratio densities per config group (its seeds summed), the clamp band of its humanline spec."""
     hists, meta, bands = {}, {}, {}
     for r in frame.itertuples():
         h = late_histogram(r)
         if h is None:
             continue
-        key = (r.task, r.objective, r.family, r.variant)  # seeds of one config group only
-        prev = hists.get(key)
-        hists[key] = h if prev is None else [a + b for a, b in zip(prev, h)]
+        key = (r.task, r.objective, r.family, r.variant)
+        hists[key] = h if key not in hists else [a + b for a, b in zip(hists[key], h)]
         meta[key] = (r.logratios[0].get("lo", -3.0), r.logratios[0].get("hi", 3.0))
-        if r.humanline:  # the band the run's clamp used (its resolved hl.*, else the schema's default)
-            cfg = r.config or {}
-            bands.setdefault((r.task, r.objective), (cfg.get("hl.log_eps_P", HumanlineConfig.log_eps_P),
-                                                     cfg.get("hl.log_eps_R", HumanlineConfig.log_eps_R)))
+        if r.humanline:  # the band of the run's humanline spec
+            spec = humanline_spec(r.config, True)
+            bands.setdefault((r.task, r.objective), (spec.log_eps_P, spec.log_eps_R))
     if not hists:
         return "no run wrote logratios.jsonl"
-    keys, title = _keys((k[0], k[1]) for k in hists)
-    fig, axes = _panels(keys, title)
+    fig, (axes,), _ = _panels({k[:2] for k in hists})
     rank = {f: i for i, f in enumerate(FAMILIES)}
-    style = {v: LINESTYLES[i % len(LINESTYLES)] for i, v in enumerate(sorted({k[3] for k in hists}))}
-    for (task, obj, fam, variant), h in sorted(hists.items(),
-                                               key=lambda kv: (kv[0][:2], rank.get(kv[0][2], 99), kv[0][2:])):
-        ax = axes[(task, obj)]
-        lo, hi = meta[(task, obj, fam, variant)]
-        total = sum(h) or 1.0
-        inner = h[1:-1]
+    style = _styles(k[3] for k in hists)
+    for key, h in sorted(hists.items(), key=lambda kv: (kv[0][:2], rank.get(kv[0][2], 99), kv[0][2:])):
+        (lo, hi), total, inner = meta[key], sum(h) or 1.0, h[1:-1]
         width = (hi - lo) / len(inner)
-        edges = [lo + i * width for i in range(len(inner) + 1)]
-        name = f"{fam} ({variant})" if variant else fam
-        ax.stairs([c / total / width for c in inner], edges, color=_color(fam), linestyle=style[variant],
-                  linewidth=1.5, label=f"{name} (out of range {(h[0] + h[-1]) / total:.1%})")
-        ax.set_xlabel("token log-ratio log π/π_ref (last 25% of logged steps)")
-        ax.set_ylabel("density")
+        ax = axes[key[:2]]
+        ax.stairs([c / total / width for c in inner], [lo + i * width for i in range(len(inner) + 1)],
+                  color=FAMILY_COLORS.get(key[2], "tab:gray"), linestyle=style[key[3]], linewidth=1.5,
+                  label=f"{_label(key[2], key[3])} (out of range {(h[0] + h[-1]) / total:.1%})")
+        ax.set(xlabel="token log-ratio log π/π_ref (last 25% of logged steps)", ylabel="density")
+    default = HumanlineConfig()
     for key, ax in axes.items():
-        band = bands.get(key, (HumanlineConfig.log_eps_P, HumanlineConfig.log_eps_R))
+        band = bands.get(key, (default.log_eps_P, default.log_eps_R))
         for x in band:
             ax.axvline(x, color="black", linestyle="--", linewidth=1)
         ax.text(band[1], ax.get_ylim()[1] * 0.95, " clamp band", fontsize=8, va="top")
@@ -225,13 +187,10 @@ def make_plots(frame, out_dir: Path) -> tuple[dict, dict]:
     """Write the PNGs of the labelled runs frame; returns ({name: path}, {name: why skipped})."""
     import matplotlib
 
-
     matplotlib.use("Agg", force=True)
     plots, skipped = {}, {}
-    for name, fn in (("eval_vs_wallclock.png", plot_eval_vs_wallclock),
-                     ("eval_vs_step.png", plot_eval_vs_step),
-                     ("unclamped_fraction.png", plot_unclamped_fraction),
-                     ("logratio_hist.png", plot_logratio_hist)):
+    for name, fn in (("eval_vs_wallclock.png", plot_eval_vs_wallclock), ("eval_vs_step.png", plot_eval_vs_step),
+                     ("unclamped_fraction.png", plot_unclamped_fraction), ("logratio_hist.png", plot_logratio_hist)):
         path = out_dir / name
         try:
             why = fn(frame, path)
@@ -240,31 +199,27 @@ def make_plots(frame, out_dir: Path) -> tuple[dict, dict]:
         if why is None:
             plots[name] = path
         else:
-            path.unlink(missing_ok=True)  # never leave a stale PNG from an earlier report
+            path.unlink(missing_ok=True)  # never a stale PNG from an earlier report
             skipped[name] = why
     return plots, skipped
 
 
 def log_to_wandb(rep, mode: str) -> str | None:
-    """Log the table and PNGs to a new wandb run; returns an error string (and warns) instead of raising."""
+    """Log the table and PNGs to a new wandb run; a failure is a warning (returned), never a failed report."""
     try:
         import wandb
 
         run = wandb.init(project="humanline", job_type="report", mode=mode, dir=str(rep.out_dir),
                          name=f"report-{rep.root.resolve().name}", reinit="finish_previous")
         try:
-            # rep.columns: the CSV header, whose varying config keys live in each cell's "config" dict
             rows = [[c["config"][k] if k in c["config"] else c.get(k) for k in rep.columns] for c in rep.cells]
-            table = wandb.Table(columns=list(rep.columns), data=rows)
-            payload = {"report/table": table}
-            for name, path in rep.files.items():
-                if name.endswith(".png"):
-                    payload[f"report/{name[:-4]}"] = wandb.Image(str(path))
-            run.log(payload)
+            run.log({"report/table": wandb.Table(columns=list(rep.columns), data=rows),
+                     **{f"report/{name[:-4]}": wandb.Image(str(p)) for name, p in rep.files.items()
+                        if name.endswith(".png")}})
         finally:
             run.finish()
         return None
-    except Exception as e:  # any wandb failure is a warning, never a failed report
+    except Exception as e:
         msg = f"{type(e).__name__}: {e}"
         print(f"humanline: warning: wandb logging of the report failed: {msg}", file=sys.stderr)
         return msg

@@ -1,33 +1,22 @@
 """The regime map: gap closed by humanline-offline across several studies, one figure and one table.
 
-Each study is a `humanline report` output dir (its gap_closed.csv); a label names the regime:
-
-    python -m humanline_cli.report.regime_map --out map.png "pairs (rule)=runs/pairs" "groups of 8=runs/g8" ...
-
-or one sweep over named regimes (`regime=...`, conf/regime/; `experiment=laptop_regimes`):
+Studies are `humanline report` dirs (LABEL=DIR), or one sweep over named regimes (`--sweep DIR`, conf/regime/)
+where each humanline regime is compared with the `baseline` and `target` its regime_meta declares, matched by the
+name the runs saved. The offline data (`task.world.offline`) may differ from online's, which does not read it.
 
     python -m humanline_cli.report.regime_map --sweep runs/experiments/laptop_regimes --out map.png
-
-where each humanline regime is compared with the two regimes its `regime_meta` declares (conf/regime/*.yaml:
-`baseline`, the plain regime on the same data, offline or stale rounds; `target`, the online one), matched by
-the `regime_meta.name` the runs saved, never by a file name. The offline data (`task.world.offline`) may
-differ from online's, which does not read it.
-
-Prints a markdown table (regime, objective, offline / online / humanline-offline, gap closed with its
-interval, seeds, speedups) and writes a bar chart of gap closed per regime and objective (PNG).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import textwrap
 from pathlib import Path
 
 import pandas as pd
 
 from humanline_cli.report.frame import load, md_table, write_csv
-from humanline_cli.report.gap_closed import DIGITS, bar_chart, gap_frame, gap_rows, gap_text
+from humanline_cli.report.gap_closed import DIGITS, GAP_HEAD, gap_cells, gap_frame, gap_rows, plot
 from humanline_cli.report.groups import collapse_duplicates, label
 
 
@@ -70,8 +59,8 @@ def _declared(name: str) -> dict:
 
 
 def regime_meta(config: dict | None, path: Path) -> dict:
-    """A run's regime as it declared it (name, family, baseline, target): its saved config's regime_meta,
-    else (a run saved before regimes declared it) the one its `regime=` file declares now; {} for no regime."""
+    """A run's regime_meta (name, family, baseline, target) as saved, else as its `regime=` file declares it now;
+    {} for no regime."""
     meta = {k.removeprefix("regime_meta."): v for k, v in (config or {}).items() if k.startswith("regime_meta.")}
     if meta.get("name"):
         return meta
@@ -80,17 +69,14 @@ def regime_meta(config: dict | None, path: Path) -> dict:
 
 
 def with_regimes(runs: pd.DataFrame) -> pd.DataFrame:
-    """Labelled runs (groups.label) with `regime_meta` and `regime`, what names a run's regime in per-regime
-    tables and plots: its declared regime where it has one, else its family (and the variant that tells its
-    config group apart)."""
+    """Labelled runs with `regime_meta` and `regime`: the declared regime, else the family (and variant)."""
     meta = [regime_meta(c, p) for c, p in zip(runs["config"], runs["path"])]
     regime = [m.get("name") or (f"{f} ({v})" if v else f) for m, f, v in zip(meta, runs["family"], runs["variant"])]
     return runs.assign(regime_meta=meta, regime=regime)
 
 
 def _sweep_order(root: Path, name_of: dict[str, str]) -> list[str]:
-    """Regime names in the order the sweep lists their `regime=` files (multirun.yaml), then any others
-    alphabetically. `name_of`: the `regime=` value -> the regime's declared name."""
+    """Declared regime names in the order multirun.yaml lists their `regime=` values, then the rest sorted."""
     import yaml
 
     listed: list[str] = []
@@ -103,10 +89,8 @@ def _sweep_order(root: Path, name_of: dict[str, str]) -> list[str]:
 
 
 def regime_gap_rows(runs: pd.DataFrame) -> pd.DataFrame:
-    """gap_closed.gap_rows per humanline regime and objective, from complete runs (with_regimes) of a sweep over
-    named regimes: each humanline regime against the baseline and target its regime_meta names, where the sweep
-    has both. The row's label is the regime (and its baselines when they are not the plain ones). Empty when no
-    run has a regime."""
+    """gap_closed.gap_rows per humanline regime of a sweep over named regimes, against the baseline and target
+    its regime_meta names, in the sweep's order; empty when no run has a regime."""
     named = runs[[bool(m.get("name")) for m in runs["regime_meta"]]] if len(runs) else runs
     by = {name: rs for name, rs in named.groupby("regime", sort=False)}
     metas = {m["name"]: m for m in named["regime_meta"]}
@@ -134,41 +118,14 @@ def sweep_rows(root: Path) -> pd.DataFrame:
     return pd.concat([rows[["regime", "compared_with"]], gap_frame(rows)], axis=1)
 
 
-def _num(x) -> float | None:
-    return None if x is None or x == "" or (isinstance(x, float) and x != x) else float(x)
-
-
 def markdown(rows) -> list[str]:
     """Rows as dicts (gap_closed.csv's columns and `regime`), or a frame of them."""
     rows = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else rows
-
-    def speed(r, key) -> str:
-        v = _num(r.get(key, ""))
-        return "n/a" if v is None else f"{v:.2f}x"
-
-    def cells(r) -> tuple:
-        gap = {"verdict": r.get("gap_verdict") or "gap", "mean": _num(r["gap_closed"]), "lo": _num(r["gap_closed_lo"]),
-               "hi": _num(r["gap_closed_hi"])}
-        share, bound = _num(r.get("online_sampling_share", "")), _num(r.get("speedup_bound_matched", ""))
-        vs = r.get("compared_with")
-        return (r["regime"] + (f" (vs {vs})" if vs and vs != "offline, online" else ""), r["objective"], r["metric"],
-                *(f"{float(r[k]):.3f}" for k in ("offline", "online", "humanline_offline")), gap_text(gap),
-                r["n_seeds"], speed(r, "speedup"), speed(r, "speedup_equal_quality"),
-                "n/a" if share is None or bound is None else f"{share:.0%} ({bound:.2f}x)")
-
-    return md_table(["regime", "objective", "metric", "offline", "online", "humanline-offline", "gap closed", "seeds",
-                     "speedup (equal steps)", "at equal quality", "online sampling (bound)"], [cells(r) for r in rows])
-
-
-def plot(rows, path: Path) -> None:
-    if isinstance(rows, pd.DataFrame):
-        rows = rows.to_dict("records")
-    colors = {"grpo": "#c44e52", "dpo": "#4c72b0", "kto": "#55a868"}
-    rank = {o: i for i, o in enumerate(colors)}  # bars grouped by objective, regimes in their given order
-    rows = sorted((r for r in rows if _num(r["gap_closed"]) is not None), key=lambda r: rank.get(r["objective"], 9))
-    bar_chart([f"{r['objective']}\n" + "\n".join(textwrap.wrap(r["regime"], 16)) for r in rows],
-              [(_num(r["gap_closed"]), _num(r["gap_closed_lo"]), _num(r["gap_closed_hi"])) for r in rows], path,
-              [colors.get(r["objective"], "grey") for r in rows])
+    vs = [r.get("compared_with") for r in rows]
+    return md_table(["regime", "objective", *GAP_HEAD, "speedup (equal steps)", "at equal quality",
+                     "online sampling (bound)"],
+                    [(r["regime"] + (f" (vs {v})" if v and v != "offline, online" else ""), r["objective"],
+                      *gap_cells(r)) for r, v in zip(rows, vs)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,39 +134,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", help="one sweep over named regimes (regime=...), e.g. runs/experiments/laptop_regimes")
     p.add_argument("--out", default="regime_map.png", help="the PNG to write (and, with --sweep, a CSV next to it)")
     a = p.parse_args(argv)
-    if a.sweep:
-        root = Path(a.sweep)
-        if not root.is_dir():
-            print(f"regime_map: error: {root}: no such directory", file=sys.stderr)
-            return 2
-        rows = sweep_rows(root)
-        if rows.empty:
-            print(f"regime_map: error: {root}: no humanline-offline regime with its offline and online runs complete",
-                  file=sys.stderr)
-            return 2
-        print("\n".join(markdown(rows)))
-        plot(rows, Path(a.out))
-        write_csv(rows, Path(a.out).with_suffix(".csv"), DIGITS)
-        print(f"wrote {a.out} and {Path(a.out).with_suffix('.csv')}")
-        return 0
-    if not a.studies:
-        print("regime_map: error: give LABEL=DIR studies or --sweep DIR", file=sys.stderr)
-        return 2
-    studies = []
-    for s in a.studies:
-        label, eq, path = s.partition("=")
-        if not eq:
-            print(f"regime_map: error: {s!r} is not LABEL=DIR", file=sys.stderr)
-            return 2
-        studies.append((label, Path(path)))
+    out = Path(a.out)
     try:
-        rows = load_studies(studies)
-    except FileNotFoundError as e:
+        if a.sweep:
+            if not Path(a.sweep).is_dir():
+                raise ValueError(f"{Path(a.sweep)}: no such directory")
+            rows = sweep_rows(Path(a.sweep))
+            if rows.empty:
+                raise ValueError(f"{Path(a.sweep)}: no humanline-offline regime with its offline and online runs complete")
+        elif not a.studies:
+            raise ValueError("give LABEL=DIR studies or --sweep DIR")
+        else:
+            bad = [s for s in a.studies if "=" not in s]
+            if bad:
+                raise ValueError(f"{bad[0]!r} is not LABEL=DIR")
+            rows = load_studies([(lab, Path(d)) for lab, _, d in (s.partition("=") for s in a.studies)])
+    except (ValueError, FileNotFoundError) as e:
         print(f"regime_map: error: {e}", file=sys.stderr)
         return 2
     print("\n".join(markdown(rows)))
-    plot(rows, Path(a.out))
-    print(f"wrote {a.out}")
+    plot(rows, out, regimes=True)
+    if a.sweep:  # a sweep's rows are new: written beside the figure
+        write_csv(rows, out.with_suffix(".csv"), DIGITS)
+    print(f"wrote {out}" + (f" and {out.with_suffix('.csv')}" if a.sweep else ""))
     return 0
 
 

@@ -1,18 +1,8 @@
-"""`humanline report DIR --target T`: each regime's wall-clock predicted by the cost model (report/predict.py)
-from the work its runs counted, beside the wall-clock they measured.
-
-Per complete run, the counted work: generation calls from samples.jsonl (one line per completion, its round
-and its `tokens`), optimizer steps from summary.json, the forward tokens of every step from metrics.jsonl
-(`tokens_processed`; with train.log_every > 1 the logged steps' mean times the steps), reference syncs and
-asynchronous lag from the resolved config. Targets: a constants file of `humanline bench constants=true`
-(measured: `this`), or `h100` / `h200` (public figures and assumptions, report/targets.py; with `--gpu-check
-FILE` its measured MFU), at 1 GPU or `h100x8`.
-
-Measured phases come from summary.json's wall_clock_s: sample, push, label, train, sync as timed; `other` is the
-loop's time outside them (the total less setup, evaluation, saving, checkpoints and the sampler process's
-start-up, which the model leaves out, less the timed phases); `loop` is that total less the left-out parts.
-Under asynchronous rounds the phases overlap: their `sample` is the sampler process's own time, `wait_for_sample`
-the trainer's idle time, and `loop` the wall-clock.
+"""`humanline report DIR --target T`: each regime's wall-clock predicted by the cost model (report/predict.py) from
+the work its runs counted (samples.jsonl calls, metrics.jsonl `tokens_processed`, steps, the reference's syncs by
+the method's rule), beside the phases they measured (summary.json wall_clock_s; `other` is the loop outside the
+timed phases, `loop` the total less what the model leaves out). Under asynchronous rounds `sample` is the sampler
+process's own time, overlapped, and `wait_for_sample` the trainer's idle time.
 """
 from __future__ import annotations
 
@@ -24,13 +14,14 @@ from pathlib import Path
 import pandas as pd
 
 from humanline_cli.report.cost import calls_of
-from humanline_cli.report.frame import md_table
+from humanline_cli.report.frame import LEFT_OUT, humanline_spec, md_table, seconds
 from humanline_cli.report.predict import Target, Work, predict, target_from_json
 from humanline_cli.report.targets import ASSUMED, SHAPES, Shape, gpu_target, mfu_from_gpu_check
 
-LEFT_OUT = ("setup", "eval", "save", "checkpoint", "sampler_start")
 TIMED = ("sample", "push", "label", "train", "sync")
 SHOWN = ("sample", "train", "sync", "push", "label", "other", "wait_for_sample", "loop")
+MEASURED_COLUMNS = ("sample", "train", "sync", "other", "wait_for_sample", "loop")
+PREDICTED_COLUMNS = ("sample", "push", "train", "sync", "label", "loop")
 CHECKED_SHARE = 0.05  # phases below this share of the measured loop are shown but not held to the tolerance
 
 
@@ -39,6 +30,7 @@ class SpeedError(ValueError):
 
 
 def train_tokens(metrics: list[dict], steps: int) -> float | None:
+    """Forward tokens of all steps; with train.log_every > 1 the logged steps' mean times the steps."""
     rows = {r["step"]: r["tokens_processed"] for r in metrics if "tokens_processed" in r and "step" in r}
     if not rows:
         return None
@@ -46,8 +38,7 @@ def train_tokens(metrics: list[dict], steps: int) -> float | None:
 
 
 def reference_syncs(spec, regime: str, steps: int, rounds: int) -> int:
-    """How often the reference takes the policy's weights over `steps` optimizer steps and `rounds` sampling
-    rounds, by the method's own rule (core ReferenceRule) for a humanline spec and data regime."""
+    """How often the reference takes the policy's weights, by the method's rule (core ReferenceRule)."""
     from humanline_cli.core.humanline import ReferenceRule
 
     rule = ReferenceRule.from_spec(spec, regime)
@@ -55,48 +46,39 @@ def reference_syncs(spec, regime: str, steps: int, rounds: int) -> int:
 
 
 def run_work(run, matmul_params: float, weight_bytes: float) -> Work | None:
-    """The counted work of one complete run (a runs-frame row), None when it did not record it (older runs).
-    When the reference moves, and so how many syncs the run made, is the method's rule (core ReferenceRule)."""
-    from humanline_cli.core.humanline import HumanlineSpec
+    """The counted work of one complete run, None when it did not record it (older runs)."""
     from humanline_cli.core.reference import reference_moves
 
-    calls = calls_of(run.path)
-    steps = int(run.summary.get("steps") or 0)
+    calls, steps = calls_of(run.path), int(run.summary.get("steps") or 0)
     tokens = train_tokens(run.metrics, steps)
     if calls is None or tokens is None or not steps:
         return None
     cfg = run.config or {}
-    regime = str(cfg.get("data.regime", run.data))  # run.data names stale rounds apart (stale-64)
-    spec = HumanlineSpec(sync=bool(run.humanline and cfg.get("hl.sync", True)),
-                         sync_every=max(int(cfg.get("hl.sync_every") or 1), 1))
-    syncs = reference_syncs(spec, regime, steps, len(calls))
+    regime = str(cfg.get("data.regime", run.data))
+    spec = humanline_spec(cfg, run.humanline)
     cached = not reference_moves(spec, regime) and bool(cfg.get("train.reference_cache", False))
     return Work(params=matmul_params, weight_bytes=weight_bytes, calls=calls, steps=steps, train_tokens=tokens,
                 reference_forward=not cached, gradient_checkpointing=bool(cfg.get("train.gradient_checkpointing")),
-                syncs=syncs, async_lag=int(cfg.get("data.async_lag") or 0) if regime == "online" else 0)
+                syncs=reference_syncs(spec, regime, steps, len(calls)),
+                async_lag=int(cfg.get("data.async_lag") or 0) if regime == "online" else 0)
 
 
-def loop_and_other(seconds: dict, wall: float, lagged: bool) -> tuple[float, float]:
-    """The training loop's wall-clock (`wall` less the parts the model leaves out) and its time outside the timed
-    phases. Under asynchronous rounds `sample` is the sampler process's own time, overlapped with the loop and not
-    part of it, and `wait_for_sample` is the trainer's idle time, which is."""
-    loop = wall - sum(float(seconds.get(k, 0.0) or 0.0) for k in LEFT_OUT)
+def loop_and_other(times: dict, wall: float, lagged: bool) -> tuple[float, float]:
+    """The loop's wall-clock (`wall` less what the model leaves out) and its time outside the timed phases; under
+    asynchronous rounds `sample` overlaps the loop and `wait_for_sample` is part of it."""
+    loop = wall - seconds(times, LEFT_OUT)
     keys = [k for k in TIMED if not (lagged and k == "sample")] + (["wait_for_sample"] if lagged else [])
-    trainer = sum(float(seconds.get(k, 0.0) or 0.0) for k in keys)
-    return loop, max(loop - trainer, 0.0)
+    return loop, max(loop - seconds(times, keys), 0.0)
 
 
 def measured(summary: dict) -> dict:
     w = summary.get("wall_clock_s") or {}
-    lagged = "wait_for_sample" in w  # asynchronous: sample ran in its own process, overlapped
-    out = {k: float(w.get(k, 0.0) or 0.0) for k in TIMED}
-    if lagged:
-        out["wait_for_sample"] = float(w["wait_for_sample"])
+    lagged = "wait_for_sample" in w
+    out = {k: float(w.get(k, 0.0) or 0.0) for k in TIMED + (("wait_for_sample",) if lagged else ())}
     out["loop"], out["other"] = loop_and_other(w, float(w.get("total", 0.0)), lagged)
     return out
 
 
-# ------------------------------------------------------------------ targets
 @dataclass(frozen=True)
 class TargetSpec:
     """What --target named: a constants file (its model's P) or a GPU kind and count."""
@@ -153,20 +135,13 @@ def target_for(run, spec: TargetSpec, constants: list[dict], work_calls: tuple) 
     return t, shape
 
 
-# ------------------------------------------------------------------ rows
-# A row per target and (task, objective, regime): whether the target is an estimate, the runs counted, and the mean
-# predicted and (on `this`, else None) measured seconds by phase.
-ROW = ("target", "estimated", "task", "objective", "regime", "n_runs", "predicted", "measured")
-
-
 def speed_rows(runs: pd.DataFrame, specs: list[TargetSpec]) -> tuple[pd.DataFrame, list[str], dict]:
-    """Per target and (task, objective, regime): predicted and (on `this`) measured seconds by phase; notes on
-    left-out runs; each target's sources (its constants and where they come from)."""
+    """predicted.csv (per target, regime and phase: mean predicted and, on a constants target, measured seconds,
+    and the loop's speedups over online), notes on left-out runs, and each target's sources."""
     complete = list(runs[runs.status == "complete"].itertuples())
     constants = [s.constants for s in specs if s.constants is not None]
-    rows, notes, sources = [], [], {}
+    per_run, notes, sources = [], [], {}
     for spec in specs:
-        by: dict[tuple, list] = {}
         skipped, other_setting = 0, []
         for r in complete:
             why = constants_mismatch(spec.constants, r) if spec.constants is not None else None
@@ -174,22 +149,19 @@ def speed_rows(runs: pd.DataFrame, specs: list[TargetSpec]) -> tuple[pd.DataFram
                 other_setting.append(f"{r.path.name} ({why})")
                 continue
             calls = calls_of(r.path)
-            if calls is None:
-                skipped += 1
-                continue
-            tf = target_for(r, spec, constants, calls)
-            if tf is None:
-                skipped += 1
-                continue
-            t, shape = tf
-            sources[spec.name] = t.source + "".join(f"; {k} {v}" for k, v in t.notes.items()) + \
-                spread_note(spec.constants)
-            bpp = spec.constants.get("bytes_per_param", 4) if spec.constants is not None else 2  # GPU targets: bf16
-            work = run_work(r, shape.matmul_params, bpp * shape.params)
+            tf = target_for(r, spec, constants, calls) if calls is not None else None
+            bpp = spec.constants.get("bytes_per_param", 4) if spec.constants is not None else 2  # GPU: bf16
+            work = run_work(r, tf[1].matmul_params, bpp * tf[1].params) if tf else None
             if work is None:
                 skipped += 1
                 continue
-            by.setdefault((r.task, r.objective, r.regime), []).append((predict(work, t), measured(r.summary), t))
+            t = tf[0]
+            sources[spec.name] = t.source + "".join(f"; {k} {v}" for k, v in t.notes.items()) + \
+                spread_note(spec.constants)
+            meas = measured(r.summary) if spec.constants is not None else {}
+            per_run += [{"target": spec.name, "estimated": t.estimated, "task": r.task, "objective": r.objective,
+                         "regime": r.regime, "run": r.Index, "phase": k, "predicted_s": v, "measured_s": meas.get(k)}
+                        for k, v in {**dict.fromkeys(meas), **predict(work, t)}.items()]
         if skipped:
             notes.append(f"{spec.name}: {skipped} complete run(s) left out (no per-completion `tokens` in samples.jsonl "
                          f"or no `tokens_processed` in metrics.jsonl: recorded before they were, or another model "
@@ -198,11 +170,73 @@ def speed_rows(runs: pd.DataFrame, specs: list[TargetSpec]) -> tuple[pd.DataFram
             notes.append(f"{spec.name}: {len(other_setting)} complete run(s) left out, measured for another setting "
                          f"than the constants file's: {', '.join(other_setting[:3])}"
                          + (f" and {len(other_setting) - 3} more" if len(other_setting) > 3 else ""))
-        for (task, obj, regime), items in by.items():
-            pred = _mean_phases([p for p, _, _ in items])
-            meas = _mean_phases([m for _, m, _ in items]) if spec.constants is not None else None
-            rows.append((spec.name, items[0][2].estimated, task, obj, regime, len(items), pred, meas))
-    return pd.DataFrame(rows, columns=ROW, dtype=object), notes, sources
+    return predicted_frame(pd.DataFrame(per_run)), notes, sources
+
+
+def predicted_frame(per_run: pd.DataFrame) -> pd.DataFrame:
+    """Per-run phases -> per (target, task, objective, regime) and phase the mean over its runs (a phase a run
+    lacks counts as 0 there), predicted / measured, and on the loop the speedups over online."""
+    columns = ["target", "estimated", "task", "objective", "regime", "n_runs", "phase", "predicted_s", "measured_s",
+               "predicted_over_measured", "predicted_speedup_vs_online", "measured_speedup_vs_online"]
+    if per_run.empty:
+        return pd.DataFrame(columns=columns)
+    keys, values = ["target", "estimated", "task", "objective", "regime"], ["predicted_s", "measured_s"]
+    per_run = per_run[per_run.phase.isin(SHOWN)].astype({v: float for v in values})
+    out = per_run.groupby([*keys, "phase"], sort=False)[values].sum(min_count=1).reset_index()
+    out["n_runs"] = out.set_index(keys).index.map(per_run.groupby(keys, sort=False)["run"].nunique())
+    out[values] = out[values].div(out.n_runs, axis=0)
+    out = out.assign(_g=out.groupby(keys, sort=False).ngroup(), _p=out.phase.map(SHOWN.index)).sort_values(["_g", "_p"])
+    out["predicted_over_measured"] = out.predicted_s / out.measured_s.where(out.measured_s != 0)
+    online = out[(out.phase == "loop") & (out.regime == "online")].set_index(["target", "task", "objective"])
+    for col, of in (("predicted_speedup_vs_online", "predicted_s"), ("measured_speedup_vs_online", "measured_s")):
+        base = out.set_index(["target", "task", "objective"]).index.map(online[of])
+        out[col] = (base / out[of].where(out[of] != 0)).where(out.phase == "loop")
+    return out[columns].astype(object).where(out[columns].notna(), None).reset_index(drop=True)
+
+
+def _s(x) -> str:
+    return "–" if x is None else (f"{x:.3g}" if x < 100 else f"{x:.0f}")
+
+
+def _cell(p: dict, m: dict, k: str) -> str:
+    """predicted / measured (ratio), the ratio marked ! outside 0.85-1.15 on a phase held to the tolerance."""
+    pk, mk = p.get(k), m.get(k)
+    if pk is None and mk is None:
+        return "–"
+    held = pk is not None and mk and (k == "loop" or mk >= CHECKED_SHARE * m["loop"])
+    mark = " !" if held and abs(pk / mk - 1) > 0.15 else ""
+    return f"{_s(pk)} / {_s(mk)}" + (f" ({pk / mk:.2f}{mark})" if pk is not None and mk else "")
+
+
+def markdown(rows: pd.DataFrame, notes: list[str], sources: dict) -> list[str]:
+    """Per target a table of seconds by phase: predicted / measured (ratio) on a constants target, a ratio outside
+    0.85-1.15 on a phase holding CHECKED_SHARE of the loop marked !; predicted alone on a GPU target."""
+    if rows.empty:
+        return ["No run recorded its counted work (per-completion tokens and per-step forward tokens)."] + notes
+    out = []
+    for target, t in rows.groupby("target", sort=False):
+        estimate = " (ESTIMATE: built on public figures and assumptions)" if t.estimated.iloc[0] else ""
+        out += [f"**Target {target}**{estimate}: {sources.get(target, '')}", ""]
+        body, has_measured = [], t.measured_s.notna().any()
+        for key, g in t.groupby(["task", "objective", "regime", "n_runs"], sort=False):
+            ph = g.set_index("phase")
+            p, m = ph.predicted_s.to_dict(), ph.measured_s.to_dict()
+            sp, sm = ph.at["loop", "predicted_speedup_vs_online"], ph.at["loop", "measured_speedup_vs_online"]
+            speed = ("–" if sp is None else f"{sp:.2f}x") + ("" if sm is None else f" ({sm:.2f}x)")
+            cells = [_cell(p, m, k) for k in MEASURED_COLUMNS] if has_measured else [_s(p.get(k)) for k in PREDICTED_COLUMNS]
+            body.append((*key, *cells, speed))
+        if has_measured:
+            out += ["Seconds by phase, predicted / measured (ratio); ratios outside 0.85-1.15 on a phase holding at "
+                    f"least {CHECKED_SHARE:.0%} of the loop are marked !; loop = the training loop's wall-clock "
+                    "(setup, evaluation, saving left out). Speedup = online's loop over the regime's.", "",
+                    *md_table(["task", "objective", "regime", "runs", *(k.replace("_", " ") for k in MEASURED_COLUMNS),
+                               "speedup vs online, predicted (measured)"], body)]
+        else:
+            out += ["Predicted seconds by phase (no measurement on this target). Speedup = online's loop over the "
+                    "regime's, at the same counted work (the runs' own steps, calls and tokens).", "",
+                    *md_table(["task", "objective", "regime", "runs", *PREDICTED_COLUMNS, "speedup vs online"], body)]
+        out.append("")
+    return out + notes
 
 
 def constants_mismatch(d: dict, run) -> str | None:
@@ -236,95 +270,3 @@ def spread_note(constants: dict | None) -> str:
         return ""
     return ("; spread of each constant over the sets, (max - min) / median: "
             + ", ".join(f"{k} {spread[k]['spread']:.0%}" for k in keys))
-
-
-def _mean_phases(dicts: list[dict]) -> dict:
-    keys = {k for d in dicts for k in d}
-    return {k: statistics.fmean(d.get(k, 0.0) for d in dicts) for k in keys}
-
-
-def _online(rows: list, row):
-    """Online's row of the same target, task and objective, None without one."""
-    return next((r for r in rows if (r.target, r.task, r.objective, r.regime) == (row.target, row.task, row.objective,
-                                                                                  "online")), None)
-
-
-def checked(row, tolerance: float = 0.15) -> dict:
-    """Phase -> predicted / measured for phases holding >= CHECKED_SHARE of the measured loop (and the loop)."""
-    if row.measured is None:
-        return {}
-    loop = row.measured.get("loop", 0.0)
-    out = {}
-    for k in SHOWN:
-        m = row.measured.get(k)
-        if k in row.predicted and m and (k == "loop" or m >= CHECKED_SHARE * loop):
-            out[k] = row.predicted[k] / m
-    return out
-
-
-def predicted_frame(rows: pd.DataFrame) -> pd.DataFrame:
-    """predicted.csv: one row per target, regime and phase, predicted beside measured, and the loop's speedups."""
-    rows, out = list(rows.itertuples()), []
-    for r in rows:
-        on = _online(rows, r)
-        for k in SHOWN:
-            if k not in r.predicted and not (r.measured and k in r.measured):
-                continue
-            p, m = r.predicted.get(k), (r.measured or {}).get(k)
-            sp = on.predicted["loop"] / r.predicted["loop"] if on and k == "loop" and r.predicted["loop"] else None
-            sm = (on.measured["loop"] / r.measured["loop"] if on and on.measured and r.measured and k == "loop"
-                  and r.measured["loop"] else None)
-            out.append((r.target, r.estimated, r.task, r.objective, r.regime, r.n_runs, k, p, m,
-                        p / m if p is not None and m else None, sp, sm))
-    return pd.DataFrame(out, dtype=object, columns=[
-        "target", "estimated", "task", "objective", "regime", "n_runs", "phase", "predicted_s", "measured_s",
-        "predicted_over_measured", "predicted_speedup_vs_online", "measured_speedup_vs_online"])
-
-
-def _s(x) -> str:
-    return "–" if x is None else (f"{x:.3g}" if x < 100 else f"{x:.0f}")
-
-
-def _measured_cell(r, k: str, chk: dict) -> str:
-    """predicted / measured (ratio), the ratio marked ! outside 0.85-1.15 on a checked phase."""
-    p, m = r.predicted.get(k), r.measured.get(k)
-    if p is None and m is None:
-        return "–"
-    mark = " !" if k in chk and abs(chk[k] - 1) > 0.15 else ""
-    return f"{_s(p)} / {_s(m)}" + (f" ({p / m:.2f}{mark})" if p is not None and m else "")
-
-
-def markdown(rows: pd.DataFrame, notes: list[str], sources: dict) -> list[str]:
-    rows = list(rows.itertuples())
-    if not rows:
-        return ["No run recorded its counted work (per-completion tokens and per-step forward tokens)."] + notes
-    out = []
-    for target in dict.fromkeys(r.target for r in rows):
-        rs = [r for r in rows if r.target == target]
-        est = rs[0].estimated
-        out += [f"**Target {target}**{' (ESTIMATE: built on public figures and assumptions)' if est else ''}: "
-                f"{sources.get(target, '')}", ""]
-        speedups = []
-        for r in rs:
-            on = _online(rows, r)
-            speedups.append((f"{on.predicted['loop'] / r.predicted['loop']:.2f}x" if on else "–")
-                            + (f" ({on.measured['loop'] / r.measured['loop']:.2f}x)" if on and on.measured else ""))
-        if rs[0].measured is not None:
-            phases = ("sample", "train", "sync", "other", "wait_for_sample", "loop")
-            out += ["Seconds by phase, predicted / measured (ratio); ratios outside 0.85-1.15 on a phase holding at "
-                    f"least {CHECKED_SHARE:.0%} of the loop are marked !; loop = the training loop's wall-clock "
-                    "(setup, evaluation, saving left out). Speedup = online's loop over the regime's.", "",
-                    *md_table(["task", "objective", "regime", "runs", "sample", "train", "sync", "other",
-                               "wait for sample", "loop", "speedup vs online, predicted (measured)"],
-                              [(r.task, r.objective, r.regime, r.n_runs,
-                                *(_measured_cell(r, k, checked(r)) for k in phases), sp)
-                               for r, sp in zip(rs, speedups)])]
-        else:
-            phases = ("sample", "push", "train", "sync", "label", "loop")
-            out += ["Predicted seconds by phase (no measurement on this target). Speedup = online's loop over the "
-                    "regime's, at the same counted work (the runs' own steps, calls and tokens).", "",
-                    *md_table(["task", "objective", "regime", "runs", *phases, "speedup vs online"],
-                              [(r.task, r.objective, r.regime, r.n_runs, *(_s(r.predicted.get(k)) for k in phases), sp)
-                               for r, sp in zip(rs, speedups)])]
-        out.append("")
-    return out + notes

@@ -1,20 +1,11 @@
-"""GPU targets for the cost model (report/predict.py) from public figures, every one named with its source, and
-the assumptions that turn them into constants (each marked `assumed`). Predictions on these targets are
-estimates until a GPU run measures the constants (`just gpu-check`'s gpu_check.json supplies the training MFU).
+"""GPU targets for the cost model from public figures (each named with its source) and assumptions (marked
+`assumed`): estimates until a GPU run measures them (gpu_check.json supplies the training MFU).
 
-Public figures (SXM parts, dense bf16, no sparsity):
-- H100 SXM5: 989 TFLOP/s bf16, 3.35 TB/s HBM3, 900 GB/s NVLink 4 (NVIDIA H100 Tensor Core GPU datasheet,
-  nvidia.com/en-us/data-center/h100; 1,979 TFLOP/s is the 2:4-sparsity figure).
-- H200 SXM: 989 TFLOP/s bf16, 4.8 TB/s HBM3e, 900 GB/s NVLink 4 (NVIDIA H200 Tensor Core GPU datasheet,
-  nvidia.com/en-us/data-center/h200).
-Model shapes from the models' published config.json: parameters, layers, KV heads, head dim.
-
-Decoding on these targets (vLLM: continuous batching, so a call has one wave and its latency bound is its longest
-completion): one decoding step reads the weights once and the KV cache of every sequence in flight,
-    step(c) = c_step + (W + c x ctx x kv_bytes) / (eta_hbm x HBM bandwidth),
-with ctx the mean context a step attends over (prompt + half the mean completion); the peak tokens/s is
-c / step(c) at vLLM's default max_num_seqs c = 256 (capped by the compute bound eta_gen x peak / 2P), and the
-latency bound's step is step(1).
+H100 SXM5 and H200 SXM: 989 TFLOP/s dense bf16, 3.35 / 4.8 TB/s HBM, 900 GB/s NVLink 4 (NVIDIA datasheets);
+model shapes from the models' config.json. Decoding (vLLM, continuous batching: one wave per call) reads the
+weights and every sequence's KV cache once per step, step(c) = c_step + (W + c ctx kv_bytes) / (eta_hbm HBM),
+ctx the mean context (prompt + half the completion); the peak tokens/s is c / step(c) at c = 256 (capped by
+eta_gen peak / 2P), the latency bound's step step(1).
 """
 from __future__ import annotations
 
@@ -31,8 +22,7 @@ GPUS = {  # name: (bf16 dense FLOP/s, HBM bytes/s, NVLink bytes/s, source)
 
 @dataclass(frozen=True)
 class Shape:
-    """What the cost model needs of a model: matmul parameters (FLOPs), all parameters (bytes), KV bytes/token."""
-
+    """Matmul parameters (FLOPs), all parameters (bytes), KV bytes per token."""
     name: str
     matmul_params: float
     params: float
@@ -50,7 +40,7 @@ SHAPES = {
                                 "meta-llama/Meta-Llama-3-8B-Instruct config.json"),
 }
 
-# Assumptions (not measured anywhere yet; docs/performance.md lists what a GPU run must measure to replace each)
+# Assumptions (docs/performance.md lists what a GPU run must measure to replace each)
 ASSUMED = {
     "mfu": 0.40,            # training: counted FLOPs (recomputation included) over peak, FSDP, bf16, 1-8B models
     "eta_hbm": 0.70,        # decoding reaches 70% of HBM bandwidth
@@ -92,8 +82,7 @@ def gpu_target(gpu: str, shape: Shape, gpus: int, ctx: float, label_s_per_seq: f
 
 
 def mfu_from_gpu_check(d: dict) -> float | None:
-    """The median MFU of gpu_check.json's step rows (bench/step_bench.py: bf16, gradient checkpointing, a real
-    model shape), None when it has none."""
+    """The median MFU of gpu_check.json's step rows (the upper middle of an even count), None without one."""
     values = sorted(c["mfu"] for c in d.get("checks", []) if c.get("check", "").startswith("step_")
                     and c.get("ok") and isinstance(c.get("mfu"), (int, float)) and math.isfinite(c["mfu"]))
     return values[len(values) // 2] if values else None
