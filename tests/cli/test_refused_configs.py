@@ -2,6 +2,8 @@
 sample per prompt, and the online rounds' timing keys (data.async_lag, data.generate_every) under data=offline."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hydra import compose, initialize_config_module
 
@@ -51,7 +53,12 @@ def test_could_not_find_lists_every_option():
     msg = str(e.value)
     assert msg.startswith("In 'train': Could not find 'experiment/no_such_exp'; Available options in 'experiment': "
                           "laptop_arithmetic, laptop_async, ")
-    assert msg.endswith(", paper_math_pairs, smollm2_demo") and "\n" not in msg and "search path" not in msg
+    listed = msg.split("Available options in 'experiment': ")[1].split(", ")
+    import conf
+
+    here = Path(conf.__file__).parent / "experiment"
+    assert listed == sorted(p.stem for p in here.glob("*.yaml"))  # every option, in order
+    assert "\n" not in msg and "search path" not in msg
 
 
 @pytest.mark.parametrize("override, msg", [
