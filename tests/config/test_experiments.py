@@ -79,6 +79,15 @@ def test_every_sweep_point_composes_and_validates(name):
         assert points == [["seed=100", "regime=online"], ["seed=100", "regime=stale16"]]
         assert len(points) == cfg.regime_study_size
         assert cfg.task.generator.instruction == "Answer with the number only."
+    if name == "smollm2_study":  # pre-registered: 4 regimes x seeds 0-4, seed-major, at pilot 2's setting
+        grid = {("grpo", "online", False), ("grpo", "online", True)}
+        regimes = ("stale16", "hl_stale16_sync1_lo1", "online", "hl_online")
+        assert points == [[f"seed={s}", f"regime={r}"] for s in range(5) for r in regimes]
+        assert len(points) == cfg.regime_study_size
+        pilot = _compose(["experiment=smollm2_pilot"])
+        for key in ("task.generator", "data", "eval"):  # the pilot's setting, but lr 3e-5 (pilot 2)
+            assert OmegaConf.select(cfg, key) == OmegaConf.select(pilot, key)
+        assert cfg.train.lr == 3e-5 and {**cfg.train, "lr": 0} == {**pilot.train, "lr": 0}
     if name.startswith("laptop_pilot_headroom") or name.startswith("laptop_headroom"):  # GRPO, stale rounds
         grid = {("grpo", "online", False), ("grpo", "online", True)}
     if name == "laptop_headroom_pairs":  # the study's regimes with DPO and KTO
