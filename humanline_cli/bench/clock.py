@@ -42,6 +42,7 @@ class Run:
     units: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     kl_tokens: list[int] = field(default_factory=list)
+    completions: list[int] = field(default_factory=list)  # sequences per step (online GRPO rows)
     cache_hit_fraction: float | None = None  # reference-cache hits over the run's steps (cached rows)
 
 
@@ -50,10 +51,11 @@ def collect(starts: list[float], end: float, sizes: list[tuple], warmup: int) ->
     run = Run()
     for k in range(warmup, len(starts)):
         run.seconds.append(bounds[k + 1] - bounds[k])
-        u, t, kl = sizes[k]
+        u, t, kl, *seqs = sizes[k]
         run.units.append(u)
         run.tokens.append(t)
         run.kl_tokens.append(kl)
+        run.completions.extend(seqs)
     return run
 
 

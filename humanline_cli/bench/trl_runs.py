@@ -236,3 +236,69 @@ def _grpo_inputs(batch, pad_id: int, device) -> dict:
     out["input_ids"] = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
     out["attention_mask"] = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
     return out
+
+
+def trl_online_grpo_run(spec, info: dict, warmup: int) -> Run:
+    """TRL's GRPOTrainer.train on the task's train prompts, generating its own groups (data.n each), scored by
+    the task's labeller: one generation of train.batch_size prompts per optimizer step, as the project's
+    online rounds under data.generate_every=1. Records per step the prompts (distinct row indices the reward
+    saw), completions and tokens (TRL's num_input_tokens_seen: prompt + completion)."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from humanline_cli.data.files import load_rows
+    from humanline_cli.models import load_policy, load_tokenizer
+    from humanline_cli.rewards.scorers import checked
+    from humanline_cli.train.build import make_encoder, make_labeller, model_paths, resolve_path
+
+    backend, tr, d, o = info["backend"], spec.train, spec.data_cfg, spec.objective_cfg
+    model_path, tok_path = model_paths(spec)  # the project's run has prepared the world and the model
+    tokenizer = load_tokenizer(tok_path, spec.model_cfg.trust_remote_code)
+    encoder = make_encoder(spec, tokenizer)
+    rows, _ = load_rows(resolve_path(d.prompts, spec), spec.task_cfg.prompts.train_split, d.limit,
+                        spec.task_cfg.prompts.columns)
+    data = Dataset.from_list(_as_chat([{"idx": i, **{k: r[k] for k in ("prompt", "answer") if k in r}}
+                                       for i, r in enumerate(rows)], encoder.wrap_strings))
+    name, labeller = make_labeller(spec, backend.device)
+    seen: list[tuple[int, int]] = []  # per generation: (distinct prompts, completions)
+
+    def task_reward(prompts, completions, idx, answer=None, **_):
+        comps = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        seen.append((len(set(idx)), len(comps)))
+        return checked(name, labeller, [encoder.prompt_text(p) for p in prompts], comps, answer)
+
+    ends: list[tuple[float, int]] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append((_now(backend.device), state.num_input_tokens_seen))
+
+    policy = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code)  # TRL loads its reference
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    micro = info.get("micro_batch_size", tr.micro_batch_size)  # as fitted by the project's run
+    vllm = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": tr.max_length,
+            "vllm_gpu_memory_utilization": spec.sampler_cfg.gpu_memory_utilization} \
+        if spec.sampler_cfg.name == "vllm" else {}
+    with tempfile.TemporaryDirectory() as tmp:
+        common = _trl_common(spec, backend, tmp)
+        for key in ("max_length", "lr_scheduler_kwargs", "per_device_train_batch_size",
+                    "gradient_accumulation_steps"):
+            common.pop(key, None)
+        args = GRPOConfig(**common, per_device_train_batch_size=micro * d.n,
+                          gradient_accumulation_steps=tr.batch_size // micro, num_generations=d.n,
+                          max_completion_length=d.max_new_tokens, temperature=d.temperature, top_p=d.top_p,
+                          epsilon=o.epsilon, loss_type={"token_mean": "bnpo", "dapo": "dapo"}.get(o.aggregation, "grpo"),
+                          shuffle_dataset=True, **vllm)
+        trainer = GRPOTrainer(model=policy, reward_funcs=[task_reward], args=args, train_dataset=data,
+                              processing_class=tokenizer, callbacks=[Clock()])
+        trainer.train()
+    run = Run()
+    for k in range(warmup, len(ends)):  # step k+1 (1-based) ran between the ends of steps k and k+1
+        run.seconds.append(ends[k][0] - ends[k - 1][0])
+        run.units.append(seen[k][0])
+        run.completions.append(seen[k][1])
+        run.tokens.append(ends[k][1] - ends[k - 1][1])
+        run.kl_tokens.append(0)
+    return run
