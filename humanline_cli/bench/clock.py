@@ -3,8 +3,12 @@ timing record of one run (ours or TRL's), and the best FLOP/s of one matmul shap
 FLOP/s is reported against."""
 from __future__ import annotations
 
+import contextlib
+import io
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -71,3 +75,32 @@ class EndClock:
 
     def log_histogram(self, step: int, counts) -> None:
         pass
+
+
+@contextlib.contextmanager
+def built(spec):
+    """(parts, timer, run dir) of a run built from `spec` (build_parts: its micro-batch fitted to this machine's
+    memory), in a temporary run dir, closed after."""
+    from humanline_cli.train.build import build_parts
+    from humanline_cli.train.timing import PhaseTimer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        timer = PhaseTimer()
+        parts = build_parts(spec, timer, Path(tmp))
+        try:
+            yield parts, timer, Path(tmp)
+        finally:
+            parts.close()
+
+
+def train_loop(parts, timer, tracker) -> None:
+    """The real loop (trainer.train) over the built parts, its console output dropped."""
+    from rich.console import Console
+
+    from humanline_cli.core.humanline import ReferenceRule
+    from humanline_cli.train.trainer import train
+
+    spec = parts.spec
+    train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
+          rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
+          console=Console(file=io.StringIO()), eval_every=spec.eval_cfg.every)

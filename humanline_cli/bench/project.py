@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import io
 import json
 import os
 import sys
@@ -36,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from humanline_cli.bench.clock import EndClock, Run, _now, collect, matmul_peak
+from humanline_cli.bench.clock import EndClock, Run, _now, built, collect, matmul_peak, train_loop
+from humanline_cli.bench.vllm_rows import error_line
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.core.reference import CachedReference
 from humanline_cli.errors import UserError, ignore_ctrl_c
@@ -152,43 +152,29 @@ def _prefill(parts, steps: int) -> None:
 
 def project_run(spec, warmup: int, info: dict, prefill: bool = False) -> Run:
     """The real loop (build_parts + trainer.train) timed from each step's data fetch to the next's."""
-    from rich.console import Console
-
-    from humanline_cli.core.humanline import ReferenceRule
-    from humanline_cli.train.build import build_parts
-    from humanline_cli.train.timing import PhaseTimer
-    from humanline_cli.train.trainer import train
-
-    with tempfile.TemporaryDirectory() as tmp:
-        timer = PhaseTimer()
-        parts = build_parts(spec, timer, Path(tmp))
-        spec = parts.spec  # its micro-batch fitted to this machine's memory
-        try:
-            device = parts.backend.device
-            if prefill:
-                _prefill(parts, spec.train.steps)
-                parts.reference.hits = parts.reference.misses = 0
-            parts.source = _TimedSource(parts.source, device, spec.train.batch_size)
-            tracker = EndClock(spec.train.steps, device)
-            train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
-                  rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
-                  console=Console(file=io.StringIO()), eval_every=spec.eval_cfg.every)
-            if "matmul_params" not in info:
-                n = sum(p.numel() for p in parts.policy.parameters())
-                emb, head = parts.policy.get_input_embeddings(), parts.policy.get_output_embeddings()
-                cfg = parts.policy.config.get_text_config()
-                info.update(params=n, matmul_params=n if head is not None and head.weight is emb.weight
-                            else n - emb.weight.numel(), hidden_size=int(cfg.hidden_size),
-                            intermediate_size=int(getattr(cfg, "intermediate_size", 0) or 0)
-                            or 4 * int(cfg.hidden_size), backend=parts.backend, tokenizer=parts.tokenizer,
-                            units=getattr(parts.source.source, "units", None),
-                            micro_batch_size=spec.train.micro_batch_size)
-            run = collect(parts.source.starts, tracker.end, parts.source.sizes, warmup)
-            if isinstance(parts.reference, CachedReference):
-                run.cache_hit_fraction = parts.reference.stats()["reference_cache/hit_fraction"]
-            return run
-        finally:
-            parts.close()
+    with built(spec) as (parts, timer, _):
+        spec = parts.spec
+        device = parts.backend.device
+        if prefill:
+            _prefill(parts, spec.train.steps)
+            parts.reference.hits = parts.reference.misses = 0
+        parts.source = _TimedSource(parts.source, device, spec.train.batch_size)
+        tracker = EndClock(spec.train.steps, device)
+        train_loop(parts, timer, tracker)
+        if "matmul_params" not in info:
+            n = sum(p.numel() for p in parts.policy.parameters())
+            emb, head = parts.policy.get_input_embeddings(), parts.policy.get_output_embeddings()
+            cfg = parts.policy.config.get_text_config()
+            info.update(params=n, matmul_params=n if head is not None and head.weight is emb.weight
+                        else n - emb.weight.numel(), hidden_size=int(cfg.hidden_size),
+                        intermediate_size=int(getattr(cfg, "intermediate_size", 0) or 0)
+                        or 4 * int(cfg.hidden_size), backend=parts.backend, tokenizer=parts.tokenizer,
+                        units=getattr(parts.source.source, "units", None),
+                        micro_batch_size=spec.train.micro_batch_size)
+        run = collect(parts.source.starts, tracker.end, parts.source.sizes, warmup)
+        if isinstance(parts.reference, CachedReference):
+            run.cache_hit_fraction = parts.reference.stats()["reference_cache/hit_fraction"]
+        return run
 
 
 def summarise(name: str, runs: list[Run], matmul_params: int, peak: float) -> dict:
@@ -242,7 +228,7 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
             except Exception as e:  # noqa: BLE001 - TRL's vLLM colocate mode may not run on this machine
                 if not (online and name == "trl" and plain.sampler_cfg.name == "vllm"):
                     raise
-                note = f"TRL GRPOTrainer use_vllm=True vllm_mode=colocate did not run here: {_first_line(e)}"
+                note = f"TRL GRPOTrainer use_vllm=True vllm_mode=colocate did not run here: {error_line(e)}"
                 del runs[name]
                 continue
             if not peaks:  # the matmul shape: the model's MLP on the first run's micro-batch size
@@ -282,10 +268,6 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
             if isinstance(got, dict) and "tokens_per_s" in got:
                 got["mfu"] = 2 * info["matmul_params"] * got["tokens_per_s"] / peak
     return result
-
-
-def _first_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def _trl_plan(opts: dict, plain) -> tuple[bool, str]:
