@@ -68,20 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
 
+    from humanline_cli.bench import vllm_rows
     from humanline_cli.bench.step_bench import SHAPES, run
 
     cpu = args.device == "cpu"
-    if not cpu and not torch.cuda.is_available():
-        print("humanline: error: gpu-check needs a CUDA device (torch.cuda.is_available() is False on this machine)",
-              file=sys.stderr)
-        return 2
+    device = "cpu" if cpu else "cuda"
     shape = args.shape or ("tiny" if cpu else "qwen2.5-1.5b")
-    if shape not in SHAPES:
-        print(f"humanline: error: gpu-check --shape {shape!r}: one of {', '.join(SHAPES)}", file=sys.stderr)
-        return 2
     asked = _asked(args, cpu)
-    if isinstance(asked, str):
-        print(f"humanline: error: {asked}", file=sys.stderr)
+    error = ("gpu-check needs a CUDA device (torch.cuda.is_available() is False on this machine)"
+             if not cpu and not torch.cuda.is_available() else
+             f"gpu-check --shape {shape!r}: one of {', '.join(SHAPES)}" if shape not in SHAPES else
+             asked if isinstance(asked, str) else None)
+    if error:
+        print(f"humanline: error: {error}", file=sys.stderr)
         return 2
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -89,23 +88,19 @@ def main(argv: list[str] | None = None) -> int:
     results = {"device": "cpu" if cpu else torch.cuda.get_device_name(0), "gpus": n_gpu, "torch": torch.__version__,
                "checks": []}
     checks = results["checks"]
-    try:
-        if "step" in asked:
-            checks.extend(run(shape, "cpu" if cpu else "cuda", tokens=args.tokens or (64 if cpu else 1024),
-                              micro=2 if cpu else 4, n=4 if cpu else 8, tol=args.tol, lr=args.lr))
-    except Exception as e:  # a check that cannot run is a failed check, with its reason
-        checks.append({"check": "step", "ok": False, "error": error_line(e)})
-    if "vllm" in asked:
-        from humanline_cli.bench import vllm_rows
-
-        try:
-            checks.extend(vllm_rows.run(
-                args.vllm_shape or ("tiny-vllm" if cpu else "qwen2.5-1.5b"), "cpu" if cpu else "cuda",
-                calls=[int(c) for c in (args.vllm_calls or ("4,16" if cpu else "256,16384")).split(",")],
-                prompt_tokens=args.vllm_prompt_tokens or (100 if cpu else 128),
-                new_tokens=args.vllm_new_tokens or (8 if cpu else 64), workdir=out))
-        except Exception as e:  # a check that cannot run is a failed check, with its reason
-            checks.append({"check": "vllm", "ok": False, "error": error_line(e)})
+    groups = {"step": lambda: run(shape, device, tokens=args.tokens or (64 if cpu else 1024), micro=2 if cpu else 4,
+                                  n=4 if cpu else 8, tol=args.tol, lr=args.lr),
+              "vllm": lambda: vllm_rows.run(
+                  args.vllm_shape or ("tiny-vllm" if cpu else "qwen2.5-1.5b"), device,
+                  calls=[int(c) for c in (args.vllm_calls or ("4,16" if cpu else "256,16384")).split(",")],
+                  prompt_tokens=args.vllm_prompt_tokens or (100 if cpu else 128),
+                  new_tokens=args.vllm_new_tokens or (8 if cpu else 64), workdir=out)}
+    for group, rows in groups.items():
+        if group in asked:
+            try:
+                checks.extend(rows())
+            except Exception as e:  # a check that cannot run is a failed check, with its reason
+                checks.append({"check": group, "ok": False, "error": error_line(e)})
     if "train" in asked:
         _training_rows(out, n_gpu, checks)
     return _finish(results, out)
