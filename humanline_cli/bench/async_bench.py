@@ -95,34 +95,29 @@ def async_bench(overrides: list[str], rounds: int, console) -> dict:
     return out
 
 
-def _cpu_cells(r: dict) -> tuple[str, str]:
-    """CPU and run-queue seconds per round, trainer + sampler process."""
-    cpu = r["trainer_cpu_s_per_round"] + r.get("sampler_cpu_s_per_round", 0.0)
-    queues = [r["trainer_run_queue_s_per_round"], r.get("sampler_run_queue_s_per_round", 0.0)]
-    return f"{cpu:.3f}", "n/a" if None in queues else f"{sum(queues):.3f}"
-
-
 def print_async(res: dict, console) -> None:
-    from rich.table import Table
+    import pandas as pd
 
-    t = Table(title=f"humanline bench async: {res['objective']} on {res['task']}, {res['threads']} training "
-                    f"thread(s) + the sampler process's, rounds 2..{res['rounds']} timed (a round = one step; "
-                    f"sample .. run-queue: seconds per round)")
-    for col in ("", "s/round", "rounds/s", "sample", "train", "wait", "CPU", "run-queue"):
-        t.add_column(col, justify="right" if col else "left")
-    for lag in (0, 1):
-        r = res[f"lag{lag}"]
-        per = r["phase_s_per_round"]
-        t.add_row(f"lag {lag}", f"{r['round_s']:.3f}", f"{r['rounds_per_s']:.3f}",
-                  f"{sum(per.get(k, 0.0) for k in SAMPLE_PHASES):.3f}",
-                  f"{sum(per.get(k, 0.0) for k in TRAIN_PHASES):.3f}", f"{per.get('wait_for_sample', 0.0):.3f}",
-                  *_cpu_cells(r))
-    t.add_row("bound", f"{res['bound_round_s']:.3f}", f"{1 / res['bound_round_s']:.3f}", "", "", "", "", "")
-    console.print(t)
+    def row(r: dict) -> dict:  # seconds per round; CPU and run-queue: the trainer's + the sampler process's
+        per, queues = r["phase_s_per_round"], [r["trainer_run_queue_s_per_round"],
+                                               r.get("sampler_run_queue_s_per_round", 0.0)]
+        return {"s/round": f"{r['round_s']:.3f}", "rounds/s": f"{r['rounds_per_s']:.3f}",
+                "sample": f"{sum(per.get(k, 0.0) for k in SAMPLE_PHASES):.3f}",
+                "train": f"{sum(per.get(k, 0.0) for k in TRAIN_PHASES):.3f}",
+                "wait": f"{per.get('wait_for_sample', 0.0):.3f}",
+                "CPU": f"{r['trainer_cpu_s_per_round'] + r.get('sampler_cpu_s_per_round', 0.0):.3f}",
+                "run-queue": "n/a" if None in queues else f"{sum(queues):.3f}"}
+
+    table = pd.DataFrame({"lag 0": row(res["lag0"]), "lag 1": row(res["lag1"]),
+                          "bound": {"s/round": f"{res['bound_round_s']:.3f}",
+                                    "rounds/s": f"{1 / res['bound_round_s']:.3f}"}}).T.fillna("")
     lag1 = res["lag1"]
-    console.print(f"lag 1 / bound: {res['lag1_over_bound']:.3f}x; lag 0 / lag 1 (speed-up): {res['speedup']:.3f}x; "
+    console.print(f"humanline bench async: {res['objective']} on {res['task']}, {res['threads']} training thread(s) + "
+                  f"the sampler process's, rounds 2..{res['rounds']} timed (a round = one step; seconds per round)\n"
+                  f"{table.to_string()}\n"
+                  f"lag 1 / bound: {res['lag1_over_bound']:.3f}x; lag 0 / lag 1 (speed-up): {res['speedup']:.3f}x; "
                   f"the sampler began round r+1 while round r trained in {lag1['overlapped_rounds']} of "
-                  f"{lag1['overlap_pairs']} rounds")
-    console.print("[dim]run-queue s/round: seconds the processes were ready to run but waited for a CPU (other "
-                  "work on the machine); well above 0, the bound (measured without contention between the two "
-                  "processes) is out of reach[/]")
+                  f"{lag1['overlap_pairs']} rounds\n"
+                  "run-queue: seconds the processes were ready to run but waited for a CPU (other work on the "
+                  "machine); well above 0, the bound (measured without contention between them) is out of reach",
+                  markup=False, highlight=False)

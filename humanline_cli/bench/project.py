@@ -50,8 +50,6 @@ SAMPLERS = ("hf", "vllm")  # sampler=NAME is the Hydra group, sampler=true|false
 GRPO_NOTE = ("TRL's GRPOTrainer only trains on its own generations (no offline groups): its row times "
              "GRPOTrainer.compute_loss on the same fixed groups (reference forward, loss, backward, clip, AdamW "
              "step in the bench's loop), not GRPOTrainer.train; data=online compares GRPOTrainer.train")
-NAMES = {"project": "humanline (plain)", "project_cached": "humanline (plain, reference cached)",
-         "project_humanline": "humanline (+humanline)", "trl": "TRL", "trl_cached": "TRL (precompute_ref_log_probs)"}
 
 
 def parse_args(args: list[str]) -> tuple[dict, list[str]]:

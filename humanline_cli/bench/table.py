@@ -1,11 +1,12 @@
 """The console table of a `humanline bench` result: a row per system, then the ratios between them."""
 from __future__ import annotations
 
+NAMES = {"project": "humanline (plain)", "project_cached": "humanline (plain, reference cached)",
+         "project_humanline": "humanline (+humanline)", "trl": "TRL", "trl_cached": "TRL (precompute_ref_log_probs)"}
+
 
 def print_result(res: dict, console) -> None:
     import pandas as pd
-
-    from humanline_cli.bench.project import NAMES
 
     unit = res["unit"]
     console.print(f"humanline bench: {res['objective']} ({res['regime']}) on {res['task']}/{res['model']} "
