@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+from humanline_cli.bench.step_bench import dpo_steps
 from humanline_cli.memory import rss_bytes
 
 GB = 1024**3
@@ -93,28 +94,6 @@ def _loader(args, dist, fsdp: bool):
     return load
 
 
-def _train_steps(args, model, reference, seqs, dist) -> list[float]:
-    import torch
-
-    from humanline_cli.backend import clip_grad_norm
-    from humanline_cli.core.logprobs import token_logps
-
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
-    steps = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        for _ in range(args.micro):
-            ref = reference.logps(seqs)
-            logps = token_logps(model, seqs)
-            loss = -torch.nn.functional.logsigmoid((logps - ref).sum(-1)).mean() / args.micro
-            loss.backward()
-        clip_grad_norm(list(model.parameters()), 1.0, dist)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        steps.append(round(time.perf_counter() - t0, 2))
-    return steps
-
-
 def _write_report(args, config, dist, strategy: str, n: int, t: int, out: dict) -> None:
     from humanline_cli.memory import estimate
 
@@ -175,7 +154,8 @@ def rank_main(args) -> dict:
     if args.loading == "both":  # the full path first, measured and freed, then the sharded one that trains
         *_, loading_full, _ = loaded("full")
     model, reference, loading, base = loaded("full" if args.loading == "full" else "sharded")
-    steps = _train_steps(args, model, reference, seqs, dist)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    steps = [round(s, 2) for s in dpo_steps(model, reference, opt, seqs, args.steps, micro=args.micro, dist=dist)[0]]
     training = meter.mark() - base
     meter.stop()
     out = {"rank": dist.rank, "loading_gib": loading / GB,

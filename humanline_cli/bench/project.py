@@ -74,17 +74,13 @@ def parse_args(args: list[str]) -> tuple[dict, list[str]]:
 
 
 def _value(key: str, value: str):
-    if key in ("out", "pool"):
-        return value
     low = value.lower()
+    if key in ("out", "pool") or (key == "trl" and low == "auto"):
+        return value if key != "trl" else "auto"
     if key in BOOLEAN and low not in ("true", "false"):
         raise UserError(f"bench: {key} must be true or false, got {value!r}")
-    if low in ("true", "false"):
-        return low == "true"
-    if key == "trl" and low == "auto":
-        return "auto"
-    if low in ("null", "none", ""):
-        return None
+    if low in ("true", "false", "null", "none", ""):
+        return {"true": True, "false": False}.get(low)
     try:
         return int(value)
     except ValueError:

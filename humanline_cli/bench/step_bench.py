@@ -63,7 +63,7 @@ def run(shape: str = "tiny", device: str = "cpu", objectives=("dpo", "kto", "grp
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(dev)
-            times, losses = _timed_steps(policy, reference, opt, seqs, humanline, steps, cuda)
+            times, losses = dpo_steps(policy, reference, opt, seqs, steps, humanline, cuda)
             step_s = sorted(times[1:] or times)[len(times[1:] or times) // 2]
             peak = torch.cuda.max_memory_allocated(dev) / GB if cuda else None
             n_tok = seqs_n * tokens
@@ -90,8 +90,10 @@ def run(shape: str = "tiny", device: str = "cpu", objectives=("dpo", "kto", "grp
     return rows
 
 
-def _timed_steps(policy, reference, opt, seqs, humanline: bool, steps: int, cuda: bool):
-    """(wall seconds, loss) per optimizer step of a DPO-shaped loss on `seqs`."""
+def dpo_steps(policy, reference, opt, seqs, steps: int, humanline: bool = False, cuda: bool = False, micro: int = 1,
+              dist=None) -> tuple[list[float], list[float]]:
+    """(wall seconds, loss) per optimizer step of `micro` accumulated DPO-shaped losses on `seqs`, as the trainer
+    runs a step (humanline: sync the reference first, clamp the ratios)."""
     import torch
 
     from humanline_cli.backend import clip_grad_norm
@@ -107,14 +109,15 @@ def _timed_steps(policy, reference, opt, seqs, humanline: bool, steps: int, cuda
         if humanline:
             with torch.no_grad():
                 sync_reference(policy, reference.model)
-        with auto:
-            ref = reference.logps(seqs)
-            ratio = token_logps(policy, seqs) - ref
-        if humanline:
-            ratio = ratio.clamp(-1.5, 1.5)
-        loss = -torch.nn.functional.logsigmoid(ratio.sum(-1)).mean()
-        loss.backward()
-        clip_grad_norm(list(policy.parameters()), 1.0, _ONE)
+        for _ in range(micro):
+            with auto:
+                ref = reference.logps(seqs)
+                ratio = token_logps(policy, seqs) - ref
+            if humanline:
+                ratio = ratio.clamp(-1.5, 1.5)
+            loss = -torch.nn.functional.logsigmoid(ratio.sum(-1)).mean() / micro
+            loss.backward()
+        clip_grad_norm(list(policy.parameters()), 1.0, dist or _ONE)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cuda:
