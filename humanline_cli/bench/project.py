@@ -24,6 +24,7 @@ forward; KTO adds 4 P T_kl) against the best FLOP/s of a matmul of the model's M
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
@@ -216,7 +217,9 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
     for r in range(opts["repeats"]):
         for name in list(runs):
             console.print(f"[dim]bench {objective}: run {r + 1}/{opts['repeats']} {name}[/]")
-            _release()
+            gc.collect()  # the previous run's models go before the next run builds its own
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
             try:
                 runs[name].append(_one_run(name, specs, opts["warmup"], info))
             except Exception as e:  # noqa: BLE001 - TRL's vLLM colocate mode may not run on this machine
@@ -291,23 +294,13 @@ def _one_run(name: str, specs: dict, warmup: int, info: dict) -> Run:
         return trl_runs.trl_run(plain, info, warmup, precompute=name == "trl_cached")
 
 
-def _release() -> None:
-    """Free the previous run's models before the next one starts (each run builds its own)."""
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
 def _versions() -> dict:
-    import transformers
+    from importlib.metadata import PackageNotFoundError, version
 
-    out = {"torch": torch.__version__, "transformers": transformers.__version__}
-    try:
-        import trl
-
-        out["trl"] = trl.__version__
-    except ImportError:
-        pass
+    out = {}
+    for name in ("torch", "transformers", "trl"):
+        with contextlib.suppress(PackageNotFoundError):
+            out[name] = version(name)
     return out
 
 
