@@ -1,26 +1,13 @@
-"""`humanline bench async_rounds=N`: online training rounds per second, synchronous (data.async_lag=0: sample,
-label, train one after the other) against asynchronous (data.async_lag=1: the sampler in its own process,
-sampling round r+1 while round r trains), and the bound an overlap could reach, max(sample, train) per round.
-
-Each round is one optimizer step (data.generate_every=1). Round 1 is not timed (the sampler process starts
-and the first round has nothing to overlap with); rounds 2..N are, from the start of round 2's data fetch
-to the end of round N's step. The bound comes from the synchronous run's own phases over the same rounds:
-sample + label + push per round against train + sync per round. The user's overrides (objective=kto,
-threads=1, data.n=..., task=...) apply to both runs.
-
-The bound assumes each process has a core of its own. Each row also gives the CPU seconds per round
-(trainer + sampler process) and the run-queue seconds, the time they were ready but waited for a CPU: on a
-machine busy with other work the run-queue time is large and lag 1 cannot reach the bound however well
-it overlaps. The overlap itself is counted from the rounds' timestamps: the rounds r whose successor the
-sampler began while round r trained.
+"""`humanline bench async_rounds=N`: online rounds per second (one optimizer step each) at data.async_lag=0 (sample,
+label, train in turn) against data.async_lag=1 (the sampler process samples round r+1 while round r trains), and
+the bound an overlap could reach, max(sample + label + push, train + sync) per round of the synchronous run.
+Rounds 2..N are timed. Each row gives the CPU and run-queue seconds per round (trainer + sampler process): a large
+run-queue time means other work holds the cores and the bound (one core each) is out of reach; the overlap is
+counted from the rounds' timestamps.
 """
 from __future__ import annotations
 
-import io
-import tempfile
-from pathlib import Path
-
-from humanline_cli.bench.clock import EndClock, _now
+from humanline_cli.bench.clock import EndClock, _now, built, train_loop
 from humanline_cli.errors import UserError
 from humanline_cli.sampling.proc_clock import cpu_s, run_queue_s
 from humanline_cli.sources.source import SourceWrapper
@@ -30,27 +17,16 @@ TRAIN_PHASES = ("train", "sync")
 
 
 def _spec(overrides: list[str], rounds: int, lag: int):
-    from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from humanline_cli.config import compose_error, resolve
+    from humanline_cli.config import compose_train, resolve
 
     user = [o for o in overrides if o.split("=")[0] not in ("data", "data.async_lag")]
-    mine = ["data=online", f"data.async_lag={lag}", "data.generate_every=1", f"train.steps={rounds}",
-            "train.log_every=1000000", "train.save_model=false", "train.checkpoint_every=0", "eval.every=0",
-            "eval.n_prompts=1"]
-    try:
-        with initialize_config_module(config_module="conf", version_base="1.3"):
-            cfg = compose("train", overrides=[*user, *mine])
-    except (HydraException, OmegaConfBaseException, ValueError) as e:
-        raise UserError(compose_error(e)) from None
-    return resolve(cfg)
+    return resolve(compose_train([*user, "data=online", f"data.async_lag={lag}", "data.generate_every=1",
+                                  f"train.steps={rounds}", "train.log_every=1000000", "train.save_model=false",
+                                  "train.checkpoint_every=0", "eval.every=0", "eval.n_prompts=1"]))
 
 
 class _RoundClock(SourceWrapper):
-    """Wraps the online source: the start of each step's data fetch, the phase seconds then, and the
-    training process's CPU and run-queue seconds then."""
+    """Wraps the online source: at each step's data fetch, the time, the phase seconds and the CPU counters."""
 
     def __init__(self, source, timer, device):
         super().__init__(source)
@@ -67,28 +43,13 @@ class _RoundClock(SourceWrapper):
 
 
 def _run(spec) -> dict:
-    from rich.console import Console
-
-    from humanline_cli.core.humanline import ReferenceRule
-    from humanline_cli.train.build import build_parts
-    from humanline_cli.train.timing import PhaseTimer
-    from humanline_cli.train.trainer import train
-
-    with tempfile.TemporaryDirectory() as tmp:
-        timer = PhaseTimer()
-        parts = build_parts(spec, timer, Path(tmp))
-        spec = parts.spec  # its micro-batch fitted to this machine's memory
-        try:
-            device = parts.backend.device
-            parts.source = clock = _RoundClock(parts.source, timer, device)
-            tracker = EndClock(spec.train.steps, device)
-            train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
-                  rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
-                  console=Console(file=io.StringIO()), eval_every=spec.eval_cfg.every)
-            end, end_cpu = dict(timer.seconds), (cpu_s(), run_queue_s())
-            rounds = dict(clock.source.round_clock)  # an online source (_spec sets data=online)
-        finally:
-            parts.close()
+    with built(spec) as (parts, timer, _):
+        spec = parts.spec
+        parts.source = clock = _RoundClock(parts.source, timer, parts.backend.device)
+        tracker = EndClock(spec.train.steps, parts.backend.device)
+        train_loop(parts, timer, tracker)
+        end, end_cpu = dict(timer.seconds), (cpu_s(), run_queue_s())
+        rounds = dict(clock.source.round_clock)  # an online source (_spec sets data=online)
     timed = spec.train.steps - 1
     seconds = tracker.end - clock.starts[1]
     delta = {k: end.get(k, 0.0) - clock.phases[1].get(k, 0.0) for k in end}
@@ -106,9 +67,8 @@ def _run(spec) -> dict:
 
 
 def sampler_rounds(rounds: dict[int, dict], timed: range) -> dict:
-    """The sampler process's side of the timed rounds (a round = one step): its CPU and run-queue seconds
-    per round, and the overlap achieved: the rounds r whose successor r + 1 the sampler began before the
-    trainer began round r + 1, i.e. while round r trained (the trainer's last round has no successor)."""
+    """The sampler process's CPU and run-queue seconds per timed round, and the rounds r whose successor it began
+    before the trainer began round r + 1, i.e. while round r trained."""
     queued = [rounds[r].get("run_queue_s") for r in timed]
     pairs = [r for r in timed if r + 1 in timed]
     overlapped = [r for r in pairs if rounds[r + 1]["started_at"] < rounds[r + 1]["began_at"]]
@@ -135,34 +95,29 @@ def async_bench(overrides: list[str], rounds: int, console) -> dict:
     return out
 
 
-def _cpu_cells(r: dict) -> tuple[str, str]:
-    """CPU and run-queue seconds per round, trainer + sampler process."""
-    cpu = r["trainer_cpu_s_per_round"] + r.get("sampler_cpu_s_per_round", 0.0)
-    queues = [r["trainer_run_queue_s_per_round"], r.get("sampler_run_queue_s_per_round", 0.0)]
-    return f"{cpu:.3f}", "n/a" if None in queues else f"{sum(queues):.3f}"
-
-
 def print_async(res: dict, console) -> None:
-    from rich.table import Table
+    import pandas as pd
 
-    t = Table(title=f"humanline bench async: {res['objective']} on {res['task']}, {res['threads']} training "
-                    f"thread(s) + the sampler process's, rounds 2..{res['rounds']} timed (a round = one step; "
-                    f"sample .. run-queue: seconds per round)")
-    for col in ("", "s/round", "rounds/s", "sample", "train", "wait", "CPU", "run-queue"):
-        t.add_column(col, justify="right" if col else "left")
-    for lag in (0, 1):
-        r = res[f"lag{lag}"]
-        per = r["phase_s_per_round"]
-        t.add_row(f"lag {lag}", f"{r['round_s']:.3f}", f"{r['rounds_per_s']:.3f}",
-                  f"{sum(per.get(k, 0.0) for k in SAMPLE_PHASES):.3f}",
-                  f"{sum(per.get(k, 0.0) for k in TRAIN_PHASES):.3f}", f"{per.get('wait_for_sample', 0.0):.3f}",
-                  *_cpu_cells(r))
-    t.add_row("bound", f"{res['bound_round_s']:.3f}", f"{1 / res['bound_round_s']:.3f}", "", "", "", "", "")
-    console.print(t)
+    def row(r: dict) -> dict:  # seconds per round; CPU and run-queue: the trainer's + the sampler process's
+        per, queues = r["phase_s_per_round"], [r["trainer_run_queue_s_per_round"],
+                                               r.get("sampler_run_queue_s_per_round", 0.0)]
+        return {"s/round": f"{r['round_s']:.3f}", "rounds/s": f"{r['rounds_per_s']:.3f}",
+                "sample": f"{sum(per.get(k, 0.0) for k in SAMPLE_PHASES):.3f}",
+                "train": f"{sum(per.get(k, 0.0) for k in TRAIN_PHASES):.3f}",
+                "wait": f"{per.get('wait_for_sample', 0.0):.3f}",
+                "CPU": f"{r['trainer_cpu_s_per_round'] + r.get('sampler_cpu_s_per_round', 0.0):.3f}",
+                "run-queue": "n/a" if None in queues else f"{sum(queues):.3f}"}
+
+    table = pd.DataFrame({"lag 0": row(res["lag0"]), "lag 1": row(res["lag1"]),
+                          "bound": {"s/round": f"{res['bound_round_s']:.3f}",
+                                    "rounds/s": f"{1 / res['bound_round_s']:.3f}"}}).T.fillna("")
     lag1 = res["lag1"]
-    console.print(f"lag 1 / bound: {res['lag1_over_bound']:.3f}x; lag 0 / lag 1 (speed-up): {res['speedup']:.3f}x; "
+    console.print(f"humanline bench async: {res['objective']} on {res['task']}, {res['threads']} training thread(s) + "
+                  f"the sampler process's, rounds 2..{res['rounds']} timed (a round = one step; seconds per round)\n"
+                  f"{table.to_string()}\n"
+                  f"lag 1 / bound: {res['lag1_over_bound']:.3f}x; lag 0 / lag 1 (speed-up): {res['speedup']:.3f}x; "
                   f"the sampler began round r+1 while round r trained in {lag1['overlapped_rounds']} of "
-                  f"{lag1['overlap_pairs']} rounds")
-    console.print("[dim]run-queue s/round: seconds the processes were ready to run but waited for a CPU (other "
-                  "work on the machine); well above 0, the bound (measured without contention between the two "
-                  "processes) is out of reach[/]")
+                  f"{lag1['overlap_pairs']} rounds\n"
+                  "run-queue: seconds the processes were ready to run but waited for a CPU (other work on the "
+                  "machine); well above 0, the bound (measured without contention between them) is out of reach",
+                  markup=False, highlight=False)

@@ -3,8 +3,12 @@ timing record of one run (ours or TRL's), and the best FLOP/s of one matmul shap
 FLOP/s is reported against."""
 from __future__ import annotations
 
+import contextlib
+import io
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -42,6 +46,7 @@ class Run:
     units: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     kl_tokens: list[int] = field(default_factory=list)
+    completions: list[int] = field(default_factory=list)  # sequences per step (online GRPO rows)
     cache_hit_fraction: float | None = None  # reference-cache hits over the run's steps (cached rows)
 
 
@@ -50,10 +55,11 @@ def collect(starts: list[float], end: float, sizes: list[tuple], warmup: int) ->
     run = Run()
     for k in range(warmup, len(starts)):
         run.seconds.append(bounds[k + 1] - bounds[k])
-        u, t, kl = sizes[k]
+        u, t, kl, *seqs = sizes[k]
         run.units.append(u)
         run.tokens.append(t)
         run.kl_tokens.append(kl)
+        run.completions.extend(seqs)
     return run
 
 
@@ -69,3 +75,32 @@ class EndClock:
 
     def log_histogram(self, step: int, counts) -> None:
         pass
+
+
+@contextlib.contextmanager
+def built(spec):
+    """(parts, timer, run dir) of a run built from `spec` (build_parts: its micro-batch fitted to this machine's
+    memory), in a temporary run dir, closed after."""
+    from humanline_cli.train.build import build_parts
+    from humanline_cli.train.timing import PhaseTimer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        timer = PhaseTimer()
+        parts = build_parts(spec, timer, Path(tmp))
+        try:
+            yield parts, timer, Path(tmp)
+        finally:
+            parts.close()
+
+
+def train_loop(parts, timer, tracker) -> None:
+    """The real loop (trainer.train) over the built parts, its console output dropped."""
+    from rich.console import Console
+
+    from humanline_cli.core.humanline import ReferenceRule
+    from humanline_cli.train.trainer import train
+
+    spec = parts.spec
+    train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
+          rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
+          console=Console(file=io.StringIO()), eval_every=spec.eval_cfg.every)

@@ -1,56 +1,30 @@
-"""`humanline bench constants=true [overrides]`: the cost model's constants (report/predict.py), measured on
-this machine with the run's own parts (the composed online config: model, sampler, labeller, batch, lengths,
-threads), written to a JSON file `humanline report --target FILE` reads.
-
-- generation: the run's sampler on the run's prompts and sampling settings at call sizes of 1, prompts / 64,
-  prompts / 16, prompts / 4 and `prompts` prompts x n samples (prompts=64 by default; give the largest call the
-  sweep makes, e.g. prompts=1024 for stale-64 rounds of 1024 prompts), each timed 3 to 15 times, as many as
-  span about 3 s (median); the fixed
-  cost per call is a call of one sequence and one token; the latency per decoding step comes from the smallest
-  real call (one wave: latency-bound), the peak tokens/s from the largest (throughput-bound), and every size's
-  tokens/s is kept as the sampler's curve (the report interpolates it at each call's size); each inner size is
-  predicted from its neighbours as a check;
-- labelling: the task's labeller on the largest call's completions, seconds per completion;
-- push and sync: sampler.push_weights(policy) and reference.sync(policy), 5 times each (median; fixed costs at
-  this model's size: the bytes are inside them);
-- training: the real loop (trainer.train, the online source included) for `constant_steps` steps (12) at the
-  run's batch size and at half of it (after an untimed 3-step run whose `other` beyond its steps' share is the
-  run's one-time cost, `other_once_s`); every step's train phase against its forward tokens (metrics
-  `tokens_processed`), the first step of each dropped (allocation); a least-squares line gives the per-step fixed
-  cost and the FLOP/s of the per-token part (F x P x tokens / FLOP/s, F as the model counts it); the loop's time
-  outside the phases per step, against the step's forward tokens at the two batch sizes, is `other` (a fixed part
-  and a per-token part: collation tokenizes every sequence); then the run's batch once more with data.async_lag=1
-  (the sampler process beside the trainer): each phase's time there over its time alone is an `async_*_factor`;
-- the sampler inside the loop: the generation calls the two runs without the sampler process made, after each
-  run's first, against the curve's prediction for the same call; the median ratio is `sample_loop_factor` (calls
-  timed back to back and the same calls between optimizer steps differed by 0-15% here,
-  from one session to the next).
-The training constants are measured first, so that the generation calls are timed in a process that has
-trained, as a run's are.
-The machine's load (/proc/loadavg) before and after is recorded: on a shared machine the constants hold only
-for a sweep run under the same load.
+"""`humanline bench constants=true [overrides]`: the cost model's constants (report/predict.py) measured on this
+machine with the composed online run's own parts, written for `humanline report --target FILE`
+(docs/performance.md, "Constants of this machine"): the sampler's curve at call sizes 1, prompts/64, /16, /4 and
+prompts; the labeller; push and sync; `constant_steps` training steps at the run's batch and half of it (a line
+through (forward tokens, train seconds)), `other` outside the phases, async_* factors from the batch again at
+data.async_lag=1, and the sampler's calls inside the loop against the curve. Training is measured first, so that
+the generation calls are timed in a process that has trained, as a run's are; /proc/loadavg is kept before and after.
 """
 from __future__ import annotations
 
-import io
 import math
 import os
 import socket
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
+from humanline_cli.bench.clock import built, train_loop
 from humanline_cli.errors import UserError
 
 REPEAT_SPAN_S = 3.0  # seconds of timed calls per generation size (3 to 15 calls)
+COMMON = ("train.log_every=1", "eval.every=0", "train.save_model=false", "train.checkpoint_every=0")
 
 
 def call_sizes(prompts: int) -> tuple[int, ...]:
-    """Prompts per timed generation call (x n samples each): one, then `prompts` / 64, / 16, / 4 and `prompts`
-    (at least two sizes above one; repeated sizes once)."""
-    sizes = {1, max(2, prompts // 64), max(2, prompts // 16), max(2, prompts // 4), max(3, prompts)}
-    return tuple(sorted(sizes))
+    """Prompts per timed call (x n samples): 1, prompts / 64, / 16, / 4 and prompts (at least two sizes above 1)."""
+    return tuple(sorted({1, max(2, prompts // 64), max(2, prompts // 16), max(2, prompts // 4), max(3, prompts)}))
 
 
 def _loadavg() -> str | None:
@@ -79,52 +53,44 @@ def _median_time(fn, repeats: int) -> tuple[float, object]:
 
 
 def generation_constants(source, concurrency: int, sizes: tuple[int, ...]) -> dict:
-    """Call sizes `sizes` (prompts x n) on the run's sampler: per-call fixed cost, latency per decoding step,
-    peak tokens/s, tokens/s at every size (the curve), and each inner size predicted from its neighbours."""
+    """The run's sampler at `sizes` prompts x n per call: fixed cost per call, latency per decoding step (the
+    smallest call: one wave), peak tokens/s (the largest), the curve, each inner size predicted from its
+    neighbours, and the labeller's seconds per completion on the largest call's."""
     from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.report.predict import Call, call_s
     from humanline_cli.rewards.scorers import checked
 
-    rows, enc, params = source.rows, source.encoder, source.params
-    sampler = source.sampler
+    rows, enc, params, sampler = source.rows, source.encoder, source.params, source.sampler
     sampler.push_weights(source.policy)
     one = SamplingParams(**{**vars(params), "n": 1, "max_new_tokens": 1, "seed": 1})
     fixed, _ = _median_time(lambda: sampler.generate([enc.prompt_ids(rows[0]["prompt"])], one), 5)
-    calls = []
+    calls, outs = [], []
     for k, size in enumerate(sizes):
         prompts = [enc.prompt_ids(rows[i % len(rows)]["prompt"]) for i in range(size)]
         p = SamplingParams(**{**vars(params), "seed": 7 + k})
         t0 = time.perf_counter()
         sampler.generate(prompts, p)  # untimed: the first call at a new shape
-        # a short call is timed often enough to span about REPEAT_SPAN_S seconds: one call of a few tenths of a
-        # second moves by a quarter between measurements on a shared host, the median of many moves less
+        # timed often enough to span REPEAT_SPAN_S: one short call moves by a quarter on a shared host, a median less
         repeats = min(15, max(3, math.ceil(REPEAT_SPAN_S / max(time.perf_counter() - t0, 1e-3))))
         s, out = _median_time(lambda prompts=prompts, p=p: sampler.generate(prompts, p), repeats)
         lengths = [len(ids) for ids in out.token_ids]
         calls.append({"prompts": size, "sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
-                      "seconds": s, "repeats": repeats, "tokens_per_s": sum(lengths) / max(s - fixed, 1e-9),
-                      "completions": out})
+                      "seconds": s, "repeats": repeats, "tokens_per_s": sum(lengths) / max(s - fixed, 1e-9)})
+        outs.append(out)
     small, big = calls[0], calls[-1]
-    waves = math.ceil(small["sequences"] / concurrency)
-    decode_step = max(small["seconds"] - fixed, 1e-9) / (waves * small["longest"])
+    decode_step = max(small["seconds"] - fixed, 1e-9) / (math.ceil(small["sequences"] / concurrency) * small["longest"])
     curve = [(c["sequences"], c["tokens_per_s"]) for c in calls]
-    checks = []
-    for i in range(1, len(calls) - 1):
-        c = calls[i]
-        t = sampler_target({"call_fixed_s": fixed, "sample_tokens_per_s": big["tokens_per_s"],
-                            "decode_step_s": decode_step, "concurrency": concurrency,
-                            "sample_curve": curve[:i] + curve[i + 1:]})
-        checks.append({"sequences": c["sequences"], "measured_s": c["seconds"],
-                       "predicted_s": call_s(Call(c["sequences"], c["tokens"], c["longest"]), t)})
-    # the labeller on the largest call's completions
-    out = big["completions"]
-    for c in calls:
-        c.pop("completions")
-    texts = [enc.prompt_text(r["prompt"]) for r in rows[:big["prompts"]] for _ in range(params.n)]
-    answers = [r.get("answer") for r in rows[:big["prompts"]] for _ in range(params.n)] if "answer" in rows[0] else None
-    label_s, _ = _median_time(lambda: checked(source.labeller_name, source.labeller, texts, out.texts, answers), 3)
+    checks = [{"sequences": c["sequences"], "measured_s": c["seconds"],
+               "predicted_s": call_s(Call(c["sequences"], c["tokens"], c["longest"]), sampler_target(
+                   {"call_fixed_s": fixed, "sample_tokens_per_s": big["tokens_per_s"], "decode_step_s": decode_step,
+                    "concurrency": concurrency, "sample_curve": curve[:i] + curve[i + 1:]}))}
+              for i, c in enumerate(calls[1:-1], 1)]
+    kept = [r for r in rows[:big["prompts"]] for _ in range(params.n)]
+    answers = [r.get("answer") for r in kept] if "answer" in rows[0] else None
+    texts = [enc.prompt_text(r["prompt"]) for r in kept]
+    label_s, _ = _median_time(lambda: checked(source.labeller_name, source.labeller, texts, outs[-1].texts, answers), 3)
     return {"call_fixed_s": fixed, "decode_step_s": decode_step, "sample_tokens_per_s": big["tokens_per_s"],
-            "sample_curve": curve, "concurrency": concurrency, "label_s_per_seq": label_s / len(out.texts),
+            "sample_curve": curve, "concurrency": concurrency, "label_s_per_seq": label_s / len(outs[-1].texts),
             "calls": calls, "check_inner_calls": checks}
 
 
@@ -140,8 +106,8 @@ def sampler_target(gen: dict):
 
 
 def loop_calls(rows: list[dict], calls: tuple) -> list[dict]:
-    """The generation calls a synchronous mini-run made inside its loop, after its first (which also pays the
-    run's first-call costs), each with its seconds: the sample phase's growth over the step that made it."""
+    """The generation calls a synchronous mini-run made in its loop after its first (which pays the first-call
+    costs), each with its seconds: the sample phase's growth over the step that made it."""
     out, prev, seen = [], 0.0, set()
     for r in rows:
         rnd, t = int(r.get("online/round", 0)), float(r.get("time/sample", 0.0))
@@ -155,12 +121,10 @@ def loop_calls(rows: list[dict], calls: tuple) -> list[dict]:
 
 
 class _Steps:
-    """The run's own tracker (metrics.jsonl and wandb as the run configures them: their per-step cost is part of
-    `other`), keeping every step's metrics for the fit (train.log_every=1)."""
+    """The run's own tracker (its per-step cost is part of `other`), keeping every step's metrics for the fit."""
 
     def __init__(self, tracker):
-        self.tracker = tracker
-        self.rows: list[dict] = []
+        self.tracker, self.rows = tracker, []
 
     def log(self, step: int, metrics: dict) -> None:
         self.tracker.log(step, metrics)
@@ -171,58 +135,43 @@ class _Steps:
         self.tracker.log_histogram(step, counts)
 
 
-def _mini_run(spec, tmp: Path) -> dict:
-    """The real loop for spec.train.steps steps: per-step (forward tokens, train seconds) and the loop's
-    time outside its phases."""
-    from rich.console import Console
-
-    from humanline_cli.core.humanline import ReferenceRule
+def _mini_run(spec) -> dict:
+    """The real loop for spec.train.steps steps: per step (forward tokens, train seconds), and `other`."""
     from humanline_cli.report.cost import calls_of
     from humanline_cli.report.speed import loop_and_other
-    from humanline_cli.train.build import build_parts
-    from humanline_cli.train.timing import PhaseTimer
     from humanline_cli.train.tracking import Tracker
-    from humanline_cli.train.trainer import train
 
-    timer = PhaseTimer()
-    parts = build_parts(spec, timer, tmp)
-    spec = parts.spec  # its micro-batch fitted to this machine's memory
-    tracker = None
-    try:
+    with built(spec) as (parts, timer, tmp):
+        spec = parts.spec
         tracker = _Steps(Tracker(tmp, spec.config, spec.wandb, "constants"))
-        before = dict(timer.seconds)
-        t0 = time.perf_counter()
-        train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
-              rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
-              console=Console(file=io.StringIO()), eval_every=spec.eval_cfg.every)
-        wall = time.perf_counter() - t0
+        try:
+            before, t0 = dict(timer.seconds), time.perf_counter()
+            train_loop(parts, timer, tracker)
+            wall = time.perf_counter() - t0
+        except BaseException:  # interrupted: wandb's run ends here, not in its exit hook (which prints its history)
+            tracker.tracker.finish(1)
+            raise
+        tracker.tracker.finish(0)
         spent = {k: v - before.get(k, 0.0) for k, v in timer.seconds.items()}
-        lagged = bool(spec.data_cfg.async_lag)  # the sampler process's calls are timed in it, not by the loop's rows
+        lagged = bool(spec.data_cfg.async_lag)  # the sampler process times its own calls, not the loop's rows
         _, other = loop_and_other(spent, wall, lagged)
         rows = tracker.rows
         per_step = [(r["tokens_processed"], r["time/train"] - (rows[i - 1]["time/train"] if i else 0.0))
                     for i, r in enumerate(rows)]
-        tracker.tracker.finish(0)
-        tracker = None
         return {"in_loop_calls": [] if lagged else loop_calls(rows, calls_of(tmp) or ()),
                 "steps": len(rows), "per_step": per_step[1:], "other_s": other,
                 "tokens_per_step": statistics.fmean(r["tokens_processed"] for r in rows),
-                "sample_s": spent.get("sample", 0.0), "rounds": max((int(r.get("online/round", 0)) for r in rows),
-                                                                     default=0),
+                "sample_s": spent.get("sample", 0.0),
+                "rounds": max((int(r.get("online/round", 0)) for r in rows), default=0),
                 "async_lag": int(spec.data_cfg.async_lag or 0),
                 "params": sum(p.numel() for p in parts.policy.parameters()),
                 "gradient_checkpointing": spec.train.gradient_checkpointing}
-    finally:
-        if tracker is not None:  # interrupted: wandb's run ends here, not in its exit hook (which prints its history)
-            tracker.tracker.finish(1)
-        parts.close()
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Least squares y = a + b x; (a, b) with a >= 0 (a negative intercept is noise: then y = b x)."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
+    mx = statistics.fmean(x for x, _ in points)
+    my = statistics.fmean(y for _, y in points)
     sxx = sum((x - mx) ** 2 for x, _ in points)
     b = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
     a = my - b * mx
@@ -232,8 +181,7 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def other_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """`other` per step = a + b x the step's forward tokens through (tokens per step, other per step) of runs at
-    different batch sizes; flat (their mean, b = 0) when `other` does not rise with the tokens (noise)."""
+    """`other` per step = a + b x forward tokens per step; flat (the mean) when it does not rise with them."""
     mx = statistics.fmean(x for x, _ in points)
     my = statistics.fmean(y for _, y in points)
     if sum((x - mx) * (y - my) for x, y in points) <= 0:
@@ -242,48 +190,34 @@ def other_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def overlap_factors(alone: dict, beside: dict) -> dict:
-    """Asynchronous rounds' slowdowns from two mini-runs at the same batch and steps, without and with
-    data.async_lag=1: per-step train seconds, per-step `other`, and sampling seconds per round, beside / alone."""
-    def mean_step(r):
-        return statistics.fmean(s for _, s in r["per_step"])
-
-    def per_round(r):
-        return r["sample_s"] / max(r["rounds"], 1)
-
+    """The same batch and steps with data.async_lag=1 over alone: per-step train, per-step other, sample per round."""
     def ratio(a, b):
         return a / b if b > 0 and a > 0 else 1.0
 
-    return {"async_train_factor": ratio(mean_step(beside), mean_step(alone)),
-            "async_other_factor": ratio(beside["other_s"] / beside["steps"], alone["other_s"] / alone["steps"]),
-            "async_sample_factor": ratio(per_round(beside), per_round(alone))}
+    step = [statistics.fmean(s for _, s in r["per_step"]) for r in (beside, alone)]
+    return {"async_train_factor": ratio(*step),
+            "async_other_factor": ratio(*(r["other_s"] / r["steps"] for r in (beside, alone))),
+            "async_sample_factor": ratio(*(r["sample_s"] / max(r["rounds"], 1) for r in (beside, alone)))}
 
 
 def training_constants(overrides: list[str], steps: int) -> dict:
-    spec = compose_online(overrides)
-    b = spec.train.batch_size
-    runs = []
-    common = ("train.log_every=1", "eval.every=0", "train.save_model=false", "train.checkpoint_every=0")
-    # untimed: the process's one-time costs (lazy imports, first allocations, the tracker's first files) would
-    # otherwise land in the first measured run's `other` and be counted again at every step of the prediction
-    with tempfile.TemporaryDirectory() as tmp:
-        first = _mini_run(compose_online(overrides, (f"train.batch_size={b}", "train.steps=3", *common,
-                                                     "data.async_lag=0")), Path(tmp))
-    common = (f"train.steps={steps}", *common)
-    for batch in (b, max(1, b // 2)):
-        s = compose_online(overrides, (f"train.batch_size={batch}", *common, "data.async_lag=0"))
-        with tempfile.TemporaryDirectory() as tmp:
-            runs.append({"batch_size": batch, **_mini_run(s, Path(tmp))})
-    # the run's batch again with its rounds sampled one round ahead in the sampler process: what sharing the host
-    # costs each phase (the factors; the line below is fitted on the runs alone)
-    s = compose_online(overrides, (f"train.batch_size={b}", *common, "data.async_lag=1"))
-    with tempfile.TemporaryDirectory() as tmp:
-        lagged = {"batch_size": b, **_mini_run(s, Path(tmp))}
-    points = [p for r in runs for p in r["per_step"]]
-    a, slope = fit_line(points)
+    b = compose_online(overrides).train.batch_size
+
+    def mini(batch: int, n_steps: int, lag: int) -> dict:
+        spec = compose_online(overrides, (f"train.batch_size={batch}", f"train.steps={n_steps}", *COMMON,
+                                          f"data.async_lag={lag}"))
+        return {"batch_size": batch, **_mini_run(spec)}
+
+    # untimed first: the process's one-time costs (lazy imports, first allocations) would land in a measured `other`
+    first = mini(b, 3, 0)
+    first.pop("batch_size")
+    runs = [mini(batch, steps, 0) for batch in (b, max(1, b // 2))]
+    lagged = mini(b, steps, 1)  # the sampler process beside the trainer: the async factors (not in the line)
+    a, slope = fit_line([p for r in runs for p in r["per_step"]])
     p = runs[0]["params"]
     factor = 6 + 2 + 2 * bool(runs[0]["gradient_checkpointing"])  # online: the reference's forward every step
     o_step, o_tok = other_line([(r["tokens_per_step"], r["other_s"] / r["steps"]) for r in runs])
-    # a run pays those one-time costs once: the first run's `other` beyond its steps' share
+    # a run pays the one-time costs once: the first run's `other` beyond its steps' share
     once = max(first["other_s"] - first["steps"] * (o_step + o_tok * first["tokens_per_step"]), 0.0)
     return {"step_fixed_s": a, "train_flops_per_s": factor * p / slope, "other_step_s": o_step,
             "other_s_per_token": o_tok, "other_once_s": once,
@@ -295,45 +229,33 @@ def training_constants(overrides: list[str], steps: int) -> dict:
 
 def measure(overrides: list[str], console, steps: int, prompts: int) -> dict:
     from humanline_cli.report.predict import Call, call_s
-    from humanline_cli.train.build import build_parts
-    from humanline_cli.train.timing import PhaseTimer
 
     load_before = _loadavg()
     spec = compose_online(overrides)
-    # training first: a run samples in a process that has trained, so its generation calls are timed in that state
     console.print("[dim]constants: training steps at the run's batch size and at half of it[/]")
     tr = training_constants(overrides, steps)
     console.print("[dim]constants: generation, labelling, push, sync[/]")
-    with tempfile.TemporaryDirectory() as tmp:
-        parts = build_parts(spec, PhaseTimer(), Path(tmp))
-        try:
-            src = parts.source
-            # HF decodes fixed waves of batch_size rows; vLLM batches continuously (a call is one wave)
-            concurrency = spec.sampler_cfg.batch_size if spec.sampler_cfg.name == "hf" else 10**9
-            gen = generation_constants(src, concurrency, call_sizes(prompts))
-            push_s, _ = _median_time(lambda: src.sampler.push_weights(parts.policy), 5)
-            sync_s, _ = _median_time(lambda: parts.reference.sync(parts.policy), 5)
-        finally:
-            parts.close()
-    # the calls the training loop made (the mini-runs without the sampler process: the lagged one records none),
-    # against the curve; their median ratio is the loop's factor (1.0: none made)
+    with built(spec) as (parts, _, _):
+        src = parts.source
+        # HF decodes fixed waves of batch_size rows; vLLM batches continuously (a call is one wave)
+        concurrency = spec.sampler_cfg.batch_size if spec.sampler_cfg.name == "hf" else 10**9
+        gen = generation_constants(src, concurrency, call_sizes(prompts))
+        push_s, _ = _median_time(lambda: src.sampler.push_weights(parts.policy), 5)
+        sync_s, _ = _median_time(lambda: parts.reference.sync(parts.policy), 5)
+    # the loop's own calls (runs without the sampler process) against the curve: their median ratio (1.0: none)
     sampler = sampler_target(gen)
     in_loop = [{**c, "predicted_s": call_s(Call(c["sequences"], c["tokens"], c["longest"]), sampler)}
                for r in tr["runs"] for c in r["in_loop_calls"]]
     loop_factor = statistics.median(c["seconds"] / c["predicted_s"] for c in in_loop) if in_loop else 1.0
+    keys = ("step_fixed_s", "train_flops_per_s", "other_step_s", "other_s_per_token", "other_once_s",
+            "async_sample_factor", "async_train_factor", "async_other_factor")
     constants = {**{k: v for k, v in gen.items() if k not in ("calls", "check_inner_calls")},
-                 "sample_loop_factor": loop_factor,
-                 "push_fixed_s": push_s, "push_bytes_per_s": math.inf, "sync_fixed_s": sync_s, "sync_bytes_per_s": math.inf,
-                 "step_fixed_s": tr["step_fixed_s"], "train_flops_per_s": tr["train_flops_per_s"],
-                 "other_step_s": tr["other_step_s"], "other_s_per_token": tr["other_s_per_token"],
-                 "other_once_s": tr["other_once_s"],
-                 "async_sample_factor": tr["async_sample_factor"],
-                 "async_train_factor": tr["async_train_factor"], "async_other_factor": tr["async_other_factor"],
-                 "gpus": 1}
-    return {"target": "this", "estimated": False, "objective": spec.objective, "host": socket.gethostname(),
-            "cpus": os.cpu_count(),
+                 "sample_loop_factor": loop_factor, "push_fixed_s": push_s, "push_bytes_per_s": math.inf,
+                 "sync_fixed_s": sync_s, "sync_bytes_per_s": math.inf, **{k: tr[k] for k in keys}, "gpus": 1}
+    host = socket.gethostname()
+    return {"target": "this", "estimated": False, "objective": spec.objective, "host": host, "cpus": os.cpu_count(),
             "threads": spec.threads, "model": spec.model, "params": tr["params"], "bytes_per_param": 4,
-            "source": f"measured by `humanline bench constants=true` on {socket.gethostname()} at "
+            "source": f"measured by `humanline bench constants=true` on {host} at "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')} (loadavg {load_before})",
             "overrides": overrides, "inputs": {"prompts": prompts, "constant_steps": steps}, "constants": constants,
             "detail": {"generation": {"calls": gen["calls"], "check_inner_calls": gen["check_inner_calls"],
@@ -344,24 +266,18 @@ def measure(overrides: list[str], console, steps: int, prompts: int) -> dict:
 
 def print_constants(res: dict, console) -> None:
     c = res["constants"]
-    console.print(f"constants of this machine ({res['model']}, {res['params']} params, threads {res['threads']}); "
-                  f"loadavg before {res['loadavg_before']}, after {res['loadavg_after']}", highlight=False)
-    for k, v in c.items():
-        if k == "sample_curve":
-            v = ", ".join(f"{m:g} seq: {r:.4g} tok/s" for m, r in v)
-            console.print(f"  {k:22s} {v}", highlight=False)
-        else:
-            console.print(f"  {k:22s} {f'{v:.6g}'}", highlight=False)
-    for chk in res["detail"]["generation"]["check_inner_calls"]:
-        console.print(f"  call of {chk['sequences']} sequences, from its neighbours: predicted "
-                      f"{chk['predicted_s']:.3f} s, measured {chk['measured_s']:.3f} s", highlight=False)
+    lines = [f"constants of this machine ({res['model']}, {res['params']} params, threads {res['threads']}); "
+             f"loadavg before {res['loadavg_before']}, after {res['loadavg_after']}"]
+    lines += [f"  {k:22s} " + (", ".join(f"{m:g} seq: {r:.4g} tok/s" for m, r in v) if k == "sample_curve" else f"{v:.6g}")
+              for k, v in c.items()]
+    lines += [f"  call of {x['sequences']} sequences, from its neighbours: predicted {x['predicted_s']:.3f} s, "
+              f"measured {x['measured_s']:.3f} s" for x in res["detail"]["generation"]["check_inner_calls"]]
+    console.print("\n".join(lines), highlight=False, markup=False)
 
 
 def pool_constants(sets: list[dict], names: list[str]) -> dict:
-    """One constants file from several measured on the same machine for the same run (`humanline bench
-    pool=a.json,b.json,...`): each constant the median over the sets, each size of the sampler's curve likewise,
-    and every constant's spread (min, median, max, (max - min) / median) kept beside it, so that a prediction says
-    how far the machine itself moved while the sets were measured."""
+    """`bench pool=a.json,b.json,...`: each constant (and each size of the curve) the median over sets measured for
+    the same run, with its spread (min, median, max, (max - min) / median): how far the machine itself moved."""
     if len(sets) < 2:
         raise UserError("bench pool=: give at least two constants files (comma-separated)")
     first = sets[0]
@@ -372,8 +288,7 @@ def pool_constants(sets: list[dict], names: list[str]) -> dict:
                                                                      first.get("overrides")):
             raise UserError(f"bench pool=: {name} was measured for another run than {names[0]} (model, threads or "
                             f"overrides differ)")
-        # the same inputs measured again, or the spread and the curve's sizes mean nothing: a set whose curve has
-        # other sizes (other prompts=) would be cut to the sizes all share and its peak be a smaller call's
+        # other inputs: the curves' sizes differ (a peak would be a smaller call's) and the spread means nothing
         if d.get("inputs") != first.get("inputs") or _sizes(d) != _sizes(first):
             raise UserError(f"bench pool=: {name} was measured with other inputs than {names[0]} ("
                             f"{_inputs(d)} vs {_inputs(first)}); pool sets of the same prompts= and constant_steps=")
@@ -408,12 +323,10 @@ def pool_constants(sets: list[dict], names: list[str]) -> dict:
 
 
 def _sizes(d: dict) -> list[int]:
-    """The call sizes of a set's sampler curve (prompts= decides them)."""
     return sorted(int(m) for m, _ in d["constants"].get("sample_curve", ()))
 
 
 def _inputs(d: dict) -> str:
-    """A set's measured inputs, for a message: prompts= and constant_steps= where recorded, the curve's sizes."""
     shown = [f"{k}={v}" for k, v in (d.get("inputs") or {}).items()]
     return ", ".join([*shown, f"curve at {', '.join(map(str, _sizes(d))) or 'no'} sequences"])
 
@@ -425,9 +338,8 @@ def _spread(vals: list[float]) -> dict:
 
 
 def print_pooled(res: dict, console) -> None:
-    console.print(f"constants pooled: {res['source']}", highlight=False)
-    console.print(f"  {'constant':26s} {'min':>12s} {'median':>12s} {'max':>12s} {'(max-min)/median':>17s}",
-                  highlight=False)
-    for k, s in res["spread"].items():
-        console.print(f"  {k:26s} {s['min']:12.5g} {s['median']:12.5g} {s['max']:12.5g} {s['spread']:17.1%}",
-                      highlight=False)
+    import pandas as pd
+
+    table = pd.DataFrame({k: {"min": f"{v['min']:.5g}", "median": f"{v['median']:.5g}", "max": f"{v['max']:.5g}",
+                              "(max-min)/median": f"{v['spread']:.1%}"} for k, v in res["spread"].items()}).T
+    console.print(f"constants pooled: {res['source']}\n{table.to_string()}", highlight=False, markup=False)

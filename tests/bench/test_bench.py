@@ -163,3 +163,24 @@ def test_ctrl_c_while_measuring_constants_is_one_line_exit_130(tmp_path, capsys,
         signal.signal(signal.SIGINT, handler)
     assert capsys.readouterr().err == "humanline: bench interrupted (Ctrl-C) while measuring; nothing was written\n"
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="TRL not installed")
+def test_bench_online_grpo_against_trl_grpo_trainer(tiny_world, tmp_path):
+    """objective=grpo data=online: the project's online GRPO steps and TRL's GRPOTrainer.train, on the same prompts,
+    labeller, group size and prompts per step: both rows time their steps, and each saw 4 prompts x 4 completions
+    per step by its own record (the project's rounds; the prompts and completions TRL's reward function was given)."""
+    out = tmp_path / "online.json"
+    r = run_cli(["bench", "objective=grpo", "data=online", "steps=2", "warmup=1", "repeats=1", "batch_size=4",
+                 "data.n=4", "data.max_new_tokens=8", "train.micro_batch_size=2", "threads=1", f"out={out}",
+                 *TINY_WORLD], cwd=tmp_path, env_extra={"COLUMNS": "200"}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["rows"]) == {"project", "trl"} and res["regime"] == "online" and res["trl_note"] is None
+    assert res["online"]["n"] == 4 and res["online"]["prompts_per_step"] == 4
+    for row in res["rows"].values():
+        assert row["steps_timed"] == 2 and row["steps_per_s"] > 0 and row["tokens"] > 0
+        assert row["units_per_step"] == [4, 4] and row["completions_per_step"] == [16, 16]
+    project, trl = res["rows"]["project"], res["rows"]["trl"]
+    assert res["trl_steps_ratio"] == pytest.approx(project["steps_per_s"] / trl["steps_per_s"], rel=1e-12)
+    assert f"{res['trl_steps_ratio']:.2f}x" in r.stdout and "GRPOTrainer.train" in r.stdout
