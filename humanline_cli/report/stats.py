@@ -14,13 +14,14 @@ def t975(df: int) -> float:
     return float(stats.t.ppf(0.975, df))
 
 
-def mean_ci(values) -> dict | None:
-    """Mean and 95% t-interval across seeds (no interval for one value); None for none."""
+def mean_ci(values, level: float = 0.95) -> dict | None:
+    """Mean and t-interval (95% unless `level`) across seeds (no interval for one value); None for none."""
     x = np.asarray(list(values), dtype=np.float64)
     if x.size == 0:
         return None
     m = float(x.mean())
-    half = t975(x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size) if x.size > 1 else None
+    t = float(stats.t.ppf((1 + level) / 2, x.size - 1)) if x.size > 1 else None
+    half = t * float(x.std(ddof=1)) / math.sqrt(x.size) if x.size > 1 else None
     return {"mean": m, "lo": None if half is None else m - half, "hi": None if half is None else m + half,
             "n": int(x.size)}
 
@@ -41,6 +42,17 @@ def paired_t(a: list[float], b: list[float]) -> dict:
     diffs = [float(x) - float(y) for x, y in zip(a, b)]
     ci = mean_ci(diffs) or {"n": 0, "mean": None, "lo": None, "hi": None}
     return {**ci, "diffs": diffs}
+
+
+def equivalence(diffs, margin: float) -> dict:
+    """Two one-sided t-tests at alpha 0.05 on paired differences: equivalent within +-margin when their mean's 90%
+    t-interval lies inside [-margin, +margin]; "n/a" below two seeds."""
+    ci = mean_ci(diffs, level=0.90)
+    if ci is None or ci["lo"] is None:
+        return {"lo": None, "hi": None, "verdict": "n/a"}
+    inside = -margin <= ci["lo"] and ci["hi"] <= margin
+    return {"lo": ci["lo"], "hi": ci["hi"],
+            "verdict": f"equivalent within +-{margin:g}" if inside else "not shown equivalent"}
 
 
 def prompt_bootstrap(a, b, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
