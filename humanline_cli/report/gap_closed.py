@@ -21,7 +21,7 @@ import pandas as pd
 
 from humanline_cli.report.frame import METRICS, WORK, ci_text, common_metric, curve, md_table, points, seconds
 from humanline_cli.report.groups import comparison_sets, differing_keys
-from humanline_cli.report.stats import equivalence, excludes_zero, fieller, km_median, mean_ci, paired_t, prompt_bootstrap
+from humanline_cli.report.stats import equivalence, fieller, km_median, mean_ci, paired_t, prompt_bootstrap
 
 ARMS = ("offline", "online", "humanline-offline")
 # a - b: the humanline effect, what is left to online, the gap
@@ -29,19 +29,13 @@ CONTRASTS = (("humanline-offline", "offline"), ("online", "humanline-offline"), 
 SAMPLES = {"greedy accuracy": "eval_samples_greedy.jsonl", "accuracy": "eval_samples.jsonl"}
 
 
-def gap_closed(offline: dict, online: dict, humanline: dict, gap_interval: tuple | None = None) -> dict:
-    """Each maps seed -> score; the seeds all three have are paired (gap_closed_paired)."""
-    seeds = sorted(set(offline) & set(online) & set(humanline), key=str)
-    return gap_closed_paired(*([arm[s] for s in seeds] for arm in (offline, online, humanline)), gap_interval)
-
-
 def gap_closed_paired(offline: list, online: list, humanline: list, gap_interval: tuple | None = None) -> dict:
-    """The ratio of means with Fieller's interval where the gap's t-interval lies above 0 (`verdict` "gap"); else
+    """Scores per seed, paired by index: the ratio of means with Fieller's interval where the gap's t-interval lies above 0 (`verdict` "gap"); else
     "unbounded" (it reaches 0) or "online below", with no ratio. One seed: `gap_interval`, a prompt bootstrap of
     the gap, decides, and the ratio has no interval."""
     gap = paired_t(online, offline)
     lo, hi = gap_interval if gap["n"] == 1 and gap_interval is not None else (gap["lo"], gap["hi"])
-    verdict = "gap" if excludes_zero(lo, hi) and lo > 0 else ("online below" if excludes_zero(lo, hi) else "unbounded")
+    verdict = "gap" if lo is not None and lo > 0 else "online below" if hi is not None and hi < 0 else "unbounded"
     out = {"gap": {**gap, "lo": lo, "hi": hi}, "verdict": verdict, "n": gap["n"], "mean": None, "lo": None, "hi": None}
     if verdict == "gap":
         f = fieller([h - o for h, o in zip(humanline, offline)], [n - o for n, o in zip(online, offline)])
@@ -66,10 +60,13 @@ def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
     return None
 
 
-def times_to_target(curves: list, target: float) -> tuple[list[float], list[bool]]:
-    """Per curve: its time to `target` and True, or its last point's time (censored there) and False."""
+def km_to(curves: list, target: float) -> dict:
+    """How many curves reach `target` and the Kaplan-Meier median time to it, a curve short of it censored at
+    its last point."""
     times = [time_to(c, target) for c in curves]
-    return [c[-1][0] if t is None else t for c, t in zip(curves, times)], [t is not None for t in times]
+    hit = [t is not None for t in times]
+    return {"median": km_median([c[-1][0] if t is None else t for c, t in zip(curves, times)], hit),
+            "reached": sum(hit), "n": len(hit)}
 
 
 def equal_quality(online: dict, humanline: dict) -> dict:
@@ -77,8 +74,7 @@ def equal_quality(online: dict, humanline: dict) -> dict:
     Kaplan-Meier median work time to it; `speedup` online's over humanline's; `never`: online seeds short of it."""
     out: dict = {"target": statistics.fmean(c[-1][1] for c in humanline.values())}
     for name, curves in (("online", online), ("humanline-offline", humanline)):
-        times, hit = times_to_target(list(curves.values()), out["target"])
-        out[name] = {"median": km_median(times, hit), "reached": sum(hit), "n": len(hit)}
+        out[name] = km_to(list(curves.values()), out["target"])
     on, hl = out["online"]["median"], out["humanline-offline"]["median"]
     return {**out, "speedup": on / hl if on is not None and hl else None,
             "never": out["online"]["n"] - out["online"]["reached"]}

@@ -8,12 +8,6 @@ import numpy as np
 from scipy import stats
 
 
-def t975(df: int) -> float:
-    if df < 1:
-        raise ValueError("df must be >= 1")
-    return float(stats.t.ppf(0.975, df))
-
-
 def mean_ci(values, level: float = 0.95) -> dict | None:
     """Mean and t-interval (95% unless `level`) across seeds (no interval for one value); None for none."""
     x = np.asarray(list(values), dtype=np.float64)
@@ -100,6 +94,3 @@ def km_median(times, reached) -> float | None:
     below = np.nonzero(sf.probabilities <= 0.5 + 1e-12)[0]
     return float(sf.quantiles[below[0]]) if below.size else None
 
-
-def excludes_zero(lo: float | None, hi: float | None) -> bool:
-    return lo is not None and hi is not None and (lo > 0 or hi < 0)

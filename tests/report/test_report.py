@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from humanline_cli.report.aggregate import build_report, main_report
-from humanline_cli.report.stats import t975, win_rate_ci
+from humanline_cli.report.stats import mean_ci, win_rate_ci
 from tests.helpers.runs import make_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -85,14 +85,13 @@ def test_multi_seed_ci_is_t_interval(runs_dir):
 
 
 def test_t_quantiles():
-    # printed t-tables (e.g. NIST's) to their 4 or 5 significant digits
-    assert t975(1) == pytest.approx(12.7062, abs=1e-4)
-    assert t975(2) == pytest.approx(4.3027, abs=1e-4)
-    assert t975(10) == pytest.approx(2.2281, abs=1e-4)
-    assert t975(60) == pytest.approx(2.0003, abs=1e-4)
-    assert t975(120) == pytest.approx(1.9799, abs=1e-4)
-    with pytest.raises(ValueError):
-        t975(0)
+    # the 95% interval's half-width over its standard error is t(0.975, n - 1), as printed t-tables (e.g. NIST's)
+    # give it to 4 or 5 significant digits
+    for df, t in ((1, 12.7062), (2, 4.3027), (10, 2.2281), (60, 2.0003), (120, 1.9799)):
+        x = [0.0, 1.0] * ((df + 1) // 2) + [0.5] * ((df + 1) % 2)
+        ci = mean_ci(x)
+        assert (ci["hi"] - ci["mean"]) / (statistics.stdev(x) / math.sqrt(len(x))) == pytest.approx(t, abs=1e-4)
+    assert mean_ci([0.7])["lo"] is None and mean_ci([]) is None
 
 
 def test_markdown_lists_failed_and_incomplete(runs_dir):

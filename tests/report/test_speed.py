@@ -13,7 +13,8 @@ import yaml
 
 from humanline_cli.bench.constants import fit_line
 from humanline_cli.report.aggregate import build_report, main_report
-from humanline_cli.report.matched import curve, reach
+from humanline_cli.report.gap_closed import time_to
+from humanline_cli.report.matched import curve
 from humanline_cli.report.speed import parse_target
 
 CONSTANTS = {"target": "this", "estimated": False, "model": "tiny", "params": 1000, "bytes_per_param": 4,
@@ -132,8 +133,9 @@ def test_curve_and_reach_by_hand():
     # loop seconds at step 2: 16 - 5 - 1 = 10; at the end: 30 - 5 - 3 = 22
     assert pts == [(0, 0.0, 0.5), (2, 10.0, 0.7), (4, 22.0, 0.9)]
     # 0.8 lies halfway from 0.7 to 0.9: step 3, 16 s
-    assert reach(pts, 0.8) == pytest.approx((3.0, 16.0))
-    assert reach(pts, 0.95) is None
+    steps, secs = ([(p[i], p[2]) for p in pts] for i in (0, 1))
+    assert (time_to(steps, 0.8), time_to(secs, 0.8)) == pytest.approx((3.0, 16.0))
+    assert time_to(steps, 0.95) is None
 
 
 def test_matched_quality_is_a_censored_median_with_seeds_reached(tmp_path):
