@@ -233,7 +233,8 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     gaps = regime_gap_rows(complete)
     gaps = gap_closed.gap_rows(complete, ignore) if gaps.empty else gaps
     gap_csv = gap_closed.gap_frame(gaps, margin)
-    table("gap_closed.csv", gap_csv, {**gap_closed.DIGITS, **dict.fromkeys(gap_csv.columns[len(gap_closed.CSV_COLUMNS):], 6)})
+    bounds = dict.fromkeys(gap_csv.columns[len(gap_closed.CSV_COLUMNS):], 6)  # --margin's columns
+    table("gap_closed.csv", gap_csv, {**gap_closed.DIGITS, **bounds})
     md += "\n## Gap closed by humanline-offline\n\n" + "\n".join(gap_closed.markdown(gaps))
     if gap_closed.plot(gaps, out_dir / "gap_closed.png"):
         files["gap_closed.png"] = out_dir / "gap_closed.png"
