@@ -30,9 +30,9 @@ SAMPLES = {"greedy accuracy": "eval_samples_greedy.jsonl", "accuracy": "eval_sam
 
 
 def gap_closed_paired(offline: list, online: list, humanline: list, gap_interval: tuple | None = None) -> dict:
-    """Scores per seed, paired by index: the ratio of means with Fieller's interval where the gap's t-interval lies above 0 (`verdict` "gap"); else
-    "unbounded" (it reaches 0) or "online below", with no ratio. One seed: `gap_interval`, a prompt bootstrap of
-    the gap, decides, and the ratio has no interval."""
+    """Scores per seed, paired by index: the ratio of means with Fieller's interval where the gap's t-interval
+    lies above 0 (`verdict` "gap"); else "unbounded" (it reaches 0) or "online below", with no ratio. One seed:
+    `gap_interval`, a prompt bootstrap of the gap, decides, and the ratio has no interval."""
     gap = paired_t(online, offline)
     lo, hi = gap_interval if gap["n"] == 1 and gap_interval is not None else (gap["lo"], gap["hi"])
     verdict = "gap" if lo is not None and lo > 0 else "online below" if hi is not None and hi < 0 else "unbounded"

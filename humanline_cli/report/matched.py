@@ -13,16 +13,10 @@ import statistics
 
 import pandas as pd
 
-from humanline_cli.report.frame import loop_seconds, md, metric_of, run_points
+from humanline_cli.report.frame import curve, loop_seconds, md, metric_of, run_points
 from humanline_cli.report.gap_closed import km_to
 
 TARGET_GAIN = 0.9
-
-
-def curve(summary: dict, metrics: list[dict], metric: str) -> list[tuple[int, float, float]]:
-    """[(step, loop seconds, score)] of one run's evaluation points."""
-    got = run_points(summary, metrics)[["step", "loop_s", metric]].dropna()
-    return [(int(st), float(t), float(v)) for st, t, v in got.itertuples(index=False)]
 
 
 def km_medians(curves: list, target: float) -> dict:
@@ -56,7 +50,7 @@ def matched_rows(runs: pd.DataFrame, accuracy: float | None = None) -> pd.DataFr
         if metric == "none":
             continue
         tr = tr[~tr.duplicated(["regime", "seed"], keep="last")]
-        curves = {name: [curve(r.summary, r.metrics, metric) for r in rs.itertuples()]
+        curves = {name: [curve(run_points(r.summary, r.metrics), metric, "step", "loop_s") for r in rs.itertuples()]
                   for name, rs in tr.groupby("regime", sort=False)}
         if not any(curves["online"]):
             continue
