@@ -60,18 +60,6 @@ class Report:
     unused_ignores: tuple = ()  # --ignore keys that matched no config key (likely typos)
     duplicates: tuple = ()  # groups.Duplicate: run dirs counted once
 
-    @property
-    def runs(self) -> list:
-        return list(self.frame.itertuples())
-
-    @property
-    def complete(self) -> list:
-        return [r for r in self.runs if r.status == "complete"]
-
-    @property
-    def problems(self) -> list:
-        return [r for r in self.runs if r.status != "complete"]
-
 
 def _natural(v: str):
     try:
@@ -288,7 +276,7 @@ def print_report(rep: Report, console=None) -> None:
         console.print(t)
     if not rep.cells:
         console.print("no complete runs to aggregate")
-    for r in rep.problems:
+    for r in rep.frame[rep.frame.status != "complete"].itertuples():
         console.print(f"[red]{r.status}[/] {r.path}: {r.reason}", highlight=False, markup=True)
     for d in rep.duplicates:
         console.print(f"duplicate run dir: {d.describe()}", highlight=False)

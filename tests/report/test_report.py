@@ -65,7 +65,7 @@ def test_csv_aggregates_and_speedup(runs_dir):
     assert (float(hl["win_rate_lo"]), float(hl["win_rate_hi"])) == pytest.approx((0.57, 0.67))  # the run's own CI
     assert float(rows[("arithmetic", "grpo", "humanline-offline")]["speedup_vs_online"]) == pytest.approx(200.0 / 50.0)
     assert rows[("arithmetic", "kto", "offline")]["speedup_vs_online"] == ""  # no online run
-    assert len(rep.complete) == 10 and len(rep.problems) == 2
+    assert (rep.frame.status == "complete").sum() == 10 and (rep.frame.status != "complete").sum() == 2
 
 
 def test_multi_seed_ci_is_t_interval(runs_dir):
@@ -134,7 +134,7 @@ def test_eval_curve_and_late_histogram(runs_dir):
     from humanline_cli.report.plots import eval_curve, late_histogram
 
     rep = build_report(runs_dir)
-    run = next(r for r in rep.complete if r.path.name == "4")
+    run = next(r for r in rep.frame.itertuples() if r.path.name == "4")
     metric, pts = eval_curve(run)
     assert metric == "accuracy"
     assert pts == [(0.0, 0.5), (10.0, pytest.approx(0.76)), (20.0, 0.81)]  # start, eval row, final
@@ -208,4 +208,4 @@ def test_wandb_offline_logs(runs_dir, monkeypatch):
     assert rep.wandb_error is None
     assert list((runs_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     # a second report over the same root does not mistake wandb/ for a run dir
-    assert len(build_report(runs_dir).runs) == len(rep.runs)
+    assert len(build_report(runs_dir).frame) == len(rep.frame)
