@@ -60,18 +60,6 @@ class Report:
     unused_ignores: tuple = ()  # --ignore keys that matched no config key (likely typos)
     duplicates: tuple = ()  # groups.Duplicate: run dirs counted once
 
-    @property
-    def runs(self) -> list:
-        return list(self.frame.itertuples())
-
-    @property
-    def complete(self) -> list:
-        return [r for r in self.runs if r.status == "complete"]
-
-    @property
-    def problems(self) -> list:
-        return [r for r in self.runs if r.status != "complete"]
-
 
 def _natural(v: str):
     try:
@@ -206,7 +194,7 @@ def render_markdown(root: Path, cells, runs: pd.DataFrame, plots: dict, skipped:
 
 
 def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None = None, ignore=(), targets=(),
-                 accuracy: float | None = None) -> Report:
+                 accuracy: float | None = None, margin: float | None = None) -> Report:
     root, ignore = Path(root), parse_ignore(ignore)
     if not root.is_dir():
         raise ReportError(f"no such directory: {root}")
@@ -232,12 +220,14 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     # a sweep over named regimes (experiment=laptop_regimes) pairs each regime with its own baselines
     gaps = regime_gap_rows(complete)
     gaps = gap_closed.gap_rows(complete, ignore) if gaps.empty else gaps
-    table("gap_closed.csv", gap_closed.gap_frame(gaps), gap_closed.DIGITS)
+    gap_csv = gap_closed.gap_frame(gaps, margin)
+    bounds = dict.fromkeys(gap_csv.columns[len(gap_closed.CSV_COLUMNS):], 6)  # --margin's columns
+    table("gap_closed.csv", gap_csv, {**gap_closed.DIGITS, **bounds})
     md += "\n## Gap closed by humanline-offline\n\n" + "\n".join(gap_closed.markdown(gaps))
     if gap_closed.plot(gaps, out_dir / "gap_closed.png"):
         files["gap_closed.png"] = out_dir / "gap_closed.png"
         md += "\n![gap closed](gap_closed.png)\n"
-    md += "\n## Paired differences\n\n" + "\n".join(gap_closed.paired_markdown(gaps))
+    md += "\n## Paired differences\n\n" + "\n".join(gap_closed.paired_markdown(gaps, margin))
     table("cost.csv", costs := cost.cost_rows(complete), 8)
     md += "\n## Generation cost at matched training units\n\n" + "\n".join(cost.markdown(costs)) + "\n"
     predicted_loops: dict = {}
@@ -286,7 +276,7 @@ def print_report(rep: Report, console=None) -> None:
         console.print(t)
     if not rep.cells:
         console.print("no complete runs to aggregate")
-    for r in rep.problems:
+    for r in rep.frame[rep.frame.status != "complete"].itertuples():
         console.print(f"[red]{r.status}[/] {r.path}: {r.reason}", highlight=False, markup=True)
     for d in rep.duplicates:
         console.print(f"duplicate run dir: {d.describe()}", highlight=False)
@@ -322,12 +312,17 @@ def main_report(argv: list[str]) -> int:
     p.add_argument("--accuracy", type=float, default=None,
                    help="the matched-quality target score, named in advance (default: the start plus 0.9 of online's mean "
                         "gain over it)")
+    p.add_argument("--margin", type=float, default=None, metavar="M",
+                   help="equivalence margin in absolute score units: each paired difference also gets its 90%% "
+                        "t-interval and whether it lies inside [-M, +M] (two one-sided tests at alpha 0.05)")
     args = p.parse_args(argv)
     try:
+        if args.margin is not None and not args.margin > 0:
+            raise ValueError(f"--margin must be positive, got {args.margin}")
         gpu_check = json.loads(args.gpu_check.read_text()) if args.gpu_check else None
         targets = [speed.parse_target(t, gpu_check) for t in args.target]
         rep = build_report(args.dir, args.out, os.environ.get("WANDB_MODE", "offline") if args.wandb else None,
-                           ignore=args.ignore, targets=targets, accuracy=args.accuracy)
+                           ignore=args.ignore, targets=targets, accuracy=args.accuracy, margin=args.margin)
     except (OSError, ValueError, ReportError) as e:
         print(f"humanline: error: {e}", file=sys.stderr)
         return 2

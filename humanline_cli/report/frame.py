@@ -256,10 +256,10 @@ def points(runs: pd.DataFrame) -> pd.DataFrame:
                      ignore_index=True) if len(runs) else pd.DataFrame(columns=["run", "point", "step", *CURVE])
 
 
-def curve(pts: pd.DataFrame, metric: str, time: str = "work_s") -> list[tuple[float, float]]:
-    """One run's evaluation points (rows of `points`) as [(time, score)] where both were recorded, in order."""
-    got = pts[[time, metric]].dropna()
-    return list(zip(got[time].astype(float), got[metric].astype(float)))
+def curve(pts: pd.DataFrame, metric: str, *times: str) -> list[tuple]:
+    """One run's evaluation points (rows of `points`) as [(*times, score)] where all were recorded, in order;
+    the time is work_s unless `times` names others."""
+    return list(pts[[*(times or ("work_s",)), metric]].dropna().astype(float).itertuples(index=False, name=None))
 
 
 def column(runs: pd.DataFrame, key: str) -> pd.Series:

@@ -21,7 +21,7 @@ import pandas as pd
 
 from humanline_cli.report.frame import METRICS, WORK, ci_text, common_metric, curve, md_table, points, seconds
 from humanline_cli.report.groups import comparison_sets, differing_keys
-from humanline_cli.report.stats import excludes_zero, fieller, km_median, mean_ci, paired_t, prompt_bootstrap
+from humanline_cli.report.stats import equivalence, fieller, km_median, mean_ci, paired_t, prompt_bootstrap
 
 ARMS = ("offline", "online", "humanline-offline")
 # a - b: the humanline effect, what is left to online, the gap
@@ -29,19 +29,13 @@ CONTRASTS = (("humanline-offline", "offline"), ("online", "humanline-offline"), 
 SAMPLES = {"greedy accuracy": "eval_samples_greedy.jsonl", "accuracy": "eval_samples.jsonl"}
 
 
-def gap_closed(offline: dict, online: dict, humanline: dict, gap_interval: tuple | None = None) -> dict:
-    """Each maps seed -> score; the seeds all three have are paired (gap_closed_paired)."""
-    seeds = sorted(set(offline) & set(online) & set(humanline), key=str)
-    return gap_closed_paired(*([arm[s] for s in seeds] for arm in (offline, online, humanline)), gap_interval)
-
-
 def gap_closed_paired(offline: list, online: list, humanline: list, gap_interval: tuple | None = None) -> dict:
-    """The ratio of means with Fieller's interval where the gap's t-interval lies above 0 (`verdict` "gap"); else
-    "unbounded" (it reaches 0) or "online below", with no ratio. One seed: `gap_interval`, a prompt bootstrap of
-    the gap, decides, and the ratio has no interval."""
+    """Scores per seed, paired by index: the ratio of means with Fieller's interval where the gap's t-interval
+    lies above 0 (`verdict` "gap"); else "unbounded" (it reaches 0) or "online below", with no ratio. One seed:
+    `gap_interval`, a prompt bootstrap of the gap, decides, and the ratio has no interval."""
     gap = paired_t(online, offline)
     lo, hi = gap_interval if gap["n"] == 1 and gap_interval is not None else (gap["lo"], gap["hi"])
-    verdict = "gap" if excludes_zero(lo, hi) and lo > 0 else ("online below" if excludes_zero(lo, hi) else "unbounded")
+    verdict = "gap" if lo is not None and lo > 0 else "online below" if hi is not None and hi < 0 else "unbounded"
     out = {"gap": {**gap, "lo": lo, "hi": hi}, "verdict": verdict, "n": gap["n"], "mean": None, "lo": None, "hi": None}
     if verdict == "gap":
         f = fieller([h - o for h, o in zip(humanline, offline)], [n - o for n, o in zip(online, offline)])
@@ -66,10 +60,13 @@ def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
     return None
 
 
-def times_to_target(curves: list, target: float) -> tuple[list[float], list[bool]]:
-    """Per curve: its time to `target` and True, or its last point's time (censored there) and False."""
+def km_to(curves: list, target: float) -> dict:
+    """How many curves reach `target` and the Kaplan-Meier median time to it, a curve short of it censored at
+    its last point."""
     times = [time_to(c, target) for c in curves]
-    return [c[-1][0] if t is None else t for c, t in zip(curves, times)], [t is not None for t in times]
+    hit = [t is not None for t in times]
+    return {"median": km_median([c[-1][0] if t is None else t for c, t in zip(curves, times)], hit),
+            "reached": sum(hit), "n": len(hit)}
 
 
 def equal_quality(online: dict, humanline: dict) -> dict:
@@ -77,8 +74,7 @@ def equal_quality(online: dict, humanline: dict) -> dict:
     Kaplan-Meier median work time to it; `speedup` online's over humanline's; `never`: online seeds short of it."""
     out: dict = {"target": statistics.fmean(c[-1][1] for c in humanline.values())}
     for name, curves in (("online", online), ("humanline-offline", humanline)):
-        times, hit = times_to_target(list(curves.values()), out["target"])
-        out[name] = {"median": km_median(times, hit), "reached": sum(hit), "n": len(hit)}
+        out[name] = km_to(list(curves.values()), out["target"])
     on, hl = out["online"]["median"], out["humanline-offline"]["median"]
     return {**out, "speedup": on / hl if on is not None and hl else None,
             "never": out["online"]["n"] - out["online"]["reached"]}
@@ -207,9 +203,28 @@ ROW = (*CSV_COLUMNS, "equal_text", "scores", "paired", "regime", "compared_with"
 DIGITS = {c: 4 if c.startswith(("speedup", "online_sampling")) else 6 for c in CSV_COLUMNS if not c.endswith("wall_s")}
 
 
-def gap_frame(rows: pd.DataFrame) -> pd.DataFrame:
-    """gap_closed.csv: one row per comparison."""
-    return rows[list(CSV_COLUMNS)].astype(object)
+MODES = {"greedy accuracy": "greedy", "accuracy": "sampled"}
+
+
+def equivalence_columns(rows: pd.DataFrame, margin: float) -> pd.DataFrame:
+    """Per comparison, for each metric and contrast a - b: the 90% paired t-interval and the equivalence verdict
+    at +-margin (stats.equivalence); "n/a" where the comparison has no such paired scores."""
+    out = []
+    for paired in rows["paired"]:
+        got = {(p["metric"], p["contrast"]): equivalence(p["t"]["diffs"], margin) for p in paired or []}
+        row: dict = {"equivalence_margin": margin}
+        for (metric, mode), (a, b) in ((m, c) for m in MODES.items() for c in CONTRASTS):
+            e = got.get((metric, (a, b)), {"lo": None, "hi": None, "verdict": "n/a"})
+            name = f"{mode}_{a}_minus_{b}".replace("-", "_")
+            row |= {f"{name}_lo90": e["lo"], f"{name}_hi90": e["hi"], f"{name}_equivalence": e["verdict"]}
+        out.append(row)
+    return pd.DataFrame(out, index=rows.index, dtype=object)
+
+
+def gap_frame(rows: pd.DataFrame, margin: float | None = None) -> pd.DataFrame:
+    """gap_closed.csv: one row per comparison; with `margin`, the equivalence columns after them."""
+    frame = rows[list(CSV_COLUMNS)].astype(object)
+    return frame if margin is None else pd.concat([frame, equivalence_columns(rows, margin)], axis=1)
 
 
 GAP_NOTE = ("gap closed = mean(humanline-offline - offline) / mean(online - offline) over seeds paired by seed (a "
@@ -270,24 +285,32 @@ def markdown(rows: pd.DataFrame) -> list[str]:
                                for r, name, cells in scores if any(c is not None for c in cells)]), ""]
 
 
-def paired_markdown(rows: pd.DataFrame) -> list[str]:
+def paired_markdown(rows: pd.DataFrame, margin: float | None = None) -> list[str]:
     body = [r for r in rows.itertuples() if r.paired]
     if not body:
         return ["No comparison has paired runs.", ""]
-    lines = ["a - b per seed (runs paired by seed), mean [95% t-interval across seeds: the reported interval] and "
+    tost = [] if margin is None else [
+        f"Equivalence within +-{margin:g} (two one-sided t-tests at alpha 0.05): the 90% t-interval across seeds, "
+        f"`equivalent within +-{margin:g}` when it lies inside [-{margin:g}, +{margin:g}], else `not shown "
+        "equivalent`; `n/a` below two seeds.", ""]
+    lines = tost + ["a - b per seed (runs paired by seed), mean [95% t-interval across seeds: the reported interval] and "
              "[95% prompt-level bootstrap: the eval prompts resampled, 2000 replicates, the seeds held fixed, so it "
              "leaves out seed-to-seed variation and is narrower than the truth when seeds differ]; `–`: no interval "
              "(one seed, or no per-prompt samples). greedy = temperature 0, sampled = eval.temperature.", ""]
-    names = {"greedy accuracy": "greedy", "accuracy": "sampled"}
 
     def interval(x) -> str:
         return f"[{x['lo']:+.3f}, {x['hi']:+.3f}]" if x and x["lo"] is not None else "–"
 
+    def equiv(p) -> tuple:
+        e = equivalence(p["t"]["diffs"], margin)
+        return interval(e), e["verdict"]
+
     return lines + md_table(["task", "objective", "set", "metric", "a - b", "mean", "t-interval",
-                             "bootstrap (prompt-level only)", "seeds"],
-                            [(r.task, r.objective, r.set or "–", names.get(p["metric"], p["metric"]),
+                             "bootstrap (prompt-level only)", "seeds",
+                             *([] if margin is None else ["90% t-interval", f"equivalence (+-{margin:g})"])],
+                            [(r.task, r.objective, r.set or "–", MODES.get(p["metric"], p["metric"]),
                               " - ".join(p["contrast"]), f"{p['t']['mean']:+.3f}", interval(p["t"]), interval(p["boot"]),
-                              p["t"]["n"]) for r in body for p in r.paired]) + [""]
+                              p["t"]["n"], *(() if margin is None else equiv(p))) for r in body for p in r.paired]) + [""]
 
 
 def plot(table: pd.DataFrame, path, regimes: bool = False) -> bool:

@@ -13,31 +13,16 @@ import statistics
 
 import pandas as pd
 
-from humanline_cli.report.frame import loop_seconds, md, metric_of, run_points
-from humanline_cli.report.gap_closed import time_to, times_to_target
-from humanline_cli.report.stats import km_median
+from humanline_cli.report.frame import curve, loop_seconds, md, metric_of, run_points
+from humanline_cli.report.gap_closed import km_to
 
 TARGET_GAIN = 0.9
 
 
-def curve(summary: dict, metrics: list[dict], metric: str) -> list[tuple[int, float, float]]:
-    """[(step, loop seconds, score)] of one run's evaluation points."""
-    got = run_points(summary, metrics)[["step", "loop_s", metric]].dropna()
-    return [(int(st), float(t), float(v)) for st, t, v in got.itertuples(index=False)]
-
-
-def reach(points: list[tuple[int, float, float]], target: float) -> tuple[float, float] | None:
-    """(steps, loop seconds) at which the curve first reaches `target`, None if never."""
-    steps = time_to([(p[0], p[2]) for p in points], target)
-    return None if steps is None else (steps, time_to([(p[1], p[2]) for p in points], target))
-
-
 def km_medians(curves: list, target: float) -> dict:
     """How many curves reach `target`, and the Kaplan-Meier medians of steps and of seconds to it."""
-    curves = [c for c in curves if c]
-    steps, hit = times_to_target([[(p[0], p[2]) for p in c] for c in curves], target)
-    secs, _ = times_to_target([[(p[1], p[2]) for p in c] for c in curves], target)
-    return {"reached": sum(hit), "n": len(hit), "steps": km_median(steps, hit), "seconds": km_median(secs, hit)}
+    steps, secs = (km_to([[(p[i], p[2]) for p in c] for c in curves if c], target) for i in (0, 1))
+    return {"reached": steps["reached"], "n": steps["n"], "steps": steps["median"], "seconds": secs["median"]}
 
 
 ROW = ("task", "objective", "regime", "metric", "target", "target_note", "seeds", "reached", "ended", "steps", "loop_s",
@@ -65,7 +50,7 @@ def matched_rows(runs: pd.DataFrame, accuracy: float | None = None) -> pd.DataFr
         if metric == "none":
             continue
         tr = tr[~tr.duplicated(["regime", "seed"], keep="last")]
-        curves = {name: [curve(r.summary, r.metrics, metric) for r in rs.itertuples()]
+        curves = {name: [curve(run_points(r.summary, r.metrics), metric, "step", "loop_s") for r in rs.itertuples()]
                   for name, rs in tr.groupby("regime", sort=False)}
         if not any(curves["online"]):
             continue

@@ -15,7 +15,7 @@ import pandas as pd
 
 from humanline_cli.report.cost import calls_of
 from humanline_cli.report.frame import LEFT_OUT, humanline_spec, md_table, seconds
-from humanline_cli.report.predict import Target, Work, predict, target_from_json
+from humanline_cli.report.predict import Target, Work, predict, target_from_json, within
 from humanline_cli.report.targets import ASSUMED, SHAPES, Shape, gpu_target, mfu_from_gpu_check
 
 TIMED = ("sample", "push", "label", "train", "sync")
@@ -23,10 +23,6 @@ SHOWN = ("sample", "train", "sync", "push", "label", "other", "wait_for_sample",
 MEASURED_COLUMNS = ("sample", "train", "sync", "other", "wait_for_sample", "loop")
 PREDICTED_COLUMNS = ("sample", "push", "train", "sync", "label", "loop")
 CHECKED_SHARE = 0.05  # phases below this share of the measured loop are shown but not held to the tolerance
-
-
-class SpeedError(ValueError):
-    pass
 
 
 def train_tokens(metrics: list[dict], steps: int) -> float | None:
@@ -100,17 +96,17 @@ def parse_target(word: str, gpu_check: dict | None = None) -> TargetSpec:
                           mfu_source="gpu_check.json, median of its step rows" if mfu is not None else None)
     p = Path(word)
     if not p.exists() and (p.suffix or "/" in word):  # meant as a file: say it is missing, not what else is valid
-        raise SpeedError(f"--target {word}: no such file")
+        raise ValueError(f"--target {word}: no such file")
     if p.is_dir():
-        raise SpeedError(f"--target {word}: is a directory, not a constants file from `humanline bench constants=true`")
+        raise ValueError(f"--target {word}: is a directory, not a constants file from `humanline bench constants=true`")
     if not p.is_file():
-        raise SpeedError(f"--target {word!r}: neither h100, h200 (optionally xN) nor a constants file from "
+        raise ValueError(f"--target {word!r}: neither h100, h200 (optionally xN) nor a constants file from "
                          f"`humanline bench constants=true`")
     try:
         d = json.loads(p.read_text())
         target_from_json(d)
     except (ValueError, KeyError, TypeError) as e:
-        raise SpeedError(f"--target {word}: not a constants file ({type(e).__name__}: {e})") from None
+        raise ValueError(f"--target {word}: not a constants file ({type(e).__name__}: {e})") from None
     return TargetSpec(f"{d.get('target', 'this')} ({p.name})", constants=d)  # two constants files stay apart
 
 
@@ -204,7 +200,7 @@ def _cell(p: dict, m: dict, k: str) -> str:
     if pk is None and mk is None:
         return "–"
     held = pk is not None and mk and (k == "loop" or mk >= CHECKED_SHARE * m["loop"])
-    mark = " !" if held and abs(pk / mk - 1) > 0.15 else ""
+    mark = " !" if held and not within(pk, mk) else ""
     return f"{_s(pk)} / {_s(mk)}" + (f" ({pk / mk:.2f}{mark})" if pk is not None and mk else "")
 
 

@@ -8,19 +8,14 @@ import numpy as np
 from scipy import stats
 
 
-def t975(df: int) -> float:
-    if df < 1:
-        raise ValueError("df must be >= 1")
-    return float(stats.t.ppf(0.975, df))
-
-
-def mean_ci(values) -> dict | None:
-    """Mean and 95% t-interval across seeds (no interval for one value); None for none."""
+def mean_ci(values, level: float = 0.95) -> dict | None:
+    """Mean and t-interval (95% unless `level`) across seeds (no interval for one value); None for none."""
     x = np.asarray(list(values), dtype=np.float64)
     if x.size == 0:
         return None
     m = float(x.mean())
-    half = t975(x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size) if x.size > 1 else None
+    t = float(stats.t.ppf((1 + level) / 2, x.size - 1)) if x.size > 1 else None
+    half = t * float(x.std(ddof=1)) / math.sqrt(x.size) if x.size > 1 else None
     return {"mean": m, "lo": None if half is None else m - half, "hi": None if half is None else m + half,
             "n": int(x.size)}
 
@@ -41,6 +36,17 @@ def paired_t(a: list[float], b: list[float]) -> dict:
     diffs = [float(x) - float(y) for x, y in zip(a, b)]
     ci = mean_ci(diffs) or {"n": 0, "mean": None, "lo": None, "hi": None}
     return {**ci, "diffs": diffs}
+
+
+def equivalence(diffs, margin: float) -> dict:
+    """Two one-sided t-tests at alpha 0.05 on paired differences: equivalent within +-margin when their mean's 90%
+    t-interval lies inside [-margin, +margin]; "n/a" below two seeds."""
+    ci = mean_ci(diffs, level=0.90)
+    if ci is None or ci["lo"] is None:
+        return {"lo": None, "hi": None, "verdict": "n/a"}
+    inside = -margin <= ci["lo"] and ci["hi"] <= margin
+    return {"lo": ci["lo"], "hi": ci["hi"],
+            "verdict": f"equivalent within +-{margin:g}" if inside else "not shown equivalent"}
 
 
 def prompt_bootstrap(a, b, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
@@ -88,6 +94,3 @@ def km_median(times, reached) -> float | None:
     below = np.nonzero(sf.probabilities <= 0.5 + 1e-12)[0]
     return float(sf.quantiles[below[0]]) if below.size else None
 
-
-def excludes_zero(lo: float | None, hi: float | None) -> bool:
-    return lo is not None and hi is not None and (lo > 0 or hi < 0)

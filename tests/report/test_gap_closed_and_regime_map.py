@@ -8,7 +8,7 @@ import math
 import pytest
 
 from humanline_cli.report.aggregate import build_report
-from humanline_cli.report.gap_closed import gap_closed
+from humanline_cli.report.gap_closed import gap_closed_paired
 from humanline_cli.world.rewards import subset
 from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 from tests.helpers.runs import config, run_dir
@@ -37,8 +37,7 @@ def test_summary_has_greedy_and_sampled_with_subsets(tmp_path, cache_dir):
 
 
 def test_gap_closed_hand_computed():
-    off, on, hl = {0: 0.70, 1: 0.72, 2: 0.68}, {0: 0.90, 1: 0.92, 2: 0.88}, {0: 0.80, 1: 0.87, 2: 0.82}
-    g = gap_closed(off, on, hl)
+    g = gap_closed_paired([0.70, 0.72, 0.68], [0.90, 0.92, 0.88], [0.80, 0.87, 0.82])
     # x = humanline - offline = 0.10, 0.15, 0.14; y = online - offline = 0.20 on every seed, so v22 = v12 = 0
     # and Fieller's quadratic b^2 R^2 - 2 a b R + a^2 - t^2 v11 = 0 has roots (a +- t sqrt(v11)) / b: the
     # t-interval of mean(x) divided by 0.2
@@ -46,14 +45,14 @@ def test_gap_closed_hand_computed():
     half = 4.302653 * sd / math.sqrt(3) / 0.2
     assert g["mean"] == pytest.approx(0.65) and g["n"] == 3
     assert (g["lo"], g["hi"]) == pytest.approx((0.65 - half, 0.65 + half), abs=1e-6)
-    # a seed with no gap (online == offline) counts in the denominator, unpaired seeds are left out; the gap's
-    # own t-interval over the two paired seeds (0.2, 0.0) holds 0, so the ratio is unbounded
-    g2 = gap_closed({0: 0.7, 1: 0.5, 3: 0.1}, {0: 0.9, 1: 0.5}, {0: 0.8, 1: 0.6, 2: 0.9})
+    # a seed with no gap (online == offline) counts in the denominator; the gap's own t-interval over the two
+    # seeds (0.2, 0.0) holds 0, so the ratio is unbounded
+    g2 = gap_closed_paired([0.7, 0.5], [0.9, 0.5], [0.8, 0.6])
     assert g2["verdict"] == "unbounded" and g2["mean"] is None and g2["n"] == 2
     # a caller's interval replaces the t-interval only for one seed (which has none)
-    g3 = gap_closed({0: 0.7, 1: 0.5}, {0: 0.9, 1: 0.5}, {0: 0.8, 1: 0.6}, gap_interval=(0.05, 0.15))
+    g3 = gap_closed_paired([0.7, 0.5], [0.9, 0.5], [0.8, 0.6], gap_interval=(0.05, 0.15))
     assert g3["verdict"] == "unbounded"
-    g4 = gap_closed({0: 0.7, 3: 0.1}, {0: 0.9}, {0: 0.8, 2: 0.9}, gap_interval=(0.05, 0.15))
+    g4 = gap_closed_paired([0.7], [0.9], [0.8], gap_interval=(0.05, 0.15))
     assert g4["verdict"] == "gap" and g4["n"] == 1 and g4["mean"] == pytest.approx(0.5) and g4["lo"] is None
 
 

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from humanline_cli.report.aggregate import build_report, print_report
-from humanline_cli.report.gap_closed import gap_closed, gap_closed_paired, gap_text, paired_differences
-from humanline_cli.report.stats import excludes_zero, paired_t, prompt_bootstrap
+from humanline_cli.report.gap_closed import gap_closed_paired, gap_text, paired_differences
+from humanline_cli.report.stats import paired_t, prompt_bootstrap
 from tests.helpers.runs import config, run_dir
 
 
@@ -47,9 +47,12 @@ def test_prompt_bootstrap_hand_computed():
         prompt_bootstrap([1.0, 2.0], [1.0, 2.0])
 
 
-def test_excludes_zero():
-    assert excludes_zero(0.01, 0.2) and excludes_zero(-0.3, -0.1)
-    assert not excludes_zero(-0.01, 0.2) and not excludes_zero(0.0, 0.2) and not excludes_zero(None, None)
+def test_the_gap_interval_decides_the_verdict():
+    # one seed, so the given interval of the gap decides: wholly above 0, wholly below, or touching it
+    verdict = {iv: gap_closed_paired([0.7], [0.9], [0.8], gap_interval=iv)["verdict"]
+               for iv in ((0.01, 0.2), (-0.3, -0.1), (-0.01, 0.2), (0.0, 0.2))}
+    assert verdict == {(0.01, 0.2): "gap", (-0.3, -0.1): "online below", (-0.01, 0.2): "unbounded",
+                       (0.0, 0.2): "unbounded"}
 
 
 def test_gap_closed_refuses_a_ratio_when_the_gap_interval_holds_zero():
@@ -72,10 +75,8 @@ def test_gap_closed_refuses_a_ratio_when_the_gap_interval_holds_zero():
 
 
 def test_gap_closed_is_a_ratio_of_means_with_a_fieller_interval_paired_by_seed():
-    # seed 5 has humanline only: left out. Per seed x = humanline - offline = 0.10, 0.18, 0.10 and
-    # y = online - offline = 0.16, 0.26, 0.24
-    off, on, hl = {0: 0.60, 1: 0.62, 2: 0.64}, {0: 0.76, 1: 0.88, 2: 0.88}, {0: 0.70, 1: 0.80, 2: 0.74, 5: 0.1}
-    g = gap_closed(off, on, hl)
+    # per seed x = humanline - offline = 0.10, 0.18, 0.10 and y = online - offline = 0.16, 0.26, 0.24
+    g = gap_closed_paired([0.60, 0.62, 0.64], [0.76, 0.88, 0.88], [0.70, 0.80, 0.74])
     # ratio of means: mean(x) / mean(y) = (0.38 / 3) / (0.66 / 3) = 0.575758 (the mean of per-seed ratios
     # 0.625, 0.692, 0.417 would be 0.578)
     assert g["verdict"] == "gap" and g["n"] == 3 and g["mean"] == pytest.approx(0.38 / 0.66)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from humanline_cli.report.aggregate import build_report, main_report
-from humanline_cli.report.stats import t975, win_rate_ci
+from humanline_cli.report.stats import mean_ci, win_rate_ci
 from tests.helpers.runs import make_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -65,7 +65,7 @@ def test_csv_aggregates_and_speedup(runs_dir):
     assert (float(hl["win_rate_lo"]), float(hl["win_rate_hi"])) == pytest.approx((0.57, 0.67))  # the run's own CI
     assert float(rows[("arithmetic", "grpo", "humanline-offline")]["speedup_vs_online"]) == pytest.approx(200.0 / 50.0)
     assert rows[("arithmetic", "kto", "offline")]["speedup_vs_online"] == ""  # no online run
-    assert len(rep.complete) == 10 and len(rep.problems) == 2
+    assert (rep.frame.status == "complete").sum() == 10 and (rep.frame.status != "complete").sum() == 2
 
 
 def test_multi_seed_ci_is_t_interval(runs_dir):
@@ -85,14 +85,13 @@ def test_multi_seed_ci_is_t_interval(runs_dir):
 
 
 def test_t_quantiles():
-    # printed t-tables (e.g. NIST's) to their 4 or 5 significant digits
-    assert t975(1) == pytest.approx(12.7062, abs=1e-4)
-    assert t975(2) == pytest.approx(4.3027, abs=1e-4)
-    assert t975(10) == pytest.approx(2.2281, abs=1e-4)
-    assert t975(60) == pytest.approx(2.0003, abs=1e-4)
-    assert t975(120) == pytest.approx(1.9799, abs=1e-4)
-    with pytest.raises(ValueError):
-        t975(0)
+    # the 95% interval's half-width over its standard error is t(0.975, n - 1), as printed t-tables (e.g. NIST's)
+    # give it to 4 or 5 significant digits
+    for df, t in ((1, 12.7062), (2, 4.3027), (10, 2.2281), (60, 2.0003), (120, 1.9799)):
+        x = [0.0, 1.0] * ((df + 1) // 2) + [0.5] * ((df + 1) % 2)
+        ci = mean_ci(x)
+        assert (ci["hi"] - ci["mean"]) / (statistics.stdev(x) / math.sqrt(len(x))) == pytest.approx(t, abs=1e-4)
+    assert mean_ci([0.7])["lo"] is None and mean_ci([]) is None
 
 
 def test_markdown_lists_failed_and_incomplete(runs_dir):
@@ -135,7 +134,7 @@ def test_eval_curve_and_late_histogram(runs_dir):
     from humanline_cli.report.plots import eval_curve, late_histogram
 
     rep = build_report(runs_dir)
-    run = next(r for r in rep.complete if r.path.name == "4")
+    run = next(r for r in rep.frame.itertuples() if r.path.name == "4")
     metric, pts = eval_curve(run)
     assert metric == "accuracy"
     assert pts == [(0.0, 0.5), (10.0, pytest.approx(0.76)), (20.0, 0.81)]  # start, eval row, final
@@ -209,4 +208,4 @@ def test_wandb_offline_logs(runs_dir, monkeypatch):
     assert rep.wandb_error is None
     assert list((runs_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     # a second report over the same root does not mistake wandb/ for a run dir
-    assert len(build_report(runs_dir).runs) == len(rep.runs)
+    assert len(build_report(runs_dir).frame) == len(rep.frame)

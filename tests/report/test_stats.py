@@ -1,12 +1,12 @@
 """The report's statistics, pure functions of arrays: Fieller's interval for a ratio of paired means and the
-Kaplan-Meier median of censored times to a target, against numbers worked by hand."""
+Kaplan-Meier median of censored times to a target, the equivalence test, against numbers worked by hand."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from humanline_cli.report.stats import fieller, km_median, paired_t
+from humanline_cli.report.stats import equivalence, fieller, km_median, paired_t
 
 
 def test_fieller_four_seeds_from_the_quadratic():
@@ -53,3 +53,19 @@ def test_km_median_with_censored_seeds():
     # censored at 8 and 9, reached at 2: the share short stays at 2/3 > 1/2, no median
     assert km_median([2.0, 8.0, 9.0], [True, False, False]) is None
     assert km_median([1.0], [False]) is None and km_median([], []) is None
+
+
+# per-seed differences [0.01, -0.02, 0.03, 0.00, 0.02]: mean 0.04 / 5 = 0.008; deviations 0.002, -0.028, 0.022,
+# -0.008, 0.012, squares summing to 1480e-6, so sd^2 = 1480e-6 / 4 = 370e-6 and se = sqrt(370e-6 / 5) =
+# sqrt(74e-6) = 0.0086023253; t(0.95, 4) = 2.131847, half-width 2.131847 * 0.0086023253 = 0.0183388413;
+# the 90% interval [0.008 - 0.0183388, 0.008 + 0.0183388] = [-0.0103388, +0.0263388]
+DIFFS = [0.01, -0.02, 0.03, 0.00, 0.02]
+LO, HI = -0.0103388413, 0.0263388413
+
+
+def test_the_90_percent_interval_and_verdicts_by_hand():
+    wide = equivalence(DIFFS, 0.05)
+    assert (wide["lo"], wide["hi"]) == pytest.approx((LO, HI), abs=5e-9)  # t to 6 decimals: +-4.3e-9
+    assert wide["verdict"] == "equivalent within +-0.05"  # -0.05 <= -0.0103 and +0.0263 <= 0.05
+    assert equivalence(DIFFS, 0.02)["verdict"] == "not shown equivalent"  # +0.0263 > 0.02
+    assert equivalence([0.01], 0.05) == {"lo": None, "hi": None, "verdict": "n/a"}

@@ -255,7 +255,6 @@ def test_report_keeps_lags_apart_and_pairs_each_with_lag0_plain_and_humanline(tm
     import csv
 
     from humanline_cli.report.aggregate import build_report
-    from humanline_cli.report.stats import t975
     from tests.helpers.runs import config, run_dir
 
     root = tmp_path / "sweep"
@@ -280,10 +279,9 @@ def test_report_keeps_lags_apart_and_pairs_each_with_lag0_plain_and_humanline(tm
         rows = {(r["humanline"], r["lag"]): r for r in csv.DictReader(f)}
     assert sorted(rows) == [("False", "1"), ("False", "2"), ("True", "1")]
     plain1, plain2, hl1 = rows["False", "1"], rows["False", "2"], rows["True", "1"]
-    # lag 0 plain: mean 0.90, sd 0.02, 95% half-width t975(2) * 0.02 / sqrt(3) = 4.30 * 0.011547 = 0.0497
-    # (t975, the project's quantile, is pinned in test_report.py)
+    # lag 0 plain: mean 0.90, sd 0.02, 95% half-width t(0.975, 2) * 0.02 / sqrt(3) = 4.302653 * 0.011547 = 0.0497
     assert float(plain1["lag0_mean"]) == pytest.approx(0.90)
-    assert float(plain1["lag0_hi"]) - 0.90 == pytest.approx(t975(2) * 0.02 / 3 ** 0.5)
+    assert float(plain1["lag0_hi"]) - 0.90 == pytest.approx(4.302653 * 0.02 / 3 ** 0.5)
     # paired per seed: -0.10, -0.09, -0.11 (plain lag 1); -0.20, -0.22, -0.18 (lag 2); -0.01 x 3 (humanline lag 1)
     assert float(plain1["delta_mean"]) == pytest.approx(-0.10) and plain1["within_lag0_interval"] == "False"
     assert float(plain2["delta_mean"]) == pytest.approx(-0.20) and float(plain2["speedup"]) == pytest.approx(100 / 64)
