@@ -268,6 +268,23 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def release_freed() -> None:
+    """Hand memory this process has freed back to the host: unreachable objects collected, then glibc's
+    malloc_trim(0), which returns the free pages of its heaps (freed tensors stay resident otherwise, and
+    MemAvailable counts them as taken: a sweep's second job would see its first job's memory as in use). A no-op
+    where there is no glibc."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def host_available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> float | None:
     """Host memory this process can still take: the kernel's MemAvailable, capped by the cgroup's limit less
     what the cgroup holds (cgroup v2 memory.max / memory.current, or v1 memory.limit_in_bytes / usage_in_bytes),

@@ -47,6 +47,7 @@ from humanline_cli.memory import (
     estimate,
     host_available_bytes,
     largest_fitting,
+    release_freed,
     rss_bytes,
     size,
 )
@@ -480,6 +481,7 @@ def device_memory(spec: RunSpec, device: torch.device, params: int) -> tuple[flo
     if device.type == "cuda":
         total = float(torch.cuda.get_device_properties(device).total_memory)
         return total, total * spec.sampler_cfg.gpu_memory_utilization if vllm else 0.0
+    release_freed()  # what an earlier job of this process freed is available again
     avail = host_available_bytes()
     if avail is None:
         return 0.0, 0.0

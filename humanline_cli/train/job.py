@@ -41,6 +41,7 @@ from humanline_cli.backend import wait_for_rank0
 from humanline_cli.config import RunSpec, resolve
 from humanline_cli.core.humanline import ReferenceRule
 from humanline_cli.errors import Interrupted, Preempted, RunFailed, UserError, ignore_ctrl_c, one_line
+from humanline_cli.memory import release_freed
 from humanline_cli.train import failures
 from humanline_cli.train.build import build_parts
 from humanline_cli.train.checkpoint import Checkpoints
@@ -424,6 +425,8 @@ def run_rank(spec: RunSpec, ctx: Context, console: Console | None = None) -> dic
     finally:  # engines, samplers and wandb are released whatever happened (a sweep runs on in this process)
         if parts is not None:
             parts.close()
+        del parts
+        release_freed()  # the next job of a sweep in this process sizes itself against the host's memory
         if tracker is not None:
             tracker.finish(0)
 

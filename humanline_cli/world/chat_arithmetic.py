@@ -8,7 +8,8 @@ The judge and labeller are the verifier's `final_number` method: the last number
 
 Difficulty: `digits` (operands of exactly that many digits) and `op` (add, sub with a non-negative result,
 mul, or mixed). `instruction` (e.g. "Answer with the number only.") follows each question: it moves a reply's
-format into the prompt, so that what training changes is the arithmetic. SmolLM2-135M-Instruct's start accuracy per setting is in docs/results.md.
+format into the prompt, so that what training changes is the arithmetic. SmolLM2-135M-Instruct's start
+accuracy per setting is in docs/results.md.
 """
 from __future__ import annotations
 
