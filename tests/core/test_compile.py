@@ -1,5 +1,6 @@
 """train.compile: token_logps through a compiled decoder gives the eager values and gradients (float64), the
-module itself is untouched (state dict, generate's path), a compile that fails falls back to eager in one line, and the configs it cannot compile are refused in one line."""
+module itself is untouched (state dict, generate's path), a compile that fails falls back to eager in one line,
+and the configs it cannot compile are refused in one line."""
 from __future__ import annotations
 
 import pytest
