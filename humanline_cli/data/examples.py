@@ -2,9 +2,10 @@
 
 Formats: pairs (prompt, chosen, rejected [, score_chosen, score_rejected]), unpaired (prompt,
 completion, label), groups (prompt, completions, rewards). Prompts and completions are strings or
-chat message lists; rows may mix the two (each value is checked on its own). Conversions follow the
-paper: KTO splits a pair into one desirable and one undesirable example; GRPO treats a scored pair as
-a group of 2; groups feed DPO/KTO via best vs worst.
+chat message lists; rows may mix the two (each value is checked on its own). Every pair or group becomes
+a scored group, which the objective turns into its units (core/objectives/, following the paper: KTO splits
+a pair into one desirable and one undesirable example; GRPO treats a scored pair as a group of 2; groups
+feed DPO/KTO via best vs worst).
 """
 from __future__ import annotations
 
