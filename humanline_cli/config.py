@@ -21,7 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from humanline_cli import schema as S
+from humanline_cli.core import objectives
 from humanline_cli.core.humanline import HumanlineSpec
+from humanline_cli.core.knobs import positive as _positive
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.errors import UserError
 
@@ -166,12 +168,6 @@ def compose_train(overrides: list[str]):
         raise UserError(compose_error(e)) from None
 
 
-def _positive(value, key: str):
-    if value is None or isinstance(value, bool) or not value > 0 or (isinstance(value, float) and not math.isfinite(value)):
-        raise UserError(f"config key '{key}' must be > 0, got {value}")
-    return value
-
-
 def _at_least(value, low, key: str) -> None:
     if value is not None and value < low:
         raise UserError(f"config key '{key}' must be >= {low}, got {value}")
@@ -265,9 +261,7 @@ def check_data(data: S.DataConfig, objective: S.ObjectiveConfig, t: S.TrainConfi
                                 f"samples no rounds); drop data.{key} or set data=online")
     if data.regime == "online":
         _positive(data.n, "data.n")
-        if isinstance(objective, S.GRPOConfig) and data.n < 2:  # advantages come from the spread within a group
-            raise UserError(f"objective=grpo needs data.n >= 2 samples per prompt, got data.n={data.n} (a group of "
-                            f"one has no reward spread: every advantage is 0 and nothing trains)")
+        objectives.get(objective.name).check_online(objective, data)
         _positive(data.prompts_per_round, "data.prompts_per_round")
         if data.generate_every is not None:
             _positive(data.generate_every, "data.generate_every")
@@ -299,25 +293,10 @@ def check_humanline(root: S.RootConfig) -> None:
 
 
 def check_objective(objective: S.ObjectiveConfig, data: S.DataConfig) -> None:
-    """objective.*: positive weights; GRPO's options that need online data."""
+    """objective.*: positive weights, then the objective's own rules (GRPO's options that need online data)."""
     _positive(objective.beta, "objective.beta")
     _positive(objective.batch_size, "objective.batch_size")
-    if isinstance(objective, S.KTOConfig):
-        _positive(objective.desirable_weight, "objective.desirable_weight")
-        _positive(objective.undesirable_weight, "objective.undesirable_weight")
-    if isinstance(objective, S.GRPOConfig):
-        if _positive(objective.epsilon, "objective.epsilon") >= 1.0:
-            raise UserError(f"objective.epsilon must be in (0, 1), got {objective.epsilon}")
-        if objective.ratio_denominator == "sampler" and data.regime == "offline":
-            raise UserError("objective.ratio_denominator=sampler needs data=online (offline data has no "
-                            "sampling log-probs)")
-        if objective.aggregation == "dapo" and data.regime != "online":
-            raise UserError("objective.aggregation=dapo needs data=online (it divides by the completion tokens per "
-                            "step of the round a step's data were sampled in)")
-        if objective.std_ddof not in (0, 1):
-            raise UserError("objective.std_ddof must be 0 or 1")
-        if objective.std_eps < 0:
-            raise UserError("objective.std_eps must be >= 0")
+    objectives.get(objective.name).check(objective, data)
 
 
 def check_backend(backend: S.BackendConfig) -> None:
@@ -340,11 +319,9 @@ def check_train(t: S.TrainConfig, objective: S.ObjectiveConfig, backend: S.Backe
                         f"in micro-batches of micro_batch_size)")
     if micro <= 0 or uneven:
         raise UserError(f"train.batch_size ({batch}) must be a positive multiple of train.micro_batch_size ({micro})")
-    need = PROPERTIES[objective.name].min_micro_batch
-    if micro < need:  # kto: z0 pairs each prompt with the next example's completion in the micro-batch
-        raise UserError(f"objective={objective.name} needs train.micro_batch_size >= {need}: z0 pairs each prompt "
-                        f"with the next example's completion in the micro-batch, so one example would be mismatched "
-                        f"with itself")
+    need, why = PROPERTIES[objective.name].min_micro_batch, objectives.get(objective.name).min_micro_batch_reason
+    if micro < need:
+        raise UserError(f"objective={objective.name} needs train.micro_batch_size >= {need}" + (f": {why}" if why else ""))
     if t.compile and backend.strategy.value == "fsdp":  # FSDP2's hooks around the root would run inside the graph
         raise UserError("train.compile=true runs one process or DDP; backend.strategy=fsdp is not compiled")
     for key in ("steps", "lr", "max_grad_norm", "log_every", "max_length", "max_prompt_length"):

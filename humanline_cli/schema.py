@@ -4,7 +4,8 @@ Registered in Hydra's ConfigStore under `schema/<group>/<option>` and pulled int
 through its defaults list (`- /schema/objective/dpo@_here_`), so OmegaConf checks types, enum
 values and unknown keys while Hydra composes. Cross-field rules live in config.py (`resolve`: a check per
 group), which turns a composed (or saved) config into a frozen RunSpec; nothing past the builder reads a
-DictConfig. The dataclasses here are the only declaration of each key, its default and its help (`knob`): the
+DictConfig. The dataclasses here, each objective's own (core/objectives/, one module per objective) and hl.*'s
+(core/humanline.py) are the only declaration of each key, its default and its help (`knob`, core/knobs.py): the
 specs reuse them, and docs/config.md's key tables are generated from them (`python -m humanline_cli.docs_gen`).
 
 Every choice is an Enum (StrEnum: equal to, and printed as, its value), so OmegaConf names the valid set
@@ -17,36 +18,22 @@ is accepted by the CLI, which drops the `+` (Hydra refuses to append a key the s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Optional
 
-try:
-    from omegaconf import MISSING
-except ImportError:  # torch-only tools (gpu-check's step rows on a GPU machine without Hydra) read defaults only
-    MISSING = "???"
+from humanline_cli.core import objectives
+from humanline_cli.core.humanline import HumanlineConfig
+from humanline_cli.core.knobs import MISSING, knob
 
-
-def knob(default=dataclasses.MISSING, help: str = "", *, factory=dataclasses.MISSING):
-    """One config key: its default (or default factory) and its help, in the field's metadata, as TRL's configs
-    declare each knob (`field(default=..., metadata={"help": ...})`). docs/config.md's key tables are generated from
-    these (humanline_cli/docs_gen.py); OmegaConf ignores the metadata."""
-    return dataclasses.field(default=default, default_factory=factory, metadata={"help": help})
-
-
-class Aggregation(StrEnum):
-    token_mean = "token_mean"
-    seq_mean = "seq_mean"
-    dapo = "dapo"  # TRL's loss_type=dapo: the step's token sum / the round's completion tokens per step
-    # the authors' dapo (open-r1-humanline's _compute_loss on TRL 0.18 / transformers 4.52.3): each accumulation
-    # micro-step's token sum / its own token count over all ranks, averaged over the step's micro-steps
-    dapo_micro = "dapo_micro"
-
-
-class RatioDenominator(StrEnum):
-    reference = "reference"
-    sampler = "sampler"
+# each objective's schema lives with the objective (core/objectives/); these names stay importable from here
+from humanline_cli.core.objectives import ObjectiveConfig as ObjectiveConfig
+from humanline_cli.core.objectives.dpo import DPOConfig as DPOConfig
+from humanline_cli.core.objectives.grpo import Aggregation as Aggregation
+from humanline_cli.core.objectives.grpo import GRPOConfig as GRPOConfig
+from humanline_cli.core.objectives.grpo import RatioDenominator as RatioDenominator
+from humanline_cli.core.objectives.kto import KTOConfig as KTOConfig
 
 
 class Schedule(StrEnum):
@@ -160,45 +147,6 @@ class RegimeFamily(StrEnum):
     stale = "stale"          # on-policy rounds each serving K optimizer steps (data.generate_every=K)
     asynchronous = "asynchronous"  # online rounds sampled L rounds stale, beside training (data.async_lag=L)
     humanline = "humanline"  # humanline on one of the above (its baseline)
-
-
-# ------------------------------------------------------------------ objective/
-@dataclass
-class ObjectiveConfig:
-    name: str = knob(MISSING, "the objective: dpo | kto | grpo (the option chosen)")
-    beta: float = knob(0.1, "weight of the reference: DPO's and KTO's beta; GRPO's KL weight")
-    batch_size: int = knob(32, "units per optimizer step: pairs (dpo), examples (kto), groups (grpo; a scored pair: 2)")
-    tempered_logps: bool = knob(False, "log-probs of softmax(logits / data.temperature) for the policy, the reference "
-                                       "and the sampler (TRL's convention, the authors' math code); false: of "
-                                       "softmax(logits)")
-
-
-@dataclass
-class DPOConfig(ObjectiveConfig):
-    name: str = "dpo"
-
-
-@dataclass
-class KTOConfig(ObjectiveConfig):
-    name: str = "kto"
-    desirable_weight: float = knob(1.0, "weight of the desirable examples' loss")
-    undesirable_weight: float = knob(1.0, "weight of the undesirable examples' loss")
-
-
-@dataclass
-class GRPOConfig(ObjectiveConfig):
-    name: str = "grpo"
-    beta: float = 0.01
-    epsilon: float = knob(0.2, "PPO clip (reference code default 0.01, its online-humanline script 0.15)")
-    std_ddof: int = knob(0, "0: population std of a group's rewards, as in the reference code (TRL/verl: 1)")
-    std_eps: float = knob(0.01, "advantage A = (s - mean) / (std + std_eps)")
-    ratio_denominator: RatioDenominator = knob(
-        RatioDenominator.reference, "the PPO ratio's denominator: reference (the reference code: the reference plays "
-                                    "pi_old) | sampler (the sampler's log-probs; online only)")
-    aggregation: Aggregation = knob(
-        Aggregation.token_mean, "how token losses become the step's loss: token_mean (reference code) | seq_mean | "
-                                "dapo (TRL's loss_type=dapo; online only) | dapo_micro (the authors' dapo, per "
-                                "micro-step; docs/method.md)")
 
 
 # ------------------------------------------------------------------ data/
@@ -492,18 +440,6 @@ class JudgeConfig(AlpacaEvalOptions, LLMJudgeOptions, JudgeConnection):
 
 # ------------------------------------------------------------------ root
 @dataclass
-class HumanlineConfig:
-    """hl.*: humanline's knobs, active only with humanline=true (the method: docs/method.md)."""
-    clamp: bool = knob(True, "clamp each token's log-ratio to [log_eps_P, log_eps_R] (false: sync only)")
-    sync: bool = knob(True, "copy the policy into the reference every sync_every steps, before optimizer.step "
-                            "(false: clamp only)")
-    log_eps_P: float = knob(-1.0, "the clamp band's lower end (< 0)")
-    log_eps_R: float = knob(1.5, "the clamp band's upper end (> 0)")
-    sync_every: int = knob(1, "optimizer steps between reference syncs (k: the reference is the policy of step "
-                              "t - k)")
-
-
-@dataclass
 class TrainConfig:
     steps: int = knob(200, "optimizer steps")
     batch_size: int = knob(32, "units per optimizer step, all ranks together (defaults to objective.batch_size)")
@@ -623,9 +559,23 @@ class RootConfig:
     regime_meta: Optional[RegimeMeta] = knob(None, "set by a named regime (regime=..., conf/regime/): what it is")
 
 
+class _ObjectiveSchemas(Mapping):
+    """objective=NAME -> its config schema, read from the objectives' registry when asked (so an objective
+    registered after this module is imported is known too)."""
+
+    def __getitem__(self, name: str) -> type:
+        return objectives.OBJECTIVES[name].config
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(objectives.OBJECTIVES)
+
+    def __len__(self) -> int:
+        return len(objectives.OBJECTIVES)
+
+
 # option name -> schema, per group: what config.typed uses to type a saved (plain) config too
-GROUP_SCHEMAS: dict[str, dict[str, type]] = {
-    "objective": {"dpo": DPOConfig, "kto": KTOConfig, "grpo": GRPOConfig},
+GROUP_SCHEMAS: dict[str, Mapping[str, type]] = {
+    "objective": _ObjectiveSchemas(),
     "data": {"offline": OfflineDataConfig, "online": OnlineDataConfig},
     "task": {"task": TaskConfig},
     "model": {"model": ModelConfig},
@@ -665,5 +615,5 @@ def _open_keys(schema: type):
     return node
 
 
-with contextlib.suppress(ImportError):  # no Hydra: nothing composes configs in this process (see MISSING above)
+with contextlib.suppress(ImportError):  # no Hydra: nothing composes configs in this process (see core/knobs.py's MISSING)
     register()

@@ -127,7 +127,9 @@ def _training_rows(out: Path, n_gpu: int, checks: list) -> None:
         checks.append({"check": "training_runs", "ok": False,
                        "skipped": "hydra not installed (bf16 runs, LoRA, DDP/FSDP and vLLM rows run `humanline train`)"})
         return
-    for objective in ("dpo", "kto", "grpo"):
+    from humanline_cli.core.objectives import OBJECTIVES
+
+    for objective in OBJECTIVES:
         for hl in ("false", "true"):
             checks.append(_train(out, f"bf16_{objective}_hl-{hl}", ["backend=cuda", f"objective={objective}",
                                                                    f"humanline={hl}"]))

@@ -33,21 +33,22 @@ def build(shape: str, device, seed: int = 0):
     return model
 
 
-def run(shape: str = "tiny", device: str = "cpu", objectives=("dpo", "kto", "grpo"), micro: int = 2, n: int = 4,
+def run(shape: str = "tiny", device: str = "cpu", objectives=None, micro: int = 2, n: int = 4,
         tokens: int = 64, steps: int = 3, gradient_checkpointing: bool = True, peak_tflops: float = 989.0,
         tol: float = 0.25, lr: float = 1e-6) -> list[dict]:
-    """One row per (objective, humanline); step_s is the median after the first step; peak_gib is CUDA's."""
+    """One row per (objective, humanline; `objectives`: names, None: all); step_s is the median after the first step;
+    peak_gib is CUDA's."""
     import torch
 
     from humanline_cli.core.batches import Seqs
-    from humanline_cli.core.objectives import PROPERTIES
+    from humanline_cli.core.objectives import OBJECTIVES, PROPERTIES
     from humanline_cli.core.reference import FrozenCopy
     from humanline_cli.memory import estimate
 
     cuda = device.startswith("cuda")
     dev = torch.device(device)
     rows = []
-    for objective in objectives:
+    for objective in objectives or OBJECTIVES:
         for humanline in (False, True):
             policy = build(shape, dev)
             n_params = sum(p.numel() for p in policy.parameters())

@@ -26,10 +26,15 @@ class Seqs:
 
 @dataclass
 class _Cut:
-    """What sources.source.micro_batches records on each micro-batch it cuts."""
+    """What sources.source.micro_batches records on each micro-batch it cuts. Every batch type derives from it
+    (an objective's own too, core/objectives/) and holds its sequences in `seqs`."""
 
     units: list | None = field(default=None, kw_only=True, compare=False, repr=False)  # named if its loss is not finite
     filler: bool = field(default=False, kw_only=True)  # a padding copy: it runs the collectives, trains nothing
+
+    def n_units(self) -> int:
+        """Objective units the batch holds: one per sequence unless the batch type says otherwise."""
+        return len(self.seqs)
 
 
 @dataclass
@@ -37,6 +42,9 @@ class PairBatch(_Cut):
     """DPO: `seqs` holds B chosen sequences followed by B rejected ones (one forward pass)."""
 
     seqs: Seqs
+
+    def n_units(self) -> int:
+        return len(self.seqs) // 2
 
 
 @dataclass
@@ -73,9 +81,4 @@ def to_device(obj, device: torch.device):
 
 def n_units(batch: Batch) -> int:
     """How many objective units (pairs / examples / completions) a batch holds."""
-    match batch:
-        case PairBatch():
-            return len(batch.seqs) // 2
-        case BinaryBatch() | GroupBatch():
-            return len(batch.seqs)
-    raise TypeError(type(batch))
+    return batch.n_units()

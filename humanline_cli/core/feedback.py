@@ -1,4 +1,5 @@
-"""Scores -> training signal: group advantages, best-vs-worst pairs, KTO labels.
+"""Scores -> training signal: group advantages, best-vs-worst pairs, KTO labels, and the units objectives train on
+(a preference pair, a labelled example, a scored group).
 
 Used by offline data (converting pairs / groups to an objective's unit) and by online rollouts
 (scored samples). Pure Python/torch on floats; no models.
@@ -9,11 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from humanline_cli.schema import GRPOConfig
+# the reference code's advantage normalisation (objective.std_ddof, objective.std_eps default to these)
+STD_DDOF = 0
+STD_EPS = 0.01
 
 
-def group_advantages(scores: torch.Tensor, std_ddof: int = GRPOConfig.std_ddof,
-                     std_eps: float = GRPOConfig.std_eps) -> torch.Tensor:
+def group_advantages(scores: torch.Tensor, std_ddof: int = STD_DDOF, std_eps: float = STD_EPS) -> torch.Tensor:
     """A_i = (s_i - mean(s)) / (std(s) + std_eps) within one group. (G,) -> (G,).
 
     ddof=0 is the reference code's population std; TRL/verl use ddof=1 and a tiny eps. A group of
@@ -25,6 +27,33 @@ def group_advantages(scores: torch.Tensor, std_ddof: int = GRPOConfig.std_ddof,
     centered = s - s.mean()
     std = s.std(correction=std_ddof)
     return (centered / (std + std_eps)).float()
+
+
+@dataclass(frozen=True)
+class PairExample:
+    """A preference pair: `chosen` preferred to `rejected` for `prompt`."""
+
+    prompt: object
+    chosen: object
+    rejected: object
+
+
+@dataclass(frozen=True)
+class BinaryExample:
+    """One completion labelled desirable (True) or undesirable."""
+
+    prompt: object
+    completion: object
+    desirable: bool
+
+
+@dataclass(frozen=True)
+class GroupExample:
+    """A prompt's completions with their rewards."""
+
+    prompt: object
+    completions: list
+    rewards: list[float]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
-from humanline_cli.schema import HumanlineConfig
+from humanline_cli.core.knobs import knob
+
+
+@dataclass
+class HumanlineConfig:
+    """hl.*: humanline's knobs, active only with humanline=true (the method: docs/method.md)."""
+    clamp: bool = knob(True, "clamp each token's log-ratio to [log_eps_P, log_eps_R] (false: sync only)")
+    sync: bool = knob(True, "copy the policy into the reference every sync_every steps, before optimizer.step "
+                            "(false: clamp only)")
+    log_eps_P: float = knob(-1.0, "the clamp band's lower end (< 0)")
+    log_eps_R: float = knob(1.5, "the clamp band's upper end (> 0)")
+    sync_every: int = knob(1, "optimizer steps between reference syncs (k: the reference is the policy of step "
+                              "t - k)")
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Tokenise prompts/completions (chat template when the data is conversational) and collate
-examples into the batch types. Completions always end with EOS (added if the text lacks it)."""
+examples into the batch types (each objective's `collate`, core/objectives/). Completions always end with EOS (added
+if the text lacks it)."""
 from __future__ import annotations
 
 import sys
@@ -7,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from humanline_cli.core.batches import BinaryBatch, GroupBatch, PairBatch, Seqs
-from humanline_cli.core.feedback import group_advantages
-from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample, text_value
+from humanline_cli.core import objectives
+from humanline_cli.core.batches import Seqs
+from humanline_cli.data.examples import text_value
 from humanline_cli.errors import UserError
 
 # Texts this long (characters) are tokenised once, up front (check_completions): collation and length
@@ -298,53 +299,11 @@ class Collator:
     def length(self, unit) -> int:
         """Tokens of the unit's longest sequence: prompt + its longest completion, cut to max_length as
         the collated rows are (the prompt's ids come from the encoder's cache)."""
-        match unit:
-            case PairExample():
-                comps = [unit.chosen, unit.rejected]
-            case BinaryExample():
-                comps = [unit.completion]
-            case GroupExample():
-                comps = list(unit.completions)
-            case _:
-                raise TypeError(type(unit))
+        comps = objectives.for_unit(unit).completions(unit)
         p = len(self.enc.prompt_ids(unit.prompt))
         return p + min(max(self._completion_length(c) for c in comps), max(self.enc.max_length - p, 0))
-
-    @staticmethod
-    def _sampler_logps(seqs: Seqs, comps) -> torch.Tensor | None:
-        """(N, T-1) sampling log-probs aligned with token_logps, when every completion carries them."""
-        if not all(hasattr(c, "logps") for c in comps):
-            return None
-        out = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1)
-        for i, c in enumerate(comps):
-            start = int(seqs.loss_mask[i].nonzero()[0]) - 1 if seqs.loss_mask[i].any() else 0
-            lp = torch.tensor(c.logps[: int(seqs.loss_mask[i].sum())], dtype=torch.float32)
-            out[i, start : start + len(lp)] = lp
-        return out
 
     def __call__(self, units: list, partners: list | None = None):
         """`partners` (KTO): the unit whose completion pairs with each unit's prompt for z0; the
         sources pass the next unit of the whole (global) batch, else the micro-batch wraps around."""
-        match units[0]:
-            case PairExample():
-                prompts = [u.prompt for u in units] * 2
-                comps = [u.chosen for u in units] + [u.rejected for u in units]
-                return PairBatch(self._seqs(prompts, comps))
-            case BinaryExample():
-                prompts = [u.prompt for u in units]
-                comps = [u.completion for u in units]
-                # prompt i with completion i+1: the KL estimate's mismatch
-                shifted = [u.completion for u in partners] if partners is not None else comps[1:] + comps[:1]
-                return BinaryBatch(self._seqs(prompts, comps),
-                                   torch.tensor([u.desirable for u in units], dtype=torch.bool),
-                                   self._seqs(prompts, shifted))
-            case GroupExample():
-                prompts, comps, advs = [], [], []
-                for u in units:
-                    prompts += [u.prompt] * len(u.completions)
-                    comps += list(u.completions)
-                    advs.append(group_advantages(torch.tensor(u.rewards, dtype=torch.float64),
-                                                 self.cfg.std_ddof, self.cfg.std_eps))
-                seqs = self._seqs(prompts, comps)
-                return GroupBatch(seqs, torch.cat(advs), self._sampler_logps(seqs, comps))
-        raise TypeError(type(units[0]))
+        return objectives.for_unit(units[0]).collate(units, partners, self._seqs, self.cfg)

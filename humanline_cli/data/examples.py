@@ -2,17 +2,22 @@
 
 Formats: pairs (prompt, chosen, rejected [, score_chosen, score_rejected]), unpaired (prompt,
 completion, label), groups (prompt, completions, rewards). Prompts and completions are strings or
-chat message lists; rows may mix the two (each value is checked on its own). Conversions follow the
-paper: KTO splits a pair into one desirable and one undesirable example; GRPO treats a scored pair as
-a group of 2; groups feed DPO/KTO via best vs worst.
+chat message lists; rows may mix the two (each value is checked on its own). Every pair or group becomes
+a scored group, which the objective turns into its units (core/objectives/, following the paper: KTO splits
+a pair into one desirable and one undesirable example; GRPO treats a scored pair as a group of 2; groups
+feed DPO/KTO via best vs worst).
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 
-from humanline_cli.core.feedback import ScoredGroup, best_vs_worst, kto_examples
+from humanline_cli.core import objectives
+from humanline_cli.core.feedback import BinaryExample, ScoredGroup
+
+# the units live with the objectives (core/feedback.py); importable from here too
+from humanline_cli.core.feedback import GroupExample as GroupExample
+from humanline_cli.core.feedback import PairExample as PairExample
 from humanline_cli.errors import UserError
 
 FORMATS = {
@@ -20,27 +25,6 @@ FORMATS = {
     "unpaired": ("prompt", "completion", "label"),
     "groups": ("prompt", "completions", "rewards"),
 }
-
-
-@dataclass(frozen=True)
-class PairExample:
-    prompt: object
-    chosen: object
-    rejected: object
-
-
-@dataclass(frozen=True)
-class BinaryExample:
-    prompt: object
-    completion: object
-    desirable: bool
-
-
-@dataclass(frozen=True)
-class GroupExample:
-    prompt: object
-    completions: list
-    rewards: list[float]
 
 
 def detect_format(row: dict, where: str) -> str:
@@ -127,32 +111,22 @@ def parse_row(row: dict, fmt: str, where: str) -> ScoredGroup | BinaryExample:
 
 
 def units_from_group(objective: str, g: ScoredGroup, min_gap: float, pair: tuple | None = None) -> list:
-    """One scored group -> the objective's units. DPO/KTO use `pair` (chosen, rejected) when the data
-    names it, else best vs worst if the score gap exceeds min_gap; GRPO keeps the whole group.
-    Shared by offline files and online rounds so both build identical training signal."""
-    match objective:
-        case "dpo":
-            if pair is None:
-                best = best_vs_worst(g, min_gap)
-                pair = None if best is None else best[:2]
-            return [] if pair is None else [PairExample(g.prompt, *pair)]
-        case "kto":
-            split = [(pair[0], True), (pair[1], False)] if pair is not None else kto_examples(g, min_gap)
-            return [BinaryExample(g.prompt, c, d) for c, d in split]
-        case "grpo":
-            return [GroupExample(g.prompt, list(g.completions), list(g.scores))]
-    raise ValueError(f"unknown objective {objective!r}")
+    """One scored group -> the objective's units (core/objectives/: its `units`). `pair` (chosen, rejected) is
+    set when the data names it. Shared by offline files and online rounds so both build identical training
+    signal."""
+    return objectives.get(objective).units(g, min_gap, pair)
 
 
 def to_units(rows: list[dict], where, objective: str, min_gap: float = 0.0) -> list:
-    """Validate rows and convert them to PairExample (dpo), BinaryExample (kto) or GroupExample (grpo).
+    """Validate rows and convert them to the objective's units (PairExample for dpo, BinaryExample for kto,
+    GroupExample for grpo: core/objectives/).
 
     For pairs, the 'chosen' side is trusted as preferred even if scores tie (the dataset says so).
     """
     fmt = detect_format(rows[0], where(0))
     parsed = [parse_row(r, fmt, where(i)) for i, r in enumerate(rows)]
     if fmt == "unpaired":
-        if objective != "kto":
+        if not objectives.get(objective).unpaired_rows:
             raise UserError(f"{objective} needs paired or grouped data; {where(0)} is unpaired (prompt/completion/label)")
         return parsed
     units: list = []

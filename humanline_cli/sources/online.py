@@ -30,9 +30,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from humanline_cli.core import objectives
 from humanline_cli.core.feedback import ScoredGroup
 from humanline_cli.core.interfaces import Completions, SamplingParams, StepData
-from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample, units_from_group
+from humanline_cli.data.examples import units_from_group
 from humanline_cli.errors import cannot_write
 from humanline_cli.rewards.scorers import checked
 from humanline_cli.sampling.rounds_worker import snapshot
@@ -318,11 +319,4 @@ class OnlineSource:
 
 def _completions(unit) -> list:
     """The completions a unit trains on (their loss-mask tokens are the dapo normaliser's count)."""
-    match unit:
-        case PairExample():
-            return [unit.chosen, unit.rejected]
-        case BinaryExample():
-            return [unit.completion]
-        case GroupExample():
-            return list(unit.completions)
-    raise TypeError(type(unit))
+    return objectives.for_unit(unit).completions(unit)

@@ -30,6 +30,7 @@ from humanline_cli.backend import (
     wrap_policy,
 )
 from humanline_cli.config import RunSpec, eval_new_tokens, evaluates
+from humanline_cli.core import objectives
 from humanline_cli.core.interfaces import Reference, Sampler, SamplingParams, Source
 from humanline_cli.core.logprobs import check_packing, compile_decoder, packing_probe
 from humanline_cli.core.objectives import PROPERTIES
@@ -292,10 +293,9 @@ def _offline_source(spec: RunSpec, encoder: Encoder, collate: Collator, shard: S
     d = spec.data_cfg
     rows, where = load_rows(resolve_path(d.path, spec), d.split, d.limit, d.columns, limit_key="data.limit")
     units = to_units(rows, where, spec.objective, d.min_gap)
-    if spec.objective == "kto" and not d.shuffle and detect_format(rows[0], where(0)) != "unpaired":
-        raise UserError("objective=kto with data.shuffle=false on paired data: each KTO example's neighbour is the "
-                        "other half of its own pair, so z0's mismatched pairs would share the prompt; keep "
-                        "data.shuffle=true")
+    refused = objectives.get(spec.objective).unshuffled_pairs_refused
+    if refused and not d.shuffle and detect_format(rows[0], where(0)) != "unpaired":
+        raise UserError(refused)
     encoder.check_prompts(rows, where)
     cut = encoder.check_completions(rows, where)
     if cut.fraction > spec.train.max_truncated_fraction:
@@ -529,8 +529,8 @@ def fit_memory(spec: RunSpec, model_path: str, device: torch.device,
         return max(e.training, e.loading) <= room
 
     share, smallest = tr.batch_size // tr.ranks, PROPERTIES[spec.objective].min_micro_batch
-    # aggregation=dapo_micro's loss depends on the split: auto keeps the whole share there
-    auto = tr.micro_auto and getattr(spec.objective_cfg, "aggregation", None) != "dapo_micro"
+    # a loss that depends on the split (GRPO's aggregation=dapo_micro): auto keeps the whole share there
+    auto = tr.micro_auto and objectives.get(spec.objective).split_invariant(spec.objective_cfg)
     if auto:
         micro = largest_fitting(share, smallest, fits) or 0
         micro = -shard.max_int(-micro)

@@ -40,8 +40,8 @@ import torch
 from safetensors import SafetensorError
 
 from humanline_cli.backend import Dist, wait_for_rank0
+from humanline_cli.core import objectives
 from humanline_cli.core.reference import CachedReference
-from humanline_cli.data.examples import BinaryExample, GroupExample, PairExample
 from humanline_cli.errors import UserError
 from humanline_cli.sources.online import TokenCompletion
 from humanline_cli.train import fsdp_checkpoint
@@ -49,7 +49,11 @@ from humanline_cli.train import fsdp_checkpoint
 FORMAT = 1
 FILES = ("tensors.safetensors", "state.json")
 CHECKSUMS = "checksums.json"  # {file: sha256 hex}, written after FILES and before the rename
-UNIT_TYPES = {c.__name__: c for c in (PairExample, BinaryExample, GroupExample, TokenCompletion)}
+
+
+def unit_types() -> dict[str, type]:
+    """The dataclasses a checkpoint may hold, by name: every registered objective's unit, and sampled completions."""
+    return {c.__name__: c for c in (*(o.example for o in objectives.OBJECTIVES.values()), TokenCompletion)}
 
 
 # ------------------------------------------------------------------ JSON for units and tuples
@@ -67,7 +71,7 @@ def to_json(obj):
         return items if kind is list else {"__tuple__": items}
     if kind is dict:
         return {str(k): to_json(v) for k, v in obj.items()}
-    if UNIT_TYPES.get(kind.__name__) is kind:
+    if unit_types().get(kind.__name__) is kind:
         return {"__unit__": kind.__name__, **{f.name: to_json(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
     raise TypeError(f"cannot write {kind.__name__} into a checkpoint's state.json")
 
@@ -79,7 +83,7 @@ def from_json(obj):
         if "__tuple__" in obj:
             return tuple(from_json(obj["__tuple__"]))
         if "__unit__" in obj:  # only the known unit types, never an arbitrary class
-            cls = UNIT_TYPES[obj["__unit__"]]
+            cls = unit_types()[obj["__unit__"]]
             return cls(**{k: from_json(v) for k, v in obj.items() if k != "__unit__"})
         return {k: from_json(v) for k, v in obj.items()}
     return obj

@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+from humanline_cli.core.objectives import OBJECTIVES
+
 SCRIPT = r"""
 import json, sys
 BLOCKED = ("hydra", "omegaconf", "datasets", "wandb", "vllm")
@@ -37,16 +39,17 @@ def test_gpu_check_runs_its_torch_rows_without_hydra_or_vllm(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res == {"cpu": 0, "cuda": 1, "only": 0, "bad": 2, "imported": []}, r.stdout[-3000:]
-    assert "6 of 6 rows ran, 0 skipped\n" in r.stdout
+    steps = f"{2 * len(OBJECTIVES)} of {2 * len(OBJECTIVES)} rows ran, 0 skipped"  # each objective, humanline off/on
+    assert f"{steps}\n" in r.stdout
     assert ("1 of 3 rows ran, 2 skipped; asked for but not run: vllm, training_runs (install what each row names, "
             "or leave its group out with --only)\n") in r.stdout
     assert "1 of 1 rows ran, 0 skipped\n" in r.stdout
     assert "humanline: error: gpu-check --only 'step,sft': a comma-separated subset of step,vllm,train\n" in r.stderr
     cpu = json.loads((tmp_path / "cpu" / "gpu_check.json").read_text())
     assert sorted(c["check"] for c in cpu["checks"]) == sorted(
-        f"step_{o}_hl-{h}" for o in ("dpo", "kto", "grpo") for h in ("false", "true"))
+        f"step_{o}_hl-{h}" for o in OBJECTIVES for h in ("false", "true"))
     assert all(c["ok"] and c["tokens_per_s"] > 0 and c["loss"] > 0 for c in cpu["checks"])
-    assert cpu["summary"] == "6 of 6 rows ran, 0 skipped" and cpu["ok"]
+    assert cpu["summary"] == steps and cpu["ok"]
     cuda = json.loads((tmp_path / "cuda" / "gpu_check.json").read_text())
     assert (cuda["summary"], cuda["ok"]) == ("1 of 3 rows ran, 2 skipped", False)
     assert cuda["checks"] == [
