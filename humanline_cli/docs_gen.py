@@ -59,7 +59,7 @@ def fmt(value) -> str:
         value = value.value
     if isinstance(value, (dict, list)) and not value:
         return "`{}`" if isinstance(value, dict) else "`[]`"
-    return f"`{value}`"
+    return f"`{value}`" if value != "" else '`""`'  # two backticks alone would pair with the next cell's
 
 
 def rows(prefix: str, options: dict[str, type]) -> list[tuple[str, str, str]]:
