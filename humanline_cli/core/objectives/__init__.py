@@ -16,7 +16,7 @@ import torch
 
 from humanline_cli.core.humanline import HumanlineSpec, unclamped_fraction
 from humanline_cli.core.logprobs import processed_tokens
-from humanline_cli.core.objectives import dpo, grpo, kto
+from humanline_cli.core.objectives import dpo, grpo, ipo, kto
 from humanline_cli.core.objectives.base import Objective, ObjectiveConfig, ObjectiveProperties
 from humanline_cli.core.objectives.grpo import sampler_drift
 
@@ -25,7 +25,7 @@ __all__ = ["MODULES", "OBJECTIVES", "PROPERTIES", "Objective", "ObjectiveConfig"
            "sampler_drift", "step_z0"]
 
 # the objectives' modules, in the order listings show them
-MODULES = (dpo, kto, grpo)
+MODULES = (dpo, kto, grpo, ipo)
 
 OBJECTIVES: dict[str, Objective] = {}
 PROPERTIES: dict[str, ObjectiveProperties] = {}
