@@ -117,12 +117,12 @@ main()
 
 
 def test_an_objective_defined_outside_the_package_trains(tmp_path, cache_dir):
-    conf = tmp_path / "conf" / "objective"
+    conf = tmp_path / "my_conf" / "objective"  # not "conf": the run's cwd is on sys.path and would shadow the package's
     conf.mkdir(parents=True)
     (conf / "toy_hinge.yaml").write_text("defaults:\n  - /schema/objective/toy_hinge@_here_\n  - _self_\nmargin: 2.0\n")
     run = tmp_path / "run"
     args = ["train", *TINY_WORLD, *FAST, "train.steps=2", "eval.n_prompts=4", "backend=cpu", "wandb.mode=disabled",
-            "objective=toy_hinge", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", f"hydra.run.dir={run}"]
+            "objective=toy_hinge", f"hydra.searchpath=[file://{tmp_path / 'my_conf'}]", f"hydra.run.dir={run}"]
     r = subprocess.run([sys.executable, "-c", TOY, *args], cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
