@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import LlamaConfig
 
+from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.memory import GB, check_fits, count_params, estimate, lora_params
 
 # Llama-3-8B's published architecture (no weights needed)
@@ -97,8 +98,8 @@ def test_gpu_check_step_checks_run_on_cpu_and_fail_with_exit_1(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert res["ok"] is True and res["device"] == "cpu" and res["gpus"] == 0
     names = [c["check"] for c in res["checks"]]
-    assert names == [f"step_{o}_hl-{h}" for o in ("dpo", "kto", "grpo") for h in ("false", "true")]
-    seqs = {"dpo": 4, "kto": 2, "grpo": 8}  # 2 x micro pairs, micro, micro x n samples (micro 2, n 4)
+    assert names == [f"step_{o}_hl-{h}" for o in PROPERTIES for h in ("false", "true")]  # every registered objective
+    seqs = {"dpo": 4, "ipo": 4, "kto": 2, "grpo": 8}  # 2 x micro pairs, micro, micro x n samples (micro 2, n 4)
     for c in res["checks"]:
         assert c["ok"] and c["shape"] == "tiny" and c["seqs_per_micro"] == seqs[c["check"].split("_")[1]]
         # step_s is written rounded to 1e-4 s, tokens_per_s from the unrounded time: a relative gap up to

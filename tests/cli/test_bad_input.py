@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.errors import UserError
 from tests.helpers.cli import FAST, TINY_WORLD, run_cli, tiny_world_cfg
 
@@ -105,8 +106,8 @@ CASES = [
      "sweep point train.lr=abc: config key 'train.lr': Value 'abc' of type 'str' could not be converted to Float", {}),
     ("humanline-twice", ["threads=1", "+humanline=true", "humanline=false"], "complete",
      "humanline is set more than once (+humanline=true or humanline=false, not both)", {}),
-    ("unknown-objective", ["threads=1", "objective=foo"], "none", "unknown objective 'foo' (choose from: dpo, grpo, kto)",
-     {}),
+    ("unknown-objective", ["threads=1", "objective=foo"], "none",
+     f"unknown objective 'foo' (choose from: {', '.join(sorted(PROPERTIES))})", {}),
     ("wandb-api-key-is-not-a-wandb-key", ["threads=1", f"+wandb.api_key={SECRET}"], "complete",
      "unknown config key 'wandb.api_key' (Key 'api_key' not in 'WandbConfig')", {}),
     ("run-dir-in-proc", ["threads=1", "hydra.run.dir=/proc/humanline-x"], "none",

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from humanline_cli.core.objectives import PROPERTIES
 from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 
 SUMMARY_KEYS = {"objective", "data", "humanline", "task", "model", "seed", "steps", "eval", "wall_clock_s"}
@@ -93,7 +94,7 @@ def test_wandb_offline_run_reads_back(sweep):
 
 def test_help_and_cfg_job(tmp_path):
     r = run_cli(["train", "--help"], cwd=tmp_path)
-    assert r.returncode == 0 and "objective: dpo, grpo, kto" in r.stdout
+    assert r.returncode == 0 and f"objective: {', '.join(sorted(PROPERTIES))}" in r.stdout
     r = run_cli(["train", "--cfg", "job", "objective=kto", "+humanline=true"], cwd=tmp_path)
     assert r.returncode == 0 and "name: kto" in r.stdout and "humanline: true" in r.stdout
 
