@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._inductor.config
 
 from humanline_cli.core import logprobs
 from humanline_cli.core.logprobs import _decoder_and_head, compile_decoder, token_logps
@@ -20,8 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thr
 COMPILED_TOL = 1e-6
 
 
-def test_compiled_decoder_matches_eager_values_and_gradients(monkeypatch):
-    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)  # no pool of compile workers in the suite
+@torch._inductor.config.patch(compile_threads=1)  # no pool of compile workers in the suite; the config's own
+def test_compiled_decoder_matches_eager_values_and_gradients():  # patch, which restores the key (monkeypatch drops it)
     eager_model, model = spread_llama(dtype=torch.float64), spread_llama(dtype=torch.float64)
     keys = list(model.state_dict())
     assert compile_decoder(model)
