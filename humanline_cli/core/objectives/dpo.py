@@ -63,9 +63,12 @@ class PairObjective(Objective):
         comps = [u.chosen for u in units] + [u.rejected for u in units]
         return PairBatch(seqs(prompts, comps))
 
+    # (token log-ratios chosen, mask, rejected, mask, beta) -> (loss, metrics): the objective's pure pair loss on
+    # the (humanline-clamped) halves; a subclass names its own
+    pair_fn = None
+
     def pair_loss(self, cfg, tl_chosen, mask_chosen, tl_rejected, mask_rejected):
-        """(loss, metrics) from the (humanline-clamped) token log-ratios of the chosen and rejected halves."""
-        raise NotImplementedError
+        return type(self).pair_fn(tl_chosen, mask_chosen, tl_rejected, mask_rejected, cfg.beta)
 
     def loss(self, cfg, policy, reference, batch, hl, z0):
         logratio, mask, _ = logratios(policy, reference, batch.seqs)
@@ -78,9 +81,7 @@ class PairObjective(Objective):
 class DPO(PairObjective):
     name = "dpo"
     config = DPOConfig
-
-    def pair_loss(self, cfg, tl_chosen, mask_chosen, tl_rejected, mask_rejected):
-        return dpo_loss(tl_chosen, mask_chosen, tl_rejected, mask_rejected, cfg.beta)
+    pair_fn = dpo_loss
 
 
 OBJECTIVE = DPO()

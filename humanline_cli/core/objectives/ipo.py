@@ -40,9 +40,7 @@ def ipo_loss(
 class IPO(PairObjective):
     name = "ipo"
     config = IPOConfig
-
-    def pair_loss(self, cfg, tl_chosen, mask_chosen, tl_rejected, mask_rejected):
-        return ipo_loss(tl_chosen, mask_chosen, tl_rejected, mask_rejected, cfg.beta)
+    pair_fn = ipo_loss
 
 
 OBJECTIVE = IPO()
