@@ -88,6 +88,18 @@ def test_every_sweep_point_composes_and_validates(name):
         for key in ("task.generator", "data", "eval"):  # the pilot's setting, but lr 3e-5 (pilot 2)
             assert OmegaConf.select(cfg, key) == OmegaConf.select(pilot, key)
         assert cfg.train.lr == 3e-5 and {**cfg.train, "lr": 0} == {**pilot.train, "lr": 0}
+    if name == "smollm2_pairs":  # DPO and KTO on SmolLM2's own best-vs-worst samples, the study's setting
+        grid = {(o, "online", h) for o in ("dpo", "kto") for h in (True, False)}
+        regimes = ("online", "stale16", "hl_stale16_sync1_lo1")
+        assert points == [[f"seed={s}", f"objective={o}", f"regime={r}"]
+                          for s in range(3) for o in ("dpo", "kto") for r in regimes]
+        assert len(points) == cfg.regime_study_size
+        study = _compose(["experiment=smollm2_study"])
+        assert cfg.task.generator == study.task.generator and cfg.eval == study.eval
+        assert cfg.train.lr == study.train.lr
+        for o, prompts in (("dpo", 64), ("kto", 32)):  # 10 steps x 4 units fit in one stale16 generation
+            c = resolve(_compose(["experiment=smollm2_pairs", f"objective={o}", "regime=stale16"]))
+            assert (c.train.steps, c.train.batch_size, c.data_cfg.prompts_per_round) == (10, 4, prompts)
     if name.startswith("laptop_pilot_headroom") or name.startswith("laptop_headroom"):  # GRPO, stale rounds
         grid = {("grpo", "online", False), ("grpo", "online", True)}
     if name == "laptop_headroom_pairs":  # the study's regimes with DPO and KTO
