@@ -11,6 +11,7 @@ import pandas as pd
 
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.report.frame import humanline_spec, num, points, run_points
+from humanline_cli.report.stats import mean_ci
 from humanline_cli.schema import HumanlineConfig
 
 FAMILIES = ("offline", "online", "humanline-offline", "humanline-online")
@@ -128,6 +129,36 @@ def plot_eval_vs_step(frame, path: Path) -> str | None:
     return _save(fig, path)
 
 
+def plot_final_scores(frame, path: Path) -> str | None:
+    """Each regime's last-step score per seed, a grey line joining one seed's runs (the pairing of the paired
+    comparisons), the mean with its 95% t-interval in black, the start dotted; a panel per objective and score."""
+    pts = points(frame)
+    final = pts[pts.point == "final"].join(frame[["task", "objective", "regime", "family", "seed"]], on="run")
+    scores = {m: name for m, name in (("greedy accuracy", "greedy accuracy"), ("accuracy", "sampled accuracy"))
+              if final[m].notna().any()}
+    if not scores or final.groupby(["task", "objective", "regime"]).size().max() < 2:
+        return "no regime has an accuracy over two or more seeds"
+    fig, axes, titles = _panels(set(zip(final.task, final.objective)), len(scores), (1.6 + 1.1 * final.regime.nunique(), 4))
+    for row, (m, name) in zip(axes, scores.items()):
+        start = pts[pts.point == "start"][m].mean()
+        for key, ax in row.items():
+            mine = final[(final.task == key[0]) & (final.objective == key[1])].dropna(subset=[m])
+            rank = {r: ("online" in f, f.startswith("humanline"), r) for r, f in zip(mine.regime, mine.family)}
+            regimes = sorted(rank, key=rank.get)  # each data regime plain, then with humanline: pairs side by side
+            wide = mine.pivot_table(index="seed", columns="regime", values=m, aggfunc="last")[regimes]
+            for _, seed_row in wide.iterrows():
+                ax.plot(range(len(regimes)), seed_row.values, color="tab:gray", alpha=0.5, marker="o", ms=3)
+            for i, r in enumerate(regimes):
+                ci = mean_ci(wide[r].dropna())
+                if ci and ci["lo"] is not None:
+                    ax.errorbar(i + 0.12, ci["mean"], yerr=[[ci["mean"] - ci["lo"]], [ci["hi"] - ci["mean"]]],
+                                fmt="s", color="black", capsize=3)
+            ax.axhline(start, color="tab:gray", linestyle=":", label="start")
+            ax.set_xticks(range(len(regimes)), regimes, rotation=20, fontsize=8)
+            ax.set(title=f"{titles[key]}, {name}", ylabel=f"{name} at the last step")
+    return _save(fig, path)
+
+
 def late_histogram(run) -> list[float] | None:
     """The counts summed over the last 25% of the run's logged histogram steps (at least one)."""
     rows = sorted((r for r in run.logratios if isinstance(r.get("counts"), list)), key=lambda r: r.get("step", 0))
@@ -190,6 +221,7 @@ def make_plots(frame, out_dir: Path) -> tuple[dict, dict]:
     matplotlib.use("Agg", force=True)
     plots, skipped = {}, {}
     for name, fn in (("eval_vs_wallclock.png", plot_eval_vs_wallclock), ("eval_vs_step.png", plot_eval_vs_step),
+                     ("final_scores.png", plot_final_scores),
                      ("unclamped_fraction.png", plot_unclamped_fraction), ("logratio_hist.png", plot_logratio_hist)):
         path = out_dir / name
         try:

@@ -216,7 +216,7 @@ def test_plots_keep_config_groups_apart(tmp_path, monkeypatch):
         counts[peak] = 10
         (d / "logratios.jsonl").write_text(json.dumps({"step": 5, "lo": -3.0, "hi": 3.0, "counts": counts}) + "\n")
     rep = build_report(root)
-    assert set(rep.skipped_plots) == {"eval_vs_step.png"}  # no periodic greedy/sampled evals here
+    assert set(rep.skipped_plots) == {"eval_vs_step.png", "final_scores.png"}  # no periodic evals; one seed each
     assert sorted(rep.frame[rep.frame.status == "complete"].variant) == ["hl.sync_every=1", "hl.sync_every=2"]
     assert all((root / png).read_bytes()[:4] == b"\x89PNG" for png in ("eval_vs_wallclock.png", "logratio_hist.png"))
     # one histogram per config group (never summed over them), each named by what tells it apart

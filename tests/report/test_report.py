@@ -164,7 +164,9 @@ def test_skipped_plots_are_reported(tmp_path):
     d = make_run(root, "a", "dpo", "offline", False, 0, win=0.6, acc=0.7, wall=10.0)
     (d / "logratios.jsonl").unlink()
     rep = build_report(root)
-    assert set(rep.skipped_plots) == {"unclamped_fraction.png", "logratio_hist.png", "eval_vs_step.png"}
+    assert set(rep.skipped_plots) == {"unclamped_fraction.png", "logratio_hist.png", "eval_vs_step.png",
+                                      "final_scores.png"}
+    assert "`final_scores.png` skipped: no regime has an accuracy over two or more seeds" in rep.markdown
     assert "`logratio_hist.png` skipped: no run wrote logratios.jsonl" in rep.markdown
     assert not (root / "logratio_hist.png").exists()
     assert "Failed or incomplete runs\n\nnone" in rep.markdown
@@ -209,3 +211,35 @@ def test_wandb_offline_logs(runs_dir, monkeypatch):
     assert list((runs_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     # a second report over the same root does not mistake wandb/ for a run dir
     assert len(build_report(runs_dir).frame) == len(rep.frame)
+
+
+def test_final_scores_plot_pairs_seeds_and_draws_the_t_interval(tmp_path, monkeypatch):
+    """final_scores.png: per regime each seed's last accuracy, joined by seed across regimes, and the mean with its
+    95% t-interval (hand-computed: 3 seeds 0.6, 0.7, 0.8 -> 0.7 +- t(0.975, 2) x 0.1 / sqrt(3) = 0.7 +- 0.248414)."""
+    from humanline_cli.report import plots as report_plots
+
+    drawn, save = {}, report_plots._save
+
+    def spy(fig, path):
+        if path.name == "final_scores.png":
+            ax = fig.axes[0]
+            drawn["seeds"] = [list(map(float, ln.get_ydata())) for ln in ax.lines if ln.get_color() == "tab:gray"
+                              and ln.get_linestyle() == "-"]
+            drawn["bars"] = [(float(c.lines[0].get_ydata()[0]), *map(float, c.lines[2][0].get_segments()[0][:, 1]))
+                             for c in ax.containers]
+            drawn["ticks"] = [t.get_text() for t in ax.get_xticklabels()]
+        return save(fig, path)
+
+    monkeypatch.setattr(report_plots, "_save", spy)
+    root = tmp_path / "runs"
+    for seed, (off, hl) in enumerate(((0.6, 0.5), (0.7, 0.9), (0.8, 0.7))):
+        make_run(root, f"off{seed}", "dpo", "offline", False, seed, win=0.6, acc=off, wall=10.0)
+        make_run(root, f"hl{seed}", "dpo", "offline", True, seed, win=0.6, acc=hl, wall=10.0)
+    rep = build_report(root)
+    assert "final_scores.png" in rep.files and (root / "final_scores.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert drawn["ticks"] == ["offline", "humanline-offline"]  # plain, then humanline on the same data
+    assert sorted(drawn["seeds"]) == [[0.6, 0.5], [0.7, 0.9], [0.8, 0.7]]  # one line per seed, paired
+    half = 4.302652729749464 * 0.1 / 3 ** 0.5
+    (m0, lo0, hi0), (m1, lo1, hi1) = drawn["bars"]
+    assert (m0, lo0, hi0) == pytest.approx((0.7, 0.7 - half, 0.7 + half), abs=1e-12)
+    assert m1 == pytest.approx(0.7, abs=1e-12) and hi1 - lo1 == pytest.approx(2 * 4.302652729749464 * 0.2 / 3 ** 0.5, abs=1e-12)
