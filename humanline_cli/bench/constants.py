@@ -153,22 +153,19 @@ def _mini_run(spec) -> dict:
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Least squares y = a + b x; (a, b) with a >= 0 (a negative intercept is noise: then y = b x)."""
-    mx = statistics.fmean(x for x, _ in points)
-    my = statistics.fmean(y for _, y in points)
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    b = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
-    a = my - b * mx
-    if a < 0 or b <= 0:
-        return 0.0, sum(y for _, y in points) / sum(x for x, _ in points)
-    return a, b
+    xs, ys = zip(*points)
+    try:
+        b, a = statistics.linear_regression(xs, ys)
+    except statistics.StatisticsError:  # one x: no slope
+        a, b = 0.0, 0.0
+    return (a, b) if a >= 0 and b > 0 else (0.0, sum(ys) / sum(xs))
 
 
 def other_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """`other` per step = a + b x forward tokens per step; flat (the mean) when it does not rise with them."""
-    mx = statistics.fmean(x for x, _ in points)
-    my = statistics.fmean(y for _, y in points)
-    if sum((x - mx) * (y - my) for x, y in points) <= 0:
-        return my, 0.0
+    xs, ys = zip(*points)
+    if len(points) < 2 or statistics.covariance(xs, ys) <= 0:
+        return statistics.fmean(ys), 0.0
     return fit_line(points)
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from humanline_cli.bench.clock import EndClock, Run, StepClock, built, collect, matmul_peak, train_loop
+from humanline_cli.bench.clock import EndClock, Run, StepClock, built, collect, compose, matmul_peak, train_loop
 from humanline_cli.bench.vllm_rows import error_line
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.core.reference import CachedReference
@@ -88,19 +88,11 @@ def _value(key: str, value: str):
 
 
 def compose_spec(overrides: list[str], opts: dict, humanline: bool, extra: tuple[str, ...] = ()):
-    from humanline_cli.config import compose_train, resolve
-
     user = [o for o in overrides if o.lstrip("+~").split("=")[0] != "humanline"]
-    mine = [f"train.steps={opts['warmup'] + opts['steps']}", "train.log_every=1000000", "train.save_model=false",
-            "eval.every=0", "eval.n_prompts=1", *extra]
-    if opts["batch_size"]:
-        mine.append(f"train.batch_size={opts['batch_size']}")
-    if opts["threads"]:
-        mine.append(f"threads={opts['threads']}")
-    cfg = compose_train([*user, *mine])
-    if humanline:  # a declared key in newer configs, appended (+) in older ones
-        cfg = compose_train([*user, *mine, ("" if "humanline" in cfg else "+") + "humanline=true"])
-    spec = resolve(cfg)
+    spec = compose(user, (f"train.steps={opts['warmup'] + opts['steps']}", "train.log_every=1000000",
+                          "train.save_model=false", "eval.every=0", "eval.n_prompts=1", *extra,
+                          *[f"train.batch_size={opts['batch_size']}"] * bool(opts["batch_size"]),
+                          *[f"threads={opts['threads']}"] * bool(opts["threads"]), *["humanline=true"] * humanline))
     if spec.regime != "offline" and not (spec.objective == "grpo" and not humanline):
         raise UserError("bench times offline training steps (data=online compares online GRPO with TRL's "
                         "GRPOTrainer: objective=grpo); drop data=online")

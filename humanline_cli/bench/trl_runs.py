@@ -177,7 +177,7 @@ def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
             while len(order) < tr.batch_size:  # epochs of shuffled groups, like the offline source
                 order += torch.randperm(len(units), generator=g).tolist()
             idx, order = order[:tr.batch_size], order[tr.batch_size:]
-            toks = units_ = 0
+            toks = 0
             for s in range(0, tr.batch_size, tr.micro_batch_size):
                 mb = [units[i] for i in idx[s:s + tr.micro_batch_size]]
                 inputs = _grpo_inputs(collate(mb), tokenizer.pad_token_id, backend.device)
@@ -189,13 +189,12 @@ def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
                     loss = trainer.compute_loss(model, inputs)
                 loss.backward()
                 toks += int(inputs["attention_mask"].sum())
-                units_ += len(mb)
             torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
             float(loss.detach())  # the project's loop reads the loss every step too
-            sizes.append((units_, toks, 0))
+            sizes.append((tr.batch_size, toks, 0))
         end = _now(backend.device)
     return collect(starts, end, sizes, warmup)
 
@@ -203,25 +202,20 @@ def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
 def _grpo_inputs(batch, pad_id: int, device) -> dict:
     """The project's GroupBatch (right-padded prompt+completion) -> TRL's left-padded prompts and
     right-padded completions with the same token ids and group-normalised advantages."""
+    from torch.nn.utils.rnn import pad_sequence
+
     seqs = batch.seqs
     prompts, comps = [], []
-    for ids, att, lm in zip(seqs.input_ids.tolist(), seqs.attention_mask.tolist(), seqs.loss_mask.tolist()):
-        n = sum(att)
-        start = lm.index(True) if True in lm else n
+    for ids, att, lm in zip(seqs.input_ids, seqs.attention_mask, seqs.loss_mask):
+        n, start = int(att.sum()), int(lm.nonzero()[0]) if lm.any() else int(att.sum())
         prompts.append(ids[:start])
         comps.append(ids[start:n])
-    pw, cw = max(map(len, prompts)), max(1, max(map(len, comps)))
-    pid = torch.full((len(prompts), pw), pad_id, dtype=torch.long)
-    pm = torch.zeros_like(pid)
-    cid = torch.full((len(comps), cw), pad_id, dtype=torch.long)
-    cm = torch.zeros_like(cid)
-    for i, (p, c) in enumerate(zip(prompts, comps)):
-        pid[i, pw - len(p):], pm[i, pw - len(p):] = torch.tensor(p), 1
-        if c:
-            cid[i, :len(c)], cm[i, :len(c)] = torch.tensor(c), 1
-    out = {"prompt_ids": pid, "prompt_mask": pm, "completion_ids": cid, "completion_mask": cm,
-           "advantages": batch.advantages.float()}
-    out = {k: v.to(device) for k, v in out.items()}
+    comps.append(torch.zeros(1, dtype=torch.long))  # at least one column, dropped below
+    out = {}
+    for key, side, parts in (("prompt", "left", prompts), ("completion", "right", comps)):
+        out[f"{key}_ids"] = pad_sequence(parts, True, pad_id, side)[:len(prompts)]
+        out[f"{key}_mask"] = pad_sequence([torch.ones_like(p) for p in parts], True, 0, side)[:len(prompts)]
+    out = {k: v.to(device) for k, v in {**out, "advantages": batch.advantages.float()}.items()}
     out["input_ids"] = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
     out["attention_mask"] = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
     return out
