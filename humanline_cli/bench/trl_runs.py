@@ -77,22 +77,6 @@ def _as_chat(rows: list[dict], wrap: bool) -> list[dict]:
             for r in rows]
 
 
-class _CountingCollator:
-    """TRL's own collator, counting the tokens of each batch it builds (in order)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.tokens: list[int] = []
-        self.kl_tokens: list[int] = []
-
-    def __call__(self, examples):
-        batch = self.inner(examples)
-        self.tokens.append(int(batch["attention_mask"].sum()))
-        kl = batch.get("KL_attention_mask", batch.get("kl_attention_mask"))
-        self.kl_tokens.append(int(kl.sum()) if kl is not None else 0)
-        return batch
-
-
 def _trl_common(spec, backend, out_dir: str, grpo: bool = False) -> dict:
     """TrainingArguments of the project's run (GRPOConfig has no max_length; its scheduler runs without min_lr)."""
     tr = spec.train
@@ -134,12 +118,19 @@ def trl_run(spec, info: dict, warmup: int, precompute: bool = False) -> Run:
         args = Config(**_trl_common(spec, info["backend"], tmp), precompute_ref_log_probs=precompute, **extra)
         trainer = Trainer(model=policy, ref_model=ref, args=args, train_dataset=data, processing_class=tokenizer,
                           callbacks=[_clock(info["backend"].device, ends)])
-        counter = _CountingCollator(trainer.data_collator)
-        trainer.data_collator = counter
+        collate, counts = trainer.data_collator, []  # (tokens, KL tokens) of each batch TRL's collator builds
+
+        def counting(examples):
+            batch = collate(examples)
+            kl = batch.get("KL_attention_mask", batch.get("kl_attention_mask"))
+            counts.append((int(batch["attention_mask"].sum()), int(kl.sum()) if kl is not None else 0))
+            return batch
+
+        trainer.data_collator = counting
         trainer.train()
     acc = spec.train.accumulation
-    return _timed(ends, [(spec.train.batch_size, sum(counter.tokens[k * acc:(k + 1) * acc]),
-                          sum(counter.kl_tokens[k * acc:(k + 1) * acc])) for k in range(len(ends))], warmup)
+    steps = [counts[k * acc:(k + 1) * acc] for k in range(len(ends))]
+    return _timed(ends, [(spec.train.batch_size, sum(t for t, _ in s), sum(kl for _, kl in s)) for s in steps], warmup)
 
 
 def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
