@@ -102,9 +102,9 @@ def trl_run(spec, info: dict, warmup: int, precompute: bool = False) -> Run:
 
     tokenizer, encoder, policy = _setup(spec, info)
     units = info["units"][: spec.train.batch_size * spec.train.steps]  # as many as the project's steps draw
-    kto = spec.objective == "kto"
-    rows = [{"prompt": u.prompt, "completion": u.completion, "label": bool(u.desirable)} if kto else
-            {"prompt": u.prompt, "chosen": u.chosen, "rejected": u.rejected} for u in units]
+    kto, dpo = spec.objective == "kto", spec.objective == "dpo"
+    rows = [{"prompt": u.prompt, "chosen": u.chosen, "rejected": u.rejected} if dpo else
+            {"prompt": u.prompt, "completion": u.completion, "label": bool(u.desirable)} for u in units]
     data = Dataset.from_list(_as_chat(rows, encoder.wrap_strings))
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
     ends: list = []
