@@ -7,45 +7,25 @@ counted from the rounds' timestamps.
 """
 from __future__ import annotations
 
-from humanline_cli.bench.clock import EndClock, _now, built, train_loop
+from humanline_cli.bench.clock import EndClock, StepClock, built, compose, train_loop
 from humanline_cli.errors import UserError
 from humanline_cli.sampling.proc_clock import cpu_s, run_queue_s
-from humanline_cli.sources.source import SourceWrapper
 
 SAMPLE_PHASES = ("sample", "label", "push")
 TRAIN_PHASES = ("train", "sync")
 
 
 def _spec(overrides: list[str], rounds: int, lag: int):
-    from humanline_cli.config import compose_train, resolve
-
     user = [o for o in overrides if o.split("=")[0] not in ("data", "data.async_lag")]
-    return resolve(compose_train([*user, "data=online", f"data.async_lag={lag}", "data.generate_every=1",
-                                  f"train.steps={rounds}", "train.log_every=1000000", "train.save_model=false",
-                                  "train.checkpoint_every=0", "eval.every=0", "eval.n_prompts=1"]))
-
-
-class _RoundClock(SourceWrapper):
-    """Wraps the online source: at each step's data fetch, the time, the phase seconds and the CPU counters."""
-
-    def __init__(self, source, timer, device):
-        super().__init__(source)
-        self.timer, self.device = timer, device
-        self.starts: list[float] = []
-        self.phases: list[dict] = []
-        self.cpu: list[tuple[float, float | None]] = []
-
-    def next_step(self, step: int):
-        self.starts.append(_now(self.device))
-        self.phases.append(dict(self.timer.seconds))
-        self.cpu.append((cpu_s(), run_queue_s()))
-        return self.source.next_step(step)
+    return compose(user, ("data=online", f"data.async_lag={lag}", "data.generate_every=1", f"train.steps={rounds}",
+                          "train.log_every=1000000", "train.save_model=false", "train.checkpoint_every=0",
+                          "eval.every=0", "eval.n_prompts=1"))
 
 
 def _run(spec) -> dict:
     with built(spec) as (parts, timer, _):
         spec = parts.spec
-        parts.source = clock = _RoundClock(parts.source, timer, parts.backend.device)
+        parts.source = clock = StepClock(parts.source, parts.backend.device, timer=timer)
         tracker = EndClock(spec.train.steps, parts.backend.device)
         train_loop(parts, timer, tracker)
         end, end_cpu = dict(timer.seconds), (cpu_s(), run_queue_s())

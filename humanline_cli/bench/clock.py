@@ -12,9 +12,11 @@ from pathlib import Path
 
 import torch
 
+from humanline_cli.sources.source import SourceWrapper
+
 
 def _now(device) -> float:
-    if device is not None and device.type == "cuda":
+    if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
@@ -28,12 +30,9 @@ def matmul_peak(m: int, k: int, n: int, device, dtype, seconds: float = 0.3) -> 
     best = 0.0
     for _ in range(3):
         t0, reps = _now(device), 0
-        while True:
+        while (t := _now(device) - t0) < seconds / 3 or not reps:
             a @ b
             reps += 1
-            t = _now(device) - t0
-            if t >= seconds / 3:
-                break
         best = max(best, 2.0 * m * k * n * reps / t)
     return best
 
@@ -64,17 +63,73 @@ def collect(starts: list[float], end: float, sizes: list[tuple], warmup: int) ->
 
 
 class EndClock:
-    """Stands in for tracking.Tracker: the last step's log call marks the end of the run."""
+    """Stands in for tracking.Tracker, or wraps one (`inner`, whose per-step cost is then the run's): the last
+    step's log call marks the end of the run; every step's metrics with a train time are kept."""
 
-    def __init__(self, last_step: int, device):
-        self.last_step, self.device, self.end = last_step, device, None
+    def __init__(self, last_step: int, device, inner=None):
+        self.last_step, self.device, self.inner, self.end, self.rows = last_step, device, inner, None, []
 
     def log(self, step: int, metrics: dict) -> None:
+        if self.inner is not None:
+            self.inner.log(step, metrics)
+        if "time/train" in metrics:
+            self.rows.append({"step": step, **metrics})
         if step == self.last_step:
             self.end = _now(self.device)
 
     def log_histogram(self, step: int, counts) -> None:
-        pass
+        if self.inner is not None:
+            self.inner.log_histogram(step, counts)
+
+
+class StepClock(SourceWrapper):
+    """Wraps a run's source: each next_step call marks the start of a step and records its units (an online step's
+    from the round: data.generate_every=1 makes a round one step), tokens, KL tokens and sequences; with `timer`,
+    also the phase seconds and this process's CPU and run-queue seconds so far."""
+
+    def __init__(self, source, device, units_per_step: int = 0, timer=None):
+        super().__init__(source)
+        self.device, self.units_per_step, self.timer = device, units_per_step, timer
+        self.starts: list[float] = []
+        self.sizes: list[tuple[int, ...]] = []
+        self.phases: list[dict] = []
+        self.cpu: list[tuple[float, float | None]] = []
+
+    def next_step(self, step: int):
+        from humanline_cli.core.batches import BinaryBatch
+        from humanline_cli.sampling.proc_clock import cpu_s, run_queue_s
+
+        self.starts.append(_now(self.device))
+        if self.timer is not None:
+            self.phases.append(dict(self.timer.seconds))
+            self.cpu.append((cpu_s(), run_queue_s()))
+        data = self.source.next_step(step)
+        mbs = data.micro_batches
+        online = "online/units" in data.info
+        self.sizes.append((data.info["online/units"] if online else self.units_per_step,
+                           sum(int(mb.seqs.attention_mask.sum()) for mb in mbs),
+                           sum(int(mb.kl_seqs.attention_mask.sum()) for mb in mbs if isinstance(mb, BinaryBatch)),
+                           *[sum(mb.seqs.input_ids.shape[0] for mb in mbs)] * online))
+        return data
+
+
+def compose(overrides: list[str], extra=()):
+    """The resolved run spec of the train config composed from `overrides` and then `extra`."""
+    from humanline_cli.config import compose_train, resolve
+
+    return resolve(compose_train([*overrides, *extra]))
+
+
+def load_model(spec, device):
+    """(policy, model path) as the project's run loads them: the bundled world and a packaged model built first
+    if they are not cached."""
+    from humanline_cli.models import load_policy
+    from humanline_cli.train.build import model_paths, prepare_model, prepare_world
+
+    prepare_world(spec)
+    prepare_model(spec)
+    model_path, _ = model_paths(spec)
+    return load_policy(model_path, device, spec.model_cfg.trust_remote_code), model_path
 
 
 @contextlib.contextmanager

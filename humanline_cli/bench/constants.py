@@ -15,7 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
-from humanline_cli.bench.clock import built, train_loop
+from humanline_cli.bench.clock import EndClock, built, compose, train_loop
 from humanline_cli.errors import UserError
 
 REPEAT_SPAN_S = 3.0  # seconds of timed calls per generation size (3 to 15 calls)
@@ -35,9 +35,7 @@ def _loadavg() -> str | None:
 
 
 def compose_online(overrides: list[str], extra: tuple[str, ...] = ()):
-    from humanline_cli.config import compose_train, resolve
-
-    spec = resolve(compose_train([*overrides, *extra]))
+    spec = compose(overrides, extra)
     if spec.regime != "online":
         raise UserError("bench constants=true measures an online run's constants: add data=online (or a regime)")
     return spec
@@ -120,21 +118,6 @@ def loop_calls(rows: list[dict], calls: tuple) -> list[dict]:
     return out
 
 
-class _Steps:
-    """The run's own tracker (its per-step cost is part of `other`), keeping every step's metrics for the fit."""
-
-    def __init__(self, tracker):
-        self.tracker, self.rows = tracker, []
-
-    def log(self, step: int, metrics: dict) -> None:
-        self.tracker.log(step, metrics)
-        if "time/train" in metrics:
-            self.rows.append({"step": step, **metrics})
-
-    def log_histogram(self, step: int, counts) -> None:
-        self.tracker.log_histogram(step, counts)
-
-
 def _mini_run(spec) -> dict:
     """The real loop for spec.train.steps steps: per step (forward tokens, train seconds), and `other`."""
     from humanline_cli.report.cost import calls_of
@@ -143,15 +126,15 @@ def _mini_run(spec) -> dict:
 
     with built(spec) as (parts, timer, tmp):
         spec = parts.spec
-        tracker = _Steps(Tracker(tmp, spec.config, spec.wandb, "constants"))
+        tracker = EndClock(spec.train.steps, None, Tracker(tmp, spec.config, spec.wandb, "constants"))
         try:
             before, t0 = dict(timer.seconds), time.perf_counter()
             train_loop(parts, timer, tracker)
             wall = time.perf_counter() - t0
         except BaseException:  # interrupted: wandb's run ends here, not in its exit hook (which prints its history)
-            tracker.tracker.finish(1)
+            tracker.inner.finish(1)
             raise
-        tracker.tracker.finish(0)
+        tracker.inner.finish(0)
         spent = {k: v - before.get(k, 0.0) for k, v in timer.seconds.items()}
         lagged = bool(spec.data_cfg.async_lag)  # the sampler process times its own calls, not the loop's rows
         _, other = loop_and_other(spent, wall, lagged)
@@ -170,22 +153,19 @@ def _mini_run(spec) -> dict:
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Least squares y = a + b x; (a, b) with a >= 0 (a negative intercept is noise: then y = b x)."""
-    mx = statistics.fmean(x for x, _ in points)
-    my = statistics.fmean(y for _, y in points)
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    b = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
-    a = my - b * mx
-    if a < 0 or b <= 0:
-        return 0.0, sum(y for _, y in points) / sum(x for x, _ in points)
-    return a, b
+    xs, ys = zip(*points)
+    try:
+        b, a = statistics.linear_regression(xs, ys)
+    except statistics.StatisticsError:  # one x: no slope
+        a, b = 0.0, 0.0
+    return (a, b) if a >= 0 and b > 0 else (0.0, sum(ys) / sum(xs))
 
 
 def other_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """`other` per step = a + b x forward tokens per step; flat (the mean) when it does not rise with them."""
-    mx = statistics.fmean(x for x, _ in points)
-    my = statistics.fmean(y for _, y in points)
-    if sum((x - mx) * (y - my) for x, y in points) <= 0:
-        return my, 0.0
+    xs, ys = zip(*points)
+    if len(points) < 2 or statistics.covariance(xs, ys) <= 0:
+        return statistics.fmean(ys), 0.0
     return fit_line(points)
 
 

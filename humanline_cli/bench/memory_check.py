@@ -17,10 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from humanline_cli.bench.step_bench import dpo_steps
+from humanline_cli.bench.step_bench import GB, build, dpo_steps
 from humanline_cli.memory import rss_bytes
-
-GB = 1024**3
 
 
 class PeakRSS:
@@ -44,28 +42,6 @@ class PeakRSS:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def llama_config(hidden: int, layers: int, vocab: int, inter: int, heads: int, kv_heads: int):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=False,
-                       max_position_embeddings=4096)
-
-
-def write_random_model(config, path: Path, seed: int = 0) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path, safe_serialization=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _loader(args, dist, fsdp: bool):
@@ -188,9 +164,16 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="humanline-memcheck-") as tmp:
         model = Path(tmp) / "model"
-        write_random_model(llama_config(args.hidden, args.layers, args.vocab, args.inter, args.heads, args.kv_heads),
-                           model)
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(args.nproc),
+        from transformers import LlamaConfig
+
+        build(LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.inter,
+                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                          num_key_value_heads=args.kv_heads, tie_word_embeddings=False, max_position_embeddings=4096),
+              "cpu").save_pretrained(model, safe_serialization=True)
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            port = free.getsockname()[1]
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(args.nproc),
                    OMP_NUM_THREADS="1")
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
         json_path = Path(tmp) / "report.json"

@@ -14,8 +14,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-GB = 1024**3
-
 
 def dpo_pairs(path: Path, n: int) -> None:
     """n chat-arithmetic pairs (right vs wrong), each reply long enough to be cut at max_length."""

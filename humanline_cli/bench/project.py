@@ -36,12 +36,11 @@ from pathlib import Path
 
 import torch
 
-from humanline_cli.bench.clock import EndClock, Run, _now, built, collect, matmul_peak, train_loop
+from humanline_cli.bench.clock import EndClock, Run, StepClock, built, collect, compose, matmul_peak, train_loop
 from humanline_cli.bench.vllm_rows import error_line
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.core.reference import CachedReference
 from humanline_cli.errors import UserError, ignore_ctrl_c
-from humanline_cli.sources.source import SourceWrapper
 
 DEFAULTS = {"steps": 20, "warmup": 2, "repeats": 2, "batch_size": None, "threads": None, "trl": "auto",
             "cache": True, "sampler": False, "prompts": 64, "out": None, "async_rounds": 0,
@@ -89,47 +88,15 @@ def _value(key: str, value: str):
 
 
 def compose_spec(overrides: list[str], opts: dict, humanline: bool, extra: tuple[str, ...] = ()):
-    from humanline_cli.config import compose_train, resolve
-
     user = [o for o in overrides if o.lstrip("+~").split("=")[0] != "humanline"]
-    mine = [f"train.steps={opts['warmup'] + opts['steps']}", "train.log_every=1000000", "train.save_model=false",
-            "eval.every=0", "eval.n_prompts=1", *extra]
-    if opts["batch_size"]:
-        mine.append(f"train.batch_size={opts['batch_size']}")
-    if opts["threads"]:
-        mine.append(f"threads={opts['threads']}")
-    cfg = compose_train([*user, *mine])
-    if humanline:  # a declared key in newer configs, appended (+) in older ones
-        cfg = compose_train([*user, *mine, ("" if "humanline" in cfg else "+") + "humanline=true"])
-    spec = resolve(cfg)
+    spec = compose(user, (f"train.steps={opts['warmup'] + opts['steps']}", "train.log_every=1000000",
+                          "train.save_model=false", "eval.every=0", "eval.n_prompts=1", *extra,
+                          *[f"train.batch_size={opts['batch_size']}"] * bool(opts["batch_size"]),
+                          *[f"threads={opts['threads']}"] * bool(opts["threads"]), *["humanline=true"] * humanline))
     if spec.regime != "offline" and not (spec.objective == "grpo" and not humanline):
         raise UserError("bench times offline training steps (data=online compares online GRPO with TRL's "
                         "GRPOTrainer: objective=grpo); drop data=online")
     return spec
-
-
-class _TimedSource(SourceWrapper):
-    """Wraps the project's source: each next_step call marks the start of a step and records its units (an
-    online step's from the round: data.generate_every=1 makes a round one step), sequences and tokens."""
-
-    def __init__(self, source, device, units_per_step: int):
-        super().__init__(source)
-        self.device, self.units_per_step = device, units_per_step
-        self.starts: list[float] = []
-        self.sizes: list[tuple[int, int, int, int]] = []
-
-    def next_step(self, step: int):
-        from humanline_cli.core.batches import BinaryBatch
-
-        self.starts.append(_now(self.device))
-        data = self.source.next_step(step)
-        mbs = data.micro_batches
-        online = "online/units" in data.info
-        self.sizes.append((data.info["online/units"] if online else self.units_per_step,
-                           sum(int(mb.seqs.attention_mask.sum()) for mb in mbs),
-                           sum(int(mb.kl_seqs.attention_mask.sum()) for mb in mbs if isinstance(mb, BinaryBatch)),
-                           *[sum(mb.seqs.input_ids.shape[0] for mb in mbs)] * online))
-        return data
 
 
 def _prefill(parts, steps: int) -> None:
@@ -153,7 +120,7 @@ def project_run(spec, warmup: int, info: dict, prefill: bool = False) -> Run:
         if prefill:
             _prefill(parts, spec.train.steps)
             parts.reference.hits = parts.reference.misses = 0
-        parts.source = _TimedSource(parts.source, device, spec.train.batch_size)
+        parts.source = StepClock(parts.source, device, spec.train.batch_size)
         tracker = EndClock(spec.train.steps, device)
         train_loop(parts, timer, tracker)
         if "matmul_params" not in info:

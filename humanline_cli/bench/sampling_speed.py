@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import time
 
-from humanline_cli.bench.clock import _now
+from humanline_cli.bench.clock import _now, load_model
 from humanline_cli.errors import UserError
 
 
 def sampler_bench(spec, info: dict, n_prompts: int) -> dict:
     from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.data.files import load_rows
-    from humanline_cli.models import load_policy
     from humanline_cli.sampling.hf import HFSampler
-    from humanline_cli.train.build import make_encoder, model_paths, prepare_model, prepare_world, resolve_path
+    from humanline_cli.train.build import make_encoder, resolve_path
 
     backend = info["backend"]
-    prepare_world(spec)  # the bundled world, built first if it is not cached
-    prepare_model(spec)  # a packaged model (model=smollm2), converted first if it is not cached
-    model_path, _ = model_paths(spec)
+    policy, model_path = load_model(spec, backend.device)
     encoder = make_encoder(spec, info["tokenizer"])
     p = spec.task_cfg.prompts
     rows, _ = load_rows(resolve_path(p.train, spec), p.train_split, n_prompts, p.columns)
@@ -33,7 +30,6 @@ def sampler_bench(spec, info: dict, n_prompts: int) -> dict:
         dt = _now(backend.device) - t0
         return {"tokens": c.n_tokens, "seconds": dt, "tokens_per_s": c.n_tokens / dt}
 
-    policy = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code)
     out["hf"] = timed(HFSampler(policy, info["tokenizer"], spec.sampler_cfg.batch_size, backend.autocast))
     try:
         from humanline_cli.sampling.vllm import VLLMSampler

