@@ -102,7 +102,7 @@ def trl_run(spec, info: dict, warmup: int, precompute: bool = False) -> Run:
 
     tokenizer, encoder, policy = _setup(spec, info)
     units = info["units"][: spec.train.batch_size * spec.train.steps]  # as many as the project's steps draw
-    kto, dpo = spec.objective == "kto", spec.objective == "dpo"
+    kto, dpo = spec.objective == "kto", spec.objective in ("dpo", "ipo")  # IPO is DPOTrainer's loss_type="ipo"
     rows = [{"prompt": u.prompt, "chosen": u.chosen, "rejected": u.rejected} if dpo else
             {"prompt": u.prompt, "completion": u.completion, "label": bool(u.desirable)} for u in units]
     data = Dataset.from_list(_as_chat(rows, encoder.wrap_strings))
@@ -114,7 +114,7 @@ def trl_run(spec, info: dict, warmup: int, precompute: bool = False) -> Run:
 
         Config, Trainer = (trl.KTOConfig, trl.KTOTrainer) if kto else (trl.DPOConfig, trl.DPOTrainer)
         extra = ({"desirable_weight": o.desirable_weight, "undesirable_weight": o.undesirable_weight} if kto
-                 else {"loss_type": ["sigmoid"]})
+                 else {"loss_type": ["ipo" if spec.objective == "ipo" else "sigmoid"]})
         args = Config(**_trl_common(spec, info["backend"], tmp), precompute_ref_log_probs=precompute, **extra)
         trainer = Trainer(model=policy, ref_model=ref, args=args, train_dataset=data, processing_class=tokenizer,
                           callbacks=[_clock(info["backend"].device, ends)])

@@ -95,7 +95,7 @@ def _bench(tmp_path, objective: str) -> tuple[dict, str]:
     return json.loads(out.read_text()), r.stdout
 
 
-@pytest.mark.parametrize("objective,unit", [("dpo", "pairs"), ("kto", "examples"), ("grpo", "groups")])
+@pytest.mark.parametrize("objective,unit", [("dpo", "pairs"), ("ipo", "pairs"), ("kto", "examples"), ("grpo", "groups")])
 def test_bench_cli_writes_consistent_json(tiny_world, tmp_path, objective, unit):
     res, stdout = _bench(tmp_path, objective)
     assert res["objective"] == objective and res["unit"] == unit and res["device"] == "cpu"
