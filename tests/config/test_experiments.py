@@ -106,6 +106,7 @@ def test_every_sweep_point_composes_and_validates(name):
         assert points == [[f"seed={s}", f"data.generate_every={k}", f"humanline={h}"]
                           for s in (1, 2, 3) for k in (1, 2, 4, 8) for h in ("False", "True")]
         assert len(points) == cfg.regime_study_size
+        resolve(_compose([f"experiment={name}"]))  # `train -m` validates the sweep's base before any point
         frontier = _compose(["experiment=laptop_headroom_frontier"])
         for key in ("train", "task", "eval", "threads"):  # the frontier's setting
             assert OmegaConf.select(cfg, key) == OmegaConf.select(frontier, key)
