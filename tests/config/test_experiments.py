@@ -102,6 +102,20 @@ def test_every_sweep_point_composes_and_validates(name):
             assert (c.train.steps, c.train.batch_size, c.data_cfg.prompts_per_round) == (10, 4, prompts)
     if name.startswith("laptop_pilot_headroom") or name.startswith("laptop_headroom"):  # GRPO, stale rounds
         grid = {("grpo", "online", False), ("grpo", "online", True)}
+    if name == "laptop_headroom_frontier_sync":  # the frontier below K=16 with humanline syncing once per round
+        assert points == [[f"seed={s}", f"data.generate_every={k}", f"humanline={h}"]
+                          for s in (1, 2, 3) for k in (1, 2, 4, 8) for h in ("False", "True")]
+        assert len(points) == cfg.regime_study_size
+        resolve(_compose([f"experiment={name}"]))  # `train -m` validates the sweep's base before any point
+        frontier = _compose(["experiment=laptop_headroom_frontier"])
+        for key in ("train", "task", "eval", "threads"):  # the frontier's setting
+            assert OmegaConf.select(cfg, key) == OmegaConf.select(frontier, key)
+        for point in points:
+            spec = resolve(_compose([f"experiment={name}", *point]))
+            k = spec.data_cfg.generate_every
+            assert spec.humanline.sync_every == k == min(16, k) and type(spec.humanline.sync_every) is int
+            assert (spec.humanline.log_eps_P, spec.humanline.log_eps_R) == (-1.5, 1.5)
+            assert spec.humanline.sync == spec.humanline.clamp == spec.humanline_on
     if name == "laptop_headroom_pairs":  # the study's regimes with DPO and KTO
         grid = {(o, "online", h) for o in ("dpo", "kto") for h in (True, False)}
     if name == "laptop_pilot_short":  # online and stale64 (stale rounds are online data), no humanline
