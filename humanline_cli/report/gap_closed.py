@@ -12,15 +12,15 @@ offline method can save against online on the same sequences per step.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import textwrap
 from pathlib import Path
 
 import pandas as pd
 
-from humanline_cli.report.frame import METRICS, WORK, ci_text, common_metric, curve, md_table, points, seconds
-from humanline_cli.report.groups import comparison_sets, differing_keys
+from humanline_cli.report.frame import (METRICS, WORK, ci_text, column, common_metric, curve, md_table, num, points,
+                                        read_jsonl, seconds)
+from humanline_cli.report.groups import comparison_sets, differing_keys, hl_settings
 from humanline_cli.report.stats import equivalence, fieller, km_median, mean_ci, paired_t, prompt_bootstrap
 
 ARMS = ("offline", "online", "humanline-offline")
@@ -80,14 +80,6 @@ def equal_quality(online: dict, humanline: dict) -> dict:
             "never": out["online"]["n"] - out["online"]["reached"]}
 
 
-def equal_quality_text(eq: dict | None) -> str:
-    if not eq:
-        return "n/a"
-    on, hl = eq["online"], eq["humanline-offline"]
-    return ("–" if eq["speedup"] is None else f"{eq['speedup']:.2f}x") + \
-        f" (reached: online {on['reached']} of {on['n']}, humanline {hl['reached']} of {hl['n']})"
-
-
 def gap_rows(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
     """One row per comparison of complete runs: an online group, a baseline and a humanline group on its data."""
     pts, rows = points(runs), []
@@ -114,8 +106,7 @@ def _comparisons(fams: dict) -> list[tuple]:
         hls = fams.get(f"humanline-{base}", [])
         if len(fams[base]) != 1:
             continue
-        differ = differing_keys([tuple(sorted((k, str(v)) for k, v in (g.cfg or {}).items() if k.startswith("hl.")))
-                                 for g in hls]) if len(hls) > 1 else set()
+        differ = differing_keys([hl_settings(g) for g in hls]) if len(hls) > 1 else set()
         out += [(base, g, ", ".join(f"{k}={(g.cfg or {}).get(k)}" for k in sorted(differ))) for g in hls]
     return out
 
@@ -141,10 +132,10 @@ def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.
     if len(paired_seeds) == 1 and metric in paired:  # one seed: the prompt bootstrap decides the gap
         boot = next(p["boot"] for p in paired[metric] if p["contrast"] == ("online", "offline"))
         gap_interval = (boot["lo"], boot["hi"]) if boot else None
-    wall = arms.groupby("arm")["wall_clock_s.total"].mean() if "wall_clock_s.total" in arms else pd.Series(dtype=float)
-    on_wall, hl_wall = (None if pd.isna(wall.get(a)) else float(wall[a]) for a in ARMS[1:])
-    shares = [s for s in arms[arms.arm == "online"]["summary"].map(sampling_share) if s is not None]
-    share = statistics.fmean(shares) if shares else None
+    wall = column(arms, "wall_clock_s.total").groupby(arms.arm).mean()
+    on_wall, hl_wall = (num(wall.get(a)) for a in ARMS[1:])
+    share = arms[arms.arm == "online"]["summary"].map(sampling_share).dropna().mean()  # NaN without any
+    share = None if share != share else float(share)
     closed = gap_closed_paired(*(paired_seeds[a].tolist() for a in ARMS), gap_interval)
     equal = equal_quality(curves["online"], curves["humanline-offline"]) if mid else None
     return {"task": task, "objective": objective, "set": label, "metric": metric,
@@ -154,7 +145,9 @@ def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.
             "gap_verdict": closed["verdict"], "online_wall_s": on_wall, "humanline_offline_wall_s": hl_wall,
             "speedup": on_wall / hl_wall if on_wall and hl_wall else None,
             "speedup_equal_quality": equal and equal["speedup"], "online_never_reached": equal and equal["never"],
-            "equal_text": equal_quality_text(equal),
+            "equal_text": "n/a" if not equal else ("–" if equal["speedup"] is None else f"{equal['speedup']:.2f}x")
+            + " (reached: " + ", ".join(f"{n} {equal[a]['reached']} of {equal[a]['n']}" for a, n in
+                                        (("online", "online"), ("humanline-offline", "humanline"))) + ")",
             "scores": {a: {m: mean_ci(scores[scores.arm == a][m].dropna().astype(float)) for m in METRICS}
                        for a in ARMS},
             "online_sampling_share": share,
@@ -169,11 +162,11 @@ def sampling_share(summary: dict) -> float | None:
     return seconds(times, ("sample", "label", "push")) / work if work > 0 else None
 
 
-def paired_differences(arms: dict, per_prompt: dict | None = None, contrasts=CONTRASTS) -> list[dict]:
+def paired_differences(arms: dict, per_prompt: dict | None = None) -> list[dict]:
     """Per contrast (a, b): a - b with a t-interval across seeds (`t`, paired by index) and a prompt-level
     bootstrap over `per_prompt`'s (seeds x prompts) scores (`boot`; None without them)."""
     return [{"contrast": (a, b), "t": paired_t(arms[a], arms[b]),
-             "boot": prompt_bootstrap(per_prompt[a], per_prompt[b]) if per_prompt else None} for a, b in contrasts]
+             "boot": prompt_bootstrap(per_prompt[a], per_prompt[b]) if per_prompt else None} for a, b in CONTRASTS]
 
 
 def prompt_scores(runs_by_arm: dict, metric: str) -> dict | None:
@@ -183,10 +176,9 @@ def prompt_scores(runs_by_arm: dict, metric: str) -> dict | None:
     for arm, runs in runs_by_arm.items():
         table[arm] = []
         for run in runs:
-            f = Path(run["path"]) / SAMPLES[metric]
-            if not f.is_file():
+            if not (Path(run["path"]) / SAMPLES[metric]).is_file():
                 return None
-            rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+            rows = read_jsonl(Path(run["path"]) / SAMPLES[metric])
             table[arm].append({r["prompt"]: float(r["policy_score"]) for r in rows if r.get("policy_score") is not None})
     common = sorted(set.intersection(*(set(d) for runs in table.values() for d in runs)))
     return {arm: [[d[p] for p in common] for d in runs] for arm, runs in table.items()} if common else None
@@ -206,9 +198,12 @@ DIGITS = {c: 4 if c.startswith(("speedup", "online_sampling")) else 6 for c in C
 MODES = {"greedy accuracy": "greedy", "accuracy": "sampled"}
 
 
-def equivalence_columns(rows: pd.DataFrame, margin: float) -> pd.DataFrame:
-    """Per comparison, for each metric and contrast a - b: the 90% paired t-interval and the equivalence verdict
-    at +-margin (stats.equivalence); "n/a" where the comparison has no such paired scores."""
+def gap_frame(rows: pd.DataFrame, margin: float | None = None) -> pd.DataFrame:
+    """gap_closed.csv: one row per comparison; with `margin`, per metric and contrast a - b the 90% paired
+    t-interval and the equivalence verdict at +-margin (stats.equivalence), "n/a" without such paired scores."""
+    frame = rows[list(CSV_COLUMNS)].astype(object)
+    if margin is None:
+        return frame
     out = []
     for paired in rows["paired"]:
         got = {(p["metric"], p["contrast"]): equivalence(p["t"]["diffs"], margin) for p in paired or []}
@@ -218,13 +213,7 @@ def equivalence_columns(rows: pd.DataFrame, margin: float) -> pd.DataFrame:
             name = f"{mode}_{a}_minus_{b}".replace("-", "_")
             row |= {f"{name}_lo90": e["lo"], f"{name}_hi90": e["hi"], f"{name}_equivalence": e["verdict"]}
         out.append(row)
-    return pd.DataFrame(out, index=rows.index, dtype=object)
-
-
-def gap_frame(rows: pd.DataFrame, margin: float | None = None) -> pd.DataFrame:
-    """gap_closed.csv: one row per comparison; with `margin`, the equivalence columns after them."""
-    frame = rows[list(CSV_COLUMNS)].astype(object)
-    return frame if margin is None else pd.concat([frame, equivalence_columns(rows, margin)], axis=1)
+    return pd.concat([frame, pd.DataFrame(out, index=rows.index, dtype=object)], axis=1)
 
 
 GAP_NOTE = ("gap closed = mean(humanline-offline - offline) / mean(online - offline) over seeds paired by seed (a "
@@ -244,8 +233,8 @@ GAP_NOTE = ("gap closed = mean(humanline-offline - offline) / mean(online - offl
 def _num(x) -> float | None:
     """A number from a row of gap_closed.csv (text, empty or NaN) or of gap_frame."""
     try:
-        return None if x is None or float(x) != float(x) else float(x)
-    except ValueError:
+        return num(float(x))
+    except (TypeError, ValueError):
         return None
 
 
@@ -269,11 +258,10 @@ GAP_HEAD = ["metric", "offline", "online", "humanline-offline", "gap closed", "s
 def markdown(rows: pd.DataFrame) -> list[str]:
     if rows.empty:
         return ["No comparison set has offline, online and humanline-offline runs: no gap to report.", ""]
-    table = rows
     lines = [GAP_NOTE, "", *md_table(["task", "objective", "set", *GAP_HEAD, "speedup", "at equal quality",
                                       "online sampling (bound)"],
                                      [(r["task"], r["objective"], r["set"] or "–", *gap_cells(r))
-                                      for r in table.to_dict("records")]), ""]
+                                      for r in rows.to_dict("records")]), ""]
     modes = (("greedy accuracy", "greedy"), ("accuracy", "sampled"), ("win rate", "sampled win rate"))
     scores = [(r, name, [(r.scores or {}).get(a, {}).get(mode) for a in ARMS]) for r in rows.itertuples()
               for mode, name in modes if mode != "win rate" or r.metric == "win rate"]

@@ -119,6 +119,11 @@ def signature(g, derived: dict) -> tuple | None:
     return tuple(sorted((k, canon(v)) for k, v in g.cfg.items() if not family_defining(k, derived)))
 
 
+def hl_settings(g) -> tuple:
+    """A group's hl.* settings, what tells two humanline groups of one comparison set apart."""
+    return tuple(sorted((k, str(v)) for k, v in (g.cfg or {}).items() if k.startswith("hl.")))
+
+
 def differing_keys(signatures: list) -> set:
     """Keys whose values differ between signatures."""
     dicts = [dict(s) for s in signatures if s is not None]
