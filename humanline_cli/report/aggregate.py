@@ -273,15 +273,10 @@ def print_report(rep: Report, console=None) -> None:
     for k in rep.unused_ignores:
         console.print(f"warning: --ignore {k} matched no key of any complete run's config", highlight=False)
     for section in ("Gap closed by humanline-offline", "Paired differences", "Speedup at matched quality"):
-        text = _section(rep.markdown, section)
+        text = rep.markdown.partition(f"## {section}\n")[2].split("\n## ", 1)[0].strip()  # the section's body
         if text:
             console.print(f"{section}\n{text}", highlight=False, markup=False, soft_wrap=True)
     console.print(f"wrote {', '.join(str(p) for p in rep.files.values())}", highlight=False)
-
-
-def _section(md: str, title: str) -> str:
-    """The body of report.md's `## title` section, stripped."""
-    return md.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0].strip() if f"## {title}\n" in md else ""
 
 
 def main_report(argv: list[str]) -> int:

@@ -116,8 +116,8 @@ def data_family(regime: str, cfg: dict) -> str:
 def load_run(path: Path) -> dict:
     """One run dir as a record: labels from its resolved config, overridden by a complete summary.json's."""
     # what the run produced, by content: a copy has the same fingerprint, a rerun of the same seed another
-    fingerprint = hashlib.sha256(b"".join(n.encode() + b"\0" + ((path / n).read_bytes() if (path / n).is_file()
-                                                                 else b"") + b"\0" for n in ("summary.json", "metrics.jsonl")))
+    fingerprint = hashlib.sha256(b"".join(n.encode() + b"\0" + ((path / n).read_bytes() if (path / n).is_file() else b"")
+                                          + b"\0" for n in ("summary.json", "metrics.jsonl")))
     run = {"path": path, "status": "incomplete", "task": "?", "objective": "?", "data": "?", "humanline": False,
            "seed": None, "reason": "", "summary": {}, "config": None, "raw": {},
            "fingerprint": fingerprint.hexdigest(), "metrics": read_jsonl(path / "metrics.jsonl"),
@@ -201,7 +201,6 @@ def loop_seconds(summary: dict) -> float:
 
 
 def get(tree: dict, dotted: str):
-    """tree["a"]["b"] for "a.b", None where any part is missing."""
     for part in dotted.split("."):
         tree = tree.get(part) if isinstance(tree, dict) else None
     return tree
@@ -235,7 +234,6 @@ def run_points(summary: dict, metrics: list[dict]) -> pd.DataFrame:
 
 
 def points(runs: pd.DataFrame) -> pd.DataFrame:
-    """The tidy long frame: run_points of every run, `run` its index label in `runs`."""
     return pd.concat([run_points(r["summary"], r["metrics"]).assign(run=i) for i, r in runs.iterrows()],
                      ignore_index=True) if len(runs) else pd.DataFrame(columns=["run", "point", "step", *CURVE])
 

@@ -1,26 +1,19 @@
-"""The paper's question per comparison set: how much of the offline -> online gap does humanline-offline close,
-at what wall-clock?
-
-gap closed = mean(humanline-offline - offline) / mean(online - offline) over seeds paired by seed, with Fieller's
-95% interval, given only where the gap's own t-interval lies above 0 (one seed: a prompt-level bootstrap decides).
-A comparison set (report/groups.py) is a group of runs whose configs agree outside the family-defining keys.
-The metric is greedy accuracy where recorded, else sampled accuracy, else the win rate against the start.
-`speedup`: online / humanline-offline wall-clock at equal steps. `equal`: from learning curves, the work seconds
-to humanline-offline's mean final score, Kaplan-Meier medians over seeds (a seed short of it censored at its end).
-`online_sampling_share`: the part of online's work spent producing data; 1 / (1 - share) bounds what any
-offline method can save against online on the same sequences per step.
+"""The paper's question per comparison set (groups.comparison_sets: groups whose configs agree outside the
+family-defining keys): how much of the offline -> online gap does humanline-offline close, at what wall-clock?
+GAP_NOTE, printed above the table, says how each number is computed.
 """
 from __future__ import annotations
 
+import json
 import statistics
 import textwrap
 from pathlib import Path
 
 import pandas as pd
 
-from humanline_cli.report.frame import (METRICS, WORK, ci_text, column, common_metric, curve, md_table, num, points,
-                                        read_jsonl, seconds)
+from humanline_cli.report.frame import METRICS, WORK, ci_text, column, common_metric, curve, md_table, points, seconds
 from humanline_cli.report.groups import comparison_sets, differing_keys, hl_settings
+from humanline_cli.report.plots import save_figure
 from humanline_cli.report.stats import equivalence, fieller, km_median, mean_ci, paired_t, prompt_bootstrap
 
 ARMS = ("offline", "online", "humanline-offline")
@@ -112,7 +105,6 @@ def _comparisons(fams: dict) -> list[tuple]:
 
 
 def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.DataFrame) -> dict | None:
-    """One comparison from its runs (column `arm`) and their evaluation points."""
     metric = common_metric(arms["summary"])
     scores = arms.reindex(columns=["arm", "seed", *METRICS.values()]).rename(columns={v: k for k, v in METRICS.items()})
     wide = scores.pivot(index="seed", columns="arm", values=metric).reindex(columns=list(ARMS)).astype(float)
@@ -132,8 +124,8 @@ def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.
     if len(paired_seeds) == 1 and metric in paired:  # one seed: the prompt bootstrap decides the gap
         boot = next(p["boot"] for p in paired[metric] if p["contrast"] == ("online", "offline"))
         gap_interval = (boot["lo"], boot["hi"]) if boot else None
-    wall = column(arms, "wall_clock_s.total").groupby(arms.arm).mean()
-    on_wall, hl_wall = (num(wall.get(a)) for a in ARMS[1:])
+    wall = column(arms, "wall_clock_s.total").groupby(arms.arm).mean().dropna()
+    on_wall, hl_wall = (float(wall[a]) if a in wall else None for a in ARMS[1:])
     share = arms[arms.arm == "online"]["summary"].map(sampling_share).dropna().mean()  # NaN without any
     share = None if share != share else float(share)
     closed = gap_closed_paired(*(paired_seeds[a].tolist() for a in ARMS), gap_interval)
@@ -176,9 +168,10 @@ def prompt_scores(runs_by_arm: dict, metric: str) -> dict | None:
     for arm, runs in runs_by_arm.items():
         table[arm] = []
         for run in runs:
-            if not (Path(run["path"]) / SAMPLES[metric]).is_file():
+            f = Path(run["path"]) / SAMPLES[metric]
+            if not f.is_file():
                 return None
-            rows = read_jsonl(Path(run["path"]) / SAMPLES[metric])
+            rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
             table[arm].append({r["prompt"]: float(r["policy_score"]) for r in rows if r.get("policy_score") is not None})
     common = sorted(set.intersection(*(set(d) for runs in table.values() for d in runs)))
     return {arm: [[d[p] for p in common] for d in runs] for arm, runs in table.items()} if common else None
@@ -233,8 +226,8 @@ GAP_NOTE = ("gap closed = mean(humanline-offline - offline) / mean(online - offl
 def _num(x) -> float | None:
     """A number from a row of gap_closed.csv (text, empty or NaN) or of gap_frame."""
     try:
-        return num(float(x))
-    except (TypeError, ValueError):
+        return None if x is None or float(x) != float(x) else float(x)
+    except ValueError:
         return None
 
 
@@ -345,6 +338,4 @@ def bar_chart(labels: list[str], values: list[tuple], path, colors: list[str] | 
     for x, style in ((0, {"color": "black"}), (1, {"color": "grey", "ls": "--"})):
         (ax.axhline if wide else ax.axvline)(x, lw=0.8, **style)
     ax.set_title("mean(humanline-offline - offline) / mean(online - offline), 95% Fieller interval")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)

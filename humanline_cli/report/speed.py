@@ -104,11 +104,9 @@ def parse_target(word: str, gpu_check: dict | None = None) -> TargetSpec:
 
 def target_for(run, spec: TargetSpec, constants: list[dict], work_calls: tuple) -> tuple[Target, Shape] | None:
     """The target's constants for this run's model (GPU targets depend on the model's shape and context)."""
-    if spec.constants is not None:
-        d = spec.constants
-        if d.get("model") != run.summary.get("model"):
-            return None
-        return target_from_json(d), Shape(d["model"], d["params"], d["params"], 0.0, "bench constants")
+    if (d := spec.constants) is not None:
+        return (target_from_json(d), Shape(d["model"], d["params"], d["params"], 0.0, "bench constants")
+                ) if d.get("model") == run.summary.get("model") else None
     shape = SHAPES.get(run.summary.get("model")) or next(
         (Shape(d["model"], d["params"], d["params"], 0.0, "parameters from the constants file; KV cache not counted")
          for d in constants if d.get("model") == run.summary.get("model")), None)
