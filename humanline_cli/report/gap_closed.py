@@ -126,8 +126,8 @@ def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.
         gap_interval = (boot["lo"], boot["hi"]) if boot else None
     wall = column(arms, "wall_clock_s.total").groupby(arms.arm).mean().dropna()
     on_wall, hl_wall = (float(wall[a]) if a in wall else None for a in ARMS[1:])
-    share = arms[arms.arm == "online"]["summary"].map(sampling_share).dropna().mean()  # NaN without any
-    share = None if share != share else float(share)
+    shares = arms[arms.arm == "online"]["summary"].map(sampling_share).dropna()
+    share = statistics.fmean(shares) if len(shares) else None
     closed = gap_closed_paired(*(paired_seeds[a].tolist() for a in ARMS), gap_interval)
     equal = equal_quality(curves["online"], curves["humanline-offline"]) if mid else None
     return {"task": task, "objective": objective, "set": label, "metric": metric,
