@@ -123,23 +123,17 @@ def cell_lines(c: dict) -> list[str]:
                                                    f"n={c['n_seeds']}"]
 
 
-def task_grid(cells: list[dict], task: str) -> tuple[list[str], list[tuple], list[str], dict]:
-    """(row keys, rows as (objective, row labels), families, {(row, family): [cells]}) of one task's table: rows
-    split by the varying keys outside the family-defining subtrees; the others label the cell itself."""
-    cs = [c for c in cells if c["task"] == task]
-    grid: dict = {}
-    for c in cs:  # cells arrive sorted
-        grid.setdefault(((c["objective"], tuple(v for _, v in c["row"])), c["family"]), []).append(c)
-    return ([k for k, _ in cs[0]["row"]] if cs else [], list(dict.fromkeys(r for r, _ in grid)),
-            order({c["family"] for c in cs}, FAMILIES), grid)
-
-
-def _cell_text(grid, row, fam, sep: str) -> str:
-    return (sep + sep).join(sep.join(cell_lines(c)) for c in grid.get((row, fam), [])) or "–"
-
-
-def _md(s: str) -> str:
-    return s.replace("|", "\\|")
+def task_tables(cells: list[dict], sep: str):
+    """Per task: (task, metric, header, rows) of its table, one row per objective and the varying keys outside the
+    family-defining subtrees, one column per family; the other keys label the cell itself, its lines joined by `sep`."""
+    for task in sorted({c["task"] for c in cells}):
+        cs, grid = [c for c in cells if c["task"] == task], {}
+        for c in cs:  # cells arrive sorted
+            grid.setdefault((c["objective"], tuple(v for _, v in c["row"])), {}).setdefault(c["family"], []).append(c)
+        fams = order({c["family"] for c in cs}, FAMILIES)
+        rows = [(obj, *vals, *((sep + sep).join(sep.join(cell_lines(c)) for c in by.get(f, [])) or "–" for f in fams))
+                for (obj, vals), by in grid.items()]
+        yield task, cs[0]["metric"], ["objective", *(k for k, _ in cs[0]["row"]), *fams], rows
 
 
 def grouping_note(ignore) -> str:
@@ -173,16 +167,13 @@ def render_markdown(root: Path, cells, runs: pd.DataFrame, plots: dict, skipped:
                                          for d in duplicates), ""]
     if not cells:
         lines += ["No complete runs to aggregate.", ""]
-    for task in sorted({c["task"] for c in cells}):
-        row_keys, rows, fams, grid = task_grid(cells, task)
-        metric = next(c["metric"] for c in cells if c["task"] == task)
+    for task, metric, head, rows in task_tables(cells, "<br>"):
         lines += [f"## Task `{task}`", "",
                   (f"Each cell: win rate vs the starting policy, mean ± sd over seeds [95% CI]; {metric} "
                    f"mean ± sd{'' if metric == 'accuracy' else ' (no verifier for this task)'}; mean wall-clock "
                    "seconds (speedup = online wall-clock / this wall-clock); number of seeds."), "",
-                  *md_table(["objective", *map(_md, row_keys + fams)],
-                            [(f"**{row[0]}**", *map(_md, row[1]), *(_md(_cell_text(grid, row, f, "<br>")) for f in fams))
-                             for row in rows]), ""]
+                  *md_table([h.replace("|", "\\|") for h in head],
+                            [(f"**{r[0]}**", *(x.replace("|", "\\|") for x in r[1:])) for r in rows]), ""]
     problems = runs[runs.status != "complete"]
     lines += ["## Failed or incomplete runs", "", *([] if len(problems) else ["none"]),
               *(f"- **{r.status}** `{_rel(r.path, root)}` ({r.task} / {r.objective} / {r.family} / seed {r.seed}): "
@@ -264,15 +255,12 @@ def print_report(rep: Report, console=None) -> None:
     from rich.table import Table
 
     console = console or Console(width=None if sys.stdout.isatty() else 160)
-    for task in sorted({c["task"] for c in rep.cells}):
-        row_keys, rows, fams, grid = task_grid(rep.cells, task)
-        t = Table(title=f"task {task}: win rate vs start [95% CI] / "
-                        f"{next(c['metric'] for c in rep.cells if c['task'] == task)} / wall-clock", show_lines=True)
-        t.add_column("objective", style="bold")
-        for k in row_keys + fams:
-            t.add_column(k)
-        for row in rows:
-            t.add_row(row[0], *row[1], *[_cell_text(grid, row, f, "\n") for f in fams])
+    for task, metric, head, rows in task_tables(rep.cells, "\n"):
+        t = Table(title=f"task {task}: win rate vs start [95% CI] / {metric} / wall-clock", show_lines=True)
+        for i, h in enumerate(head):
+            t.add_column(h, style="bold" if i == 0 else None)
+        for r in rows:
+            t.add_row(*r)
         console.print(t)
     if not rep.cells:
         console.print("no complete runs to aggregate")
@@ -285,15 +273,10 @@ def print_report(rep: Report, console=None) -> None:
     for k in rep.unused_ignores:
         console.print(f"warning: --ignore {k} matched no key of any complete run's config", highlight=False)
     for section in ("Gap closed by humanline-offline", "Paired differences", "Speedup at matched quality"):
-        text = _section(rep.markdown, section)
+        text = rep.markdown.partition(f"## {section}\n")[2].split("\n## ", 1)[0].strip()  # the section's body
         if text:
             console.print(f"{section}\n{text}", highlight=False, markup=False, soft_wrap=True)
     console.print(f"wrote {', '.join(str(p) for p in rep.files.values())}", highlight=False)
-
-
-def _section(md: str, title: str) -> str:
-    """The body of report.md's `## title` section, stripped."""
-    return md.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0].strip() if f"## {title}\n" in md else ""
 
 
 def main_report(argv: list[str]) -> int:

@@ -7,18 +7,14 @@ import re
 
 import pandas as pd
 
-from humanline_cli.report.frame import METRICS, ci_text, common_metric, md
-from humanline_cli.report.groups import comparison_sets
+from humanline_cli.report.frame import METRICS, ci_text, column, common_metric, md
+from humanline_cli.report.groups import comparison_sets, hl_settings
 from humanline_cli.report.stats import mean_ci, paired_t
 
 _ASYNC = re.compile(r"(humanline-)?((?:stale-\d+-)?)async-(\d+)$")
 CSV_COLUMNS = ("task", "objective", "set", "humanline", "lag", "metric", "lag0_mean", "lag0_lo", "lag0_hi",
                "lag_mean", "lag_lo", "lag_hi", "within_lag0_interval", "delta_mean", "delta_lo", "delta_hi",
                "n_seeds", "lag0_wall_s", "lag_wall_s", "speedup")
-
-
-def _hl(g) -> tuple:
-    return tuple(sorted((k, str(v)) for k, v in (g.cfg or {}).items() if k.startswith("hl.")))
 
 
 def async_rows(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
@@ -28,30 +24,25 @@ def async_rows(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
     for task, objective, _, members in comparison_sets(runs, ignore):
         for g in members:
             m = _ASYNC.match(g.family)
-            if m is None:
+            sync_family = m and (m.group(1) or "") + (m.group(2).removesuffix("-") or "online")
+            partners = [p for p in members if m and p.family == sync_family and hl_settings(p) == hl_settings(g)]
+            if len(partners) != 1:
                 continue
-            sync_family = (m.group(1) or "") + (m.group(2).removesuffix("-") or "online")
-            partners = [p for p in members if p.family == sync_family and _hl(p) == _hl(g)]
-            if len(partners) == 1:
-                rows += _row(task, objective, m.group(2).removesuffix("-"), bool(m.group(1)), int(m.group(3)),
-                             runs.loc[partners[0].members], runs.loc[g.members])
+            sync, lagged = runs.loc[partners[0].members], runs.loc[g.members]
+            metric = common_metric(pd.concat([sync, lagged])["summary"])
+            a, b = (pd.to_numeric(x.set_index("seed")[METRICS[metric]], errors="coerce").dropna() for x in (sync, lagged))
+            a, b = (x[~x.index.duplicated(keep="last")] for x in (a, b))
+            if a.empty or b.empty:
+                continue
+            common = sorted(set(a.index) & set(b.index), key=str)
+            lag0, lagl, delta = mean_ci(a), mean_ci(b), paired_t(b[common], a[common])
+            wall0, wall = (float(column(x, "wall_clock_s.total").fillna(0.0).mean()) for x in (sync, lagged))
+            rows.append((task, objective, m.group(2).removesuffix("-"), bool(m.group(1)), int(m.group(3)), metric,
+                         lag0["mean"], lag0["lo"], lag0["hi"], lagl["mean"], lagl["lo"], lagl["hi"],
+                         None if lag0["lo"] is None else bool(lag0["lo"] <= lagl["mean"] <= lag0["hi"]),
+                         delta["mean"], delta["lo"], delta["hi"], delta["n"], wall0, wall,
+                         wall0 / wall if wall0 and wall else None))
     return pd.DataFrame(rows, columns=CSV_COLUMNS, dtype=object)
-
-
-def _row(task, objective, label, humanline: bool, lag: int, sync: pd.DataFrame, lagged: pd.DataFrame) -> list:
-    metric = common_metric(pd.concat([sync, lagged])["summary"])
-    a, b = (pd.to_numeric(x.set_index("seed")[METRICS[metric]], errors="coerce").dropna() for x in (sync, lagged))
-    a, b = (x[~x.index.duplicated(keep="last")] for x in (a, b))
-    if a.empty or b.empty:
-        return []
-    common = sorted(set(a.index) & set(b.index), key=str)
-    lag0, lagl, delta = mean_ci(a), mean_ci(b), paired_t(b[common], a[common])
-    wall0, wall = (float(pd.to_numeric(x.get("wall_clock_s.total"), errors="coerce").fillna(0.0).mean())
-                   for x in (sync, lagged))
-    within = None if lag0["lo"] is None else bool(lag0["lo"] <= lagl["mean"] <= lag0["hi"])
-    return [(task, objective, label, humanline, lag, metric, lag0["mean"], lag0["lo"], lag0["hi"], lagl["mean"],
-             lagl["lo"], lagl["hi"], within, delta["mean"], delta["lo"], delta["hi"], delta["n"], wall0, wall,
-             wall0 / wall if wall0 and wall else None)]
 
 
 def markdown(rows: pd.DataFrame) -> list[str]:

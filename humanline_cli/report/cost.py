@@ -4,13 +4,12 @@ with ratios against online of the same objective: exact, machine-independent cou
 """
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
 import pandas as pd
 
-from humanline_cli.report.frame import md
+from humanline_cli.report.frame import md, read_jsonl
 from humanline_cli.report.predict import Call
 
 CSV_COLUMNS = ("task", "objective", "regime", "n_runs", "units_trained", "sampled_sequences", "generation_calls",
@@ -20,10 +19,7 @@ CSV_COLUMNS = ("task", "objective", "regime", "n_runs", "units_trained", "sample
 
 def calls_of(run_path: Path) -> tuple | None:
     """predict.Call per round from samples.jsonl; () without samples; None when its lines lack `tokens`."""
-    f = Path(run_path) / "samples.jsonl"
-    if not f.is_file():
-        return ()
-    rows = pd.DataFrame([json.loads(line) for line in f.read_text().splitlines() if line.strip()])
+    rows = pd.DataFrame(read_jsonl(Path(run_path) / "samples.jsonl"))
     if rows.empty:
         return ()
     if "tokens" not in rows or rows["tokens"].isna().any():
@@ -35,17 +31,15 @@ def calls_of(run_path: Path) -> tuple | None:
 def run_cost(path: Path, summary: dict) -> dict:
     """A complete run's generation counts; one weight push (or snapshot) per round."""
     calls = int((summary.get("final_train_metrics") or {}).get("online/round") or 0)
-    samples = Path(path) / "samples.jsonl"
     counted = calls_of(path)
     return {"units_trained": int(summary.get("steps") or 0) * int(summary.get("batch_size") or 0),
-            "sampled_sequences": sum(1 for line in open(samples, "rb") if line.strip()) if samples.is_file() else 0,
+            "sampled_sequences": len(read_jsonl(Path(path) / "samples.jsonl")),
             "generation_calls": calls, "weight_pushes": calls,
             "generated_tokens": sum(c.tokens for c in counted) if counted is not None else None,
             "longest_completion_per_call": statistics.fmean(c.longest for c in counted) if counted else None}
 
 
 def cost_rows(runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per (task, objective, regime), in first-seen order."""
     if runs.empty:
         return pd.DataFrame(columns=CSV_COLUMNS)
     per = pd.DataFrame([run_cost(r.path, r.summary) for r in runs.itertuples()], index=runs.index, dtype=float)

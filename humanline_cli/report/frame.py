@@ -66,16 +66,6 @@ def _read_json(path: Path):
         return None, f"unreadable {path.name}: {type(e).__name__}: {e}"
 
 
-def _flatten(tree, prefix="", out=None) -> dict:
-    out = {} if out is None else out
-    for k, v in tree.items():
-        if isinstance(v, dict) and v:
-            _flatten(v, f"{prefix}{k}.", out)
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def read_config(path: Path) -> tuple[dict, dict] | None:
     """(resolved, raw) flat dotted-key views of a Hydra config.yaml, or None if unreadable. Each leaf resolves on
     its own, so one that cannot here (`${hydra:...}`, a missing env var) keeps its text. Lists stay values."""
@@ -87,7 +77,7 @@ def read_config(path: Path) -> tuple[dict, dict] | None:
         return None
     if not isinstance(cfg, DictConfig):
         return None
-    raw = _flatten(OmegaConf.to_container(cfg, resolve=False))
+    raw = pd.json_normalize(OmegaConf.to_container(cfg, resolve=False)).iloc[0].to_dict()
     flat = {}
 
     def walk(node, prefix):
@@ -123,20 +113,14 @@ def data_family(regime: str, cfg: dict) -> str:
     return "-".join(parts) or regime
 
 
-def outputs_fingerprint(path: Path) -> str:
-    """What a run produced, by content: a copy has the same fingerprint, a rerun of the same seed another."""
-    h = hashlib.sha256()
-    for name in ("summary.json", "metrics.jsonl"):
-        f = path / name
-        h.update(name.encode() + b"\0" + (f.read_bytes() if f.is_file() else b"") + b"\0")
-    return h.hexdigest()
-
-
 def load_run(path: Path) -> dict:
     """One run dir as a record: labels from its resolved config, overridden by a complete summary.json's."""
+    # what the run produced, by content: a copy has the same fingerprint, a rerun of the same seed another
+    fingerprint = hashlib.sha256(b"".join(n.encode() + b"\0" + ((path / n).read_bytes() if (path / n).is_file() else b"")
+                                          + b"\0" for n in ("summary.json", "metrics.jsonl")))
     run = {"path": path, "status": "incomplete", "task": "?", "objective": "?", "data": "?", "humanline": False,
            "seed": None, "reason": "", "summary": {}, "config": None, "raw": {},
-           "fingerprint": outputs_fingerprint(path), "metrics": read_jsonl(path / "metrics.jsonl"),
+           "fingerprint": fingerprint.hexdigest(), "metrics": read_jsonl(path / "metrics.jsonl"),
            "logratios": read_jsonl(path / "logratios.jsonl")}
     got = read_config(path / ".hydra" / "config.yaml") if (path / ".hydra" / "config.yaml").is_file() else None
     if got is not None:
@@ -217,7 +201,6 @@ def loop_seconds(summary: dict) -> float:
 
 
 def get(tree: dict, dotted: str):
-    """tree["a"]["b"] for "a.b", None where any part is missing."""
     for part in dotted.split("."):
         tree = tree.get(part) if isinstance(tree, dict) else None
     return tree
@@ -251,7 +234,6 @@ def run_points(summary: dict, metrics: list[dict]) -> pd.DataFrame:
 
 
 def points(runs: pd.DataFrame) -> pd.DataFrame:
-    """The tidy long frame: run_points of every run, `run` its index label in `runs`."""
     return pd.concat([run_points(r["summary"], r["metrics"]).assign(run=i) for i, r in runs.iterrows()],
                      ignore_index=True) if len(runs) else pd.DataFrame(columns=["run", "point", "step", *CURVE])
 

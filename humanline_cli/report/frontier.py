@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from humanline_cli.report.frame import ci_text, column, load, md_table
+from humanline_cli.report.plots import save_figure
 from humanline_cli.report.stats import mean_ci
 
 DRIFT_FLOOR = 1e-5  # on-policy drift is float round-off: drawn at this floor, labelled "~0"
@@ -75,9 +76,7 @@ def plot(rows: list[dict], path: Path, metric: str = "greedy") -> None:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.suptitle("staleness frontier (mean over seeds, 95% t-interval)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:

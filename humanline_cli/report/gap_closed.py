@@ -1,14 +1,6 @@
-"""The paper's question per comparison set: how much of the offline -> online gap does humanline-offline close,
-at what wall-clock?
-
-gap closed = mean(humanline-offline - offline) / mean(online - offline) over seeds paired by seed, with Fieller's
-95% interval, given only where the gap's own t-interval lies above 0 (one seed: a prompt-level bootstrap decides).
-A comparison set (report/groups.py) is a group of runs whose configs agree outside the family-defining keys.
-The metric is greedy accuracy where recorded, else sampled accuracy, else the win rate against the start.
-`speedup`: online / humanline-offline wall-clock at equal steps. `equal`: from learning curves, the work seconds
-to humanline-offline's mean final score, Kaplan-Meier medians over seeds (a seed short of it censored at its end).
-`online_sampling_share`: the part of online's work spent producing data; 1 / (1 - share) bounds what any
-offline method can save against online on the same sequences per step.
+"""The paper's question per comparison set (groups.comparison_sets: groups whose configs agree outside the
+family-defining keys): how much of the offline -> online gap does humanline-offline close, at what wall-clock?
+GAP_NOTE, printed above the table, says how each number is computed.
 """
 from __future__ import annotations
 
@@ -19,8 +11,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from humanline_cli.report.frame import METRICS, WORK, ci_text, common_metric, curve, md_table, points, seconds
-from humanline_cli.report.groups import comparison_sets, differing_keys
+from humanline_cli.report.frame import METRICS, WORK, ci_text, column, common_metric, curve, md_table, points, seconds
+from humanline_cli.report.groups import comparison_sets, differing_keys, hl_settings
+from humanline_cli.report.plots import save_figure
 from humanline_cli.report.stats import equivalence, fieller, km_median, mean_ci, paired_t, prompt_bootstrap
 
 ARMS = ("offline", "online", "humanline-offline")
@@ -80,14 +73,6 @@ def equal_quality(online: dict, humanline: dict) -> dict:
             "never": out["online"]["n"] - out["online"]["reached"]}
 
 
-def equal_quality_text(eq: dict | None) -> str:
-    if not eq:
-        return "n/a"
-    on, hl = eq["online"], eq["humanline-offline"]
-    return ("–" if eq["speedup"] is None else f"{eq['speedup']:.2f}x") + \
-        f" (reached: online {on['reached']} of {on['n']}, humanline {hl['reached']} of {hl['n']})"
-
-
 def gap_rows(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
     """One row per comparison of complete runs: an online group, a baseline and a humanline group on its data."""
     pts, rows = points(runs), []
@@ -114,14 +99,12 @@ def _comparisons(fams: dict) -> list[tuple]:
         hls = fams.get(f"humanline-{base}", [])
         if len(fams[base]) != 1:
             continue
-        differ = differing_keys([tuple(sorted((k, str(v)) for k, v in (g.cfg or {}).items() if k.startswith("hl.")))
-                                 for g in hls]) if len(hls) > 1 else set()
+        differ = differing_keys([hl_settings(g) for g in hls]) if len(hls) > 1 else set()
         out += [(base, g, ", ".join(f"{k}={(g.cfg or {}).get(k)}" for k in sorted(differ))) for g in hls]
     return out
 
 
 def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.DataFrame) -> dict | None:
-    """One comparison from its runs (column `arm`) and their evaluation points."""
     metric = common_metric(arms["summary"])
     scores = arms.reindex(columns=["arm", "seed", *METRICS.values()]).rename(columns={v: k for k, v in METRICS.items()})
     wide = scores.pivot(index="seed", columns="arm", values=metric).reindex(columns=list(ARMS)).astype(float)
@@ -141,10 +124,10 @@ def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.
     if len(paired_seeds) == 1 and metric in paired:  # one seed: the prompt bootstrap decides the gap
         boot = next(p["boot"] for p in paired[metric] if p["contrast"] == ("online", "offline"))
         gap_interval = (boot["lo"], boot["hi"]) if boot else None
-    wall = arms.groupby("arm")["wall_clock_s.total"].mean() if "wall_clock_s.total" in arms else pd.Series(dtype=float)
-    on_wall, hl_wall = (None if pd.isna(wall.get(a)) else float(wall[a]) for a in ARMS[1:])
-    shares = [s for s in arms[arms.arm == "online"]["summary"].map(sampling_share) if s is not None]
-    share = statistics.fmean(shares) if shares else None
+    wall = column(arms, "wall_clock_s.total").groupby(arms.arm).mean().dropna()
+    on_wall, hl_wall = (float(wall[a]) if a in wall else None for a in ARMS[1:])
+    shares = arms[arms.arm == "online"]["summary"].map(sampling_share).dropna()
+    share = statistics.fmean(shares) if len(shares) else None
     closed = gap_closed_paired(*(paired_seeds[a].tolist() for a in ARMS), gap_interval)
     equal = equal_quality(curves["online"], curves["humanline-offline"]) if mid else None
     return {"task": task, "objective": objective, "set": label, "metric": metric,
@@ -154,7 +137,9 @@ def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.
             "gap_verdict": closed["verdict"], "online_wall_s": on_wall, "humanline_offline_wall_s": hl_wall,
             "speedup": on_wall / hl_wall if on_wall and hl_wall else None,
             "speedup_equal_quality": equal and equal["speedup"], "online_never_reached": equal and equal["never"],
-            "equal_text": equal_quality_text(equal),
+            "equal_text": "n/a" if not equal else ("–" if equal["speedup"] is None else f"{equal['speedup']:.2f}x")
+            + " (reached: " + ", ".join(f"{n} {equal[a]['reached']} of {equal[a]['n']}" for a, n in
+                                        (("online", "online"), ("humanline-offline", "humanline"))) + ")",
             "scores": {a: {m: mean_ci(scores[scores.arm == a][m].dropna().astype(float)) for m in METRICS}
                        for a in ARMS},
             "online_sampling_share": share,
@@ -169,11 +154,11 @@ def sampling_share(summary: dict) -> float | None:
     return seconds(times, ("sample", "label", "push")) / work if work > 0 else None
 
 
-def paired_differences(arms: dict, per_prompt: dict | None = None, contrasts=CONTRASTS) -> list[dict]:
+def paired_differences(arms: dict, per_prompt: dict | None = None) -> list[dict]:
     """Per contrast (a, b): a - b with a t-interval across seeds (`t`, paired by index) and a prompt-level
     bootstrap over `per_prompt`'s (seeds x prompts) scores (`boot`; None without them)."""
     return [{"contrast": (a, b), "t": paired_t(arms[a], arms[b]),
-             "boot": prompt_bootstrap(per_prompt[a], per_prompt[b]) if per_prompt else None} for a, b in contrasts]
+             "boot": prompt_bootstrap(per_prompt[a], per_prompt[b]) if per_prompt else None} for a, b in CONTRASTS]
 
 
 def prompt_scores(runs_by_arm: dict, metric: str) -> dict | None:
@@ -206,9 +191,12 @@ DIGITS = {c: 4 if c.startswith(("speedup", "online_sampling")) else 6 for c in C
 MODES = {"greedy accuracy": "greedy", "accuracy": "sampled"}
 
 
-def equivalence_columns(rows: pd.DataFrame, margin: float) -> pd.DataFrame:
-    """Per comparison, for each metric and contrast a - b: the 90% paired t-interval and the equivalence verdict
-    at +-margin (stats.equivalence); "n/a" where the comparison has no such paired scores."""
+def gap_frame(rows: pd.DataFrame, margin: float | None = None) -> pd.DataFrame:
+    """gap_closed.csv: one row per comparison; with `margin`, per metric and contrast a - b the 90% paired
+    t-interval and the equivalence verdict at +-margin (stats.equivalence), "n/a" without such paired scores."""
+    frame = rows[list(CSV_COLUMNS)].astype(object)
+    if margin is None:
+        return frame
     out = []
     for paired in rows["paired"]:
         got = {(p["metric"], p["contrast"]): equivalence(p["t"]["diffs"], margin) for p in paired or []}
@@ -218,13 +206,7 @@ def equivalence_columns(rows: pd.DataFrame, margin: float) -> pd.DataFrame:
             name = f"{mode}_{a}_minus_{b}".replace("-", "_")
             row |= {f"{name}_lo90": e["lo"], f"{name}_hi90": e["hi"], f"{name}_equivalence": e["verdict"]}
         out.append(row)
-    return pd.DataFrame(out, index=rows.index, dtype=object)
-
-
-def gap_frame(rows: pd.DataFrame, margin: float | None = None) -> pd.DataFrame:
-    """gap_closed.csv: one row per comparison; with `margin`, the equivalence columns after them."""
-    frame = rows[list(CSV_COLUMNS)].astype(object)
-    return frame if margin is None else pd.concat([frame, equivalence_columns(rows, margin)], axis=1)
+    return pd.concat([frame, pd.DataFrame(out, index=rows.index, dtype=object)], axis=1)
 
 
 GAP_NOTE = ("gap closed = mean(humanline-offline - offline) / mean(online - offline) over seeds paired by seed (a "
@@ -269,11 +251,10 @@ GAP_HEAD = ["metric", "offline", "online", "humanline-offline", "gap closed", "s
 def markdown(rows: pd.DataFrame) -> list[str]:
     if rows.empty:
         return ["No comparison set has offline, online and humanline-offline runs: no gap to report.", ""]
-    table = rows
     lines = [GAP_NOTE, "", *md_table(["task", "objective", "set", *GAP_HEAD, "speedup", "at equal quality",
                                       "online sampling (bound)"],
                                      [(r["task"], r["objective"], r["set"] or "–", *gap_cells(r))
-                                      for r in table.to_dict("records")]), ""]
+                                      for r in rows.to_dict("records")]), ""]
     modes = (("greedy accuracy", "greedy"), ("accuracy", "sampled"), ("win rate", "sampled win rate"))
     scores = [(r, name, [(r.scores or {}).get(a, {}).get(mode) for a in ARMS]) for r in rows.itertuples()
               for mode, name in modes if mode != "win rate" or r.metric == "win rate"]
@@ -357,6 +338,4 @@ def bar_chart(labels: list[str], values: list[tuple], path, colors: list[str] | 
     for x, style in ((0, {"color": "black"}), (1, {"color": "grey", "ls": "--"})):
         (ax.axhline if wide else ax.axvline)(x, lw=0.8, **style)
     ax.set_title("mean(humanline-offline - offline) / mean(online - offline), 95% Fieller interval")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)

@@ -112,15 +112,12 @@ def scope(g, key: str, derived: dict):
     return tuple(parts)
 
 
-def signature(g, derived: dict) -> tuple | None:
-    """What must match for a speedup or a comparison: all but the family-defining keys."""
-    if g.cfg is None:
-        return None
-    return tuple(sorted((k, canon(v)) for k, v in g.cfg.items() if not family_defining(k, derived)))
+def hl_settings(g) -> tuple:
+    """A group's hl.* settings, what tells two humanline groups of one comparison set apart."""
+    return tuple(sorted((k, str(v)) for k, v in (g.cfg or {}).items() if k.startswith("hl.")))
 
 
 def differing_keys(signatures: list) -> set:
-    """Keys whose values differ between signatures."""
     dicts = [dict(s) for s in signatures if s is not None]
     keys = {k for d in dicts for k in d}
     return {k for k in keys if len({d.get(k) for d in dicts}) > 1}
@@ -156,14 +153,6 @@ def varying_keys(groups_: pd.DataFrame, derived: dict) -> dict[str, set]:
     return out
 
 
-def group_labels(g, varying: dict, derived: dict) -> dict:
-    """The varying keys this group has a distinguishing value for, as text."""
-    if g.cfg is None:
-        return {NO_CONFIG: "missing"} if NO_CONFIG in varying else {}
-    return {k: (show(g.cfg[k]) if k in g.cfg else "unset") for k, scs in varying.items()
-            if k != NO_CONFIG and scope(g, k, derived) in scs}
-
-
 def label(runs: pd.DataFrame, ignore=()) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Complete runs -> (runs with `group`, `variant`; groups with `labels`, `row`, `label`, `sig`). Per task the
     varying keys outside the family-defining subtrees make a table's rows (`row`), the others label a cell
@@ -176,11 +165,16 @@ def label(runs: pd.DataFrame, ignore=()) -> tuple[pd.DataFrame, pd.DataFrame]:
         varying = varying_keys(tg, derived)
         row_keys = sorted(k for k in varying if not family_defining(k, derived))
         for i, g in tg.iterrows():
-            labels = group_labels(g, varying, derived)
+            # the varying keys this group has a distinguishing value for, as text
+            labels = ({NO_CONFIG: "missing"} if NO_CONFIG in varying else {}) if g.cfg is None else {
+                k: (show(g.cfg[k]) if k in g.cfg else "unset") for k, scs in varying.items()
+                if k != NO_CONFIG and scope(g, k, derived) in scs}
             gs.at[i, "labels"] = labels
             gs.at[i, "row"] = tuple((k, labels.get(k, "–")) for k in row_keys)
             gs.at[i, "label"] = ", ".join(f"{k}={v}" for k, v in labels.items() if k not in row_keys)
-            gs.at[i, "sig"] = (g.task, g.objective, signature(g, derived))
+            # what must match for a speedup or a comparison: all but the family-defining keys
+            gs.at[i, "sig"] = (g.task, g.objective, None if g.cfg is None else tuple(sorted(
+                (k, canon(v)) for k, v in g.cfg.items() if not family_defining(k, derived))))
             runs.loc[g.members, "group"] = i
             runs.loc[g.members, "variant"] = ", ".join(f"{k}={v}" for k, v in labels.items())
     return runs, gs

@@ -29,16 +29,6 @@ ROW = ("task", "objective", "regime", "metric", "target", "target_note", "seeds"
        "steps_to", "seconds", "speedup", "equal_step_speedup")
 
 
-def target_of(online_curves: list, accuracy: float | None) -> tuple[float, str]:
-    """The target score and how it was set."""
-    if accuracy is not None:
-        return accuracy, "named (--accuracy)"
-    start = statistics.fmean(c[0][2] for c in online_curves)
-    final = statistics.fmean(c[-1][2] for c in online_curves)
-    return start + TARGET_GAIN * (final - start), (f"start {start:.4g} + {TARGET_GAIN:g} x (online's mean final "
-                                                    f"{final:.4g} - start)")
-
-
 def matched_rows(runs: pd.DataFrame, accuracy: float | None = None) -> pd.DataFrame:
     """Per (task, objective) with online runs, one row per regime (`regime`), in first-seen order; `seeds`
     counts a seed's last run."""
@@ -54,7 +44,10 @@ def matched_rows(runs: pd.DataFrame, accuracy: float | None = None) -> pd.DataFr
                   for name, rs in tr.groupby("regime", sort=False)}
         if not any(curves["online"]):
             continue
-        target, note = target_of([c for c in curves["online"] if c], accuracy)
+        start, final = (statistics.fmean(c[i][2] for c in curves["online"] if c) for i in (0, -1))
+        target, note = (accuracy, "named (--accuracy)") if accuracy is not None else (
+            start + TARGET_GAIN * (final - start), f"start {start:.4g} + {TARGET_GAIN:g} x (online's mean final "
+                                                   f"{final:.4g} - start)")
         on_med = km_medians(curves["online"], target)["seconds"]
         on_loop = statistics.fmean(online["loop"])
         for name, rs in tr.groupby("regime", sort=False):

@@ -27,11 +27,6 @@ class Setting:
     regimes: tuple             # (name, Hydra overrides)
 
 
-def _reward_model_s_per_seq(tokens: float) -> float:
-    """ArmoRM (Llama-3-8B) scoring one prompt + completion: a forward, 2 x P x tokens at the assumed MFU."""
-    return 2 * SHAPES["llama3_8b_instruct"].matmul_params * tokens / (ASSUMED["mfu"] * GPUS["h100"][0])
-
-
 SETTINGS = (
     Setting("paper_math ({objective}, Qwen2.5-1.5B-Instruct)", "qwen2_5_1_5b_instruct", 200, 600, 2048,
             "math verifier (CPU)", ASSUMED["verifier_s_per_seq"],
@@ -39,7 +34,9 @@ SETTINGS = (
              ("stale-64", ["experiment=paper_math", "regime=stale64"]),
              ("humanline stale-64 (sync 16)", ["experiment=paper_math", "regime=hl_stale64_sync16_lo15"]))),
     Setting("paper_instruction_following ({objective}, Llama-3-8B-Instruct)", "llama3_8b_instruct", 300, 400, 1024,
-            "ArmoRM reward model (8B forward)", _reward_model_s_per_seq(700),
+            # ArmoRM (Llama-3-8B) scoring 700 tokens of prompt + completion: a forward, 2 x P x tokens at the assumed MFU
+            "ArmoRM reward model (8B forward)",
+            2 * SHAPES["llama3_8b_instruct"].matmul_params * 700 / (ASSUMED["mfu"] * GPUS["h100"][0]),
             (("online", ["experiment=paper_instruction_following", "data=online"]),
              ("stale-64", ["experiment=paper_instruction_following", "data=online",
                            "data.generate_every=64"]),

@@ -1,6 +1,5 @@
 """PNG plots of the labelled runs frame (report/frame.py, groups.label, regime_map.with_regimes) and the optional
-wandb upload. Config groups of one (task, objective, family) stay apart by their `variant` (and line style).
-Imports point one way: aggregate -> plots."""
+wandb upload. Config groups of one (task, objective, family) stay apart by their `variant` (and line style)."""
 from __future__ import annotations
 
 import math
@@ -20,7 +19,6 @@ LINESTYLES = ("-", "--", ":", "-.")
 
 
 def order(values, preferred) -> list:
-    """`preferred` first (those present), then the rest sorted."""
     values = set(values)
     return [v for v in preferred if v in values] + sorted(values - set(preferred))
 
@@ -63,8 +61,12 @@ def _legend_once(ax):
         ax.legend(seen.values(), seen.keys(), fontsize=8)
 
 
-def _run_lines(runs: list, path: Path, xlabel: str, marker=None, ylim=None) -> None:
-    """One line per run [(run, ys label, [(x, y)])] in its (task, objective) panel, coloured by family."""
+def _run_lines(runs: list, path: Path, xlabel: str, skip: str, marker=None, ylim=None) -> str | None:
+    """One line per run [(run, ys label, [(x, y)])] in its (task, objective) panel, coloured by family; `skip`
+    (why the plot is skipped) when no run has a point."""
+    runs = [x for x in runs if x[2]]
+    if not runs:
+        return skip
     fig, (axes,), _ = _panels({(r.task, r.objective) for r, _, _ in runs})
     style = _styles(r.variant for r, _, _ in runs)
     for r, name, pts in runs:
@@ -74,26 +76,21 @@ def _run_lines(runs: list, path: Path, xlabel: str, marker=None, ylim=None) -> N
         ax.set(xlabel=xlabel, ylabel=name, **({"ylim": ylim} if ylim else {}))
     for ax in axes.values():
         _legend_once(ax)
-    _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_eval_vs_wallclock(frame, path: Path) -> str | None:
-    curves = [(r, *eval_curve(r)) for r in frame.itertuples()]
-    curves = [c for c in curves if c[2]]
-    if not curves:
-        return "no complete run has eval numbers"
-    return _run_lines(curves, path, "wall-clock (s)", marker="o")
+    return _run_lines([(r, *eval_curve(r)) for r in frame.itertuples()], path, "wall-clock (s)",
+                      "no complete run has eval numbers", marker="o")
 
 
 def plot_unclamped_fraction(frame, path: Path) -> str | None:
     key = "humanline/unclamped_fraction"
-    lines = [(r, "unclamped token fraction", sorted((m["step"], m[key]) for m in r.metrics
-                                                    if num(m.get(key)) is not None and num(m.get("step")) is not None))
-             for r in frame.itertuples() if r.humanline]
-    lines = [x for x in lines if x[2]]
-    if not lines:
-        return "no humanline run logged humanline/unclamped_fraction"
-    return _run_lines(lines, path, "step", ylim=(0, 1.02))
+    return _run_lines([(r, "unclamped token fraction",
+                        sorted((m["step"], m[key]) for m in r.metrics
+                               if num(m.get(key)) is not None and num(m.get("step")) is not None))
+                       for r in frame.itertuples() if r.humanline], path, "step",
+                      "no humanline run logged humanline/unclamped_fraction", ylim=(0, 1.02))
 
 
 def step_curves(frame, mode: str):
@@ -126,7 +123,7 @@ def plot_eval_vs_step(frame, path: Path) -> str | None:
                 ax.plot(wide.index.astype(int), wide.mean(axis=1), marker="o", ms=3, color=cmap(k % 20), alpha=0.85,
                         linestyle=LINESTYLES[k // 10 % len(LINESTYLES)], label=f"{lab} (n={wide.shape[1]})")
             ax.legend(fontsize=7, ncol=2)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_final_scores(frame, path: Path) -> str | None:
@@ -190,32 +187,30 @@ def plot_logratio_hist(frame, path: Path) -> str | None:
     for key, h in sorted(hists.items(), key=lambda kv: (kv[0][:2], rank.get(kv[0][2], 99), kv[0][2:])):
         (lo, hi), total, inner = meta[key], sum(h) or 1.0, h[1:-1]
         width = (hi - lo) / len(inner)
-        ax = axes[key[:2]]
-        ax.stairs([c / total / width for c in inner], [lo + i * width for i in range(len(inner) + 1)],
-                  color=FAMILY_COLORS.get(key[2], "tab:gray"), linestyle=style[key[3]], linewidth=1.5,
-                  label=f"{_label(key[2], key[3])} (out of range {(h[0] + h[-1]) / total:.1%})")
-        ax.set(xlabel="token log-ratio log π/π_ref (last 25% of logged steps)", ylabel="density")
+        axes[key[:2]].stairs([c / total / width for c in inner], [lo + i * width for i in range(len(inner) + 1)],
+                             color=FAMILY_COLORS.get(key[2], "tab:gray"), linestyle=style[key[3]], linewidth=1.5,
+                             label=f"{_label(key[2], key[3])} (out of range {(h[0] + h[-1]) / total:.1%})")
     default = HumanlineConfig()
     for key, ax in axes.items():
+        ax.set(xlabel="token log-ratio log π/π_ref (last 25% of logged steps)", ylabel="density")
         band = bands.get(key, (default.log_eps_P, default.log_eps_R))
         for x in band:
             ax.axvline(x, color="black", linestyle="--", linewidth=1)
         ax.text(band[1], ax.get_ylim()[1] * 0.95, " clamp band", fontsize=8, va="top")
         _legend_once(ax)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
-def _save(fig, path: Path) -> None:
+def save_figure(fig, path: Path, dpi: int = 100) -> None:
     """Write and close the figure; plot functions return this None, meaning "not skipped"."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
 
 
 def make_plots(frame, out_dir: Path) -> tuple[dict, dict]:
-    """Write the PNGs of the labelled runs frame; returns ({name: path}, {name: why skipped})."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)

@@ -13,7 +13,7 @@ training, wall = s_1 + sum_r max(t_r, s_(r+1)), each phase scaled by the target'
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 import numpy as np
 
@@ -122,14 +122,9 @@ def within(predicted: float, measured: float, tolerance: float = 0.15) -> bool:
 
 
 def target_from_json(d: dict) -> Target:
-    """A target from `humanline bench constants=true`'s JSON."""
-    c = d["constants"]
-    fields = {k: (math.inf if c[k] in ("inf", "Infinity") else c[k]) for k in (
-        "call_fixed_s", "sample_tokens_per_s", "decode_step_s", "concurrency", "push_fixed_s", "push_bytes_per_s",
-        "label_s_per_seq", "train_flops_per_s", "step_fixed_s", "sync_fixed_s", "sync_bytes_per_s")}
-    floats = {k: float(c.get(k, 1.0 if k.endswith("factor") else 0.0)) for k in (
-        "async_sample_factor", "async_train_factor", "async_other_factor", "sample_loop_factor", "other_step_s",
-        "other_once_s", "other_s_per_token")}
+    c, skip = d["constants"], ("name", "source", "estimated", "gpus", "sample_curve", "notes")
+    constants = {f.name: (math.inf if c[f.name] in ("inf", "Infinity") else c[f.name]) if f.default is MISSING
+                 else float(c.get(f.name, f.default)) for f in fields(Target) if f.name not in skip}
     return Target(name=d.get("target", "this"), source=d.get("source", "?"), estimated=bool(d.get("estimated", False)),
                   gpus=int(c.get("gpus", 1)), sample_curve=tuple((float(m), float(r)) for m, r in c.get("sample_curve", ())),
-                  **floats, **fields)
+                  **constants)

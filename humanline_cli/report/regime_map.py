@@ -39,33 +39,23 @@ def regime_of(run_dir: Path) -> str | None:
     import yaml
 
     f = run_dir / ".hydra" / "overrides.yaml"
-    if not f.is_file():
-        return None
-    for o in yaml.safe_load(f.read_text()) or []:
-        key, _, value = str(o).lstrip("+").partition("=")
-        if key == "regime":
-            return value
-    return None
+    overrides = (yaml.safe_load(f.read_text()) or []) if f.is_file() else []
+    return next((v for k, _, v in (str(o).lstrip("+").partition("=") for o in overrides) if k == "regime"), None)
 
 
-def _declared(name: str) -> dict:
-    """conf/regime/NAME.yaml's regime_meta: for runs saved before regimes declared it."""
+def regime_meta(config: dict | None, path: Path) -> dict:
+    """A run's regime_meta (name, family, baseline, target) as saved, else as its `regime=` file
+    (conf/regime/NAME.yaml) declares it now, for runs saved before regimes declared it; {} for no regime."""
     from importlib.resources import files
 
     import yaml
 
-    f = files("conf").joinpath("regime", f"{name}.yaml")
-    return (yaml.safe_load(f.read_text()) or {}).get("regime_meta") or {} if f.is_file() else {}
-
-
-def regime_meta(config: dict | None, path: Path) -> dict:
-    """A run's regime_meta (name, family, baseline, target) as saved, else as its `regime=` file declares it now;
-    {} for no regime."""
     meta = {k.removeprefix("regime_meta."): v for k, v in (config or {}).items() if k.startswith("regime_meta.")}
     if meta.get("name"):
         return meta
     name = regime_of(Path(path))
-    return _declared(name) if name else {}
+    f = files("conf").joinpath("regime", f"{name}.yaml")
+    return (yaml.safe_load(f.read_text()) or {}).get("regime_meta") or {} if name and f.is_file() else {}
 
 
 def with_regimes(runs: pd.DataFrame) -> pd.DataFrame:
@@ -75,22 +65,12 @@ def with_regimes(runs: pd.DataFrame) -> pd.DataFrame:
     return runs.assign(regime_meta=meta, regime=regime)
 
 
-def _sweep_order(root: Path, name_of: dict[str, str]) -> list[str]:
-    """Declared regime names in the order multirun.yaml lists their `regime=` values, then the rest sorted."""
-    import yaml
-
-    listed: list[str] = []
-    f = root / "multirun.yaml"
-    if f.is_file():
-        params = ((yaml.safe_load(f.read_text()) or {}).get("hydra") or {}).get("sweeper", {}).get("params") or {}
-        listed = [x.strip() for x in str(params.get("regime", "")).split(",") if x.strip()]
-    first = list(dict.fromkeys(name_of[x] for x in listed if x in name_of))
-    return first + sorted(set(name_of.values()) - set(first))
-
-
 def regime_gap_rows(runs: pd.DataFrame) -> pd.DataFrame:
     """gap_closed.gap_rows per humanline regime of a sweep over named regimes, against the baseline and target
-    its regime_meta names, in the sweep's order; empty when no run has a regime."""
+    its regime_meta names, in the order multirun.yaml lists their `regime=` values, then the rest sorted; empty
+    when no run has a regime."""
+    import yaml
+
     named = runs[[bool(m.get("name")) for m in runs["regime_meta"]]] if len(runs) else runs
     by = {name: rs for name, rs in named.groupby("regime", sort=False)}
     metas = {m["name"]: m for m in named["regime_meta"]}
@@ -98,8 +78,11 @@ def regime_gap_rows(runs: pd.DataFrame) -> pd.DataFrame:
     root = Path(os.path.commonpath([str(p) for p in runs["path"]])) if len(runs) else Path(".")
     while root != root.parent and not (root / "multirun.yaml").is_file():
         root = root.parent  # the sweep dir, where multirun.yaml lists the regimes in order
+    sweep = yaml.safe_load((root / "multirun.yaml").read_text()) if (root / "multirun.yaml").is_file() else None
+    params = ((sweep or {}).get("hydra") or {}).get("sweeper", {}).get("params") or {}
+    listed = dict.fromkeys(name_of[x.strip()] for x in str(params.get("regime", "")).split(",") if x.strip() in name_of)
     rows = []
-    for name in _sweep_order(root, name_of):
+    for name in [*listed, *sorted(set(name_of.values()) - set(listed))]:
         meta = metas[name]
         offline, online = meta.get("baseline"), meta.get("target")
         if meta.get("family") != "humanline" or offline not in by or online not in by:
@@ -119,13 +102,11 @@ def sweep_rows(root: Path) -> pd.DataFrame:
 
 
 def markdown(rows) -> list[str]:
-    """Rows as dicts (gap_closed.csv's columns and `regime`), or a frame of them."""
     rows = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else rows
-    vs = [r.get("compared_with") for r in rows]
     return md_table(["regime", "objective", *GAP_HEAD, "speedup (equal steps)", "at equal quality",
                      "online sampling (bound)"],
-                    [(r["regime"] + (f" (vs {v})" if v and v != "offline, online" else ""), r["objective"],
-                      *gap_cells(r)) for r, v in zip(rows, vs)])
+                    [(r["regime"] + (f" (vs {v})" if (v := r.get("compared_with")) and v != "offline, online" else ""),
+                      r["objective"], *gap_cells(r)) for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:

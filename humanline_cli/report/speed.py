@@ -67,14 +67,6 @@ def loop_and_other(times: dict, wall: float, lagged: bool) -> tuple[float, float
     return loop, max(loop - seconds(times, keys), 0.0)
 
 
-def measured(summary: dict) -> dict:
-    w = summary.get("wall_clock_s") or {}
-    lagged = "wait_for_sample" in w
-    out = {k: float(w.get(k, 0.0) or 0.0) for k in TIMED + (("wait_for_sample",) if lagged else ())}
-    out["loop"], out["other"] = loop_and_other(w, float(w.get("total", 0.0)), lagged)
-    return out
-
-
 @dataclass(frozen=True)
 class TargetSpec:
     """What --target named: a constants file (its model's P) or a GPU kind and count."""
@@ -112,17 +104,12 @@ def parse_target(word: str, gpu_check: dict | None = None) -> TargetSpec:
 
 def target_for(run, spec: TargetSpec, constants: list[dict], work_calls: tuple) -> tuple[Target, Shape] | None:
     """The target's constants for this run's model (GPU targets depend on the model's shape and context)."""
-    if spec.constants is not None:
-        d = spec.constants
-        if d.get("model") != run.summary.get("model"):
-            return None
-        return target_from_json(d), Shape(d["model"], d["params"], d["params"], 0.0, "bench constants")
-    shape = SHAPES.get(run.summary.get("model"))
-    if shape is None:
-        for d in constants:
-            if d.get("model") == run.summary.get("model"):
-                shape = Shape(d["model"], d["params"], d["params"], 0.0, "parameters from the constants file; "
-                              "KV cache not counted")
+    if (d := spec.constants) is not None:
+        return (target_from_json(d), Shape(d["model"], d["params"], d["params"], 0.0, "bench constants")
+                ) if d.get("model") == run.summary.get("model") else None
+    shape = SHAPES.get(run.summary.get("model")) or next(
+        (Shape(d["model"], d["params"], d["params"], 0.0, "parameters from the constants file; KV cache not counted")
+         for d in constants if d.get("model") == run.summary.get("model")), None)
     if shape is None:
         return None
     seqs = sum(c.sequences for c in work_calls)
@@ -154,7 +141,12 @@ def speed_rows(runs: pd.DataFrame, specs: list[TargetSpec]) -> tuple[pd.DataFram
             t = tf[0]
             sources[spec.name] = t.source + "".join(f"; {k} {v}" for k, v in t.notes.items()) + \
                 spread_note(spec.constants)
-            meas = measured(r.summary) if spec.constants is not None else {}
+            meas = {}
+            if spec.constants is not None:
+                w = r.summary.get("wall_clock_s") or {}
+                lagged = "wait_for_sample" in w
+                meas = {k: float(w.get(k, 0.0) or 0.0) for k in TIMED + (("wait_for_sample",) if lagged else ())}
+                meas["loop"], meas["other"] = loop_and_other(w, float(w.get("total", 0.0)), lagged)
             per_run += [{"target": spec.name, "estimated": t.estimated, "task": r.task, "objective": r.objective,
                          "regime": r.regime, "run": r.Index, "phase": k, "predicted_s": v, "measured_s": meas.get(k)}
                         for k, v in {**dict.fromkeys(meas), **predict(work, t)}.items()]
@@ -221,17 +213,14 @@ def markdown(rows: pd.DataFrame, notes: list[str], sources: dict) -> list[str]:
             speed = ("–" if sp is None else f"{sp:.2f}x") + ("" if sm is None else f" ({sm:.2f}x)")
             cells = [_cell(p, m, k) for k in MEASURED_COLUMNS] if has_measured else [_s(p.get(k)) for k in PREDICTED_COLUMNS]
             body.append((*key, *cells, speed))
-        if has_measured:
-            out += ["Seconds by phase, predicted / measured (ratio); ratios outside 0.85-1.15 on a phase holding at "
-                    f"least {CHECKED_SHARE:.0%} of the loop are marked !; loop = the training loop's wall-clock "
-                    "(setup, evaluation, saving left out). Speedup = online's loop over the regime's.", "",
-                    *md_table(["task", "objective", "regime", "runs", *(k.replace("_", " ") for k in MEASURED_COLUMNS),
-                               "speedup vs online, predicted (measured)"], body)]
-        else:
-            out += ["Predicted seconds by phase (no measurement on this target). Speedup = online's loop over the "
-                    "regime's, at the same counted work (the runs' own steps, calls and tokens).", "",
-                    *md_table(["task", "objective", "regime", "runs", *PREDICTED_COLUMNS, "speedup vs online"], body)]
-        out.append("")
+        out += ["Seconds by phase, predicted / measured (ratio); ratios outside 0.85-1.15 on a phase holding at "
+                f"least {CHECKED_SHARE:.0%} of the loop are marked !; loop = the training loop's wall-clock "
+                "(setup, evaluation, saving left out). Speedup = online's loop over the regime's." if has_measured else
+                "Predicted seconds by phase (no measurement on this target). Speedup = online's loop over the "
+                "regime's, at the same counted work (the runs' own steps, calls and tokens).", "",
+                *md_table(["task", "objective", "regime", "runs",
+                           *((k.replace("_", " ") for k in MEASURED_COLUMNS) if has_measured else PREDICTED_COLUMNS),
+                           "speedup vs online" + (", predicted (measured)" if has_measured else "")], body), ""]
     return out + notes
 
 

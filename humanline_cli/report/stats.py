@@ -49,7 +49,7 @@ def equivalence(diffs, margin: float) -> dict:
             "verdict": f"equivalent within +-{margin:g}" if inside else "not shown equivalent"}
 
 
-def prompt_bootstrap(a, b, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
+def prompt_bootstrap(a, b, n_boot: int = 2000) -> dict:
     """a - b over (seeds x prompts) arrays paired by row and column: the per-prompt differences averaged over
     seeds, the prompts resampled (percentile interval). The seeds stay fixed, so it is prompt-level only."""
     d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
@@ -58,13 +58,13 @@ def prompt_bootstrap(a, b, n_boot: int = 2000, seed: int = 0, level: float = 0.9
     per_prompt = d.mean(axis=0)
     lo = hi = mean = float(per_prompt.mean())
     if np.ptp(per_prompt) > 0:  # scipy warns on degenerate data
-        ci = stats.bootstrap((per_prompt,), np.mean, n_resamples=n_boot, confidence_level=level,
-                             method="percentile", rng=np.random.default_rng(seed)).confidence_interval
+        ci = stats.bootstrap((per_prompt,), np.mean, n_resamples=n_boot, confidence_level=0.95,
+                             method="percentile", rng=np.random.default_rng(0)).confidence_interval
         lo, hi = float(ci.low), float(ci.high)
     return {"mean": mean, "lo": lo, "hi": hi, "n_seeds": d.shape[0], "n_prompts": d.shape[1], "n_boot": n_boot}
 
 
-def fieller(x, y, level: float = 0.95) -> dict:
+def fieller(x, y) -> dict:
     """mean(x) / mean(y) for paired x, y with Fieller's interval: the R with (a - R b)^2 <= t^2 (v11 - 2 R v12 +
     R^2 v22), the roots of (b^2 - t^2 v22) R^2 - 2 (a b - t^2 v12) R + (a^2 - t^2 v11). Finite only when
     b^2 > t^2 v22 (the t-interval of mean(y) excludes 0); otherwise `bounded` is False and lo, hi are None."""
@@ -76,7 +76,7 @@ def fieller(x, y, level: float = 0.95) -> dict:
     if n < 2:
         return out
     (v11, v12), (_, v22) = np.cov(x, y, ddof=1) / n
-    t2 = float(stats.t.ppf((1 + level) / 2, n - 1)) ** 2
+    t2 = float(stats.t.ppf(0.975, n - 1)) ** 2  # 95%
     qa, qb, qc = b * b - t2 * v22, a * b - t2 * v12, a * a - t2 * v11
     if qa <= 0:
         return out

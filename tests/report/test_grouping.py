@@ -201,13 +201,13 @@ def test_report_plots_does_not_import_report():
 def test_plots_keep_config_groups_apart(tmp_path, monkeypatch):
     from humanline_cli.report import plots as report_plots
 
-    legends, save = {}, report_plots._save
+    legends, save = {}, report_plots.save_figure
 
     def spy(fig, path):
         legends[path.name] = sorted(t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().texts)
         return save(fig, path)
 
-    monkeypatch.setattr(report_plots, "_save", spy)
+    monkeypatch.setattr(report_plots, "save_figure", spy)
     root = tmp_path / "runs"
     for name, every, peak in (("a", 1, 30), ("b", 2, 35)):
         d = run_dir(root, name, config(humanline=True, hl__sync_every=every), win=0.6, wall=10.0)
