@@ -153,7 +153,7 @@ def plot_final_scores(frame, path: Path) -> str | None:
             ax.axhline(start, color="tab:gray", linestyle=":", label="start")
             ax.set_xticks(range(len(regimes)), regimes, rotation=20, fontsize=8)
             ax.set(title=f"{titles[key]}, {name}", ylabel=f"{name} at the last step")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def late_histogram(run) -> list[float] | None:

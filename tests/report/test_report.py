@@ -218,9 +218,9 @@ def test_final_scores_plot_pairs_seeds_and_draws_the_t_interval(tmp_path, monkey
     95% t-interval (hand-computed: 3 seeds 0.6, 0.7, 0.8 -> 0.7 +- t(0.975, 2) x 0.1 / sqrt(3) = 0.7 +- 0.248414)."""
     from humanline_cli.report import plots as report_plots
 
-    drawn, save = {}, report_plots._save
+    drawn, save = {}, report_plots.save_figure
 
-    def spy(fig, path):
+    def spy(fig, path, *args, **kwargs):
         if path.name == "final_scores.png":
             ax = fig.axes[0]
             drawn["seeds"] = [list(map(float, ln.get_ydata())) for ln in ax.lines if ln.get_color() == "tab:gray"
@@ -228,9 +228,9 @@ def test_final_scores_plot_pairs_seeds_and_draws_the_t_interval(tmp_path, monkey
             drawn["bars"] = [(float(c.lines[0].get_ydata()[0]), *map(float, c.lines[2][0].get_segments()[0][:, 1]))
                              for c in ax.containers]
             drawn["ticks"] = [t.get_text() for t in ax.get_xticklabels()]
-        return save(fig, path)
+        return save(fig, path, *args, **kwargs)
 
-    monkeypatch.setattr(report_plots, "_save", spy)
+    monkeypatch.setattr(report_plots, "save_figure", spy)
     root = tmp_path / "runs"
     for seed, (off, hl) in enumerate(((0.6, 0.5), (0.7, 0.9), (0.8, 0.7))):
         make_run(root, f"off{seed}", "dpo", "offline", False, seed, win=0.6, acc=off, wall=10.0)
