@@ -102,8 +102,11 @@ def trl_run(spec, info: dict, warmup: int, precompute: bool = False) -> Run:
 
     tokenizer, encoder, policy = _setup(spec, info)
     units = info["units"][: spec.train.batch_size * spec.train.steps]  # as many as the project's steps draw
-    kto, dpo = spec.objective == "kto", spec.objective in ("dpo", "ipo")  # IPO is DPOTrainer's loss_type="ipo"
-    rows = [{"prompt": u.prompt, "chosen": u.chosen, "rejected": u.rejected} if dpo else
+    from humanline_cli.core.objectives import PROPERTIES
+
+    pairs = PROPERTIES[spec.objective].unit == "pairs"  # DPOTrainer's rows (IPO is its loss_type="ipo")
+    kto = not pairs
+    rows = [{"prompt": u.prompt, "chosen": u.chosen, "rejected": u.rejected} if pairs else
             {"prompt": u.prompt, "completion": u.completion, "label": bool(u.desirable)} for u in units]
     data = Dataset.from_list(_as_chat(rows, encoder.wrap_strings))
     ref = copy.deepcopy(policy).eval().requires_grad_(False)

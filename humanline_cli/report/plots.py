@@ -129,19 +129,19 @@ def plot_eval_vs_step(frame, path: Path) -> str | None:
 def plot_final_scores(frame, path: Path) -> str | None:
     """Each regime's last-step score per seed, a grey line joining one seed's runs (the pairing of the paired
     comparisons), the mean with its 95% t-interval in black, the start dotted; a panel per objective and score."""
-    pts = points(frame)
-    final = pts[pts.point == "final"].join(frame[["task", "objective", "regime", "family", "seed"]], on="run")
-    scores = {m: name for m, name in (("greedy accuracy", "greedy accuracy"), ("accuracy", "sampled accuracy"))
-              if final[m].notna().any()}
+    pts = points(frame).join(frame[["task", "objective", "regime", "family", "humanline", "seed"]], on="run")
+    final = pts[pts.point == "final"]
+    scores = {m: name for m, name in (("greedy accuracy", "greedy"), ("accuracy", "sampled")) if final[m].notna().any()}
     if not scores or final.groupby(["task", "objective", "regime"]).size().max() < 2:
         return "no regime has an accuracy over two or more seeds"
     fig, axes, titles = _panels(set(zip(final.task, final.objective)), len(scores), (1.6 + 1.1 * final.regime.nunique(), 4))
     for row, (m, name) in zip(axes, scores.items()):
-        start = pts[pts.point == "start"][m].mean()
         for key, ax in row.items():
-            mine = final[(final.task == key[0]) & (final.objective == key[1])].dropna(subset=[m])
-            rank = {r: ("online" in f, f.startswith("humanline"), r) for r, f in zip(mine.regime, mine.family)}
-            regimes = sorted(rank, key=rank.get)  # each data regime plain, then with humanline: pairs side by side
+            panel = pts[(pts.task == key[0]) & (pts.objective == key[1])].dropna(subset=[m])
+            mine = panel[panel.point == "final"]
+            # each data regime plain, then with humanline: the pairs a reader compares stand side by side
+            rank = {r.regime: (r.family.removeprefix("humanline-"), bool(r.humanline), r.regime) for r in mine.itertuples()}
+            regimes = sorted(rank, key=rank.get)
             wide = mine.pivot_table(index="seed", columns="regime", values=m, aggfunc="last")[regimes]
             for _, seed_row in wide.iterrows():
                 ax.plot(range(len(regimes)), seed_row.values, color="tab:gray", alpha=0.5, marker="o", ms=3)
@@ -150,9 +150,9 @@ def plot_final_scores(frame, path: Path) -> str | None:
                 if ci and ci["lo"] is not None:
                     ax.errorbar(i + 0.12, ci["mean"], yerr=[[ci["mean"] - ci["lo"]], [ci["hi"] - ci["mean"]]],
                                 fmt="s", color="black", capsize=3)
-            ax.axhline(start, color="tab:gray", linestyle=":", label="start")
+            ax.axhline(panel[panel.point == "start"][m].mean(), color="tab:gray", linestyle=":", label="start")
             ax.set_xticks(range(len(regimes)), regimes, rotation=20, fontsize=8)
-            ax.set(title=f"{titles[key]}, {name}", ylabel=f"{name} at the last step")
+            ax.set(title=f"{titles[key]}, {name} accuracy", ylabel=f"{name} accuracy at the last step")
     return save_figure(fig, path)
 
 
