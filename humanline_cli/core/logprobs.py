@@ -24,6 +24,7 @@ from dataclasses import replace
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from humanline_cli.core import shared_prefix
 from humanline_cli.core.batches import Seqs
 from humanline_cli.errors import UserError
 
@@ -78,16 +79,19 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
     inner = _unwrap_ddp(model)
     if inner is not model:
         return _run_as_forward(inner, model, seqs, lambda: token_logps(inner, seqs, chunk_size))
-    if runs_packed(model, seqs):
+    shared = _shared_plan(model, seqs)
+    if shared is None and runs_packed(model, seqs):
         return _packed_token_logps(model, seqs, chunk_size)
     split = _decoder_and_head(model)
     if split is None:
         return _full_logits_token_logps(model, seqs)
     decoder, head = split
-    out = _run_decoder(decoder, input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, use_cache=False)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     rows, cols = seqs.loss_mask[:, 1:].nonzero(as_tuple=True)  # position t predicts token t+1
-    h = hidden[rows, cols]  # (M, H)
+    h = None if shared is None else shared_prefix.hidden_at(_run_decoder, decoder, shared, rows, cols)
+    if h is None:
+        out = _run_decoder(decoder, input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, use_cache=False)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        h = hidden[rows, cols]  # (M, H)
     targets = seqs.input_ids[rows, cols + 1]  # (M,)
     picked = _head_logps(model, head, h, targets, chunk_size, seqs.temperature)
     logps = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1, dtype=picked.dtype,
@@ -170,13 +174,29 @@ def _head_logps(model: torch.nn.Module, head: torch.nn.Module, h: torch.Tensor, 
     return torch.cat(pieces)
 
 
+def _shared_plan(model: torch.nn.Module, seqs: Seqs) -> shared_prefix.Plan | None:
+    """The shared-prefix layout where `seqs.share_prefix` asks for it and it applies: a split model (not inside an
+    FSDP2 root, whose hooks expect one call per layer), no gradient checkpointing (which drops the cache), and
+    prompts that repeat enough to pay (shared_prefix.plan)."""
+    if not seqs.share_prefix or _INSIDE_ROOT or _is_fsdp_root(model):
+        return None
+    split = _decoder_and_head(model)
+    if split is None or getattr(split[0], "gradient_checkpointing", False):
+        return None
+    return shared_prefix.plan(seqs)
+
+
 def runs_packed(model: torch.nn.Module, seqs: Seqs) -> bool:
     """Whether token_logps takes the packed path: `seqs.pack`, some real token, not a prompt-learning model."""
     return bool(seqs.pack) and not _is_prompt_learning(model) and bool(seqs.attention_mask.any())
 
 
 def processed_tokens(model: torch.nn.Module, seqs: Seqs) -> int:
-    """Token positions the decoder runs on for `seqs`: N x T padded, the real tokens packed."""
+    """Token positions the decoder runs on for `seqs`: N x T padded, the real tokens packed, the prefixes once
+    and the suffixes where prompts are shared."""
+    shared = _shared_plan(_unwrap_ddp(model), seqs)
+    if shared is not None:
+        return shared.positions()
     return int(seqs.attention_mask.sum()) if runs_packed(model, seqs) else seqs.input_ids.numel()
 
 

@@ -628,7 +628,7 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     tokenizer = load_tokenizer(tok_path, trust)
     encoder = make_encoder(spec, tokenizer)
     collate = Collator(encoder, spec.objective_cfg, packing=spec.train.packing, bucketing=spec.train.length_bucketing,
-                       temperature=logps_temperature(spec))
+                       temperature=logps_temperature(spec), shared_prefix=spec.train.shared_prefix)
     shard = Shard(dist.rank, dist.world_size)
     math500 = build_math500(spec, encoder, shard=shard)  # before any weights: a bad file fails fast
     reward_models: dict = {}  # a labeller and a judge naming one reward model share it

@@ -1,0 +1,102 @@
+"""Rows that share a prompt run it through the decoder once (train.shared_prefix).
+
+A GRPO group's n samples, a DPO pair's chosen and rejected, a KTO batch's mismatched pairs: each row of such a
+batch repeats its prompt, and a causal decoder's states at the prompt's positions depend on the prompt alone.
+So the prompt's positions run once per distinct prompt, their keys and values (a transformers DynamicCache,
+built with grad) are selected for every row that shares it, and each row's completion runs on top of them.
+In exact arithmetic this is the same computation (the backward sums each prompt's gradient over its rows, as
+the repeated forward would); in float32 it differs by rounding only. Leaf module: tensors in, tensors out.
+
+Layout. Row i's first loss position is f_i (position f_i predicts the first completion token), so its prefix
+is tokens [0, f_i) and its suffix tokens [f_i, length_i). Prefixes run as a (U, P) right-padded batch, one row
+per distinct prefix; suffixes as an (N, S) batch whose position ids continue at f_i and whose attention mask is
+the prefix's mask followed by the suffix's, so each completion attends to its own prompt's real keys only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from humanline_cli.core.batches import Seqs
+
+# The shared path runs when its positions (U x P + N x S) are at most this share of the padded batch's (N x T):
+# below that the two decoder calls cost more than the positions they save.
+MAX_SHARE = 0.75
+
+
+@dataclass
+class Plan:
+    prefix_ids: torch.Tensor  # (U, P) one row per distinct prefix, right-padded
+    prefix_mask: torch.Tensor  # (U, P) 1 on the prefix's tokens
+    group: torch.Tensor  # (N,) the prefix row of each sequence
+    start: torch.Tensor  # (N,) f_i: where each sequence's suffix starts
+    suffix_ids: torch.Tensor  # (N, S)
+    suffix_mask: torch.Tensor  # (N, S) 1 on the suffix's real tokens
+
+    def positions(self) -> int:
+        """Token positions the decoder runs on: U x P + N x S."""
+        return self.prefix_ids.numel() + self.suffix_ids.numel()
+
+
+def plan(seqs: Seqs) -> Plan | None:
+    """The shared layout of `seqs`, or None where it does not pay (no prompt repeats, a row without completion
+    tokens or without a prefix, or more than MAX_SHARE of the padded positions)."""
+    loss = seqs.loss_mask[:, 1:]
+    n, t = seqs.input_ids.shape
+    if n < 2 or not bool(loss.any(1).all()):
+        return None
+    start = loss.long().argmax(1)  # first loss position of each row
+    if int(start.min()) < 1:
+        return None
+    ids, starts = seqs.input_ids.cpu(), start.cpu().tolist()
+    index: dict[tuple, int] = {}
+    group, firsts = [], []  # each row's prefix; each prefix's first row
+    for i, f in enumerate(starts):
+        key = tuple(ids[i, :f].tolist())
+        if key not in index:
+            index[key] = len(index)
+            firsts.append(i)
+        group.append(index[key])
+    u = len(index)
+    if u == n:
+        return None
+    lengths = seqs.attention_mask.sum(1)
+    p, s = max(starts), int((lengths - start).max())
+    if u * p + n * s > MAX_SHARE * n * t:
+        return None
+    device = seqs.input_ids.device
+    group_t, first_row = torch.tensor(group, device=device), torch.tensor(firsts, device=device)
+    cols = torch.arange(p, device=device)
+    prefix_mask = (cols < start[first_row].unsqueeze(1)).long()
+    prefix_ids = seqs.input_ids[first_row, :p] * prefix_mask  # positions past a prefix are masked: id 0 there
+    at = start.unsqueeze(1) + torch.arange(s, device=device)  # (N, S) columns of each suffix
+    inside = at < t
+    at = at.clamp(max=t - 1)
+    suffix_ids = seqs.input_ids.gather(1, at) * inside
+    suffix_mask = seqs.attention_mask.gather(1, at) * inside
+    return Plan(prefix_ids, prefix_mask, group_t, start, suffix_ids, suffix_mask.long())
+
+
+def hidden_at(run_decoder, decoder: torch.nn.Module, plan: Plan, rows: torch.Tensor, cols: torch.Tensor
+              ) -> torch.Tensor | None:
+    """The decoder's final hidden states at positions (rows, cols) of the padded batch, computed on the shared
+    layout: the prefixes once (cache built with grad), then every suffix on its prefix's keys and values.
+    `run_decoder(decoder, **inputs)` calls the decoder (compiled or not). None where the decoder's cache is not
+    a plain one (sliding windows, hybrid layers): the caller runs the padded batch instead."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=decoder.config)
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    run_decoder(decoder, input_ids=plan.prefix_ids, attention_mask=plan.prefix_mask, past_key_values=cache,
+                use_cache=True)
+    cache.batch_select_indices(plan.group)
+    s = plan.suffix_ids.shape[1]
+    positions = plan.start.unsqueeze(1) + torch.arange(s, device=plan.start.device)
+    mask = torch.cat([plan.prefix_mask[plan.group], plan.suffix_mask], dim=1)
+    out = run_decoder(decoder, input_ids=plan.suffix_ids, attention_mask=mask, position_ids=positions,
+                      past_key_values=cache, use_cache=True)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return hidden[rows, cols - plan.start[rows]]

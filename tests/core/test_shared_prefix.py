@@ -1,0 +1,149 @@
+"""train.shared_prefix: rows that share a prompt run it once, and token_logps gives the padded batch's values and
+gradients (float64, relative 1e-10), for groups of different prompt and completion lengths, DPO-shaped pairs,
+LoRA and the reference's no-grad forward; the plan is what the layout says, and it declines where nothing repeats."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from humanline_cli.core import shared_prefix
+from humanline_cli.core.logprobs import processed_tokens, token_logps
+from humanline_cli.data.collate import make_seqs
+from tests.helpers.models import spread_llama
+from tests.helpers.numerics import assert_same, close, values_and_grads
+
+pytestmark = pytest.mark.usefixtures("one_thread", "norm_in_input_dtype")  # conftest: torch on one thread
+
+
+@pytest.fixture
+def norm_in_input_dtype(monkeypatch):
+    """transformers' LlamaRMSNorm computes in float32 whatever the input's dtype, so its backward rounds each
+    gradient to float32. The shared path sums a prompt's gradients over its rows before that rounding, the padded
+    path after it: the two differ by float32 rounding (about 1e-8 of the largest gradient) for a float64 model.
+    The same norm in the input's dtype keeps the comparison in float64, where the two agree to 1e-10."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(LlamaRMSNorm, "forward", forward)
+
+
+def grouped_seqs(share: bool):
+    """Two prompts (12 and 9 tokens), three and two samples each, completions of 1 to 6 tokens, rows interleaved."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 64, (12,), generator=g).tolist(), torch.randint(1, 64, (9,), generator=g).tolist()]
+    owner = [0, 1, 0, 0, 1]
+    lengths = [4, 6, 1, 3, 2]
+    completions = [torch.randint(1, 64, (k,), generator=g).tolist() for k in lengths]
+    seqs = make_seqs([prompts[o] for o in owner], completions, pad_id=0)
+    return replace(seqs, share_prefix=share)
+
+
+def test_the_plan_runs_each_prompt_once():
+    seqs = grouped_seqs(True)
+    plan = shared_prefix.plan(seqs)
+    # prefixes are the prompt minus its last token (that token's position predicts the first completion token)
+    assert plan.group.tolist() == [0, 1, 0, 0, 1]
+    assert plan.start.tolist() == [11, 8, 11, 11, 8]
+    assert plan.prefix_ids.shape == (2, 11) and plan.prefix_mask.tolist() == [[1] * 11, [1] * 8 + [0] * 3]
+    assert torch.equal(plan.prefix_ids[0], seqs.input_ids[0, :11]) and torch.equal(plan.prefix_ids[1, :8],
+                                                                                    seqs.input_ids[1, :8])
+    # suffixes: the prompt's last token, then the completion: 1 + 4, 1 + 6, 1 + 1, 1 + 3, 1 + 2 tokens
+    assert plan.suffix_mask.sum(1).tolist() == [5, 7, 2, 4, 3] and plan.suffix_ids.shape == (5, 7)
+    assert torch.equal(plan.suffix_ids[1], seqs.input_ids[1, 8:15])
+    # 2 x 11 + 5 x 7 = 57 positions, against 5 x 16 padded
+    assert plan.positions() == 57 and seqs.input_ids.shape == (5, 16)
+    assert processed_tokens(spread_llama(), seqs) == 57
+    assert processed_tokens(spread_llama(), replace(seqs, share_prefix=False)) == 80
+
+
+def test_no_repeated_prompt_no_plan():
+    seqs = make_seqs([[1, 2, 3], [4, 5, 6]], [[7, 8], [9]], pad_id=0)
+    assert shared_prefix.plan(seqs) is None
+    # a row without a completion token: the padded path
+    seqs = make_seqs([[1, 2, 3], [1, 2, 3]], [[7, 8], []], pad_id=0)
+    assert shared_prefix.plan(seqs) is None
+
+
+def test_a_share_that_does_not_pay_runs_padded():
+    # a 1-token prefix shared by rows with long completions: 2 x 1 + 2 x 9 = 20 > 0.75 x 2 x 10 = 15
+    seqs = make_seqs([[5, 6], [5, 6]], [list(range(1, 9)), list(range(11, 19))], pad_id=0)
+    assert shared_prefix.plan(seqs) is None
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_shared_matches_padded_values_and_gradients(tie):
+    model = spread_llama(tie=tie, dtype=torch.float64)
+    shared = values_and_grads(lambda m, s: token_logps(m, s, chunk_size=3), model, grouped_seqs(True))
+    padded = values_and_grads(lambda m, s: token_logps(m, s, chunk_size=3), model, grouped_seqs(False))
+    assert_same(shared, padded)
+    logps, _ = shared
+    assert int((logps != 0).sum()) == 4 + 6 + 1 + 3 + 2  # one log-prob per completion token
+
+
+def test_pairs_and_no_grad():
+    """DPO's layout: B chosen then B rejected, each pair on one prompt; the reference's forward runs no-grad."""
+    model = spread_llama(dtype=torch.float64)
+    prompts = [list(range(3, 15)), list(range(15, 25))]
+    seqs = make_seqs(prompts + prompts, [[20, 21, 22], [23], [24, 25], [26, 27, 28, 29]], pad_id=0)
+    assert shared_prefix.plan(seqs).group.tolist() == [0, 1, 0, 1]
+    with torch.no_grad():
+        a = token_logps(model, replace(seqs, share_prefix=True))
+        b = token_logps(model, seqs)
+    assert not a.requires_grad and close(a, b)
+    assert_same(values_and_grads(token_logps, model, replace(seqs, share_prefix=True)),
+                values_and_grads(token_logps, model, seqs))
+
+
+def test_lora_model_matches_padded():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(spread_llama(dtype=torch.float64),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    assert_same(values_and_grads(token_logps, model, grouped_seqs(True)),
+                values_and_grads(token_logps, model, grouped_seqs(False)))
+
+
+def test_gradient_checkpointing_runs_padded():
+    model = spread_llama(dtype=torch.float64)
+    model.gradient_checkpointing_enable()
+    model.train()
+    seqs = grouped_seqs(True)
+    assert processed_tokens(model, seqs) == seqs.input_ids.numel()
+    model.gradient_checkpointing_disable()
+
+
+def test_a_real_run_with_shared_prefixes_logs_the_same_losses(cache_dir, tmp_path):
+    """job.run_rank (what `humanline train` runs per job) on the bundled world, in this process: 3 steps of DPO
+    (pairs on one prompt) and GRPO (groups of samples of one prompt) with humanline on, shared vs padded, in
+    float64 with the norm in float64 (the fixture): losses and gradient norms agree to 1e-9 (numerics.py), and
+    the shared run's forwards cover fewer positions than the tokens they score."""
+    import json
+
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.cli.overrides import normalize_overrides
+    from humanline_cli.config import resolve
+    from humanline_cli.train.job import Context, run_rank
+    from tests.helpers.cli import FAST, TINY_WORLD
+    from tests.helpers.numerics import FP64, assert_same_rows
+
+    for objective in ("dpo", "grpo"):
+        rows = {}
+        for shared in (False, True):
+            overrides = [*TINY_WORLD, *FAST, "backend=cpu", *FP64, f"objective={objective}", "+humanline=true",
+                         "train.micro_batch_size=4", "judge=none", "train.save_model=false",
+                         f"train.shared_prefix={str(shared).lower()}"]
+            with initialize_config_module(config_module="conf", version_base="1.3"):
+                cfg = compose("train", overrides=normalize_overrides(overrides))
+            run_dir = tmp_path / f"{objective}-shared-{shared}"
+            assert run_rank(resolve(cfg), Context(run_dir, tmp_path))["status"] == "complete"
+            rows[shared] = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows[True]] == [r["step"] for r in rows[False]] == [1, 2, 3]
+        assert_same_rows(rows[False], rows[True], what=objective)  # float64: relative 1e-9 (numerics.py)
+        assert len({r["loss"] for r in rows[False]}) > 1  # the runs really moved
+        for a, b in zip(rows[False], rows[True]):  # real tokens per decoder position
+            assert a["useful_token_fraction"] < 1.0 < b["useful_token_fraction"], (objective, a, b)
