@@ -463,9 +463,10 @@ class TrainConfig:
                                 "single process or DDP, full fine-tuning")
     packing: bool = knob(False, "each micro-batch's sequences as one padding-free row (position ids reset per "
                                 "sequence)")
-    shared_prefix: bool = knob(False, "rows that share a prompt (a GRPO group, a DPO pair) run it once, its keys and "
-                                      "values reused by each completion: the same log-probs, fewer positions; "
-                                      "padded where it does not pay, with gradient checkpointing, or under FSDP")
+    shared_prefix: bool = knob(True, "unpacked: rows that share a prompt (a GRPO group, a DPO pair) run it once, its "
+                                     "keys and values reused by each completion: the same log-probs up to rounding, "
+                                     "fewer positions; padded where it does not pay, with gradient checkpointing, or "
+                                     "under FSDP")
     length_bucketing: bool = knob(True, "unpacked: micro-batches of similar lengths (sorted within each rank's share)")
     reference_cache: bool = knob(True, "fixed reference (plain offline): each sequence's reference log-probs computed "
                                        "once")

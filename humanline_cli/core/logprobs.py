@@ -79,9 +79,9 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
     inner = _unwrap_ddp(model)
     if inner is not model:
         return _run_as_forward(inner, model, seqs, lambda: token_logps(inner, seqs, chunk_size))
-    shared = _shared_plan(model, seqs)
-    if shared is None and runs_packed(model, seqs):
+    if runs_packed(model, seqs):
         return _packed_token_logps(model, seqs, chunk_size)
+    shared = _shared_plan(model, seqs)
     split = _decoder_and_head(model)
     if split is None:
         return _full_logits_token_logps(model, seqs)
@@ -175,10 +175,10 @@ def _head_logps(model: torch.nn.Module, head: torch.nn.Module, h: torch.Tensor, 
 
 
 def _shared_plan(model: torch.nn.Module, seqs: Seqs) -> shared_prefix.Plan | None:
-    """The shared-prefix layout where `seqs.share_prefix` asks for it and it applies: a split model (not inside an
-    FSDP2 root, whose hooks expect one call per layer), no gradient checkpointing (which drops the cache), and
-    prompts that repeat enough to pay (shared_prefix.plan)."""
-    if not seqs.share_prefix or _INSIDE_ROOT or _is_fsdp_root(model):
+    """The shared-prefix layout where `seqs.share_prefix` asks for it and it applies: unpacked rows (packing runs
+    its own layout), a split model (not inside an FSDP2 root, whose hooks expect one call per layer), no gradient
+    checkpointing (which drops the cache), and prompts that repeat enough to pay (shared_prefix.plan)."""
+    if not seqs.share_prefix or runs_packed(model, seqs) or _INSIDE_ROOT or _is_fsdp_root(model):
         return None
     split = _decoder_and_head(model)
     if split is None or getattr(split[0], "gradient_checkpointing", False):

@@ -147,3 +147,9 @@ def test_a_real_run_with_shared_prefixes_logs_the_same_losses(cache_dir, tmp_pat
         assert len({r["loss"] for r in rows[False]}) > 1  # the runs really moved
         for a, b in zip(rows[False], rows[True]):  # real tokens per decoder position
             assert a["useful_token_fraction"] < 1.0 < b["useful_token_fraction"], (objective, a, b)
+
+
+def test_packing_takes_precedence():
+    """train.packing runs its own padding-free layout: a packed batch never takes the shared path."""
+    seqs = replace(grouped_seqs(True), pack=True)
+    assert processed_tokens(spread_llama(), seqs) == int(seqs.attention_mask.sum())
