@@ -33,7 +33,7 @@ from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.source import Shard, micro_batches
 from tests.helpers.cli import FAST, TINY_WORLD
 from tests.helpers.models import spread_llama, tiny_llama
-from tests.helpers.numerics import FP64, assert_same, assert_same_rows, close, random_seqs, values_and_grads
+from tests.helpers.numerics import FP64, PADDED, assert_same, assert_same_rows, close, random_seqs, values_and_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
 
@@ -347,8 +347,8 @@ def test_a_real_run_with_packing_logs_the_same_losses(cache_dir, tmp_path):
     for objective in ("dpo", "kto", "grpo"):
         rows = {}
         for packing in (False, True):
-            overrides = [*TINY_WORLD, *FAST, "backend=cpu", *FP64, f"objective={objective}", "+humanline=true",
-                         "train.micro_batch_size=4", "judge=none", "train.save_model=false",
+            overrides = [*TINY_WORLD, *FAST, "backend=cpu", *FP64, *PADDED, f"objective={objective}",
+                         "+humanline=true", "train.micro_batch_size=4", "judge=none", "train.save_model=false",
                          f"train.packing={str(packing).lower()}"]
             with initialize_config_module(config_module="conf", version_base="1.3"):
                 cfg = compose("train", overrides=normalize_overrides(overrides))

@@ -19,6 +19,11 @@ import torch
 from humanline_cli.data.collate import make_seqs
 
 FP64 = ["backend.precision=fp64"]
+# Runs compared with one that cannot share prompts (FSDP2, gradient checkpointing, packing) run padded too:
+# transformers' RMSNorm computes in float32 whatever the model's dtype, so summing a prompt's gradients over its
+# rows before the norm's backward (train.shared_prefix) moves float64 runs by float32 rounding (~1e-8). The shared
+# path has its own float64 tests (tests/core/test_shared_prefix.py), with the norm in float64.
+PADDED = ["train.shared_prefix=false"]
 # float64 run-level bound: relative 1e-9 of the value's own scale (and 1e-12 absolute for values ~0).
 # Rounding is ~1e-16 per operation; a 3-step tiny run accumulates at most ~1e4 of them per number and
 # AdamW's eps amplification (above) adds < 1e-9. Observed (packed vs padded runs): <= 2.3e-16 relative

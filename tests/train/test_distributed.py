@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.cli import FAST, TINY_WORLD, run_cli
-from tests.helpers.numerics import FP64, SAVED_REL, assert_same_rows, max_weight_diff
+from tests.helpers.numerics import FP64, PADDED, SAVED_REL, assert_same_rows, max_weight_diff
 
 
 def _train(tmp_path: Path, name: str, extra: list[str]) -> tuple[list[dict], dict]:
@@ -32,7 +32,7 @@ def test_two_ranks_match_one_process(tmp_path, cache_dir, objective, strategy):
     """Same global batch and seed: 2 gloo ranks (each half the batch; DDP replicas or FSDP2 shards)
     vs 1 process, with humanline on (the sync path): per-step loss and gradient norms and the final
     weights agree to 1e-9 (float64: only the summation order differs)."""
-    common = [f"objective={objective}", "+humanline=true", *FP64]
+    common = [f"objective={objective}", "+humanline=true", *FP64, *(PADDED if strategy == "fsdp" else [])]
     one_rows, one = _train(tmp_path, "one", common)
     two_rows, two = _train(tmp_path, "two", [*common, f"backend.strategy={strategy}", "backend.nproc=2"])
     assert [r["step"] for r in one_rows] == [r["step"] for r in two_rows] == [1, 2, 3]
@@ -109,8 +109,8 @@ def test_two_rank_online_run_matches_one_process(tmp_path, cache_dir):
 
 
 def test_gradient_checkpointing_changes_memory_not_the_update(tmp_path, cache_dir):
-    plain_rows, plain = _train(tmp_path, "plain", ["objective=dpo", "+humanline=true", *FP64])
-    ckpt_rows, ckpt = _train(tmp_path, "ckpt", ["objective=dpo", "+humanline=true", *FP64,
+    plain_rows, plain = _train(tmp_path, "plain", ["objective=dpo", "+humanline=true", *FP64, *PADDED])
+    ckpt_rows, ckpt = _train(tmp_path, "ckpt", ["objective=dpo", "+humanline=true", *FP64, *PADDED,
                                                 "train.gradient_checkpointing=true"])
     assert_same_rows(plain_rows, ckpt_rows)  # recomputed activations, summed in another order: float64, 1e-9
     assert max_weight_diff(plain, ckpt) <= SAVED_REL

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from tests.helpers.cli import FAST, TINY_WORLD, run_cli
 from tests.helpers.models import tiny_llama
-from tests.helpers.numerics import FP64, SAVED_REL, assert_same_rows, max_weight_diff
+from tests.helpers.numerics import FP64, PADDED, SAVED_REL, assert_same_rows, max_weight_diff
 
 ADAPTER = Path("model") / "adapter" / "policy" / "adapter_model.safetensors"
 
@@ -88,7 +88,7 @@ def test_lora_on_two_fsdp_ranks_matches_one_process(tmp_path, cache_dir):
     base), float64: 2 FSDP ranks vs 1 process give the same per-step loss and gradient norm (relative
     1e-9), the same saved adapter (1e-12: float64, saved as trained) and the same merged model (one
     float32 ulp: saved in float32). The 2-rank run also writes a sharded checkpoint at step 2."""
-    common = ["objective=dpo", "+humanline=true", "model.lora.r=4", *FP64]
+    common = ["objective=dpo", "+humanline=true", "model.lora.r=4", *FP64, *PADDED]
     one_rows, one, one_adapter = _train(tmp_path, "one", common)
     two_rows, two, two_adapter = _train(tmp_path, "two", [*common, "backend.strategy=fsdp", "backend.nproc=2",
                                                           "train.checkpoint_every=2"])
