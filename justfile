@@ -26,7 +26,7 @@ test-gpu *ARGS:
 
 # tests comparing two computations equal in exact arithmetic (packed vs padded, N ranks vs 1, micro-batches,
 # chunked vs full logits, cached reference, LoRA): they run in float64 (backend.precision=fp64)
-equivalence := "tests/core/test_packing.py tests/train/test_distributed.py tests/core/test_logprobs.py tests/core/test_reference_cache.py tests/core/test_lora.py tests/train/test_trainer.py"
+equivalence := "tests/core/test_packing.py tests/core/test_shared_prefix.py tests/train/test_distributed.py tests/core/test_logprobs.py tests/core/test_reference_cache.py tests/core/test_lora.py tests/train/test_trainer.py"
 
 # the equivalence tests under every CPU kernel set torch can pick here: default, avx2, and avx512 where the CPU has it
 test-kernels *ARGS:
