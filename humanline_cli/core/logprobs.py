@@ -181,7 +181,7 @@ def _shared_plan(model: torch.nn.Module, seqs: Seqs) -> shared_prefix.Plan | Non
     if not seqs.share_prefix or runs_packed(model, seqs) or _INSIDE_ROOT or _is_fsdp_root(model):
         return None
     split = _decoder_and_head(model)
-    if split is None or getattr(split[0], "gradient_checkpointing", False):
+    if split is None or getattr(split[0], "gradient_checkpointing", False) or not shared_prefix.takes_a_cache(split[0]):
         return None
     return shared_prefix.plan(seqs)
 

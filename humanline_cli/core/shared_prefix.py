@@ -14,6 +14,7 @@ the prefix's mask followed by the suffix's, so each completion attends to its ow
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -78,15 +79,23 @@ def plan(seqs: Seqs) -> Plan | None:
     return Plan(prefix_ids, prefix_mask, group_t, start, suffix_ids, suffix_mask.long())
 
 
+def takes_a_cache(decoder: torch.nn.Module) -> bool:
+    """Whether the decoder's forward takes a transformers cache and position ids (a model's own code may not)."""
+    accepts = inspect.signature(decoder.forward).parameters
+    return getattr(decoder, "config", None) is not None and {"past_key_values", "position_ids"} <= accepts.keys()
+
+
 def hidden_at(run_decoder, decoder: torch.nn.Module, plan: Plan, rows: torch.Tensor, cols: torch.Tensor
               ) -> torch.Tensor | None:
     """The decoder's final hidden states at positions (rows, cols) of the padded batch, computed on the shared
     layout: the prefixes once (cache built with grad), then every suffix on its prefix's keys and values.
-    `run_decoder(decoder, **inputs)` calls the decoder (compiled or not). None where the decoder's cache is not
-    a plain one (sliding windows, hybrid layers): the caller runs the padded batch instead."""
+    `run_decoder(decoder, **inputs)` calls the decoder (compiled or not). None where the decoder takes no cache or
+    its cache is not a plain one (sliding windows, hybrid layers): the caller runs the padded batch instead."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
+    if not takes_a_cache(decoder):
+        return None
     cache = DynamicCache(config=decoder.config)
     if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
         return None

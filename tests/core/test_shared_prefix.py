@@ -154,3 +154,24 @@ def test_packing_takes_precedence():
     """train.packing runs its own padding-free layout: a packed batch never takes the shared path."""
     seqs = replace(grouped_seqs(True), pack=True)
     assert processed_tokens(spread_llama(), seqs) == int(seqs.attention_mask.sum())
+
+
+def test_a_decoder_that_takes_no_cache_runs_padded():
+    """A model's own decoder whose forward takes no past_key_values: the padded batch, the same log-probs."""
+    model = spread_llama(dtype=torch.float64)
+    inner = model.model
+
+    class NoCache(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask=None, use_cache=False):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+
+    seqs = grouped_seqs(True)
+    expected = token_logps(model, replace(seqs, share_prefix=False))
+    model.get_decoder = lambda: NoCache()
+    assert shared_prefix.hidden_at(None, model.get_decoder(), shared_prefix.plan(seqs), None, None) is None
+    assert close(token_logps(model, seqs), expected)
+    assert processed_tokens(model, seqs) == seqs.input_ids.numel()  # the padded batch's positions
