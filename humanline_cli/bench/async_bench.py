@@ -40,7 +40,7 @@ def _run(spec) -> dict:
            "trainer_run_queue_s_per_round": (q1 - q0) / timed if q0 is not None and q1 is not None else None}
     if rounds:
         out.update(sampler_rounds(rounds, range(2, spec.train.steps + 1)))
-        t0 = rounds[1]["began_at"]  # round 1's start is the timeline's zero
+        t0 = rounds[1]["began_at"]  # times relative to the first round's start, comparable across runs
         out["round_clock"] = {r: {k: v - t0 if k.endswith("_at") else v for k, v in c.items()}
                               for r, c in sorted(rounds.items())}
     return out

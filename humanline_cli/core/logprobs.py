@@ -183,7 +183,7 @@ def _shared_plan(model: torch.nn.Module, seqs: Seqs) -> shared_prefix.Plan | Non
     split = _decoder_and_head(model)
     if split is None or getattr(split[0], "gradient_checkpointing", False) or not shared_prefix.takes_a_cache(split[0]):
         return None
-    return shared_prefix.plan(seqs)
+    return shared_prefix.cached_plan(seqs)
 
 
 def runs_packed(model: torch.nn.Module, seqs: Seqs) -> bool:

@@ -18,6 +18,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from humanline_cli.core.batches import Seqs
 
@@ -38,6 +39,21 @@ class Plan:
     def positions(self) -> int:
         """Token positions the decoder runs on: U x P + N x S."""
         return self.prefix_ids.numel() + self.suffix_ids.numel()
+
+
+# A batch's plan, keyed by its loss mask: the policy's forward, the reference's and the step's token count ask
+# for the same batch's plan, and building one reads the ids on the host.
+_PLANS = WeakIdKeyDictionary()  # by identity: a tensor's == is elementwise
+
+
+def cached_plan(seqs: Seqs) -> Plan | None:
+    """plan(seqs), built once per batch (its tensors unchanged)."""
+    hit = _PLANS.get(seqs.loss_mask)
+    if hit is not None and hit[0] is seqs.input_ids and hit[1] is seqs.attention_mask:
+        return hit[2]
+    made = plan(seqs)
+    _PLANS[seqs.loss_mask] = (seqs.input_ids, seqs.attention_mask, made)
+    return made
 
 
 def plan(seqs: Seqs) -> Plan | None:

@@ -5,7 +5,6 @@ changing the step's gradient or KTO's partners; padding_efficiency on a long-tai
 distribution; and a short real run with packing logs the same losses as without."""
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import replace
 
@@ -31,7 +30,7 @@ from humanline_cli.data.examples import BinaryExample, GroupExample
 from humanline_cli.errors import UserError
 from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.source import Shard, micro_batches
-from tests.helpers.cli import FAST, TINY_WORLD
+from tests.helpers.cli import FAST, TINY_WORLD, run_in_process
 from tests.helpers.models import spread_llama, tiny_llama
 from tests.helpers.numerics import FP64, PADDED, assert_same, assert_same_rows, close, random_seqs, values_and_grads
 
@@ -338,23 +337,13 @@ def test_a_real_run_with_packing_logs_the_same_losses(cache_dir, tmp_path):
     each objective with humanline on, packed vs padded (length-bucketed, 2 micro-batches per step), in
     float64: the two differ only in rounding, so losses and gradient norms agree to 1e-9 (numerics.py)
     on any CPU kernel set."""
-    from hydra import compose, initialize_config_module
-
-    from humanline_cli.cli.overrides import normalize_overrides
-    from humanline_cli.config import resolve
-    from humanline_cli.train.job import Context, run_rank
-
     for objective in ("dpo", "kto", "grpo"):
         rows = {}
         for packing in (False, True):
             overrides = [*TINY_WORLD, *FAST, "backend=cpu", *FP64, *PADDED, f"objective={objective}",
                          "+humanline=true", "train.micro_batch_size=4", "judge=none", "train.save_model=false",
                          f"train.packing={str(packing).lower()}"]
-            with initialize_config_module(config_module="conf", version_base="1.3"):
-                cfg = compose("train", overrides=normalize_overrides(overrides))
-            run_dir = tmp_path / f"{objective}-packing-{packing}"
-            assert run_rank(resolve(cfg), Context(run_dir, tmp_path))["status"] == "complete"
-            rows[packing] = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            rows[packing] = run_in_process(tmp_path / f"{objective}-packing-{packing}", tmp_path, overrides)
         assert [r["step"] for r in rows[True]] == [r["step"] for r in rows[False]] == [1, 2, 3]
         assert_same_rows(rows[False], rows[True], what=objective)  # float64: relative 1e-9 (numerics.py)
         for a, b in zip(rows[False], rows[True]):

@@ -121,28 +121,16 @@ def test_a_real_run_with_shared_prefixes_logs_the_same_losses(cache_dir, tmp_pat
     (groups of samples of one prompt; DPO's pairs are the unit test above) with humanline on, shared vs padded,
     in float64 with the norm in float64 (the fixture): losses and gradient norms agree to 1e-9 (numerics.py), and
     the shared run's forwards cover fewer positions than the tokens they score."""
-    import json
-
-    from hydra import compose, initialize_config_module
-
-    from humanline_cli.cli.overrides import normalize_overrides
-    from humanline_cli.config import resolve
-    from humanline_cli.train.job import Context, run_rank
-    from tests.helpers.cli import FAST, TINY_WORLD
+    from tests.helpers.cli import FAST, TINY_WORLD, run_in_process
     from tests.helpers.numerics import FP64, assert_same_rows
 
     objective = "grpo"
-    rows = {}
-    for shared in (False, True):
-        fast = [o for o in FAST if not o.startswith("train.steps=")]
-        overrides = [*TINY_WORLD, *fast, "train.steps=2", "backend=cpu", *FP64, f"objective={objective}",
-                     "+humanline=true", "train.micro_batch_size=4", "judge=none", "train.save_model=false",
-                     f"train.shared_prefix={str(shared).lower()}"]
-        with initialize_config_module(config_module="conf", version_base="1.3"):
-            cfg = compose("train", overrides=normalize_overrides(overrides))
-        run_dir = tmp_path / f"{objective}-shared-{shared}"
-        assert run_rank(resolve(cfg), Context(run_dir, tmp_path))["status"] == "complete"
-        rows[shared] = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    fast = [o for o in FAST if not o.startswith("train.steps=")]
+    rows = {shared: run_in_process(tmp_path / f"{objective}-shared-{shared}", tmp_path,
+                                   [*TINY_WORLD, *fast, "train.steps=2", "backend=cpu", *FP64, f"objective={objective}",
+                                    "+humanline=true", "train.micro_batch_size=4", "judge=none",
+                                    "train.save_model=false", f"train.shared_prefix={str(shared).lower()}"])
+            for shared in (False, True)}
     assert [r["step"] for r in rows[True]] == [r["step"] for r in rows[False]] == [1, 2]
     assert_same_rows(rows[False], rows[True], what=objective)  # float64: relative 1e-9 (numerics.py)
     assert len({r["loss"] for r in rows[False]}) > 1  # the runs really moved

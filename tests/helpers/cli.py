@@ -137,3 +137,20 @@ def spawn_cli(args: list[str], log: Path) -> subprocess.Popen:
 def tiny_world_cfg() -> dict:
     """The world TINY_WORLD names (task=arithmetic's knobs + the tiny overrides)."""
     return {"kind": "arithmetic", "n_train_prompts": 256, "n_eval_prompts": 32, "sft": {"steps": 40}}
+
+
+def run_in_process(run_dir: Path, tmp_path: Path, overrides: list[str]) -> list[dict]:
+    """job.run_rank (what `humanline train` runs per job) in this process on the composed train config: the run
+    completes, and its metrics.jsonl rows come back."""
+    import json
+
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.cli.overrides import normalize_overrides
+    from humanline_cli.config import resolve
+    from humanline_cli.train.job import Context, run_rank
+
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose("train", overrides=normalize_overrides(overrides))
+    assert run_rank(resolve(cfg), Context(run_dir, tmp_path))["status"] == "complete"
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
