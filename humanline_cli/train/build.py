@@ -272,7 +272,7 @@ def vllm_options(spec: RunSpec) -> dict:
     s = spec.sampler_cfg
     return {"seed": spec.seed, "gpu_memory_utilization": s.gpu_memory_utilization, "enforce_eager": s.enforce_eager,
             "max_model_len": s.max_model_len, "timeout_s": s.timeout_s, "cpu_kvcache_gb": s.cpu_kvcache_gb,
-            "sleep": s.sleep, "tempered_logps": spec.objective_cfg.tempered_logps, "seeded": s.seeded}
+            "block_size": s.block_size, "sleep": s.sleep, "tempered_logps": spec.objective_cfg.tempered_logps, "seeded": s.seeded}
 
 
 def make_labeller(spec: RunSpec, device, loaded: dict | None = None):

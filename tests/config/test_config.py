@@ -89,6 +89,7 @@ BAD = [
     (["backend.device=tpu"], "backend.device"),
     (["+humanline=maybe"], "humanline"),
     (["train.warmup_ratio=1.5"], "warmup_ratio"),
+    (["data=online", "sampler=vllm", "sampler.block_size=24"], "sampler.block_size"),
 ]
 
 

