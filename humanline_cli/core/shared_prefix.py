@@ -7,10 +7,15 @@ built with grad) are selected for every row that shares it, and each row's compl
 In exact arithmetic this is the same computation (the backward sums each prompt's gradient over its rows, as
 the repeated forward would); in float32 it differs by rounding only. Leaf module: tensors in, tensors out.
 
-Layout. Row i's first loss position is f_i (position f_i predicts the first completion token), so its prefix
-is tokens [0, f_i) and its suffix tokens [f_i, length_i). Prefixes run as a (U, P) right-padded batch, one row
-per distinct prefix; suffixes as an (N, S) batch whose position ids continue at f_i and whose attention mask is
-the prefix's mask followed by the suffix's, so each completion attends to its own prompt's real keys only.
+Layout. Row i's first loss position is f_i (position f_i predicts the first completion token); rows whose tokens
+[0, f_i) agree share a prompt. The rows of one prompt also agree on every token up to the first one where any
+two of them differ (the prompt's last token; a DPO pair's chosen and rejected often begin alike too), and the
+states there depend on those tokens alone, so the shared prefix runs to that point e_g (at most each row's
+length less one, so every row keeps a suffix token): a row's prefix is tokens [0, e_g), its suffix tokens
+[e_g, length_i). Prefixes run as a (U, P) right-padded batch, one row per prompt; suffixes as an (N, S) batch
+whose position ids continue at e_g and whose attention mask is the prefix's mask followed by the suffix's, so
+each suffix attends to its own prefix's real keys only. A loss position inside the prefix takes the prefix's
+state (shared by the group's rows, so its gradient sums over them); one past it, the suffix's.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ class Plan:
     prefix_ids: torch.Tensor  # (U, P) one row per distinct prefix, right-padded
     prefix_mask: torch.Tensor  # (U, P) 1 on the prefix's tokens
     group: torch.Tensor  # (N,) the prefix row of each sequence
-    start: torch.Tensor  # (N,) f_i: where each sequence's suffix starts
+    start: torch.Tensor  # (N,) e_g: where each sequence's suffix starts
     suffix_ids: torch.Tensor  # (N, S)
     suffix_mask: torch.Tensor  # (N, S) 1 on the suffix's real tokens
 
@@ -66,20 +71,35 @@ def plan(seqs: Seqs) -> Plan | None:
     start = loss.long().argmax(1)  # first loss position of each row
     if int(start.min()) < 1:
         return None
-    ids, starts = seqs.input_ids.cpu(), start.cpu().tolist()
+    ids, firsts_loss = seqs.input_ids.cpu(), start.cpu().tolist()
     index: dict[tuple, int] = {}
-    group, firsts = [], []  # each row's prefix; each prefix's first row
-    for i, f in enumerate(starts):
+    group, members = [], []  # each row's prompt; each prompt's rows
+    for i, f in enumerate(firsts_loss):
         key = tuple(ids[i, :f].tolist())
         if key not in index:
             index[key] = len(index)
-            firsts.append(i)
+            members.append([])
         group.append(index[key])
+        members[index[key]].append(i)
     u = len(index)
     if u == n:
         return None
     lengths = seqs.attention_mask.sum(1)
-    p, s = max(starts), int((lengths - start).max())
+    lens = lengths.cpu().tolist()
+    ends = list(firsts_loss)
+    for rows in members:
+        if len(rows) < 2:  # a prompt of one row: its prefix stays the prompt (a longer one would pad the others')
+            continue
+        # the group's common tokens: up to the first column where a row differs from the first, and short of
+        # each row's last token
+        last = min(lens[i] for i in rows) - 1
+        differ = (ids[rows, :last] != ids[rows[0], :last]).any(0).nonzero()
+        end = max(firsts_loss[rows[0]], int(differ[0]) if len(differ) else last)
+        for i in rows:
+            ends[i] = end
+    firsts = [rows[0] for rows in members]
+    start = torch.tensor(ends, device=seqs.input_ids.device)
+    p, s = max(ends), int((lengths - start).max())
     if u * p + n * s > MAX_SHARE * n * t:
         return None
     device = seqs.input_ids.device
@@ -115,13 +135,20 @@ def hidden_at(run_decoder, decoder: torch.nn.Module, plan: Plan, rows: torch.Ten
     cache = DynamicCache(config=decoder.config)
     if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
         return None
-    run_decoder(decoder, input_ids=plan.prefix_ids, attention_mask=plan.prefix_mask, past_key_values=cache,
-                use_cache=True)
+    before = run_decoder(decoder, input_ids=plan.prefix_ids, attention_mask=plan.prefix_mask,
+                         past_key_values=cache, use_cache=True)
     cache.batch_select_indices(plan.group)
     s = plan.suffix_ids.shape[1]
     positions = plan.start.unsqueeze(1) + torch.arange(s, device=plan.start.device)
     mask = torch.cat([plan.prefix_mask[plan.group], plan.suffix_mask], dim=1)
-    out = run_decoder(decoder, input_ids=plan.suffix_ids, attention_mask=mask, position_ids=positions,
-                      past_key_values=cache, use_cache=True)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return hidden[rows, cols - plan.start[rows]]
+    after = run_decoder(decoder, input_ids=plan.suffix_ids, attention_mask=mask, position_ids=positions,
+                        past_key_values=cache, use_cache=True)
+    offset = cols - plan.start[rows]
+    inside = (offset < 0).unsqueeze(1)  # a loss position within the shared prefix
+    shared = _last_hidden(before)[plan.group[rows], cols.clamp(max=plan.prefix_ids.shape[1] - 1)]
+    own = _last_hidden(after)[rows, offset.clamp(min=0)]
+    return torch.where(inside, shared, own)
+
+
+def _last_hidden(out) -> torch.Tensor:
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]

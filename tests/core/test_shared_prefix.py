@@ -45,19 +45,44 @@ def grouped_seqs(share: bool):
 def test_the_plan_runs_each_prompt_once():
     seqs = grouped_seqs(True)
     plan = shared_prefix.plan(seqs)
-    # prefixes are the prompt minus its last token (that token's position predicts the first completion token)
+    # prefixes are the prompts (12 and 9 tokens: the rows of a prompt differ from their first completion token on)
     assert plan.group.tolist() == [0, 1, 0, 0, 1]
-    assert plan.start.tolist() == [11, 8, 11, 11, 8]
-    assert plan.prefix_ids.shape == (2, 11) and plan.prefix_mask.tolist() == [[1] * 11, [1] * 8 + [0] * 3]
-    assert torch.equal(plan.prefix_ids[0], seqs.input_ids[0, :11]) and torch.equal(plan.prefix_ids[1, :8],
-                                                                                    seqs.input_ids[1, :8])
-    # suffixes: the prompt's last token, then the completion: 1 + 4, 1 + 6, 1 + 1, 1 + 3, 1 + 2 tokens
-    assert plan.suffix_mask.sum(1).tolist() == [5, 7, 2, 4, 3] and plan.suffix_ids.shape == (5, 7)
-    assert torch.equal(plan.suffix_ids[1], seqs.input_ids[1, 8:15])
-    # 2 x 11 + 5 x 7 = 57 positions, against 5 x 16 padded
-    assert plan.positions() == 57 and seqs.input_ids.shape == (5, 16)
-    assert processed_tokens(spread_llama(), seqs) == 57
+    assert plan.start.tolist() == [12, 9, 12, 12, 9]
+    assert plan.prefix_ids.shape == (2, 12) and plan.prefix_mask.tolist() == [[1] * 12, [1] * 9 + [0] * 3]
+    assert torch.equal(plan.prefix_ids[0], seqs.input_ids[0, :12]) and torch.equal(plan.prefix_ids[1, :9],
+                                                                                    seqs.input_ids[1, :9])
+    # suffixes: the completions, 4, 6, 1, 3, 2 tokens (the 1-token row's loss position, its prompt's last, is in
+    # the prefix)
+    assert plan.suffix_mask.sum(1).tolist() == [4, 6, 1, 3, 2] and plan.suffix_ids.shape == (5, 6)
+    assert torch.equal(plan.suffix_ids[1], seqs.input_ids[1, 9:15])
+    # 2 x 12 + 5 x 6 = 54 positions, against 5 x 16 padded
+    assert plan.positions() == 54 and seqs.input_ids.shape == (5, 16)
+    assert processed_tokens(spread_llama(), seqs) == 54
     assert processed_tokens(spread_llama(), replace(seqs, share_prefix=False)) == 80
+
+
+def common_start_pairs(share: bool):
+    """DPO-shaped pairs whose chosen and rejected begin alike: pair 0 agrees on 3 completion tokens, pair 1's
+    rejected is its chosen's first 2 tokens (the prefix then stops one short of the shorter row's end)."""
+    prompts = [list(range(3, 15)), list(range(15, 25))]
+    chosen = [[30, 31, 32, 40, 41], [33, 34, 35]]
+    rejected = [[30, 31, 32, 50], [33, 34]]
+    return replace(make_seqs(prompts + prompts, chosen + rejected, pad_id=0), share_prefix=share)
+
+
+def test_pairs_that_begin_alike_share_their_common_tokens():
+    seqs = common_start_pairs(True)
+    plan = shared_prefix.plan(seqs)
+    # pair 0: 12 prompt + 3 common tokens; pair 1: 10 + 2 tokens less the shorter row's last
+    assert plan.group.tolist() == [0, 1, 0, 1] and plan.start.tolist() == [15, 11, 15, 11]
+    assert plan.suffix_mask.sum(1).tolist() == [2, 2, 1, 1]
+    assert plan.positions() == 2 * 15 + 4 * 2
+    model = spread_llama(dtype=torch.float64)
+    shared = values_and_grads(token_logps, model, seqs)
+    assert_same(shared, values_and_grads(token_logps, model, common_start_pairs(False)))
+    logps, _ = shared
+    assert int((logps != 0).sum()) == 5 + 3 + 4 + 2  # one log-prob per completion token, the common ones per row
+    assert torch.equal(logps[0, 11:14], logps[2, 11:14])  # the common tokens' log-probs: one state, both rows
 
 
 def test_no_repeated_prompt_no_plan():
