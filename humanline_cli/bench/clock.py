@@ -46,6 +46,7 @@ class Run:
     tokens: list[int] = field(default_factory=list)
     kl_tokens: list[int] = field(default_factory=list)
     completions: list[int] = field(default_factory=list)  # sequences per step (online GRPO rows)
+    positions: list[float] = field(default_factory=list)  # decoder positions per step (the project's runs)
     cache_hit_fraction: float | None = None  # reference-cache hits over the run's steps (cached rows)
 
 
@@ -87,11 +88,12 @@ class StepClock(SourceWrapper):
     from the round: data.generate_every=1 makes a round one step), tokens, KL tokens and sequences; with `timer`,
     also the phase seconds and this process's CPU and run-queue seconds so far."""
 
-    def __init__(self, source, device, units_per_step: int = 0, timer=None):
+    def __init__(self, source, device, units_per_step: int = 0, timer=None, policy=None):
         super().__init__(source)
-        self.device, self.units_per_step, self.timer = device, units_per_step, timer
+        self.device, self.units_per_step, self.timer, self.policy = device, units_per_step, timer, policy
         self.starts: list[float] = []
         self.sizes: list[tuple[int, ...]] = []
+        self.positions: list[int] = []  # with `policy`: the positions its decoder runs on per step
         self.phases: list[dict] = []
         self.cpu: list[tuple[float, float | None]] = []
 
@@ -110,6 +112,10 @@ class StepClock(SourceWrapper):
                            sum(int(mb.seqs.attention_mask.sum()) for mb in mbs),
                            sum(int(mb.kl_seqs.attention_mask.sum()) for mb in mbs if isinstance(mb, BinaryBatch)),
                            *[sum(mb.seqs.input_ids.shape[0] for mb in mbs)] * online))
+        if self.policy is not None:  # the layout is built once per batch and kept for the forwards
+            from humanline_cli.core.logprobs import processed_tokens
+
+            self.positions.append(sum(processed_tokens(self.policy, mb.seqs) for mb in mbs))
         return data
 
 

@@ -120,7 +120,7 @@ def project_run(spec, warmup: int, info: dict, prefill: bool = False) -> Run:
         if prefill:
             _prefill(parts, spec.train.steps)
             parts.reference.hits = parts.reference.misses = 0
-        parts.source = StepClock(parts.source, device, spec.train.batch_size)
+        parts.source = StepClock(parts.source, device, spec.train.batch_size, policy=parts.policy)
         tracker = EndClock(spec.train.steps, device)
         train_loop(parts, timer, tracker)
         if "matmul_params" not in info:
@@ -134,6 +134,8 @@ def project_run(spec, warmup: int, info: dict, prefill: bool = False) -> Run:
                         units=getattr(parts.source.source, "units", None),
                         micro_batch_size=spec.train.micro_batch_size)
         run = collect(parts.source.starts, tracker.end, parts.source.sizes, warmup)
+        # the positions the decoder ran: fewer than the real tokens where rows share a prefix, more where padded
+        run.positions = parts.source.positions[warmup:]
         if isinstance(parts.reference, CachedReference):
             run.cache_hit_fraction = parts.reference.stats()["reference_cache/hit_fraction"]
         return run
@@ -153,6 +155,9 @@ def summarise(name: str, runs: list[Run], matmul_params: int, peak: float) -> di
     if any(r.completions for r in runs):  # online GRPO: per step, as each side recorded them
         row["units_per_step"] = [u for r in runs for u in r.units]
         row["completions_per_step"] = [c for r in runs for c in r.completions]
+    if all(r.positions for r in runs):  # the FLOPs the step ran (8 P per decoder position), against the peak
+        row["positions"] = sum(sum(r.positions) for r in runs)
+        row["run_mfu"] = (8.0 * matmul_params * row["positions"] + 4.0 * matmul_params * kl) / seconds / peak
     hits = [r.cache_hit_fraction for r in runs if r.cache_hit_fraction is not None]
     if hits:
         row["reference_cache_hit_fraction"] = min(hits)

@@ -14,7 +14,8 @@ def print_result(res: dict, console) -> None:
                   f"batch {res['batch_size']} {unit}, {res['steps']} steps x {res['repeats']}", markup=False)
     table = pd.DataFrame([{"system": NAMES[k], f"{unit}/s": f"{r['units_per_s']:.1f}", "steps/s": f"{r['steps_per_s']:.3f}",
                            "tokens/s": f"{r['tokens_per_s']:.0f}", "step ms": f"{1e3 * r['step_s']:.1f}",
-                           "model GFLOP/s": f"{r['flops_per_s'] / 1e9:.2f}", "% of matmul peak": f"{100 * r['mfu']:.1f}"}
+                           "model GFLOP/s": f"{r['flops_per_s'] / 1e9:.2f}", "% of matmul peak": f"{100 * r['mfu']:.1f}",
+                           "% (positions run)": f"{100 * r['run_mfu']:.1f}" if "run_mfu" in r else "-"}
                           for k, r in res["rows"].items()])
     console.print(table.to_string(index=False), markup=False, highlight=False)
     mp = res["matmul_peak"]

@@ -73,6 +73,12 @@ def test_summarise_arithmetic():
     assert row["step_s"] == pytest.approx(0.7) and row["step_s_per_run"] == pytest.approx([0.5, 1.0])
     # 8 P T (policy fwd+bwd 6PT + reference fwd 2PT) + 4 P T_kl = 8*1000*500 + 4*1000*200 = 4.8e6 FLOP
     assert row["flops_per_s"] == pytest.approx(4.8e6 / 3.5) and row["mfu"] == pytest.approx(4.8e6 / 3.5 / 1e7)
+    assert "run_mfu" not in row  # no decoder positions recorded (TRL's rows)
+    # the decoder ran 60 positions a step (rows sharing prompts): 8 P x 300 + 4 P x 200 = 3.2e6 FLOP ran
+    for r in runs:
+        r.positions = [60] * len(r.seconds)
+    row = summarise("project", runs, matmul_params=1000, peak=1e7)
+    assert row["positions"] == 300 and row["run_mfu"] == pytest.approx(3.2e6 / 3.5 / 1e7)
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +121,10 @@ def test_bench_cli_writes_consistent_json(tiny_world, tmp_path, objective, unit)
         assert row["flops_per_s"] == pytest.approx(flops / row["seconds"], rel=1e-12)
         assert row["mfu"] == pytest.approx(row["flops_per_s"] / peak, rel=1e-12)
         assert (row["kl_tokens"] > 0) == (objective == "kto")
+    for name in ("project", "project_humanline", "project_cached"):  # the positions each step's decoder ran
+        row = res["rows"][name]
+        ran = 8 * res["matmul_params"] * row["positions"] + 4 * res["matmul_params"] * row["kl_tokens"]
+        assert row["positions"] > 0 and row["run_mfu"] == pytest.approx(ran / row["seconds"] / peak, rel=1e-12)
     plain, hl = res["rows"]["project"], res["rows"]["project_humanline"]
     assert plain["tokens"] == hl["tokens"]  # same seed, same batches: only the reference differs
     assert res["humanline_overhead"] == pytest.approx(hl["step_s"] / plain["step_s"], rel=1e-12)
