@@ -29,7 +29,9 @@ TIMEOUT = 1800
 SMOLLM2_TASK = {"kind": "chat_arithmetic", "digits": 1, "op": "add", "n_train": 40, "n_eval": 10, "seed": 0}
 
 
-SMOLLM2 = ["model=smollm2", "task=chat_arithmetic", f"world_cache={MODEL_CACHE}", "threads=2", "train.log_every=1",
+# one torch thread: the suite runs two workers on two cores, and a run's two threads beside the other worker's
+# would oversubscribe them
+SMOLLM2 = ["model=smollm2", "task=chat_arithmetic", f"world_cache={MODEL_CACHE}", "threads=1", "train.log_every=1",
            *(f"task.generator.{k}={SMOLLM2_TASK[k]}" for k in ("digits", "op", "n_train", "n_eval")),
            "train.max_length=96", "train.max_prompt_length=48", "eval.n_prompts=4", "eval.max_new_tokens=8",
            "eval.batch_size=4", "data.max_new_tokens=12", "train.lr=1e-5"]
