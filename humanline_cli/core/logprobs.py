@@ -60,8 +60,8 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
     positions with completion_mask 1 -> `model.get_output_embeddings()` on chunks of `chunk_size`
     of them (default: LOGITS_PER_CHUNK // vocab), logits cast to float32 per chunk (bf16 autocast
     included) and divided by T = seqs.temperature, log p = logit[target] / T - logsumexp(logits / T).
-    With grad enabled each chunk is checkpointed, so the backward recomputes one chunk's logits at a
-    time (one extra head matmul, no (N, T, V) buffer). The decoder and head are called as modules, so
+    With grad enabled and more than one chunk, each chunk is checkpointed, so the backward recomputes one
+    chunk's logits at a time (one extra head matmul, no (N, T, V) buffer). The decoder and head are called as modules, so
     hooks on them (LoRA layers, a wrapper's forward hooks on lm_head) fire as in `model(...)`.
 
     Falls back to the full-logits path (`_full_logits_token_logps`) when the model does not expose a
@@ -162,7 +162,10 @@ def _head_logps(model: torch.nn.Module, head: torch.nn.Module, h: torch.Tensor, 
     """(M, H) hidden states, (M,) targets -> (M,) float32 log-probs of softmax(logits / temperature), the
     head applied chunk by chunk."""
     size = chunk_size or max(1, LOGITS_PER_CHUNK // _vocab_size(model))
-    grad = torch.is_grad_enabled()
+    # Checkpointing frees each chunk's logits until the backward recomputes them, one chunk alive at a time. With
+    # one chunk there is nothing to take turns with: its logits are alive again at the head's backward, the first
+    # op the backward runs, so keeping them adds nothing to the step's peak and saves the recomputing matmul.
+    grad = torch.is_grad_enabled() and len(targets) > size
     pieces = []
     for start in range(0, max(len(targets), 1), size):  # one (empty) chunk keeps an empty batch in the graph
         h_c, t_c = h[start : start + size], targets[start : start + size]

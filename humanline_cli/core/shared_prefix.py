@@ -16,6 +16,11 @@ length less one, so every row keeps a suffix token): a row's prefix is tokens [0
 whose position ids continue at e_g and whose attention mask is the prefix's mask followed by the suffix's, so
 each suffix attends to its own prefix's real keys only. A loss position inside the prefix takes the prefix's
 state (shared by the group's rows, so its gradient sums over them); one past it, the suffix's.
+
+On a CPU every position costs its matmuls, so suffixes of very different lengths (a GRPO group's replies that
+stop early beside ones cut at the token limit) run in several calls, rows of like length together, each padded
+to its own longest: `buckets` splits the rows where a call's fixed cost (CALL_POSITIONS) is less than the
+padding it saves. Rows are independent given their prefix, so this changes no value.
 """
 from __future__ import annotations
 
@@ -32,6 +37,11 @@ from humanline_cli.core.batches import Seqs
 # below that the two decoder calls cost more than the positions they save.
 MAX_SHARE = 0.75
 
+# A decoder call's fixed cost (its Python, dispatch and small-batch matmuls), in positions of a CPU step: a suffix
+# batch splits where that saves more padded positions than this. On an accelerator, where positions cost little
+# until the batch fills the device and a call costs its kernel launches, the suffixes run as one call.
+CALL_POSITIONS = {"cpu": 8}
+
 
 @dataclass
 class Plan:
@@ -41,10 +51,11 @@ class Plan:
     start: torch.Tensor  # (N,) e_g: where each sequence's suffix starts
     suffix_ids: torch.Tensor  # (N, S)
     suffix_mask: torch.Tensor  # (N, S) 1 on the suffix's real tokens
+    calls: list[tuple[torch.Tensor, int]]  # the suffix calls: their rows, and the width S_b they run at
 
     def positions(self) -> int:
-        """Token positions the decoder runs on: U x P + N x S."""
-        return self.prefix_ids.numel() + self.suffix_ids.numel()
+        """Token positions the decoder runs on: U x P + the sum over suffix calls of rows x S_b."""
+        return self.prefix_ids.numel() + sum(len(rows) * width for rows, width in self.calls)
 
 
 # A batch's plan, keyed by its loss mask: the policy's forward, the reference's and the step's token count ask
@@ -94,8 +105,10 @@ def plan(seqs: Seqs) -> Plan | None:
             ends[i] = end
     device = seqs.input_ids.device
     start = torch.tensor(ends, device=device)
-    p, s = max(ends), max(length - end for length, end in zip(lens, ends))
-    if u * p + n * s > MAX_SHARE * n * t:
+    suffix = [length - end for length, end in zip(lens, ends)]
+    calls = buckets(suffix, CALL_POSITIONS.get(device.type))
+    p, s = max(ends), max(suffix)
+    if u * p + sum(len(rows) * width for rows, width in calls) > MAX_SHARE * n * t:
         return None
     group_t = torch.tensor(group, device=device)
     first_row = torch.tensor([rows[0] for rows in members.values()], device=device)
@@ -107,7 +120,30 @@ def plan(seqs: Seqs) -> Plan | None:
     at = at.clamp(max=t - 1)
     suffix_ids = seqs.input_ids.gather(1, at) * inside
     suffix_mask = seqs.attention_mask.gather(1, at) * inside
-    return Plan(prefix_ids, prefix_mask, group_t, start, suffix_ids, suffix_mask.long())
+    calls = [(torch.tensor(rows, device=device), width) for rows, width in calls]
+    return Plan(prefix_ids, prefix_mask, group_t, start, suffix_ids, suffix_mask.long(), calls)
+
+
+def buckets(lengths: list[int], call_cost: int | None) -> list[tuple[list[int], int]]:
+    """Rows by suffix length into calls, each (rows, its longest length), that minimise the positions run plus
+    `call_cost` per call (None: one call). Rows sorted longest first, the best split into runs of that order
+    (a call's rows are best consecutive in it) by dynamic programming over where each run starts."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if call_cost is None:
+        return [(order, lengths[order[0]])]
+    n = len(order)
+    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)  # best[j]: cost of the first j rows; cut[j]: last run's start
+    for j in range(1, n + 1):
+        for i in range(j):
+            cost = best[i] + (j - i) * lengths[order[i]] + call_cost
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    calls, j = [], n
+    while j > 0:
+        i = cut[j]
+        calls.append((order[i:j], lengths[order[i]]))
+        j = i
+    return calls[::-1]
 
 
 _SHARES = weakref.WeakKeyDictionary()  # decoder -> whether it runs the shared layout (fixed by its code and config)
@@ -146,16 +182,25 @@ def hidden_at(run_decoder, decoder: torch.nn.Module, plan: Plan, rows: torch.Ten
     cache = DynamicCache(config=decoder.config)
     before = run_decoder(decoder, input_ids=plan.prefix_ids, attention_mask=plan.prefix_mask,
                          past_key_values=cache, use_cache=True)
-    cache.batch_select_indices(plan.group)
-    s = plan.suffix_ids.shape[1]
-    positions = plan.start.unsqueeze(1) + torch.arange(s, device=plan.start.device)
-    mask = torch.cat([plan.prefix_mask[plan.group], plan.suffix_mask], dim=1)
-    after = run_decoder(decoder, input_ids=plan.suffix_ids, attention_mask=mask, position_ids=positions,
-                        past_key_values=cache, use_cache=True)
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    pieces, base = [], torch.zeros_like(plan.start)  # each call's (rows x S_b, H) states; a row's first in them
+    done = 0
+    for call_rows, width in plan.calls:
+        own_cache = DynamicCache(config=decoder.config)
+        prefix_of = plan.group[call_rows]
+        for layer, (k, v) in zip(own_cache.layers, kv):
+            layer.update(k[prefix_of], v[prefix_of])
+        positions = plan.start[call_rows].unsqueeze(1) + torch.arange(width, device=plan.start.device)
+        mask = torch.cat([plan.prefix_mask[prefix_of], plan.suffix_mask[call_rows, :width]], dim=1)
+        after = run_decoder(decoder, input_ids=plan.suffix_ids[call_rows, :width], attention_mask=mask,
+                            position_ids=positions, past_key_values=own_cache, use_cache=True)
+        pieces.append(last_hidden(after).flatten(0, 1))
+        base[call_rows] = done + width * torch.arange(len(call_rows), device=base.device)
+        done += width * len(call_rows)
     offset = cols - plan.start[rows]
     inside = (offset < 0).unsqueeze(1)  # a loss position within the shared prefix
     shared = last_hidden(before)[plan.group[rows], cols.clamp(max=plan.prefix_ids.shape[1] - 1)]
-    own = last_hidden(after)[rows, offset.clamp(min=0)]
+    own = torch.cat(pieces)[base[rows] + offset.clamp(min=0)]
     return torch.where(inside, shared, own)
 
 

@@ -55,10 +55,24 @@ def test_the_plan_runs_each_prompt_once():
     # the prefix)
     assert plan.suffix_mask.sum(1).tolist() == [4, 6, 1, 3, 2] and plan.suffix_ids.shape == (5, 6)
     assert torch.equal(plan.suffix_ids[1], seqs.input_ids[1, 9:15])
-    # 2 x 12 + 5 x 6 = 54 positions, against 5 x 16 padded
-    assert plan.positions() == 54 and seqs.input_ids.shape == (5, 16)
-    assert processed_tokens(spread_llama(), seqs) == 54
+    # on a CPU the suffixes run in two calls (shared_prefix.buckets): rows 1, 0 at 6 tokens and rows 3, 4, 2 at 3,
+    # 2 x 6 + 8 + 3 x 3 + 8 = 37 against one call's 5 x 6 + 8 = 38; so 2 x 12 + 12 + 9 = 45 positions, against
+    # 5 x 16 padded
+    assert [(rows.tolist(), width) for rows, width in plan.calls] == [([1, 0], 6), ([3, 4, 2], 3)]
+    assert plan.positions() == 45 and seqs.input_ids.shape == (5, 16)
+    assert processed_tokens(spread_llama(), seqs) == 45
     assert processed_tokens(spread_llama(), replace(seqs, share_prefix=False)) == 80
+
+
+def test_suffixes_of_unlike_lengths_split_where_it_saves_more_than_a_call():
+    # lengths 16, 16, 3, 2 at a call cost of 8: one call 4 x 16 + 8 = 72; two (16, 16 | 3, 2) 32 + 8 + 6 + 8 = 54;
+    # three (16, 16 | 3 | 2) 32 + 8 + 3 + 8 + 2 + 8 = 61
+    assert shared_prefix.buckets([3, 16, 2, 16], 8) == [([1, 3], 16), ([0, 2], 3)]
+    # a call costing more than the padding it saves: one call; no cost given (an accelerator): one call
+    assert shared_prefix.buckets([3, 16, 2, 16], 30) == [([1, 3, 0, 2], 16)]
+    assert shared_prefix.buckets([3, 16, 2, 16], None) == [([1, 3, 0, 2], 16)]
+    # free calls: every distinct length its own call, no padding
+    assert shared_prefix.buckets([5, 1, 5, 3], 0) == [([0, 2], 5), ([3], 3), ([1], 1)]
 
 
 def common_start_pairs(share: bool):
