@@ -61,8 +61,8 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
     of them (default: LOGITS_PER_CHUNK // vocab), logits cast to float32 per chunk (bf16 autocast
     included) and divided by T = seqs.temperature, log p = logit[target] / T - logsumexp(logits / T).
     With grad enabled and more than one chunk, each chunk is checkpointed, so the backward recomputes one
-    chunk's logits at a time (one extra head matmul, no (N, T, V) buffer). The decoder and head are called as modules, so
-    hooks on them (LoRA layers, a wrapper's forward hooks on lm_head) fire as in `model(...)`.
+    chunk's logits at a time (one extra head matmul, no (N, T, V) buffer). The decoder and head are called as
+    modules, so hooks on them (LoRA layers, a wrapper's forward hooks on lm_head) fire as in `model(...)`.
 
     Falls back to the full-logits path (`_full_logits_token_logps`) when the model does not expose a
     separate decoder and output embedding, is a peft prompt-learning model
@@ -165,11 +165,11 @@ def _head_logps(model: torch.nn.Module, head: torch.nn.Module, h: torch.Tensor, 
     # Checkpointing frees each chunk's logits until the backward recomputes them, one chunk alive at a time. With
     # one chunk there is nothing to take turns with: its logits are alive again at the head's backward, the first
     # op the backward runs, so keeping them adds nothing to the step's peak and saves the recomputing matmul.
-    grad = torch.is_grad_enabled() and len(targets) > size
+    checkpointed = torch.is_grad_enabled() and len(targets) > size
     pieces = []
     for start in range(0, max(len(targets), 1), size):  # one (empty) chunk keeps an empty batch in the graph
         h_c, t_c = h[start : start + size], targets[start : start + size]
-        if grad:
+        if checkpointed:
             pieces.append(checkpoint(_chunk_logps, head, h_c, t_c, temperature, use_reentrant=False,
                                      preserve_rng_state=False))
         else:

@@ -19,7 +19,7 @@ state (shared by the group's rows, so its gradient sums over them); one past it,
 
 On a CPU every position costs its matmuls, so suffixes of very different lengths (a GRPO group's replies that
 stop early beside ones cut at the token limit) run in several calls, rows of like length together, each padded
-to its own longest: `buckets` splits the rows where a call's fixed cost (CALL_POSITIONS) is less than the
+to its own longest: `buckets` splits the rows where a call's fixed cost (CPU_CALL_POSITIONS) is less than the
 padding it saves. Rows are independent given their prefix, so this changes no value.
 """
 from __future__ import annotations
@@ -33,14 +33,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from humanline_cli.core.batches import Seqs
 
-# The shared path runs when its positions (U x P + N x S) are at most this share of the padded batch's (N x T):
-# below that the two decoder calls cost more than the positions they save.
+# The shared path runs when its positions (Plan.positions) are at most this share of the padded batch's (N x T):
+# above that its decoder calls cost more than the positions they save.
 MAX_SHARE = 0.75
 
 # A decoder call's fixed cost (its Python, dispatch and small-batch matmuls), in positions of a CPU step: a suffix
 # batch splits where that saves more padded positions than this. On an accelerator, where positions cost little
 # until the batch fills the device and a call costs its kernel launches, the suffixes run as one call.
-CALL_POSITIONS = {"cpu": 8}
+CPU_CALL_POSITIONS = 8
 
 
 @dataclass
@@ -106,10 +106,7 @@ def plan(seqs: Seqs) -> Plan | None:
     device = seqs.input_ids.device
     start = torch.tensor(ends, device=device)
     suffix = [length - end for length, end in zip(lens, ends)]
-    calls = buckets(suffix, CALL_POSITIONS.get(device.type))
     p, s = max(ends), max(suffix)
-    if u * p + sum(len(rows) * width for rows, width in calls) > MAX_SHARE * n * t:
-        return None
     group_t = torch.tensor(group, device=device)
     first_row = torch.tensor([rows[0] for rows in members.values()], device=device)
     cols = torch.arange(p, device=device)
@@ -120,8 +117,10 @@ def plan(seqs: Seqs) -> Plan | None:
     at = at.clamp(max=t - 1)
     suffix_ids = seqs.input_ids.gather(1, at) * inside
     suffix_mask = seqs.attention_mask.gather(1, at) * inside
-    calls = [(torch.tensor(rows, device=device), width) for rows, width in calls]
-    return Plan(prefix_ids, prefix_mask, group_t, start, suffix_ids, suffix_mask.long(), calls)
+    calls = [(torch.tensor(rows, device=device), width)
+             for rows, width in buckets(suffix, CPU_CALL_POSITIONS if device.type == "cpu" else None)]
+    made = Plan(prefix_ids, prefix_mask, group_t, start, suffix_ids, suffix_mask.long(), calls)
+    return made if made.positions() <= MAX_SHARE * n * t else None
 
 
 def buckets(lengths: list[int], call_cost: int | None) -> list[tuple[list[int], int]]:
