@@ -184,9 +184,9 @@ def _shared_plan(model: torch.nn.Module, seqs: Seqs) -> shared_prefix.Plan | Non
     if not seqs.share_prefix or runs_packed(model, seqs) or _INSIDE_ROOT or _is_fsdp_root(model):
         return None
     split = _decoder_and_head(model)
-    if split is None or getattr(split[0], "gradient_checkpointing", False) or not shared_prefix.takes_a_cache(split[0]):
+    if split is None or getattr(split[0], "gradient_checkpointing", False) or not shared_prefix.can_share(split[0]):
         return None
-    return shared_prefix.cached_plan(seqs)
+    return shared_prefix.cached_plan(seqs, shared_prefix.packs(split[0], seqs.input_ids.device))
 
 
 def runs_packed(model: torch.nn.Module, seqs: Seqs) -> bool:

@@ -17,10 +17,15 @@ whose position ids continue at e_g and whose attention mask is the prefix's mask
 each suffix attends to its own prefix's real keys only. A loss position inside the prefix takes the prefix's
 state (shared by the group's rows, so its gradient sums over them); one past it, the suffix's.
 
-On a CPU every position costs its matmuls, so suffixes of very different lengths (a GRPO group's replies that
-stop early beside ones cut at the token limit) run in several calls, rows of like length together, each padded
-to its own longest: `buckets` splits the rows where a call's fixed cost (CPU_CALL_POSITIONS) is less than the
-padding it saves. Rows are independent given their prefix, so this changes no value.
+Two ways to run that layout:
+- One packed row per prefix (`Tree`, on a CPU with sdpa or eager attention): the prefix, then each of its rows'
+  suffixes back to back, no padding between them; position ids continue each suffix at e_g, and a 4D attention
+  mask lets a suffix token see its prefix and its own earlier tokens only. The whole batch is ONE decoder call.
+  On a CPU every call's backward writes a full set of weight gradients (430 MB for SmolLM2) that autograd then
+  adds across calls, so one call costs the step least; positions run: U x the longest packed row.
+- Two calls (elsewhere: an accelerator, where flash kernels take no 4D mask and a dense mask would compute every
+  suffix against every other): the prefixes with a cache, then every suffix on its prefix's keys and values,
+  right-padded to the longest suffix.
 """
 from __future__ import annotations
 
@@ -37,10 +42,21 @@ from humanline_cli.core.batches import Seqs
 # above that its decoder calls cost more than the positions they save.
 MAX_SHARE = 0.75
 
-# A decoder call's fixed cost (its Python, dispatch and small-batch matmuls), in positions of a CPU step: a suffix
-# batch splits where that saves more padded positions than this. On an accelerator, where positions cost little
-# until the batch fills the device and a call costs its kernel launches, the suffixes run as one call.
-CPU_CALL_POSITIONS = 8
+# The packed layout's mask is (U, R, R) booleans (float for eager attention): above this many elements (a long
+# DPO pair on a CPU) the two-call layout runs instead.
+TREE_MASK_LIMIT = 2**26
+
+# Attention implementations that take a 4D mask as it is given (flash kernels take none; flex takes a block mask).
+MASKED_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass
+class Tree:
+    """The packed layout: row u holds prefix u's tokens then the suffixes of its rows, in row order."""
+    ids: torch.Tensor  # (U, R) token ids, 0 past a row's end
+    positions: torch.Tensor  # (U, R) position ids: 0.. over the prefix, e_g.. again over each suffix
+    allowed: torch.Tensor  # (U, R, R) bool: query q may attend to key k
+    at: torch.Tensor  # (N,) where each sequence's suffix starts in its prefix's packed row
 
 
 @dataclass
@@ -51,11 +67,11 @@ class Plan:
     start: torch.Tensor  # (N,) e_g: where each sequence's suffix starts
     suffix_ids: torch.Tensor  # (N, S)
     suffix_mask: torch.Tensor  # (N, S) 1 on the suffix's real tokens
-    calls: list[tuple[torch.Tensor, int]]  # the suffix calls: their rows, and the width S_b they run at
+    tree: Tree | None  # the packed layout, where it runs
 
     def positions(self) -> int:
-        """Token positions the decoder runs on: U x P + the sum over suffix calls of rows x S_b."""
-        return self.prefix_ids.numel() + sum(len(rows) * width for rows, width in self.calls)
+        """Token positions the decoder runs on: U x R packed, else U x P + N x S."""
+        return self.tree.ids.numel() if self.tree is not None else self.prefix_ids.numel() + self.suffix_ids.numel()
 
 
 # A batch's plan, keyed by its loss mask: the policy's forward, the reference's and the step's token count ask
@@ -63,19 +79,25 @@ class Plan:
 _PLANS = WeakIdKeyDictionary()  # by identity: a tensor's == is elementwise
 
 
-def cached_plan(seqs: Seqs) -> Plan | None:
-    """plan(seqs), built once per batch (its tensors unchanged)."""
+def cached_plan(seqs: Seqs, packed: bool) -> Plan | None:
+    """plan(seqs, packed), built once per batch (its tensors unchanged)."""
     hit = _PLANS.get(seqs.loss_mask)
-    if hit is not None and hit[0] is seqs.input_ids and hit[1] is seqs.attention_mask:
-        return hit[2]
-    made = plan(seqs)
-    _PLANS[seqs.loss_mask] = (seqs.input_ids, seqs.attention_mask, made)
+    if hit is not None and hit[0] is seqs.input_ids and hit[1] is seqs.attention_mask and hit[2] == packed:
+        return hit[3]
+    made = plan(seqs, packed)
+    _PLANS[seqs.loss_mask] = (seqs.input_ids, seqs.attention_mask, packed, made)
     return made
 
 
-def plan(seqs: Seqs) -> Plan | None:
-    """The shared layout of `seqs`, or None where it does not pay (no prompt repeats, a row without completion
-    tokens or without a prefix, or more than MAX_SHARE of the padded positions)."""
+def packs(decoder: torch.nn.Module, device: torch.device) -> bool:
+    """Whether `decoder`'s shared layout runs packed (`Tree`): on a CPU, with attention that takes a 4D mask."""
+    return device.type == "cpu" and getattr(decoder.config, "_attn_implementation", None) in MASKED_ATTENTION
+
+
+def plan(seqs: Seqs, packed: bool) -> Plan | None:
+    """The shared layout of `seqs`, packed where `packed` asks and its mask fits TREE_MASK_LIMIT, or None where it
+    does not pay (no prompt repeats, a row without completion tokens or without a prefix, or more than MAX_SHARE
+    of the padded positions)."""
     loss = seqs.loss_mask[:, 1:]
     n, t = seqs.input_ids.shape
     if n < 2 or not bool(loss.any(1).all()):
@@ -117,40 +139,52 @@ def plan(seqs: Seqs) -> Plan | None:
     at = at.clamp(max=t - 1)
     suffix_ids = seqs.input_ids.gather(1, at) * inside
     suffix_mask = seqs.attention_mask.gather(1, at) * inside
-    calls = [(torch.tensor(rows, device=device), width)
-             for rows, width in buckets(suffix, CPU_CALL_POSITIONS if device.type == "cpu" else None)]
-    made = Plan(prefix_ids, prefix_mask, group_t, start, suffix_ids, suffix_mask.long(), calls)
+    tree = None
+    if packed:
+        lengths = [ends[rows[0]] for rows in members.values()]  # each packed row's fill: its prefix first
+        at = []
+        for i, g in enumerate(group):
+            at.append(lengths[g])
+            lengths[g] += suffix[i]
+        if u * max(lengths) ** 2 <= TREE_MASK_LIMIT:
+            tree = _tree(seqs, group, ends, suffix, at, max(lengths))
+    made = Plan(prefix_ids, prefix_mask, group_t, start, suffix_ids, suffix_mask.long(), tree)
     return made if made.positions() <= MAX_SHARE * n * t else None
 
 
-def buckets(lengths: list[int], call_cost: int | None) -> list[tuple[list[int], int]]:
-    """Rows by suffix length into calls, each (rows, its longest length), that minimise the positions run plus
-    `call_cost` per call (None: one call). Rows sorted longest first, the best split into runs of that order
-    (a call's rows are best consecutive in it) by dynamic programming over where each run starts."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    if call_cost is None:
-        return [(order, lengths[order[0]])]
-    n = len(order)
-    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)  # best[j]: cost of the first j rows; cut[j]: last run's start
-    for j in range(1, n + 1):
-        for i in range(j):
-            cost = best[i] + (j - i) * lengths[order[i]] + call_cost
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    calls, j = [], n
-    while j > 0:
-        i = cut[j]
-        calls.append((order[i:j], lengths[order[i]]))
-        j = i
-    return calls[::-1]
+def _tree(seqs: Seqs, group: list[int], ends: list[int], suffix: list[int], at: list[int], width: int) -> Tree:
+    """The packed rows: a prefix's tokens from its first row (segment 0), then each row's suffix (segment i + 1);
+    a query attends causally within its segment and to its prefix's segment, never to padding (segment -1)."""
+    u = max(group) + 1
+    ids = torch.zeros(u, width, dtype=seqs.input_ids.dtype)
+    positions = torch.zeros(u, width, dtype=torch.long)
+    segment = torch.full((u, width), -1, dtype=torch.long)
+    source = seqs.input_ids.cpu()
+    seen = set()
+    for i, g in enumerate(group):
+        if g not in seen:
+            seen.add(g)
+            ids[g, :ends[i]] = source[i, :ends[i]]
+            positions[g, :ends[i]] = torch.arange(ends[i])
+            segment[g, :ends[i]] = 0
+        span = slice(at[i], at[i] + suffix[i])
+        ids[g, span] = source[i, ends[i]:ends[i] + suffix[i]]
+        positions[g, span] = torch.arange(ends[i], ends[i] + suffix[i])
+        segment[g, span] = i + 1
+    q, k = segment.unsqueeze(2), segment.unsqueeze(1)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    allowed = causal & (k >= 0) & ((k == 0) | (k == q))  # every query sees key 0 (a prefix token): no empty row
+    device = seqs.input_ids.device
+    return Tree(ids.to(device), positions.to(device), allowed.to(device), torch.tensor(at, device=device))
 
 
 _SHARES = weakref.WeakKeyDictionary()  # decoder -> whether it runs the shared layout (fixed by its code and config)
 
 
-def takes_a_cache(decoder: torch.nn.Module) -> bool:
-    """Whether the decoder can run the shared layout: its forward takes a transformers cache and position ids (a
-    model's own code may not), and its cache is a plain one (not sliding windows or hybrid layers)."""
+def can_share(decoder: torch.nn.Module) -> bool:
+    """Whether the decoder can run the shared layout: its forward takes input embeddings, position ids and a
+    transformers cache (a model's own code may not), and that cache is a plain one (no sliding windows or hybrid
+    layers, whose masks a packed row's 4D mask would replace)."""
     known = _SHARES.get(decoder)
     if known is None:
         known = _SHARES[decoder] = _plain_cache(decoder)
@@ -162,7 +196,8 @@ def _plain_cache(decoder: torch.nn.Module) -> bool:
     from transformers.cache_utils import DynamicLayer
 
     accepts = inspect.signature(decoder.forward).parameters
-    if getattr(decoder, "config", None) is None or not {"past_key_values", "position_ids"} <= accepts.keys():
+    if getattr(decoder, "config", None) is None or not callable(getattr(decoder, "get_input_embeddings", None)) \
+            or not {"past_key_values", "position_ids", "inputs_embeds"} <= accepts.keys():
         return False
     layers = DynamicCache(config=decoder.config).layers
     return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
@@ -171,36 +206,42 @@ def _plain_cache(decoder: torch.nn.Module) -> bool:
 def hidden_at(run_decoder, decoder: torch.nn.Module, plan: Plan, rows: torch.Tensor, cols: torch.Tensor
               ) -> torch.Tensor | None:
     """The decoder's final hidden states at positions (rows, cols) of the padded batch, computed on the shared
-    layout: the prefixes once (cache built with grad), then every suffix on its prefix's keys and values.
-    `run_decoder(decoder, **inputs)` calls the decoder (compiled or not). None for a decoder that cannot
-    (takes_a_cache, which token_logps asks before planning)."""
+    layout (packed, or prefixes then suffixes: see the module docstring). A loss position inside a prefix takes the
+    prefix's state. `run_decoder(decoder, **inputs)` calls the decoder (compiled or not). None for a decoder that
+    cannot (can_share, which token_logps asks before planning)."""
+    if not can_share(decoder):
+        return None
+    offset = cols - plan.start[rows]
+    inside = offset < 0  # a loss position within the shared prefix
+    if plan.tree is not None:
+        tree = plan.tree
+        embeds = decoder.get_input_embeddings()(tree.ids)
+        allowed = tree.allowed.unsqueeze(1)  # (U, 1, R, R): every head alike
+        if decoder.config._attn_implementation == "eager":  # eager attention adds its mask to the scores
+            allowed = torch.zeros(allowed.shape, dtype=embeds.dtype, device=embeds.device).masked_fill(
+                ~allowed, torch.finfo(embeds.dtype).min)
+        out = run_decoder(decoder, inputs_embeds=embeds, attention_mask=allowed, position_ids=tree.positions,
+                          use_cache=False)
+        return last_hidden(out)[plan.group[rows], torch.where(inside, cols, tree.at[rows] + offset)]
     from transformers import DynamicCache
 
-    if not takes_a_cache(decoder):
-        return None
+    # one embedding call for both decoder calls: each call's backward writes a dense vocabulary x hidden gradient
+    n = plan.prefix_ids.numel()
+    embeds = decoder.get_input_embeddings()(torch.cat([plan.prefix_ids.flatten(), plan.suffix_ids.flatten()]))
     cache = DynamicCache(config=decoder.config)
-    before = run_decoder(decoder, input_ids=plan.prefix_ids, attention_mask=plan.prefix_mask,
-                         past_key_values=cache, use_cache=True)
-    kv = [(layer.keys, layer.values) for layer in cache.layers]
-    pieces, base = [], torch.zeros_like(plan.start)  # each call's (rows x S_b, H) states; a row's first in them
-    done = 0
-    for call_rows, width in plan.calls:
-        own_cache = DynamicCache(config=decoder.config)
-        prefix_of = plan.group[call_rows]
-        for layer, (k, v) in zip(own_cache.layers, kv):
-            layer.update(k[prefix_of], v[prefix_of])
-        positions = plan.start[call_rows].unsqueeze(1) + torch.arange(width, device=plan.start.device)
-        mask = torch.cat([plan.prefix_mask[prefix_of], plan.suffix_mask[call_rows, :width]], dim=1)
-        after = run_decoder(decoder, input_ids=plan.suffix_ids[call_rows, :width], attention_mask=mask,
-                            position_ids=positions, past_key_values=own_cache, use_cache=True)
-        pieces.append(last_hidden(after).flatten(0, 1))
-        base[call_rows] = done + width * torch.arange(len(call_rows), device=base.device)
-        done += width * len(call_rows)
-    offset = cols - plan.start[rows]
-    inside = (offset < 0).unsqueeze(1)  # a loss position within the shared prefix
+    before = run_decoder(decoder, inputs_embeds=embeds[:n].unflatten(0, plan.prefix_ids.shape),
+                         attention_mask=plan.prefix_mask, past_key_values=cache, use_cache=True)
+    own_cache = DynamicCache(config=decoder.config)
+    for layer, prefix_layer in zip(own_cache.layers, cache.layers):
+        layer.update(prefix_layer.keys[plan.group], prefix_layer.values[plan.group])
+    width = plan.suffix_ids.shape[1]
+    after = run_decoder(decoder, inputs_embeds=embeds[n:].unflatten(0, plan.suffix_ids.shape),
+                        attention_mask=torch.cat([plan.prefix_mask[plan.group], plan.suffix_mask], dim=1),
+                        position_ids=plan.start.unsqueeze(1) + torch.arange(width, device=plan.start.device),
+                        past_key_values=own_cache, use_cache=True)
     shared = last_hidden(before)[plan.group[rows], cols.clamp(max=plan.prefix_ids.shape[1] - 1)]
-    own = torch.cat(pieces)[base[rows] + offset.clamp(min=0)]
-    return torch.where(inside, shared, own)
+    own = last_hidden(after)[rows, offset.clamp(min=0)]
+    return torch.where(inside.unsqueeze(1), shared, own)
 
 
 def last_hidden(out) -> torch.Tensor:

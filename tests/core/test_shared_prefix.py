@@ -42,9 +42,31 @@ def grouped_seqs(share: bool):
     return replace(seqs, share_prefix=share)
 
 
+@pytest.fixture(params=["packed", "packed_eager", "two_calls"])
+def layout(request, monkeypatch):
+    """Each way the shared layout runs (module docstring of core/shared_prefix.py): packed rows under sdpa and under
+    eager attention (a boolean and an additive mask), and the two-call layout an accelerator runs (forced here)."""
+    if request.param == "two_calls":
+        monkeypatch.setattr(shared_prefix, "packs", lambda decoder, device: False)
+    if request.param == "packed_eager":
+        # transformers' eager attention takes its softmax in float32 whatever the input's dtype, and rows of the
+        # packed and padded layouts differ in length, so in float32 they round differently (about 3e-7); the
+        # softmax in the input's dtype keeps the comparison in float64, like the norm fixture above
+        softmax = torch.nn.functional.softmax
+        monkeypatch.setattr(torch.nn.functional, "softmax", lambda x, dim=None, dtype=None, **kw: softmax(x, dim=dim))
+    return request.param
+
+
+def model_for(layout: str, **kw):
+    model = spread_llama(**kw)
+    if layout == "packed_eager":
+        model.config._attn_implementation = "eager"  # the decoder shares the config
+    return model
+
+
 def test_the_plan_runs_each_prompt_once():
     seqs = grouped_seqs(True)
-    plan = shared_prefix.plan(seqs)
+    plan = shared_prefix.plan(seqs, packed=False)
     # prefixes are the prompts (12 and 9 tokens: the rows of a prompt differ from their first completion token on)
     assert plan.group.tolist() == [0, 1, 0, 0, 1]
     assert plan.start.tolist() == [12, 9, 12, 12, 9]
@@ -52,27 +74,34 @@ def test_the_plan_runs_each_prompt_once():
     assert torch.equal(plan.prefix_ids[0], seqs.input_ids[0, :12]) and torch.equal(plan.prefix_ids[1, :9],
                                                                                     seqs.input_ids[1, :9])
     # suffixes: the completions, 4, 6, 1, 3, 2 tokens (the 1-token row's loss position, its prompt's last, is in
-    # the prefix)
+    # the prefix); two calls: 2 x 12 prefix + 5 x 6 suffix positions, against 5 x 16 padded
     assert plan.suffix_mask.sum(1).tolist() == [4, 6, 1, 3, 2] and plan.suffix_ids.shape == (5, 6)
     assert torch.equal(plan.suffix_ids[1], seqs.input_ids[1, 9:15])
-    # on a CPU the suffixes run in two calls (shared_prefix.buckets): rows 1, 0 at 6 tokens and rows 3, 4, 2 at 3,
-    # 2 x 6 + 8 + 3 x 3 + 8 = 37 against one call's 5 x 6 + 8 = 38; so 2 x 12 + 12 + 9 = 45 positions, against
-    # 5 x 16 padded
-    assert [(rows.tolist(), width) for rows, width in plan.calls] == [([1, 0], 6), ([3, 4, 2], 3)]
-    assert plan.positions() == 45 and seqs.input_ids.shape == (5, 16)
-    assert processed_tokens(spread_llama(), seqs) == 45
+    assert plan.tree is None and plan.positions() == 54 and seqs.input_ids.shape == (5, 16)
     assert processed_tokens(spread_llama(), replace(seqs, share_prefix=False)) == 80
 
 
-def test_suffixes_of_unlike_lengths_split_where_it_saves_more_than_a_call():
-    # lengths 16, 16, 3, 2 at a call cost of 8: one call 4 x 16 + 8 = 72; two (16, 16 | 3, 2) 32 + 8 + 6 + 8 = 54;
-    # three (16, 16 | 3 | 2) 32 + 8 + 3 + 8 + 2 + 8 = 61
-    assert shared_prefix.buckets([3, 16, 2, 16], 8) == [([1, 3], 16), ([0, 2], 3)]
-    # a call costing more than the padding it saves: one call; no cost given (an accelerator): one call
-    assert shared_prefix.buckets([3, 16, 2, 16], 30) == [([1, 3, 0, 2], 16)]
-    assert shared_prefix.buckets([3, 16, 2, 16], None) == [([1, 3, 0, 2], 16)]
-    # free calls: every distinct length its own call, no padding
-    assert shared_prefix.buckets([5, 1, 5, 3], 0) == [([0, 2], 5), ([3], 3), ([1], 1)]
+def test_the_packed_plan_puts_each_prompt_and_its_suffixes_in_one_row():
+    seqs = grouped_seqs(True)
+    tree = shared_prefix.plan(seqs, packed=True).tree
+    # prompt 0 (rows 0, 2, 3): 12 + 4 + 1 + 3 = 20 tokens; prompt 1 (rows 1, 4): 9 + 6 + 2 = 17, padded to 20
+    assert tree.ids.shape == (2, 20) and tree.at.tolist() == [12, 9, 16, 17, 15]
+    assert tree.positions[0].tolist() == [*range(12), 12, 13, 14, 15, 12, 12, 13, 14]
+    assert tree.positions[1].tolist() == [*range(9), *range(9, 15), 9, 10, 0, 0, 0]
+    assert torch.equal(tree.ids[0, :12], seqs.input_ids[0, :12]) and torch.equal(tree.ids[0, 17:], seqs.input_ids[3, 12:15])
+    assert torch.equal(tree.ids[1, 15:17], seqs.input_ids[4, 9:11]) and tree.ids[1, 17:].tolist() == [0, 0, 0]
+    # row 2's token (packed column 16) sees the prompt and itself, not row 0's suffix; row 3's last sees its own
+    assert tree.allowed[0, 16].tolist() == [True] * 12 + [False] * 4 + [True] + [False] * 3
+    assert tree.allowed[0, 19].tolist() == [True] * 12 + [False] * 5 + [True] * 3
+    # a padding query sees the prompt only; no query sees padding
+    assert tree.allowed[1, 18].tolist() == [True] * 9 + [False] * 11 and not tree.allowed[1, :, 17:].any()
+    assert shared_prefix.plan(seqs, packed=True).positions() == 40
+    assert processed_tokens(spread_llama(), seqs) == 40  # a CPU with sdpa attention: packed
+
+
+def test_a_packed_mask_over_the_limit_runs_two_calls(monkeypatch):
+    monkeypatch.setattr(shared_prefix, "TREE_MASK_LIMIT", 2 * 20 * 20 - 1)
+    assert shared_prefix.plan(grouped_seqs(True), packed=True).tree is None
 
 
 def common_start_pairs(share: bool):
@@ -84,14 +113,15 @@ def common_start_pairs(share: bool):
     return replace(make_seqs(prompts + prompts, chosen + rejected, pad_id=0), share_prefix=share)
 
 
-def test_pairs_that_begin_alike_share_their_common_tokens():
+def test_pairs_that_begin_alike_share_their_common_tokens(layout):
     seqs = common_start_pairs(True)
-    plan = shared_prefix.plan(seqs)
+    plan = shared_prefix.plan(seqs, packed=False)
     # pair 0: 12 prompt + 3 common tokens; pair 1: 10 + 2 tokens less the shorter row's last
     assert plan.group.tolist() == [0, 1, 0, 1] and plan.start.tolist() == [15, 11, 15, 11]
     assert plan.suffix_mask.sum(1).tolist() == [2, 2, 1, 1]
     assert plan.positions() == 2 * 15 + 4 * 2
-    model = spread_llama(dtype=torch.float64)
+    assert shared_prefix.plan(seqs, packed=True).positions() == 2 * (15 + 2 + 1)
+    model = model_for(layout, dtype=torch.float64)
     shared = values_and_grads(token_logps, model, seqs)
     assert_same(shared, values_and_grads(token_logps, model, common_start_pairs(False)))
     logps, _ = shared
@@ -101,21 +131,22 @@ def test_pairs_that_begin_alike_share_their_common_tokens():
 
 def test_no_repeated_prompt_no_plan():
     seqs = make_seqs([[1, 2, 3], [4, 5, 6]], [[7, 8], [9]], pad_id=0)
-    assert shared_prefix.plan(seqs) is None
+    assert shared_prefix.plan(seqs, packed=True) is None
     # a row without a completion token: the padded path
     seqs = make_seqs([[1, 2, 3], [1, 2, 3]], [[7, 8], []], pad_id=0)
-    assert shared_prefix.plan(seqs) is None
+    assert shared_prefix.plan(seqs, packed=True) is None
 
 
 def test_a_share_that_does_not_pay_runs_padded():
-    # a 1-token prefix shared by rows with long completions: 2 x 1 + 2 x 9 = 20 > 0.75 x 2 x 10 = 15
+    # a 1-token prefix shared by rows with long completions: 2 x 1 + 2 x 9 = 20 > 0.75 x 2 x 10 = 15 (two calls),
+    # 1 + 9 + 9 = 19 (packed)
     seqs = make_seqs([[5, 6], [5, 6]], [list(range(1, 9)), list(range(11, 19))], pad_id=0)
-    assert shared_prefix.plan(seqs) is None
+    assert shared_prefix.plan(seqs, packed=False) is None and shared_prefix.plan(seqs, packed=True) is None
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_shared_matches_padded_values_and_gradients(tie):
-    model = spread_llama(tie=tie, dtype=torch.float64)
+def test_shared_matches_padded_values_and_gradients(tie, layout):
+    model = model_for(layout, tie=tie, dtype=torch.float64)
     shared = values_and_grads(lambda m, s: token_logps(m, s, chunk_size=3), model, grouped_seqs(True))
     padded = values_and_grads(lambda m, s: token_logps(m, s, chunk_size=3), model, grouped_seqs(False))
     assert_same(shared, padded)
@@ -123,12 +154,12 @@ def test_shared_matches_padded_values_and_gradients(tie):
     assert int((logps != 0).sum()) == 4 + 6 + 1 + 3 + 2  # one log-prob per completion token
 
 
-def test_pairs_and_no_grad():
+def test_pairs_and_no_grad(layout):
     """DPO's layout: B chosen then B rejected, each pair on one prompt; the reference's forward runs no-grad."""
-    model = spread_llama(dtype=torch.float64)
+    model = model_for(layout, dtype=torch.float64)
     prompts = [list(range(3, 15)), list(range(15, 25))]
     seqs = make_seqs(prompts + prompts, [[20, 21, 22], [23], [24, 25], [26, 27, 28, 29]], pad_id=0)
-    assert shared_prefix.plan(seqs).group.tolist() == [0, 1, 0, 1]
+    assert shared_prefix.plan(seqs, packed=True).group.tolist() == [0, 1, 0, 1]
     with torch.no_grad():
         a = token_logps(model, replace(seqs, share_prefix=True))
         b = token_logps(model, seqs)
@@ -137,10 +168,10 @@ def test_pairs_and_no_grad():
                 values_and_grads(token_logps, model, seqs))
 
 
-def test_lora_model_matches_padded():
+def test_lora_model_matches_padded(layout):
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(spread_llama(dtype=torch.float64),
+    model = get_peft_model(model_for(layout, dtype=torch.float64),
                            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     assert_same(values_and_grads(token_logps, model, grouped_seqs(True)),
                 values_and_grads(token_logps, model, grouped_seqs(False)))
@@ -200,6 +231,7 @@ def test_a_decoder_that_takes_no_cache_runs_padded():
     with torch.no_grad():
         expected = token_logps(model, replace(seqs, share_prefix=False))
         model.get_decoder = lambda: NoCache()
-        assert shared_prefix.hidden_at(None, model.get_decoder(), shared_prefix.plan(seqs), None, None) is None
+        assert shared_prefix.hidden_at(None, model.get_decoder(), shared_prefix.plan(seqs, packed=True), None,
+                                        None) is None
         assert close(token_logps(model, seqs), expected)
     assert processed_tokens(model, seqs) == seqs.input_ids.numel()  # the padded batch's positions
