@@ -465,10 +465,11 @@ class TrainConfig:
                                 "single process or DDP, full fine-tuning")
     packing: bool = knob(False, "each micro-batch's sequences as one padding-free row (position ids reset per "
                                 "sequence)")
-    shared_prefix: bool = knob(True, "unpacked: rows that share a prompt (a GRPO group, a DPO pair) run it once, its "
-                                     "keys and values reused by each completion: the same log-probs up to rounding, "
-                                     "fewer positions; padded where it does not pay, with gradient checkpointing, or "
-                                     "under FSDP")
+    shared_prefix: bool = knob(True, "unpacked: rows that share a prompt (a GRPO group, a DPO pair) run it once "
+                                     "(on a CPU one row per prompt, its completions packed after it under a 4D "
+                                     "mask; elsewhere its keys and values reused by each completion): the same "
+                                     "log-probs up to rounding, fewer positions; padded where it does not pay, with "
+                                     "gradient checkpointing, or under FSDP")
     length_bucketing: bool = knob(True, "unpacked: micro-batches of similar lengths (sorted within each rank's share)")
     reference_cache: bool = knob(True, "fixed reference (plain offline): each sequence's reference log-probs computed "
                                        "once")
