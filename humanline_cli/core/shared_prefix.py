@@ -142,24 +142,25 @@ def plan(seqs: Seqs, packed: bool) -> Plan | None:
     tree = None
     if packed:
         lengths = [ends[rows[0]] for rows in members.values()]  # each packed row's fill: its prefix first
-        at = []
+        offsets = []  # where each row's suffix starts in its packed row
         for i, g in enumerate(group):
-            at.append(lengths[g])
+            offsets.append(lengths[g])
             lengths[g] += suffix[i]
         if u * max(lengths) ** 2 <= TREE_MASK_LIMIT:
-            tree = _tree(seqs, group, ends, suffix, at, max(lengths))
+            tree = _tree(ids, group, ends, suffix, offsets, max(lengths), device)
     made = Plan(prefix_ids, prefix_mask, group_t, start, suffix_ids, suffix_mask.long(), tree)
     return made if made.positions() <= MAX_SHARE * n * t else None
 
 
-def _tree(seqs: Seqs, group: list[int], ends: list[int], suffix: list[int], at: list[int], width: int) -> Tree:
-    """The packed rows: a prefix's tokens from its first row (segment 0), then each row's suffix (segment i + 1);
-    a query attends causally within its segment and to its prefix's segment, never to padding (segment -1)."""
+def _tree(source: torch.Tensor, group: list[int], ends: list[int], suffix: list[int], at: list[int], width: int,
+          device: torch.device) -> Tree:
+    """The packed rows from the batch's ids on the host (`source`): a prefix's tokens from its first row (segment 0),
+    then each row's suffix (segment i + 1); a query attends causally within its segment and to its prefix's segment,
+    never to padding (segment -1)."""
     u = max(group) + 1
-    ids = torch.zeros(u, width, dtype=seqs.input_ids.dtype)
+    ids = torch.zeros(u, width, dtype=source.dtype)
     positions = torch.zeros(u, width, dtype=torch.long)
     segment = torch.full((u, width), -1, dtype=torch.long)
-    source = seqs.input_ids.cpu()
     seen = set()
     for i, g in enumerate(group):
         if g not in seen:
@@ -174,7 +175,6 @@ def _tree(seqs: Seqs, group: list[int], ends: list[int], suffix: list[int], at: 
     q, k = segment.unsqueeze(2), segment.unsqueeze(1)
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     allowed = causal & (k >= 0) & ((k == 0) | (k == q))  # every query sees key 0 (a prefix token): no empty row
-    device = seqs.input_ids.device
     return Tree(ids.to(device), positions.to(device), allowed.to(device), torch.tensor(at, device=device))
 
 

@@ -1,5 +1,5 @@
-"""The CLI keeps freed memory in the process (cli/allocator.py): a large tensor freed and allocated again reuses
-its pages, which the kernel's page-fault count shows; a user's own malloc settings win."""
+"""The CLI keeps freed memory in the process (memory.keep_freed_memory): a large tensor freed and allocated again
+reuses its pages, which the kernel's page-fault count shows; a user's own malloc settings win."""
 import json
 import os
 import subprocess
