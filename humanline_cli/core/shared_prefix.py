@@ -39,8 +39,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from humanline_cli.core.batches import Seqs
 
 # The shared path runs when its positions (Plan.positions) are at most this share of the padded batch's (N x T):
-# above that its decoder calls cost more than the positions they save.
+# above that its decoder calls cost more than the positions they save. The packed row is one decoder call, like
+# the padded batch, so it pays wherever it saves positions at all; the two calls pay from a quarter saved.
 MAX_SHARE = 0.75
+MAX_SHARE_PACKED = 0.95
 
 # The packed layout's mask is (U, R, R) booleans (float for eager attention): above this many elements (a long
 # DPO pair on a CPU) the two-call layout runs instead.
@@ -97,7 +99,7 @@ def packs(decoder: torch.nn.Module, device: torch.device) -> bool:
 def plan(seqs: Seqs, packed: bool) -> Plan | None:
     """The shared layout of `seqs`, packed where `packed` asks and its mask fits TREE_MASK_LIMIT, or None where it
     does not pay (no prompt repeats, a row without completion tokens or without a prefix, or more than MAX_SHARE
-    of the padded positions)."""
+    of the padded positions: MAX_SHARE_PACKED packed)."""
     loss = seqs.loss_mask[:, 1:]
     n, t = seqs.input_ids.shape
     if n < 2 or not bool(loss.any(1).all()):
@@ -149,7 +151,7 @@ def plan(seqs: Seqs, packed: bool) -> Plan | None:
         if u * max(lengths) ** 2 <= TREE_MASK_LIMIT:
             tree = _tree(ids, group, ends, suffix, offsets, max(lengths), device)
     made = Plan(prefix_ids, prefix_mask, group_t, start, suffix_ids, suffix_mask.long(), tree)
-    return made if made.positions() <= MAX_SHARE * n * t else None
+    return made if made.positions() <= (MAX_SHARE_PACKED if tree is not None else MAX_SHARE) * n * t else None
 
 
 def _tree(source: torch.Tensor, group: list[int], ends: list[int], suffix: list[int], at: list[int], width: int,

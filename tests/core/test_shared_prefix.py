@@ -138,10 +138,14 @@ def test_no_repeated_prompt_no_plan():
 
 
 def test_a_share_that_does_not_pay_runs_padded():
-    # a 1-token prefix shared by rows with long completions: 2 x 1 + 2 x 9 = 20 > 0.75 x 2 x 10 = 15 (two calls),
-    # 1 + 9 + 9 = 19 (packed)
+    # a 2-token prompt shared by rows with long completions. The two calls need a quarter of the padded positions
+    # saved: 2 x 2 + 2 x 8 = 20 > 0.75 x 2 x 10 = 15. The packed row is one call, like the padded batch: 5% saved
+    # is enough, 2 + 8 + 8 = 18 <= 0.95 x 20
     seqs = make_seqs([[5, 6], [5, 6]], [list(range(1, 9)), list(range(11, 19))], pad_id=0)
-    assert shared_prefix.plan(seqs, packed=False) is None and shared_prefix.plan(seqs, packed=True) is None
+    assert shared_prefix.plan(seqs, packed=False) is None and shared_prefix.plan(seqs, packed=True).positions() == 18
+    # completions of 19 tokens: 2 + 19 + 19 = 40 > 0.95 x 2 x 21 = 39.9
+    seqs = make_seqs([[5, 6], [5, 6]], [list(range(1, 20)), list(range(21, 40))], pad_id=0)
+    assert shared_prefix.plan(seqs, packed=True) is None
 
 
 @pytest.mark.parametrize("tie", [False, True])
