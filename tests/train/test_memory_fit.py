@@ -156,6 +156,28 @@ def test_a_vllm_cpu_engine_takes_its_share_of_the_host(model_dir, monkeypatch):
     assert device_memory(_spec(model_dir, "data=online", "sampler=hf"), cpu, 1000) == (5 * GB, 0.0)
 
 
+def test_a_vllm_cpu_engine_counts_the_cache_its_largest_call_needs(model_dir, monkeypatch):
+    """The estimate's engine holds the KV cache the sampler sizes (sampling/kv_space.py): the larger of an online
+    round (2 prompts x 4 samples) and the evaluation's one call (6 prompts), 8 sequences at max_model_len (64 tokens,
+    2 blocks of 32), plus the block vLLM keeps empty; a token holds keys and values of 2 layers x 2 heads of 32 fp32.
+    The user's VLLM_CPU_KVCACHE_SPACE wins, and a call whose size only the data knows takes the cap."""
+    from transformers import AutoConfig
+
+    from humanline_cli.train.build import VLLM_CPU_RUNTIME, _vllm_cpu_bytes, engine_call_sequences
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    config = AutoConfig.from_pretrained(model_dir)
+    spec = _spec(model_dir, "data=online", "sampler=vllm", "data.prompts_per_round=2", "data.n=4", "eval.n_prompts=6")
+    assert spec.sampler_cfg.max_model_len == 64 and engine_call_sequences(spec) == 8
+    token = 2 * 2 * 2 * 32 * 4
+    assert _vllm_cpu_bytes(spec, 1000, config) == (8 * 2 + 1) * 32 * token + 4 * 1000 + VLLM_CPU_RUNTIME
+    every_prompt = _spec(model_dir, "data=online", "sampler=vllm", "eval.n_prompts=null")
+    assert engine_call_sequences(every_prompt) is None
+    assert _vllm_cpu_bytes(every_prompt, 1000, config) == 1 * GB + 4 * 1000 + VLLM_CPU_RUNTIME
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert _vllm_cpu_bytes(spec, 1000, config) == 2 * GB + 4 * 1000 + VLLM_CPU_RUNTIME
+
+
 def test_the_readme_real_model_command_with_a_micro_batch_too_large_is_refused(smollm2, tmp_path):
     """The README's SmolLM2 command with train.micro_batch_size=256 train.batch_size=256 (2,048 sequences of 128
     tokens in one micro-batch, about 315 GiB): one line, exit 2, before any weight loads or any round is sampled."""
