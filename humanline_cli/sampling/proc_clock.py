@@ -40,21 +40,3 @@ def page_faults() -> int:
         return 0
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
-
-def keep_freed_memory() -> bool:
-    """glibc only: keep freed heap memory for reuse instead of giving it back to the kernel at once.
-
-    A process that only samples (the asynchronous sampler) allocates and frees the same large buffers
-    (KV cache, logits) every round; with glibc's defaults it returned them to the kernel after each round
-    and faulted ~30,000 fresh pages back in the next (measured: +0.03-0.07 s of system time and ~25% more
-    CPU per round than the same sampling inside the trainer, whose training allocations keep the heap
-    large). Allocations up to 32 MiB (glibc's largest mmap threshold) come from the heap, and the heap is
-    not trimmed below 1 GiB of free top. Returns whether glibc took both settings."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-        return bool(libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
-    except (OSError, AttributeError):
-        return False

@@ -32,7 +32,8 @@ import torch
 
 from humanline_cli.core.interfaces import Completions, SamplingParams
 from humanline_cli.errors import RunFailed, ignore_ctrl_c
-from humanline_cli.sampling.proc_clock import cpu_s, keep_freed_memory, page_faults, run_queue_s
+from humanline_cli.memory import keep_freed_memory
+from humanline_cli.sampling.proc_clock import cpu_s, page_faults, run_queue_s
 
 START_TIMEOUT_S = 600.0  # the child's start (imports, model load) may take minutes for a large model
 # tests only: "kill@R" / "raise@R" / "hang@R" in the child at round R (every rank's child), or "kill@R:K" etc.:
