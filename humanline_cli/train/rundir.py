@@ -53,10 +53,44 @@ def _show(value) -> str:
 
 
 def config_diff(old: dict, new: dict) -> list[str]:
-    """'key: old -> new' for every dotted key whose value differs (ignored keys left out), sorted."""
-    a, b = _flat(comparable(old)), _flat(comparable(new))
+    """'key: old -> new' for every dotted key whose value differs (ignored keys left out), sorted. A key one side
+    lacks counts at its schema default: a run saved before the key existed ran as its default runs."""
+    a, b = _flat(comparable(with_defaults(old))), _flat(comparable(with_defaults(new)))
     return [f"{k}: {_show(a.get(k, _UNSET))} -> {_show(b.get(k, _UNSET))}"
             for k in sorted(a.keys() | b.keys()) if a.get(k, _UNSET) != b.get(k, _UNSET)]
+
+
+def new_keys(old: dict, new: dict) -> list[str]:
+    """The dotted keys `new` has and the saved `old` lacks (ignored keys left out), sorted."""
+    a, b = _flat(comparable(old)), _flat(comparable(new))
+    return sorted(k for k in b.keys() - a.keys() if not any(o.startswith(k + ".") for o in a))
+
+
+def with_defaults(config: dict) -> dict:
+    """The config with each schema key it lacks at the default of its group's schema; as it is where it no longer
+    types (a group or an option since removed), so that every difference still shows."""
+    from omegaconf import OmegaConf
+
+    from humanline_cli.config import typed
+    from humanline_cli.errors import UserError
+
+    try:
+        groups = typed(config)
+    except UserError:
+        return config
+    full = {name: OmegaConf.to_container(OmegaConf.structured(getattr(groups, name)), enum_to_str=True)
+            for name in ("objective", "data", "task", "model", "backend", "sampler", "reward", "judge")}
+    root = OmegaConf.to_container(OmegaConf.structured(groups.root), enum_to_str=True)
+    full.update({k: v for k, v in root.items() if k not in full})
+    return _merged(full, config)
+
+
+def _merged(base: dict, top: dict) -> dict:
+    """`top` over `base`, mapping by mapping."""
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
 
 
 def _read_json(path: Path):
@@ -66,8 +100,9 @@ def _read_json(path: Path):
         return None
 
 
-def _conflict(run_dir: Path, config: dict) -> None:
-    """Raise RunDirConflict if the run dir's saved config differs from `config`."""
+def _conflict(run_dir: Path, config: dict, say=None) -> None:
+    """Raise RunDirConflict if the run dir's saved config differs from `config`; `say` names the keys the saved
+    config lacks and takes at their defaults."""
     prev = _read_json(run_dir / RESOLVED)
     if prev is None:
         if _read_json(run_dir / "summary.json") is None:
@@ -79,6 +114,9 @@ def _conflict(run_dir: Path, config: dict) -> None:
         more = f" and {len(diff) - 3} more" if len(diff) > 3 else ""
         raise RunDirConflict(f"{run_dir} holds a run with another config ({'; '.join(diff[:3])}{more}); "
                              f"resume=false starts over (moves its outputs to previous-<n>/)")
+    added = new_keys(prev, config)
+    if added and say is not None:
+        say(f"{run_dir} holds a run made before {', '.join(added)} existed: resuming it with their defaults")
 
 
 def is_complete(run_dir: Path, config: dict, resume: bool) -> bool:
@@ -137,7 +175,7 @@ def prepare_run_dir(run_dir: Path, config: dict, resume: bool, say=_warn) -> int
         say(f"{run_dir} held a failed run of another config with no checkpoint: starting over "
             f"(its outputs moved to {dest.name}/)")  # failed.json was there: dest is never None
     elif resume:
-        _conflict(run_dir, config)
+        _conflict(run_dir, config, say)
         ckpts = Checkpoints(run_dir, 0)
         for tmp in ckpts.root.glob(".tmp-step_*") if ckpts.root.is_dir() else ():
             shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint the killed run did not finish

@@ -183,6 +183,38 @@ def test_config_diff_names_keys_and_ignores_the_harmless_ones():
     assert R.config_diff(old, new) == ["hl.clamp: true -> false", "train.lr: 1e-05 -> 0.0001"]
 
 
+def test_a_run_saved_before_a_key_existed_resumes_with_the_keys_default(tmp_path):
+    """A run dir saved by an older humanline lacks the keys added since; each counts at its schema default (the
+    behaviour the older code had), named in one line, and only a value away from that default is another config."""
+    import copy
+
+    from humanline_cli.config import compose_train, resolve
+    from humanline_cli.errors import RunDirConflict
+    from humanline_cli.train.tracking import scrub
+
+    config = resolve(compose_train([*BASE, "sampler=vllm"])).config
+    old = copy.deepcopy(config)
+    del old["train"]["shared_prefix"], old["train"]["compile"], old["sampler"]["block_size"]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / R.RESOLVED).write_text(json.dumps(old))
+    assert R.config_diff(old, config) == []
+    said = []
+    assert R.prepare_run_dir(run, config, resume=True, say=said.append) == 0
+    assert said == [f"{run} holds a run made before sampler.block_size, train.compile, train.shared_prefix existed: "
+                    f"resuming it with their defaults"]
+    assert json.loads((run / R.RESOLVED).read_text()) == json.loads(json.dumps(scrub(config)))
+
+    (run / R.RESOLVED).write_text(json.dumps(old))
+    compiled = copy.deepcopy(config)
+    compiled["train"]["compile"] = True
+    with pytest.raises(RunDirConflict, match=r"another config \(train\.compile: false -> true\)"):
+        R.prepare_run_dir(run, compiled, resume=True, say=said.append)
+    assert len(said) == 1 and json.loads((run / R.RESOLVED).read_text()) == old  # refused: nothing written
+    old["train"]["lr"] = 0.5  # a saved key that differs is shown as before
+    assert R.config_diff(old, config) == ["train.lr: 0.5 -> 0.001"]
+
+
 def test_wandb_continues_the_same_run(tmp_path):
     first = Tracker(tmp_path, {"seed": 0}, {"mode": "offline"}, "t")
     run_id = (tmp_path / "wandb_id.txt").read_text().strip()
