@@ -1,6 +1,7 @@
-"""Device, precision and seeding. CUDA runs keep fp32 master weights under bf16 autocast; under FSDP2,
-bf16 is FSDP's own mixed precision instead (bf16 weights gathered for forward/backward, gradients
-reduced in fp32 into fp32 sharded master weights; no autocast)."""
+"""Device, precision and seeding. bf16 runs keep fp32 master weights and AdamW under bf16 autocast (CUDA, and
+CPUs that compute bf16 fast: precision_probe.py); under FSDP2, bf16 is FSDP's own mixed precision instead (the
+decoder layers' bf16 weights gathered for forward/backward, gradients reduced in fp32 into fp32 sharded master
+weights; no autocast). Either way the LM head and log-softmax run in fp32 (core/logprobs.head_logits)."""
 from __future__ import annotations
 
 import contextlib
@@ -33,6 +34,7 @@ class Backend:
     # the dtype the policy is loaded and trained in (master weights, AdamW): float64 for precision=fp64
     # (numerical checks: two computations equal in exact arithmetic agree to ~1e-9), else float32
     weights_dtype: torch.dtype = torch.float32
+    why: str = ""  # why this precision, where it was measured (backend.precision=auto on CPU)
 
     def autocast(self):
         if self.autocast_dtype is None:
@@ -45,12 +47,14 @@ class Backend:
         if self.param_dtype is not None:
             prec = (f"FSDP2 mixed precision: {str(self.param_dtype).removeprefix('torch.')} compute, "
                     f"fp32 master weights, gradient reduce and AdamW")
-        return f"{self.device.type} ({prec}, {torch.get_num_threads()} CPU threads)"
+        why = f"; {self.why}" if self.why else ""
+        return f"{self.device.type} ({prec}, {torch.get_num_threads()} CPU threads{why})"
 
 
 def make_backend(device: str, precision: str, threads: int | None = None, strategy: str = "single") -> Backend:
     """`strategy` is the one the job really runs (fsdp only with 2+ ranks): bf16 under FSDP2 is its
-    mixed-precision policy (on CPU too: gloo all-gathers bf16), elsewhere autocast (CUDA only)."""
+    mixed-precision policy (on CPU too: gloo all-gathers bf16), elsewhere autocast. `precision` auto: bf16 on
+    CUDA, fp32 on CPU here; a run resolves auto on CPU by measuring first (precision_probe.resolve)."""
     if threads:
         set_torch_threads(threads)
     if device == "auto":
@@ -61,11 +65,9 @@ def make_backend(device: str, precision: str, threads: int | None = None, strate
         precision = "bf16" if device.startswith("cuda") else "fp32"
     if precision == "bf16" and strategy == "fsdp":
         return Backend(torch.device(device), None, torch.bfloat16)
-    if precision == "bf16" and device == "cpu":
-        raise UserError("backend.precision=bf16 is only supported on cuda here, or on cpu under FSDP2 "
-                        "(backend.strategy=fsdp backend.nproc>=2); use fp32 on cpu")
     if precision == "fp64":  # float64 end to end: rounding ~1e-16, so equal-in-exact-arithmetic runs agree to ~1e-9
         return Backend(torch.device(device), None, weights_dtype=torch.float64)
+    # bf16 on CPU: autocast as on CUDA (oneDNN's AMX / AVX512-BF16 kernels; fp32 master weights and AdamW)
     return Backend(torch.device(device), torch.bfloat16 if precision == "bf16" else None)
 
 
@@ -219,19 +221,30 @@ def wrap_policy(policy: torch.nn.Module, strategy: str, dist: Dist, device: torc
 
 
 def shard_model(model: torch.nn.Module, param_dtype: torch.dtype | None = None) -> None:
-    """FSDP2: one shard group per decoder layer, then the root (embeddings, norm, head).
+    """FSDP2: one shard group per decoder layer, then the root (embeddings, final norm, head).
 
-    With `param_dtype` (bf16): MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32): each layer's
-    weights are all-gathered in bf16 (half the traffic and memory of fp32) and its gradients
-    reduce-scattered in fp32 into the fp32 shards that AdamW updates. A model whose own weights are
-    already bf16 (the frozen reference) needs no policy: it is sharded as it is."""
+    With `param_dtype` (bf16): MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32) on each decoder layer: its
+    weights are all-gathered in bf16 (half the traffic and memory of fp32), its inputs cast to bf16, and its
+    gradients reduce-scattered in fp32 into the fp32 shards that AdamW updates. The root keeps its weights'
+    own precision (no policy): the head and log-softmax compute in fp32, so log-ratios are not quantised by
+    bf16 logits (core/logprobs.head_logits). The frozen reference (bf16 layers, fp32 root: cast_layers) takes
+    the same policies, which cast its layers' inputs as the policy's."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     kwargs = {"mp_policy": mp} if mp is not None else {}
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    fully_shard(model)
+
+
+def cast_layers(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The decoder layers' parameters to `dtype` (a frozen bf16 reference under FSDP2: half the memory of fp32,
+    and the bf16 weights FSDP gathers for the policy's layers); the root's (embeddings, final norm, head) keep
+    theirs, so the reference's head computes in the policy's precision. Buffers (RoPE's inv_freq) stay."""
+    for layer in decoder_layers(model):
+        for param in layer.parameters():
+            param.data = param.data.to(dtype)
 
 
 def decoder_layers(model: torch.nn.Module) -> list:

@@ -58,8 +58,8 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
 
     input_ids/attention_mask (N, T) -> hidden states (N, T, H) from `model.get_decoder()` -> the M
     positions with completion_mask 1 -> `model.get_output_embeddings()` on chunks of `chunk_size`
-    of them (default: LOGITS_PER_CHUNK // vocab), logits cast to float32 per chunk (bf16 autocast
-    included) and divided by T = seqs.temperature, log p = logit[target] / T - logsumexp(logits / T).
+    of them (default: LOGITS_PER_CHUNK // vocab), the head run in float32 (autocast off: head_logits), the
+    logits divided by T = seqs.temperature, log p = logit[target] / T - logsumexp(logits / T).
     With grad enabled and more than one chunk, each chunk is checkpointed, so the backward recomputes one
     chunk's logits at a time (one extra head matmul, no (N, T, V) buffer). The decoder and head are called as
     modules, so hooks on them (LoRA layers, a wrapper's forward hooks on lm_head) fire as in `model(...)`.
@@ -304,8 +304,21 @@ def _chunk_logps(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor,
                  temperature: float = 1.0) -> torch.Tensor:
     """(C, H) hidden states, (C,) targets -> (C,) float32 log-probs (float64 for a float64 model) of
     softmax(logits / temperature)."""
-    logits = _tempered(_at_least_fp32(head(h)), temperature)
+    logits = _tempered(_at_least_fp32(head_logits(head, h)), temperature)
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def head_logits(head: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The LM head on (C, H) hidden states in its weights' precision, autocast off: float32 logits from float32
+    master weights under bf16 autocast (CPU or CUDA) and under FSDP2 mixed precision (whose root, holding the
+    head, is gathered in float32: backend.shard_model). A bf16 logit moves in steps of 0.06-0.25 nats, so bf16
+    logits would quantise every log-ratio and push a PPO ratio outside [0.8, 1.2] by rounding alone; the head
+    is ~1/16 of an 8B model's matmul FLOPs. A 16-bit head (a LoRA run's frozen bf16 base) runs as it is."""
+    weight = getattr(head, "weight", None)
+    if weight is None or weight.dtype not in (torch.float32, torch.float64):
+        return head(h)
+    with torch.autocast(h.device.type, enabled=False):
+        return head(h.to(weight.dtype))  # bf16 hidden states (FSDP2 layers, a bf16 final norm) -> the head's dtype
 
 
 def _full_logits_token_logps(model: torch.nn.Module, seqs: Seqs) -> torch.Tensor:

@@ -283,14 +283,17 @@ def reference_moves(humanline: HumanlineSpec, regime: str) -> bool:
 
 
 def build_reference(policy: torch.nn.Module, *, lora: bool, moving: bool, cache: bool,
-                    shard: Callable[[torch.nn.Module], None] | None = None, dtype: torch.dtype | None = None,
+                    shard: Callable[[torch.nn.Module], None] | None = None,
+                    cast: Callable[[torch.nn.Module], None] | None = None,
                     agree: Callable[[bool], bool] | None = None, built: torch.nn.Module | None = None) -> Reference:
     """The run's reference, from the unwrapped, unsharded policy (a peft model when `lora`):
     - LoRA: the base model with adapters disabled (fixed) or a second "reference" adapter (`moving`);
-    - else a frozen copy, cast to `dtype` (bf16 under FSDP2: it never gets gradients or AdamW, so no fp32
-      master copy; buffers such as RoPE's inv_freq stay fp32, as the policy's do) and sharded with
-      `shard` as the policy is, so the sync copies (and casts) each rank's local shards; `built`: that
-      copy already made, cast and sharded (sharded loading: train/sharded_load.py);
+    - else a frozen copy, `cast` in place (backend.cast_layers under FSDP2 bf16: the decoder layers in bf16, as
+      it never gets gradients or AdamW; the root, holding the head, stays fp32 as the policy's computes; buffers
+      such as RoPE's inv_freq stay fp32) and sharded with `shard` as the policy is (the same mixed-precision
+      policies: both forwards compute alike, so a sync makes every log-ratio exactly 0), so the sync copies
+      (and casts) each rank's local shards; `built`: that copy already made, cast and sharded (sharded
+      loading: train/sharded_load.py);
     - `cache` and not `moving` (plain offline): each sequence's log-probs computed once (`agree`: under
       FSDP the forward all-gathers shards, so every rank skips it or none does)."""
     if lora:
@@ -299,9 +302,8 @@ def build_reference(policy: torch.nn.Module, *, lora: bool, moving: bool, cache:
         reference = FrozenCopy(policy, built)
     else:
         reference = FrozenCopy(policy)
-        if dtype is not None:
-            for param in reference.model.parameters():
-                param.data = param.data.to(dtype)
+        if cast is not None:
+            cast(reference.model)
         if shard is not None:
             shard(reference.model)
     return CachedReference(reference, agree=agree) if cache and not moving else reference

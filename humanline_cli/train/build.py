@@ -22,6 +22,7 @@ from humanline_cli.backend import (
     Backend,
     Dist,
     all_agree,
+    cast_layers,
     init_distributed,
     make_backend,
     seed_everything,
@@ -672,11 +673,14 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         policy = apply_lora(policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
     fsdp_full = strategy == "fsdp" and lora.r == 0
     reference = build_reference(policy, lora=lora.r > 0, moving=reference_moves(spec.humanline, spec.regime),
-                                cache=spec.train.reference_cache, shard=shard_model if fsdp_full else None,
-                                dtype=backend.param_dtype if fsdp_full else None,
+                                cache=spec.train.reference_cache,
+                                shard=(lambda m: shard_model(m, backend.param_dtype)) if fsdp_full else None,
+                                cast=(lambda m: cast_layers(m, backend.param_dtype))
+                                if fsdp_full and backend.param_dtype else None,
                                 agree=(lambda f: all_agree(f, dist)) if strategy == "fsdp" else None,
                                 built=sharded_reference(policy, backend.param_dtype or backend.weights_dtype,
-                                                        backend.device, shard_model) if sharded else None)
+                                                        backend.device, lambda m: shard_model(m, backend.param_dtype))
+                                if sharded else None)
     if spec.train.compile:  # after the reference's copy: each model's decoder gets its own compiled wrapper
         for m in (policy, getattr(reference, "model", None)):
             if m is not None and not compile_decoder(m):

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 
 import torch
 
+from humanline_cli.backend import cast_layers
 from humanline_cli.errors import UserError
 
 
@@ -207,10 +208,13 @@ def load_policy_sharded(path: str, device: torch.device, dtype: torch.dtype,
 
 def sharded_reference(policy: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                       shard: Callable[[torch.nn.Module], None]) -> torch.nn.Module:
-    """A frozen copy of a sharded policy, built sharded (never whole): its shards copied from the policy's."""
+    """A frozen copy of a sharded policy, built sharded (never whole): its shards copied from the policy's. Its
+    decoder layers in `dtype` (bf16 under FSDP2 mixed precision), the root (embeddings, final norm, head) in
+    the policy's own precision, as the policy's root computes (backend.cast_layers)."""
     from humanline_cli.core.humanline import sync_reference
 
-    reference = build_sharded(policy.config, dtype, device, shard)
+    root_dtype = policy.get_input_embeddings().weight.dtype
+    reference = build_sharded(policy.config, root_dtype, device, shard, prepare=lambda m: cast_layers(m, dtype))
     reference.eval().requires_grad_(False)
     with torch.no_grad():
         sync_reference(policy, reference)
