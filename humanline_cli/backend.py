@@ -1,5 +1,5 @@
 """Device, precision and seeding. bf16 runs keep fp32 master weights and AdamW under bf16 autocast (CUDA, and
-CPUs that compute bf16 fast: precision_probe.py); under FSDP2, bf16 is FSDP's own mixed precision instead (the
+CPUs that compute bf16 fast: precision.py); under FSDP2, bf16 is FSDP's own mixed precision instead (the
 decoder layers' bf16 weights gathered for forward/backward, gradients reduced in fp32 into fp32 sharded master
 weights; no autocast). Either way the LM head and log-softmax run in fp32 (core/logprobs.head_logits)."""
 from __future__ import annotations
@@ -53,15 +53,16 @@ class Backend:
 
 def make_backend(device: str, precision: str, threads: int | None = None, strategy: str = "single") -> Backend:
     """`strategy` is the one the job really runs (fsdp only with 2+ ranks): bf16 under FSDP2 is its
-    mixed-precision policy (on CPU too: gloo all-gathers bf16), elsewhere autocast. `precision` auto: bf16 on
-    CUDA, fp32 on CPU here; a run resolves auto on CPU by measuring first (precision_probe.resolve)."""
+    mixed-precision policy (on CPU too: gloo all-gathers bf16), elsewhere autocast. `precision` auto (and
+    measured, which `humanline train` resolves on CPU by measuring first: precision.choose): bf16 on CUDA, fp32
+    on CPU."""
     if threads:
         set_torch_threads(threads)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("backend=cuda but torch sees no CUDA device (use backend=cpu or backend=auto)")
-    if precision == "auto":
+    if precision in ("auto", "measured"):
         precision = "bf16" if device.startswith("cuda") else "fp32"
     if precision == "bf16" and strategy == "fsdp":
         return Backend(torch.device(device), None, torch.bfloat16)

@@ -55,6 +55,7 @@ class Device(StrEnum):
 
 class Precision(StrEnum):
     auto = "auto"
+    measured = "measured"  # auto, except on CPU: bf16 where a GEMM probe finds it fast (precision.py)
     fp32 = "fp32"
     bf16 = "bf16"
     fp64 = "fp64"  # float64 weights and compute: numerical checks (two ways equal in exact arithmetic)
@@ -348,9 +349,13 @@ class ModelConfig:
 class BackendConfig:
     name: str = knob(MISSING, "the backend option's name")
     device: Device = knob(Device.auto, "auto (cuda when available) | cpu | cuda")
-    precision: Precision = knob(Precision.auto, "auto: fp32 on CPU, bf16 on CUDA (fp32 master weights + bf16 "
-                                                "autocast, or FSDP2 mixed precision under fsdp) | fp32 | bf16 | fp64 "
-                                                "(float64 weights, AdamW and log-probs: numerical checks)")
+    precision: Precision = knob(Precision.auto, "auto: fp32 on CPU, bf16 on CUDA | measured: bf16 on CUDA; on "
+                                                "CPU, bf16 where a GEMM probe at the model's shapes measures bf16 >= "
+                                                "1.5x fp32 (once per machine, cached in world_cache), else fp32 | "
+                                                "fp32 | bf16 (fp32 master weights and AdamW + bf16 autocast, or "
+                                                "FSDP2 mixed precision under fsdp; the LM head and log-softmax in "
+                                                "fp32) | fp64 (float64 weights, AdamW and log-probs: numerical "
+                                                "checks)")
     strategy: Strategy = knob(Strategy.single, "single (one process) | ddp | fsdp (one rank per device; "
                                                "docs/scaling.md)")
     nproc: int = knob(1, "ranks the job starts (ddp, fsdp)")

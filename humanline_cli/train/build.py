@@ -453,7 +453,7 @@ def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int):
         return None  # load_policy reports the missing model in one line
     b = spec.backend_cfg
     fsdp = b.strategy.value == "fsdp" and b.nproc > 1
-    bf16 = b.precision.value == "bf16" or (b.precision.value == "auto" and device.type == "cuda")
+    bf16 = b.precision.value == "bf16" or (b.precision.value in ("auto", "measured") and device.type == "cuda")
     weight_bytes = 8.0 if b.precision.value == "fp64" else 4.0
     vllm = spec.regime == "online" and spec.sampler_cfg.name == "vllm"
     ev = spec.eval_cfg
@@ -619,6 +619,27 @@ def _load_policy(spec: RunSpec, model_path: str, backend: Backend, strategy: str
                        dtype=policy_load_dtype(backend, spec.model_cfg.lora.r)), False
 
 
+def resolve_precision(spec: RunSpec, backend: Backend, device: str, strategy: str) -> tuple[RunSpec, Backend]:
+    """backend.precision=measured on CPU, resolved by measuring (precision.choose: a GEMM probe at the model's shapes,
+    cached per machine in world_cache): the spec then names the precision chosen (bf16 or fp32, which the memory
+    estimate, a sampler process and the summary read) and the backend says why. Anything else: unchanged."""
+    b = spec.backend_cfg
+    if b.precision.value != "measured" or backend.device.type != "cpu":
+        return spec, backend
+    from transformers import AutoConfig
+
+    from humanline_cli.precision import choose, model_shapes
+    from humanline_cli.schema import Precision
+
+    try:
+        config = AutoConfig.from_pretrained(model_paths(spec)[0], trust_remote_code=spec.model_cfg.trust_remote_code)
+    except (OSError, ValueError):
+        config = None  # load_policy reports the missing model in one line; the probe takes a 1,024-wide model's
+    choice = choose(model_shapes(config), spec.world_cache)
+    spec = dataclasses.replace(spec, backend_cfg=dataclasses.replace(b, precision=Precision(choice.precision)))
+    return spec, dataclasses.replace(make_backend(device, choice.precision, spec.threads, strategy), why=choice.why)
+
+
 def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     b = spec.backend_cfg
     backend = make_backend(b.device.value, b.precision.value, spec.threads, b.strategy.value)
@@ -638,8 +659,11 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     if dist.is_main and loads_sharded(spec):  # a hub id's first run: sharded loading reads the cached snapshot
         with timer.phase("model"):
             fetch_snapshot(spec.model_cfg.name_or_path)
+    if dist.is_main:  # rank 0 measures (and caches) the CPU's precision first: every rank then reads one choice
+        spec, backend = resolve_precision(spec, backend, device, strategy)
     if dist.enabled and dist.is_main:
         wait_for_rank0()
+    spec, backend = resolve_precision(spec, backend, device, strategy)  # rank 0: already resolved, a no-op
     seed_everything(spec.seed)  # a world built just now drew from the RNGs: LoRA's init must not depend on it
     model_path, tok_path = model_paths(spec)
     check_model_lengths(spec, model_path)  # config.json only: before any data or weight loads
