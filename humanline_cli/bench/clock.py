@@ -48,6 +48,7 @@ class Run:
     completions: list[int] = field(default_factory=list)  # sequences per step (online GRPO rows)
     positions: list[int] = field(default_factory=list)  # decoder positions per step (the project's runs)
     cache_hit_fraction: float | None = None  # reference-cache hits over the run's steps (cached rows)
+    precision: str | None = None  # what TRL's trainer computed in (its TrainingArguments' bf16): TRL's rows
 
 
 def collect(starts: list[float], end: float, sizes: list[tuple], warmup: int) -> Run:

@@ -141,7 +141,8 @@ def project_run(spec, warmup: int, info: dict, prefill: bool = False) -> Run:
         return run
 
 
-def summarise(name: str, runs: list[Run], matmul_params: int, peak: float) -> dict:
+def summarise(name: str, runs: list[Run], matmul_params: int, peak: float, fp32_peak: float | None = None) -> dict:
+    """One system's row; `fp32_peak` (a bf16 run's): its model FLOP/s also as a share of the fp32 matmul peak."""
     seconds = sum(sum(r.seconds) for r in runs)
     units = sum(sum(r.units) for r in runs)
     tokens = sum(sum(r.tokens) for r in runs)
@@ -152,6 +153,10 @@ def summarise(name: str, runs: list[Run], matmul_params: int, peak: float) -> di
            "step_s": seconds / steps, "steps_per_s": steps / seconds, "flops_per_s": flops / seconds,
            "mfu": flops / seconds / peak, "units": units, "tokens": tokens, "kl_tokens": kl, "seconds": seconds,
            "steps_timed": steps, "step_s_per_run": [sum(r.seconds) / len(r.seconds) for r in runs]}
+    if fp32_peak:
+        row["mfu_fp32"] = flops / seconds / fp32_peak
+    if runs[0].precision is not None:
+        row["precision"] = runs[0].precision
     if any(r.completions for r in runs):  # online GRPO: per step, as each side recorded them
         row["units_per_step"] = [u for r in runs for u in r.units]
         row["completions_per_step"] = [c for r in runs for c in r.completions]
@@ -185,7 +190,7 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
         note = None if online else GRPO_NOTE if objective == "grpo" else None
     runs: dict[str, list[Run]] = {name: [] for name in names}
     info: dict = {}
-    peaks = []
+    peaks, fp32_peaks = [], []
     for r in range(opts["repeats"]):
         for name in list(runs):
             console.print(f"[dim]bench {objective}: run {r + 1}/{opts['repeats']} {name}[/]")
@@ -204,20 +209,25 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
                 r0 = runs["project"][0]
                 shape = (max(64, round(sum(r0.tokens) / len(r0.tokens) / plain.train.accumulation)),
                          info["hidden_size"], info["intermediate_size"])
-                dtype = info["backend"].autocast_dtype or torch.float32
+                dtype = info["backend"].autocast_dtype or info["backend"].param_dtype or torch.float32
             peaks.append(matmul_peak(*shape, info["backend"].device, dtype))  # after every run
+            if dtype != torch.float32:  # a bf16 run: the fp32 peak beside it, what the same step reaches in fp32
+                fp32_peaks.append(matmul_peak(*shape, info["backend"].device, torch.float32))
     peak = max(peaks)  # a busy moment only lowers a measurement, so the best is the machine's peak
-    rows = {name: summarise(name, rs, info["matmul_params"], peak) for name, rs in runs.items()}
+    fp32_peak = max(fp32_peaks, default=None)
+    rows = {name: summarise(name, rs, info["matmul_params"], peak, fp32_peak) for name, rs in runs.items()}
     backend = info["backend"]
     result = {
         "objective": objective, "unit": PROPERTIES[objective].unit, "task": plain.task, "model": plain.model,
         "regime": plain.regime, "batch_size": plain.train.batch_size, "micro_batch_size": info["micro_batch_size"],
         "max_length": plain.train.max_length, "steps": opts["steps"], "warmup": opts["warmup"],
         "repeats": opts["repeats"], "threads": torch.get_num_threads(), "device": backend.device.type,
-        "precision": "fp32" if backend.autocast_dtype is None else str(backend.autocast_dtype).removeprefix("torch."),
+        "precision": _precision(backend),
         "params": info["params"], "matmul_params": info["matmul_params"],
         "matmul_peak": {"m": shape[0], "k": shape[1], "n": shape[2], "dtype": str(dtype).removeprefix("torch."),
                         "flops_per_s": peak},
+        "fp32_matmul_peak": fp32_peak,  # a bf16 run's: the fp32 peak of the same shape (rows' mfu_fp32)
+        "precision_why": backend.why,
         "rows": rows,
         "humanline_overhead": _ratio(rows, "project_humanline", "project", "step_s"),
         "trl_ratio": _ratio(rows, "project", "trl"), "trl_humanline_ratio": _ratio(rows, "project_humanline", "trl"),
@@ -237,6 +247,15 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
             if isinstance(got, dict) and "tokens_per_s" in got:
                 got["mfu"] = 2 * info["matmul_params"] * got["tokens_per_s"] / peak
     return result
+
+
+def _precision(backend) -> str:
+    """fp32 | fp64 | bfloat16 (autocast, or FSDP2 mixed precision): what the steps computed in; TRL's rows ran
+    the same (bf16=True where this is bfloat16)."""
+    dtype = backend.autocast_dtype or backend.param_dtype
+    if dtype is not None:
+        return str(dtype).removeprefix("torch.")
+    return "fp64" if backend.weights_dtype == torch.float64 else "fp32"
 
 
 def _trl_plan(opts: dict, plain) -> tuple[bool, str]:

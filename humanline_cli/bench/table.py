@@ -12,15 +12,20 @@ def print_result(res: dict, console) -> None:
     console.print(f"humanline bench: {res['objective']} ({res['regime']}) on {res['task']}/{res['model']} "
                   f"({res['params'] / 1e6:.2f}M params), {res['device']} {res['precision']}, {res['threads']} threads, "
                   f"batch {res['batch_size']} {unit}, {res['steps']} steps x {res['repeats']}", markup=False)
-    table = pd.DataFrame([{"system": NAMES[k], f"{unit}/s": f"{r['units_per_s']:.1f}", "steps/s": f"{r['steps_per_s']:.3f}",
+    bf16 = " (bf16=True)" if res["precision"] == "bfloat16" else ""  # TRL's rows compute as ours do
+    table = pd.DataFrame([{"system": NAMES[k] + (bf16 if k.startswith("trl") else ""), f"{unit}/s": f"{r['units_per_s']:.1f}", "steps/s": f"{r['steps_per_s']:.3f}",
                            "tokens/s": f"{r['tokens_per_s']:.0f}", "step ms": f"{1e3 * r['step_s']:.1f}",
                            "model GFLOP/s": f"{r['flops_per_s'] / 1e9:.2f}", "% of matmul peak": f"{100 * r['mfu']:.1f}",
-                           "% (positions run)": f"{100 * r['run_mfu']:.1f}" if "run_mfu" in r else "-"}
+                           "% (positions run)": f"{100 * r['run_mfu']:.1f}" if "run_mfu" in r else "-",
+                           **({"% of fp32 peak": f"{100 * r['mfu_fp32']:.1f}"} if "mfu_fp32" in r else {})}
                           for k, r in res["rows"].items()])
     console.print(table.to_string(index=False), markup=False, highlight=False)
     mp = res["matmul_peak"]
     lines = [f"matmul peak ({mp['m']}x{mp['k']} @ {mp['k']}x{mp['n']} {mp['dtype']}): "
-             f"{mp['flops_per_s'] / 1e9:.1f} GFLOP/s"]
+             f"{mp['flops_per_s'] / 1e9:.1f} GFLOP/s"
+             + (f"; fp32 {res['fp32_matmul_peak'] / 1e9:.1f} GFLOP/s" if res.get("fp32_matmul_peak") else "")]
+    if res.get("precision_why"):
+        lines.append(f"precision: {res['precision_why']}")
     if res["humanline_overhead"] is not None:
         lines.append(f"humanline overhead (step time +humanline / plain): {res['humanline_overhead']:.3f}x")
     if res["regime"] == "online" and res["trl_steps_ratio"] is not None:

@@ -63,9 +63,15 @@ def _clock(device, ends: list):
     return Clock()
 
 
-def _timed(ends: list, sizes: list, warmup: int) -> Run:
+def _timed(ends: list, sizes: list, warmup: int, args) -> Run:
     """Step k+1 (1-based) ran between the ends of steps k and k+1: the first `warmup` steps untimed."""
-    return collect([0.0, *(t for t, _ in ends[:-1])], ends[-1][0], sizes, warmup)
+    return _with_precision(collect([0.0, *(t for t, _ in ends[:-1])], ends[-1][0], sizes, warmup), args)
+
+
+def _with_precision(run: Run, args) -> Run:
+    """`run` with the precision TRL's trainer computed in: bf16=True (autocast over fp32 weights) or fp32."""
+    run.precision = "bfloat16" if args.bf16 else "fp32"
+    return run
 
 
 def _as_chat(rows: list[dict], wrap: bool) -> list[dict]:
@@ -133,7 +139,8 @@ def trl_run(spec, info: dict, warmup: int, precompute: bool = False) -> Run:
         trainer.train()
     acc = spec.train.accumulation
     steps = [counts[k * acc:(k + 1) * acc] for k in range(len(ends))]
-    return _timed(ends, [(spec.train.batch_size, sum(t for t, _ in s), sum(kl for _, kl in s)) for s in steps], warmup)
+    return _timed(ends, [(spec.train.batch_size, sum(t for t, _ in s), sum(kl for _, kl in s)) for s in steps], warmup,
+                  args)
 
 
 def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
@@ -190,7 +197,7 @@ def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
             float(loss.detach())  # the project's loop reads the loss every step too
             sizes.append((tr.batch_size, toks, 0))
         end = _now(backend.device)
-    return collect(starts, end, sizes, warmup)
+    return _with_precision(collect(starts, end, sizes, warmup), args)
 
 
 def _grpo_inputs(batch, pad_id: int, device) -> dict:
@@ -256,4 +263,4 @@ def trl_online_grpo_run(spec, info: dict, warmup: int) -> Run:
                               processing_class=tokenizer, callbacks=[_clock(backend.device, ends)])
         trainer.train()
     tokens = [b - a for (_, a), (_, b) in zip([(0.0, 0), *ends], ends)]
-    return _timed(ends, [(u, t, 0, c) for (u, c), t in zip(seen, tokens)], warmup)
+    return _timed(ends, [(u, t, 0, c) for (u, c), t in zip(seen, tokens)], warmup, args)

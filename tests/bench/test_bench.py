@@ -194,3 +194,30 @@ def test_bench_online_grpo_against_trl_grpo_trainer(tiny_world, tmp_path):
     project, trl = res["rows"]["project"], res["rows"]["trl"]
     assert res["trl_steps_ratio"] == pytest.approx(project["steps_per_s"] / trl["steps_per_s"], rel=1e-12)
     assert f"{res['trl_steps_ratio']:.2f}x" in r.stdout and "GRPOTrainer.train" in r.stdout
+
+
+def test_summarise_gives_a_bf16_rows_share_of_the_fp32_peak_too():
+    runs = [Run([0.5, 0.5], [8] * 2, [100] * 2, [0] * 2, precision="bfloat16")]
+    row = summarise("trl", runs, matmul_params=1000, peak=4e7, fp32_peak=1e7)
+    # 8 P T = 8 * 1000 * 200 = 1.6e6 FLOP in 1 s: 4% of the bf16 peak, 16% of the fp32 one
+    assert row["mfu"] == pytest.approx(0.04) and row["mfu_fp32"] == pytest.approx(0.16)
+    assert row["precision"] == "bfloat16"
+    assert "mfu_fp32" not in summarise("trl", runs, matmul_params=1000, peak=4e7)  # an fp32 run: one peak
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="TRL is the [bench] extra")
+def test_a_bf16_bench_runs_trl_with_bf16_true_beside_it(tiny_world, tmp_path):
+    """backend.precision=bf16 on CPU: our steps under bf16 autocast, TRL's with bf16=True (TRL in fp32 against us in
+    bf16 would be no comparison), each row's model FLOP/s as a share of the bf16 and of the fp32 matmul peak."""
+    out = tmp_path / "bf16.json"
+    r = run_cli(["bench", "objective=dpo", "steps=2", "warmup=1", "repeats=1", "batch_size=8", "threads=1",
+                 "cache=false", "backend.precision=bf16", f"out={out}", *TINY_WORLD], cwd=tmp_path,
+                env_extra={"COLUMNS": "200"}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["precision"] == "bfloat16" and res["matmul_peak"]["dtype"] == "bfloat16"
+    assert res["rows"]["trl"]["precision"] == "bfloat16" and "TRL (bf16=True)" in r.stdout
+    fp32_peak = res["fp32_matmul_peak"]
+    assert fp32_peak > 0 and f"fp32 {fp32_peak / 1e9:.1f} GFLOP/s" in r.stdout
+    for row in res["rows"].values():
+        assert row["mfu_fp32"] == pytest.approx(row["flops_per_s"] / fp32_peak, rel=1e-12)
