@@ -173,24 +173,25 @@ def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, m
     policy = (base_b * n + (w * trainable if lora_r > 0 else 0)) / shard
     grads = 4.0 * trainable * (w / 4) / shard
     optimizer = 8.0 * trainable * (w / 4) / shard
+    h, _, _, _, _, vocab, layers = _dims(config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    root = vocab * h * (1 if tied else 2) + h  # embeddings, head, final norm: FSDP2's root group
     if lora_r > 0:
         reference = w * trainable / shard if moving_reference else 0.0
-    else:
-        reference = ref_b * n / shard
-    h, _, _, _, _, vocab, layers = _dims(config)
+    else:  # a bf16 reference keeps its root (embeddings, final norm, head) in fp32, as the policy's computes
+        reference = (ref_b * (n - root) + w * root) / shard if ref_b < w else ref_b * n / shard
     tokens = seqs_per_micro * max_length
     activations = activation_bytes_per_token(config, activation_bytes, gradient_checkpointing) * tokens
     logit_b = max(4.0, w)  # log-probs are computed in fp32 (fp64 for an fp64 model)
     chunk = min(tokens, max(1, LOGITS_PER_CHUNK // vocab)) * vocab * logit_b
     transient = 4 * chunk  # the backward of one checkpointed chunk: its logits, softmax, their gradient
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    root = vocab * h * (1 if tied else 2) + h  # embeddings, head, final norm: FSDP2's root group
     if fsdp:
-        p = activation_bytes  # FSDP2 gathers weights in the compute dtype (bf16 under mixed precision)
+        p = activation_bytes  # FSDP2 gathers the layers in the compute dtype (bf16 under mixed precision)
         per_layer = max(0.0, (n - root) / layers)
-        # the gathered root (kept from forward to backward) + the head's unsharded gradient + two gathered
-        # layers (current and prefetched) + one layer's unsharded gradient before its reduce-scatter
-        transient += p * root + p * vocab * h + 3 * p * per_layer
+        # the gathered root in the weights' dtype (its head computes in fp32: kept from forward to backward) +
+        # the head's unsharded gradient + two gathered layers (current and prefetched) + one layer's unsharded
+        # gradient before its reduce-scatter
+        transient += w * root + w * vocab * h + 3 * p * per_layer
     elif strategy == "ddp":
         transient += 4.0 * trainable * (w / 4)  # DDP's gradient buckets: a second copy of the gradients
     if autocast and base_b > 2.0:  # a bf16 LoRA base needs no copy

@@ -87,6 +87,8 @@ def test_bf16_trains_on_cpu_with_log_ratios_exactly_zero_at_the_start(tmp_path, 
     assert "cpu (torch.bfloat16 autocast" in header
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-7) and rows[0]["logratio_mean"] == 0.0
     assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows) and rows[-1]["loss"] != rows[0]["loss"]
+    summary = json.loads((tmp_path / "bf16" / "summary.json").read_text())
+    assert summary["precision"] == {"compute": "bfloat16", "why": None}
 
 
 @pytest.mark.slow
@@ -104,3 +106,6 @@ def test_measured_precision_says_what_it_chose_and_why(tmp_path, cache_dir):
     assert "cpu (torch.bfloat16 autocast, 1 CPU threads; bf16 autocast: bf16 GEMM 6.0x fp32 on this CPU (amx_bf16))" \
         in header
     assert rows[0]["logratio_mean"] == 0.0
+    summary = json.loads((tmp_path / "second" / "summary.json").read_text())
+    assert summary["precision"] == {"compute": "bfloat16",
+                                    "why": "bf16 autocast: bf16 GEMM 6.0x fp32 on this CPU (amx_bf16)"}

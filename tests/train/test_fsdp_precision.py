@@ -186,8 +186,9 @@ def test_chunked_logps_under_fsdp_match_one_process(tmp_path):
 
 
 def test_memory_estimate_counts_a_bf16_reference_under_fsdp():
-    """bf16 under FSDP2 keeps the frozen reference in bf16: 2 bytes per parameter over the ranks
-    instead of 4 (Llama-3-8B's shape, 8 ranks: 8.03e9 * 2 / 8 bytes = 1.87 GiB instead of 3.74)."""
+    """bf16 under FSDP2 keeps the frozen reference's decoder layers in bf16: 2 bytes per parameter over the ranks
+    instead of 4, its root (embeddings 525.3M, head 525.3M, final norm 4,096) in fp32 as the policy's head computes
+    (Llama-3-8B's shape, 8 ranks: (2 * (8.03e9 - 1.0507e9) + 4 * 1.0507e9) / 8 bytes = 2.11 GiB instead of 3.74)."""
     from humanline_cli.memory import GB, estimate
 
     cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -195,5 +196,6 @@ def test_memory_estimate_counts_a_bf16_reference_under_fsdp():
     n = 8_030_261_248  # Llama-3-8B's parameter count (memory.count_params on this config)
     kw = dict(seqs_per_micro=8, max_length=2048, strategy="fsdp", ranks=8, gradient_checkpointing=True, params=n)
     fp32, bf16 = estimate(cfg, **kw), estimate(cfg, **kw, reference_bytes=2.0)
-    assert fp32.reference == 4.0 * n / 8 and bf16.reference == 2.0 * n / 8
-    assert round(bf16.reference / GB, 2) == 1.87 and fp32.training - bf16.training == 2.0 * n / 8
+    root = 2 * 128256 * 4096 + 4096
+    assert fp32.reference == 4.0 * n / 8 and bf16.reference == (2.0 * (n - root) + 4.0 * root) / 8
+    assert round(bf16.reference / GB, 2) == 2.11 and fp32.training - bf16.training == 2.0 * (n - root) / 8
