@@ -1,9 +1,10 @@
 """`backend.precision=measured` on CPU: bf16 autocast where this CPU computes bf16 matmuls at least BF16_MIN_SPEEDUP
 times faster than fp32, fp32 elsewhere. Measured, not guessed from the CPU's name: a short GEMM probe at the model's
 shapes (its hidden and MLP widths, PROBE_TOKENS rows) in fp32 and bf16 on one thread, once per machine: the result
-is cached in `<world_cache>/precision/`, keyed by the CPU's model name, its flags, torch's version and the shapes. The flags only gate which probes run: a CPU without bf16 instructions
-(avx512_bf16 or amx_bf16 on x86, bf16 on Arm) computes bf16 GEMMs in emulation (~0.3 GFLOP/s on AVX2, 1,000x
-slower than fp32), so no bf16 probe runs there and the run stays fp32."""
+is cached in `<world_cache>/precision/`, keyed by the CPU's model name, its flags, torch's version and the shapes.
+The flags only gate which probes run: a CPU without bf16 instructions (avx512_bf16 or amx_bf16 on x86, bf16 on Arm)
+computes bf16 GEMMs in emulation (~0.3 GFLOP/s on AVX2, 1,000x slower than fp32), so no bf16 probe runs there and
+the run stays fp32."""
 from __future__ import annotations
 
 import hashlib

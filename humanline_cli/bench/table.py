@@ -13,7 +13,8 @@ def print_result(res: dict, console) -> None:
                   f"({res['params'] / 1e6:.2f}M params), {res['device']} {res['precision']}, {res['threads']} threads, "
                   f"batch {res['batch_size']} {unit}, {res['steps']} steps x {res['repeats']}", markup=False)
     bf16 = " (bf16=True)" if res["precision"] == "bfloat16" else ""  # TRL's rows compute as ours do
-    table = pd.DataFrame([{"system": NAMES[k] + (bf16 if k.startswith("trl") else ""), f"{unit}/s": f"{r['units_per_s']:.1f}", "steps/s": f"{r['steps_per_s']:.3f}",
+    table = pd.DataFrame([{"system": NAMES[k] + (bf16 if k.startswith("trl") else ""),
+                           f"{unit}/s": f"{r['units_per_s']:.1f}", "steps/s": f"{r['steps_per_s']:.3f}",
                            "tokens/s": f"{r['tokens_per_s']:.0f}", "step ms": f"{1e3 * r['step_s']:.1f}",
                            "model GFLOP/s": f"{r['flops_per_s'] / 1e9:.2f}", "% of matmul peak": f"{100 * r['mfu']:.1f}",
                            "% (positions run)": f"{100 * r['run_mfu']:.1f}" if "run_mfu" in r else "-",

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import sys
 from dataclasses import asdict, dataclass, fields
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -652,6 +653,16 @@ def resolve_precision(spec: RunSpec, backend: Backend, device: str, strategy: st
     return spec, dataclasses.replace(make_backend(device, choice.precision, spec.threads, strategy), why=choice.why)
 
 
+def _release_ranks(spec: RunSpec, backend: Backend, device: str, strategy: str, dist: Dist) -> tuple[RunSpec, Backend]:
+    """The end of rank 0's preparation (the world, the model): rank 0 resolves the precision (measuring and caching
+    it where asked) and releases the other ranks, which then read its cached choice: every rank runs one precision."""
+    if dist.is_main:
+        spec, backend = resolve_precision(spec, backend, device, strategy)
+        if dist.enabled:
+            wait_for_rank0()
+    return resolve_precision(spec, backend, device, strategy)  # rank 0: already resolved, a no-op
+
+
 def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     b = spec.backend_cfg
     backend = make_backend(b.device.value, b.precision.value, spec.threads, b.strategy.value)
@@ -671,11 +682,7 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     if dist.is_main and loads_sharded(spec):  # a hub id's first run: sharded loading reads the cached snapshot
         with timer.phase("model"):
             fetch_snapshot(spec.model_cfg.name_or_path)
-    if dist.is_main:  # rank 0 measures (and caches) the CPU's precision first: every rank then reads one choice
-        spec, backend = resolve_precision(spec, backend, device, strategy)
-    if dist.enabled and dist.is_main:
-        wait_for_rank0()
-    spec, backend = resolve_precision(spec, backend, device, strategy)  # rank 0: already resolved, a no-op
+    spec, backend = _release_ranks(spec, backend, device, strategy, dist)
     seed_everything(spec.seed)  # a world built just now drew from the RNGs: LoRA's init must not depend on it
     model_path, tok_path = model_paths(spec)
     check_model_lengths(spec, model_path)  # config.json only: before any data or weight loads
@@ -707,16 +714,14 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         from humanline_cli.core.lora import apply_lora
 
         policy = apply_lora(policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
-    fsdp_full = strategy == "fsdp" and lora.r == 0
+    fsdp_full, mixed = strategy == "fsdp" and lora.r == 0, backend.param_dtype is not None
+    shard_ref = partial(shard_model, param_dtype=backend.param_dtype)  # the policy's mixed-precision policies
     reference = build_reference(policy, lora=lora.r > 0, moving=reference_moves(spec.humanline, spec.regime),
-                                cache=spec.train.reference_cache,
-                                shard=(lambda m: shard_model(m, backend.param_dtype)) if fsdp_full else None,
-                                cast=(lambda m: cast_layers(m, backend.param_dtype))
-                                if fsdp_full and backend.param_dtype else None,
+                                cache=spec.train.reference_cache, shard=shard_ref if fsdp_full else None,
+                                cast=partial(cast_layers, dtype=backend.param_dtype) if fsdp_full and mixed else None,
                                 agree=(lambda f: all_agree(f, dist)) if strategy == "fsdp" else None,
                                 built=sharded_reference(policy, backend.param_dtype or backend.weights_dtype,
-                                                        backend.device, lambda m: shard_model(m, backend.param_dtype))
-                                if sharded else None)
+                                                        backend.device, shard_ref) if sharded else None)
     if spec.train.compile:  # after the reference's copy: each model's decoder gets its own compiled wrapper
         for m in (policy, getattr(reference, "model", None)):
             if m is not None and not compile_decoder(m):

@@ -68,7 +68,8 @@ def _rank(rank: int, store: str, out: str, mode: str) -> None:
             opt.step()
             p = next(model.parameters())
             if rank == 0:
-                json.dump({"layer": seen[0], "logits": logits_dtype, "master": str(p.to_local().dtype), "grad": str(p.grad.to_local().dtype),
+                json.dump({"layer": seen[0], "logits": logits_dtype, "master": str(p.to_local().dtype),
+                           "grad": str(p.grad.to_local().dtype),
                            "exp_avg": str(opt.state[p]["exp_avg"].to_local().dtype),
                            "exp_avg_sq": str(opt.state[p]["exp_avg_sq"].to_local().dtype),
                            "sharded": p.to_local().numel() < p.numel()}, open(out, "w"))
