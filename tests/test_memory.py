@@ -39,11 +39,14 @@ def test_bytes_per_component_are_the_trainers():
     assert fsdp.activations == (2 * 4096 * 32 + 192_648 + 57_344) * tokens
     root = 2 * 128256 * 4096 + 4096
     layer = (n - root) / 32
-    assert fsdp.transient == 4 * chunk + 2 * root + 2 * 128256 * 4096 + 3 * 2 * layer
+    # the root gathered in fp32 (its head computes in fp32) and the head's fp32 gradient; two bf16 layers and a gradient
+    assert fsdp.transient == 4 * chunk + 4 * root + 4 * 128256 * 4096 + 3 * 2 * layer
     assert fsdp.loading == 8 * n and fsdp.total == fsdp.loading  # the whole model twice on every rank, then sharded
     sharded = estimate(LLAMA3_8B, seqs_per_micro=8, max_length=2048, params=n, strategy="fsdp", ranks=8,
                        gradient_checkpointing=True, loading="sharded", reference_bytes=2.0)
-    assert sharded.loading == 4 * n / 8 + 2 * n / 8 + 4 * 128256 * 4096 / 8 and sharded.total == sharded.training
+    # a bf16 reference keeps its root in fp32
+    assert sharded.loading == 4 * n / 8 + (2 * (n - root) + 4 * root) / 8 + 4 * 128256 * 4096 / 8
+    assert sharded.total == sharded.training
     lora = estimate(LLAMA3_8B, seqs_per_micro=8, max_length=2048, params=n, lora_r=16, moving_reference=False)
     a = 41_943_040
     assert (lora.policy, lora.grads, lora.optimizer, lora.reference) == (4 * (n + a), 4 * a, 8 * a, 0.0)
