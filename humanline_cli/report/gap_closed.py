@@ -230,8 +230,8 @@ GAP_NOTE = ("gap closed = mean(humanline-offline - offline) / mean(online - offl
             "steps; at equal quality = online's work time to a target / humanline-offline's, the target start + 0.9 x "
             "(online's mean final score - start) as in the matched-quality section (online's means only, so "
             "no regime sets its own bar), each the Kaplan-Meier median over seeds (a seed that never reaches it "
-            "is censored at its run's end; `–`: fewer than half reached it), with how many seeds of each reached it (learning "
-            "curves; n/a without mid-run evals, eval.every); online sampling = "
+            "is censored at its run's end; `–`: fewer than half reached it), with how many seeds of each reached "
+            "it (learning curves; n/a without mid-run evals, eval.every); online sampling = "
             "share of online's work time spent sampling, labelling and pushing weights, and the speedup it bounds: "
             "1 / (1 - share) is the most any offline run can save against online on the same sequences per step.")
 
