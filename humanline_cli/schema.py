@@ -139,6 +139,7 @@ class ArithmeticOp(StrEnum):
     sub = "sub"
     mul = "mul"
     mixed = "mixed"  # each prompt draws one of the three
+    add_sub = "add_sub"  # each prompt draws + or -
 
 
 class RegimeFamily(StrEnum):
@@ -298,7 +299,10 @@ class TaskGeneratorConfig:
     its paths are gen://prompts_train.jsonl and gen://prompts_eval.jsonl. Difficulty: digits and op."""
     kind: GeneratorKind = knob(GeneratorKind.chat_arithmetic, "the generator")
     digits: int = knob(2, "operands have exactly this many digits")
-    op: ArithmeticOp = knob(ArithmeticOp.add, "add | sub | mul | mixed (each prompt draws one of the three)")
+    digits_b: Optional[int] = knob(None, "the second operand's digits (null: `digits`); e.g. digits 2, digits_b 1: "
+                                         "'What is 47 - 8?', 900 problems per operation")
+    op: ArithmeticOp = knob(ArithmeticOp.add, "add | sub | mul | mixed (each prompt draws one of the three) | add_sub "
+                                              "(each draws + or -)")
     n_train: int = knob(2000, "training prompts")
     n_eval: int = knob(200, "evaluation prompts, disjoint from the train prompts")
     seed: int = knob(0, "the generator's seed")

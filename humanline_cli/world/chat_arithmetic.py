@@ -6,8 +6,9 @@ root; produces `<cache_root>/chat_arithmetic-<hash12>/` with `prompts_train.json
 written to a temporary sibling and renamed into place. The task's paths `gen://NAME` point into that folder.
 The judge and labeller are the verifier's `final_number` method: the last number in the reply is the answer.
 
-Difficulty: `digits` (operands of exactly that many digits) and `op` (add, sub with a non-negative result,
-mul, or mixed). `instruction` (e.g. "Answer with the number only.") follows each question: it moves a reply's
+Difficulty: `digits` (operands of exactly that many digits; `digits_b`, when set, the second operand's) and `op`
+(add, sub with a non-negative result, mul, mixed: one of the three per prompt, or add_sub: + or -).
+`instruction` (e.g. "Answer with the number only.") follows each question: it moves a reply's
 format into the prompt, so that what training changes is the arithmetic. SmolLM2-135M-Instruct's start
 accuracy per setting is in docs/results.md.
 """
@@ -27,6 +28,7 @@ from humanline_cli.errors import UserError
 SCHEME = "gen://"
 VERSION = 1  # bump when a change here changes what a build writes
 OPS = {"add": "+", "sub": "-", "mul": "*"}
+MIXES = {"mixed": tuple(OPS), "add_sub": ("add", "sub")}  # each prompt draws one of these
 FILES = ("prompts_train.jsonl", "prompts_eval.jsonl", "task.json")
 
 
@@ -35,17 +37,21 @@ def check(cfg: Mapping) -> dict:
     full = {k: cfg[k] for k in ("kind", "digits", "op", "n_train", "n_eval", "seed")}
     if cfg.get("instruction"):  # only when set, so the folders of tasks without one keep their names
         full["instruction"] = str(cfg["instruction"])
+    if cfg.get("digits_b") is not None:  # likewise
+        full["digits_b"] = int(cfg["digits_b"])
     if full["kind"] != "chat_arithmetic":
         raise UserError(f"config key 'task.generator.kind': unknown generator {full['kind']!r} (chat_arithmetic)")
-    if full["op"] not in (*OPS, "mixed"):
-        raise UserError(f"config key 'task.generator.op': {full['op']!r} is not one of add, sub, mul, mixed")
-    if not 1 <= int(full["digits"]) <= 9:
-        raise UserError(f"config key 'task.generator.digits': {full['digits']} is outside 1..9")
+    if full["op"] not in (*OPS, *MIXES):
+        raise UserError(f"config key 'task.generator.op': {full['op']!r} is not one of add, sub, mul, mixed, add_sub")
+    for key in ("digits", "digits_b"):
+        if key in full and not 1 <= int(full[key]) <= 9:
+            raise UserError(f"config key 'task.generator.{key}': {full[key]} is outside 1..9")
     if int(full["n_train"]) < 1 or int(full["n_eval"]) < 1:
         raise UserError("config keys 'task.generator.n_train' and 'n_eval' must be at least 1")
-    lo, hi = _bounds(int(full["digits"]))
-    ops = 3 if full["op"] == "mixed" else 1
-    space = (hi - lo + 1) ** 2 * ops // (2 if full["op"] == "sub" else 1)
+    (lo, hi), (lo_b, hi_b) = _bounds(int(full["digits"])), _bounds(int(full.get("digits_b", full["digits"])))
+    ops = len(MIXES.get(full["op"], (full["op"],)))
+    same = (lo, hi) == (lo_b, hi_b)  # a - b and b - a are one problem only when both come from one range
+    space = (hi - lo + 1) * (hi_b - lo_b + 1) * ops // (2 if full["op"] == "sub" and same else 1)
     if full["n_train"] + full["n_eval"] > space // 2:  # room to draw distinct prompts without a long search
         raise UserError(f"task.generator: {full['n_train']} + {full['n_eval']} prompts do not fit in the "
                         f"{space} distinct {full['digits']}-digit {full['op']} problems (at most half of them)")
@@ -56,12 +62,14 @@ def _bounds(digits: int) -> tuple[int, int]:
     return (0 if digits == 1 else 10 ** (digits - 1)), 10 ** digits - 1
 
 
-def problem(rng: random.Random, digits: int, op: str, instruction: str = "") -> tuple[str, str]:
-    """(prompt, answer) of one problem; sub puts the larger operand first; `instruction` follows the question
-    after a space."""
+def problem(rng: random.Random, digits: int, op: str, instruction: str = "", digits_b: int | None = None
+            ) -> tuple[str, str]:
+    """(prompt, answer) of one problem; the second operand has `digits_b` digits (None: `digits`); sub puts
+    the larger operand first; `instruction` follows the question after a space."""
     lo, hi = _bounds(digits)
-    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-    op = rng.choice(list(OPS)) if op == "mixed" else op
+    lo_b, hi_b = _bounds(digits if digits_b is None else digits_b)
+    a, b = rng.randint(lo, hi), rng.randint(lo_b, hi_b)
+    op = rng.choice(list(MIXES[op])) if op in MIXES else op
     if op == "sub" and b > a:
         a, b = b, a
     value = {"add": a + b, "sub": a - b, "mul": a * b}[op]
@@ -75,7 +83,7 @@ def generate(cfg: Mapping) -> tuple[list[dict], list[dict]]:
     rng = random.Random(f"chat_arithmetic:{full['seed']}")
     seen: dict[str, str] = {}
     while len(seen) < full["n_eval"] + full["n_train"]:
-        prompt, answer = problem(rng, int(full["digits"]), full["op"], full.get("instruction", ""))
+        prompt, answer = problem(rng, int(full["digits"]), full["op"], full.get("instruction", ""), full.get("digits_b"))
         seen.setdefault(prompt, answer)
     rows = [{"prompt": p, "answer": a} for p, a in seen.items()]
     return rows[full["n_eval"]:], rows[:full["n_eval"]]

@@ -70,3 +70,31 @@ def test_instruction_follows_each_question_and_keeps_the_problems(tmp_path):
     # a task without an instruction keeps its folder; one with an instruction gets its own
     assert chat_arithmetic.task_dir({**CFG, "instruction": ""}, tmp_path) == chat_arithmetic.task_dir(CFG, tmp_path)
     assert chat_arithmetic.task_dir(said, tmp_path) != chat_arithmetic.task_dir(CFG, tmp_path)
+
+
+# the SmolLM2 fair study's setting: two-digit +- one-digit, 900 problems per operation, 1,800 in all
+ROOM = {**CFG, "digits": 2, "digits_b": 1, "op": "add_sub", "n_train": 480, "n_eval": 400,
+        "instruction": "Answer with the number only."}
+
+
+def test_two_digit_plus_minus_one_digit_has_room_for_400_eval_prompts(tmp_path):
+    train, eval_ = chat_arithmetic.generate(ROOM)
+    assert (len(train), len(eval_)) == (480, 400)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in eval_}
+    assert len({r["prompt"] for r in train + eval_}) == 880
+    seen = set()
+    for r in train + eval_:
+        a, op, b = r["prompt"].removeprefix("What is ").removesuffix("? Answer with the number only.").split()
+        assert 10 <= int(a) <= 99 and 0 <= int(b) <= 9  # a - b >= 1 whatever b: no swap needed
+        assert int(r["answer"]) == {"+": int(a) + int(b), "-": int(a) - int(b)}[op]
+        seen.add(op)
+    assert seen == {"+", "-"}
+    # 90 x 10 first and second operands, 2 operations: 1,800 problems, at most half drawn
+    chat_arithmetic.check({**ROOM, "n_train": 500, "n_eval": 400})
+    with pytest.raises(UserError, match="1800 distinct"):
+        chat_arithmetic.check({**ROOM, "n_train": 501, "n_eval": 400})
+    # unset, the second operand's digits are the first's and the folder keeps its name
+    assert chat_arithmetic.task_dir({**CFG, "digits_b": None}, tmp_path) == chat_arithmetic.task_dir(CFG, tmp_path)
+    assert chat_arithmetic.task_dir(ROOM, tmp_path) != chat_arithmetic.task_dir({**ROOM, "digits_b": None}, tmp_path)
+    with pytest.raises(UserError, match="digits_b"):
+        chat_arithmetic.check({**ROOM, "digits_b": 0})
