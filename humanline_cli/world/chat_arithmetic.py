@@ -1,9 +1,8 @@
 """Natural-language arithmetic for a real instruct model: "What is 27 + 82?", answered in chat.
 
-Consumes a task generator cfg (schema.TaskGeneratorConfig: digits, op, n_train, n_eval, seed) and a cache
-root; produces `<cache_root>/chat_arithmetic-<hash12>/` with `prompts_train.jsonl` and `prompts_eval.jsonl`
-(rows {"prompt": "What is 27 + 82?", "answer": "109"}, train and eval prompts disjoint) and `task.json`,
-written to a temporary sibling and renamed into place. The task's paths `gen://NAME` point into that folder.
+Consumes a task generator cfg (schema.TaskGeneratorConfig: digits, op, n_train, n_eval, seed); produces its
+train and eval rows ({"prompt": "What is 27 + 82?", "answer": "109"}, train and eval prompts disjoint), which
+world/generated.py writes into `<cache_root>/chat_arithmetic-<hash12>/`.
 The judge and labeller are the verifier's `final_number` method: the last number in the reply is the answer.
 
 Difficulty: `digits` (operands of exactly that many digits; `digits_b`, when set, the second operand's) and `op`
@@ -14,22 +13,15 @@ accuracy per setting is in docs/results.md.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import random
-import shutil
-import uuid
 from collections.abc import Mapping
-from pathlib import Path
 
 from humanline_cli.errors import UserError
 
-SCHEME = "gen://"
+NAME = "chat_arithmetic"
 VERSION = 1  # bump when a change here changes what a build writes
 OPS = {"add": "+", "sub": "-", "mul": "*"}
 MIXES = {"mixed": tuple(OPS), "add_sub": ("add", "sub")}  # each prompt draws one of these
-FILES = ("prompts_train.jsonl", "prompts_eval.jsonl", "task.json")
 
 
 def check(cfg: Mapping) -> dict:
@@ -39,6 +31,8 @@ def check(cfg: Mapping) -> dict:
         full["instruction"] = str(cfg["instruction"])
     if cfg.get("digits_b") is not None:  # likewise
         full["digits_b"] = int(cfg["digits_b"])
+    if cfg.get("carry") is False:  # likewise
+        full["carry"] = False
     if full["kind"] != "chat_arithmetic":
         raise UserError(f"config key 'task.generator.kind': unknown generator {full['kind']!r} (chat_arithmetic)")
     if full["op"] not in (*OPS, *MIXES):
@@ -48,14 +42,29 @@ def check(cfg: Mapping) -> dict:
             raise UserError(f"config key 'task.generator.{key}': {full[key]} is outside 1..9")
     if int(full["n_train"]) < 1 or int(full["n_eval"]) < 1:
         raise UserError("config keys 'task.generator.n_train' and 'n_eval' must be at least 1")
-    (lo, hi), (lo_b, hi_b) = _bounds(int(full["digits"])), _bounds(int(full.get("digits_b", full["digits"])))
-    ops = len(MIXES.get(full["op"], (full["op"],)))
-    same = (lo, hi) == (lo_b, hi_b)  # a - b and b - a are one problem only when both come from one range
-    space = (hi - lo + 1) * (hi_b - lo_b + 1) * ops // (2 if full["op"] == "sub" and same else 1)
-    if full["n_train"] + full["n_eval"] > space // 2:  # room to draw distinct prompts without a long search
+    space = _space(full)
+    if full["n_train"] + full["n_eval"] > space * 9 // 10:  # room to draw distinct prompts without a long search
         raise UserError(f"task.generator: {full['n_train']} + {full['n_eval']} prompts do not fit in the "
-                        f"{space} distinct {full['digits']}-digit {full['op']} problems (at most half of them)")
+                        f"{space} distinct {full['digits']}-digit {full['op']} problems (at most 90% of them)")
     return full
+
+
+def _space(full: dict) -> int:
+    """How many distinct problems the cfg draws from."""
+    (lo, hi), (lo_b, hi_b) = _bounds(int(full["digits"])), _bounds(int(full.get("digits_b", full["digits"])))
+    ops = MIXES.get(full["op"], (full["op"],))
+    if full.get("carry") is False:
+        if full.get("digits_b") != 1 or not set(ops) <= {"add", "sub"}:
+            raise UserError("config key 'task.generator.carry': false needs digits_b 1 and op add, sub or add_sub")
+        # each ones digit u is equally common among first operands: u + b < 10 leaves 10 - u choices of b, b <= u
+        # leaves u + 1, so 55 of the 100 (u, b) pairs per operation
+        return (hi - lo + 1) // 10 * 55 * len(ops)
+    same = (lo, hi) == (lo_b, hi_b)  # a - b and b - a are one problem only when both come from one range
+    return (hi - lo + 1) * (hi_b - lo_b + 1) * len(ops) // (2 if full["op"] == "sub" and same else 1)
+
+
+def _carries(a: int, b: int, op: str) -> bool:
+    return a % 10 + b % 10 >= 10 if op == "add" else a % 10 < b % 10
 
 
 def _bounds(digits: int) -> tuple[int, int]:
@@ -77,6 +86,11 @@ def problem(rng: random.Random, digits: int, op: str, instruction: str = "", dig
     return (f"{question} {instruction}" if instruction else question), str(value)
 
 
+def _operands(prompt: str) -> tuple[int, int, str]:
+    a, op, b = prompt.removeprefix("What is ").split("?", 1)[0].split()
+    return int(a), int(b), {v: k for k, v in OPS.items()}[op]
+
+
 def generate(cfg: Mapping) -> tuple[list[dict], list[dict]]:
     """(train rows, eval rows): distinct prompts, seeded by cfg['seed'], eval drawn first then train."""
     full = check(cfg)
@@ -84,36 +98,8 @@ def generate(cfg: Mapping) -> tuple[list[dict], list[dict]]:
     seen: dict[str, str] = {}
     while len(seen) < full["n_eval"] + full["n_train"]:
         prompt, answer = problem(rng, int(full["digits"]), full["op"], full.get("instruction", ""), full.get("digits_b"))
+        if full.get("carry") is False and _carries(*_operands(prompt)):
+            continue
         seen.setdefault(prompt, answer)
     rows = [{"prompt": p, "answer": a} for p, a in seen.items()]
     return rows[full["n_eval"]:], rows[:full["n_eval"]]
-
-
-def task_dir(cfg: Mapping, cache_root: str | os.PathLike) -> Path:
-    full = check(cfg)
-    key = json.dumps({"version": VERSION, "cfg": full}, sort_keys=True, separators=(",", ":"))
-    return Path(cache_root) / f"chat_arithmetic-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-
-
-def materialise(cfg: Mapping, cache_root: str | os.PathLike) -> Path:
-    """The task's folder, written first when missing (milliseconds; atomic by rename)."""
-    target = task_dir(cfg, cache_root)
-    if all((target / f).is_file() for f in FILES):
-        return target
-    train, eval_ = generate(cfg)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        for name, rows in (("prompts_train.jsonl", train), ("prompts_eval.jsonl", eval_)):
-            (tmp / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (tmp / "task.json").write_text(json.dumps({"version": VERSION, "cfg": check(cfg)}, indent=2) + "\n")
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process wrote the same content first
-            if not all((target / f).is_file() for f in FILES):
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
