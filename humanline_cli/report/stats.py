@@ -118,3 +118,28 @@ def tost_seeds(sd: float, margin: float, power: float = 0.8, alpha: float = 0.05
     while tost_power(n, sd, margin, alpha) < power:
         n += 1
     return n
+
+
+def tost_p(diffs, margin: float) -> float | None:
+    """The p-value of two one-sided t-tests that the paired differences' mean lies inside (-margin, +margin): the
+    larger of P(T >= (mean + margin) / se) and P(T >= (margin - mean) / se) under t(n - 1), each against its own
+    boundary; below 0.05 exactly when equivalence's 90% interval lies inside. None below two seeds."""
+    x = np.asarray(list(diffs), dtype=np.float64)
+    if x.size < 2:
+        return None
+    se, df = float(x.std(ddof=1)) / math.sqrt(x.size), x.size - 1
+    if se == 0:
+        return 0.0 if abs(float(x.mean())) < margin else 1.0
+    lower, upper = (float(stats.t.sf((margin + s * float(x.mean())) / se, df)) for s in (1, -1))
+    return max(lower, upper)
+
+
+def holm(pvalues: dict, alpha: float = 0.05) -> dict:
+    """Holm's step-down over a family of tests: name -> rejected. Sorted by p, the k-th smallest (k from 1) is
+    rejected while p <= alpha / (m - k + 1); the first that is not stops it (it and every larger p stand)."""
+    out, m = {name: False for name in pvalues}, len(pvalues)
+    for k, (name, p) in enumerate(sorted(pvalues.items(), key=lambda kv: kv[1]), start=1):
+        if p is None or p > alpha / (m - k + 1):
+            break
+        out[name] = True
+    return out

@@ -34,3 +34,31 @@ def test_seeds_for_80_percent_power_at_the_issues_sd():
     assert approx == 15
     # a small SD still takes the floor of 10 seeds; the sampled metric's 0.085 needs far more
     assert tost_seeds(0.02, 0.05) == 10 and tost_seeds(0.085, 0.05) == 27
+
+
+def test_tost_p_agrees_with_the_90_percent_interval_and_is_worked_by_hand():
+    from humanline_cli.report.stats import equivalence, tost_p
+
+    # diffs 0.01, 0.03, -0.01, 0.02: mean 0.0125, sd 0.01708, se 0.008539, df 3;
+    # t = (0.05 - 0.0125) / 0.008539 = 4.3915 (upper) and (0.05 + 0.0125) / 0.008539 = 7.3191 (lower)
+    d = [0.01, 0.03, -0.01, 0.02]
+    se = float(np.std(d, ddof=1)) / 2
+    assert se == pytest.approx(0.0085391, abs=1e-7)
+    assert tost_p(d, 0.05) == pytest.approx(sst.t.sf((0.05 - 0.0125) / se, 3))  # the larger of the two
+    assert tost_p(d, 0.05) == pytest.approx(0.010938, abs=2e-6)  # P(t(3) >= 4.3915)
+    for diffs, margin in ((d, 0.05), (d, 0.03), ([0.04, 0.06, 0.05], 0.05), ([0.1, -0.1, 0.05, 0.0], 0.2)):
+        p = tost_p(diffs, margin)
+        assert (p < 0.05) == equivalence(diffs, margin)["verdict"].startswith("equivalent")
+    assert tost_p([0.01], 0.05) is None
+
+
+def test_holm_steps_down_and_stops_at_the_first_kept():
+    from humanline_cli.report.stats import holm
+
+    # three tests at 0.05: the smallest against 0.05 / 3 = 0.0167, the next 0.025, the last 0.05
+    assert holm({"a": 0.010, "b": 0.020, "c": 0.049}) == {"a": True, "b": True, "c": True}
+    assert holm({"a": 0.010, "b": 0.060, "c": 0.001}) == {"a": True, "b": False, "c": True}
+    # 0.001 <= 0.0167, then 0.03 > 0.025 stops it: 0.04 stands although it is below 0.05
+    assert holm({"a": 0.030, "b": 0.040, "c": 0.001}) == {"a": False, "b": False, "c": True}
+    assert holm({"a": 0.020, "b": 0.001, "c": 0.002}) == {"a": True, "b": True, "c": True}  # 0.001, 0.002 <= 0.025
+    assert holm({"a": 0.017, "b": 0.018, "c": 0.019}) == {"a": False, "b": False, "c": False}  # 0.017 > 0.0167
