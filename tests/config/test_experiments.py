@@ -106,7 +106,7 @@ def test_every_sweep_point_composes_and_validates(name):
         for o, prompts in (("dpo", 64), ("kto", 32)):  # 10 steps x 4 units fit in one stale16 generation
             c = resolve(_compose(["experiment=smollm2_pairs", f"objective={o}", "regime=stale16"]))
             assert (c.train.steps, c.train.batch_size, c.data_cfg.prompts_per_round) == (10, 4, prompts)
-    if name.startswith("smollm2_fair_"):  # GRPO online and stale48, humanline on both in the study
+    if name.startswith("smollm2_fair_"):  # GRPO online and stale_once, humanline on both in the study
         grid = {("grpo", "online", False)} | ({("grpo", "online", True)} if name.endswith("study") else set())
     if name.startswith("laptop_pilot_headroom") or name.startswith("laptop_headroom"):  # GRPO, stale rounds
         grid = {("grpo", "online", False), ("grpo", "online", True)}
@@ -199,8 +199,8 @@ def test_rerunning_a_sweep_skips_complete_runs(cache_dir, tmp_path):
     assert json.loads(summaries[1].read_text())["status"] == "complete"
 
 
-FAIR_REGIMES = ("online", "hl_online", "stale48", "hl_stale48_sync1_lo1", "hl_stale48_sync16_lo15",
-                "hl_stale48_sync1_open")
+FAIR_REGIMES = ("online", "hl_online", "stale_once", "hl_stale_once_sync1_lo1", "hl_stale_once_sync16_lo15",
+                "hl_stale_once_sync1_open")
 
 
 def test_fair_smollm2_pilot_and_study_are_registered_as_results_md_says():
@@ -208,7 +208,7 @@ def test_fair_smollm2_pilot_and_study_are_registered_as_results_md_says():
 
     pilot, pilot_points = _sweep_points("smollm2_fair_pilot")
     assert pilot_points == [[f"seed={s}", f"train.lr={lr}", f"regime={r}"] for s in (100, 101, 102)
-                            for lr in ("3e-06", "1e-05", "3e-05") for r in ("online", "stale48")]
+                            for lr in ("3e-06", "1e-05", "3e-05") for r in ("online", "stale_once")]
     assert len(pilot_points) == pilot.regime_study_size == 18
     study, points = _sweep_points("smollm2_fair_study")
     assert points == [[f"seed={s}", f"regime={r}"] for s in range(14) for r in FAIR_REGIMES]
@@ -223,13 +223,13 @@ def test_fair_smollm2_pilot_and_study_are_registered_as_results_md_says():
         resolve(_compose(["experiment=smollm2_fair_study", "regime=online"]))
     specs = {r: resolve(_compose(["experiment=smollm2_fair_study", f"regime={r}", "train.lr=1e-5"]))
              for r in FAIR_REGIMES}
-    for r in ("stale48", *FAIR_REGIMES[3:]):  # one generation of the starting policy's samples serves the run
+    for r in ("stale_once", *FAIR_REGIMES[3:]):  # one generation of the starting policy's samples serves the run
         c = specs[r]
         assert c.data_cfg.generate_every == c.train.steps == 48 and c.data_cfg.prompts_per_round == 48 * 4 <= 480
     hl = {r: specs[r].humanline for r in FAIR_REGIMES}
-    assert (hl["hl_stale48_sync1_lo1"].sync_every, hl["hl_stale48_sync1_lo1"].log_eps_P) == (1, -1.0)
-    authors = hl["hl_stale48_sync16_lo15"]  # the authors' math recipe: its sync fires at steps 16 and 32
+    assert (hl["hl_stale_once_sync1_lo1"].sync_every, hl["hl_stale_once_sync1_lo1"].log_eps_P) == (1, -1.0)
+    authors = hl["hl_stale_once_sync16_lo15"]  # the authors' math recipe: its sync fires at steps 16 and 32
     assert (authors.sync_every, authors.log_eps_P, authors.log_eps_R, authors.clamp) == (16, -1.5, 1.5, True)
     assert 48 // authors.sync_every == 3
-    assert (hl["hl_stale48_sync1_open"].clamp, hl["hl_stale48_sync1_open"].sync) == (False, True)
+    assert (hl["hl_stale_once_sync1_open"].clamp, hl["hl_stale_once_sync1_open"].sync) == (False, True)
     assert (hl["hl_online"].clamp, hl["hl_online"].sync, hl["online"].clamp, hl["online"].sync) == (True, True, False, False)
