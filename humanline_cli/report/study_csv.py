@@ -29,9 +29,9 @@ ALWAYS = ("seed", "task.name", "objective.name", "data.regime", "data.generate_e
 PLACE_KEYS = ("hydra", "wandb", "world_cache", "resume", "threads")  # where and how a run ran, never what it is
 SELECTORS = ("name", "regime", "kind")  # a subtree's chosen option, which scopes its other keys
 SUMMARY = ("status", "objective", "data", "humanline", "task", "model", "seed", "steps", "batch_size", "batch_unit",
-           "eval", "wall_clock_s", "git_commit", "git_dirty", "started_at")
+           "eval", "wall_clock_s", "git_commit", "git_dirty", "started_at", "machine")
 EVAL_KEYS = tuple(key for key, _ in CURVE.values())
-COLUMNS = ("run", "status", "reason", "regime", "seed", "config_hash", "git_commit", "git_dirty", "started_at",
+COLUMNS = ("run", "status", "reason", "regime", "seed", "config_hash", "git_commit", "git_dirty", "started_at", "machine",
            "greedy_final", "sampled_final", "greedy_start", "sampled_start", "evals", "wall_clock_s", "config", "raw",
            "summary", "metrics", "calls", *(f"{mode}_scores" for mode in ("greedy", "sampled")))
 MODES = {"greedy": "greedy accuracy", "sampled": "accuracy"}
@@ -89,6 +89,7 @@ def run_row(root: Path, run: dict, kept: set[str]) -> dict:
     return {"run": run["path"].relative_to(root).as_posix(), "status": run["status"], "reason": run["reason"],
             "regime": regime_of(run["path"]) or "", "seed": run["seed"], "config_hash": config_hash(cfg),
             "git_commit": s.get("git_commit"), "git_dirty": s.get("git_dirty"), "started_at": s.get("started_at"),
+            "machine": _dumps(s["machine"]) if s.get("machine") else "",
             "greedy_final": (ev.get("greedy") or {}).get("accuracy"), "sampled_final": ev.get("accuracy"),
             "greedy_start": (ev.get("greedy") or {}).get("start_accuracy"), "sampled_start": ev.get("start_accuracy"),
             "evals": _dumps(evals), "wall_clock_s": _dumps(s.get("wall_clock_s") or {}),

@@ -24,7 +24,7 @@ from humanline_cli.errors import RunFailed
 from humanline_cli.eval.evaluator import flat_metrics
 from humanline_cli.memory import peak_rss_bytes
 from humanline_cli.models import tied_copies
-from humanline_cli.train.provenance import code_state, read_start
+from humanline_cli.train.provenance import code_state, machine, read_start
 from humanline_cli.train.timing import PhaseTimer
 
 
@@ -109,6 +109,7 @@ def run_summary(spec: RunSpec, parts, timer: PhaseTimer, last: dict, resumed: in
         "git_commit": started.get("git_commit"),
         "git_dirty": started.get("git_dirty"),
         "started_at": started.get("started_at"),
+        "machine": machine(),
         "git_commit_at_end": code_state()["git_commit"],
     }
 

@@ -5,7 +5,9 @@ summary.json says which commit the last attempt ran on, so "ran on commit X" can
 registration was committed."""
 from __future__ import annotations
 
+import contextlib
 import json
+import platform
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
@@ -30,6 +32,20 @@ def code_state() -> dict:
     status = _git("status", "--porcelain") if commit else None
     return {"git_commit": commit, "git_dirty": None if status is None else bool(status.strip()),
             "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def machine() -> dict:
+    """What the run's numbers depend on beyond the code: the CPU model, the ATen CPU kernel set torch chose, the
+    CUDA device (None on CPU) and torch's intra-op threads."""
+    import torch
+
+    cpu = None
+    with contextlib.suppress(OSError):  # no /proc off Linux: platform's name instead
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), None)
+    return {"cpu": cpu or platform.processor() or None, "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "torch_threads": torch.get_num_threads()}
 
 
 def record_start(run_dir: Path, began: dict, fresh: bool) -> dict:

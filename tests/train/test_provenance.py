@@ -49,3 +49,7 @@ def test_summary_carries_the_commit_dirty_flag_and_start_read_before_setup(tmp_p
     assert (s["git_commit"], s["git_dirty"], s["started_at"]) == ("c" * 40, True, "2026-03-04T05:06:07+00:00")
     assert s["git_commit_at_end"] == _git("rev-parse", "HEAD").strip()
     assert json.loads((run_dir / "started.json").read_text())["git_commit"] == "c" * 40
+    import torch
+
+    m = s["machine"]  # the CPU kernel set changes float32 results: it is recorded with them
+    assert m["cpu_kernels"] == torch.backends.cpu.get_cpu_capability() and m["torch_threads"] == 1
