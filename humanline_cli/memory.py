@@ -162,10 +162,10 @@ def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, m
     reward models this rank loads (`reward_model_bytes`), alive from before the policy loads to the end;
     `base_bytes`: a LoRA run's frozen base weights' dtype (default weight_bytes; 2 under bf16 autocast);
     `eval_batch`, `eval_prompt_tokens`, `eval_new_tokens`: transformers' generate over the evaluation batch (0: the
-    run samples its evaluation with vLLM, or does not evaluate); `eval_gathers`: transformers' sampler decodes with
-    the FSDP2 policy gathered whole; `push_gathers`: the weight push into a vLLM engine gathers an FSDP2 policy one
-    parameter at a time (the largest alive at once); `sampler`: an online vLLM-cpu engine's bytes in this process, reported beside the
-    estimate (a GPU engine's share is taken off the device instead)."""
+    run samples its evaluation with vLLM, or does not evaluate); `eval_gathers`: transformers' sampler decodes
+    with the FSDP2 policy gathered whole; `push_gathers`: the weight push into a vLLM engine gathers an FSDP2 policy one
+    parameter at a time (the largest alive at once); `sampler`: an online vLLM-cpu engine's bytes in this process,
+    reported beside the estimate (a GPU engine's share is taken off the device instead)."""
     n = params if params is not None else count_params(config)
     fsdp = strategy == "fsdp"
     shard = ranks if fsdp else 1

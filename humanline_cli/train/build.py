@@ -40,8 +40,8 @@ from humanline_cli.data.examples import detect_format, to_units
 from humanline_cli.data.files import load_rows
 from humanline_cli.errors import UserError
 from humanline_cli.eval.evaluator import Evaluator
-from humanline_cli.machine import Machine
 from humanline_cli.eval.math500 import Math500Eval
+from humanline_cli.machine import Machine
 from humanline_cli.memory import (
     MemoryEstimate,
     check_fits,
@@ -555,8 +555,7 @@ def fit_memory(spec: RunSpec, model_path: str, device: torch.device, shard: Shar
     total, vllm = device_memory(spec, device, est.params, est.sampler, machine)
     if total <= 0:  # the device's memory is unknown: the estimate is printed, nothing is checked
         return spec, est
-    rooms = _rooms(spec, device, total, vllm)
-    (room, where), (gen_room, gen_where) = rooms
+    (room, where), (gen_room, gen_where) = _rooms(spec, device, total, vllm)
 
     def fits(m: int) -> bool:
         e = estimate_for(m)
@@ -577,7 +576,7 @@ def fit_memory(spec: RunSpec, model_path: str, device: torch.device, shard: Shar
     if est.evaluating > gen_room:  # the evaluation's batch (or the push beside the engine) is the peak
         raise UserError(f"eval.batch_size={spec.eval_cfg.batch_size} will not fit: evaluation needs "
                         f"{size(est.evaluating)} estimated per device > {gen_where} ({size(gen_room)}); "
-                        f"lower eval.batch_size" if not vllm else
+                        f"lower eval.batch_size" if not (vllm and device.type == "cuda") else
                         f"the steady state will not fit beside vLLM while it generates: {size(est.evaluating)} "
                         f"estimated per device > {gen_where} ({size(gen_room)}); lower "
                         f"sampler.gpu_memory_utilization={spec.sampler_cfg.gpu_memory_utilization:g}, or shard with "

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import yaml
 from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
 
 from humanline_cli.config import resolve
 from humanline_cli.errors import UserError
