@@ -10,9 +10,8 @@ import ast
 import re
 import sys
 import tokenize
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
