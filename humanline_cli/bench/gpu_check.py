@@ -2,7 +2,8 @@
 (docs/scaling.md), written to one JSON file and summed up as "N of M rows ran, K skipped"; exit 1 if a row failed
 or a row asked for did not run (its package missing), 2 (one line) without CUDA. Groups (--only):
   step   step time, tokens/s, MFU and peak memory against memory.estimate at a real shape (bench/step_bench.py)
-  vllm   the vLLM rows (bench/vllm_rows.py): start, push, log-probs after a push, stale prefix cache, tokens/s, wake
+  vllm   the vLLM rows (bench/vllm_rows.py): start, push, log-probs after a push, stale prefix cache, tokens/s, wake;
+         on 2+ GPUs an engine per rank (external_launcher) started, put to sleep and woken on its own GPU
   train  real `humanline train` runs: bf16 per objective plain and humanline, LoRA, online vLLM, DDP/FSDP on 2+ GPUs
 step and vllm need torch and transformers (and vLLM) only; without Hydra or vLLM the rows needing them say
 "skipped: ..." and fail the check. `--device cpu`: the step rows on the tiny shape (and --vllm the vLLM rows).
@@ -94,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                   args.vllm_shape or ("tiny-vllm" if cpu else "qwen2.5-1.5b"), device,
                   calls=[int(c) for c in (args.vllm_calls or ("4,16" if cpu else "256,16384")).split(",")],
                   prompt_tokens=args.vllm_prompt_tokens or (100 if cpu else 128),
-                  new_tokens=args.vllm_new_tokens or (8 if cpu else 64), workdir=out)}
+                  new_tokens=args.vllm_new_tokens or (8 if cpu else 64), workdir=out)
+              # one engine per rank (external_launcher, sleep mode) on 2 GPUs; one GPU: a row saying so
+              + ([] if cpu or missing("vllm") else vllm_rows.ranks_run())}
     for group, rows in groups.items():
         if group in asked:
             try:

@@ -157,6 +157,11 @@ class VLLMSampler:
             # executor would put every rank's engine on cuda:0); with tensor_parallel_size=1 each engine
             # serves its own rank's requests and never waits for the others (checked with uneven shares)
             ranks = {"distributed_executor_backend": "external_launcher"}
+        elif self._cuda_device not in (None, 0):
+            # vLLM's one-process executor takes device index 0 whatever is current: the engine would share another
+            # GPU than the policy's (the way to give one process another GPU is to make it the only one it sees)
+            raise UserError(f"sampler=vllm in one process starts its engine on cuda:0, but this process's device is "
+                            f"cuda:{self._cuda_device}: choose the GPU with CUDA_VISIBLE_DEVICES instead")
 
         def start():
             llm = vllm.LLM(
