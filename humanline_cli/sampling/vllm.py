@@ -230,7 +230,8 @@ class VLLMSampler:
                              f"tempered_logps={self.tempered_logps}")
         stop = [self.eos_id] if self.eos_id is not None else None
         # seeded: one request per completion, seeded by (seed, prompt index, sample index) alone, so a shard of
-        # the prompts gets the same completions as the whole round (the prefix cache shares the prompt). vLLM
+        # the prompts gets the same completions as the whole round (exactly on CPU; on GPUs up to vLLM's batch-variant
+        # bf16 kernels) and the prefix cache shares the prompt. vLLM
         # draws a seeded row's sampling noise in its own kernel per decoded token, and a request of n children
         # seeds each child (seed + i), so grouping by prompt would not batch it: only unseeded requests do
         # (seeded=false: one request of n per prompt, the engine's seed alone)
