@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     n_gpu = 0 if cpu else torch.cuda.device_count()
-    results = {"device": "cpu" if cpu else torch.cuda.get_device_name(0), "gpus": n_gpu, "torch": torch.__version__,
-               "checks": []}
+    results = {"device": "cpu" if cpu else torch.cuda.get_device_name(0), "gpus": n_gpu, "torch": torch.__version__}
+    results["checks"] = _Rows(lambda: _write(results, out, partial=True))
     checks = results["checks"]
     groups = {"step": lambda: run(shape, device, tokens=args.tokens or (64 if cpu else 1024), micro=2 if cpu else 4,
                                   n=4 if cpu else 8, tol=args.tol, lr=args.lr),
@@ -157,6 +157,30 @@ def _training_rows(out: Path, n_gpu: int, checks: list) -> None:
         checks.append({"check": "ddp_fsdp", "ok": True, "skipped": "one visible GPU (needs 2+)"})
 
 
+class _Rows(list):
+    """The rows so far, written to gpu_check.json (marked partial) as each one comes: a check stopped by a time
+    limit (a lent GPU's minutes) keeps the rows it finished."""
+
+    def __init__(self, save):
+        super().__init__()
+        self._save = save
+
+    def append(self, row) -> None:
+        super().append(row)
+        self._save()
+
+    def extend(self, rows) -> None:
+        super().extend(rows)
+        self._save()
+
+
+def _write(results: dict, out: Path, partial: bool = False) -> None:
+    from humanline_cli.atomic import write_text_atomic
+
+    write_text_atomic(out / "gpu_check.json",
+                      json.dumps({**results, **({"partial": True} if partial else {})}, indent=2) + "\n")
+
+
 def _finish(results: dict, out: Path) -> int:
     """Each row, then the summary: a skipped row with ok False (asked for, its package missing) fails the check
     as a failed row does, so a bare image never reports green with most rows not run."""
@@ -164,7 +188,7 @@ def _finish(results: dict, out: Path) -> int:
     skipped = [c for c in checks if "skipped" in c]
     results["ok"] = bool(checks) and all(c["ok"] for c in checks)
     results["summary"] = f"{len(checks) - len(skipped)} of {len(checks)} rows ran, {len(skipped)} skipped"
-    (out / "gpu_check.json").write_text(json.dumps(results, indent=2) + "\n")
+    _write(results, out)
     for c in checks:
         label = "ok  " if c["ok"] and "skipped" not in c else "SKIP" if "skipped" in c else "FAIL"
         print(f"{label} {c['check']}: " + ", ".join(
