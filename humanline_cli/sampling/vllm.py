@@ -298,7 +298,13 @@ class VLLMSampler:
         re-processes lm_head (it gets no checkpoint tensor), and on CPU lm_head computes from a
         packed copy made at load time. `_refresh_tied_lm_head` re-packs it (a no-op on GPU).
         """
-        self.push_state(policy_weights(policy))
+        self.push_state(policy_weights(policy, self._engine_dtype()))
+
+    def _engine_dtype(self) -> torch.dtype | None:
+        """The dtype the engine holds its weights in (None where it does not say)."""
+        config = getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None)
+        dtype = getattr(getattr(config, "model_config", None), "dtype", None)
+        return dtype if isinstance(dtype, torch.dtype) else None
 
     def push_state(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (checkpoint name, full tensor) pairs into the engine in place, consumed one at a time in
@@ -369,13 +375,16 @@ def _empty_cuda_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def policy_weights(policy):
+def policy_weights(policy, dtype: torch.dtype | None = None):
     """(checkpoint name, full tensor) pairs of the policy's current weights, one at a time.
 
     A peft LoRA policy: its merged weights under the base model's names (core.lora.merged_weights; an
     FSDP2-sharded one gathers each base weight with its adapter's A and B as it is consumed).
     An FSDP2-sharded policy: each DTensor parameter gathered with full_tensor() as it is consumed, so
-    at most one full parameter exists beside the shards. Anything else: its parameters as they are."""
+    at most one full parameter exists beside the shards; with `dtype` (the engine's) narrower than the
+    parameter's, each shard is cast first and the gather moves that dtype: a bf16 engine's push moves half the
+    bytes of the fp32 master weights, and the engine, which rounds to its dtype as it loads, gets the same bits.
+    Anything else: its parameters as they are."""
     if hasattr(policy, "get_base_model"):  # peft (under FSDP2: gathered layer by layer, as it is consumed)
         from humanline_cli.core.lora import base_model_of, merged_weights
         from humanline_cli.models import tied_copies
@@ -386,7 +395,12 @@ def policy_weights(policy):
         return
     for name, p in policy.named_parameters():
         t = p.detach()
-        yield name, t.full_tensor() if hasattr(t, "full_tensor") else t
+        if not hasattr(t, "full_tensor"):
+            yield name, t
+            continue
+        if dtype is not None and t.is_floating_point() and torch.finfo(dtype).bits < torch.finfo(t.dtype).bits:
+            t = t.to(dtype)  # elementwise on each rank's shard: still sharded, gathered in the narrower dtype
+        yield name, t.full_tensor()
 
 
 def check_push_api(llm, vllm) -> None:
