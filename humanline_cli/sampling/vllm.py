@@ -94,6 +94,23 @@ def _on_cpu(vllm) -> bool:
         return False
 
 
+def _executor(cuda_device: int | None) -> dict:
+    """vLLM's executor for this process's engine, as LLM keyword arguments."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        # one engine inside each training rank (TRL's colocate mode does the same): vLLM's torchrun-style
+        # executor joins the existing process group and takes its device from LOCAL_RANK (the plain
+        # executor would put every rank's engine on cuda:0); with tensor_parallel_size=1 each engine
+        # serves its own rank's requests and never waits for the others (checked with uneven shares)
+        return {"distributed_executor_backend": "external_launcher"}
+    if cuda_device not in (None, 0):
+        # vLLM's one-process executor takes device index 0 whatever is current: the engine would share another
+        # GPU than the policy's (the way to give one process another GPU is to make it the only one it sees)
+        raise UserError(f"sampler=vllm in one process starts its engine on cuda:0, but this process's device is "
+                        f"cuda:{cuda_device}: choose the GPU with CUDA_VISIBLE_DEVICES instead")
+    return {}
+
+
 class VLLMSampler:
     def __init__(self, model_path: str, tokenizer, *, seed: int = 0,
                  gpu_memory_utilization: float = VLLMSamplerConfig.gpu_memory_utilization,
@@ -149,19 +166,7 @@ class VLLMSampler:
                     block_size=block_size, max_model_len=max_model_len, sequences=call_sequences, dtype=dtype)
         if enforce_eager is None:
             enforce_eager = _on_cpu(vllm)
-        ranks = {}
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            # one engine inside each training rank (TRL's colocate mode does the same): vLLM's torchrun-style
-            # executor joins the existing process group and takes its device from LOCAL_RANK (the plain
-            # executor would put every rank's engine on cuda:0); with tensor_parallel_size=1 each engine
-            # serves its own rank's requests and never waits for the others (checked with uneven shares)
-            ranks = {"distributed_executor_backend": "external_launcher"}
-        elif self._cuda_device not in (None, 0):
-            # vLLM's one-process executor takes device index 0 whatever is current: the engine would share another
-            # GPU than the policy's (the way to give one process another GPU is to make it the only one it sees)
-            raise UserError(f"sampler=vllm in one process starts its engine on cuda:0, but this process's device is "
-                            f"cuda:{self._cuda_device}: choose the GPU with CUDA_VISIBLE_DEVICES instead")
+        ranks = _executor(self._cuda_device)
 
         def start():
             llm = vllm.LLM(
