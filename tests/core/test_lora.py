@@ -323,4 +323,4 @@ def test_a_bf16_base_pushes_an_update_below_half_its_step_to_the_sampler(tmp_pat
 
     dest = save_merged(policy, None, tmp_path / "final", save_adapter=False)
     with safe_open(str(dest / "model.safetensors"), framework="pt") as f:
-        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+        assert {f.get_tensor(k).dtype for k in list(f.keys())} == {torch.bfloat16}
