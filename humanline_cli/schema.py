@@ -24,6 +24,7 @@ from enum import StrEnum
 from typing import Any, Optional
 
 from humanline_cli.core import objectives
+from humanline_cli.core.corrections import CorrectionConfig
 from humanline_cli.core.humanline import HumanlineConfig
 from humanline_cli.core.knobs import MISSING, knob
 
@@ -545,6 +546,7 @@ class RootConfig:
     sampler: Any = knob(None, "sampler=hf|vllm")
     reward: Any = knob(None, "reward=task|model|verifier")
     judge: Any = knob(None, "judge=task|llm|alpaca_eval|none")
+    correction: Any = knob(None, "correction=none|humanline|tis|mis|decoupled|trdpo (stale-data corrections)")
     # plain keys
     seed: int = knob(0, "the run's seed (data order, sampling, initialisation)")
     humanline: bool = knob(False, "switch humanline on: +humanline=true (the paper's spelling) or humanline=true; "
@@ -591,6 +593,7 @@ GROUP_SCHEMAS: dict[str, Mapping[str, type]] = {
     "sampler": {"hf": HFSamplerConfig, "vllm": VLLMSamplerConfig},
     "reward": {"reward": RewardConfig},
     "judge": {"judge": JudgeConfig},
+    "correction": {"correction": CorrectionConfig},
 }
 
 

@@ -128,7 +128,8 @@ def load_run(path: Path) -> dict:
         run["config"] = cfg
         run.update(objective=str(cfg.get("objective.name") or "?"), task=str(cfg.get("task.name") or "?"),
                    data=data_family(str(cfg.get("data.regime") or "?"), cfg),
-                   humanline=cfg.get("humanline") is True)  # only present when the user passed +humanline=true
+                   # humanline=true (+humanline=true) and correction=humanline are one switch
+                   humanline=cfg.get("humanline") is True or cfg.get("correction.kind") == "humanline")
         if cfg.get("seed") is not None:
             run["seed"] = cfg["seed"]
     if (path / "summary.json").is_file():

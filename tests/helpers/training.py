@@ -75,7 +75,7 @@ def run_train(run_dir: Path, parts, spec, resume_from=None, checkpoints=None):
     ckpts = checkpoints or C.Checkpoints(run_dir, spec.train.checkpoint_every, spec.train.keep_checkpoints)
     timer = PhaseTimer()
     last = train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
-                 rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
+                 rule=ReferenceRule.from_spec(spec.humanline, spec.regime, spec.correction), correction=spec.correction, tracker=tracker, timer=timer,
                  checkpoints=ckpts, resume_from=resume_from)
     tracker.finish()
     return last, ckpts, timer
