@@ -96,7 +96,7 @@ class Groups:
     reward: S.RewardConfig
     judge: S.JudgeConfig
     root: S.RootConfig
-    correction: CorrectionConfig = CorrectionConfig()
+    correction: CorrectionConfig = dataclasses.field(default_factory=CorrectionConfig)
 
 
 def resolve(cfg: DictConfig, launched_ranks: int | None = None) -> RunSpec:
@@ -287,11 +287,11 @@ def check_data(data: S.DataConfig, objective: S.ObjectiveConfig, t: S.TrainConfi
                         f"{data.temperature}")
 
 
-def check_humanline(root: S.RootConfig, correction: CorrectionConfig = CorrectionConfig()) -> None:
+def check_humanline(root: S.RootConfig, correction: CorrectionConfig | None = None) -> None:
     """hl.*: a band around 0, a positive sync period, not everything switched off."""
     h = root.hl
     _positive(h.sync_every, "hl.sync_every")
-    if humanline_on(root, correction) and not (h.clamp or h.sync):
+    if humanline_on(root, correction or CorrectionConfig()) and not (h.clamp or h.sync):
         raise UserError("+humanline=true with hl.clamp=false and hl.sync=false turns everything off; drop one")
     if not h.log_eps_P < 0.0 < h.log_eps_R:
         raise UserError(f"humanline band must satisfy hl.log_eps_P < 0 < hl.log_eps_R, got "
