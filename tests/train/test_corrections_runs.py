@@ -1,0 +1,75 @@
+"""The corrections through the real entry point on the tiny bundled world: the trainer/sampler mismatch measured per
+round in metrics.jsonl, the on-policy bound between the transformers sampler's log-probs and the trainer's, the
+importance-weight metrics before truncation, and TR-DPO's soft update moving the reference after each step.
+
+The on-policy bound: the transformers sampler (sampling/hf.py) reports log_softmax(logits) of each drawn token, or
+log_softmax(logits / T) with objective.tempered_logps, BEFORE its top-p filter, the quantity the trainer's
+token_logps computes; the filter's renormalisation therefore never enters the comparison (the IS weight compares the
+model's probabilities, not the filtered sampling distribution: with top_p < 1 the true behaviour probability of a
+kept token is p / (nucleus mass), which no correction here divides by). What is left is float32 round-off between
+the sampler's incremental KV-cache forward and the trainer's full forward: measured below 1e-6 nats on this world,
+asserted below 1e-4."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.helpers.cli import FAST, TINY_WORLD, run_cli
+
+ONLINE = ["objective=grpo", "data=online", "data.n=4", "eval.n_prompts=8", "train.checkpoint_every=0",
+          "train.save_model=false"]
+
+
+def _rows(tmp_path, name, *overrides):
+    run = tmp_path / name
+    r = run_cli(["train", *TINY_WORLD, *FAST, *overrides, f"hydra.run.dir={run}"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return [row for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in row]
+
+
+def test_on_policy_the_trainer_matches_the_hf_sampler(cache_dir, tmp_path):
+    """correction=tis at T=0.7, top_p=0.9, tempered log-probs: each round's tokens at the sampling weights (the
+    reference, reset at the round's start) match the sampler's within 1e-4 nats, no ratio leaves [0.8, 1.25], and
+    the raw IS ratio before truncation is 1 to the same bound."""
+    rows = _rows(tmp_path, "tis", *ONLINE, "correction=tis", "data.generate_every=1", "data.temperature=0.7",
+                 "data.top_p=0.9", "objective.tempered_logps=true")
+    assert len(rows) == 3 and [r["online/round"] for r in rows] == [1, 2, 3]  # one round per step: per round
+    for r in rows:
+        assert r["mismatch/logp_abs_max"] < 1e-4 and r["mismatch/logp_abs_mean"] <= r["mismatch/logp_abs_max"]
+        assert r["mismatch/ratio_outside"] == 0.0
+        assert abs(r["correction/raw_ratio_max"] - 1.0) < 1e-4 and abs(r["correction/raw_ratio_mean"] - 1.0) < 1e-4
+        assert r["correction/dropped_fraction"] == 0.0 and abs(r["correction/weight_mean"] - 1.0) < 1e-4
+
+
+def test_stale_rounds_move_the_ratio_and_decoupled_drops_nothing_within_its_cap(cache_dir, tmp_path):
+    """correction=decoupled on one round serving 3 steps (data.generate_every=3): the reference stays the sampling
+    policy for the whole round, so the mismatch stays at round-off while the policy drifts from it (drift/kl grows
+    after step 1); the behaviour weight pi_prox / pi_behav is that same round-off, so nothing is dropped."""
+    rows = _rows(tmp_path, "dec", *ONLINE, "correction=decoupled", "data.generate_every=3")
+    assert [r["online/round"] for r in rows] == [1, 1, 1]
+    assert all(r["mismatch/logp_abs_max"] < 1e-4 and r["correction/dropped_fraction"] == 0.0 for r in rows)
+    assert max(r["drift/kl"] for r in rows[1:]) > 1e-6 > rows[0]["drift/kl"]
+
+
+def test_no_mismatch_is_claimed_where_the_reference_is_not_the_sampler(cache_dir, tmp_path):
+    """Humanline's sync moves the reference off the sampling weights: no mismatch/* keys (they would measure drift)."""
+    rows = _rows(tmp_path, "hl", *ONLINE, "correction=humanline")
+    assert rows and not any(k.startswith("mismatch/") for r in rows for k in r)
+    assert all("humanline/unclamped_fraction" in r for r in rows)  # correction=humanline is humanline
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.6])
+def test_trdpo_moves_the_reference_after_each_step(cache_dir, tmp_path, alpha):
+    """correction=trdpo, tau=1, DPO offline. alpha=1: after every optimizer step the reference IS the policy, so
+    every later step starts at log-ratio 0 and DPO's loss is ln 2 (method.md: syncing after the step at k=1 zeroes
+    every log-ratio). alpha=0.6: the reference keeps 0.4 of its old weights, so later log-ratios are not 0."""
+    rows = _rows(tmp_path, f"trdpo{alpha}", "objective=dpo", "correction=trdpo", "correction.tau=1",
+                 f"correction.alpha={alpha}", "eval.n_prompts=8", "train.checkpoint_every=0",
+                 "train.save_model=false")
+    assert len(rows) == 3 and rows[0]["logratio_mean"] == 0.0
+    if alpha == 1.0:
+        assert all(r["logratio_mean"] == 0.0 and r["loss"] == pytest.approx(math.log(2), abs=1e-6) for r in rows)
+    else:
+        assert any(abs(r["logratio_mean"]) > 1e-4 for r in rows[1:])
