@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import pytest
 
-from humanline_cli.config import resolve
+from humanline_cli.cli.overrides import normalize_overrides
+from humanline_cli.config import compose_error, resolve
 from humanline_cli.errors import UserError
-from tests.config.test_config import _compose
 
 GRPO_ONLINE = ["objective=grpo", "data=online"]
 
 
 def _spec(*overrides):
-    return resolve(_compose(list(overrides)))
+    """Composed as the CLI composes (`+humanline=` normalised), then resolved."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        try:
+            cfg = compose("train", overrides=normalize_overrides(list(overrides)))
+        except Exception as e:
+            raise UserError(compose_error(e)) from e
+    return resolve(cfg)
 
 
 def test_correction_humanline_is_plus_humanline_true():

@@ -101,11 +101,11 @@ def test_soft_update_mixes_alpha_of_the_policy():
         policy.weight.fill_(1.0)
         reference.weight.fill_(0.0)
     mix_reference(policy, reference, 0.6)
-    assert float(reference.weight) == pytest.approx(0.6, abs=1e-15)
+    assert reference.weight.item() == pytest.approx(0.6, abs=1e-15)
     mix_reference(policy, reference, 0.6)  # 0.6 x 1 + 0.4 x 0.6
-    assert float(reference.weight) == pytest.approx(0.84, abs=1e-15)
+    assert reference.weight.item() == pytest.approx(0.84, abs=1e-15)
     mix_reference(policy, reference, 1.0)  # alpha 1: the hard copy
-    assert float(reference.weight) == 1.0
+    assert reference.weight.item() == 1.0
 
 
 def test_reference_rule_of_trdpo():
