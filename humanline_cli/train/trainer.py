@@ -76,7 +76,8 @@ def train(tr: TrainSpec, hl: HumanlineSpec, parts: Parts, stop: StopSignal | Non
                 for i, mb in enumerate(mbs):
                     with grad_sync(model, i, len(mbs)):
                         with parts.backend.autocast():
-                            loss, m = compute_loss(objective, model, reference, mb, hl, log_now, z0, correction)  # clamp inside
+                            # the humanline clamp and the stale-data correction live one call down
+                            loss, m = compute_loss(objective, model, reference, mb, hl, log_now, z0, correction)
                         ranks.check_finite(loss, step, i, data.micro_batches)
                         (loss * weights[i]).backward()
                     rows.append(micro_row(m, loss, mb, counts[i], fillers[i]))

@@ -8,8 +8,16 @@ import math
 import pytest
 import torch
 
-from humanline_cli.core.corrections import (CorrectionConfig, CorrectionSpec, decoupled_weights, is_weights,
-                                            mismatch_stats, mix_reference, raw_is_ratio, weight_metrics)
+from humanline_cli.core.corrections import (
+    CorrectionConfig,
+    CorrectionSpec,
+    decoupled_weights,
+    is_weights,
+    mismatch_stats,
+    mix_reference,
+    raw_is_ratio,
+    weight_metrics,
+)
 from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule
 from humanline_cli.core.objectives.grpo import grpo_loss
 

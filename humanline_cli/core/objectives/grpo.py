@@ -7,8 +7,15 @@ from enum import StrEnum
 import torch
 
 from humanline_cli.core.batches import GroupBatch
-from humanline_cli.core.corrections import (NO_CORRECTION, decoupled_weights, is_weights, mismatch_stats, raw_is_ratio,
-                                            sampler_logps_of, weight_metrics)
+from humanline_cli.core.corrections import (
+    NO_CORRECTION,
+    decoupled_weights,
+    is_weights,
+    mismatch_stats,
+    raw_is_ratio,
+    sampler_logps_of,
+    weight_metrics,
+)
 from humanline_cli.core.feedback import STD_DDOF, STD_EPS, GroupExample, group_advantages
 from humanline_cli.core.humanline import clamp_logratios
 from humanline_cli.core.knobs import knob, positive
