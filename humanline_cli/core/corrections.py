@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Optional
 
 import torch
 
@@ -56,7 +57,7 @@ class CorrectionConfig:
     cap: float = knob(3.0, "tis/mis: C_max, TRL's vllm_importance_sampling_clip_max (truncate: clip above; mask: "
                            "drop above); decoupled: AReaL's behav_imp_weight_cap (drop above; correction=decoupled "
                            "sets 5)")
-    cap_min: float | None = knob(None, "tis/mis: C_min, TRL's vllm_importance_sampling_clip_min (null: none)")
+    cap_min: Optional[float] = knob(None, "tis/mis: C_min, TRL's vllm_importance_sampling_clip_min (null: none)")
     alpha: float = knob(0.6, "trdpo: ref <- alpha * policy + (1 - alpha) * ref (TRL's ref_model_mixup_alpha)")
     tau: int = knob(512, "trdpo: optimizer steps between soft updates (TRL's ref_model_sync_steps)")
 
