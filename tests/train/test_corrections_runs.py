@@ -87,3 +87,16 @@ def test_on_policy_the_trainer_matches_vllm_cpu(cache_dir, tmp_path):
     assert [row["online/round"] for row in rows] == [1, 2]
     assert all(row["mismatch/logp_abs_max"] < 1e-4 and row["mismatch/ratio_outside"] == 0.0 for row in rows)
     assert all(abs(row["correction/raw_ratio_max"] - 1.0) < 1e-4 for row in rows)
+
+
+def test_async_rounds_weigh_the_lag_and_claim_no_mismatch(cache_dir, tmp_path):
+    """correction=tis on asynchronous rounds (data.async_lag=1, sampled inline): round r is sampled by the weights
+    of round r - 1's start while the reference is reset to round r's start, so from round 2 on the raw ratio
+    pi_round_start / pi_sampler measures one round of staleness (far from 1 at lr 1e-3), and the reference no
+    longer holds the sampling weights, so no mismatch/* is claimed."""
+    rows = _rows(tmp_path, "async", *ONLINE, "correction=tis", "data.generate_every=1", "data.async_lag=1",
+                 "data.async_worker=inline")
+    assert [r["online/round"] for r in rows] == [1, 2, 3]
+    assert not any(k.startswith("mismatch/") for r in rows for k in r)
+    assert abs(rows[0]["correction/raw_ratio_max"] - 1.0) < 1e-4  # round 1: sampled from the starting weights
+    assert max(abs(r["correction/raw_ratio_max"] - 1.0) for r in rows[1:]) > 1e-3
