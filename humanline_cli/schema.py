@@ -549,8 +549,8 @@ class RootConfig:
     correction: Any = knob(None, "correction=none|humanline|tis|mis|decoupled|trdpo (stale-data corrections)")
     # plain keys
     seed: int = knob(0, "the run's seed (data order, sampling, initialisation)")
-    humanline: bool = knob(False, "switch humanline on: +humanline=true (the paper's spelling) or humanline=true; "
-                                  "its knobs live under hl")
+    humanline: bool = knob(False, "switch humanline on: +humanline=true (the paper's spelling), humanline=true or "
+                                  "correction=humanline; its knobs live under hl")
     chat_template: Any = knob("auto", "auto (a string prompt becomes a user message when the tokenizer has a "
                                       "template) | true | false")
     resume: bool = knob(True, "resume from the run dir's last checkpoint (false: start over, old outputs moved to "
