@@ -195,6 +195,19 @@ def humanline_spec(cfg: dict | None, on: bool) -> object:
     return HumanlineSpec.from_config(bool(on), hl)
 
 
+def correction_spec(cfg: dict | None) -> object:
+    """core's CorrectionSpec of a flat config: its correction.* keys, the schema's defaults where unset (none for a
+    run saved before the key existed)."""
+    from dataclasses import fields
+
+    from humanline_cli.core.corrections import CorrectionConfig, CorrectionSpec
+
+    cfg = cfg or {}
+    return CorrectionSpec.from_config(CorrectionConfig(**{f.name: cfg[f"correction.{f.name}"]
+                                                          for f in fields(CorrectionConfig)
+                                                          if f"correction.{f.name}" in cfg}))
+
+
 def loop_seconds(summary: dict) -> float:
     """The training loop's wall-clock: the total less setup, evaluation, saving, checkpoints, the sampler's start."""
     w = summary.get("wall_clock_s") or {}

@@ -134,3 +134,4 @@ def test_correction_modes_from_config():
     assert CorrectionSpec.from_config(CorrectionConfig(kind="mis", level="geometric")).mode == "geometric_mask"
     assert CorrectionSpec.from_config(CorrectionConfig(kind="decoupled")).mode is None
     assert CorrectionSpec.from_config(CorrectionConfig(kind="humanline")).weights_tokens is False
+
