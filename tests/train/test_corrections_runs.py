@@ -22,10 +22,12 @@ ONLINE = ["objective=grpo", "data=online", "data.n=4", "eval.n_prompts=8", "trai
           "train.save_model=false"]
 
 
-def _rows(tmp_path, name, *overrides):
+def _rows(tmp_path, name, *overrides, header: str | None = None):
+    """The run's logged training rows; `header`: a text its run header must show."""
     run = tmp_path / name
     r = run_cli(["train", *TINY_WORLD, *FAST, *overrides, f"hydra.run.dir={run}"], tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert header is None or header in " ".join((r.stdout + r.stderr).split()), r.stderr[:2000]
     return [row for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in row]
 
 
@@ -34,7 +36,7 @@ def test_on_policy_the_trainer_matches_the_hf_sampler(cache_dir, tmp_path):
     reference, reset at the round's start) match the sampler's within 1e-4 nats, no ratio leaves [0.8, 1.25], and
     the raw IS ratio before truncation is 1 to the same bound."""
     rows = _rows(tmp_path, "tis", *ONLINE, "correction=tis", "data.generate_every=1", "data.temperature=0.7",
-                 "data.top_p=0.9", "objective.tempered_logps=true")
+                 "data.top_p=0.9", "objective.tempered_logps=true", header="correction tis (token_truncate, cap 3)")
     assert len(rows) == 3 and [r["online/round"] for r in rows] == [1, 2, 3]  # one round per step: per round
     for r in rows:
         assert r["mismatch/logp_abs_max"] < 1e-4 and r["mismatch/logp_abs_mean"] <= r["mismatch/logp_abs_max"]
@@ -67,7 +69,7 @@ def test_trdpo_moves_the_reference_after_each_step(cache_dir, tmp_path, alpha):
     every log-ratio). alpha=0.6: the reference keeps 0.4 of its old weights, so later log-ratios are not 0."""
     rows = _rows(tmp_path, f"trdpo{alpha}", "objective=dpo", "correction=trdpo", "correction.tau=1",
                  f"correction.alpha={alpha}", "eval.n_prompts=8", "train.checkpoint_every=0",
-                 "train.save_model=false")
+                 "train.save_model=false", header=f"correction trdpo (ref <- {alpha:g} policy")
     assert len(rows) == 3 and rows[0]["logratio_mean"] == 0.0
     if alpha == 1.0:
         assert all(r["logratio_mean"] == 0.0 and r["loss"] == pytest.approx(math.log(2), abs=1e-6) for r in rows)
