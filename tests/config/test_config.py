@@ -34,7 +34,8 @@ CASES = [(g, o) for g in GROUPS if g != "experiment" for o in _options(g)]
 def test_every_config_file_composes_and_validates(group, option):
     extra = {("reward", "model"): ["reward.name_or_path=some/rm"],
              ("task", "custom"): ["data.path=pairs.jsonl", "task.prompts.eval=eval.jsonl"],
-             ("task", "chat_arithmetic"): ["data=online"],  # no offline data of its own
+             ("task", "chat_arithmetic"): ["data=online"],
+             ("task", "chat_sentiment"): ["data=online"],  # no offline data of their own
              # GRPO's importance-weight corrections need the sampler's log-probs: online data
              **{("correction", k): ["objective=grpo", "data=online"] for k in ("tis", "mis", "decoupled")}
              }.get((group, option), [])
