@@ -24,6 +24,7 @@ from enum import StrEnum
 from typing import Any, Optional
 
 from humanline_cli.core import objectives
+from humanline_cli.core.corrections import CorrectionConfig
 from humanline_cli.core.humanline import HumanlineConfig
 from humanline_cli.core.knobs import MISSING, knob
 
@@ -78,6 +79,12 @@ class ScorerKind(StrEnum):
     verifier = "verifier"          # math | exact, against the rows' 'answer'
     model = "model"                # any AutoModelForSequenceClassification
     reward_model = "reward_model"  # the same as model
+    lexicon = "lexicon"            # a sentiment lexicon's score of the reply (vader | afinn)
+
+
+class LexiconName(StrEnum):
+    vader = "vader"  # VADER's compound score in [-1, 1] (vaderSentiment)
+    afinn = "afinn"  # AFINN's word valences, summed, per word (afinn)
 
 
 class VerifierMethod(StrEnum):
@@ -132,6 +139,7 @@ class ReplyStyle(StrEnum):
 
 class GeneratorKind(StrEnum):
     chat_arithmetic = "chat_arithmetic"
+    chat_sentiment = "chat_sentiment"
 
 
 class ArithmeticOp(StrEnum):
@@ -139,6 +147,7 @@ class ArithmeticOp(StrEnum):
     sub = "sub"
     mul = "mul"
     mixed = "mixed"  # each prompt draws one of the three
+    add_sub = "add_sub"  # each prompt draws + or -
 
 
 class RegimeFamily(StrEnum):
@@ -228,6 +237,7 @@ class ScorerSettings:
     trust_remote_code: bool = knob(False, "kind=model: run the model's own code (never on unless you opt in)")
     method: VerifierMethod = knob(VerifierMethod.math, "kind=verifier: how an answer is checked against the row's "
                                                        "'answer'")
+    lexicon: LexiconName = knob(LexiconName.vader, "kind=lexicon: vader (compound score) | afinn (mean word valence)")
 
 
 @dataclass
@@ -235,7 +245,7 @@ class ScorerConfig(ScorerSettings):
     """A labeller (training signal) or judge (evaluation): kind model (any
     AutoModelForSequenceClassification), verifier (math | exact, against the rows' 'answer'), world
     (the bundled tasks' own), or none."""
-    kind: ScorerKind = knob(ScorerKind.none, "model | reward_model (the same) | verifier | world | none")
+    kind: ScorerKind = knob(ScorerKind.none, "model | reward_model (the same) | verifier | world | lexicon | none")
     weights: Optional[dict[str, float]] = knob(
         None, "kind=verifier: sum of weight x reward over accuracy (the method's verdict, 1/0), format and tag_count "
               "(rewards/think_format.py), e.g. the authors' math recipe {accuracy: 8, format: 1, tag_count: 1}; "
@@ -298,7 +308,12 @@ class TaskGeneratorConfig:
     its paths are gen://prompts_train.jsonl and gen://prompts_eval.jsonl. Difficulty: digits and op."""
     kind: GeneratorKind = knob(GeneratorKind.chat_arithmetic, "the generator")
     digits: int = knob(2, "operands have exactly this many digits")
-    op: ArithmeticOp = knob(ArithmeticOp.add, "add | sub | mul | mixed (each prompt draws one of the three)")
+    digits_b: Optional[int] = knob(None, "the second operand's digits (null: `digits`); e.g. digits 2, digits_b 1: "
+                                         "'What is 47 - 8?', 900 problems per operation")
+    op: ArithmeticOp = knob(ArithmeticOp.add, "add | sub | mul | mixed (each prompt draws one of the three) | add_sub "
+                                              "(each draws + or -)")
+    carry: bool = knob(True, "false: only problems whose ones column needs no carry or borrow (digits_b 1, op add, "
+                             "sub or add_sub): 47 + 2, 47 - 5, not 47 + 5")
     n_train: int = knob(2000, "training prompts")
     n_eval: int = knob(200, "evaluation prompts, disjoint from the train prompts")
     seed: int = knob(0, "the generator's seed")
@@ -552,10 +567,11 @@ class RootConfig:
     sampler: Any = knob(None, "sampler=hf|vllm")
     reward: Any = knob(None, "reward=task|model|verifier")
     judge: Any = knob(None, "judge=task|llm|alpaca_eval|none")
+    correction: Any = knob(None, "correction=none|humanline|tis|mis|decoupled|trdpo (stale-data corrections)")
     # plain keys
     seed: int = knob(0, "the run's seed (data order, sampling, initialisation)")
-    humanline: bool = knob(False, "switch humanline on: +humanline=true (the paper's spelling) or humanline=true; "
-                                  "its knobs live under hl")
+    humanline: bool = knob(False, "switch humanline on: +humanline=true (the paper's spelling), humanline=true or "
+                                  "correction=humanline; its knobs live under hl")
     chat_template: Any = knob("auto", "auto (a string prompt becomes a user message when the tokenizer has a "
                                       "template) | true | false")
     resume: bool = knob(True, "resume from the run dir's last checkpoint (false: start over, old outputs moved to "
@@ -598,6 +614,7 @@ GROUP_SCHEMAS: dict[str, Mapping[str, type]] = {
     "sampler": {"hf": HFSamplerConfig, "vllm": VLLMSamplerConfig},
     "reward": {"reward": RewardConfig},
     "judge": {"judge": JudgeConfig},
+    "correction": {"correction": CorrectionConfig},
 }
 
 

@@ -74,7 +74,7 @@ from humanline_cli.train.sharded_load import (
 )
 
 WORLD = "world://"
-GENERATED = "gen://"       # a generated task's files (task.generator; world/chat_arithmetic.py)
+GENERATED = "gen://"       # a generated task's files (task.generator; world/generated.py)
 PACKAGED = "packaged://"   # a model shipped in a Python wheel, converted once (world/packaged.py)
 
 
@@ -84,9 +84,9 @@ def prepare_world(spec: RunSpec, progress: bool = True) -> Path | None:
     policy, the offline data; progress bars from the build); or a generated task's prompt files (task.generator,
     milliseconds). Call it before resolving any world:// or gen:// path."""
     if spec.task_cfg.generator is not None:
-        from humanline_cli.world import chat_arithmetic
+        from humanline_cli.world import generated
 
-        return chat_arithmetic.materialise(asdict(spec.task_cfg.generator), Path(spec.world_cache).expanduser())
+        return generated.materialise(asdict(spec.task_cfg.generator), Path(spec.world_cache).expanduser())
     if spec.task_cfg.world is None:
         return None
     from humanline_cli.world.cache import materialise
@@ -115,7 +115,7 @@ def resolve_path(path: str, spec: RunSpec) -> str:
     path the user gave is relative to where they typed the command (`spec.cwd`), also when
     `hydra.job.chdir=true` moved the job into its run dir (a hub id stays as it is)."""
     if path.startswith(GENERATED):
-        from humanline_cli.world.chat_arithmetic import task_dir
+        from humanline_cli.world.generated import task_dir
 
         if spec.task_cfg.generator is None:
             raise UserError(f"{path!r} refers to a generated task's files, but task={spec.task} has no task.generator")
@@ -478,7 +478,8 @@ def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int, 
     loadable = sharded_loadable(model_path) or (fetched and is_hub_id(model_path))
     n = count_params(config)
     fixed = dict(max_length=spec.train.max_length, lora_r=spec.model_cfg.lora.r,
-                 moving_reference=reference_moves(spec.humanline, spec.regime), strategy=b.strategy.value,
+                 moving_reference=reference_moves(spec.humanline, spec.regime, spec.correction),
+                 strategy=b.strategy.value,
                  ranks=b.nproc if b.strategy.value != "single" else 1,
                  gradient_checkpointing=spec.train.gradient_checkpointing, params=n,
                  # bf16 under FSDP2: the frozen reference is kept in bf16 (build_parts)
@@ -737,7 +738,8 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
 
         policy = apply_lora(policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
     fsdp_full = strategy == "fsdp" and lora.r == 0
-    reference = build_reference(policy, lora=lora.r > 0, moving=reference_moves(spec.humanline, spec.regime),
+    moving = reference_moves(spec.humanline, spec.regime, spec.correction)
+    reference = build_reference(policy, lora=lora.r > 0, moving=moving,
                                 cache=spec.train.reference_cache, shard=shard_model if fsdp_full else None,
                                 dtype=backend.param_dtype if fsdp_full else None,
                                 agree=(lambda f: all_agree(f, dist)) if strategy == "fsdp" else None,
