@@ -17,15 +17,16 @@ is accepted by the CLI, which drops the `+` (Hydra refuses to append a key the s
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Optional
 
+from omegaconf import MISSING
+
 from humanline_cli.core import objectives
 from humanline_cli.core.humanline import HumanlineConfig
-from humanline_cli.core.knobs import MISSING, knob
+from humanline_cli.core.knobs import knob
 
 # each objective's schema lives with the objective (core/objectives/); these names stay importable from here
 from humanline_cli.core.objectives import ObjectiveConfig as ObjectiveConfig
@@ -623,5 +624,4 @@ def _open_keys(schema: type):
     return node
 
 
-with contextlib.suppress(ImportError):  # no Hydra: nothing composes configs in this process (see core/knobs.py's MISSING)
-    register()
+register()

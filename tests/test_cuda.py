@@ -19,7 +19,7 @@ GIB = 1024**3
 def test_a_bf16_step_peaks_within_25_percent_of_the_memory_estimate():
     # Qwen2.5-1.5B's shape (random weights): the weights and AdamW (~18 GiB) dwarf the CUDA context and the
     # allocator's fixed costs, which the estimate leaves out; a tiny shape would measure those instead
-    from humanline_cli.bench.step_bench import run
+    from humanline_cli.lab.step_bench import run
 
     rows = run("qwen2.5-1.5b", "cuda", objectives=("dpo",), micro=1, tokens=512, steps=2, tol=0.25)
     assert [r["check"] for r in rows] == ["step_dpo_hl-false", "step_dpo_hl-true"]
@@ -34,8 +34,8 @@ def test_the_vllm_engine_starts_on_the_ranks_device():
 
     import torch
 
-    from humanline_cli.bench.step_bench import build
-    from humanline_cli.bench.vllm_rows import _tokenizer
+    from humanline_cli.lab.step_bench import build
+    from humanline_cli.lab.vllm_rows import _tokenizer
     from humanline_cli.sampling.vllm import VLLMSampler
 
     device = torch.cuda.device_count() - 1  # the last GPU: another than the default where there are two
@@ -54,9 +54,9 @@ def test_the_vllm_engine_starts_on_the_ranks_device():
 
 
 def test_a_weight_push_then_log_probs_match_the_pushed_model():
-    # vLLM at bf16 against transformers at bf16 after a push of other weights (bench/vllm_rows.py's bound, 0.05
+    # vLLM at bf16 against transformers at bf16 after a push of other weights (lab/vllm_rows.py's bound, 0.05
     # mean absolute log-prob difference), and the prefix cache reset that keeps stale KV out
-    from humanline_cli.bench.vllm_rows import run
+    from humanline_cli.lab.vllm_rows import run
 
     rows = {r["check"]: r for r in run("tiny-vllm", "cuda", calls=(4,), prompt_tokens=100, new_tokens=8,
                                        gpu_memory_utilization=0.2)}

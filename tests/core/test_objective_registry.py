@@ -17,7 +17,7 @@ PKG = Path(__file__).resolve().parents[2] / "humanline_cli"
 
 # modules outside core/ that may name objectives: TRL's peers of dpo/kto/grpo (a new objective has none), and the
 # report's fixed panel order and colours
-NAMED_ON_PURPOSE = {"bench/trl_runs.py", "bench/project.py", "report/plots.py", "report/regime_map.py"}
+NAMED_ON_PURPOSE = {"bench/trl_runs.py", "bench/project.py", "report/plots.py", "lab/regime_map.py"}
 
 
 def _names_in(node: ast.AST, names: set[str]) -> bool:

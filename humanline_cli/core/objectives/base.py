@@ -18,13 +18,13 @@ import torch
 from humanline_cli.core.batches import Seqs, n_units
 from humanline_cli.core.feedback import ScoredGroup
 from humanline_cli.core.humanline import HumanlineSpec
-from humanline_cli.core.knobs import MISSING, knob
+from humanline_cli.core.knobs import knob
 from humanline_cli.core.logprobs import completion_mask, token_logps
 
 
 @dataclass
 class ObjectiveConfig:
-    name: str = knob(MISSING, "the objective: dpo | kto | grpo (the option chosen)")
+    name: str = knob(help="the objective: dpo | ipo | kto | grpo (the option chosen)")
     beta: float = knob(0.1, "weight of the reference: DPO's and KTO's beta; GRPO's KL weight")
     batch_size: int = knob(32, "units per optimizer step: pairs (dpo), examples (kto), groups (grpo; a scored pair: 2)")
     tempered_logps: bool = knob(False, "log-probs of softmax(logits / data.temperature) for the policy, the reference "
