@@ -34,7 +34,7 @@ import torch
 
 from humanline_cli.bench.clock import EndClock, Run, StepClock, built, collect, compose, matmul_peak, train_loop
 from humanline_cli.bench.table import print_result
-from humanline_cli.core.objectives import PROPERTIES
+from humanline_cli.core.objectives import OBJECTIVES, PROPERTIES
 from humanline_cli.core.reference import CachedReference
 from humanline_cli.errors import UserError, ignore_ctrl_c, one_line
 
@@ -87,21 +87,20 @@ def compose_spec(overrides: list[str], opts: dict, humanline: bool, extra: tuple
                           "train.save_model=false", "eval.every=0", "eval.n_prompts=1", *extra,
                           *[f"train.batch_size={opts['batch_size']}"] * bool(opts["batch_size"]),
                           *[f"threads={opts['threads']}"] * bool(opts["threads"]), *["humanline=true"] * humanline))
-    if spec.regime != "offline" and not (spec.objective == "grpo" and not humanline):
-        raise UserError("bench times offline training steps (data=online compares online GRPO with TRL's "
-                        "GRPOTrainer: objective=grpo); drop data=online")
+    peer = OBJECTIVES[spec.objective].trl_peer(spec.objective_cfg)
+    if spec.regime != "offline" and not (peer is not None and peer.row is None and not humanline):
+        raise UserError("bench times offline training steps (data=online compares online steps with a TRL trainer "
+                        "that generates its own, GRPOTrainer: objective=grpo); drop data=online")
     return spec
 
 
 def _prefill(parts, steps: int) -> None:
     """The reference log-probs of every sequence the run's steps will draw (a copy of the source draws them), so
     the timed steps find them all in the cache, as epochs after the first do."""
-    from humanline_cli.core.batches import BinaryBatch
-
     ghost = copy.deepcopy(parts.source)
     for step in range(1, steps + 1):
         for mb in ghost.next_step(step).micro_batches:
-            for seqs in (mb.seqs, *((mb.kl_seqs,) if isinstance(mb, BinaryBatch) else ())):
+            for seqs in (mb.seqs, *mb.extra_seqs()):
                 with parts.backend.autocast():
                     parts.reference.logps(seqs)
 
@@ -174,9 +173,10 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
                  "cached": compose_spec(overrides, opts, humanline=False, extra=("train.reference_cache=true",))}
     want_trl, note = _trl_plan(opts, plain)
     names = ["project"] if online else ["project", "project_humanline"] + ["project_cached"] * opts["cache"]
-    if want_trl:
-        names += ["trl"] + ["trl_cached"] * (opts["cache"] and objective != "grpo" and not online)
-        note = None if online else GRPO_NOTE if objective == "grpo" else None
+    if want_trl:  # TRL precomputes the reference over a dataset it trains on (DPOTrainer, KTOTrainer)
+        own_data = OBJECTIVES[objective].trl_peer(plain.objective_cfg).row is not None
+        names += ["trl"] + ["trl_cached"] * (opts["cache"] and own_data and not online)
+        note = None if online or own_data else GRPO_NOTE
     runs: dict[str, list[Run]] = {name: [] for name in names}
     info: dict = {}
     peaks = []
@@ -237,6 +237,8 @@ def _trl_plan(opts: dict, plain) -> tuple[bool, str]:
     """(whether the TRL rows run, the note saying why not)."""
     from humanline_cli.bench.trl_runs import trl_available
 
+    if opts["trl"] is not False and OBJECTIVES[plain.objective].trl_peer(plain.objective_cfg) is None:
+        return False, f"objective={plain.objective} has no counterpart in TRL: its TRL rows are skipped"
     want_trl = opts["trl"] is True or (opts["trl"] == "auto" and trl_available())
     if opts["trl"] is True and not trl_available():
         raise UserError("bench: trl=true but TRL is not installed (pip install -e '.[bench]')")
@@ -255,8 +257,6 @@ def _one_run(name: str, specs: dict, warmup: int, info: dict) -> Run:
     with trl_runs._quiet():
         if plain.regime == "online":
             return trl_runs.trl_online_grpo_run(plain, info, warmup)
-        if plain.objective == "grpo":
-            return trl_runs.trl_grpo_run(plain, info, warmup)
         return trl_runs.trl_run(plain, info, warmup, precompute=name == "trl_cached")
 
 
