@@ -97,7 +97,7 @@ def rows(prefix: str, options: dict[str, type], values: dict[str, dict] | None =
     values = values or {opt: {} for opt in options}
     names: list[str] = []
     for cls in dict.fromkeys(options.values()):
-        names += [f.name for f in dataclasses.fields(cls) if f.name not in names]
+        names += [f.name for f in dataclasses.fields(cls) if f.name not in names and not f.metadata.get("hidden")]
     out = []
     for name in names:
         having = {opt: cls for opt, cls in options.items() if name in cls.__dataclass_fields__}

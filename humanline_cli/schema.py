@@ -368,6 +368,9 @@ class BackendConfig:
                                                "docs/scaling.md)")
     nproc: int = knob(1, "ranks the job starts (ddp, fsdp)")
     timeout_s: float = knob(300.0, "a collective waiting longer than this fails the job (a frozen or dead rank)")
+    profile: Optional[str] = knob(None, "CARD[:N[xM]] (e.g. h100-80gb:8x2): a dry run as on M nodes of N such GPUs "
+                                        "(validation, memory fit, rank checks), stopping before any weight loads; "
+                                        "docs/scaling.md", hidden=True)
 
 
 @dataclass

@@ -48,7 +48,7 @@ def test_the_cell_reader_reads_each_form():
 def _flat(node, prefix: str) -> dict:
     out = {}
     for k, v in node.items():
-        if isinstance(v, dict) and v and not k == "columns":
+        if isinstance(v, dict) and v and k != "columns":
             out.update(_flat(v, f"{prefix}.{k}"))
         else:
             out[f"{prefix}.{k}"] = v
