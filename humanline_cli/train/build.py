@@ -68,7 +68,7 @@ from humanline_cli.train.sharded_load import (
 )
 
 WORLD = "world://"
-GENERATED = "gen://"       # a generated task's files (task.generator; world/chat_arithmetic.py)
+GENERATED = "gen://"       # a generated task's files (task.generator; world/generated.py)
 PACKAGED = "packaged://"   # a model shipped in a Python wheel, converted once (world/packaged.py)
 
 
@@ -78,9 +78,9 @@ def prepare_world(spec: RunSpec, progress: bool = True) -> Path | None:
     policy, the offline data; progress bars from the build); or a generated task's prompt files (task.generator,
     milliseconds). Call it before resolving any world:// or gen:// path."""
     if spec.task_cfg.generator is not None:
-        from humanline_cli.world import chat_arithmetic
+        from humanline_cli.world import generated
 
-        return chat_arithmetic.materialise(asdict(spec.task_cfg.generator), Path(spec.world_cache).expanduser())
+        return generated.materialise(asdict(spec.task_cfg.generator), Path(spec.world_cache).expanduser())
     if spec.task_cfg.world is None:
         return None
     from humanline_cli.world.cache import materialise
@@ -109,7 +109,7 @@ def resolve_path(path: str, spec: RunSpec) -> str:
     path the user gave is relative to where they typed the command (`spec.cwd`), also when
     `hydra.job.chdir=true` moved the job into its run dir (a hub id stays as it is)."""
     if path.startswith(GENERATED):
-        from humanline_cli.world.chat_arithmetic import task_dir
+        from humanline_cli.world.generated import task_dir
 
         if spec.task_cfg.generator is None:
             raise UserError(f"{path!r} refers to a generated task's files, but task={spec.task} has no task.generator")

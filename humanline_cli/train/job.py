@@ -44,7 +44,7 @@ from humanline_cli.core.humanline import ReferenceRule
 from humanline_cli.errors import Interrupted, Preempted, RunFailed, UserError, ignore_ctrl_c, one_line
 from humanline_cli.machine import Allocation, allocation_of, check_launch, this_machine
 from humanline_cli.memory import release_freed
-from humanline_cli.train import failures
+from humanline_cli.train import failures, provenance
 from humanline_cli.train.build import build_parts
 from humanline_cli.train.checkpoint import Checkpoints
 from humanline_cli.train.finish import finish, header, print_summary
@@ -377,6 +377,7 @@ def run_rank(spec: RunSpec, ctx: Context, console: Console | None = None) -> dic
     transformers.utils.logging.disable_progress_bar()  # our rich bars are the progress display
     timer = PhaseTimer()
     at = StepMarker()
+    began = provenance.code_state()  # before setup: the code this run starts on
     if ctx.main:
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
     tracker = parts = None
@@ -402,6 +403,8 @@ def run_rank(spec: RunSpec, ctx: Context, console: Console | None = None) -> dic
                                       resume=resume_from is not None) if ctx.main else NullTracker()
                     wait_for_rank0()  # rank 0 starts wandb (seconds): the others wait outside the group's timeout
                 resumed = int(resume_from.name.removeprefix("step_")) if resume_from is not None else None
+                if ctx.main:
+                    provenance.record_start(ctx.run_dir, began, fresh=resume_from is None)
                 if resumed is not None:
                     console.print(f"humanline: resuming {ctx.run_dir} from step {resumed} of {tr.steps} "
                                   f"(checkpoints/{resume_from.name}; resume=false starts over)", soft_wrap=True,
