@@ -25,6 +25,7 @@ from typing import Any, Optional
 from omegaconf import MISSING
 
 from humanline_cli.core import objectives
+from humanline_cli.core.corrections import CorrectionConfig
 from humanline_cli.core.humanline import HumanlineConfig
 from humanline_cli.core.knobs import knob
 
@@ -575,10 +576,11 @@ class RootConfig:
     sampler: Any = knob(None, "sampler=hf|vllm")
     reward: Any = knob(None, "reward=task|model|verifier")
     judge: Any = knob(None, "judge=task|llm|alpaca_eval|none")
+    correction: Any = knob(None, "correction=none|humanline|tis|mis|decoupled|trdpo (stale-data corrections)")
     # plain keys
     seed: int = knob(0, "the run's seed (data order, sampling, initialisation)")
-    humanline: bool = knob(False, "switch humanline on: +humanline=true (the paper's spelling) or humanline=true; "
-                                  "its knobs live under hl")
+    humanline: bool = knob(False, "switch humanline on: +humanline=true (the paper's spelling), humanline=true or "
+                                  "correction=humanline; its knobs live under hl")
     chat_template: Any = knob("auto", "auto (a string prompt becomes a user message when the tokenizer has a "
                                       "template) | true | false")
     resume: bool = knob(True, "resume from the run dir's last checkpoint (false: start over, old outputs moved to "
@@ -622,6 +624,7 @@ GROUP_SCHEMAS: dict[str, Mapping[str, type]] = {
     "sampler": {"hf": HFSamplerConfig, "vllm": VLLMSamplerConfig},
     "reward": {"reward": RewardConfig},
     "judge": {"judge": JudgeConfig},
+    "correction": {"correction": CorrectionConfig},
 }
 
 

@@ -466,7 +466,8 @@ def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int, 
     loadable = sharded_loadable(model_path) or (fetched and is_hub_id(model_path))
     n = count_params(config)
     fixed = dict(max_length=spec.train.max_length, lora_r=spec.model_cfg.lora.r,
-                 moving_reference=reference_moves(spec.humanline, spec.regime), strategy=b.strategy.value,
+                 moving_reference=reference_moves(spec.humanline, spec.regime, spec.correction),
+                 strategy=b.strategy.value,
                  ranks=b.nproc if b.strategy.value != "single" else 1,
                  gradient_checkpointing=spec.train.gradient_checkpointing, params=n,
                  # bf16 under FSDP2: the frozen reference is kept in bf16 (build_parts)
@@ -725,7 +726,8 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
 
         policy = apply_lora(policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
     fsdp_full = strategy == "fsdp" and lora.r == 0
-    reference = build_reference(policy, lora=lora.r > 0, moving=reference_moves(spec.humanline, spec.regime),
+    moving = reference_moves(spec.humanline, spec.regime, spec.correction)
+    reference = build_reference(policy, lora=lora.r > 0, moving=moving,
                                 cache=spec.train.reference_cache, shard=shard_model if fsdp_full else None,
                                 dtype=backend.param_dtype if fsdp_full else None,
                                 agree=(lambda f: all_agree(f, dist)) if strategy == "fsdp" else None,
