@@ -247,7 +247,7 @@ def test_the_sampler_samples_round_r_plus_1_while_round_r_trains(cache_dir):
     # 10,000-15,000 pages every round. On a loaded machine the threads' allocations interleave differently and
     # the heap may grow once more, one round of up to ~2,300 faults (measured): two of three rounds stay low
     faults = sorted(clock[r]["page_faults"] for r in (3, 4, 5))
-    assert faults[1] < 2000, {r: clock[r]["page_faults"] for r in clock}
+    assert faults[1] < 2000, {r: c.get("page_faults") for r, c in clock.items()}  # round 6 never trained
     assert res["sampler_cpu_s_per_round"] > 0 and res["trainer_cpu_s_per_round"] > 0
 
 
