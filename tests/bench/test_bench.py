@@ -30,8 +30,7 @@ def test_bench_keys_and_hydra_overrides_are_split():
 
 @pytest.mark.parametrize("arg, msg", [
     ("prompts=0", "bench: prompts must be >= 1, got 0"),
-    ("constant_steps=0", "bench: constant_steps must be >= 1, got 0"),
-    ("constants=maybe", "bench: constants must be true or false, got 'maybe'"),
+    ("cache=maybe", "bench: cache must be true or false, got 'maybe'"),
     ("sampler=1", "bench: sampler must be true or false, got '1'"),
 ])
 def test_bench_keys_refuse_a_zero_size_and_a_non_boolean(arg, msg):
@@ -49,16 +48,18 @@ def _unwritable_outs(tmp_path):
 
 
 def test_bench_out_is_checked_before_measuring(tmp_path, capsys, monkeypatch):
-    import humanline_cli.bench.constants as constants
-    from humanline_cli.bench.project import main_bench
+    import humanline_cli.bench.project as project
+    import humanline_cli.lab.constants as constants
 
     def measure(*a, **k):  # never reached: out= is checked first
         raise AssertionError("measured before checking out=")
 
+    monkeypatch.setattr(project, "run_bench", measure)
     monkeypatch.setattr(constants, "measure", measure)
     for out, msg in _unwritable_outs(tmp_path):
-        for mode in ("constants=true", f"pool={tmp_path / 'missing.json'}"):
-            assert main_bench([mode, f"out={out}"]) == 2
+        for run, args in ((project.main_bench, [f"out={out}"]), (constants.main, ["--out", str(out)]),
+                          (constants.main, ["--pool", str(tmp_path / "missing.json"), "--out", str(out)])):
+            assert run(args) == 2
             err = capsys.readouterr().err
             assert err.startswith(f"humanline: error: {msg}") and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing written
@@ -155,20 +156,19 @@ def test_bench_rejects_online_data(tiny_world, tmp_path):
     assert r.returncode == 2 and "offline" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_ctrl_c_while_measuring_constants_is_one_line_exit_130(tmp_path, capsys, monkeypatch):
+def test_ctrl_c_while_measuring_is_one_line_exit_130(tmp_path, capsys, monkeypatch):
     import signal
 
-    import humanline_cli.bench.constants as constants
-    from humanline_cli.bench.project import main_bench
+    import humanline_cli.bench.project as project
 
     def measure(*a, **k):  # Ctrl-C lands mid-measurement
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(constants, "measure", measure)
+    monkeypatch.setattr(project, "run_bench", measure)
     monkeypatch.chdir(tmp_path)
     handler = signal.getsignal(signal.SIGINT)
     try:
-        assert main_bench(["constants=true"]) == 130
+        assert project.main_bench([]) == 130
     finally:
         signal.signal(signal.SIGINT, handler)
     assert capsys.readouterr().err == "humanline: bench interrupted (Ctrl-C) while measuring; nothing was written\n"
@@ -221,3 +221,22 @@ def test_a_bf16_bench_runs_trl_with_bf16_true_beside_it(tiny_world, tmp_path):
     assert fp32_peak > 0 and f"fp32 {fp32_peak / 1e9:.1f} GFLOP/s" in r.stdout
     for row in res["rows"].values():
         assert row["mfu_fp32"] == pytest.approx(row["flops_per_s"] / fp32_peak, rel=1e-12)
+
+
+def test_the_product_commands_show_no_lab_modes(capsys):
+    """`humanline bench --help` and `humanline report --help` list what a user types: the cost model's constants,
+    their pooling, the async timing and the predictions live in humanline_cli/lab/ (python -m ...)."""
+    from humanline_cli.bench.project import main_bench
+    from humanline_cli.report.aggregate import main_report
+
+    assert main_bench(["--help"]) == 0
+    with pytest.raises(SystemExit) as e:
+        main_report(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "steps=20" in text and "--ignore" in text and "--margin" in text
+    for lab in ("constants=", "pool=", "async_rounds=", "--target", "--gpu-check"):
+        assert lab not in text, lab
+    for lab in (["constants=true"], ["pool=a.json,b.json"], ["async_rounds=3"]):  # now Hydra overrides it refuses
+        opts, overrides = parse_args(lab)
+        assert overrides == lab
