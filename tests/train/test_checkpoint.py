@@ -184,8 +184,9 @@ def test_config_diff_names_keys_and_ignores_the_harmless_ones():
 
 
 def test_a_run_saved_before_a_key_existed_resumes_with_the_keys_default(tmp_path):
-    """A run dir saved by an older humanline lacks the keys added since; each counts at its schema default (the
-    behaviour the older code had), named in one line, and only a value away from that default is another config."""
+    """A run dir saved by an older humanline lacks the keys added since; each counts at today's schema default
+    (which need not be what the older code did: the line names each key and the value it takes), and only a value
+    away from that default is another config."""
     import copy
 
     from humanline_cli.config import compose_train, resolve
@@ -202,7 +203,8 @@ def test_a_run_saved_before_a_key_existed_resumes_with_the_keys_default(tmp_path
     said = []
     assert R.prepare_run_dir(run, config, resume=True, say=said.append) == 0
     assert said == [f"{run} holds a run made before sampler.block_size, train.compile, train.shared_prefix existed: "
-                    f"resuming it with their defaults"]
+                    f"resuming it with today's default(s) (sampler.block_size=null, train.compile=false, "
+                    f"train.shared_prefix=true), which may differ from what the older code did"]
     assert json.loads((run / R.RESOLVED).read_text()) == json.loads(json.dumps(scrub(config)))
 
     (run / R.RESOLVED).write_text(json.dumps(old))

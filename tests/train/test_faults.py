@@ -217,6 +217,7 @@ def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_one(three_checkpoi
 
     run = tmp_path / "run"
     shutil.copytree(three_checkpoints, run)
+    (run / R.RESOLVED).write_text(json.dumps({"seed": 0}))  # the config its checkpoints (which record none) ran
     ckpts = C.Checkpoints(run, 2)
     assert ckpts.steps() == [2, 4, 6] and all(C.verify(ckpts.root / f"step_{s}") is None for s in (2, 4, 6))
     hurt, reason = DAMAGE[damage]
