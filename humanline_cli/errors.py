@@ -1,13 +1,24 @@
-"""Every exception the program raises on purpose, the one-line form of an error, and the ways out of a command
-(`fail`, `ignore_ctrl_c`).
+"""Every exception the program raises on purpose, the one-line form of an error (credentials in it masked by their
+shape, `mask_secrets`), and the ways out of a command (`fail`, `ignore_ctrl_c`).
 
 How each one ends a `humanline train` job (exit code, failed.json, message) is one table, in
 train/job.py `outcome`."""
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import threading
+
+MASK = "***"
+# a URL's password (scheme://user:PASSWORD@host): the user name stays, to tell which account
+_URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]*:)[^/\s@]+@")
+# tokens whose shape says what they are, wherever they stand (a URL's userinfo, an override, an error message):
+# GitHub (ghp_/gho_/ghu_/ghs_/ghr_, github_pat_), OpenAI and Anthropic (sk-), Hugging Face (hf_), Slack (xox?-),
+# AWS access key ids (AKIA/ASIA + 16)
+_TOKEN = re.compile(r"(?<![A-Za-z0-9])(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"
+                    r"|sk-[A-Za-z0-9_\-]{20,}|hf_[A-Za-z0-9]{20,}|xox[abprs]-[A-Za-z0-9\-]{10,}"
+                    r"|(?:AKIA|ASIA)[0-9A-Z]{16})(?![A-Za-z0-9])")
 
 
 class UserError(Exception):
@@ -48,12 +59,23 @@ class Interrupted(KeyboardInterrupt):
         self.where = where
 
 
+def mask_secrets(text: str) -> str:
+    """`text` with every credential recognisable by its shape masked: a URL's password and tokens with a known
+    prefix. What a key's NAME marks as secret is masked by the writers of configs (train/tracking.scrub), which
+    call this for every other string."""
+    if not isinstance(text, str) or len(text) < 10:
+        return text
+    return _TOKEN.sub(MASK, _URL_PASSWORD.sub(lambda m: m["head"] + MASK + "@", text))
+
+
 def one_line(e: BaseException, secret: str | None = None, limit: int | None = None) -> str:
     """An error's message on one line (its lines joined), or its type's name when it has none; `secret`
-    (a key a server may echo back, 6 characters or more) masked; at most `limit` characters."""
+    (a key a server may echo back, 6 characters or more) and credentials shaped like one (mask_secrets) masked;
+    at most `limit` characters."""
     text = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
     if secret and len(secret) >= 6:
-        text = text.replace(secret, "***")
+        text = text.replace(secret, MASK)
+    text = mask_secrets(text)
     return text[:limit] if limit is not None else text
 
 
