@@ -70,6 +70,9 @@ def parse_args(args: list[str]) -> tuple[dict, list[str]]:
     for key in ("prompts", "constant_steps"):  # sizes of what is measured: 0 would measure nothing
         if opts[key] is None or opts[key] < 1:
             raise UserError(f"bench: {key} must be >= 1, got {opts[key]}")
+    for key in ("batch_size", "threads"):  # null: the config's own; 0 is not "the config's" but nothing
+        if opts[key] is not None and (isinstance(opts[key], bool) or opts[key] < 1):
+            raise UserError(f"bench: {key} must be >= 1 or null (the config's own), got {opts[key]}")
     return opts, overrides
 
 
@@ -77,6 +80,8 @@ def _value(key: str, value: str):
     low = value.lower()
     if key in ("out", "pool") or (key == "trl" and low == "auto"):
         return value if key != "trl" else "auto"
+    if key == "trl" and low not in ("true", "false"):
+        raise UserError(f"bench: trl must be auto, true or false, got {value!r}")
     if key in BOOLEAN and low not in ("true", "false"):
         raise UserError(f"bench: {key} must be true or false, got {value!r}")
     if low in ("true", "false", "null", "none", ""):

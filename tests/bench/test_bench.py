@@ -33,6 +33,10 @@ def test_bench_keys_and_hydra_overrides_are_split():
     ("constant_steps=0", "bench: constant_steps must be >= 1, got 0"),
     ("constants=maybe", "bench: constants must be true or false, got 'maybe'"),
     ("sampler=1", "bench: sampler must be true or false, got '1'"),
+    ("batch_size=0", "bench: batch_size must be >= 1 or null (the config's own), got 0"),
+    ("threads=0", "bench: threads must be >= 1 or null (the config's own), got 0"),
+    ("trl=maybe", "bench: trl must be auto, true or false, got 'maybe'"),
+    ("trl=2", "bench: trl must be auto, true or false, got '2'"),
 ])
 def test_bench_keys_refuse_a_zero_size_and_a_non_boolean(arg, msg):
     with pytest.raises(UserError) as e:
