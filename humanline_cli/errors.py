@@ -5,6 +5,8 @@ How each one ends a `humanline train` job (exit code, failed.json, message) is o
 train/job.py `outcome`."""
 from __future__ import annotations
 
+import argparse
+import math
 import re
 import signal
 import sys
@@ -88,6 +90,31 @@ def fail(msg: str, code: int = 2):
     """The CLI's way out for a mistake the user can fix: one stderr line with the prefix, exit 2."""
     print(f"humanline: error: {msg}", file=sys.stderr)
     sys.exit(code)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the commands it parses (report, eval): a mistake ends as every other user mistake does, in one
+    `humanline: error:` line naming the command, exit 2, not argparse's usage block."""
+
+    def error(self, message: str):
+        fail(f"{self.prog.removeprefix('humanline ')}: {message} (--help shows the usage)")
+
+
+def finite_float(low: float | None = None, high: float | None = None, positive: bool = False):
+    """An argparse `type`: a finite float within [low, high] (positive: > 0); nan and inf are refused."""
+
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(x) or (positive and not x > 0) or (low is not None and x < low) \
+                or (high is not None and x > high):
+            want = "a finite number > 0" if positive else f"a finite number in [{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+        return x
+
+    return parse
 
 
 def ignore_ctrl_c() -> None:
