@@ -52,6 +52,16 @@ class RunDirConflict(UserError):
     """The run dir holds a run made with another config (or one that cannot be checked)."""
 
 
+class Terminated(BaseException):
+    """SIGTERM raised where the main thread is (as Ctrl-C's KeyboardInterrupt is), by a command that has nothing to
+    checkpoint (`raise_terminated` as its handler): a BaseException, so no `except Exception` swallows it and the
+    command ends with its own line."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated()
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C, carrying where it landed (`at step N`, `after training`), so the CLI reports it from the
     exception itself. A KeyboardInterrupt and still caught as one."""

@@ -29,6 +29,7 @@ import copy
 import gc
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -40,7 +41,7 @@ from humanline_cli.bench.clock import EndClock, Run, StepClock, built, collect, 
 from humanline_cli.bench.vllm_rows import error_line
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.core.reference import CachedReference
-from humanline_cli.errors import UserError, ignore_ctrl_c
+from humanline_cli.errors import Preempted, Terminated, UserError, ignore_ctrl_c, raise_terminated
 
 DEFAULTS = {"steps": 20, "warmup": 2, "repeats": 2, "batch_size": None, "threads": None, "trl": "auto",
             "cache": True, "sampler": False, "prompts": 64, "out": None, "async_rounds": 0,
@@ -339,6 +340,7 @@ def main_bench(args: list[str]) -> int:
         return 0
     console = Console()
     os.environ.setdefault("WANDB_SILENT", "true")  # as in train: the mini-runs' wandb says nothing on the console
+    old = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         opts, overrides = parse_args(args)
         if opts["out"]:
@@ -351,6 +353,11 @@ def main_bench(args: list[str]) -> int:
         ignore_ctrl_c()  # a second Ctrl-C must not cut this line short
         print("humanline: bench interrupted (Ctrl-C) while measuring; nothing was written", file=sys.stderr)
         return 130
+    except (Terminated, Preempted):  # a mini-run's own SIGTERM handling ends in Preempted
+        print("humanline: bench stopped by SIGTERM while measuring; nothing was written", file=sys.stderr)
+        return 143
+    finally:
+        signal.signal(signal.SIGTERM, old)
     out = Path(opts["out"] or f"runs/bench/{prefix}{res['objective']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")

@@ -24,6 +24,7 @@ SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 _CSV_NUMBERS = ("score_chosen", "score_rejected")
 _CSV_BOOLS = {"true": True, "1": True, "false": False, "0": False}
 _CSV_LISTS = ("completions", "rewards")  # the groups format needs lists, which a CSV cell cannot hold
+_CSV_TEXTS = ("prompt", "chosen", "rejected", "completion")  # text fields a chat dataset would hold as lists
 
 
 def _malformed(path, line: int, e: json.JSONDecodeError) -> UserError:
@@ -192,6 +193,17 @@ def _read_csv(path: Path) -> tuple[list[dict], list[int]]:
     return rows, lines
 
 
+def _chat_list(cell) -> bool:
+    """A CSV cell that reads as a JSON list of {role, content} messages (what a chat dataset's export writes)."""
+    if not isinstance(cell, str) or not cell.lstrip().startswith("[") or '"role"' not in cell:
+        return False
+    try:
+        value = json.loads(cell)
+    except ValueError:
+        return False
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
 def _csv_types(rows: list[dict], where: Callable[[int], str], path) -> None:
     """Convert the formats' numeric and boolean fields from text (in place); all else stays a string."""
     for name in _CSV_LISTS:
@@ -199,6 +211,10 @@ def _csv_types(rows: list[dict], where: Callable[[int], str], path) -> None:
             raise UserError(f"{path}: column {name!r}: CSV cells hold text, not lists, so the groups format "
                             f"(prompt/completions/rewards) needs JSONL, JSON or Parquet")
     for i, row in enumerate(rows):
+        for name in _CSV_TEXTS:
+            if _chat_list(row.get(name)):
+                raise UserError(f"{where(i)}: field {name!r} holds a list of chat messages, but CSV cells are text "
+                                f"(the cell would be trained as its JSON); chat data needs JSONL, JSON or Parquet")
         for name in _CSV_NUMBERS:
             if name in row:
                 cell = row[name].strip()

@@ -198,3 +198,22 @@ def test_bench_online_grpo_against_trl_grpo_trainer(tiny_world, tmp_path):
     project, trl = res["rows"]["project"], res["rows"]["trl"]
     assert res["trl_steps_ratio"] == pytest.approx(project["steps_per_s"] / trl["steps_per_s"], rel=1e-12)
     assert f"{res['trl_steps_ratio']:.2f}x" in r.stdout and "GRPOTrainer.train" in r.stdout
+
+
+def test_sigterm_while_measuring_ends_with_one_line(monkeypatch, capsys, tmp_path):
+    import os
+    import signal
+    import time
+
+    from humanline_cli.bench import project
+
+    def measure(*a):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+        raise AssertionError("SIGTERM did not stop the bench")
+
+    monkeypatch.setattr(project, "_measure", measure)
+    before = signal.getsignal(signal.SIGTERM)
+    assert project.main_bench([f"out={tmp_path / 'b.json'}"]) == 143
+    assert capsys.readouterr().err == "humanline: bench stopped by SIGTERM while measuring; nothing was written\n"
+    assert signal.getsignal(signal.SIGTERM) is before and not (tmp_path / "b.json").exists()

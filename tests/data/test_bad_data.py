@@ -86,6 +86,9 @@ def test_not_utf8_names_the_line(tmp_path):
     ('prompt,chosen,rejected\n"multi\nline",b,c\na,b\n', ":4: 2 cells, but the header has 3 columns"),
     ("prompt,chosen,prompt\na,b,c\n", ":1: duplicate column(s) ['prompt'] in the CSV header"),
     ("prompt,completions,rewards\na,b,1\n", "column 'completions': CSV cells hold text, not lists"),
+    ('prompt,chosen,rejected\na,b,c\n"[{""role"": ""user"", ""content"": ""1+1=""}]",2,3\n',
+     ":3: field 'prompt' holds a list of chat messages, but CSV cells are text (the cell would be trained as its "
+     "JSON); chat data needs JSONL, JSON or Parquet"),
     ("prompt,chosen,rejected\n", "is empty"),
     ("", "is empty"),
 ])

@@ -533,6 +533,10 @@ def test_skipped_steps_within_the_allowance_are_counted_not_fatal(tmp_path):
     (["train.batch_size=32", "train.micro_batch_size=3"],
      "train.batch_size (32) must be a positive multiple of train.micro_batch_size (3)"),
     (["train.max_skipped_fraction=1.5"], "config key 'train.max_skipped_fraction' must be in [0, 1], got 1.5"),
+    # under auto there is no micro-batch of the user's to name (not "2 x 15 = 30")
+    (["train.batch_size=31", "backend.strategy=ddp", "backend.nproc=2"],
+     "train.batch_size (31) must be a multiple of backend.nproc (2): each rank trains batch_size / nproc units per "
+     "step"),
 ])
 def test_config_rules_name_the_real_rule(overrides, message):
     from hydra import compose, initialize_config_module
@@ -543,6 +547,20 @@ def test_config_rules_name_the_real_rule(overrides, message):
     with initialize_config_module(config_module="conf", version_base="1.3"), pytest.raises(UserError) as e:
         resolve(compose("train", overrides=overrides))
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("backend", [[], ["backend.strategy=ddp", "backend.nproc=2"]])
+def test_a_micro_batch_above_the_share_is_one_rule_for_one_process_and_ddp(backend):
+    """A micro-batch larger than the units a rank trains per step is lowered to that share with a note, in one
+    process as under DDP (the update does not depend on the split)."""
+    from humanline_cli.config import compose_train, resolve
+
+    ranks = 2 if backend else 1
+    spec = resolve(compose_train(["train.batch_size=8", "train.micro_batch_size=16", *backend]))
+    share = 8 // ranks
+    assert spec.train.micro_batch_size == share and spec.train.accumulation == 1
+    each = "each of 2 ranks trains" if backend else "the run trains"
+    assert f"train.micro_batch_size=16 > the {share} units {each} per step: micro-batches of {share}" in spec.notes
 
 
 def test_long_path_component_and_unquoted_unicode_are_one_line(tmp_path):

@@ -159,7 +159,7 @@ def test_the_evaluation_batch_is_checked(model_dir, monkeypatch):
     from humanline_cli.train.build import fit_memory, memory_estimate
 
     small = _spec(model_dir, "objective=dpo", "eval.batch_size=4")
-    big = _spec(model_dir, "objective=dpo", "eval.batch_size=4096")
+    big = _spec(model_dir, "objective=dpo", "eval.batch_size=4096", "eval.n_prompts=null")  # all: 4096 a call
     cpu = torch.device("cpu")
     e_small, e_big = (memory_estimate(s, str(model_dir), cpu) for s in (small, big))
     assert e_big.evaluating - e_small.evaluating == pytest.approx(
@@ -169,6 +169,10 @@ def test_the_evaluation_batch_is_checked(model_dir, monkeypatch):
     with pytest.raises(UserError, match=r"^eval.batch_size=4096 will not fit: evaluation needs"):
         fit_memory(big, str(model_dir), cpu)
     assert fit_memory(small, str(model_dir), cpu)[1].evaluating == e_small.evaluating
+    # evaluation never batches more prompts than it has: a huge eval.batch_size over 4 prompts is 4 a call
+    few = _spec(model_dir, "objective=dpo", "eval.batch_size=1000000", "eval.n_prompts=4")
+    assert memory_estimate(few, str(model_dir), cpu).evaluating == e_small.evaluating
+    assert fit_memory(few, str(model_dir), cpu)[1].evaluating == e_small.evaluating  # not refused
 
 
 def _llama(model_dir):
