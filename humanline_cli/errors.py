@@ -62,6 +62,15 @@ def raise_terminated(signum, frame):
     raise Terminated()
 
 
+def exit_on_sigterm(signum, frame):
+    """SIGTERM where no command has its own handler (starting up, importing, preparing the run dir): one line and
+    exit 143, as SIGTERM's default would end it, at once (nothing half-done is waited for)."""
+    import os
+
+    os.write(2, b"humanline: stopped by SIGTERM outside training (nothing to checkpoint); rerun the same command\n")
+    os._exit(143)
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C, carrying where it landed (`at step N`, `after training`), so the CLI reports it from the
     exception itself. A KeyboardInterrupt and still caught as one."""

@@ -620,3 +620,21 @@ def test_checksums_cover_fsdp_shards(tmp_path):
     (ck / "shards/__1_0.distcp").unlink()
     assert C.verify(ck) == "shards/__1_0.distcp is missing"
 
+
+
+def test_sigterm_while_importing_ends_with_one_line(tmp_path):
+    """SIGTERM before any command's own handler is in place (torch, transformers and Hydra still loading: seconds)
+    ends as SIGTERM's default would, exit 143, with one line instead of none."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "humanline_cli", "train", f"hydra.run.dir={tmp_path / 'run'}"],
+                            cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)  # past the interpreter's start, well within the imports
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 143
+    assert err == "humanline: stopped by SIGTERM outside training (nothing to checkpoint); rerun the same command\n"
+    assert not (tmp_path / "run").exists()
