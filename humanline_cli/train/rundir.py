@@ -3,7 +3,9 @@ the CLI before any rank starts): the saved `resolved_config.json` is compared wi
 that never change results (IGNORED). Same config and complete: nothing to do. Same config, incomplete: resume
 from the newest intact checkpoint (damaged ones, whose checksums fail, are moved to damaged-step_<N>/ and
 named in one line; step-indexed outputs rewound to the one used) or start over. Another config: refused
-(RunDirConflict) unless `resume=false`, which moves the old outputs to `previous-<n>/`.
+(RunDirConflict) unless `resume=false`, which moves the old outputs to `previous-<n>/`. The checkpoint a resume
+continues is also checked against the config it records itself (`run_record`), so a deleted or corrupt
+resolved_config.json never lets a run continue under another config; with neither readable, it is refused.
 """
 from __future__ import annotations
 
