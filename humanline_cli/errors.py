@@ -17,7 +17,8 @@ MASK = "***"
 _URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]*:)[^/\s@]+@")
 # tokens whose shape says what they are, wherever they stand (a URL's userinfo, an override, an error message):
 # GitHub (ghp_/gho_/ghu_/ghs_/ghr_, github_pat_), OpenAI and Anthropic (sk-), Hugging Face (hf_), Slack (xox?-),
-# AWS access key ids (AKIA/ASIA + 16)
+# AWS access key ids (AKIA/ASIA + 16). A random token mixes upper and lower case; a file or model name that happens
+# to start the same way (sk-learn-runs-2024-final.jsonl) rarely does, and is left as it is (_token)
 _TOKEN = re.compile(r"(?<![A-Za-z0-9])(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"
                     r"|sk-[A-Za-z0-9_\-]{20,}|hf_[A-Za-z0-9]{20,}|xox[abprs]-[A-Za-z0-9\-]{10,}"
                     r"|(?:AKIA|ASIA)[0-9A-Z]{16})(?![A-Za-z0-9])")
@@ -86,7 +87,13 @@ def mask_secrets(text: str) -> str:
     call this for every other string."""
     if not isinstance(text, str) or len(text) < 10:
         return text
-    return _TOKEN.sub(MASK, _URL_PASSWORD.sub(lambda m: m["head"] + MASK + "@", text))
+    return _TOKEN.sub(_token, _URL_PASSWORD.sub(lambda m: m["head"] + MASK + "@", text))
+
+
+def _token(m: re.Match) -> str:
+    t = m[0]
+    mixed = any(c.isupper() for c in t[4:]) and any(c.islower() for c in t[4:])
+    return MASK if t.startswith(("AKIA", "ASIA")) or mixed else t
 
 
 def one_line(e: BaseException, secret: str | None = None, limit: int | None = None) -> str:

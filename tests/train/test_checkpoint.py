@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -285,6 +286,11 @@ def test_rerun_rules_through_the_cli(cache_dir, tmp_path):
     again = run_cli(args, tmp_path)  # complete, same config: nothing is touched, not even .hydra
     assert again.returncode == 0 and "already complete" in again.stderr, again.stderr[-2000:]
     assert _files(run) == before
+    # a job killed (-9) after its complete summary.json, before releasing its lock: still final
+    (run / ".lock").write_text(f"999999999 {socket.gethostname()}\n")
+    stale = run_cli(args, tmp_path)
+    assert stale.returncode == 0 and "taking it over" in stale.stderr and "already complete" in stale.stderr
+    assert "resuming" not in stale.stderr and _files(run) == before
 
     other = run_cli([*args, "train.lr=2e-3", "seed=4"], tmp_path)
     line = _one_error_line(other.stderr)

@@ -68,14 +68,16 @@ def test_mask_saved_configs_rewrites_only_files_with_secrets(tmp_path):
 @pytest.mark.parametrize("text,masked", [
     ("https://user:S3CRETVALUE@host/v1", "https://user:***@host/v1"),
     ("postgres://u:S3CRET@db:5432/app", "postgres://u:***@db:5432/app"),
-    ("https://ghp_abcdefghijklmnopqrstuvwxyz0123@github.com/o/r", "https://***@github.com/o/r"),
+    ("https://ghp_aBcdEfGhijKlmnOpqrStuvWxyz0123456789@github.com/o/r", "https://***@github.com/o/r"),
     ("token github_pat_11ABCDEFG0123456789_abcdefghijkl here", "token *** here"),
-    ("sk-proj-abcdefghijklmnopqrstuvwxyz", "***"), ("hf_abcdefghijklmnopqrstuvwxyz", "***"),
-    ("xoxb-1234-5678-abcdef", "***"), ("AKIAIOSFODNN7EXAMPLE", "***"),
+    ("sk-proj-aBcDeFgHiJkLmNoPqRsTuV-w1x2y3z4", "***"), ("hf_AbCdEfGhIjKlMnOpQrStUvWxYzAbCdEfGh", "***"),
+    ("xoxb-123456789012-AbCdEfGhIjKl", "***"), ("AKIAIOSFODNN7EXAMPLE", "***"),
     # what looks alike and is not a credential stays
     ("http://localhost:8000/v1", "http://localhost:8000/v1"), ("world://policy", "world://policy"),
     ("HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"), ("ask-me-anything", "ask-me-anything"),
     ("hf_short", "hf_short"), ("user@host.example:22", "user@host.example:22"),
+    ("/data/sk-learn-runs-2024-final.jsonl", "/data/sk-learn-runs-2024-final.jsonl"),  # one case: a name
+    ("hf_arithmeticpairsversiontwo", "hf_arithmeticpairsversiontwo"),
 ])
 def test_secrets_are_masked_by_their_shape(text, masked):
     from humanline_cli.errors import mask_secrets
