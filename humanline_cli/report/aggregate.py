@@ -17,7 +17,7 @@ import pandas as pd
 
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.errors import ArgumentParser, UserError, finite_float
-from humanline_cli.report import async_lag, cost, gap_closed, matched, speed
+from humanline_cli.report import async_lag, cost, gap_closed, matched, speed, study_csv
 from humanline_cli.report.frame import MARKERS, find_run_dirs, frame, load_run, md_table, write_csv
 from humanline_cli.report.groups import DEFAULT_IGNORE, collapse_duplicates, label, parse_ignore, under
 from humanline_cli.report.plots import FAMILIES, log_to_wandb, make_plots, order
@@ -154,9 +154,9 @@ def _rel(path: Path, base: Path) -> str:
 
 
 def render_markdown(root: Path, cells, runs: pd.DataFrame, plots: dict, skipped: dict, out_dir: Path, ignore=(),
-                    duplicates=()) -> str:
+                    duplicates=(), shown_root: Path | None = None) -> str:
     n = runs.status.value_counts()
-    lines = [f"# humanline report: `{root}`", "",
+    lines = [f"# humanline report: `{shown_root or root}`", "",
              (f"{len(runs)} run dirs: {n.get('complete', 0)} complete, {n.get('failed', 0)} failed, "
               f"{n.get('incomplete', 0)} incomplete (only complete runs are aggregated)."), ""]
     if duplicates:
@@ -202,7 +202,9 @@ def by_commit(records: list[dict], pool: bool) -> str:
 
 
 def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None = None, ignore=(), targets=(),
-                 accuracy: float | None = None, margin: float | None = None, pool_commits: bool = False) -> Report:
+                 accuracy: float | None = None, margin: float | None = None, shown_root: Path | None = None,
+                 pool_commits: bool = False) -> Report:
+    """`shown_root`: what the report names as its source (default `root`); `pool_commits`: see by_commit."""
     root, ignore = Path(root), parse_ignore(ignore)
     if not root.is_dir():
         raise ReportError(f"no such directory: {root}")
@@ -220,7 +222,7 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     complete = with_regimes(complete)
     cells = aggregate(complete, groups)
     plots, skipped = make_plots(complete, out_dir)
-    md = render_markdown(root, cells, runs, plots, skipped, out_dir, ignore, duplicates)
+    md = render_markdown(root, cells, runs, plots, skipped, out_dir, ignore, duplicates, shown_root)
     if commits_note:
         md += f"\n## Code versions\n\n{commits_note}\n"
     files = {"report.md": out_dir / "report.md", "report.csv": out_dir / "report.csv", **plots}
@@ -271,6 +273,16 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     return rep
 
 
+def report_from_csv(csv_path: Path, out_dir: Path, **options) -> Report:
+    """build_report over the run dirs a study CSV (study_csv.export) holds, rebuilt in a temporary folder; the
+    report names the CSV as its source."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="humanline-csv-") as tmp:
+        root = study_csv.materialise(Path(csv_path), Path(tmp) / Path(csv_path).stem)
+        return build_report(root, out_dir, shown_root=Path(csv_path), **options)
+
+
 def print_report(rep: Report, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -303,7 +315,8 @@ def print_report(rep: Report, console=None) -> None:
 
 def main_report(argv: list[str]) -> int:
     p = ArgumentParser(prog="humanline report", description="Aggregate run dirs into report.md/.csv and plots.")
-    p.add_argument("dir", type=Path, help="a sweep dir or runs dir (searched recursively for run dirs)")
+    p.add_argument("dir", type=Path, nargs="?", default=None,
+                   help="a sweep dir or runs dir (searched recursively for run dirs); not with --from-csv")
     p.add_argument("--out", type=Path, default=None, help="where to write report.md/.csv/PNGs (default: DIR)")
     p.add_argument("--ignore", action="append", default=[], metavar="KEY",
                    help="config key (dotted; a prefix such as `train` ignores the subtree) whose differences may be "
@@ -323,16 +336,32 @@ def main_report(argv: list[str]) -> int:
     p.add_argument("--pool-commits", action="store_true",
                    help="pool runs made by different code (summary.json git_commit) as seeds of one cell; by "
                         "default they are kept apart, by a git_commit label")
+    p.add_argument("--export-csv", type=Path, default=None, metavar="FILE",
+                   help="also write one row per run dir (scores per evaluation, wall-clock per phase, config hash, "
+                        "commit, and what --from-csv needs) to FILE: a study's record kept beside results.md")
+    p.add_argument("--from-csv", type=Path, default=None, metavar="FILE",
+                   help="rebuild the tables from a CSV of --export-csv instead of run dirs (needs --out)")
     args = p.parse_args(argv)
     try:
+        if (args.dir is None) == (args.from_csv is None):
+            raise ValueError("give a run dir or --from-csv FILE (one of them)")
+        if args.from_csv is not None and args.out is None:
+            raise ValueError("--from-csv needs --out DIR (where the rebuilt report goes)")
         if args.out is not None and args.out.exists() and not args.out.is_dir():
             raise ReportError(f"--out {args.out} is a file; name a directory for report.md, report.csv and the plots")
         gpu_check = json.loads(args.gpu_check.read_text()) if args.gpu_check else None
         targets = [speed.parse_target(t, gpu_check) for t in args.target]
-        rep = build_report(args.dir, args.out, os.environ.get("WANDB_MODE", "offline") if args.wandb else None,
-                           ignore=args.ignore, targets=targets, accuracy=args.accuracy, margin=args.margin,
-                           pool_commits=args.pool_commits)
-    except (OSError, ValueError, ReportError) as e:
+        options = dict(wandb_mode=os.environ.get("WANDB_MODE", "offline") if args.wandb else None,
+                       ignore=args.ignore, targets=targets, accuracy=args.accuracy, margin=args.margin,
+                       pool_commits=args.pool_commits)
+        if args.from_csv is not None:
+            rep = report_from_csv(args.from_csv, args.out, **options)
+        else:
+            rep = build_report(args.dir, args.out, **options)
+            if args.export_csv is not None:
+                n = study_csv.export(args.dir, args.export_csv)
+                print(f"wrote {n} runs to {args.export_csv}")
+    except (OSError, ValueError, UserError) as e:
         print(f"humanline: error: {e}", file=sys.stderr)
         return 2
     print_report(rep)

@@ -14,15 +14,14 @@ import statistics
 import pandas as pd
 
 from humanline_cli.report.frame import curve, loop_seconds, md, metric_of, run_points
-from humanline_cli.report.gap_closed import km_to
-
-TARGET_GAIN = 0.9
+from humanline_cli.report.gap_closed import TARGET_GAIN, gain_target, km_to
 
 
 def km_medians(curves: list, target: float) -> dict:
-    """How many curves reach `target`, and the Kaplan-Meier medians of steps and of seconds to it."""
+    """How many of the seeds' curves reach `target` (n: every seed, one without evaluations never reaching it),
+    and the Kaplan-Meier medians of steps and of seconds to it over the curves that have points."""
     steps, secs = (km_to([[(p[i], p[2]) for p in c] for c in curves if c], target) for i in (0, 1))
-    return {"reached": steps["reached"], "n": steps["n"], "steps": steps["median"], "seconds": secs["median"]}
+    return {"reached": steps["reached"], "n": len(curves), "steps": steps["median"], "seconds": secs["median"]}
 
 
 ROW = ("task", "objective", "regime", "metric", "target", "target_note", "seeds", "reached", "ended", "steps", "loop_s",
@@ -44,9 +43,9 @@ def matched_rows(runs: pd.DataFrame, accuracy: float | None = None) -> pd.DataFr
                   for name, rs in tr.groupby("regime", sort=False)}
         if not any(curves["online"]):
             continue
-        start, final = (statistics.fmean(c[i][2] for c in curves["online"] if c) for i in (0, -1))
+        start, final, gained = gain_target(curves["online"])
         target, note = (accuracy, "named (--accuracy)") if accuracy is not None else (
-            start + TARGET_GAIN * (final - start), f"start {start:.4g} + {TARGET_GAIN:g} x (online's mean final "
+            gained, f"start {start:.4g} + {TARGET_GAIN:g} x (online's mean final "
                                                    f"{final:.4g} - start)")
         on_med = km_medians(curves["online"], target)["seconds"]
         on_loop = statistics.fmean(online["loop"])

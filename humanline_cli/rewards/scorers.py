@@ -50,9 +50,14 @@ def make_scorer(spec, device=None, key: str | None = None, loaded: dict | None =
             if loaded is not None:
                 loaded[(spec["name_or_path"], trust)] = rm
             return f"model:{spec['name_or_path']}", rm
+        case "lexicon":
+            from humanline_cli.rewards.lexicon import scorer
+
+            name = str(spec.get("lexicon") or "vader")
+            return f"lexicon:{name}", scorer(name)
         case _:
             raise UserError(f"unknown reward kind {kind!r} in {key or 'reward'}.kind "
-                            f"(verifier | model | none; world for the bundled tasks)")
+                            f"(verifier | model | lexicon | none; world for the bundled tasks)")
 
 
 def checked(name: str, scorer: Scorer, prompts, completions, answers=None) -> list[float]:

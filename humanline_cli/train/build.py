@@ -41,6 +41,7 @@ from humanline_cli.data.files import load_rows
 from humanline_cli.errors import UserError
 from humanline_cli.eval.evaluator import Evaluator
 from humanline_cli.eval.math500 import Math500Eval
+from humanline_cli.machine import Machine
 from humanline_cli.memory import (
     MemoryEstimate,
     check_fits,
@@ -67,7 +68,7 @@ from humanline_cli.train.sharded_load import (
 )
 
 WORLD = "world://"
-GENERATED = "gen://"       # a generated task's files (task.generator; world/chat_arithmetic.py)
+GENERATED = "gen://"       # a generated task's files (task.generator; world/generated.py)
 PACKAGED = "packaged://"   # a model shipped in a Python wheel, converted once (world/packaged.py)
 
 
@@ -77,9 +78,9 @@ def prepare_world(spec: RunSpec, progress: bool = True) -> Path | None:
     policy, the offline data; progress bars from the build); or a generated task's prompt files (task.generator,
     milliseconds). Call it before resolving any world:// or gen:// path."""
     if spec.task_cfg.generator is not None:
-        from humanline_cli.world import chat_arithmetic
+        from humanline_cli.world import generated
 
-        return chat_arithmetic.materialise(asdict(spec.task_cfg.generator), Path(spec.world_cache).expanduser())
+        return generated.materialise(asdict(spec.task_cfg.generator), Path(spec.world_cache).expanduser())
     if spec.task_cfg.world is None:
         return None
     from humanline_cli.world.cache import materialise
@@ -108,7 +109,7 @@ def resolve_path(path: str, spec: RunSpec) -> str:
     path the user gave is relative to where they typed the command (`spec.cwd`), also when
     `hydra.job.chdir=true` moved the job into its run dir (a hub id stays as it is)."""
     if path.startswith(GENERATED):
-        from humanline_cli.world.chat_arithmetic import task_dir
+        from humanline_cli.world.generated import task_dir
 
         if spec.task_cfg.generator is None:
             raise UserError(f"{path!r} refers to a generated task's files, but task={spec.task} has no task.generator")
@@ -438,10 +439,11 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device, rank: 
     return est
 
 
-def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int):
+def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int, fetched: bool = False):
     """This rank's estimate as a function of the micro-batch (units), or None where the model's config cannot be
     read. What does not depend on the micro-batch (the config, the parameter count on the meta device, the reward
-    models' bytes, the loading mode) is found once, however many sizes fit_memory tries."""
+    models' bytes, the loading mode) is found once, however many sizes fit_memory tries. `fetched`: a hub id counts
+    as fetched (its snapshot cached, so FSDP2 loads it sharded), as it is once build_parts reaches the fit."""
     from transformers import AutoConfig
 
     from humanline_cli.memory import count_params
@@ -458,6 +460,10 @@ def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int):
     ev = spec.eval_cfg
     evaluating = evaluates(spec.judge_cfg, spec.task_cfg) or bool(ev.math500.prompts)
     hf_eval = evaluating and not vllm  # online runs evaluate with their round sampler
+    # under FSDP2 transformers' sampler decodes with the policy gathered whole (evaluation, online rounds with
+    # sampler=hf); vLLM's weight push gathers one parameter at a time
+    hf_gathers = fsdp and not vllm and (evaluating or spec.regime == "online")
+    loadable = sharded_loadable(model_path) or (fetched and is_hub_id(model_path))
     n = count_params(config)
     fixed = dict(max_length=spec.train.max_length, lora_r=spec.model_cfg.lora.r,
                  moving_reference=reference_moves(spec.humanline, spec.regime), strategy=b.strategy.value,
@@ -469,9 +475,9 @@ def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int):
                  # a LoRA base under bf16 autocast loads in bf16 (policy_load_dtype)
                  base_bytes=2.0 if bf16 and not fsdp and spec.model_cfg.lora.r > 0 else None,
                  loading="sharded" if fsdp and spec.model_cfg.lora.r == 0 and not spec.model_cfg.trust_remote_code
-                 and sharded_loadable(model_path) else "full", reward_bytes=_reward_bytes(spec, rank),
+                 and loadable else "full", reward_bytes=_reward_bytes(spec, rank),
                  eval_batch=eval_batch(ev) if hf_eval else 0, eval_prompt_tokens=spec.train.max_prompt_length,
-                 eval_new_tokens=eval_new_tokens(ev, evaluating), eval_gathers=fsdp and vllm,
+                 eval_new_tokens=eval_new_tokens(ev, evaluating), eval_gathers=hf_gathers, push_gathers=fsdp and vllm,
                  sampler=_vllm_cpu_bytes(spec, n, config) if vllm and device.type != "cuda" else 0.0)
     # a GRPO group is data.n samples online; offline groups come from pairs (2)
     group = spec.data_cfg.n if spec.regime == "online" else 2
@@ -488,14 +494,21 @@ CPU_RSS_OVER_LIVE = 1.35
 VLLM_CPU_RUNTIME = 1.0 * 1024**3
 
 
-def device_memory(spec: RunSpec, device: torch.device, params: int, engine: float | None = None) -> tuple[float, float]:
+# what a CUDA vLLM engine keeps while it sleeps at level 2 (its weights and KV cache discarded): CUDA graphs, the
+# sampler's buffers, its allocator's pool; an allowance, not measured on a GPU
+VLLM_ASLEEP = 2.0 * 1024**3
+
+
+def device_memory(spec: RunSpec, device: torch.device, params: int, engine: float | None = None,
+                  machine: Machine | None = None) -> tuple[float, float]:
     """(memory this rank may use, the part of it an online vLLM engine takes), bytes; (0, 0) where unknown.
-    CUDA: the GPU's memory; the engine takes sampler.gpu_memory_utilization of it. CPU: the host memory still
-    available (cgroup limit or MemAvailable), split between the ranks on this host; a vLLM-cpu engine takes its KV
-    cache (_vllm_cpu_bytes; `engine`: that sum where the estimate has it), an fp32 copy of the weights and its runtime."""
+    CUDA: the GPU's memory (`machine`'s, a device profile's, where given); the engine takes
+    sampler.gpu_memory_utilization of it. CPU: the host memory still available (cgroup limit or MemAvailable), split
+    between the ranks on this host; a vLLM-cpu engine takes its KV cache (_vllm_cpu_bytes; `engine`: that sum where
+    the estimate has it), an fp32 copy of the weights and its runtime."""
     vllm = spec.regime == "online" and spec.sampler_cfg.name == "vllm"
     if device.type == "cuda":
-        total = float(torch.cuda.get_device_properties(device).total_memory)
+        total = machine.memory if machine is not None else float(torch.cuda.get_device_properties(device).total_memory)
         return total, total * spec.sampler_cfg.gpu_memory_utilization if vllm else 0.0
     release_freed()  # what an earlier job of this process freed is available again
     avail = host_available_bytes()
@@ -531,26 +544,26 @@ def eval_batch(ev) -> int:
     return max(1, min(ev.batch_size, ev.n_prompts))
 
 
-def fit_memory(spec: RunSpec, model_path: str, device: torch.device,
-               shard: Shard = Shard()) -> tuple[RunSpec, MemoryEstimate | None]:
+def fit_memory(spec: RunSpec, model_path: str, device: torch.device, shard: Shard = Shard(),
+               machine: Machine | None = None, fetched: bool = False) -> tuple[RunSpec, MemoryEstimate | None]:
     """The run's micro-batch and its estimate, before any weight loads. train.micro_batch_size=auto: the largest
-    divisor of each rank's share whose estimate fits 90% of this device (device_memory, after vLLM's part),
+    divisor of each rank's share whose estimate fits 90% of this device (device_memory: `machine`'s where given),
     the smallest over the ranks, so that every rank trains the same split; the header says what was chosen. A size
     set by hand, or an evaluation batch, that does not fit stops here in one line naming the estimate, the memory
-    and a size that fits."""
+    and a size that fits. `fetched`: see _estimator.
+
+    A CUDA vLLM engine that sleeps (sampler.sleep, level 2) gives back its weights and KV cache while the policy
+    trains: training has the GPU less what a sleeping engine keeps (VLLM_ASLEEP), and the engine's whole share
+    counts when it generates (rounds, evaluation), beside the steady state and the weight push."""
     tr = spec.train
-    estimate_for = _estimator(spec, model_path, device, shard.rank)
+    estimate_for = _estimator(spec, model_path, device, shard.rank, fetched)
     if estimate_for is None:
         return spec, None
     est = estimate_for(tr.micro_batch_size)
-    total, vllm = device_memory(spec, device, est.params, est.sampler)
+    total, vllm = device_memory(spec, device, est.params, est.sampler, machine)
     if total <= 0:  # the device's memory is unknown: the estimate is printed, nothing is checked
         return spec, est
-    cpu = device.type != "cuda"
-    room = 0.9 * (total - vllm) / (CPU_RSS_OVER_LIVE if cpu else 1.0)
-    where = (f"90% of {size(total)} of {'host memory available' if cpu else 'GPU memory'}"
-             + (f" less {size(vllm)} for vLLM" if vllm else "")
-             + (f", over {CPU_RSS_OVER_LIVE:g} for the allocator's kept blocks" if cpu else ""))
+    (room, where), (gen_room, gen_where) = _rooms(spec, device, total, vllm)
 
     def fits(m: int) -> bool:
         e = estimate_for(m)
@@ -565,29 +578,56 @@ def fit_memory(spec: RunSpec, model_path: str, device: torch.device,
     else:
         micro = tr.micro_batch_size if fits(tr.micro_batch_size) else 0
     if micro == 0:
-        fitting = None if auto else largest_fitting(share, smallest, fits)
-        if fitting is None:  # not even the smallest micro-batch: what else would make it fit
-            lead = "" if auto else (f"train.micro_batch_size={tr.micro_batch_size} will not fit: {size(est.total)} "
-                                    f"estimated per device, and no micro-batch does: ")
-            raise UserError(lead + check_fits(estimate_for(smallest), room / 0.9) + f" ({where})"
-                            + _fetch_hint(spec, est))
-        kept = (", kept whole under auto since objective.aggregation=dapo_micro's loss depends on the split"
-                if tr.micro_auto else "")
-        raise UserError(f"train.micro_batch_size={tr.micro_batch_size}{kept} will not fit: {size(est.total)} "
-                        f"estimated per device > {where} ({size(room)}); train.micro_batch_size={fitting} fits "
-                        f"({size(estimate_for(fitting).total)})")
+        _refuse_micro(spec, estimate_for, est, fits, auto, room, where)
     if micro != tr.micro_batch_size:
         est = estimate_for(micro)
-    if est.evaluating > room:  # the evaluation's batch is the peak, whatever the micro-batch
+    if est.evaluating > gen_room:  # the evaluation's batch (or the push beside the engine) is the peak
         raise UserError(f"eval.batch_size={spec.eval_cfg.batch_size} will not fit: evaluation needs "
-                        f"{size(est.evaluating)} estimated per device > {where} ({size(room)}); "
-                        f"lower eval.batch_size")
+                        f"{size(est.evaluating)} estimated per device > {gen_where} ({size(gen_room)}); "
+                        f"lower eval.batch_size" if not (vllm and device.type == "cuda") else
+                        f"the steady state will not fit beside vLLM while it generates: {size(est.evaluating)} "
+                        f"estimated per device > {gen_where} ({size(gen_room)}); lower "
+                        f"sampler.gpu_memory_utilization={spec.sampler_cfg.gpu_memory_utilization:g}, or shard with "
+                        f"backend.strategy=fsdp backend.nproc=N")
     if not tr.micro_auto:
         return spec, est
     note = (f"train.micro_batch_size=auto: {micro} of {share} units a rank trains per step (the largest whose "
             f"estimate, {size(est.total)}, fits {where}: {size(room)})")
     return dataclasses.replace(spec, train=dataclasses.replace(tr, micro_batch_size=micro),
                                notes=(*spec.notes, note)), est
+
+
+def _rooms(spec: RunSpec, device: torch.device, total: float, vllm: float) -> tuple[tuple[float, str], ...]:
+    """((room, what it is) while training, (room, what it is) while a vLLM engine generates), bytes."""
+    cpu = device.type != "cuda"
+    slack = CPU_RSS_OVER_LIVE if cpu else 1.0
+    memory = f"90% of {size(total)} of {'host memory available' if cpu else 'GPU memory'}"
+    allocator = f", over {CPU_RSS_OVER_LIVE:g} for the allocator's kept blocks" if cpu else ""
+    awake = (0.9 * (total - vllm) / slack, memory + (f" less {size(vllm)} for vLLM" if vllm else "") + allocator)
+    if not (vllm and not cpu and spec.sampler_cfg.sleep):
+        return awake, awake
+    asleep = min(vllm, VLLM_ASLEEP)
+    return (0.9 * (total - asleep), f"{memory} less {size(asleep)} for vLLM asleep"), \
+        (awake[0], awake[1] + " while it generates")
+
+
+def _refuse_micro(spec: RunSpec, estimate_for, est: MemoryEstimate, fits, auto: bool, room: float, where: str):
+    """No micro-batch the run may take fits: one line naming the estimate, the room and what would fit."""
+    tr = spec.train
+    smallest = PROPERTIES[spec.objective].min_micro_batch
+    fitting = None if auto else largest_fitting(tr.batch_size // tr.ranks, smallest, fits)
+    if fitting is None:  # not even the smallest micro-batch: what else would make it fit
+        lead = "" if auto else (f"train.micro_batch_size={tr.micro_batch_size} will not fit: "
+                                f"{size(max(est.training, est.loading))} "
+                                f"estimated per device, and no micro-batch does: ")
+        raise UserError(lead + check_fits(estimate_for(smallest), room / 0.9, evaluation=False)
+                        + f" ({where})" + _fetch_hint(spec, est))
+    kept = (", kept whole under auto since objective.aggregation=dapo_micro's loss depends on the split"
+            if tr.micro_auto else "")
+    fit = estimate_for(fitting)
+    raise UserError(f"train.micro_batch_size={tr.micro_batch_size}{kept} will not fit: "
+                    f"{size(max(est.training, est.loading))} estimated per device > {where} ({size(room)}); "
+                    f"train.micro_batch_size={fitting} fits ({size(max(fit.training, fit.loading))})")
 
 
 def loads_sharded(spec: RunSpec) -> bool:
@@ -626,17 +666,14 @@ def _load_policy(spec: RunSpec, model_path: str, backend: Backend, strategy: str
                        dtype=policy_load_dtype(backend, spec.model_cfg.lora.r)), False
 
 
-def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
-    b = spec.backend_cfg
-    backend = make_backend(b.device.value, b.precision.value, spec.threads, b.strategy.value)
-    dist = init_distributed(backend.device.type, b.timeout_s)
-    strategy = b.strategy.value if dist.enabled else "single"  # the one this job runs
-    device = f"cuda:{dist.local_rank}" if dist.enabled and backend.device.type == "cuda" else str(backend.device)
-    backend = make_backend(device, b.precision.value, spec.threads, strategy)
-    seed_everything(spec.seed)
-    check_model_task(spec)
-    if dist.enabled and not dist.is_main:  # rank 0 builds a bundled world first: two builders of one cache race
-        wait_for_rank0()  # minutes: outside the training group's timeout
+def prepare_files(spec: RunSpec, dist: Dist, timer) -> None:
+    """The run's local files before anything reads them: the bundled world and a packaged model (rank 0 first: two
+    builders of one cache race), then a hub id's snapshot for sharded loading, fetched once per node (each node's
+    local rank 0: a node-local huggingface_hub cache must hold it too, else that node's ranks would each load the
+    whole model; on a cache the nodes share the later fetches find it there). Every rank waits outside the training
+    group's timeout (minutes)."""
+    if dist.enabled and not dist.is_main:
+        wait_for_rank0()
     with timer.phase("world"):  # the bundled world: built on first use (minutes), cached after
         prepare_world(spec)
     if spec.model_cfg.name_or_path.startswith(PACKAGED) or (spec.model_cfg.tokenizer or "").startswith(PACKAGED):
@@ -647,6 +684,23 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
             fetch_snapshot(spec.model_cfg.name_or_path)
     if dist.enabled and dist.is_main:
         wait_for_rank0()
+    if dist.enabled and loads_sharded(spec):  # the other nodes' local rank 0, once rank 0 has it
+        if dist.local_rank == 0 and not dist.is_main:
+            with timer.phase("model"):
+                fetch_snapshot(spec.model_cfg.name_or_path)
+        wait_for_rank0()
+
+
+def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
+    b = spec.backend_cfg
+    backend = make_backend(b.device.value, b.precision.value, spec.threads, b.strategy.value)
+    dist = init_distributed(backend.device.type, b.timeout_s)
+    strategy = b.strategy.value if dist.enabled else "single"  # the one this job runs
+    device = f"cuda:{dist.local_rank}" if dist.enabled and backend.device.type == "cuda" else str(backend.device)
+    backend = make_backend(device, b.precision.value, spec.threads, strategy)
+    seed_everything(spec.seed)
+    check_model_task(spec)
+    prepare_files(spec, dist, timer)
     seed_everything(spec.seed)  # a world built just now drew from the RNGs: LoRA's init must not depend on it
     model_path, tok_path = model_paths(spec)
     check_model_lengths(spec, model_path)  # config.json only: before any data or weight loads

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import torch
@@ -25,16 +24,8 @@ from humanline_cli.errors import RunFailed
 from humanline_cli.eval.evaluator import flat_metrics
 from humanline_cli.memory import peak_rss_bytes
 from humanline_cli.models import tied_copies
+from humanline_cli.train.provenance import code_state, machine, read_start
 from humanline_cli.train.timing import PhaseTimer
-
-
-def _git_commit() -> str | None:
-    try:
-        here = Path(__file__).resolve().parent
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None
-    except Exception:
-        return None
 
 
 def header(spec: RunSpec, parts, console: Console) -> None:
@@ -72,7 +63,7 @@ def finish(spec: RunSpec, parts, tracker, timer: PhaseTimer, run_dir: Path, last
             save_model(parts, model_dir, saved_dtype(spec.train.save_dtype, parts.backend))
             wait_for_rank0()  # rank 0 writes the files: the others wait outside the training group's timeout
     if parts.evaluator is not None or parts.math500 is not None:
-        tracker.summary(run_summary(spec, parts, timer, last, resumed, None, "trained"))
+        tracker.summary(run_summary(spec, parts, timer, last, resumed, None, "trained", read_start(run_dir)))
     ev = None  # judge=none: train only
     if parts.evaluator is not None:
         with timer.phase("eval"):
@@ -85,13 +76,15 @@ def finish(spec: RunSpec, parts, tracker, timer: PhaseTimer, run_dir: Path, last
             m500 = parts.math500.evaluate(parts.eval_sampler, run_dir / "math500_samples.jsonl" if main else None)
         ev = {**(ev or {}), "math500": m500}
         tracker.log(spec.train.steps, {**flat_metrics({"math500": m500}), "wall_s": timer.elapsed()})
-    summary = run_summary(spec, parts, timer, last, resumed, ev, "complete")
+    summary = run_summary(spec, parts, timer, last, resumed, ev, "complete", read_start(run_dir))
     tracker.summary(summary)
     return summary
 
 
 def run_summary(spec: RunSpec, parts, timer: PhaseTimer, last: dict, resumed: int | None, ev: dict | None,
-                status: str) -> dict:
+                status: str, started: dict) -> dict:
+    """`started`: provenance.record_start's record. The commit and dirty flag are the run's start's (the code
+    that trained), `git_commit_at_end` the checkout's when the summary is written."""
     return {
         "status": status,
         "objective": spec.objective,
@@ -113,7 +106,11 @@ def run_summary(spec: RunSpec, parts, timer: PhaseTimer, last: dict, resumed: in
         "memory_gib": peak_memory(parts),
         "versions": {"humanline": __version__, "torch": torch.__version__,
                      "transformers": transformers.__version__},
-        "git_commit": _git_commit(),
+        "git_commit": started.get("git_commit"),
+        "git_dirty": started.get("git_dirty"),
+        "started_at": started.get("started_at"),
+        "machine": machine(),
+        "git_commit_at_end": code_state()["git_commit"],
     }
 
 

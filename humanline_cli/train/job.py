@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omegaconf import OmegaConf
 from rich.console import Console
 
 from humanline_cli.atomic import write_text_atomic
@@ -41,8 +42,9 @@ from humanline_cli.backend import wait_for_rank0
 from humanline_cli.config import RunSpec, resolve
 from humanline_cli.core.humanline import ReferenceRule
 from humanline_cli.errors import Interrupted, Preempted, RunFailed, UserError, ignore_ctrl_c, one_line
+from humanline_cli.machine import Allocation, allocation_of, check_launch, this_machine
 from humanline_cli.memory import release_freed
-from humanline_cli.train import failures
+from humanline_cli.train import failures, provenance
 from humanline_cli.train.build import build_parts
 from humanline_cli.train.checkpoint import Checkpoints
 from humanline_cli.train.finish import finish, header, print_summary
@@ -156,6 +158,11 @@ class Job:
         lock = RunDirLock(self.ctx.run_dir)
         log = None
         try:
+            if OmegaConf.select(self.cfg, "backend.profile") and not self.ctx.distributed:
+                from humanline_cli.train.dry_run import dry_run
+
+                dry_run(dataclasses.replace(resolve(self.cfg), cwd=str(self.ctx.cwd)), self.allocation)
+                return Outcome(0)
             if self.ctx.distributed:
                 return self._join_torchrun(lock)
             spec = self._wait_for_node0() if self.ctx.nodes.index > 0 else self._prepare_node0(lock)
@@ -178,6 +185,11 @@ class Job:
             if self._spec_marker is not None:  # every node read it before its ranks met ours at rendezvous
                 self._spec_marker.unlink(missing_ok=True)
             lock.release()
+
+    @property
+    def allocation(self) -> Allocation:
+        """What the Hydra launcher allocates this job (SLURM's GPUs and nodes); nothing where it runs here."""
+        return allocation_of(OmegaConf.select(self.record.hydra, "hydra.launcher") if self.record else None)
 
     def _prepare_node0(self, lock: RunDirLock) -> RunSpec | None:
         """_prepare; in a job of several nodes, whether it prepared (or its error) also left in the run
@@ -229,6 +241,10 @@ class Job:
         # under torchrun every rank is one of WORLD_SIZE: backend.nproc is that count
         launched = self.ctx.world_size if self.ctx.distributed else None
         spec = dataclasses.replace(resolve(self.cfg, launched), cwd=str(self.ctx.cwd))
+        if not self.ctx.distributed:  # the ranks this job starts, each on a device of its own (torchrun placed its own)
+            b = spec.backend_cfg
+            check_launch(b.strategy.value, b.nproc, b.precision.value,
+                         this_machine("cpu" if b.device.value == "cpu" else "cuda"), self.allocation)
         if is_complete(run_dir, spec.config, spec.resume):
             print(f"humanline: skipping {run_dir}: already complete (resume=false starts over)", file=sys.stderr)
             return None
@@ -374,6 +390,7 @@ def run_rank(spec: RunSpec, ctx: Context, console: Console | None = None) -> dic
     transformers.utils.logging.disable_progress_bar()  # our rich bars are the progress display
     timer = PhaseTimer()
     at = StepMarker()
+    began = provenance.code_state()  # before setup: the code this run starts on
     if ctx.main:
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
     tracker = parts = None
@@ -400,6 +417,8 @@ def run_rank(spec: RunSpec, ctx: Context, console: Console | None = None) -> dic
                                       resume=resume_from is not None) if ctx.main else NullTracker()
                     wait_for_rank0()  # rank 0 starts wandb (seconds): the others wait outside the group's timeout
                 resumed = int(resume_from.name.removeprefix("step_")) if resume_from is not None else None
+                if ctx.main:
+                    provenance.record_start(ctx.run_dir, began, fresh=resume_from is None)
                 if resumed is not None:
                     console.print(f"humanline: resuming {ctx.run_dir} from step {resumed} of {tr.steps} "
                                   f"(checkpoints/{resume_from.name}; resume=false starts over)", soft_wrap=True,

@@ -34,7 +34,8 @@ CASES = [(g, o) for g in GROUPS if g != "experiment" for o in _options(g)]
 def test_every_config_file_composes_and_validates(group, option):
     extra = {("reward", "model"): ["reward.name_or_path=some/rm"],
              ("task", "custom"): ["data.path=pairs.jsonl", "task.prompts.eval=eval.jsonl"],
-             ("task", "chat_arithmetic"): ["data=online"]}.get((group, option), [])  # no offline data of its own
+             ("task", "chat_arithmetic"): ["data=online"],
+             ("task", "chat_sentiment"): ["data=online"]}.get((group, option), [])  # no offline data of their own
     cfg = _compose([f"{group}={option}", *extra])
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
     spec = resolve(cfg)

@@ -47,8 +47,10 @@ def test_every_sweep_point_composes_and_validates(name):
     # alike, so each other combination composes once (Hydra's compose takes ~0.2 s a point)
     for point in points:
         assert all(int(v.split("=", 1)[1]) >= 0 for v in point if v.startswith("seed="))
+    # the fair study's lr is the pilot's, unset (0, refused) until the pilot is recorded
+    unset = ["train.lr=1e-5"] if name == "smollm2_fair_study" else []
     for point in dict.fromkeys(tuple(v for v in p if not v.startswith("seed=")) for p in points):
-        c = _compose([f"experiment={name}", *point])
+        c = _compose([f"experiment={name}", *point, *unset])
         OmegaConf.to_container(c, resolve=True)
         spec = resolve(c)
         seen.add((spec.objective, spec.regime, spec.humanline_on))
@@ -104,6 +106,8 @@ def test_every_sweep_point_composes_and_validates(name):
         for o, prompts in (("dpo", 64), ("kto", 32)):  # 10 steps x 4 units fit in one stale16 generation
             c = resolve(_compose(["experiment=smollm2_pairs", f"objective={o}", "regime=stale16"]))
             assert (c.train.steps, c.train.batch_size, c.data_cfg.prompts_per_round) == (10, 4, prompts)
+    if name.startswith("smollm2_fair_"):  # GRPO online and stale_once, humanline on both in the study
+        grid = {("grpo", "online", False)} | ({("grpo", "online", True)} if name.endswith("study") else set())
     if name.startswith("laptop_pilot_headroom") or name.startswith("laptop_headroom"):  # GRPO, stale rounds
         grid = {("grpo", "online", False), ("grpo", "online", True)}
     if name == "laptop_headroom_frontier_sync":  # the frontier below K=16 with humanline syncing once per round
@@ -193,3 +197,39 @@ def test_rerunning_a_sweep_skips_complete_runs(cache_dir, tmp_path):
     assert second.stderr.count("already complete") == 1
     assert summaries[0].stat().st_mtime_ns == stamp
     assert json.loads(summaries[1].read_text())["status"] == "complete"
+
+
+FAIR_REGIMES = ("online", "hl_online", "stale_once", "hl_stale_once_sync1_lo1", "hl_stale_once_sync16_lo15",
+                "hl_stale_once_sync1_open")
+
+
+def test_fair_smollm2_pilot_and_study_are_registered_as_results_md_says():
+    from humanline_cli.errors import UserError
+
+    pilot, pilot_points = _sweep_points("smollm2_fair_pilot")
+    assert pilot_points == [[f"seed={s}", f"train.lr={lr}", f"regime={r}"] for s in (100, 101, 102)
+                            for lr in ("3e-06", "1e-05", "3e-05") for r in ("online", "stale_once")]
+    assert len(pilot_points) == pilot.regime_study_size == 18
+    study, points = _sweep_points("smollm2_fair_study")
+    assert points == [[f"seed={s}", f"regime={r}"] for s in range(14) for r in FAIR_REGIMES]
+    assert len(points) == study.regime_study_size == 84  # 14 seeds: 80% TOST power at SD 0.06 (test_power.py)
+    assert not {100, 101, 102} & set(range(14))  # pilot seeds are never study seeds
+    for key in ("task", "data", "eval", "model", "objective", "threads"):  # the pilot's setting
+        assert OmegaConf.select(study, key) == OmegaConf.select(pilot, key), key
+    assert {**study.train, "lr": 0} == {**pilot.train, "lr": 0}
+    # 400 held-out prompts of the two-digit +- one-digit pool, evaluated every 8 of 48 steps
+    assert (study.task.generator.n_eval, study.eval.n_prompts, study.eval.every, study.train.steps) == (400, 400, 8, 48)
+    with pytest.raises(UserError, match="train.lr"):  # no study run before the pilot writes its lr
+        resolve(_compose(["experiment=smollm2_fair_study", "regime=online"]))
+    specs = {r: resolve(_compose(["experiment=smollm2_fair_study", f"regime={r}", "train.lr=1e-5"]))
+             for r in FAIR_REGIMES}
+    for r in ("stale_once", *FAIR_REGIMES[3:]):  # one generation of the starting policy's samples serves the run
+        c = specs[r]
+        assert c.data_cfg.generate_every == c.train.steps == 48 and c.data_cfg.prompts_per_round == 48 * 4 <= 480
+    hl = {r: specs[r].humanline for r in FAIR_REGIMES}
+    assert (hl["hl_stale_once_sync1_lo1"].sync_every, hl["hl_stale_once_sync1_lo1"].log_eps_P) == (1, -1.0)
+    authors = hl["hl_stale_once_sync16_lo15"]  # the authors' math recipe: its sync fires at steps 16 and 32
+    assert (authors.sync_every, authors.log_eps_P, authors.log_eps_R, authors.clamp) == (16, -1.5, 1.5, True)
+    assert 48 // authors.sync_every == 3
+    assert (hl["hl_stale_once_sync1_open"].clamp, hl["hl_stale_once_sync1_open"].sync) == (False, True)
+    assert (hl["hl_online"].clamp, hl["hl_online"].sync, hl["online"].clamp, hl["online"].sync) == (True, True, False, False)

@@ -49,16 +49,17 @@ def test_report_prints_gap_closed_with_fieller_and_matched_quality_with_censorin
     # v11 = 64/9, v22 = 28/3, v12 = 16/3, t(0.975, 2)^2 = 18.512820: qa = 484 - 172.7863 = 311.2137,
     # qb = 278.6667 - 98.7350 = 179.9316, qc = 160.4444 - 131.6467 = 28.7978;
     # R = (179.9316 -+ sqrt(32375.4 - 8962.2)) / 311.2137 = 0.0865, 1.0698
-    # at equal quality: the target is humanline's mean final 0.7467; online reaches it on all 3 seeds,
-    # humanline on 1 of 3 (0.70 and 0.74 end short), so humanline's median is undefined: no ratio
+    # at equal quality: the target is start + 0.9 x (online's mean final - start) = 0.5 + 0.9 x 0.34 = 0.806;
+    # online reaches it on 2 of 3 seeds (0.76 ends short), humanline on none (0.70, 0.80, 0.74 end short), so
+    # humanline's median is undefined: no ratio
     gap = _line(md, "Gap closed", "| arithmetic | grpo")
-    assert ("| 0.620 | 0.840 | 0.747 | 58% [9%, 107%] | 3 | 4.00x | – (reached: online 3 of 3, humanline 1 of 3) |"
+    assert ("| 0.620 | 0.840 | 0.747 | 58% [9%, 107%] | 3 | 4.00x | – (reached: online 2 of 3, humanline 0 of 3) |"
             in gap), gap
     csv = (root / "gap_closed.csv").read_text().splitlines()
     row = dict(zip(csv[0].split(","), csv[1].split(",")))
     assert float(row["gap_closed"]) == pytest.approx(0.575758, abs=1e-6)
     assert (float(row["gap_closed_lo"]), float(row["gap_closed_hi"])) == pytest.approx((0.0864939, 1.06983), abs=1e-5)
-    assert row["gap_verdict"] == "gap" and row["speedup_equal_quality"] == "" and row["online_never_reached"] == "0"
+    assert row["gap_verdict"] == "gap" and row["speedup_equal_quality"] == "" and row["online_never_reached"] == "1"
 
     # matched quality at the named target 0.72:
     # online: from (step 10, 20 s, 0.70) to (step 20, 40 s, final): seed 0 at 20 + 20 x 0.02 / 0.06 = 26.67 s,

@@ -163,19 +163,48 @@ def test_learning_curves_and_speedup_at_equal_quality_hand_computed():
     assert time_to(online, 0.85) == pytest.approx(25.0)  # 10 + 30 * (0.05 / 0.1)
     assert time_to(online, 0.5) == 0.0 and time_to(online, 0.95) is None
     hl = [(0.0, 0.6), (4.0, 0.7), (10.0, 0.85)]
-    # the target is humanline-offline's mean final score, (0.85 + 0.95) / 2 = 0.9: online reaches it at its
-    # end (40 s) on both seeds; humanline seed 0 never does (censored at 10 s), seed 1 at 0.6 + 0.3 x 8 / 0.35:
-    # at 8 x 0.3 / 0.35 = 6.857 s. Kaplan-Meier: humanline's estimated share short of it drops to 1/2 at
-    # 6.857 s (two at risk, one reaches it), so its median is 6.857 s; online's is 40 s
-    hl = [(0.0, 0.6), (4.0, 0.7), (10.0, 0.85)]
+    # the target is start + 0.9 x (online's mean final - start) = 0.6 + 0.9 x 0.3 = 0.87: online reaches it at
+    # 10 + 30 x 0.07 / 0.1 = 31 s on both seeds; humanline seed 0 never does (censored at 10 s), seed 1 at
+    # 8 x 0.27 / 0.35 = 6.171 s. Kaplan-Meier: humanline's estimated share short of it drops to 1/2 at 6.171 s
+    # (two at risk, one reaches it), so its median is 6.171 s; online's is 31 s
     eq = equal_quality({0: online, 1: online}, {0: hl, 1: [(0.0, 0.6), (8.0, 0.95)]})
-    assert eq["target"] == pytest.approx(0.9) and eq["never"] == 0
-    assert eq["online"] == {"median": pytest.approx(40.0), "reached": 2, "n": 2}
-    assert eq["humanline-offline"] == {"median": pytest.approx(8 * 0.3 / 0.35), "reached": 1, "n": 2}
-    assert eq["speedup"] == pytest.approx(40.0 / (8 * 0.3 / 0.35))  # 5.833
+    assert eq["target"] == pytest.approx(0.87) and eq["never"] == 0
+    assert eq["online"] == {"median": pytest.approx(31.0), "reached": 2, "n": 2}
+    assert eq["humanline-offline"] == {"median": pytest.approx(8 * 0.27 / 0.35), "reached": 1, "n": 2}
+    assert eq["speedup"] == pytest.approx(31.0 / (8 * 0.27 / 0.35))  # 5.023
     # three humanline seeds, one reaching it: the median is undefined and there is no speedup
     eq3 = equal_quality({0: online}, {0: hl, 1: [(0.0, 0.6), (8.0, 0.95)], 2: hl})
     assert eq3["humanline-offline"]["median"] is None and eq3["speedup"] is None
+
+
+def test_equal_quality_target_is_online_gain_not_humanline_own_mean():
+    """The issue's example: humanline finals 0.50, 0.51, 0.60. A target at their own mean, 0.5367, is out of
+    reach of two of them by construction; the target start + 0.9 x online's gain is not humanline's to set."""
+    from humanline_cli.report.gap_closed import equal_quality, gain_target
+
+    online = [(0.0, 0.30), (10.0, 0.40), (20.0, 0.50)]  # three seeds alike: mean final 0.50
+    hl = {0: [(0.0, 0.30), (5.0, 0.40), (10.0, 0.50)], 1: [(0.0, 0.30), (5.0, 0.40), (10.0, 0.51)],
+          2: [(0.0, 0.30), (5.0, 0.45), (10.0, 0.60)]}
+    assert gain_target([online] * 3) == pytest.approx((0.30, 0.50, 0.48))  # 0.30 + 0.9 x (0.50 - 0.30)
+    eq = equal_quality({s: online for s in range(3)}, hl)
+    assert eq["target"] == pytest.approx(0.48)
+    # online: 10 + 10 x (0.48 - 0.40) / 0.10 = 18 s on every seed
+    assert eq["online"] == {"median": pytest.approx(18.0), "reached": 3, "n": 3} and eq["never"] == 0
+    # humanline: 5 + 5 x 0.08 / 0.10 = 9.0 s, 5 + 5 x 0.08 / 0.11 = 8.636 s, 5 + 5 x 0.03 / 0.15 = 6.0 s;
+    # every seed reaches it, so the Kaplan-Meier median is the middle time, 8.636 s
+    assert eq["humanline-offline"] == {"median": pytest.approx(5 + 5 * 0.08 / 0.11), "reached": 3, "n": 3}
+    assert eq["speedup"] == pytest.approx(18.0 / (5 + 5 * 0.08 / 0.11))  # 2.084
+
+
+def test_km_medians_counts_every_seed_in_n():
+    from humanline_cli.report.matched import km_medians
+
+    # (step, seconds, score): one seed reaches 0.8 at step 5 (2.5 s), one never, one has no evaluation at all
+    curves = [[(0, 0.0, 0.6), (10, 5.0, 1.0)], [(0, 0.0, 0.6), (10, 5.0, 0.7)], []]
+    got = km_medians(curves, 0.8)
+    assert (got["reached"], got["n"]) == (1, 3)
+    # among the two seeds with curves: one event at 2.5 s of two at risk, so the share short drops to 1/2
+    assert got["seconds"] == pytest.approx(2.5) and got["steps"] == pytest.approx(5.0)
 
 
 def test_report_gives_the_speedup_at_equal_quality_from_learning_curves(tmp_path):
@@ -183,7 +212,7 @@ def test_report_gives_the_speedup_at_equal_quality_from_learning_curves(tmp_path
     for seed in range(2):
         for name, cfg, final, mid, work in (("off", config(obj="grpo", seed=seed), 0.7, 0.65, 10.0),
                                             ("on", config(obj="grpo", regime="online", seed=seed), 0.9, 0.8, 40.0),
-                                            ("hl", config(obj="grpo", humanline=True, seed=seed), 0.85, 0.7, 10.0)):
+                                            ("hl", config(obj="grpo", humanline=True, seed=seed), 0.9, 0.7, 10.0)):
             d = run_dir(root, f"{name}{seed}", cfg, win=0.6, wall=work + 5.0, acc=final)
             s = json.loads((d / "summary.json").read_text())
             s["eval"]["greedy"] = {"accuracy": final, "start_accuracy": 0.6}
@@ -195,11 +224,12 @@ def test_report_gives_the_speedup_at_equal_quality_from_learning_curves(tmp_path
             (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     md = build_report(root).markdown
     line = next(x for x in md.splitlines() if x.startswith("| arithmetic | grpo"))
-    # online [(0, .6), (20, .8), (40, .9)] reaches .85 at 30 s; humanline-offline reaches it at its end, 10 s
-    # online spent 10 / 40 of its work time sampling: at matched sequences offline saves at most 40 / 30
-    assert line.endswith("| 2 | 1.80x | 3.00x (reached: online 2 of 2, humanline 2 of 2) | 25% (1.33x) |"), line
+    # the target 0.6 + 0.9 x (0.9 - 0.6) = 0.87: online [(0, .6), (20, .8), (40, .9)] reaches it at
+    # 20 + 20 x 0.07 / 0.1 = 34 s; humanline-offline [(0, .6), (5, .7), (10, .9)] at 5 + 5 x 0.17 / 0.2 = 9.25 s:
+    # 34 / 9.25 = 3.676x. Online spent 10 / 40 of its work time sampling: offline saves at most 40 / 30
+    assert line.endswith("| 2 | 1.80x | 3.68x (reached: online 2 of 2, humanline 2 of 2) | 25% (1.33x) |"), line
     csv_row = (root / "gap_closed.csv").read_text().splitlines()[1].split(",")
-    assert csv_row[-4:] == ["3", "0", "0.25", "1.333"]
+    assert csv_row[-4:] == ["3.676", "0", "0.25", "1.333"]
 
 
 def test_regime_map_table_and_figure_from_report_csvs(tmp_path):

@@ -139,3 +139,30 @@ def test_a_whole_load_that_will_not_fit_says_to_fetch_the_model(tmp_path, monkey
         build.fit_memory(spec, BIN, torch.device("cpu"))
     assert "\n" not in str(e.value) and str(e.value).endswith(
         f"fetch it first (hf download {BIN}) and rerun, and it loads sharded")
+
+
+def test_every_node_fetches_the_snapshot_once(monkeypatch):
+    """Two nodes of 8 ranks with node-local huggingface_hub caches: each node's local rank 0 fetches the hub id's
+    snapshot (rank 0 first), so that no node finds it missing and loads the whole model on every rank; every rank
+    meets the same two barriers (around rank 0's preparation, after each node's fetch)."""
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.backend import Dist
+    from humanline_cli.config import resolve
+    from humanline_cli.train import build
+    from humanline_cli.train.timing import PhaseTimer
+
+    fetched, waits = [], []
+    monkeypatch.setattr(build, "fetch_snapshot", lambda path: fetched.append(path))
+    monkeypatch.setattr(build, "wait_for_rank0", lambda: waits.append(len(fetched)))
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        spec = resolve(compose("train", overrides=["task=custom", "data.path=unused.jsonl", "backend=cuda",
+                                                   "backend.strategy=fsdp", "backend.nproc=8",
+                                                   f"model.name_or_path={REPO}"]))
+    for rank, local in ((0, 0), (1, 1), (8, 0), (15, 7)):
+        fetched.clear()
+        waits.clear()
+        build.prepare_files(spec, Dist(rank, 16, local), PhaseTimer())
+        assert fetched == ([REPO] if local == 0 else []), rank
+        assert len(waits) == 2, rank
+    assert waits == [0, 0]  # rank 15: waits for rank 0, fetches nothing, waits for the other nodes' fetches

@@ -237,3 +237,23 @@ def test_the_readme_real_model_command_with_a_micro_batch_too_large_is_refused(s
     assert lines[0].startswith("humanline: error: train.micro_batch_size=256 will not fit: 315.")
     failed = json.loads((run / "failed.json").read_text())
     assert failed["wall_clock_s"].get("sample", 0) == 0 and not (run / "metrics.jsonl").exists()
+
+
+def test_the_fsdp_evaluation_counts_what_each_sampler_gathers(model_dir):
+    """Under FSDP2 transformers' sampler decodes with the whole policy gathered (sampling/hf.py `gathered`: every
+    parameter in the compute dtype, fp32 here), beside its generate; a vLLM engine's weight push gathers one
+    parameter at a time (sampling/vllm.py `policy_weights`), whose largest is the 256 x 64 embeddings (the MLP's
+    128 x 64 is smaller), in the master weights' dtype."""
+    from humanline_cli.memory import count_params
+    from humanline_cli.train.build import memory_estimate
+
+    fsdp = ("backend.strategy=fsdp", "backend.nproc=2", "data=online", "eval.batch_size=3")
+    cpu = torch.device("cpu")
+    config = _llama(model_dir)
+    n = count_params(config)
+    hf = memory_estimate(_spec(model_dir, *fsdp, "sampler=hf"), str(model_dir), cpu)
+    assert hf.evaluation == 4 * n + generate_bytes(config, 3, 32, 16, 4.0)
+    vllm = memory_estimate(_spec(model_dir, *fsdp, "sampler=vllm"), str(model_dir), cpu)
+    assert vllm.evaluation == 4 * 256 * 64  # online with vLLM: the engine evaluates, nothing generates in torch
+    single = memory_estimate(_spec(model_dir, "data=online", "sampler=hf", "eval.batch_size=3"), str(model_dir), cpu)
+    assert single.evaluation == generate_bytes(config, 3, 32, 16, 4.0)  # one process: nothing to gather

@@ -1,0 +1,190 @@
+"""A study's runs as one small CSV kept in the repo (run dirs are not), and back: `export` writes one row per run
+dir of a study with what a reader checks by eye (final and per-evaluation greedy and sampled accuracy, wall-clock
+per phase, the config's hash, the commit the run started on) and what `humanline report --from-csv` needs to
+rebuild the study's tables from the CSV alone: the config keys that tell its runs apart (with the keys the report
+reads and those they interpolate), the summary's scores and clocks, the evaluation points, the generation calls
+and each run's per-prompt eval scores. `materialise` writes those back as run dirs the report reads as usual.
+
+Left out: the training logs between evaluations and logratios.jsonl, so the plots drawn from them are not rebuilt.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from humanline_cli.errors import UserError
+from humanline_cli.report.cost import calls_of
+from humanline_cli.report.frame import CURVE, find_run_dirs, load_run, read_jsonl
+from humanline_cli.report.gap_closed import SAMPLES
+from humanline_cli.report.groups import canon, comparable_config, under
+from humanline_cli.report.regime_map import regime_of
+
+# config keys every row keeps: what labels a run's family, regime and humanline setting
+ALWAYS = ("seed", "task.name", "objective.name", "data.regime", "data.generate_every", "data.async_lag", "humanline",
+          "hl", "regime_meta")
+PLACE_KEYS = ("hydra", "wandb", "world_cache", "resume", "threads")  # where and how a run ran, never what it is
+SELECTORS = ("name", "regime", "kind")  # a subtree's chosen option, which scopes its other keys
+SUMMARY = ("status", "objective", "data", "humanline", "task", "model", "seed", "steps", "batch_size", "batch_unit",
+           "eval", "wall_clock_s", "git_commit", "git_dirty", "started_at", "machine")
+EVAL_KEYS = tuple(key for key, _ in CURVE.values())
+COLUMNS = ("run", "status", "reason", "regime", "seed", "config_hash", "git_commit", "git_dirty", "started_at", "machine",
+           "greedy_final", "sampled_final", "greedy_start", "sampled_start", "evals", "wall_clock_s", "config", "raw",
+           "summary", "metrics", "calls", *(f"{mode}_scores" for mode in ("greedy", "sampled")))
+MODES = {"greedy": "greedy accuracy", "sampled": "accuracy"}
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def config_hash(config: dict | None) -> str | None:
+    """sha256 (12 hex) of a run's resolved config less its seed and the keys that never change results."""
+    if config is None:
+        return None
+    return hashlib.sha256(_dumps(comparable_config(config)).encode()).hexdigest()[:12]
+
+
+def kept_keys(configs: list[dict]) -> set[str]:
+    """The keys that differ between the runs (absent counts), ALWAYS's, the keys those interpolate in the raw
+    config, and each kept subtree's option selector."""
+    flat = [c for c in configs if c is not None]
+    keys = {k for c in flat for k in c}
+    kept = {k for k in keys if len({canon(c.get(k, "<absent>")) for c in flat}) > 1 or under(k, ALWAYS)}
+    kept = {k for k in kept if not under(k, PLACE_KEYS)}
+    kept |= {f"{k.split('.')[0]}.{s}" for k in kept for s in SELECTORS if f"{k.split('.')[0]}.{s}" in keys}
+    return kept
+
+
+def _metrics_rows(rows: list[dict]) -> list[dict]:
+    """The evaluation rows (step, wall_s, scores), the train rows of their steps (wall_s and phase clocks) and the
+    last logged step: what run_points and an incomplete run's reason read."""
+    evals = [{k: r[k] for k in ("step", "wall_s", *EVAL_KEYS) if k in r} for r in rows
+             if "step" in r and any(k in r for k in EVAL_KEYS)]
+    steps = {r["step"] for r in evals}
+    train = [{k: v for k, v in r.items() if k in ("step", "wall_s") or k.startswith("time/")} for r in rows
+             if r.get("step") in steps and "time/train" in r]
+    last = max((r["step"] for r in rows if isinstance(r.get("step"), (int, float))), default=None)
+    tail = [{"step": last}] if last is not None and last not in steps else []
+    return train + evals + tail
+
+
+def _scores(path: Path, mode: str) -> str:
+    rows = [r for r in read_jsonl(path / SAMPLES[MODES[mode]]) if r.get("policy_score") is not None]
+    if not rows:
+        return ""
+    digest = hashlib.sha256("\n".join(str(r["prompt"]) for r in rows).encode()).hexdigest()[:8]
+    return digest + ":" + _dumps([float(r["policy_score"]) for r in rows]).replace(".0,", ",").replace(".0]", "]")
+
+
+def run_row(root: Path, run: dict, kept: set[str]) -> dict:
+    s, cfg, raw = run["summary"], run["config"], run["raw"] or {}
+    ev = s.get("eval") or {}
+    evals = [{"step": r["step"], "greedy": r.get("eval/greedy/accuracy"), "sampled": r.get("eval/accuracy")}
+             for r in run["metrics"] if "step" in r and ("eval/greedy/accuracy" in r or "eval/accuracy" in r)]
+    calls = calls_of(run["path"])
+    return {"run": run["path"].relative_to(root).as_posix(), "status": run["status"], "reason": run["reason"],
+            "regime": regime_of(run["path"]) or "", "seed": run["seed"], "config_hash": config_hash(cfg),
+            "git_commit": s.get("git_commit"), "git_dirty": s.get("git_dirty"), "started_at": s.get("started_at"),
+            "machine": _dumps(s["machine"]) if s.get("machine") else "",
+            "greedy_final": (ev.get("greedy") or {}).get("accuracy"), "sampled_final": ev.get("accuracy"),
+            "greedy_start": (ev.get("greedy") or {}).get("start_accuracy"), "sampled_start": ev.get("start_accuracy"),
+            "evals": _dumps(evals), "wall_clock_s": _dumps(s.get("wall_clock_s") or {}),
+            "config": "" if cfg is None else _dumps({k: v for k, v in cfg.items() if k in kept}),
+            "raw": _dumps({k: v for k, v in raw.items() if k in kept and canon(v) != canon((cfg or {}).get(k))}),
+            "summary": _dumps({**{k: s[k] for k in SUMMARY if k in s}, "final_train_metrics": {
+                k: v for k, v in (s.get("final_train_metrics") or {}).items() if k == "online/round"}}) if s else "",
+            "metrics": _dumps(_metrics_rows(run["metrics"])),
+            "calls": _dumps({"sequences": len(read_jsonl(run["path"] / "samples.jsonl"))} if calls is None else
+                            {"calls": [[c.sequences, c.tokens, c.longest] for c in calls]}),
+            **{f"{m}_scores": _scores(run["path"], m) for m in MODES}}
+
+
+def export(root: Path, path: Path) -> int:
+    """Every run dir under `root` as a row of `path` (in the sweep's regime order where multirun.yaml lists it);
+    returns the number of rows."""
+    root = Path(root)
+    runs = [load_run(d) for d in find_run_dirs(root)]
+    if not runs:
+        raise UserError(f"no run dirs under {root} to export")
+    listed = _listed_regimes(root)
+    runs.sort(key=lambda r: (listed.index(regime_of(r["path"])) if regime_of(r["path"]) in listed else len(listed),
+                             str(r["path"])))
+    kept = kept_keys([r["config"] for r in runs])
+    rows = pd.DataFrame([run_row(root, r, kept) for r in runs], columns=list(COLUMNS), dtype=object)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    rows.to_csv(path, index=False, lineterminator="\n")
+    return len(rows)
+
+
+def _listed_regimes(root: Path) -> list[str]:
+    f = root / "multirun.yaml"
+    sweep = yaml.safe_load(f.read_text()) if f.is_file() else None
+    params = ((sweep or {}).get("hydra") or {}).get("sweeper", {}).get("params") or {}
+    return [x.strip() for x in str(params.get("regime", "")).split(",") if x.strip()]
+
+
+def _nested(flat: dict) -> dict:
+    out: dict = {}
+    for key, value in flat.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def _samples(calls: list) -> list[dict]:
+    """samples.jsonl rows whose rounds have the recorded count, token sum and longest completion."""
+    rows = []
+    for i, (n, total, longest) in enumerate(calls, start=1):
+        rest, k = total - longest, n - 1
+        q, extra = divmod(rest, k) if k else (0, 0)
+        rows += [{"round": i, "tokens": t} for t in [longest] + [q + 1] * extra + [q] * (k - extra)]
+    return rows
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def materialise(csv_path: Path, into: Path) -> Path:
+    """The CSV's runs as run dirs under `into` (with multirun.yaml listing the regimes in the CSV's order)."""
+    try:
+        table = pd.read_csv(csv_path, dtype=str, keep_default_na=False)
+    except (OSError, ValueError, pd.errors.ParserError) as e:
+        raise UserError(f"--from-csv {csv_path}: not a study CSV ({type(e).__name__}: {e})") from None
+    missing = [c for c in COLUMNS if c not in table.columns]
+    if missing:
+        raise UserError(f"--from-csv {csv_path}: not a study CSV of `humanline report --export-csv` "
+                        f"(missing columns: {', '.join(missing)})")
+    for r in table.to_dict("records"):
+        d = Path(into) / r["run"]
+        (d / ".hydra").mkdir(parents=True)
+        if r["config"]:
+            cfg = {**json.loads(r["config"]), **json.loads(r["raw"])}
+            (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(_nested(cfg), sort_keys=False))
+        if r["regime"]:
+            (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"regime={r['regime']}"]))
+        if r["summary"]:
+            (d / "summary.json").write_text(r["summary"])
+        if r["status"] == "failed" and not r["summary"]:
+            (d / "failed.json").write_text(json.dumps({"status": "failed", "error": r["reason"]}))
+        _write_jsonl(d / "metrics.jsonl", json.loads(r["metrics"]))
+        calls = json.loads(r["calls"])  # a run without per-completion tokens: as many rows, none counted
+        _write_jsonl(d / "samples.jsonl", _samples(calls["calls"]) if "calls" in calls else
+                     [{"round": 0}] * calls["sequences"])
+        for mode, metric in MODES.items():
+            if r[f"{mode}_scores"]:
+                digest, scores = r[f"{mode}_scores"].split(":", 1)
+                _write_jsonl(d / SAMPLES[metric], [{"prompt": f"{digest}:{i}", "policy_score": x}
+                                                   for i, x in enumerate(json.loads(scores))])
+    regimes = list(dict.fromkeys(x for x in table["regime"] if x))
+    if regimes:
+        (Path(into) / "multirun.yaml").write_text(yaml.safe_dump(
+            {"hydra": {"sweeper": {"params": {"regime": ",".join(regimes)}}}}))
+    return Path(into)

@@ -1,0 +1,67 @@
+"""task=chat_sentiment: lexicon scorers (VADER trains, AFINN judges) and the generated prompts, then a tiny
+online GRPO run end to end whose round scores are VADER's and whose evaluation is AFINN's win rate against the
+starting policy."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from humanline_cli.errors import UserError
+from humanline_cli.rewards.lexicon import afinn, scorer, vader
+from humanline_cli.rewards.scorers import make_scorer
+from humanline_cli.world import chat_sentiment, generated
+from tests.helpers.cli import run_cli
+from tests.helpers.models import build_tiny_qwen
+
+
+def test_afinn_is_the_mean_word_valence_and_vader_reads_negation():
+    # AFINN-111: good +3, bad -3, love +3; 5 words, (3 + 3) / 5 = 1.2; 3 words, (3 - 3) / 3 = 0
+    assert afinn("good people love this place") == pytest.approx(6 / 5)
+    assert afinn("good but bad") == 0.0 and afinn("") == 0.0 and afinn("the table") == 0.0
+    assert vader("") == 0.0 and -1.0 <= vader("I hate this awful day") < 0 < vader("What a lovely day!") <= 1.0
+    assert vader("This is not good.") < 0 < vader("This is good.")  # VADER's negation rule
+    # AFINN lists the phrase "not good" at -2: -2 / 4 words; "good" alone +3 / 3 words
+    assert (afinn("This is not good."), afinn("This is good.")) == (pytest.approx(-0.5), pytest.approx(1.0))
+
+
+def test_make_scorer_names_the_lexicon_and_scores_chat_messages():
+    name, score = make_scorer({"kind": "lexicon", "lexicon": "afinn"}, key="task.judge")
+    assert name == "lexicon:afinn"
+    assert score(["p", "p"], ["good good", [{"role": "assistant", "content": "bad"}]]) == [3.0, -3.0]
+    with pytest.raises(UserError, match="unknown lexicon"):
+        scorer("sentiwordnet")
+
+
+def test_chat_sentiment_prompts_are_seeded_disjoint_and_bounded(tmp_path):
+    cfg = {"kind": "chat_sentiment", "n_train": 120, "n_eval": 40, "seed": 0, "digits": 2, "op": "add"}
+    train, eval_ = chat_sentiment.generate(cfg)
+    assert (len(train), len(eval_)) == (120, 40) and chat_sentiment.generate(cfg) == (train, eval_)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in eval_}
+    assert chat_sentiment.generate({**cfg, "seed": 1}) != (train, eval_)
+    d = generated.materialise(cfg, tmp_path)
+    assert d.name.startswith("chat_sentiment-") and (d / "prompts_eval.jsonl").read_text().count("\n") == 40
+    with pytest.raises(UserError, match="160 distinct"):
+        chat_sentiment.check({**cfg, "n_train": 121})
+
+
+def test_chat_sentiment_trains_on_vader_and_is_judged_by_afinn(tmp_path):
+    policy, _ = build_tiny_qwen(tmp_path / "models")
+    run = tmp_path / "run"
+    r = run_cli(["train", "task=chat_sentiment", "objective=grpo", "data=online", f"model.name_or_path={policy}",
+                 f"world_cache={tmp_path / 'cache'}", "task.generator.n_train=16", "task.generator.n_eval=8",
+                 "data.prompts_per_round=4", "data.n=2", "data.max_new_tokens=8", "train.steps=2",
+                 "train.batch_size=4", "threads=1", "eval.n_prompts=8", "eval.max_new_tokens=8",
+                 "train.max_length=128", "train.max_prompt_length=80", f"hydra.run.dir={run}"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 * 4 * 2  # two rounds of 4 prompts x 2 samples
+    for s in samples:  # the training reward is VADER's compound score of the reply
+        assert s["score"] == pytest.approx(vader(s["completion"] if isinstance(s["completion"], str)
+                                                 else s["completion"][-1]["content"]), abs=1e-12)
+    ev = json.loads((run / "summary.json").read_text())["eval"]
+    assert ev["judge"] == "lexicon:afinn" and ev["accuracy"] is None and ev["n_prompts"] == 8
+    rows = [json.loads(x) for x in (run / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 8
+    assert ev["reward_mean"] == pytest.approx(sum(x["policy_score"] for x in rows) / 8, abs=1e-12)
+    assert 0.0 <= ev["win_rate"] <= 1.0
