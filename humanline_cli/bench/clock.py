@@ -163,5 +163,6 @@ def train_loop(parts, timer, tracker) -> None:
 
     spec = parts.spec
     train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
-          rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
+          rule=ReferenceRule.from_spec(spec.humanline, spec.regime, spec.correction),
+          correction=spec.correction, tracker=tracker, timer=timer,
           console=Console(file=io.StringIO()), eval_every=spec.eval_cfg.every)

@@ -2,7 +2,8 @@
 (docs/scaling.md), written to one JSON file and summed up as "N of M rows ran, K skipped"; exit 1 if a row failed
 or a row asked for did not run (its package missing), 2 (one line) without CUDA. Groups (--only):
   step   step time, tokens/s, MFU and peak memory against memory.estimate at a real shape (bench/step_bench.py)
-  vllm   the vLLM rows (bench/vllm_rows.py): start, push, log-probs after a push, stale prefix cache, tokens/s, wake
+  vllm   the vLLM rows (bench/vllm_rows.py): start, push, log-probs after a push, stale prefix cache, tokens/s, wake;
+         on 2+ GPUs an engine per rank (external_launcher) started, put to sleep and woken on its own GPU
   train  real `humanline train` runs: bf16 per objective plain and humanline, LoRA, online vLLM, DDP/FSDP on 2+ GPUs
 step and vllm need torch and transformers (and vLLM) only; without Hydra or vLLM the rows needing them say
 "skipped: ..." and fail the check. `--device cpu`: the step rows on the tiny shape (and --vllm the vLLM rows).
@@ -85,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     n_gpu = 0 if cpu else torch.cuda.device_count()
-    results = {"device": "cpu" if cpu else torch.cuda.get_device_name(0), "gpus": n_gpu, "torch": torch.__version__,
-               "checks": []}
+    results = {"device": "cpu" if cpu else torch.cuda.get_device_name(0), "gpus": n_gpu, "torch": torch.__version__}
+    results["checks"] = _Rows(lambda: _write(results, out, partial=True))
     checks = results["checks"]
     groups = {"step": lambda: run(shape, device, tokens=args.tokens or (64 if cpu else 1024), micro=2 if cpu else 4,
                                   n=4 if cpu else 8, tol=args.tol, lr=args.lr),
@@ -94,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                   args.vllm_shape or ("tiny-vllm" if cpu else "qwen2.5-1.5b"), device,
                   calls=[int(c) for c in (args.vllm_calls or ("4,16" if cpu else "256,16384")).split(",")],
                   prompt_tokens=args.vllm_prompt_tokens or (100 if cpu else 128),
-                  new_tokens=args.vllm_new_tokens or (8 if cpu else 64), workdir=out)}
+                  new_tokens=args.vllm_new_tokens or (8 if cpu else 64), workdir=out)
+              # one engine per rank (external_launcher, sleep mode) on 2 GPUs; one GPU: a row saying so
+              + ([] if cpu or missing("vllm") else vllm_rows.ranks_run())}
     for group, rows in groups.items():
         if group in asked:
             try:
@@ -154,6 +157,30 @@ def _training_rows(out: Path, n_gpu: int, checks: list) -> None:
         checks.append({"check": "ddp_fsdp", "ok": True, "skipped": "one visible GPU (needs 2+)"})
 
 
+class _Rows(list):
+    """The rows so far, written to gpu_check.json (marked partial) as each one comes: a check stopped by a time
+    limit (a lent GPU's minutes) keeps the rows it finished."""
+
+    def __init__(self, save):
+        super().__init__()
+        self._save = save
+
+    def append(self, row) -> None:
+        super().append(row)
+        self._save()
+
+    def extend(self, rows) -> None:
+        super().extend(rows)
+        self._save()
+
+
+def _write(results: dict, out: Path, partial: bool = False) -> None:
+    from humanline_cli.atomic import write_text_atomic
+
+    write_text_atomic(out / "gpu_check.json",
+                      json.dumps({**results, **({"partial": True} if partial else {})}, indent=2) + "\n")
+
+
 def _finish(results: dict, out: Path) -> int:
     """Each row, then the summary: a skipped row with ok False (asked for, its package missing) fails the check
     as a failed row does, so a bare image never reports green with most rows not run."""
@@ -161,7 +188,7 @@ def _finish(results: dict, out: Path) -> int:
     skipped = [c for c in checks if "skipped" in c]
     results["ok"] = bool(checks) and all(c["ok"] for c in checks)
     results["summary"] = f"{len(checks) - len(skipped)} of {len(checks)} rows ran, {len(skipped)} skipped"
-    (out / "gpu_check.json").write_text(json.dumps(results, indent=2) + "\n")
+    _write(results, out)
     for c in checks:
         label = "ok  " if c["ok"] and "skipped" not in c else "SKIP" if "skipped" in c else "FAIL"
         print(f"{label} {c['check']}: " + ", ".join(

@@ -204,3 +204,109 @@ def _wake_row(sampler, policy) -> dict:
         row["raw_wake"] = f"failed: {error_line(e)}"
     torch.cuda.empty_cache()
     return row
+
+
+RANKS_CHECK = "vllm_ranks_external_launcher"
+
+
+def ranks_run(shape: str = "tiny-vllm", nproc: int = 2, gpu_memory_utilization: float = 0.2, bound: float = 0.05,
+              timeout: float = 900.0) -> list[dict]:
+    """One engine per rank, as a run's ranks hold them (vLLM's `external_launcher` executor with sleep mode): `nproc`
+    spawned ranks on their own GPUs (NCCL, init_distributed) each start the run's sampler, sleep it (level 2), wake it
+    through a push and sample greedily. Per rank: the engine's device (the worker's own: cuda:LOCAL_RANK), its share
+    of its own GPU's memory after start (between half and 1.5x gpu_memory_utilization: an engine that landed on
+    another rank's GPU leaves its own near 0 and doubles the other's), the memory the sleep freed there, the memory
+    back after the push, and the log-probs after the push against transformers (`bound`, the mean as in `run`).
+    Fewer than `nproc` GPUs: one row that says so, not run."""
+    if missing("vllm"):
+        return [{"check": RANKS_CHECK, "ok": False, "skipped": "vllm not installed"}]
+    import multiprocessing
+    import socket
+
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible < nproc:
+        return [{"check": RANKS_CHECK, "ok": True, "skipped": f"{visible} visible GPU(s) (needs {nproc})"}]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")  # CUDA in a forked child is undefined
+    out, barrier = ctx.Queue(), ctx.Barrier(nproc)
+    procs = [ctx.Process(target=_rank_engine, args=(r, nproc, port, shape, gpu_memory_utilization, bound, barrier, out))
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    ranks = []
+    try:
+        for _ in procs:
+            ranks.append(out.get(timeout=timeout))
+    except Exception as e:  # noqa: BLE001 - a rank that never answered: the row fails with its reason
+        ranks.append({"error": f"a rank gave no result within {timeout:g} s ({error_line(e)})"})
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    ranks.sort(key=lambda r: r.get("rank", nproc))
+    ok = len(ranks) == nproc and all(r.get("ok") for r in ranks) and all(p.exitcode == 0 for p in procs)
+    return [{"check": RANKS_CHECK, "ok": ok, "ranks": ranks, "exit_codes": [p.exitcode for p in procs]}]
+
+
+def _engine_device(worker) -> str:
+    """Worker-side: the device vLLM's worker put its model and KV cache on."""
+    return str(worker.device)
+
+
+def _rank_engine(rank: int, nproc: int, port: int, shape: str, util: float, bound: float, barrier, out) -> None:
+    """One rank of ranks_run: what a run's rank does with its engine, measured on its own GPU only (asking another
+    device's free memory would open a CUDA context there)."""
+    import os
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    row: dict = {"rank": rank, "ok": False}
+    try:
+        import torch
+
+        from humanline_cli.backend import init_distributed
+        from humanline_cli.bench.step_bench import build
+        from humanline_cli.core.interfaces import SamplingParams
+        from humanline_cli.sampling.vllm import VLLMSampler
+
+        init_distributed("cuda", 600)
+        row["current_device"] = torch.cuda.current_device()
+        policy = build(shape, "cuda").to(torch.bfloat16)
+        gib = 2**30
+        with tempfile.TemporaryDirectory() as tmp:
+            policy.save_pretrained(tmp)
+            barrier.wait(600)
+            free0, total = torch.cuda.mem_get_info(rank)
+            sampler = VLLMSampler(tmp, _tokenizer(), seed=0, gpu_memory_utilization=util, max_model_len=256,
+                                  timeout_s=600, sleep=True)
+            try:
+                barrier.wait(600)
+                row["engine_device"] = sampler.llm.collective_rpc(_engine_device)[0]
+                row["executor"] = sampler.llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend
+                started = free0 - torch.cuda.mem_get_info(rank)[0]
+                sampler.sleep()
+                barrier.wait(600)
+                freed = torch.cuda.mem_get_info(rank)[0] - (free0 - started)
+                _perturb(policy, 1)
+                sampler.push_weights(policy)  # wakes the weights, pushes, wakes the KV cache: on this rank's GPU
+                barrier.wait(600)
+                woke = free0 - torch.cuda.mem_get_info(rank)[0]
+                vocab = policy.config.vocab_size
+                prompts = [[1 + (i * 13 + k) % (vocab - 1) for k in range(20)] for i in range(4)]
+                diffs = _logp_diffs(policy, prompts, sampler.generate(prompts, SamplingParams(
+                    n=1, temperature=0.0, max_new_tokens=8)))
+            finally:
+                sampler.close()
+        row.update(started_gib=round(started / gib, 2), freed_by_sleep_gib=round(freed / gib, 2),
+                   after_wake_gib=round(woke / gib, 2), share_of_gpu=round(started / total, 3),
+                   mean_abs_diff=_mean(diffs), tokens=len(diffs))
+        row["ok"] = (row["engine_device"] == f"cuda:{rank}" and row["current_device"] == rank
+                     and row["executor"] == "external_launcher" and 0.5 * util <= started / total <= 1.5 * util
+                     and freed >= 0.5 * started and woke >= 0.5 * started and bool(diffs) and _mean(diffs) <= bound)
+    except Exception as e:  # noqa: BLE001 - the rank's verdict, with its reason
+        row["error"] = error_line(e)
+    out.put(row)

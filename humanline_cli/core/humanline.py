@@ -78,15 +78,23 @@ class ReferenceRule:
     - plain online (and clamp-only online): at the start of each sampling round, before its first
       forward, so the reference is the round's starting policy (the paper's online baselines);
     - humanline sync: at optimizer steps k, 2k, ... after backward and clipping, BEFORE
-      optimizer.step, so during step t the reference is the policy of step t - k.
+      optimizer.step, so during step t the reference is the policy of step t - k;
+    - correction=trdpo (TR-DPO): at optimizer steps tau, 2 tau, ... AFTER optimizer.step (TRL's
+      SyncRefModelCallback runs on_step_end), ref <- alpha * policy + (1 - alpha) * ref; never reset per round.
     """
 
     sync_every: int = 0            # 0 = no humanline sync
     reset_each_round: bool = False
+    mix_every: int = 0             # 0 = no TR-DPO soft update
+    mix_alpha: float = 0.0
 
     @classmethod
-    def from_spec(cls, hl: HumanlineSpec, regime: str) -> ReferenceRule:
-        return cls(sync_every=hl.sync_every if hl.sync else 0, reset_each_round=regime == "online" and not hl.sync)
+    def from_spec(cls, hl: HumanlineSpec, regime: str, correction=None) -> ReferenceRule:
+        """`correction`: the run's CorrectionSpec (core/corrections.py; None: none)."""
+        trdpo = correction is not None and correction.kind == "trdpo"
+        return cls(sync_every=hl.sync_every if hl.sync else 0,
+                   reset_each_round=regime == "online" and not hl.sync and not trdpo,
+                   mix_every=correction.tau if trdpo else 0, mix_alpha=correction.alpha if trdpo else 0.0)
 
     def at_round_start(self, new_round: bool) -> bool:
         return self.reset_each_round and new_round
@@ -94,3 +102,12 @@ class ReferenceRule:
     def before_optimizer_step(self, step: int) -> bool:
         """1-based optimizer step."""
         return self.sync_every > 0 and step % self.sync_every == 0
+
+    def after_optimizer_step(self, step: int) -> bool:
+        """1-based optimizer step: TR-DPO's soft update is due after this step's optimizer.step."""
+        return self.mix_every > 0 and step % self.mix_every == 0
+
+    @property
+    def moves(self) -> bool:
+        """Whether the reference can leave the starting weights."""
+        return self.sync_every > 0 or self.reset_each_round or self.mix_every > 0

@@ -28,6 +28,9 @@ class Reference(Protocol):
     def sync(self, policy: torch.nn.Module) -> None:
         """Take the policy's weights (humanline sync, online round reset); a reference that cannot move raises."""
 
+    def mix(self, policy: torch.nn.Module, alpha: float) -> None:
+        """ref <- alpha * policy + (1 - alpha) * ref (correction=trdpo); only a full frozen copy can, others raise."""
+
     def n_params(self) -> int:
         """Parameters the reference adds to the run (0: none of its own)."""
 

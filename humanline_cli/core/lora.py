@@ -75,11 +75,16 @@ def merged_state_dict(peft_model: PeftModel, adapter: str = POLICY_ADAPTER) -> d
 @torch.no_grad()
 def merged_weights(peft_model: PeftModel, adapter: str = POLICY_ADAPTER,
                    state: dict[str, torch.Tensor] | None = None,
-                   skip: frozenset[str] | set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+                   skip: frozenset[str] | set[str] = frozenset(),
+                   wide: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(base name, full tensor) for every weight with `adapter` merged in, one entry at a time.
 
     For a LoRA layer at prefix P: P.weight = base weight + the adapter's delta, transpose(B A) * (alpha / r)
-    (peft's `get_delta_weight`, the sum `merge_and_unload` performs), P.bias = the base bias; the adapters'
+    (peft's `get_delta_weight`, the sum `merge_and_unload` performs), P.bias = the base bias. The sum is taken
+    in at least fp32 and, with `wide` (the samplers' push), yielded so: a bf16 base (LoRA under bf16 autocast)
+    plus an update below half a bf16 step of a weight would round back to the base weight, and the sampler
+    would sample the base model; the sampler rounds once, to its own dtype. `wide=False` casts each merged
+    weight back to its base weight's dtype (a saved model in one dtype). The adapters'
     own tensors (P.lora_*) are left out, whatever adapters exist. Read from `state` (the base model's
     state dict, e.g. a gathered full one; default: the live model's own tensors). An unsharded live entry
     is yielded as the live tensor itself (detach-only: the caller must not modify it in place). Names in
@@ -106,7 +111,9 @@ def merged_weights(peft_model: PeftModel, adapter: str = POLICY_ADAPTER,
         rest = rest[len("base_layer."):]
         if rest == "weight" and adapter in _adapter_names(layer):
             weight = _full(value)
-            yield f"{prefix}.weight", weight + _delta(layer, adapter, state, prefix, value).to(weight.dtype)
+            sum_dtype = torch.promote_types(weight.dtype, torch.float32)
+            merged = weight.to(sum_dtype) + _delta(layer, adapter, state, prefix, value).to(sum_dtype)
+            yield f"{prefix}.weight", merged if wide else merged.to(weight.dtype)
         else:
             yield f"{prefix}.{rest}", _full(value)
 
@@ -161,7 +168,7 @@ def save_merged(peft_model: PeftModel, tokenizer, dest: str | Path, save_adapter
     shutil.rmtree(tmp, ignore_errors=True)
     base = base_model_of(peft_model)
     base_state = None if state is None else {k.removeprefix(_PEFT_PREFIX): v for k, v in state.items()}
-    merged = {k: v.to("cpu") for k, v in merged_weights(peft_model, adapter, base_state)}
+    merged = {k: v.to("cpu") for k, v in merged_weights(peft_model, adapter, base_state, wide=False)}
     config = copy.deepcopy(base.config)
     with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(config)

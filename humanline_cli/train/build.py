@@ -52,7 +52,13 @@ from humanline_cli.memory import (
     rss_bytes,
     size,
 )
-from humanline_cli.models import load_error, load_policy, load_tokenizer, provide_removed_names
+from humanline_cli.models import (
+    load_error,
+    load_policy,
+    load_tokenizer,
+    provide_removed_names,
+    refuse_own_code_unless_trusted,
+)
 from humanline_cli.rewards.scorers import make_scorer
 from humanline_cli.sampling import kv_space
 from humanline_cli.sources.offline import OfflineSource
@@ -275,7 +281,8 @@ def vllm_options(spec: RunSpec, call_sequences: int | None = None) -> dict:
     return {"seed": spec.seed, "gpu_memory_utilization": s.gpu_memory_utilization, "enforce_eager": s.enforce_eager,
             "max_model_len": s.max_model_len, "timeout_s": s.timeout_s, "cpu_kvcache_gb": s.cpu_kvcache_gb,
             "block_size": s.block_size, "sleep": s.sleep, "tempered_logps": spec.objective_cfg.tempered_logps,
-            "seeded": s.seeded, "call_sequences": call_sequences or engine_call_sequences(spec)}
+            "seeded": s.seeded, "call_sequences": call_sequences or engine_call_sequences(spec),
+            "max_num_batched_tokens": s.max_num_batched_tokens}
 
 
 def engine_call_sequences(spec: RunSpec) -> int | None:
@@ -392,18 +399,20 @@ def check_model_task(spec: RunSpec) -> None:
     print(f"humanline: warning: {msg}", file=sys.stderr)
 
 
-def reward_models_on_rank(spec: RunSpec, rank: int) -> dict[tuple[str, bool], None]:
-    """The reward models (path, trust_remote_code) that `rank` loads, each once: an online run's labeller on every
-    rank, a reward-model judge on rank 0 only (it alone judges); one model naming both is one copy (make_scorer)."""
-    held: dict[tuple[str, bool], None] = {}
+def reward_models_on_rank(spec: RunSpec, rank: int) -> dict[tuple[str, bool], list[str]]:
+    """The reward models (path, trust_remote_code) that `rank` loads, each once, with the config keys naming each:
+    an online run's labeller on every rank, a reward-model judge on rank 0 only (it alone judges); one model naming
+    both is one copy (make_scorer)."""
+    held: dict[tuple[str, bool], list[str]] = {}
     r, task = spec.reward_cfg, spec.task_cfg
     if spec.regime == "online":
         if r.kind == "model":
-            held[(r.name_or_path, bool(r.trust_remote_code))] = None
+            held.setdefault((r.name_or_path, bool(r.trust_remote_code)), []).append("reward")
         elif r.kind == "task" and task.labeller.kind in ("model", "reward_model"):
-            held[(task.labeller.name_or_path, bool(task.labeller.trust_remote_code))] = None
+            held.setdefault((task.labeller.name_or_path, bool(task.labeller.trust_remote_code)), []).append(
+                "task.labeller")
     if rank == 0 and spec.judge_cfg.kind == "task" and task.judge.kind in ("model", "reward_model"):
-        held[(task.judge.name_or_path, bool(task.judge.trust_remote_code))] = None
+        held.setdefault((task.judge.name_or_path, bool(task.judge.trust_remote_code)), []).append("task.judge")
     return held
 
 
@@ -413,7 +422,10 @@ def _reward_bytes(spec: RunSpec, rank: int) -> float:
     from humanline_cli.memory import reward_model_bytes
 
     total = 0.0
-    for path, trust in reward_models_on_rank(spec, rank):
+    for (path, trust), keys in reward_models_on_rank(spec, rank).items():
+        # a model with its own code is refused here, before any weight loads, naming each key to set
+        refuse_own_code_unless_trusted("reward model", path, "AutoModelForSequenceClassification", trust,
+                                       " and ".join(f"{k}.trust_remote_code=true" for k in keys or ["reward"]))
         if trust:
             provide_removed_names()  # ArmoRM's own code imports a name transformers 5 dropped
         with contextlib.suppress(OSError, ValueError):  # RewardModel reports a missing model in one line
@@ -466,7 +478,8 @@ def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int, 
     loadable = sharded_loadable(model_path) or (fetched and is_hub_id(model_path))
     n = count_params(config)
     fixed = dict(max_length=spec.train.max_length, lora_r=spec.model_cfg.lora.r,
-                 moving_reference=reference_moves(spec.humanline, spec.regime), strategy=b.strategy.value,
+                 moving_reference=reference_moves(spec.humanline, spec.regime, spec.correction),
+                 strategy=b.strategy.value,
                  ranks=b.nproc if b.strategy.value != "single" else 1,
                  gradient_checkpointing=spec.train.gradient_checkpointing, params=n,
                  # bf16 under FSDP2: the frozen reference is kept in bf16 (build_parts)
@@ -733,7 +746,8 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
 
         policy = apply_lora(policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
     fsdp_full = strategy == "fsdp" and lora.r == 0
-    reference = build_reference(policy, lora=lora.r > 0, moving=reference_moves(spec.humanline, spec.regime),
+    moving = reference_moves(spec.humanline, spec.regime, spec.correction)
+    reference = build_reference(policy, lora=lora.r > 0, moving=moving,
                                 cache=spec.train.reference_cache, shard=shard_model if fsdp_full else None,
                                 dtype=backend.param_dtype if fsdp_full else None,
                                 agree=(lambda f: all_agree(f, dist)) if strategy == "fsdp" else None,

@@ -36,6 +36,11 @@ def header(spec: RunSpec, parts, console: Console) -> None:
     if spec.humanline_on:
         mode = (f"clamp [{hl.log_eps_P}, {hl.log_eps_R}]" if hl.clamp else "no clamp") + ", " + (
             f"sync every {hl.sync_every} step(s) before optimizer.step" if hl.sync else "no sync")
+    c = spec.correction
+    if c.kind in ("tis", "mis", "decoupled"):  # the other corrections say themselves in the humanline or no mode
+        mode += f" / correction {c.kind} ({c.mode or 'token_mask'}, cap {c.cap:g})"
+    elif c.kind == "trdpo":
+        mode += f" / correction trdpo (ref <- {c.alpha:g} policy + {1 - c.alpha:g} ref every {c.tau} steps)"
     console.print(f"[bold]humanline train[/]: {spec.objective} / {spec.regime} / humanline {mode}")
     console.print(f"  task {spec.task}, model {spec.model} ({n_params / 1e6:.2f}M params), "
                   f"{parts.backend.describe()}, seed {spec.seed}")

@@ -428,7 +428,8 @@ def run_rank(spec: RunSpec, ctx: Context, console: Console | None = None) -> dic
                     with timer.phase("eval"):
                         parts.evaluator.set_baseline(parts.eval_sampler)
                 last = train(spec.train, spec.humanline, parts, stop, objective=spec.objective_cfg,
-                             rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
+                             rule=ReferenceRule.from_spec(spec.humanline, spec.regime, spec.correction),
+                             correction=spec.correction, tracker=tracker, timer=timer,
                              console=console, eval_every=spec.eval_cfg.every, checkpoints=checkpoints,
                              resume_from=resume_from, at=at)
                 trained = True  # an interruption from here on lands after training

@@ -9,7 +9,7 @@ import contextlib
 import json
 import platform
 import subprocess
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from humanline_cli.atomic import write_json_atomic
@@ -31,7 +31,7 @@ def code_state() -> dict:
     commit = (_git("rev-parse", "HEAD") or "").strip() or None
     status = _git("status", "--porcelain") if commit else None
     return {"git_commit": commit, "git_dirty": None if status is None else bool(status.strip()),
-            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            "started_at": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
 def machine() -> dict:

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from humanline_cli.backend import all_agree, all_reduce_sum, clip_grad_norm
 from humanline_cli.config import TrainSpec
 from humanline_cli.core.batches import n_units, to_device
+from humanline_cli.core.corrections import NO_CORRECTION, CorrectionSpec
 from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule
 from humanline_cli.core.objectives import compute_loss, loss_count, micro_batch_weights, step_z0
 from humanline_cli.core.optim import make_optimizer, make_scheduler
@@ -33,9 +34,11 @@ SUMMED = ("_units", "_n_tokens", "_n_processed")  # counts: summed, not averaged
 
 def train(tr: TrainSpec, hl: HumanlineSpec, parts: Parts, stop: StopSignal | None = None, *, objective,
           rule: ReferenceRule, tracker: Tracker, timer: PhaseTimer, console=None, eval_every: int = 0,
-          checkpoints: Checkpoints | None = None, resume_from=None, at: StepMarker | None = None) -> dict:
+          checkpoints: Checkpoints | None = None, resume_from=None, at: StepMarker | None = None,
+          correction: CorrectionSpec = NO_CORRECTION) -> dict:
     """Run optimizer steps 1..tr.steps (or, with `resume_from`, a checkpoint dir, the steps after it) of
-    `objective` with humanline `hl`; the reference moves when `rule` says. Returns the last logged metrics."""
+    `objective` with humanline `hl` and the stale-data `correction`; the reference moves when `rule` says.
+    Returns the last logged metrics."""
     policy, reference = parts.policy, parts.reference
     model = parts.train_model or policy  # what the gradient flows through (a DDP wrapper under DDP)
     ranks = Ranks(parts)
@@ -45,7 +48,7 @@ def train(tr: TrainSpec, hl: HumanlineSpec, parts: Parts, stop: StopSignal | Non
     params = [p for p in policy.parameters() if p.requires_grad]
     start, last = checkpoints.load(resume_from, parts, opt, sched, timer) if resume_from is not None else (0, {})
     skips = Skips(tr, int(last.pop("skipped_steps", 0)), tracker, console)
-    save = Saver(checkpoints, parts, opt, sched, timer, rule.sync_every > 0 or rule.reset_each_round, tr.steps)
+    save = Saver(checkpoints, parts, opt, sched, timer, rule.moves, tr.steps)
     at = at or StepMarker()
     with Bar(console, tr.steps, start) as bar, at, armed(stop):  # a Ctrl-C in the loop carries its step
         for step in range(start + 1, tr.steps + 1):
@@ -73,7 +76,8 @@ def train(tr: TrainSpec, hl: HumanlineSpec, parts: Parts, stop: StopSignal | Non
                 for i, mb in enumerate(mbs):
                     with grad_sync(model, i, len(mbs)):
                         with parts.backend.autocast():
-                            loss, m = compute_loss(objective, model, reference, mb, hl, log_now, z0)  # clamp inside
+                            # the humanline clamp and the stale-data correction live one call down
+                            loss, m = compute_loss(objective, model, reference, mb, hl, log_now, z0, correction)
                         ranks.check_finite(loss, step, i, data.micro_batches)
                         (loss * weights[i]).backward()
                     rows.append(micro_row(m, loss, mb, counts[i], fillers[i]))
@@ -90,6 +94,10 @@ def train(tr: TrainSpec, hl: HumanlineSpec, parts: Parts, stop: StopSignal | Non
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
+            if rule.after_optimizer_step(step):
+                # TR-DPO: AFTER the step (TRL's callback runs on_step_end), a weighted mix, not a copy
+                with timer.phase("sync"):
+                    reference.mix(policy, rule.mix_alpha)
             last = step_metrics(rows, ranks, lr_now, grad_norm, time.perf_counter() - t0, data.info, reference, timer)
             if log_now:
                 tracker.log(step, last)

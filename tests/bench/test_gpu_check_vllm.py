@@ -35,3 +35,20 @@ def test_without_vllm_the_rows_say_skipped(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # any import of vllm fails, as where it is not installed
     assert vllm_rows.run("tiny-vllm", "cpu", calls=(4,)) == [{"check": "vllm", "ok": False,
                                                               "skipped": "vllm not installed"}]
+
+
+def test_the_ranks_row_says_how_many_gpus_it_needs_where_fewer_are_visible(monkeypatch):
+    """The engine-per-rank row (external_launcher, sleep mode) needs 2 GPUs: with fewer it is one row that says so
+    (counted as skipped in gpu-check's summary), never a silent pass; its rank function is spawnable (picklable)."""
+    import pickle
+
+    import torch
+
+    from humanline_cli.bench import vllm_rows
+
+    assert vllm_rows.ranks_run("tiny-vllm", nproc=2) == [
+        {"check": "vllm_ranks_external_launcher", "ok": True, "skipped": "0 visible GPU(s) (needs 2)"}]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert vllm_rows.ranks_run("tiny-vllm", nproc=2)[0]["skipped"] == "1 visible GPU(s) (needs 2)"
+    assert pickle.loads(pickle.dumps(vllm_rows._rank_engine)) is vllm_rows._rank_engine

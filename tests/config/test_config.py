@@ -35,12 +35,17 @@ def test_every_config_file_composes_and_validates(group, option):
     extra = {("reward", "model"): ["reward.name_or_path=some/rm"],
              ("task", "custom"): ["data.path=pairs.jsonl", "task.prompts.eval=eval.jsonl"],
              ("task", "chat_arithmetic"): ["data=online"],
-             ("task", "chat_sentiment"): ["data=online"]}.get((group, option), [])  # no offline data of their own
+             ("task", "chat_sentiment"): ["data=online"],  # no offline data of their own
+             # GRPO's importance-weight corrections need the sampler's log-probs: online data
+             **{("correction", k): ["objective=grpo", "data=online"] for k in ("tis", "mis", "decoupled")}
+             }.get((group, option), [])
     cfg = _compose([f"{group}={option}", *extra])
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
     spec = resolve(cfg)
-    if group not in ("data", "task", "reward", "judge", "regime"):  # regime: a _global_ package
+    if group not in ("data", "task", "reward", "judge", "regime", "correction"):  # regime: a _global_ package
         assert cfg[group].name == option
+    if group == "correction":
+        assert spec.correction.kind == option
     if group == "objective":
         assert spec.objective == option
     if group == "data":

@@ -128,6 +128,10 @@ def test_every_sweep_point_composes_and_validates(name):
         grid = {(o, "online", h) for o in ("dpo", "kto") for h in (True, False)}
     if name == "laptop_pilot_short":  # online and stale64 (stale rounds are online data), no humanline
         grid = {("grpo", "online", False)}
+    if name == "laptop_corrections_frontier":  # GRPO stale-K rounds x corrections (details: test_corrections_experiments)
+        grid = {("grpo", "online", False), ("grpo", "online", True)}
+    if name == "laptop_corrections_frontier_pairs":  # DPO/KTO at K 1 and 64 x none, humanline, trdpo
+        grid = {(o, "online", h) for o in ("dpo", "kto") for h in (True, False)}
     if name == "laptop_one_pass":  # online, plain offline and humanline offline, DPO and KTO
         grid = {(o, d, h) for o in ("dpo", "kto") for d, h in (("online", False), ("offline", False),
                                                                ("offline", True))}

@@ -35,19 +35,22 @@ from tests.helpers.gpu_table import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+# ArmoRM (paper_instruction_following's labeller and judge) runs its own code only where the command opts in
+TRUST = "task.labeller.trust_remote_code=true task.judge.trust_remote_code=true"
 # the paper-scale commands users must be able to type, pinned here whatever the docs say
 PINNED = [
-    "humanline train -m backend=cuda backend.strategy=fsdp backend.nproc=8 experiment=paper_instruction_following",
+    f"humanline train -m backend=cuda backend.strategy=fsdp backend.nproc=8 experiment=paper_instruction_following "
+    f"{TRUST}",
     "humanline train -m backend=cuda backend.strategy=fsdp backend.nproc=8 experiment=paper_math",
-    "humanline train backend=cuda model.lora.r=16 experiment=paper_instruction_following data=online",
+    f"humanline train backend=cuda model.lora.r=16 experiment=paper_instruction_following data=online {TRUST}",
     "humanline train backend=cuda experiment=paper_math data=online",
     "humanline train backend=cuda backend.strategy=fsdp backend.nproc=8 experiment=paper_math data=online sampler=hf",
     # LoRA under FSDP2 (adapters on the sharded base; merged weights gathered layer by layer for vLLM)
     "humanline train -m backend=cuda backend.strategy=fsdp backend.nproc=8 model.lora.r=16 "
-    "experiment=paper_instruction_following",
+    f"experiment=paper_instruction_following {TRUST}",
     # DDP holds a whole replica per GPU: LoRA at 8B (full fine-tuning is refused, test below)
     "humanline train -m backend=cuda backend.strategy=ddp backend.nproc=8 model.lora.r=16 "
-    "experiment=paper_instruction_following",
+    f"experiment=paper_instruction_following {TRUST}",
     "humanline train -m experiment=paper_math backend.strategy=fsdp backend.nproc=8 hydra/launcher=slurm "
     "hydra.launcher.gpus_per_node=8",
 ]
@@ -135,7 +138,8 @@ def test_the_fsdp_grid_takes_the_largest_micro_batch_that_fits_an_h100(results):
 def test_full_fine_tuning_under_ddp_at_8b_is_refused_with_fsdp_named(hub):
     """Every DDP rank holds the whole 8B model, its fp32 gradients, AdamW and the reference (~210 GiB): no card fits
     it, and the line says to shard with FSDP."""
-    cmd = "humanline train -m backend=cuda backend.strategy=ddp backend.nproc=8 experiment=paper_instruction_following"
+    cmd = ("humanline train -m backend=cuda backend.strategy=ddp backend.nproc=8 experiment=paper_instruction_following "
+           f"{TRUST}")
     for card, got in outcomes(cmd, ("h100-80gb", "h200")).items():
         assert len(got) == 12 and not any(r.started for r in got), card
         for r in got:
@@ -200,6 +204,12 @@ def test_the_dry_run_prints_what_the_run_would_start_with(tmp_path):
            "HF_MODULES_CACHE": str(tmp_path / "modules"), "HOME": str(tmp_path)}
     base = [sys.executable, "-m", "humanline_cli", "train", "backend=cuda", "backend.strategy=fsdp", "backend.nproc=8",
             "experiment=paper_instruction_following", "objective=grpo", "data=online", f"hydra.run.dir={tmp_path}/run"]
+    # ArmoRM's own code without the opt-in: one line naming both keys, before any weight loads
+    done = subprocess.run([*base, "backend.profile=h100-80gb:8"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "humanline: error: reward model RLHFlow/ArmoRM-Llama3-8B-v0.1 needs its own code to load (config.json "
+        "auto_map); if you trust it, set task.labeller.trust_remote_code=true and task.judge.trust_remote_code=true"]
+    base += TRUST.split()
     done = subprocess.run([*base, "backend.profile=h100-80gb:8"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     err = done.stderr

@@ -291,3 +291,36 @@ def test_reference_pass_restores_the_callers_requires_grad_flags(moving):
     assert not frozen.requires_grad
     assert [p.requires_grad for p in policy.parameters()] == flags
     assert sum(p.numel() for p in trainable(policy)) == ADAPTER_PARAMS - 4 * 64
+
+
+def test_a_bf16_base_pushes_an_update_below_half_its_step_to_the_sampler(tmp_path):
+    """Under bf16 autocast a LoRA base loads in bf16 (peft keeps the adapters fp32). An update smaller than half a
+    bf16 step of a weight rounds back to the base weight in a bf16 sum, and the sampler would sample the base model:
+    the push (policy_weights, what vLLM loads) carries the merge taken in fp32, i.e. the fp64 merge rounded to fp32.
+
+    Bound, per element: peft's delta is (B @ A) * 2 in fp32, r = 4 products summed, so off by at most
+    4 * 2^-24 * 2 * (|B| @ |A|) (the scaling alpha / r = 2 is exact); the fp32 sum adds 2^-24 * |w + delta|."""
+    from humanline_cli.sampling.vllm import policy_weights
+
+    policy = apply_lora(lora_base_llama().to(torch.bfloat16), r=4, alpha=8.0, dropout=0.0, target_modules="all-linear")
+    q = policy.get_base_model().model.layers[0].self_attn.q_proj
+    a, b = q.lora_A[POLICY_ADAPTER].weight, q.lora_B[POLICY_ADAPTER].weight
+    assert q.base_layer.weight.dtype == torch.bfloat16 and a.dtype == b.dtype == torch.float32
+    with torch.no_grad():  # one small training step's worth: |delta| ~ 1e-5, against a bf16 step of ~1e-4 at |w| ~ 0.02
+        b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(3)) * 2e-5)
+    w = q.base_layer.weight.detach().double()
+    delta = (b.detach().double() @ a.detach().double()) * 2.0
+    half_step = w.abs() * 2.0 ** -9  # half a bf16 step at |w| (8 bits of mantissa: a step is 2^-8 of |w| or less)
+    assert (delta.abs() < half_step).float().mean() > 0.5  # most of the update: rounded away by a bf16 sum
+    pushed = dict(policy_weights(policy))["model.layers.0.self_attn.q_proj.weight"]
+    assert pushed.dtype == torch.float32
+    bound = 2.0 ** -24 * (w + delta).abs() + 4 * 2.0 ** -24 * 2.0 * (b.detach().abs().double() @ a.detach().abs().double())
+    assert ((pushed.double() - (w + delta)).abs() <= bound).all()
+    assert (pushed.double() != w).float().mean() > 0.99  # the sampler gets the update, not the base
+    # a weight no adapter touches goes as it is (bf16); the saved model keeps the base's dtype throughout
+    assert dict(policy_weights(policy))["model.embed_tokens.weight"].dtype == torch.bfloat16
+    from safetensors import safe_open
+
+    dest = save_merged(policy, None, tmp_path / "final", save_adapter=False)
+    with safe_open(str(dest / "model.safetensors"), framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in list(f.keys())} == {torch.bfloat16}

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from humanline_cli.backend import make_backend
 from humanline_cli.config import TrainSpec
 from humanline_cli.core.batches import PairBatch
+from humanline_cli.core.corrections import NO_CORRECTION
 from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule
 from humanline_cli.core.interfaces import Completions, SamplingParams
 from humanline_cli.core.reference import CachedReference, FrozenCopy
@@ -66,7 +67,7 @@ def train_spec(steps: int, moving: bool, every: int, keep: int = 2):
                    save_model=False, checkpoint_every=every, keep_checkpoints=keep)
     hl = HumanlineSpec(clamp=True, sync=True) if moving else HumanlineSpec()
     return SimpleNamespace(train=tr, humanline=hl, objective_cfg=SimpleNamespace(name="dpo", beta=0.1),
-                           regime="offline", eval_cfg=SimpleNamespace(every=0))
+                           regime="offline", eval_cfg=SimpleNamespace(every=0), correction=NO_CORRECTION)
 
 
 def run_train(run_dir: Path, parts, spec, resume_from=None, checkpoints=None):
@@ -75,8 +76,8 @@ def run_train(run_dir: Path, parts, spec, resume_from=None, checkpoints=None):
     ckpts = checkpoints or C.Checkpoints(run_dir, spec.train.checkpoint_every, spec.train.keep_checkpoints)
     timer = PhaseTimer()
     last = train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,
-                 rule=ReferenceRule.from_spec(spec.humanline, spec.regime), tracker=tracker, timer=timer,
-                 checkpoints=ckpts, resume_from=resume_from)
+                 rule=ReferenceRule.from_spec(spec.humanline, spec.regime, spec.correction), correction=spec.correction,
+                 tracker=tracker, timer=timer, checkpoints=ckpts, resume_from=resume_from)
     tracker.finish()
     return last, ckpts, timer
 

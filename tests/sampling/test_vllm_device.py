@@ -16,7 +16,9 @@ def test_every_engine_call_runs_on_the_ranks_device(monkeypatch):
     cuda = FakeCuda(log).install(monkeypatch)
     install_fake_vllm(monkeypatch, log, cuda.current_device)
     cuda.set_device(3)  # what init_distributed does on local rank 3, in the rank's main thread
+    _ranks(monkeypatch, 4)
     s = VLLMSampler("unused", fake_tokenizer(), sleep=True, timeout_s=10)
+    assert s.llm.kwargs["distributed_executor_backend"] == "external_launcher"  # its device: LOCAL_RANK's
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=0)
     s.generate([[5, 6], [7]], params)
     s.sleep()
@@ -28,6 +30,33 @@ def test_every_engine_call_runs_on_the_ranks_device(monkeypatch):
     assert {"start", "generate", "push", "sleep", "wake_up", "reset_prefix_cache"} <= kinds, log
     assert [d for _, d in log] == [3] * len(log), log  # the order of the calls: tests/sampling/test_wake_order.py
     assert cuda.current_device() == 3  # the caller's own device is left as it was
+
+
+def _ranks(monkeypatch, world: int) -> None:
+    """torch.distributed as a rank of a `world`-rank job sees it."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: world)
+
+
+def test_one_process_on_another_gpu_than_the_first_is_refused(monkeypatch):
+    """vLLM's one-process executor puts its engine on cuda:0 whatever device is current, so a one-process run whose
+    device is another would share GPU 0 with whatever runs there: one line, before the engine starts."""
+    import pytest
+
+    from humanline_cli.errors import UserError
+    from humanline_cli.sampling.vllm import VLLMSampler
+
+    log: list = []
+    cuda = FakeCuda(log).install(monkeypatch)
+    install_fake_vllm(monkeypatch, log, cuda.current_device)
+    cuda.set_device(1)
+    with pytest.raises(UserError) as e:
+        VLLMSampler("unused", fake_tokenizer(), timeout_s=10)
+    assert str(e.value) == ("sampler=vllm in one process starts its engine on cuda:0, but this process's device is "
+                            "cuda:1: choose the GPU with CUDA_VISIBLE_DEVICES instead")
+    assert log == []  # no engine started
+    cuda.set_device(0)
+    assert "distributed_executor_backend" not in VLLMSampler("unused", fake_tokenizer(), timeout_s=10).llm.kwargs
 
 
 def test_without_cuda_no_device_is_selected(monkeypatch):
@@ -71,7 +100,8 @@ def test_the_peak_before_the_engine_reset_it_is_the_runs_peak(monkeypatch):
         return start(**kw)
 
     monkeypatch.setattr(vllm, "LLM", resetting_start)
-    cuda.set_device(3)
+    cuda.set_device(3)  # local rank 3 of a 4-rank job
+    _ranks(monkeypatch, 4)
     s = VLLMSampler("unused", fake_tokenizer(), timeout_s=10)
     s.close()
     parts = SimpleNamespace(memory=None, backend=SimpleNamespace(device=torch.device("cuda", 3)), rss_before_weights=0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from humanline_cli.core.corrections import NO_CORRECTION, CorrectionSpec
 from humanline_cli.core.humanline import HumanlineSpec, unclamped_fraction
 from humanline_cli.core.logprobs import processed_tokens
 from humanline_cli.core.objectives import dpo, grpo, ipo, kto
@@ -98,11 +99,13 @@ def logratio_histogram(token_logratio: torch.Tensor, mask: torch.Tensor) -> list
 
 
 def compute_loss(objective_cfg, policy, reference, batch, hl: HumanlineSpec, histogram: bool = False,
-                 z0: torch.Tensor | None = None):
+                 z0: torch.Tensor | None = None, correction: CorrectionSpec = NO_CORRECTION):
     """`policy` is the module to differentiate (a DDP wrapper under DDP); `z0` (KTO) comes from
-    step_z0 over the whole step, else it is estimated from this micro-batch alone."""
+    step_z0 over the whole step, else it is estimated from this micro-batch alone; `correction`: the run's
+    stale-data correction (core/corrections.py)."""
     metrics: dict[str, float] = {}
-    loss, m, logratio, mask = get(objective_cfg.name).loss(objective_cfg, policy, reference, batch, hl, z0)
+    loss, m, logratio, mask = get(objective_cfg.name).loss(objective_cfg, policy, reference, batch, hl, z0,
+                                                           correction)
     metrics.update(m)
     metrics["logratio_mean"] = float((logratio.detach() * mask).sum() / mask.sum().clamp(min=1))
     if hl.clamp:

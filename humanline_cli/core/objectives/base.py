@@ -16,6 +16,7 @@ from typing import ClassVar
 import torch
 
 from humanline_cli.core.batches import Seqs, n_units
+from humanline_cli.core.corrections import NO_CORRECTION, CorrectionSpec
 from humanline_cli.core.feedback import ScoredGroup
 from humanline_cli.core.humanline import HumanlineSpec
 from humanline_cli.core.knobs import MISSING, knob
@@ -63,6 +64,8 @@ class Objective:
     min_micro_batch_reason: ClassVar[str] = ""
     # why paired rows in file order (data.shuffle=false) are refused; None: they are fine
     unshuffled_pairs_refused: ClassVar[str | None] = None
+    # the stale-data corrections (correction=KIND, core/corrections.py) that have a meaning for this objective
+    corrections: ClassVar[tuple[str, ...]] = ("none", "humanline", "trdpo")
 
     # ---------------------------------------------------------------- data
     def units(self, group: ScoredGroup, min_gap: float, pair: tuple | None = None) -> list:
@@ -93,9 +96,12 @@ class Objective:
         return True
 
     # ---------------------------------------------------------------- loss
-    def loss(self, cfg, policy, reference, batch, hl: HumanlineSpec, z0: torch.Tensor | None):
+    def loss(self, cfg, policy, reference, batch, hl: HumanlineSpec, z0: torch.Tensor | None,
+             correction: CorrectionSpec = NO_CORRECTION):
         """(loss, metrics, token log-ratio (N, T-1), mask (N, T-1)) of one micro-batch; the log-ratio and mask are
-        the sequences' policy-minus-reference ones, before the humanline clamp, for the shared metrics."""
+        the sequences' policy-minus-reference ones, before the humanline clamp, for the shared metrics.
+        `correction`: the run's stale-data correction, for objectives whose loss it changes (GRPO's tis, mis,
+        decoupled); a reference-rule correction (trdpo) never reaches the loss."""
         raise NotImplementedError
 
     def step_z0(self, cfg, policy, reference, micro_batches, hl: HumanlineSpec, reduce_sum=None,

@@ -70,7 +70,7 @@ class PairObjective(Objective):
     def pair_loss(self, cfg, tl_chosen, mask_chosen, tl_rejected, mask_rejected):
         return type(self).pair_fn(tl_chosen, mask_chosen, tl_rejected, mask_rejected, cfg.beta)
 
-    def loss(self, cfg, policy, reference, batch, hl, z0):
+    def loss(self, cfg, policy, reference, batch, hl, z0, correction=None):
         logratio, mask, _ = logratios(policy, reference, batch.seqs)
         tl = clamp_logratios(logratio, hl)
         b = logratio.shape[0] // 2

@@ -7,11 +7,20 @@ from enum import StrEnum
 import torch
 
 from humanline_cli.core.batches import GroupBatch
+from humanline_cli.core.corrections import (
+    NO_CORRECTION,
+    decoupled_weights,
+    is_weights,
+    mismatch_stats,
+    raw_is_ratio,
+    sampler_logps_of,
+    weight_metrics,
+)
 from humanline_cli.core.feedback import STD_DDOF, STD_EPS, GroupExample, group_advantages
 from humanline_cli.core.humanline import clamp_logratios
 from humanline_cli.core.knobs import knob, positive
-from humanline_cli.core.logprobs import completion_mask, masked_mean, seq_masked_mean
-from humanline_cli.core.objectives.base import Objective, ObjectiveConfig, ObjectiveProperties, logratios
+from humanline_cli.core.logprobs import completion_mask, masked_mean, seq_masked_mean, token_logps
+from humanline_cli.core.objectives.base import Objective, ObjectiveConfig, ObjectiveProperties
 from humanline_cli.errors import UserError
 
 
@@ -58,12 +67,15 @@ def grpo_loss(
     epsilon: float,
     beta: float,
     aggregation: str = "token_mean",
+    token_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy gradient with a k3 KL penalty.
 
     token_logratio_ratio (N, T): log(pi / pi_denominator), humanline-clamped when on; rho = exp(.).
     token_logratio_kl (N, T): UNclamped log(pi / pi_ref) for k3 = exp(ref - pol) - (ref - pol) - 1.
-    advantages (N,). Per token: -min(A rho, A clip(rho, 1-eps, 1+eps)) + beta * k3.
+    advantages (N,). Per token: -min(A rho, A clip(rho, 1-eps, 1+eps)) * w + beta * k3, where w (N, T) is
+    `token_weight`, a stale-data correction's detached importance weight (core/corrections.py; None: w = 1), as
+    TRL multiplies its vLLM importance weight into the policy-gradient term only.
     aggregation: "token_mean" (mean over every completion token of the batch, the reference code)
     or "seq_mean" (mean of per-sequence token means); "dapo" and "dapo_micro" are the token mean here too:
     the trainer weights it into TRL's or the authors' dapo loss (GRPO.micro_batch_weights).
@@ -73,6 +85,8 @@ def grpo_loss(
     unclipped = adv * rho
     clipped = adv * rho.clamp(1.0 - epsilon, 1.0 + epsilon)
     pg = -torch.minimum(unclipped, clipped)
+    if token_weight is not None:
+        pg = pg * token_weight.detach()
     neg = -token_logratio_kl  # ref - pol
     k3 = torch.exp(neg) - neg - 1.0
     per_token = pg + beta * k3
@@ -106,23 +120,14 @@ def sampler_drift(policy_logps: torch.Tensor, sampler_logps: torch.Tensor, mask:
     return {"drift/logratio_mean": float(r.sum() / n), "drift/kl": float(kl.sum() / n)}
 
 
-def _sampler_logps(seqs, comps) -> torch.Tensor | None:
-    """(N, T-1) sampling log-probs aligned with token_logps, when every completion carries them."""
-    if not all(hasattr(c, "logps") for c in comps):
-        return None
-    out = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1)
-    for i, c in enumerate(comps):
-        start = int(seqs.loss_mask[i].nonzero()[0]) - 1 if seqs.loss_mask[i].any() else 0
-        lp = torch.tensor(c.logps[: int(seqs.loss_mask[i].sum())], dtype=torch.float32)
-        out[i, start : start + len(lp)] = lp
-    return out
-
-
 class GRPO(Objective):
     name = "grpo"
     config = GRPOConfig
     properties = ObjectiveProperties(unit="groups", units_per_prompt=1, min_micro_batch=1, seqs_per_unit=0)
     example = GroupExample
+    # trdpo is refused: the reference is the ratio's denominator (the reference code) and the round-start policy
+    # the IS corrections weigh against, so a soft mix of it is no peer's algorithm
+    corrections = ("none", "humanline", "tis", "mis", "decoupled")
 
     def units(self, group, min_gap, pair=None):
         return [GroupExample(group.prompt, list(group.completions), list(group.scores))]
@@ -137,7 +142,7 @@ class GRPO(Objective):
             comps += list(u.completions)
             advs.append(group_advantages(torch.tensor(u.rewards, dtype=torch.float64), cfg.std_ddof, cfg.std_eps))
         s = seqs(prompts, comps)
-        return GroupBatch(s, torch.cat(advs), _sampler_logps(s, comps))
+        return GroupBatch(s, torch.cat(advs), sampler_logps_of(s, comps))
 
     def check(self, cfg, data):
         if positive(cfg.epsilon, "objective.epsilon") >= 1.0:
@@ -162,16 +167,34 @@ class GRPO(Objective):
         # aggregation=dapo_micro's loss depends on the split
         return cfg.aggregation != "dapo_micro"
 
-    def loss(self, cfg, policy, reference, batch, hl, z0):
-        logratio, mask, pol = logratios(policy, reference, batch.seqs)
+    def loss(self, cfg, policy, reference, batch, hl, z0, correction=NO_CORRECTION):
+        """tis / mis / decoupled (`correction`): the ratio's denominator is the trainer's own log-probs at the
+        round's start (the reference, reset each round) and the policy-gradient term is weighted by their ratio to
+        the sampler's (core/corrections.py). `mismatch/*`: the reference's log-probs against the sampler's, where
+        the reference holds the sampling weights."""
+        ref = reference.logps(batch.seqs)
+        pol = token_logps(policy, batch.seqs)
+        logratio, mask = pol - ref, completion_mask(batch.seqs)
         if cfg.ratio_denominator == "sampler":
             ratio_logratio = pol - batch.sampler_logps * mask
         else:  # the reference code: the reference plays pi_old
             ratio_logratio = logratio
+        weight, cm = None, {}
+        if correction.weights_tokens:
+            if correction.kind == "decoupled":
+                weight = decoupled_weights(ref, batch.sampler_logps, mask, correction.cap)
+                raw = raw_is_ratio(ref, batch.sampler_logps, mask)
+            else:
+                weight = is_weights(ref, batch.sampler_logps, mask, correction.mode, correction.cap, correction.cap_min)
+                raw = raw_is_ratio(ref, batch.sampler_logps, mask, correction.mode.rpartition("_")[0])
+            cm = weight_metrics(raw, weight, mask)
         loss, m = grpo_loss(clamp_logratios(ratio_logratio, hl), logratio, mask, batch.advantages, cfg.epsilon,
-                            cfg.beta, cfg.aggregation)
+                            cfg.beta, cfg.aggregation, weight)
+        m.update(cm)
         if batch.sampler_logps is not None:  # online data: how far the policy has moved from its sampler
             m.update(sampler_drift(pol.detach(), batch.sampler_logps, mask))
+            if correction.reference_is_sampler:
+                m.update(mismatch_stats(ref, batch.sampler_logps, mask))
         return loss, m, logratio, mask
 
     def loss_count(self, cfg, batch):

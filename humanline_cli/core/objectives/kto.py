@@ -112,7 +112,7 @@ class KTO(Objective):
         # float64: kto_loss casts z0 to the log-ratios' dtype (float32, or float64 under precision=fp64)
         return (total[0] / total[1].clamp(min=1.0)).clamp(min=0.0)
 
-    def loss(self, cfg, policy, reference, batch, hl, z0):
+    def loss(self, cfg, policy, reference, batch, hl, z0, correction=None):
         """`z0` comes from step_z0 over the whole step, else it is estimated from this micro-batch alone."""
         logratio, mask, _ = logratios(policy, reference, batch.seqs)
         if z0 is None:
