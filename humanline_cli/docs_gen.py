@@ -3,8 +3,9 @@ its help, as its dataclass field declares them (`schema.knob`), so the reference
 
 `python -m humanline_cli.docs_gen` rewrites the part of docs/config.md between the two markers; `--check` exits 1
 when the committed file differs from what it would write (tests/config/test_config_docs.py compares the same).
-A group with several option schemas (objective, sampler) gets one table: a key that only some options have says
-which, and a default that differs per option is given per option.
+A group gets one table: a key that only some options' schemas have says which, and where the options' defaults
+differ (their schemas', or what their conf/<group>/<option>.yaml sets), the most common one comes first and each
+other option's after it.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 from humanline_cli import schema as S
 
 DOC = Path(__file__).resolve().parent / "docs" / "config.md"
+CONF = Path(__file__).resolve().parents[1] / "conf"
 BEGIN = "<!-- key tables: generated from humanline_cli/schema.py by `python -m humanline_cli.docs_gen`; do not edit -->"
 END = "<!-- end of the generated key tables -->"
 # the root's own sections, after the groups (GROUP_SCHEMAS); the root's remaining plain keys come last
@@ -62,10 +64,39 @@ def fmt(value) -> str:
     return f"`{value}`" if value != "" else '`""`'  # two backticks alone would pair with the next cell's
 
 
-def rows(prefix: str, options: dict[str, type]) -> list[tuple[str, str, str]]:
-    """(key, default, help) for every key of a group (its option schemas, by option name), nested ones flattened."""
+def option_files(group: str) -> dict[str, dict]:
+    """option -> what conf/<group>/<option>.yaml sets (its defaults list left out), for every option of the group."""
+    import yaml
+
+    def set_keys(node):  # `???` merged over a schema's value leaves that value (OmegaConf's merge): not set
+        return {k: set_keys(v) if isinstance(v, dict) else v for k, v in node.items() if v != "???"}
+
+    out = {}
+    for f in sorted((CONF / group).glob("*.yaml")):
+        data = yaml.safe_load(f.read_text()) or {}
+        out[f.stem] = set_keys({k: v for k, v in data.items() if k != "defaults"})
+    return out
+
+
+def cell(defaults: dict[str, object]) -> str:
+    """A key's default per option: one value when all agree, "the option's name" when each option's is its name,
+    else the most common value followed by each option that differs (`opt: value`)."""
+    shown = {opt: fmt(d) for opt, d in defaults.items()}
+    if len(defaults) > 1 and all(d == opt for opt, d in defaults.items()):
+        return "the option's name"
+    counts = list(shown.values())
+    common = max(dict.fromkeys(counts), key=counts.count)
+    if counts.count(common) == 1 and len(counts) > 1:
+        return "; ".join(f"{opt}: {v}" for opt, v in shown.items())
+    return "; ".join([common, *(f"{opt}: {v}" for opt, v in shown.items() if v != common)])
+
+
+def rows(prefix: str, options: dict[str, type], values: dict[str, dict] | None = None) -> list[tuple[str, str, str]]:
+    """(key, default, help) for every key of a group (its schema per option, by option name; `values`: what each
+    option's file sets, over the schema's defaults), nested ones flattened."""
+    values = values or {opt: {} for opt in options}
     names: list[str] = []
-    for cls in options.values():
+    for cls in dict.fromkeys(options.values()):
         names += [f.name for f in dataclasses.fields(cls) if f.name not in names and not f.metadata.get("hidden")]
     out = []
     for name in names:
@@ -73,20 +104,17 @@ def rows(prefix: str, options: dict[str, type]) -> list[tuple[str, str, str]]:
         key = f"{prefix}.{name}" if prefix else name
         first = next(iter(having.values()))
         inner = nested(first, name)
-        if inner is not None:  # a node: its own help on a `key.*` row, then its keys
-            out += [(f"`{key}.*`", "", help_of(first, name))] + rows(key, {"": inner})
+        if inner is not None:  # a node: its own help on a `key.*` row, then its keys (where an option has the node)
+            present = {opt: cls for opt, cls in having.items() if values[opt].get(name) is not None
+                       or default_of(cls.__dataclass_fields__[name]) is not None}
+            below = {opt: values[opt].get(name) or {} for opt in present}
+            out += [(f"`{key}.*`", "", help_of(first, name))] + rows(key, {opt: inner for opt in present}, below)
             continue
-        defaults = {opt: default_of(cls.__dataclass_fields__[name]) for opt, cls in having.items()}
-        if len(options) > 1 and all(d == opt for opt, d in defaults.items()):
-            default = "the option's name"
-        elif len(set(map(fmt, defaults.values()))) == 1:
-            default = fmt(next(iter(defaults.values())))
-        else:
-            default = "; ".join(f"{opt}: {fmt(d)}" for opt, d in defaults.items())
+        defaults = {opt: values[opt].get(name, default_of(cls.__dataclass_fields__[name])) for opt, cls in having.items()}
         text = help_of(first, name)
         if len(having) < len(options):
             text = f"({', '.join(having)} only) {text}"
-        out.append((f"`{key}`", default, text))
+        out.append((f"`{key}`", cell(defaults), text))
     return out
 
 
@@ -97,12 +125,13 @@ def table(title: str, body: list[tuple[str, str, str]]) -> str:
 
 
 def tables() -> str:
-    """Every key table, in the order the groups are composed."""
+    """Every key table, in the order the groups are composed; each group's keys at every option's value."""
     parts = []
-    for group, options in S.GROUP_SCHEMAS.items():
-        unique = {opt: cls for opt, cls in options.items() if cls not in list(options.values())[:list(options).index(opt)]}
-        title = f"`{group}.*` ({group}={'|'.join(options)})" if len(options) > 1 else f"`{group}.*`"
-        parts.append(table(title, rows(group, unique if len(unique) > 1 else {"": next(iter(unique.values()))})))
+    for group, schemas in S.GROUP_SCHEMAS.items():
+        files = option_files(group)
+        options = {opt: schemas[opt] if opt in schemas else next(iter(schemas.values())) for opt in files}
+        title = f"`{group}.*` ({group}={'|'.join(options)})" if len(schemas) > 1 else f"`{group}.*`"
+        parts.append(table(title, rows(group, options, files)))
     root = S.RootConfig
     for key in ROOT_SECTIONS:
         parts.append(table(f"`{key}.*`", rows(key, {"": nested(root, key)})))

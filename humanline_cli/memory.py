@@ -35,7 +35,7 @@ fp32 log-sum-exp per head). With gradient checkpointing each layer keeps only it
 the backward recomputes one layer at a time (+ one layer's full set). Outside the layers: the
 embeddings' output, the final norm and the gathered completion positions, a * 3h + 4 * 2h per token.
 It is an estimate: allocator slack, the CUDA context and vLLM's own share are not included. Measured
-against a real peak with `just memory-check` (CPU, gloo ranks, see humanline_cli/bench/memory_check.py).
+against a real peak with `just memory-check` (CPU, gloo ranks, see humanline_cli/lab/memory_check.py).
 """
 from __future__ import annotations
 

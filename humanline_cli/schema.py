@@ -17,16 +17,17 @@ is accepted by the CLI, which drops the `+` (Hydra refuses to append a key the s
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Optional
 
+from omegaconf import MISSING
+
 from humanline_cli.core import objectives
 from humanline_cli.core.corrections import CorrectionConfig
 from humanline_cli.core.humanline import HumanlineConfig
-from humanline_cli.core.knobs import MISSING, knob
+from humanline_cli.core.knobs import knob
 
 # each objective's schema lives with the objective (core/objectives/); these names stay importable from here
 from humanline_cli.core.objectives import ObjectiveConfig as ObjectiveConfig
@@ -180,7 +181,7 @@ class DataConfig(DataFiles):
     shuffle: bool = knob(True, "offline: shuffle the units each pass")
     prompts: Optional[str] = knob(None, "online: the prompts file or hub id (defaults to task.prompts.train)")
     prompts_per_round: int = knob(64, "online: prompts sampled per round (64 prompts at batch 32 = a round every 2 "
-                                      "steps for dpo/grpo)")
+                                      "steps for dpo/ipo/grpo)")
     generate_every: Optional[int] = knob(
         None, "online, stale on-policy rounds (the authors' math \"offline\"; reports: stale-K): optimizer steps one "
               "generation serves; the round samples K x batch_size / (units per prompt: 2 for kto, else 1) prompts, "
@@ -200,7 +201,19 @@ class DataConfig(DataFiles):
     min_gap: float = knob(0.0, "scored groups -> pairs: keep best vs worst only if their score gap exceeds this")
 
 
-OfflineDataConfig = OnlineDataConfig = DataConfig
+@dataclass
+class OfflineDataConfig(DataConfig):
+    regime: str = "offline"
+    path: Optional[str] = "${task.offline.path}"
+    split: str = "${task.offline.split}"
+
+
+@dataclass
+class OnlineDataConfig(DataConfig):
+    regime: str = "online"
+    prompts: Optional[str] = "${task.prompts.train}"
+    max_new_tokens: int = "${task.lengths.max_new_tokens}"
+    min_gap: float = 0.01
 
 
 # ------------------------------------------------------------------ task/
@@ -467,7 +480,7 @@ class JudgeConfig(AlpacaEvalOptions, LLMJudgeOptions, JudgeConnection):
 @dataclass
 class TrainConfig:
     steps: int = knob(200, "optimizer steps")
-    batch_size: int = knob(32, "units per optimizer step, all ranks together (defaults to objective.batch_size)")
+    batch_size: int = knob("${objective.batch_size}", "units per optimizer step, all ranks together")
     micro_batch_size: Any = knob("auto", "units per forward, per rank; auto: the largest divisor of each rank's share "
                                  "whose memory estimate fits the device (the update is the same for any split); an "
                                  "integer that will not fit is refused before any weight loads")
@@ -476,8 +489,8 @@ class TrainConfig:
     warmup_ratio: float = knob(0.1, "the share of steps warming the learning rate up linearly")
     schedule: Schedule = knob(Schedule.constant, "the learning rate after warmup: constant | cosine")
     max_grad_norm: float = knob(1.0, "gradients clipped to this global norm")
-    max_length: int = knob(64, "prompt + completion tokens (defaults to task.lengths.max_length)")
-    max_prompt_length: int = knob(48, "prompt tokens (defaults to task.lengths.max_prompt_length)")
+    max_length: int = knob("${task.lengths.max_length}", "prompt + completion tokens")
+    max_prompt_length: int = knob("${task.lengths.max_prompt_length}", "prompt tokens")
     log_every: int = knob(10, "optimizer steps between lines of metrics.jsonl")
     save_model: bool = knob(True, "save the final model and tokenizer (model/)")
     save_dtype: SaveDtype = knob(SaveDtype.auto, "dtype of the saved model's weights: auto (bf16 when training "
@@ -528,7 +541,7 @@ class EvalConfig:
     n_prompts: Optional[int] = knob(256, "held-out prompts evaluated (null: all)")
     temperature: float = knob(0.7, "sampling temperature of the evaluation (0: greedy)")
     top_p: float = knob(1.0, "nucleus p of the evaluation")
-    max_new_tokens: int = knob(16, "the evaluation's token budget (defaults to task.lengths.max_new_tokens)")
+    max_new_tokens: int = knob("${task.lengths.max_new_tokens}", "the evaluation's token budget")
     batch_size: int = knob(256, "prompts per generate call")
     every: int = knob(0, "also evaluate every N optimizer steps (0: at the end only)")
     greedy: bool = knob(True, "also evaluate greedily (temperature 0) next to eval.temperature: eval.greedy.*")
@@ -538,7 +551,7 @@ class EvalConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = knob("offline", "wandb's mode (conf/train.yaml: $WANDB_MODE, else offline)")
+    mode: str = knob("${oc.env:WANDB_MODE,offline}", "wandb's mode: $WANDB_MODE, else offline")
     project: str = knob("humanline", "the wandb project")
     entity: Optional[str] = knob(None, "the wandb entity (null: wandb's default)")
     tags: list[str] = knob(factory=list, help="the run's wandb tags")
@@ -559,7 +572,7 @@ class RegimeMeta:
 @dataclass
 class RootConfig:
     # groups: typed by their own option schemas
-    objective: Any = knob(None, "objective=dpo|kto|grpo")
+    objective: Any = knob(None, "objective=dpo|ipo|kto|grpo")
     data: Any = knob(None, "data=offline|online")
     task: Any = knob(None, "task=NAME")
     model: Any = knob(None, "model=NAME")
@@ -580,8 +593,9 @@ class RootConfig:
     train: TrainConfig = knob(factory=TrainConfig, help="the training loop")
     eval: EvalConfig = knob(factory=EvalConfig, help="the evaluation")
     wandb: WandbConfig = knob(factory=WandbConfig, help="wandb")
-    world_cache: str = knob("~/.cache/humanline", "where built worlds and converted models are cached "
-                                                  "(conf/train.yaml: $HUMANLINE_CACHE, else ~/.cache/humanline)")
+    world_cache: str = knob("${oc.env:HUMANLINE_CACHE,${oc.env:HOME}/.cache/humanline}",
+                            "where built worlds and converted models are cached: $HUMANLINE_CACHE, else "
+                            "~/.cache/humanline")
     threads: Optional[int] = knob(None, "CPU threads torch uses (null: torch's default)")
     experiment_name: Optional[str] = knob(None, "names an experiment's sweep dir")
     regime_study_size: Optional[int] = knob(None, "an experiment's sweep size, stated (and tested)")
@@ -641,11 +655,10 @@ def _open_keys(schema: type):
 
     node = OmegaConf.structured(schema)
     for path in OPEN_KEYS:
-        sub = OmegaConf.select(node, path)
+        sub = OmegaConf.select(node, path, throw_on_resolution_failure=False)  # data.prompts: a string
         if sub is not None:
             OmegaConf.set_struct(sub, False)
     return node
 
 
-with contextlib.suppress(ImportError):  # no Hydra: nothing composes configs in this process (see core/knobs.py's MISSING)
-    register()
+register()

@@ -20,7 +20,7 @@ GIB = 1024**3
 def test_a_bf16_step_peaks_within_25_percent_of_the_memory_estimate():
     # Qwen2.5-1.5B's shape (random weights): the weights and AdamW (~18 GiB) dwarf the CUDA context and the
     # allocator's fixed costs, which the estimate leaves out; a tiny shape would measure those instead
-    from humanline_cli.bench.step_bench import run
+    from humanline_cli.lab.step_bench import run
 
     rows = run("qwen2.5-1.5b", "cuda", objectives=("dpo",), micro=1, tokens=512, steps=2, tol=0.25)
     assert [r["check"] for r in rows] == ["step_dpo_hl-false", "step_dpo_hl-true"]
@@ -37,8 +37,8 @@ def test_a_one_process_engine_takes_its_share_of_gpu_0_and_nothing_elsewhere():
 
     import torch
 
-    from humanline_cli.bench.step_bench import build
-    from humanline_cli.bench.vllm_rows import _tokenizer
+    from humanline_cli.lab.step_bench import build
+    from humanline_cli.lab.vllm_rows import _tokenizer
     from humanline_cli.sampling.vllm import VLLMSampler
 
     torch.cuda.set_device(0)
@@ -58,12 +58,12 @@ def test_a_one_process_engine_takes_its_share_of_gpu_0_and_nothing_elsewhere():
 def test_each_ranks_engine_starts_sleeps_and_wakes_on_its_own_gpu():
     # two spawned ranks (NCCL), each with the run's sampler under vLLM's external_launcher executor and sleep mode:
     # the engine on cuda:LOCAL_RANK, its share of that GPU after start, freed by the sleep (level 2), back after the
-    # push that wakes it, and its greedy log-probs after the push against transformers (bench/vllm_rows.ranks_run,
+    # push that wakes it, and its greedy log-probs after the push against transformers (lab/vllm_rows.ranks_run,
     # the gpu-check row of the same name)
     import torch
 
     assert torch.cuda.device_count() >= 2, f"needs 2 GPUs, this machine has {torch.cuda.device_count()}"
-    from humanline_cli.bench.vllm_rows import RANKS_CHECK, ranks_run
+    from humanline_cli.lab.vllm_rows import RANKS_CHECK, ranks_run
 
     (row,) = ranks_run("tiny-vllm", nproc=2, gpu_memory_utilization=0.2)
     assert row["check"] == RANKS_CHECK and row["ok"], row
@@ -75,9 +75,9 @@ def test_each_ranks_engine_starts_sleeps_and_wakes_on_its_own_gpu():
 
 
 def test_a_weight_push_then_log_probs_match_the_pushed_model():
-    # vLLM at bf16 against transformers at bf16 after a push of other weights (bench/vllm_rows.py's bound, 0.05
+    # vLLM at bf16 against transformers at bf16 after a push of other weights (lab/vllm_rows.py's bound, 0.05
     # mean absolute log-prob difference), and the prefix cache reset that keeps stale KV out
-    from humanline_cli.bench.vllm_rows import run
+    from humanline_cli.lab.vllm_rows import run
 
     rows = {r["check"]: r for r in run("tiny-vllm", "cuda", calls=(4,), prompt_tokens=100, new_tokens=8,
                                        gpu_memory_utilization=0.2)}

@@ -61,7 +61,7 @@ def test_the_gpu_recipes_run_with_the_interpreter_setup_gpu_made():
     venv = next(w[w.index("venv") + 1] for w in setup if "-m" in w and "venv" in w)
     python = f"{venv}/bin/python"
     assert all(w[0] == python for w in setup if w[0] not in ("test", "python3")), setup
-    for recipe, module in (("test-gpu", "pytest"), ("gpu-check", "humanline_cli.bench.gpu_check")):
+    for recipe, module in (("test-gpu", "pytest"), ("gpu-check", "humanline_cli.lab.gpu_check")):
         (cmd,) = dry_run(recipe)
         assert cmd[:3] == [python, "-m", module], cmd
         assert "install" not in cmd

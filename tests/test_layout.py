@@ -2,8 +2,11 @@
 form no cycle between modules, and point down the layers only. A layer may import from layers below
 it and from its own; never from above.
 
+    lab            the study's own instruments (the cost model and its constants, GPU and memory checks, study
+                   figures), each run as `python -m humanline_cli.lab.NAME`: it may import the product; nothing in
+                   the product imports it
     cli, docs_gen  the commands: parse, validate once, dispatch; docs/config.md's key tables from the schema
-    report, bench  read finished runs / time the training step
+    report, bench  read finished runs / time the training step against TRL
     train          build the parts of a run, the loop, checkpoints, run dirs, launch
     sources, eval  offline and online unit sources; the evaluator (generate + judge)
     world, rewards the bundled laptop world; verifiers, reward models, the LLM judge
@@ -31,6 +34,7 @@ LAYERS = {
     "train": 6,
     "report": 7, "bench": 7,
     "cli": 8, "__main__": 8, "__init__": 8, "docs_gen": 8,
+    "lab": 9,
 }
 
 
@@ -133,6 +137,16 @@ def test_imports_point_down_the_layers():
     graph = _graph()
     upward = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if _layer(d) > _layer(m))
     assert upward == []
+
+
+def test_nothing_outside_lab_imports_lab():
+    """The lab studies the product from outside: a pip install runs it, the product never needs it."""
+    inside = [f"{m} -> {d}" for m, deps in _graph().items() for d in deps
+              if d.startswith("humanline_cli.lab") and not m.startswith("humanline_cli.lab")]
+    assert inside == []
+    assert {m for m in _modules() if m.startswith("humanline_cli.lab.")} >= {
+        "humanline_cli.lab.predict", "humanline_cli.lab.constants", "humanline_cli.lab.gpu_check",
+        "humanline_cli.lab.memory_check", "humanline_cli.lab.regime_map", "humanline_cli.lab.frontier"}
 
 
 def test_no_two_modules_share_a_name():

@@ -39,7 +39,7 @@ def _python_step(script: str) -> str:
 
 
 def test_everything_the_script_names_exists():
-    from humanline_cli.bench import gpu_check
+    from humanline_cli.lab import gpu_check
 
     stages = _stages(_script())
     assert [n for n, _, _ in stages] == ["step", "tests", "train"]
@@ -48,7 +48,7 @@ def test_everything_the_script_names_exists():
         assert words[:2] == ["python3", "-m"], words
         module = words[2]
         assert module == "pytest" or importlib.util.find_spec(module) is not None, module
-        if module == "humanline_cli.bench.gpu_check":
+        if module == "humanline_cli.lab.gpu_check":
             args = gpu_check._parser().parse_args([w.replace("$O", "/tmp/o") for w in words[3:]])
             assert gpu_check._asked(args, cpu=False) == {name}  # a valid group: the stage's own
         if module == "pytest":
@@ -96,7 +96,7 @@ def test_gpu_check_writes_each_row_as_it_comes(tmp_path, monkeypatch):
     next starts (torch.cuda and the runs faked: no GPU here)."""
     import torch
 
-    from humanline_cli.bench import gpu_check
+    from humanline_cli.lab import gpu_check
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

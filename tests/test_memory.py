@@ -72,7 +72,7 @@ def test_gpu_check_fails_in_one_line_without_cuda(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "humanline_cli.bench.gpu_check", "--out", str(tmp_path / "g")],
+    r = subprocess.run([sys.executable, "-m", "humanline_cli.lab.gpu_check", "--out", str(tmp_path / "g")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip() == (
         "humanline: error: gpu-check needs a CUDA device (torch.cuda.is_available() is False on this machine)")
@@ -80,7 +80,7 @@ def test_gpu_check_fails_in_one_line_without_cuda(tmp_path):
 
 
 def test_gpu_check_step_checks_run_on_cpu_and_fail_with_exit_1(tmp_path):
-    """`gpu-check --device cpu`: the step checks (bench/step_bench.py) on the tiny shape: one row per objective x
+    """`gpu-check --device cpu`: the step checks (lab/step_bench.py) on the tiny shape: one row per objective x
     humanline with step time, tokens/s and the memory estimate, JSON written, exit 0; a diverging run
     (AdamW lr 1e30: non-finite loss) is a failed row and exit 1. (The CUDA-only fields, MFU and
     max_memory_allocated, are None here: this is not a substitute for a GPU run.)"""
@@ -90,7 +90,7 @@ def test_gpu_check_step_checks_run_on_cpu_and_fail_with_exit_1(tmp_path):
     import sys
 
     def check(out, *extra):
-        r = subprocess.run([sys.executable, "-m", "humanline_cli.bench.gpu_check", "--device", "cpu", "--out", str(out),
+        r = subprocess.run([sys.executable, "-m", "humanline_cli.lab.gpu_check", "--device", "cpu", "--out", str(out),
                             *extra], capture_output=True, text=True, timeout=300)
         return r, json.loads((out / "gpu_check.json").read_text())
 

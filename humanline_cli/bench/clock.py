@@ -98,7 +98,6 @@ class StepClock(SourceWrapper):
         self.cpu: list[tuple[float, float | None]] = []
 
     def next_step(self, step: int):
-        from humanline_cli.core.batches import BinaryBatch
         from humanline_cli.sampling.proc_clock import cpu_s, run_queue_s
 
         self.starts.append(_now(self.device))
@@ -110,7 +109,7 @@ class StepClock(SourceWrapper):
         online = "online/units" in data.info
         self.sizes.append((data.info["online/units"] if online else self.units_per_step,
                            sum(int(mb.seqs.attention_mask.sum()) for mb in mbs),
-                           sum(int(mb.kl_seqs.attention_mask.sum()) for mb in mbs if isinstance(mb, BinaryBatch)),
+                           sum(int(x.attention_mask.sum()) for mb in mbs for x in mb.extra_seqs()),
                            *[sum(mb.seqs.input_ids.shape[0] for mb in mbs)] * online))
         if self.policy is not None:  # the layout is built once per batch and kept for the forwards
             from humanline_cli.core.logprobs import processed_tokens

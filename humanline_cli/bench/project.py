@@ -12,10 +12,6 @@ Bench keys (everything else is a Hydra override of the train config: objective=k
                     (sampler=hf|vllm is the Hydra group: the online sampler)
     objective=grpo data=online: instead, the project's online GRPO steps (sample, label, train) against TRL's
                     GRPOTrainer.train on the same prompts, labeller, data.n, lengths and settings: steps/s of each
-    async_rounds=0  N > 0: instead, online rounds/s at data.async_lag=0 vs 1 over N rounds (bench/async_bench.py)
-    constants=false true: instead, the cost model's constants of this machine for the composed online run
-                    (bench/constants.py), training for constant_steps=12 steps
-    pool=           a.json,b.json,...: instead, one constants file from several measured sets -> out=
     out=runs/bench/<objective>-<time>.json
 
 Systems run interleaved (project, TRL, project, ...) so a shared machine's drift hits all alike; each run builds
@@ -38,15 +34,14 @@ from pathlib import Path
 import torch
 
 from humanline_cli.bench.clock import EndClock, Run, StepClock, built, collect, compose, matmul_peak, train_loop
-from humanline_cli.bench.vllm_rows import error_line
-from humanline_cli.core.objectives import PROPERTIES
+from humanline_cli.bench.table import print_result
+from humanline_cli.core.objectives import OBJECTIVES, PROPERTIES
 from humanline_cli.core.reference import CachedReference
-from humanline_cli.errors import Preempted, Terminated, UserError, ignore_ctrl_c, raise_terminated
+from humanline_cli.errors import Preempted, Terminated, UserError, ignore_ctrl_c, one_line, raise_terminated
 
 DEFAULTS = {"steps": 20, "warmup": 2, "repeats": 2, "batch_size": None, "threads": None, "trl": "auto",
-            "cache": True, "sampler": False, "prompts": 64, "out": None, "async_rounds": 0,
-            "constants": False, "constant_steps": 12, "pool": None}
-BOOLEAN = ("cache", "sampler", "constants")
+            "cache": True, "sampler": False, "prompts": 64, "out": None}
+BOOLEAN = ("cache", "sampler")
 SAMPLERS = ("hf", "vllm")  # sampler=NAME is the Hydra group, sampler=true|false the bench key
 GRPO_NOTE = ("TRL's GRPOTrainer only trains on its own generations (no offline groups): its row times "
              "GRPOTrainer.compute_loss on the same fixed groups (reference forward, loss, backward, clip, AdamW "
@@ -68,9 +63,8 @@ def parse_args(args: list[str]) -> tuple[dict, list[str]]:
         raise UserError("bench: steps, warmup and repeats must be >= 1 (the first step is never timed)")
     if opts["trl"] not in ("auto", True, False):
         raise UserError(f"bench: trl must be auto, true or false, got {opts['trl']!r}")
-    for key in ("prompts", "constant_steps"):  # sizes of what is measured: 0 would measure nothing
-        if opts[key] is None or opts[key] < 1:
-            raise UserError(f"bench: {key} must be >= 1, got {opts[key]}")
+    if opts["prompts"] is None or opts["prompts"] < 1:  # the sampler timing's size: 0 would measure nothing
+        raise UserError(f"bench: prompts must be >= 1, got {opts['prompts']}")
     for key in ("batch_size", "threads"):  # null: the config's own; 0 is not "the config's" but nothing
         if opts[key] is not None and (isinstance(opts[key], bool) or opts[key] < 1):
             raise UserError(f"bench: {key} must be >= 1 or null (the config's own), got {opts[key]}")
@@ -79,7 +73,7 @@ def parse_args(args: list[str]) -> tuple[dict, list[str]]:
 
 def _value(key: str, value: str):
     low = value.lower()
-    if key in ("out", "pool") or (key == "trl" and low == "auto"):
+    if key == "out" or (key == "trl" and low == "auto"):
         return value if key != "trl" else "auto"
     if key == "trl" and low not in ("true", "false"):
         raise UserError(f"bench: trl must be auto, true or false, got {value!r}")
@@ -99,21 +93,20 @@ def compose_spec(overrides: list[str], opts: dict, humanline: bool, extra: tuple
                           "train.save_model=false", "eval.every=0", "eval.n_prompts=1", *extra,
                           *[f"train.batch_size={opts['batch_size']}"] * bool(opts["batch_size"]),
                           *[f"threads={opts['threads']}"] * bool(opts["threads"]), *["humanline=true"] * humanline))
-    if spec.regime != "offline" and not (spec.objective == "grpo" and not humanline):
-        raise UserError("bench times offline training steps (data=online compares online GRPO with TRL's "
-                        "GRPOTrainer: objective=grpo); drop data=online")
+    peer = OBJECTIVES[spec.objective].trl_peer(spec.objective_cfg)
+    if spec.regime != "offline" and not (peer is not None and peer.row is None and not humanline):
+        raise UserError("bench times offline training steps (data=online compares online steps with a TRL trainer "
+                        "that generates its own, GRPOTrainer: objective=grpo); drop data=online")
     return spec
 
 
 def _prefill(parts, steps: int) -> None:
     """The reference log-probs of every sequence the run's steps will draw (a copy of the source draws them), so
     the timed steps find them all in the cache, as epochs after the first do."""
-    from humanline_cli.core.batches import BinaryBatch
-
     ghost = copy.deepcopy(parts.source)
     for step in range(1, steps + 1):
         for mb in ghost.next_step(step).micro_batches:
-            for seqs in (mb.seqs, *((mb.kl_seqs,) if isinstance(mb, BinaryBatch) else ())):
+            for seqs in (mb.seqs, *mb.extra_seqs()):
                 with parts.backend.autocast():
                     parts.reference.logps(seqs)
 
@@ -186,9 +179,10 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
                  "cached": compose_spec(overrides, opts, humanline=False, extra=("train.reference_cache=true",))}
     want_trl, note = _trl_plan(opts, plain)
     names = ["project"] if online else ["project", "project_humanline"] + ["project_cached"] * opts["cache"]
-    if want_trl:
-        names += ["trl"] + ["trl_cached"] * (opts["cache"] and objective != "grpo" and not online)
-        note = None if online else GRPO_NOTE if objective == "grpo" else None
+    if want_trl:  # TRL precomputes the reference over a dataset it trains on (DPOTrainer, KTOTrainer)
+        own_data = OBJECTIVES[objective].trl_peer(plain.objective_cfg).row is not None
+        names += ["trl"] + ["trl_cached"] * (opts["cache"] and own_data and not online)
+        note = None if online or own_data else GRPO_NOTE
     runs: dict[str, list[Run]] = {name: [] for name in names}
     info: dict = {}
     peaks = []
@@ -203,7 +197,7 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
             except Exception as e:  # noqa: BLE001 - TRL's vLLM colocate mode may not run on this machine
                 if not (online and name == "trl" and plain.sampler_cfg.name == "vllm"):
                     raise
-                note = f"TRL GRPOTrainer use_vllm=True vllm_mode=colocate did not run here: {error_line(e)}"
+                note = f"TRL GRPOTrainer use_vllm=True vllm_mode=colocate did not run here: {one_line(e)}"
                 del runs[name]
                 continue
             if not peaks:  # the matmul shape: the model's MLP on the first run's micro-batch size
@@ -249,6 +243,8 @@ def _trl_plan(opts: dict, plain) -> tuple[bool, str]:
     """(whether the TRL rows run, the note saying why not)."""
     from humanline_cli.bench.trl_runs import trl_available
 
+    if opts["trl"] is not False and OBJECTIVES[plain.objective].trl_peer(plain.objective_cfg) is None:
+        return False, f"objective={plain.objective} has no counterpart in TRL: its TRL rows are skipped"
     want_trl = opts["trl"] is True or (opts["trl"] == "auto" and trl_available())
     if opts["trl"] is True and not trl_available():
         raise UserError("bench: trl=true but TRL is not installed (pip install -e '.[bench]')")
@@ -267,8 +263,6 @@ def _one_run(name: str, specs: dict, warmup: int, info: dict) -> Run:
     with trl_runs._quiet():
         if plain.regime == "online":
             return trl_runs.trl_online_grpo_run(plain, info, warmup)
-        if plain.objective == "grpo":
-            return trl_runs.trl_grpo_run(plain, info, warmup)
         return trl_runs.trl_run(plain, info, warmup, precompute=name == "trl_cached")
 
 
@@ -282,22 +276,7 @@ def _versions() -> dict:
     return out
 
 
-def _read_pool(opts: dict, overrides: list[str]) -> dict:
-    from humanline_cli.bench.constants import pool_constants
-
-    if overrides:
-        raise UserError(f"bench pool=: takes no overrides (got {' '.join(overrides)})")
-    names = [n for n in opts["pool"].split(",") if n]
-    sets = []
-    for n in names:
-        try:
-            sets.append(json.loads(Path(n).read_text()))
-        except (OSError, ValueError) as e:
-            raise UserError(f"bench pool=: cannot read {n} ({type(e).__name__}: {e})") from None
-    return pool_constants(sets, [Path(n).name for n in names])
-
-
-def _check_out(out: Path) -> None:
+def check_out(out: Path) -> None:
     """Refuse an `out=` the result could not be written to before measuring, not after."""
     if out.is_dir():
         raise UserError(f"bench: out={out} is a directory; name a file such as {out / 'bench.json'}")
@@ -316,22 +295,6 @@ def _check_out(out: Path) -> None:
         raise UserError(f"bench: cannot write out={out}: {e.strerror or e}") from None
 
 
-def _measure(opts: dict, overrides: list[str], console) -> tuple[dict, str, object]:
-    """(the result, its file name's prefix, its printer) of the mode the options ask for."""
-    from humanline_cli.bench import async_bench, constants, table
-
-    threads = [f"threads={opts['threads']}"] if opts["threads"] else []  # a bench key: the run's own setting
-    if opts["pool"]:
-        return _read_pool(opts, overrides), "constants-pooled-", constants.print_pooled
-    if opts["async_rounds"]:
-        return (async_bench.async_bench([*overrides, *threads], opts["async_rounds"], console), "async-",
-                async_bench.print_async)
-    if opts["constants"]:
-        return (constants.measure([*overrides, *threads], console, opts["constant_steps"], opts["prompts"]),
-                "constants-", constants.print_constants)
-    return run_bench(opts, overrides, console), "", table.print_result
-
-
 def main_bench(args: list[str]) -> int:
     from rich.console import Console
 
@@ -344,8 +307,8 @@ def main_bench(args: list[str]) -> int:
     try:
         opts, overrides = parse_args(args)
         if opts["out"]:
-            _check_out(Path(opts["out"]))
-        res, prefix, printer = _measure(opts, overrides, console)
+            check_out(Path(opts["out"]))
+        res = run_bench(opts, overrides, console)
     except UserError as e:
         print(f"humanline: error: {e}", file=sys.stderr)
         return 2
@@ -358,9 +321,9 @@ def main_bench(args: list[str]) -> int:
         return 143
     finally:
         signal.signal(signal.SIGTERM, old)
-    out = Path(opts["out"] or f"runs/bench/{prefix}{res['objective']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = Path(opts["out"] or f"runs/bench/{res['objective']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
-    printer(res, console)
+    print_result(res, console)
     console.print(f"wrote {out}")
     return 0

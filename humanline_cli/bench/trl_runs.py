@@ -95,30 +95,32 @@ def _trl_common(spec, backend, out_dir: str, grpo: bool = False) -> dict:
     return common
 
 
+def peer(spec):
+    """The TRL counterpart the objective names (core/objectives/); the bench asks for one only where it has one."""
+    from humanline_cli.core.objectives import OBJECTIVES
+
+    return OBJECTIVES[spec.objective].trl_peer(spec.objective_cfg)
+
+
 def trl_run(spec, info: dict, warmup: int, precompute: bool = False) -> Run:
-    """DPOTrainer / KTOTrainer.train on the units the project's steps draw; `precompute`: precompute_ref_log_probs
-    (TRL's reference pass over the data runs before the first step)."""
+    """The objective's TRL trainer (DPOTrainer, KTOTrainer, ...).train on the units the project's steps draw, as
+    rows of TRL's dataset; `precompute`: precompute_ref_log_probs (TRL's reference pass over the data runs before
+    the first step). A trainer that trains only on its own generations times its loss path instead (trl_grpo_run)."""
     from datasets import Dataset
 
+    p = peer(spec)
+    if p.row is None:
+        return trl_grpo_run(spec, info, warmup)
     tokenizer, encoder, policy = _setup(spec, info)
     units = info["units"][: spec.train.batch_size * spec.train.steps]  # as many as the project's steps draw
-    from humanline_cli.core.objectives import PROPERTIES
-
-    pairs = PROPERTIES[spec.objective].unit == "pairs"  # DPOTrainer's rows (IPO is its loss_type="ipo")
-    kto = not pairs
-    rows = [{"prompt": u.prompt, "chosen": u.chosen, "rejected": u.rejected} if pairs else
-            {"prompt": u.prompt, "completion": u.completion, "label": bool(u.desirable)} for u in units]
-    data = Dataset.from_list(_as_chat(rows, encoder.wrap_strings))
+    data = Dataset.from_list(_as_chat([p.row(u) for u in units], encoder.wrap_strings))
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
     ends: list = []
-    o = spec.objective_cfg
     with tempfile.TemporaryDirectory() as tmp:
         import trl
 
-        Config, Trainer = (trl.KTOConfig, trl.KTOTrainer) if kto else (trl.DPOConfig, trl.DPOTrainer)
-        extra = ({"desirable_weight": o.desirable_weight, "undesirable_weight": o.undesirable_weight} if kto
-                 else {"loss_type": ["ipo" if spec.objective == "ipo" else "sigmoid"]})
-        args = Config(**_trl_common(spec, info["backend"], tmp), precompute_ref_log_probs=precompute, **extra)
+        Config, Trainer = getattr(trl, f"{p.trainer}Config"), getattr(trl, f"{p.trainer}Trainer")
+        args = Config(**_trl_common(spec, info["backend"], tmp), precompute_ref_log_probs=precompute, **p.args)
         trainer = Trainer(model=policy, ref_model=ref, args=args, train_dataset=data, processing_class=tokenizer,
                           callbacks=[_clock(info["backend"].device, ends)])
         collate, counts = trainer.data_collator, []  # (tokens, KL tokens) of each batch TRL's collator builds
@@ -146,14 +148,16 @@ def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
     backend = info["backend"]
     tokenizer, encoder, policy = _setup(spec, info)  # TRL loads its reference
     collate = Collator(encoder, spec.objective_cfg)
-    units, tr, o = info["units"], spec.train, spec.objective_cfg
+    units, tr = info["units"], spec.train
     group = len(units[0].completions)
+    # the loss path gets no num_items_in_batch (Trainer.train passes it), so dapo's normaliser is timed as grpo's
+    own = {**peer(spec).args}
+    own["loss_type"] = "grpo" if own["loss_type"] == "dapo" else own["loss_type"]
     with tempfile.TemporaryDirectory() as tmp:
         common = _trl_common(spec, backend, tmp, grpo=True)
         n = tr.micro_batch_size * group
         args = GRPOConfig(**common, num_generations=group, generation_batch_size=n,
-                          max_completion_length=tr.max_length - tr.max_prompt_length, epsilon=o.epsilon,
-                          loss_type="bnpo" if o.aggregation == "token_mean" else "grpo", scale_rewards="none")
+                          max_completion_length=tr.max_length - tr.max_prompt_length, scale_rewards="none", **own)
         args.per_device_train_batch_size = n
         trainer = GRPOTrainer(model=policy, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
                               args=args, train_dataset=Dataset.from_list([{"prompt": "x"}] * n),
@@ -227,7 +231,7 @@ def trl_online_grpo_run(spec, info: dict, warmup: int) -> Run:
     from humanline_cli.rewards.scorers import checked
     from humanline_cli.train.build import make_labeller, resolve_path
 
-    backend, tr, d, o = info["backend"], spec.train, spec.data_cfg, spec.objective_cfg
+    backend, tr, d = info["backend"], spec.train, spec.data_cfg
     tokenizer, encoder, policy = _setup(spec, info)  # TRL loads its reference
     p = spec.task_cfg.prompts
     rows, _ = load_rows(resolve_path(d.prompts, spec), p.train_split, d.limit, p.columns)
@@ -250,8 +254,7 @@ def trl_online_grpo_run(spec, info: dict, warmup: int) -> Run:
         common = _trl_common(spec, backend, tmp, grpo=True)
         common.update(per_device_train_batch_size=micro * d.n, gradient_accumulation_steps=tr.batch_size // micro)
         args = GRPOConfig(**common, num_generations=d.n, max_completion_length=d.max_new_tokens,
-                          temperature=d.temperature, top_p=d.top_p, epsilon=o.epsilon, shuffle_dataset=True,
-                          loss_type={"token_mean": "bnpo", "dapo": "dapo"}.get(o.aggregation, "grpo"), **vllm)
+                          temperature=d.temperature, top_p=d.top_p, shuffle_dataset=True, **peer(spec).args, **vllm)
         trainer = GRPOTrainer(model=policy, reward_funcs=[task_reward], args=args, train_dataset=data,
                               processing_class=tokenizer, callbacks=[_clock(backend.device, ends)])
         trainer.train()

@@ -16,7 +16,7 @@ COMMANDS = {
     "train": "train a policy (Hydra app: overrides, -m sweeps, --help, --cfg job)",
     "report": "paper-style table (Markdown, CSV) and plots from a sweep or runs dir",
     "eval": "win rate of one trained run against another run or the starting policy",
-    "bench": "training throughput (plain, humanline, vs TRL), model FLOP/s, cost-model constants; KEY=VALUE args, --help",
+    "bench": "training throughput (plain, humanline, vs TRL), model FLOP/s; KEY=VALUE args, --help",
     "sample": "offline dataset from a model's own samples, scored (pairs, groups, unpaired, card); out=DIR, --help",
 }
 USAGE = "usage: humanline {" + ",".join(COMMANDS) + "} ...\n" + "\n".join(f"  {k:8s} {v}" for k, v in COMMANDS.items())

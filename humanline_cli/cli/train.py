@@ -67,6 +67,10 @@ def _train_app(sweep: Sweep):
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig
 
+    from humanline_cli.cli.help import register
+
+    register()  # conf/train.yaml's --help template lists the groups through it
+
     @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="train")
     def app(cfg: DictConfig) -> None:
         from humanline_cli.train.job import Context, HydraRecord, Job, launcher_ranks, slurm_nodes

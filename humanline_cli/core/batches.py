@@ -37,6 +37,10 @@ class _Cut:
         """Objective units the batch holds: one per sequence unless the batch type says otherwise."""
         return len(self.seqs)
 
+    def extra_seqs(self) -> tuple:
+        """Sequences the loss also runs through the model besides `seqs` (none unless the batch type has some)."""
+        return ()
+
 
 @dataclass
 class PairBatch(_Cut):
@@ -56,6 +60,9 @@ class BinaryBatch(_Cut):
     seqs: Seqs
     labels: torch.Tensor  # (B,) bool
     kl_seqs: Seqs
+
+    def extra_seqs(self) -> tuple:
+        return (self.kl_seqs,)
 
 
 @dataclass

@@ -8,17 +8,13 @@ import math
 
 from humanline_cli.errors import UserError
 
-try:
-    from omegaconf import MISSING
-except ImportError:  # torch-only tools (gpu-check's step rows on a GPU machine without Hydra) read defaults only
-    MISSING = "???"
-
 
 def knob(default=dataclasses.MISSING, help: str = "", *, factory=dataclasses.MISSING, hidden: bool = False):
     """One config key: its default (or default factory) and its help, in the field's metadata, as TRL's configs
     declare each knob (`field(default=..., metadata={"help": ...})`). docs/config.md's key tables are generated from
-    these (humanline_cli/docs_gen.py); OmegaConf ignores the metadata. `hidden`: a key for checking the tool itself
-    (backend.profile), left out of docs/config.md."""
+    these (humanline_cli/docs_gen.py); OmegaConf ignores the metadata. Without a default the key is required
+    (OmegaConf reads a field without one as missing, `???`), so core needs no import of omegaconf. `hidden`: a key
+    for checking the tool itself (backend.profile), left out of docs/config.md."""
     return dataclasses.field(default=default, default_factory=factory, metadata={"help": help, "hidden": hidden})
 
 

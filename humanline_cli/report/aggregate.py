@@ -7,7 +7,6 @@ nothing. Keys that differ between groups become columns, or a label above a cell
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -17,11 +16,11 @@ import pandas as pd
 
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.errors import ArgumentParser, UserError, finite_float
-from humanline_cli.report import async_lag, cost, gap_closed, matched, speed, study_csv
+from humanline_cli.report import async_lag, cost, gap_closed, matched, study_csv
 from humanline_cli.report.frame import MARKERS, find_run_dirs, frame, load_run, md_table, write_csv
 from humanline_cli.report.groups import DEFAULT_IGNORE, collapse_duplicates, label, parse_ignore, under
 from humanline_cli.report.plots import FAMILIES, log_to_wandb, make_plots, order
-from humanline_cli.report.regime_map import regime_gap_rows, with_regimes
+from humanline_cli.report.regimes import regime_gap_rows, with_regimes
 from humanline_cli.report.stats import win_rate_ci
 
 CSV_COLUMNS = ("task", "objective", "family", "n_seeds", "win_rate_mean", "win_rate_std", "win_rate_lo", "win_rate_hi",
@@ -201,7 +200,7 @@ def by_commit(records: list[dict], pool: bool) -> str:
             f"(--pool-commits pools them).")
 
 
-def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None = None, ignore=(), targets=(),
+def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None = None, ignore=(),
                  accuracy: float | None = None, margin: float | None = None, shown_root: Path | None = None,
                  pool_commits: bool = False) -> Report:
     """`shown_root`: what the report names as its source (default `root`); `pool_commits`: see by_commit."""
@@ -244,16 +243,9 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     md += "\n## Paired differences\n\n" + "\n".join(gap_closed.paired_markdown(gaps, margin))
     table("cost.csv", costs := cost.cost_rows(complete), 8)
     md += "\n## Generation cost at matched training units\n\n" + "\n".join(cost.markdown(costs)) + "\n"
-    predicted_loops: dict = {}
-    if targets:  # the cost model's prediction per regime, beside the measurement (report/speed.py)
-        srows, notes, sources = speed.speed_rows(complete, list(targets))
-        table("predicted.csv", srows, 8)
-        md += "\n## Predicted wall-clock (cost model)\n\n" + "\n".join(speed.markdown(srows, notes, sources)) + "\n"
-        for r in srows[srows.phase == "loop"].itertuples():
-            predicted_loops.setdefault(r.target, {})[(r.task, r.objective, r.regime)] = r.predicted_s
     mrows = matched.matched_rows(complete, accuracy)
     if not mrows.empty:
-        md += "\n## Speedup at matched quality\n\n" + "\n".join(matched.markdown(mrows, predicted_loops)) + "\n"
+        md += "\n## Speedup at matched quality\n\n" + "\n".join(matched.markdown(mrows)) + "\n"
     (out_dir / "async.csv").unlink(missing_ok=True)  # never an earlier report's table
     lagged = async_lag.async_rows(complete, ignore)  # only sweeps with data.async_lag > 0 get the section
     if len(lagged):
@@ -322,11 +314,6 @@ def main_report(argv: list[str]) -> int:
                    help="config key (dotted; a prefix such as `train` ignores the subtree) whose differences may be "
                         "pooled as seeds; repeatable or comma-separated")
     p.add_argument("--wandb", action="store_true", help="also log the table and plots to a wandb run (job_type=report)")
-    p.add_argument("--target", action="append", default=[], metavar="T",
-                   help="predict each regime's wall-clock on T: a constants file of `humanline bench constants=true` "
-                        "(this machine, measured) or h100, h200, h100x8, h200x8 (public figures; estimates); repeatable")
-    p.add_argument("--gpu-check", type=Path, default=None, metavar="FILE",
-                   help="gpu_check.json of `just gpu-check`: its measured MFU replaces the assumed one on GPU targets")
     p.add_argument("--accuracy", type=finite_float(0.0, 1.0), default=None,
                    help="the matched-quality target score, named in advance (default: the start plus 0.9 of online's mean "
                         "gain over it)")
@@ -349,11 +336,8 @@ def main_report(argv: list[str]) -> int:
             raise ValueError("--from-csv needs --out DIR (where the rebuilt report goes)")
         if args.out is not None and args.out.exists() and not args.out.is_dir():
             raise ReportError(f"--out {args.out} is a file; name a directory for report.md, report.csv and the plots")
-        gpu_check = json.loads(args.gpu_check.read_text()) if args.gpu_check else None
-        targets = [speed.parse_target(t, gpu_check) for t in args.target]
         options = dict(wandb_mode=os.environ.get("WANDB_MODE", "offline") if args.wandb else None,
-                       ignore=args.ignore, targets=targets, accuracy=args.accuracy, margin=args.margin,
-                       pool_commits=args.pool_commits)
+                       ignore=args.ignore, accuracy=args.accuracy, margin=args.margin, pool_commits=args.pool_commits)
         if args.from_csv is not None:
             rep = report_from_csv(args.from_csv, args.out, **options)
         else:

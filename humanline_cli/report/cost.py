@@ -5,16 +5,25 @@ with ratios against online of the same objective: exact, machine-independent cou
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from humanline_cli.report.frame import md, read_jsonl
-from humanline_cli.report.predict import Call
 
 CSV_COLUMNS = ("task", "objective", "regime", "n_runs", "units_trained", "sampled_sequences", "generation_calls",
                "weight_pushes", "sequences_per_call", "pushes_vs_online", "sequences_vs_online", "generated_tokens",
                "longest_completion_per_call")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One generation call, counted (the cost model in lab/predict.py prices it)."""
+
+    sequences: int   # m: completions the call generates
+    tokens: int      # G: their generated tokens
+    longest: int     # L: the longest completion, tokens
 
 
 def calls_of(run_path: Path) -> tuple | None:

@@ -1,4 +1,4 @@
-"""PNG plots of the labelled runs frame (report/frame.py, groups.label, regime_map.with_regimes) and the optional
+"""PNG plots of the labelled runs frame (report/frame.py, groups.label, regimes.with_regimes) and the optional
 wandb upload. Config groups of one (task, objective, family) stay apart by their `variant` (and line style)."""
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from humanline_cli.report.cost import calls_of
 from humanline_cli.report.frame import CURVE, find_run_dirs, load_run, read_jsonl
 from humanline_cli.report.gap_closed import SAMPLES
 from humanline_cli.report.groups import canon, comparable_config, under
-from humanline_cli.report.regime_map import regime_of
+from humanline_cli.report.regimes import regime_of
 
 # config keys every row keeps: what labels a run's family, regime and humanline setting
 ALWAYS = ("seed", "task.name", "objective.name", "data.regime", "data.generate_every", "data.async_lag", "humanline",

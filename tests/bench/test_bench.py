@@ -30,8 +30,7 @@ def test_bench_keys_and_hydra_overrides_are_split():
 
 @pytest.mark.parametrize("arg, msg", [
     ("prompts=0", "bench: prompts must be >= 1, got 0"),
-    ("constant_steps=0", "bench: constant_steps must be >= 1, got 0"),
-    ("constants=maybe", "bench: constants must be true or false, got 'maybe'"),
+    ("cache=maybe", "bench: cache must be true or false, got 'maybe'"),
     ("sampler=1", "bench: sampler must be true or false, got '1'"),
     ("batch_size=0", "bench: batch_size must be >= 1 or null (the config's own), got 0"),
     ("threads=0", "bench: threads must be >= 1 or null (the config's own), got 0"),
@@ -53,16 +52,18 @@ def _unwritable_outs(tmp_path):
 
 
 def test_bench_out_is_checked_before_measuring(tmp_path, capsys, monkeypatch):
-    import humanline_cli.bench.constants as constants
-    from humanline_cli.bench.project import main_bench
+    import humanline_cli.bench.project as project
+    import humanline_cli.lab.constants as constants
 
     def measure(*a, **k):  # never reached: out= is checked first
         raise AssertionError("measured before checking out=")
 
+    monkeypatch.setattr(project, "run_bench", measure)
     monkeypatch.setattr(constants, "measure", measure)
     for out, msg in _unwritable_outs(tmp_path):
-        for mode in ("constants=true", f"pool={tmp_path / 'missing.json'}"):
-            assert main_bench([mode, f"out={out}"]) == 2
+        for run, args in ((project.main_bench, [f"out={out}"]), (constants.main, ["--out", str(out)]),
+                          (constants.main, ["--pool", str(tmp_path / "missing.json"), "--out", str(out)])):
+            assert run(args) == 2
             err = capsys.readouterr().err
             assert err.startswith(f"humanline: error: {msg}") and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing written
@@ -159,20 +160,19 @@ def test_bench_rejects_online_data(tiny_world, tmp_path):
     assert r.returncode == 2 and "offline" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_ctrl_c_while_measuring_constants_is_one_line_exit_130(tmp_path, capsys, monkeypatch):
+def test_ctrl_c_while_measuring_is_one_line_exit_130(tmp_path, capsys, monkeypatch):
     import signal
 
-    import humanline_cli.bench.constants as constants
-    from humanline_cli.bench.project import main_bench
+    import humanline_cli.bench.project as project
 
     def measure(*a, **k):  # Ctrl-C lands mid-measurement
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(constants, "measure", measure)
+    monkeypatch.setattr(project, "run_bench", measure)
     monkeypatch.chdir(tmp_path)
     handler = signal.getsignal(signal.SIGINT)
     try:
-        assert main_bench(["constants=true"]) == 130
+        assert project.main_bench([]) == 130
     finally:
         signal.signal(signal.SIGINT, handler)
     assert capsys.readouterr().err == "humanline: bench interrupted (Ctrl-C) while measuring; nothing was written\n"
@@ -212,7 +212,7 @@ def test_sigterm_while_measuring_ends_with_one_line(monkeypatch, capsys, tmp_pat
         time.sleep(5)  # the handler raises before this ends
         raise AssertionError("SIGTERM did not stop the bench")
 
-    monkeypatch.setattr(project, "_measure", measure)
+    monkeypatch.setattr(project, "run_bench", measure)
     unhandled = []  # where bench sets no handler of its own, this one takes the signal (not the test process)
     before = signal.signal(signal.SIGTERM, lambda *a: unhandled.append(a))
     try:
@@ -222,3 +222,22 @@ def test_sigterm_while_measuring_ends_with_one_line(monkeypatch, capsys, tmp_pat
     assert capsys.readouterr().err == "humanline: bench stopped by SIGTERM while measuring; nothing was written\n"
     assert unhandled == [] and not (tmp_path / "b.json").exists()
     assert guard.__name__ == "<lambda>"  # the handler in place before the bench is back
+
+
+def test_the_product_commands_show_no_lab_modes(capsys):
+    """`humanline bench --help` and `humanline report --help` list what a user types: the cost model's constants,
+    their pooling, the async timing and the predictions live in humanline_cli/lab/ (python -m ...)."""
+    from humanline_cli.bench.project import main_bench
+    from humanline_cli.report.aggregate import main_report
+
+    assert main_bench(["--help"]) == 0
+    with pytest.raises(SystemExit) as e:
+        main_report(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "steps=20" in text and "--ignore" in text and "--margin" in text
+    for lab in ("constants=", "pool=", "async_rounds=", "--target", "--gpu-check"):
+        assert lab not in text, lab
+    for lab in (["constants=true"], ["pool=a.json,b.json"], ["async_rounds=3"]):  # now Hydra overrides it refuses
+        opts, overrides = parse_args(lab)
+        assert overrides == lab

@@ -15,9 +15,8 @@ from tests.helpers.cli import FAST, TINY_WORLD
 
 PKG = Path(__file__).resolve().parents[2] / "humanline_cli"
 
-# modules outside core/ that may name objectives: TRL's peers of dpo/kto/grpo (a new objective has none), and the
-# report's fixed panel order and colours
-NAMED_ON_PURPOSE = {"bench/trl_runs.py", "bench/project.py", "report/plots.py", "report/regime_map.py"}
+# modules outside core/ that may name objectives: none (TRL's peers live with each objective: Objective.trl_peer)
+NAMED_ON_PURPOSE: set[str] = set()
 
 
 def _names_in(node: ast.AST, names: set[str]) -> bool:
@@ -131,3 +130,65 @@ def test_an_objective_defined_outside_the_package_trains(tmp_path, cache_dir):
     assert abs(rows[0]["loss"] - 2.0) < 1e-4
     summary = json.loads((run / "summary.json").read_text())
     assert summary["objective"] == "toy_hinge" and summary["batch_unit"] == "pairs"
+
+
+# DPO under another name, as a new objective module would define it: PairObjective with DPO's loss, no TRL peer
+TOY_DPO = r"""
+import sys
+from dataclasses import dataclass
+
+from humanline_cli.core import objectives
+from humanline_cli.core.objectives.dpo import PairObjective, dpo_loss
+
+
+@dataclass
+class ToyConfig(objectives.ObjectiveConfig):
+    name: str = "toy_dpo"
+
+
+class ToyDPO(PairObjective):
+    name = "toy_dpo"
+    config = ToyConfig
+    pair_fn = dpo_loss
+
+
+objectives.register(ToyDPO())
+
+import humanline_cli
+from humanline_cli.cli.main import main
+
+sys.argv = [humanline_cli.__file__, *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_copy_of_dpo_under_another_name_trains_benches_and_reports(tmp_path, cache_dir):
+    """Nothing outside core/ and conf/ names the new objective, yet `humanline train`, `bench` (its TRL rows skipped
+    with a note: it has no TRL peer) and `report` all take it."""
+    assert not [p for p in PKG.rglob("*.py") if "toy_dpo" in p.read_text()]
+    conf = tmp_path / "my_conf" / "objective"
+    conf.mkdir(parents=True)
+    (conf / "toy_dpo.yaml").write_text("defaults:\n  - /schema/objective/toy_dpo@_here_\n  - _self_\n")
+    common = ["objective=toy_dpo", f"hydra.searchpath=[file://{tmp_path / 'my_conf'}]", *TINY_WORLD]
+
+    def cli(*args):
+        r = subprocess.run([sys.executable, "-c", TOY_DPO, *args], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r
+
+    run = tmp_path / "runs" / "toy"
+    cli("train", *common, *FAST, "train.steps=2", "eval.n_prompts=4", "backend=cpu", "wandb.mode=disabled",
+        f"hydra.run.dir={run}")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows and "dpo/margin" in rows[0]
+    assert abs(rows[0]["loss"] - math.log(2)) < 1e-4  # step 1: policy == reference, DPO's ln 2
+    out = tmp_path / "bench.json"
+    cli("bench", *common, "steps=1", "warmup=1", "repeats=1", "batch_size=8", "threads=1", "trl=auto", f"out={out}")
+    res = json.loads(out.read_text())
+    assert res["objective"] == "toy_dpo" and res["unit"] == "pairs"
+    assert set(res["rows"]) == {"project", "project_humanline", "project_cached"}
+    assert res["trl_note"] == "objective=toy_dpo has no counterpart in TRL: its TRL rows are skipped"
+    cli("report", str(tmp_path / "runs"))
+    report = (tmp_path / "runs" / "report.csv").read_text().splitlines()
+    assert len(report) == 2 and ",toy_dpo," in report[1]

@@ -108,7 +108,7 @@ def test_laptop_regimes_composes_and_has_the_stated_size():
 def test_regime_map_from_one_sweep_pairs_each_humanline_regime_with_its_baselines(tmp_path, capsys):
     import yaml
 
-    from humanline_cli.report.regime_map import main
+    from humanline_cli.lab.regime_map import main
 
     root = tmp_path / "laptop_regimes"
     # (regime, config overrides, accuracy per seed)
@@ -233,7 +233,7 @@ def test_report_gives_the_speedup_at_equal_quality_from_learning_curves(tmp_path
 
 
 def test_regime_map_table_and_figure_from_report_csvs(tmp_path):
-    from humanline_cli.report.regime_map import main
+    from humanline_cli.lab.regime_map import main
 
     head = ("task,objective,set,metric,offline,online,humanline_offline,gap_closed,gap_closed_lo,gap_closed_hi,n_seeds,"
             "online_wall_s,humanline_offline_wall_s,speedup,speedup_equal_quality,online_never_reached\n")
@@ -250,7 +250,7 @@ def test_regime_map_table_and_figure_from_report_csvs(tmp_path):
 
 
 def test_regime_map_markdown_rows():
-    from humanline_cli.report.regime_map import markdown
+    from humanline_cli.lab.regime_map import markdown
 
     row = {"regime": "groups", "objective": "grpo", "metric": "greedy accuracy", "offline": "0.7", "online": "0.9",
            "humanline_offline": "0.8", "gap_closed": "0.5", "gap_closed_lo": "0.4", "gap_closed_hi": "0.6",

@@ -13,7 +13,7 @@ import pytest
 from humanline_cli.report.aggregate import main_report
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
-STUDY_CSVS = ("report.csv", "gap_closed.csv", "cost.csv", "predicted.csv", "async.csv")
+STUDY_CSVS = ("report.csv", "gap_closed.csv", "cost.csv", "async.csv")
 # The expected files round some columns: gap_closed.csv (and regime_map.csv, its rows) prints speeds and shares
 # to 4 significant digits and its other numbers to 6; a rounded number matches within half its last digit.
 GAP_FILES = ("gap_closed.csv", "regime_map.csv")
@@ -66,8 +66,7 @@ def assert_same_table(expected_path: Path, got_path: Path) -> None:
 def study(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("study")
     root = GOLDEN / "study"
-    assert main_report([str(root), "--out", str(out), "--target", str(root / "constants.json"),
-                        "--target", "h100"]) == 0
+    assert main_report([str(root), "--out", str(out)]) == 0
     return out
 
 
@@ -76,8 +75,17 @@ def test_study_csvs_carry_the_golden_numbers(study, name):
     assert_same_table(GOLDEN / "expected" / "study" / name, study / name)
 
 
+def test_the_lab_prediction_carries_the_golden_numbers(tmp_path):
+    """predicted.csv, once written by `humanline report --target`, now by the lab's cost model over the same runs."""
+    from humanline_cli.lab.speed import main
+
+    root = GOLDEN / "study"
+    assert main([str(root), "--out", str(tmp_path), "--target", str(root / "constants.json"), "--target", "h100"]) == 0
+    assert_same_table(GOLDEN / "expected" / "study" / "predicted.csv", tmp_path / "predicted.csv")
+
+
 def test_regime_sweep_csvs_carry_the_golden_numbers(tmp_path):
-    from humanline_cli.report.regime_map import main
+    from humanline_cli.lab.regime_map import main
 
     assert main_report([str(GOLDEN / "regimes"), "--out", str(tmp_path)]) == 0
     for name in ("report.csv", "gap_closed.csv", "cost.csv"):

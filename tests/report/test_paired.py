@@ -158,7 +158,7 @@ def test_report_one_seed_gap_decided_by_the_prompt_bootstrap(tmp_path):
 
 
 def test_regime_map_table_says_no_gap_from_the_csv_verdict():
-    from humanline_cli.report.regime_map import markdown
+    from humanline_cli.lab.regime_map import markdown
 
     row = {"regime": "hl_stale16", "objective": "grpo", "metric": "greedy accuracy", "offline": "0.98",
            "online": "0.984", "humanline_offline": "0.982", "gap_closed": "", "gap_closed_lo": "", "gap_closed_hi": "",

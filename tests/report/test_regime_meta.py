@@ -77,7 +77,7 @@ def _sweep(conf: Path, root: Path, files: dict[str, str]) -> Path:
 
 
 def _pairs(root: Path) -> list[tuple]:
-    from humanline_cli.report.regime_map import sweep_rows
+    from humanline_cli.lab.regime_map import sweep_rows
 
     return [(r["regime"], r["compared_with"], r["metric"], round(float(r["gap_closed"]), 12))
             for r in sweep_rows(root).to_dict("records") if r["metric"] == "accuracy"]

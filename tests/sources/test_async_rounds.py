@@ -222,9 +222,9 @@ def test_the_sampler_samples_round_r_plus_1_while_round_r_trains(cache_dir):
     """The overlap, from the rounds' own timestamps (one monotonic clock for both processes), as orderings
     rather than speeds: round r + 1 is submitted before round r is collected, and the sampler process
     begins it before the trainer has finished training round r (a round = one step of 64 pairs, ~0.15 s of
-    CPU: the child needs a few ms of it to pick up the queued request). The bench's run (bench/async_bench.py)
+    CPU: the child needs a few ms of it to pick up the queued request). The bench's run (lab/async_bench.py)
     is the real trainer on the world's model."""
-    from humanline_cli.bench.async_bench import _run, _spec
+    from humanline_cli.lab.async_bench import _run, _spec
     from humanline_cli.train.build import prepare_world
 
     spec = _spec([*BASE, "objective=dpo", "data.n=4", "data.max_new_tokens=6", "train.batch_size=64"], 5, 1)
@@ -247,7 +247,7 @@ def test_the_sampler_samples_round_r_plus_1_while_round_r_trains(cache_dir):
     # 10,000-15,000 pages every round. On a loaded machine the threads' allocations interleave differently and
     # the heap may grow once more, one round of up to ~2,300 faults (measured): two of three rounds stay low
     faults = sorted(clock[r]["page_faults"] for r in (3, 4, 5))
-    assert faults[1] < 2000, {r: clock[r]["page_faults"] for r in clock}
+    assert faults[1] < 2000, {r: c.get("page_faults") for r, c in clock.items()}  # round 6 never trained
     assert res["sampler_cpu_s_per_round"] > 0 and res["trainer_cpu_s_per_round"] > 0
 
 
@@ -334,12 +334,12 @@ def test_lora_lag1_process_equals_inline(cache_dir, tmp_path):
 
 def test_bench_async_table_shows_cpu_run_queue_and_the_overlap_count():
     """print_async on a hand-made result: CPU and run-queue seconds per round add the trainer's and the
-    sampler process's; the overlap line counts the rounds from their timestamps (bench/async_bench.py)."""
+    sampler process's; the overlap line counts the rounds from their timestamps (lab/async_bench.py)."""
     import io
 
     from rich.console import Console
 
-    from humanline_cli.bench.async_bench import print_async, sampler_rounds
+    from humanline_cli.lab.async_bench import print_async, sampler_rounds
 
     clock = {r: {"began_at": float(r), "started_at": r - 0.9, "cpu_s": 0.25, "run_queue_s": 0.05} for r in range(2, 6)}
     clock[4]["started_at"] = 4.1  # round 4 began only after round 3's training: not overlapped

@@ -131,7 +131,7 @@ def test_laptop_paper_regimes_composes_and_has_the_stated_size():
 def test_regime_map_pairs_humanline_on_stale_rounds_with_the_stale_baseline(tmp_path, capsys):
     import yaml
 
-    from humanline_cli.report.regime_map import main
+    from humanline_cli.lab.regime_map import main
     from tests.helpers.runs import config, run_dir
 
     root = tmp_path / "laptop_paper_regimes"

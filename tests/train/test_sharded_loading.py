@@ -120,7 +120,7 @@ def test_memory_estimate_matches_the_measured_peak_and_sharded_loading_lowers_it
     (measured first, then freed) must peak higher than the sharded one. Measured on this machine: estimate
     0.593 GiB, measured 0.598 GiB on both ranks (ratio 1.01); loading 0.278 GiB full, 0.139 GiB sharded."""
     out = tmp_path / "memory_check.json"
-    r = subprocess.run([sys.executable, "-m", "humanline_cli.bench.memory_check", "--hidden", "384", "--layers", "4",
+    r = subprocess.run([sys.executable, "-m", "humanline_cli.lab.memory_check", "--hidden", "384", "--layers", "4",
                         "--inter", "1024", "--heads", "6", "--kv-heads", "2", "--seqs", "2", "--tokens", "128",
                         "--steps", "2", "--micro", "2", "--loading", "both", "--out", str(out)],
                        capture_output=True, text=True, timeout=600)

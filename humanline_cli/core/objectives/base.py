@@ -19,15 +19,16 @@ from humanline_cli.core.batches import Seqs, n_units
 from humanline_cli.core.corrections import NO_CORRECTION, CorrectionSpec
 from humanline_cli.core.feedback import ScoredGroup
 from humanline_cli.core.humanline import HumanlineSpec
-from humanline_cli.core.knobs import MISSING, knob
+from humanline_cli.core.knobs import knob
 from humanline_cli.core.logprobs import completion_mask, token_logps
 
 
 @dataclass
 class ObjectiveConfig:
-    name: str = knob(MISSING, "the objective: dpo | kto | grpo (the option chosen)")
+    name: str = knob(help="the objective: dpo | ipo | kto | grpo (the option chosen)")
     beta: float = knob(0.1, "weight of the reference: DPO's and KTO's beta; GRPO's KL weight")
-    batch_size: int = knob(32, "units per optimizer step: pairs (dpo), examples (kto), groups (grpo; a scored pair: 2)")
+    batch_size: int = knob(32, "units per optimizer step: pairs (dpo, ipo), examples (kto), groups (grpo; a scored "
+                                  "pair: 2)")
     tempered_logps: bool = knob(False, "log-probs of softmax(logits / data.temperature) for the policy, the reference "
                                        "and the sampler (TRL's convention, the authors' math code); false: of "
                                        "softmax(logits)")
@@ -43,6 +44,18 @@ class ObjectiveProperties:
     def sequences(self, units: int, group: int) -> int:
         """Sequences `units` units run through the model; `group`: sequences in a GRPO group."""
         return units * (self.seqs_per_unit or group)
+
+
+@dataclass(frozen=True)
+class TrlPeer:
+    """An objective's counterpart in TRL, which `humanline bench` times beside it: trl.<trainer>Trainer with
+    trl.<trainer>Config and the objective's own keys of that config; named as strings so core never imports TRL."""
+
+    trainer: str                # "DPO" | "KTO" | "GRPO": the TRL trainer and config class prefix
+    args: dict                  # the objective's keys of TRL's config (loss_type, desirable_weight, epsilon, ...)
+    # a unit -> its row of TRL's dataset; None: TRL's trainer trains only on its own generations (GRPOTrainer), so
+    # its offline row times its loss path on the project's fixed units, and data=online compares Trainer.train
+    row: Callable[[object], dict] | None = None
 
 
 # (prompts, completions) -> their collated sequences: the collator's tokenisation (data/collate.py)
@@ -89,6 +102,10 @@ class Objective:
 
     def check_online(self, cfg, data) -> None:
         """Rules on online data's keys (data.n, ...) this objective needs."""
+
+    def trl_peer(self, cfg) -> TrlPeer | None:
+        """What `humanline bench` compares the objective with in TRL; None: no peer (its TRL rows are skipped)."""
+        return None
 
     def split_invariant(self, cfg) -> bool:
         """Whether the step's loss is the same however the step is cut into micro-batches (train.micro_batch_size

@@ -10,7 +10,7 @@ from humanline_cli.core.batches import PairBatch
 from humanline_cli.core.feedback import PairExample, best_vs_worst
 from humanline_cli.core.humanline import clamp_logratios
 from humanline_cli.core.logprobs import masked_sum
-from humanline_cli.core.objectives.base import Objective, ObjectiveConfig, ObjectiveProperties, logratios
+from humanline_cli.core.objectives.base import Objective, ObjectiveConfig, ObjectiveProperties, TrlPeer, logratios
 
 
 @dataclass
@@ -78,10 +78,18 @@ class PairObjective(Objective):
         return loss, m, logratio, mask
 
 
+def trl_pair_row(unit: PairExample) -> dict:
+    """A pair as a row of TRL's preference datasets (DPOTrainer)."""
+    return {"prompt": unit.prompt, "chosen": unit.chosen, "rejected": unit.rejected}
+
+
 class DPO(PairObjective):
     name = "dpo"
     config = DPOConfig
     pair_fn = dpo_loss
+
+    def trl_peer(self, cfg):
+        return TrlPeer("DPO", {"loss_type": ["sigmoid"]}, trl_pair_row)
 
 
 OBJECTIVE = DPO()

@@ -20,7 +20,7 @@ from humanline_cli.core.feedback import STD_DDOF, STD_EPS, GroupExample, group_a
 from humanline_cli.core.humanline import clamp_logratios
 from humanline_cli.core.knobs import knob, positive
 from humanline_cli.core.logprobs import completion_mask, masked_mean, seq_masked_mean, token_logps
-from humanline_cli.core.objectives.base import Objective, ObjectiveConfig, ObjectiveProperties
+from humanline_cli.core.objectives.base import Objective, ObjectiveConfig, ObjectiveProperties, TrlPeer
 from humanline_cli.errors import UserError
 
 
@@ -143,6 +143,10 @@ class GRPO(Objective):
             advs.append(group_advantages(torch.tensor(u.rewards, dtype=torch.float64), cfg.std_ddof, cfg.std_eps))
         s = seqs(prompts, comps)
         return GroupBatch(s, torch.cat(advs), sampler_logps_of(s, comps))
+
+    def trl_peer(self, cfg):  # GRPOTrainer generates its own groups: no row of ours
+        loss_type = {"token_mean": "bnpo", "dapo": "dapo"}.get(cfg.aggregation, "grpo")
+        return TrlPeer("GRPO", {"epsilon": cfg.epsilon, "loss_type": loss_type})
 
     def check(self, cfg, data):
         if positive(cfg.epsilon, "objective.epsilon") >= 1.0:

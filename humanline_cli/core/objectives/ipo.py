@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from humanline_cli.core.logprobs import masked_sum
-from humanline_cli.core.objectives.base import ObjectiveConfig
-from humanline_cli.core.objectives.dpo import PairObjective
+from humanline_cli.core.objectives.base import ObjectiveConfig, TrlPeer
+from humanline_cli.core.objectives.dpo import PairObjective, trl_pair_row
 
 
 @dataclass
@@ -41,6 +41,9 @@ class IPO(PairObjective):
     name = "ipo"
     config = IPOConfig
     pair_fn = ipo_loss
+
+    def trl_peer(self, cfg):  # DPOTrainer's loss_type=ipo (a token mean where ours sums: docstring above)
+        return TrlPeer("DPO", {"loss_type": ["ipo"]}, trl_pair_row)
 
 
 OBJECTIVE = IPO()

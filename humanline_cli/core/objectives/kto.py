@@ -11,12 +11,13 @@ from humanline_cli.core.feedback import BinaryExample, kto_examples
 from humanline_cli.core.humanline import clamp_logratios
 from humanline_cli.core.knobs import knob, positive
 from humanline_cli.core.logprobs import masked_sum
-from humanline_cli.core.objectives.base import Objective, ObjectiveConfig, ObjectiveProperties, logratios
+from humanline_cli.core.objectives.base import Objective, ObjectiveConfig, ObjectiveProperties, TrlPeer, logratios
 
 
 @dataclass
 class KTOConfig(ObjectiveConfig):
     name: str = "kto"
+    batch_size: int = 64  # examples per optimizer step (the paper's); a pair gives 2 examples
     desirable_weight: float = knob(1.0, "weight of the desirable examples' loss")
     undesirable_weight: float = knob(1.0, "weight of the undesirable examples' loss")
 
@@ -89,6 +90,10 @@ class KTO(Objective):
         shifted = [u.completion for u in partners] if partners is not None else comps[1:] + comps[:1]
         return BinaryBatch(seqs(prompts, comps), torch.tensor([u.desirable for u in units], dtype=torch.bool),
                            seqs(prompts, shifted))
+
+    def trl_peer(self, cfg):
+        return TrlPeer("KTO", {"desirable_weight": cfg.desirable_weight, "undesirable_weight": cfg.undesirable_weight},
+                       lambda u: {"prompt": u.prompt, "completion": u.completion, "label": bool(u.desirable)})
 
     def check(self, cfg, data):
         positive(cfg.desirable_weight, "objective.desirable_weight")

@@ -17,6 +17,8 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import numpy as np
 
+from humanline_cli.report.cost import Call
+
 
 @dataclass(frozen=True)
 class Target:
@@ -47,13 +49,6 @@ class Target:
     sample_curve: tuple = ()     # ((sequences per call on one device, tokens/s), ...) measured, by size
     sample_loop_factor: float = 1.0  # a call inside the training loop over the same call timed alone
     notes: dict = field(default_factory=dict, compare=False)  # constant -> where its value comes from
-
-
-@dataclass(frozen=True)
-class Call:
-    sequences: int   # m: completions the call generates
-    tokens: int      # G: their generated tokens
-    longest: int     # L: the longest completion, tokens
 
 
 @dataclass(frozen=True)

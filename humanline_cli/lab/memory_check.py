@@ -1,4 +1,4 @@
-"""`just memory-check` (python -m humanline_cli.bench.memory_check): memory.estimate against the measured peak RSS
+"""`just memory-check` (python -m humanline_cli.lab.memory_check): memory.estimate against the measured peak RSS
 of `--nproc` gloo ranks (or one process) loading a random-weight Llama with the trainer's own parts and running
 DPO-shaped steps (docs/scaling.md). Measured = peak RSS (sampled every ms) minus the RSS before the weights load;
 glibc's MALLOC_MMAP_THRESHOLD_ is fixed unless set, so RSS follows the live tensors. Writes --out; exit 1 when a
@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from humanline_cli.bench.step_bench import GB, build, dpo_steps
+from humanline_cli.lab.step_bench import GB, build, dpo_steps
 from humanline_cli.memory import rss_bytes
 
 
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                    OMP_NUM_THREADS="1")
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
         json_path = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "humanline_cli.bench.memory_check", "--model", str(model), "--json",
+        cmd = [sys.executable, "-m", "humanline_cli.lab.memory_check", "--model", str(model), "--json",
                str(json_path), *(argv if argv is not None else sys.argv[1:])]
         procs = [subprocess.Popen([*cmd, "--rank-of", str(r)],
                                   env=dict(env, RANK=str(r), LOCAL_RANK=str(r)) if args.nproc > 1 else

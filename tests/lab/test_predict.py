@@ -5,8 +5,7 @@ import math
 
 import pytest
 
-from humanline_cli.report.predict import (
-    Call,
+from humanline_cli.lab.predict import (
     Target,
     Work,
     flops_per_token,
@@ -16,6 +15,7 @@ from humanline_cli.report.predict import (
     target_from_json,
     within,
 )
+from humanline_cli.report.cost import Call
 
 T = Target(name="t", source="hand", estimated=False, call_fixed_s=0.5, sample_tokens_per_s=1000.0, decode_step_s=0.01,
            concurrency=4, push_fixed_s=0.1, push_bytes_per_s=1e9, label_s_per_seq=0.001, train_flops_per_s=1e12,
@@ -162,7 +162,7 @@ def test_paper_settings_counted_work():
     instruction following online samples 512 prompts x 8 per round, a round serving 512 / 32 = 16 steps."""
     from hydra import compose, initialize_config_module
 
-    from humanline_cli.report.paper_speed import SETTINGS, counted_work
+    from humanline_cli.lab.paper_speed import SETTINGS, counted_work
 
     math_, instr = SETTINGS
     with initialize_config_module(config_module="conf", version_base="1.3"):

@@ -1,15 +1,15 @@
-"""The cost model (report/speed.py) reads a run's correction: TR-DPO's soft updates move the reference."""
+"""The cost model (lab/speed.py) reads a run's correction: TR-DPO's soft updates move the reference."""
 from __future__ import annotations
 
 from humanline_cli.core.humanline import HumanlineSpec
 
 
 def test_the_cost_model_counts_trdpo_mixes_and_leaves_its_reference_uncached():
-    """report/speed.py reads a run's flat config: correction=trdpo with tau 4 over 10 steps mixes the reference
+    """lab/speed.py reads a run's flat config: correction=trdpo with tau 4 over 10 steps mixes the reference
     twice (after steps 4 and 8), so the reference moves and its log-probs are never cached."""
     from humanline_cli.core.reference import reference_moves
+    from humanline_cli.lab.speed import reference_syncs
     from humanline_cli.report.frame import correction_spec
-    from humanline_cli.report.speed import reference_syncs
 
     c = correction_spec({"correction.kind": "trdpo", "correction.tau": 4})
     assert (c.kind, c.alpha, c.tau) == ("trdpo", 0.6, 4)

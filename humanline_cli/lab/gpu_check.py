@@ -1,8 +1,8 @@
-"""`just gpu-check` (python -m humanline_cli.bench.gpu_check [--out DIR]): the checks only a CUDA machine can run
+"""`just gpu-check` (python -m humanline_cli.lab.gpu_check [--out DIR]): the checks only a CUDA machine can run
 (docs/scaling.md), written to one JSON file and summed up as "N of M rows ran, K skipped"; exit 1 if a row failed
 or a row asked for did not run (its package missing), 2 (one line) without CUDA. Groups (--only):
-  step   step time, tokens/s, MFU and peak memory against memory.estimate at a real shape (bench/step_bench.py)
-  vllm   the vLLM rows (bench/vllm_rows.py): start, push, log-probs after a push, stale prefix cache, tokens/s, wake;
+  step   step time, tokens/s, MFU and peak memory against memory.estimate at a real shape (lab/step_bench.py)
+  vllm   the vLLM rows (lab/vllm_rows.py): start, push, log-probs after a push, stale prefix cache, tokens/s, wake;
          on 2+ GPUs an engine per rank (external_launcher) started, put to sleep and woken on its own GPU
   train  real `humanline train` runs: bf16 per objective plain and humanline, LoRA, online vLLM, DDP/FSDP on 2+ GPUs
 step and vllm need torch and transformers (and vLLM) only; without Hydra or vLLM the rows needing them say
@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from humanline_cli.bench.vllm_rows import error_line, missing
+from humanline_cli.errors import one_line
+from humanline_cli.lab.vllm_rows import missing
 
 FAST = ["train.steps=20", "train.log_every=5", "eval.n_prompts=64", "threads=4"]
 
@@ -69,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
 
-    from humanline_cli.bench import vllm_rows
-    from humanline_cli.bench.step_bench import SHAPES, run
+    from humanline_cli.lab import vllm_rows
+    from humanline_cli.lab.step_bench import SHAPES, run
 
     cpu = args.device == "cpu"
     device = "cpu" if cpu else "cuda"
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 checks.extend(rows())
             except Exception as e:  # a check that cannot run is a failed check, with its reason
-                checks.append({"check": group, "ok": False, "error": error_line(e)})
+                checks.append({"check": group, "ok": False, "error": one_line(e)})
     if "train" in asked:
         _training_rows(out, n_gpu, checks)
     return _finish(results, out)

@@ -1,7 +1,7 @@
-"""`humanline report --target`: the cost model applied to the work runs recorded (samples.jsonl tokens per
-completion, metrics.jsonl tokens_processed per step), beside their measured phases; the matched-quality
-speedup from learning curves; cost.csv's generated tokens and longest completion per call. Run dirs are written
-by hand here, so every expected number is computed in the test."""
+"""`python -m humanline_cli.lab.speed DIR --target T`: the cost model applied to the work runs recorded (samples.jsonl
+tokens per completion, metrics.jsonl tokens_processed per step), beside their measured phases; the matched-quality
+speedup from learning curves; cost.csv's generated tokens and longest completion per call. Run dirs are written by
+hand here, so every expected number is computed in the test."""
 from __future__ import annotations
 
 import csv
@@ -11,11 +11,13 @@ import math
 import pytest
 import yaml
 
-from humanline_cli.bench.constants import fit_line
-from humanline_cli.report.aggregate import build_report, main_report
+from humanline_cli.lab.constants import fit_line
+from humanline_cli.lab.constants import main as constants_main
+from humanline_cli.lab.speed import main as speed_main
+from humanline_cli.lab.speed import parse_target
+from humanline_cli.report.aggregate import build_report
 from humanline_cli.report.frame import curve, run_points
 from humanline_cli.report.gap_closed import time_to
-from humanline_cli.report.speed import parse_target
 
 CONSTANTS = {"target": "this", "estimated": False, "model": "tiny", "params": 1000, "bytes_per_param": 4,
              "source": "hand", "constants": {
@@ -67,7 +69,7 @@ def test_predicted_beside_measured_per_regime(tmp_path):
                "sync": 0.2, "push": 0.0})
     cfile = tmp_path / "constants.json"
     cfile.write_text(json.dumps(CONSTANTS))
-    rep = build_report(root, targets=[parse_target(str(cfile))])
+    assert speed_main([str(root), "--target", str(cfile)]) == 0
     with open(root / "predicted.csv") as f:
         rows = {(r["regime"], r["phase"]): r for r in csv.DictReader(f)}
     # online, call 1: 1 wave, throughput 8 / 10 = 0.8 s, latency 3 x 0.1 = 0.3 s -> 0.8 + 0.5 fixed = 1.3
@@ -86,7 +88,10 @@ def test_predicted_beside_measured_per_regime(tmp_path):
     assert float(rows[("stale64", "loop")]["predicted_s"]) == pytest.approx(st_loop, rel=1e-9)
     assert float(rows[("stale64", "loop")]["predicted_speedup_vs_online"]) == pytest.approx(on_loop / st_loop, rel=1e-6)
     assert float(rows[("stale64", "loop")]["measured_speedup_vs_online"]) == pytest.approx(44.0 / 34.0, rel=1e-6)
-    assert "## Predicted wall-clock (cost model)" in rep.markdown and "**Target this (constants.json)**" in rep.markdown
+    md = (root / "predicted.md").read_text()
+    assert md.startswith("# Predicted wall-clock (cost model)") and "**Target this (constants.json)**" in md
+    # the product's report writes no prediction
+    assert "Predicted" not in build_report(root).markdown and not (root / "report.csv").read_text().count("predicted")
     # cost.csv: generated tokens and the longest completion per call (mean over calls)
     with open(root / "cost.csv") as f:
         cost = {r["regime"]: r for r in csv.DictReader(f)}
@@ -99,8 +104,8 @@ def test_gpu_target_is_labelled_an_estimate_with_sources(tmp_path, capsys):
     _run(root, "online", 0, rounds=[[2, 3]], tokens_per_step=[100, 100], wall={"total": 10.0, "train": 5.0})
     cfile = tmp_path / "constants.json"
     cfile.write_text(json.dumps(CONSTANTS))
-    assert main_report([str(root), "--target", str(cfile), "--target", "h100x8"]) == 0
-    md = (root / "report.md").read_text()
+    assert speed_main([str(root), "--target", str(cfile), "--target", "h100x8"]) == 0
+    md = (root / "predicted.md").read_text()
     assert "**Target h100x8** (ESTIMATE: built on public figures and assumptions)" in md
     assert "NVIDIA H100 Tensor Core GPU datasheet" in md and "mfu 0.4 (assumed)" in md
     with open(root / "predicted.csv") as f:
@@ -111,17 +116,17 @@ def test_gpu_target_is_labelled_an_estimate_with_sources(tmp_path, capsys):
 def test_bad_target_is_one_line_exit_2(tmp_path, capsys):
     root = tmp_path / "sweep"
     _run(root, "online", 0, rounds=[[2]], tokens_per_step=[10], wall={"total": 1.0})
-    assert main_report([str(root), "--target", "a100"]) == 2
+    assert speed_main([str(root), "--target", "a100"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--target 'a100'" in err[0]
-    assert not (root / "report.md").exists()
+    assert not (root / "predicted.md").exists()
     missing = tmp_path / "no_such_constants.json"
-    assert main_report([str(root), "--target", str(missing)]) == 2
+    assert speed_main([str(root), "--target", str(missing)]) == 2
     assert capsys.readouterr().err == f"humanline: error: --target {missing}: no such file\n"
-    assert main_report([str(root), "--target", str(tmp_path)]) == 2
+    assert speed_main([str(root), "--target", str(tmp_path)]) == 2
     assert capsys.readouterr().err == (f"humanline: error: --target {tmp_path}: is a directory, not a constants file "
-                                       "from `humanline bench constants=true`\n")
-    assert not (root / "report.md").exists()
+                                       "from `python -m humanline_cli.lab.constants`\n")
+    assert not (root / "predicted.md").exists()
 
 
 def test_curve_and_reach_by_hand():
@@ -181,10 +186,8 @@ def test_fit_line_by_hand():
 
 
 def test_pooled_constants_are_medians_with_their_spread_and_predict(tmp_path, capsys):
-    """`humanline bench pool=a,b,c`: each constant the median of three sets, the curve per size likewise, every
-    constant's spread kept; the report reads the pooled file as a target and names the spread."""
-    from humanline_cli.bench.project import main_bench
-
+    """`python -m humanline_cli.lab.constants --pool a,b,c`: each constant the median of three sets, the curve per
+    size likewise, every constant's spread kept; the report reads the pooled file as a target and names the spread."""
     files = []
     for i, (flops, other, curve512) in enumerate([(8000.0, 0.25, 12.0), (6000.0, 0.35, 10.0), (10000.0, 0.30, 9.0)]):
         d = json.loads(json.dumps(CONSTANTS))
@@ -194,7 +197,7 @@ def test_pooled_constants_are_medians_with_their_spread_and_predict(tmp_path, ca
         files.append(tmp_path / f"c{i}.json")
         files[-1].write_text(json.dumps(d))
     out = tmp_path / "pooled.json"
-    assert main_bench([f"pool={','.join(map(str, files))}", f"out={out}"]) == 0
+    assert constants_main(["--pool", ",".join(map(str, files)), "--out", str(out)]) == 0
     p = json.loads(out.read_text())
     c = p["constants"]
     assert c["train_flops_per_s"] == 8000.0 and c["other_step_s"] == 0.30 and c["call_fixed_s"] == 0.5
@@ -208,22 +211,20 @@ def test_pooled_constants_are_medians_with_their_spread_and_predict(tmp_path, ca
     assert "train_flops_per_s" in printed and "50.0%" in printed  # the spread table
     spec = parse_target(str(out))
     assert spec.constants["constants"]["train_flops_per_s"] == 8000.0
-    from humanline_cli.report.speed import spread_note
+    from humanline_cli.lab.speed import spread_note
 
     assert "train_flops_per_s 50%" in spread_note(p) and "sample_curve@512 30%" in spread_note(p)
 
 
 def test_pooling_refuses_sets_of_another_run(tmp_path, capsys):
-    from humanline_cli.bench.project import main_bench
-
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps({**CONSTANTS, "threads": 1, "overrides": ["experiment=x"]}))
     b.write_text(json.dumps({**CONSTANTS, "threads": 2, "overrides": ["experiment=x"]}))
     out = tmp_path / "pooled.json"
-    assert main_bench([f"pool={a},{b}", f"out={out}"]) == 2
+    assert constants_main(["--pool", f"{a},{b}", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "b.json was measured for another run" in err[0] and not out.exists()
-    assert main_bench([f"pool={a}", f"out={out}"]) == 2 and not out.exists()
+    assert constants_main(["--pool", str(a), "--out", str(out)]) == 2 and not out.exists()
 
 
 def _constants_set(tmp_path, name, curve, inputs=None, hour=0):
@@ -238,24 +239,22 @@ def _constants_set(tmp_path, name, curve, inputs=None, hour=0):
 
 
 def test_pooling_refuses_sets_of_other_prompts_and_a_set_twice(tmp_path, capsys):
-    from humanline_cli.bench.project import main_bench
-
     out = tmp_path / "pooled.json"
     a = _constants_set(tmp_path, "a.json", [[1, 900.0], [16, 5672.0], [64, 11121.0]])
     b = _constants_set(tmp_path, "b.json", [[1, 880.0], [16, 5600.0]], hour=1)  # prompts=16: no 64-sequence call
-    assert main_bench([f"pool={a},{b}", f"out={out}"]) == 2
+    assert constants_main(["--pool", f"{a},{b}", "--out", str(out)]) == 2
     assert capsys.readouterr().err == (
-        "humanline: error: bench pool=: b.json was measured with other inputs than a.json (curve at 1, 16 sequences "
-        "vs curve at 1, 16, 64 sequences); pool sets of the same prompts= and constant_steps=\n")
+        "humanline: error: --pool: b.json was measured with other inputs than a.json (curve at 1, 16 sequences "
+        "vs curve at 1, 16, 64 sequences); pool sets of the same --prompts and --steps\n")
     c = _constants_set(tmp_path, "c.json", [[1, 900.0]], {"prompts": 8, "constant_steps": 12}, hour=2)
     d = _constants_set(tmp_path, "d.json", [[1, 900.0]], {"prompts": 8, "constant_steps": 6}, hour=3)
-    assert main_bench([f"pool={c},{d}", f"out={out}"]) == 2
+    assert constants_main(["--pool", f"{c},{d}", "--out", str(out)]) == 2
     assert capsys.readouterr().err == (
-        "humanline: error: bench pool=: d.json was measured with other inputs than c.json (prompts=8, "
+        "humanline: error: --pool: d.json was measured with other inputs than c.json (prompts=8, "
         "constant_steps=6, curve at 1 sequences vs prompts=8, constant_steps=12, curve at 1 sequences); pool sets "
-        "of the same prompts= and constant_steps=\n")
-    assert main_bench([f"pool={a},{a}", f"out={out}"]) == 2
-    assert capsys.readouterr().err == ("humanline: error: bench pool=: a.json is the same measurement as a.json; "
+        "of the same --prompts and --steps\n")
+    assert constants_main(["--pool", f"{a},{a}", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == ("humanline: error: --pool: a.json is the same measurement as a.json; "
                                        "pool distinct sets\n")
     assert not out.exists()
 
@@ -270,11 +269,12 @@ def test_target_constants_of_another_setting_leave_the_run_out_with_a_note(tmp_p
         (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump({**cfg, "threads": threads}))
     cfile = tmp_path / "constants.json"
     cfile.write_text(json.dumps({**CONSTANTS, "threads": 1, "overrides": ["train.steps=4", "objective=grpo"]}))
-    rep = build_report(root, targets=[parse_target(str(cfile))])
+    assert speed_main([str(root), "--target", str(cfile)]) == 0
     with open(root / "predicted.csv") as f:
         assert {r["n_runs"] for r in csv.DictReader(f)} == {"1"}  # seed 0 only
     assert ("this (constants.json): 1 complete run(s) left out, measured for another setting than the constants "
-            "file's: online_seed1 (threads=2, the constants' 1)") in rep.markdown
+            "file's: online_seed1 (threads=2, the constants' 1)") in (root / "predicted.md").read_text()
     cfile.write_text(json.dumps({**CONSTANTS, "threads": 1, "overrides": ["train.steps=8"]}))
-    rep = build_report(root, targets=[parse_target(str(cfile))])
-    assert "online_seed0 (train.steps=4, the constants' 8), online_seed1 (threads=2, the constants' 1)" in rep.markdown
+    assert speed_main([str(root), "--target", str(cfile)]) == 0
+    assert ("online_seed0 (train.steps=4, the constants' 8), online_seed1 (threads=2, the constants' 1)"
+            in (root / "predicted.md").read_text())

@@ -1,26 +1,34 @@
-"""`humanline bench constants=true`: the cost model's constants measured with a real online run's parts on
+"""`python -m humanline_cli.lab.constants`: the cost model's constants measured with a real online run's parts on
 the tiny world, written as JSON whose fitted numbers follow from the raw timings it also records, and read back
-by `humanline report --target`. The world is the shared cache's (HUMANLINE_CACHE, else ~/.cache/humanline;
+by `python -m humanline_cli.lab.speed --target`. The world is the shared cache's (HUMANLINE_CACHE, else ~/.cache/humanline;
 the tests' session cache when another test set it first): built once, then only the bench is timed."""
 from __future__ import annotations
 
 import json
 import math
 import statistics
+import subprocess
+import sys
 
 import pytest
 
-from humanline_cli.bench.constants import fit_line, other_line, sampler_target
-from humanline_cli.report.predict import Call, call_s
-from tests.helpers.cli import TINY_WORLD, run_cli
+from humanline_cli.lab.constants import fit_line, other_line, sampler_target
+from humanline_cli.lab.predict import call_s
+from humanline_cli.report.cost import Call
+from tests.helpers.cli import TINY_WORLD
+
+
+def _constants(args: list[str], cwd, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "humanline_cli.lab.constants", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
 
 ONLINE = ["data=online", "objective=grpo", "train.batch_size=4", "data.prompts_per_round=4", "threads=1", *TINY_WORLD]
 
 
 def test_constants_follow_from_the_recorded_timings(tmp_path):
     out = tmp_path / "constants.json"
-    r = run_cli(["bench", "constants=true", "prompts=16", "constant_steps=3", f"out={out}", *ONLINE], cwd=tmp_path,
-                timeout=900)
+    r = _constants(["--prompts", "16", "--steps", "3", "--out", str(out), *ONLINE], tmp_path, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads(out.read_text())
     c = d["constants"]
@@ -92,6 +100,6 @@ def test_other_line_rises_with_tokens_or_is_flat():
 
 
 def test_constants_need_an_online_run(tmp_path):
-    r = run_cli(["bench", "constants=true", *TINY_WORLD], cwd=tmp_path)
+    r = _constants(TINY_WORLD, tmp_path)
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and "data=online" in err[0]

@@ -1,22 +1,30 @@
-"""`humanline report DIR --target T`: each regime's wall-clock predicted by the cost model (report/predict.py) from
-the work its runs counted (samples.jsonl calls, metrics.jsonl `tokens_processed`, steps, the reference's syncs by
-the method's rule), beside the phases they measured (summary.json wall_clock_s; `other` is the loop outside the
-timed phases, `loop` the total less what the model leaves out). Under asynchronous rounds `sample` is the sampler
-process's own time, overlapped, and `wait_for_sample` the trainer's idle time.
+"""The cost model against finished runs: each regime's wall-clock predicted (lab/predict.py) from the work its runs
+counted (samples.jsonl calls, metrics.jsonl `tokens_processed`, steps, the reference's syncs by the method's rule),
+beside the phases they measured (summary.json wall_clock_s; `other` is the loop outside the timed phases, `loop` the
+total less what the model leaves out). Under asynchronous rounds `sample` is the sampler process's own time,
+overlapped, and `wait_for_sample` the trainer's idle time. Writes predicted.csv and predicted.md (with the report's
+matched-quality table and each target's predicted seconds to the target score).
+
+    python -m humanline_cli.lab.speed DIR --target constants.json --target h100x8 [--gpu-check gpu_check.json]
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
+from humanline_cli.lab.predict import Target, Work, predict, target_from_json, within
+from humanline_cli.lab.targets import ASSUMED, SHAPES, Shape, gpu_target, mfu_from_gpu_check
+from humanline_cli.report import matched
 from humanline_cli.report.cost import calls_of
-from humanline_cli.report.frame import LEFT_OUT, correction_spec, humanline_spec, md_table, seconds
-from humanline_cli.report.predict import Target, Work, predict, target_from_json, within
-from humanline_cli.report.targets import ASSUMED, SHAPES, Shape, gpu_target, mfu_from_gpu_check
+from humanline_cli.report.frame import LEFT_OUT, correction_spec, humanline_spec, load, md_table, seconds, write_csv
+from humanline_cli.report.groups import collapse_duplicates, label
+from humanline_cli.report.regimes import with_regimes
 
 TIMED = ("sample", "push", "label", "train", "sync")
 SHOWN = ("sample", "train", "sync", "push", "label", "other", "wait_for_sample", "loop")
@@ -92,10 +100,11 @@ def parse_target(word: str, gpu_check: dict | None = None) -> TargetSpec:
     if not p.exists() and (p.suffix or "/" in word):  # meant as a file: say it is missing, not what else is valid
         raise ValueError(f"--target {word}: no such file")
     if p.is_dir():
-        raise ValueError(f"--target {word}: is a directory, not a constants file from `humanline bench constants=true`")
+        raise ValueError(f"--target {word}: is a directory, not a constants file from "
+                         "`python -m humanline_cli.lab.constants`")
     if not p.is_file():
         raise ValueError(f"--target {word!r}: neither h100, h200 (optionally xN) nor a constants file from "
-                         f"`humanline bench constants=true`")
+                         f"`python -m humanline_cli.lab.constants`")
     try:
         d = json.loads(p.read_text())
         target_from_json(d)
@@ -257,3 +266,49 @@ def spread_note(constants: dict | None) -> str:
         return ""
     return ("; spread of each constant over the sets, (max - min) / median: "
             + ", ".join(f"{k} {spread[k]['spread']:.0%}" for k in keys))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m humanline_cli.lab.speed", description=__doc__.split("\n\n")[0])
+    p.add_argument("dir", type=Path, help="a sweep dir or runs dir (searched recursively for run dirs)")
+    p.add_argument("--out", type=Path, default=None, help="where to write predicted.csv/.md (default: DIR)")
+    p.add_argument("--target", action="append", default=[], metavar="T", required=True,
+                   help="predict each regime's wall-clock on T: a constants file of `python -m "
+                        "humanline_cli.lab.constants` (this machine, measured) or h100, h200, h100x8, h200x8 (public "
+                        "figures; estimates); repeatable")
+    p.add_argument("--gpu-check", type=Path, default=None, metavar="FILE",
+                   help="gpu_check.json of `just gpu-check`: its measured MFU replaces the assumed one on GPU targets")
+    p.add_argument("--accuracy", type=float, default=None, help="the matched-quality target score (as the report's)")
+    a = p.parse_args(argv)
+    try:
+        gpu_check = json.loads(a.gpu_check.read_text()) if a.gpu_check else None
+        targets = [parse_target(t, gpu_check) for t in a.target]
+        if not a.dir.is_dir():
+            raise ValueError(f"no such directory: {a.dir}")
+    except (OSError, ValueError) as e:
+        print(f"humanline: error: {e}", file=sys.stderr)
+        return 2
+    runs = load(a.dir)
+    complete = runs[runs.status == "complete"] if len(runs) else runs
+    if complete.empty:
+        print(f"humanline: error: {a.dir}: no complete run dirs", file=sys.stderr)
+        return 2
+    complete = with_regimes(label(collapse_duplicates(complete)[0])[0])
+    rows, notes, sources = speed_rows(complete, targets)
+    loops: dict = {}
+    for r in rows[rows.phase == "loop"].itertuples():
+        loops.setdefault(r.target, {})[(r.task, r.objective, r.regime)] = r.predicted_s
+    out = a.out or a.dir
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, out / "predicted.csv", 8)
+    text = "\n".join(["# Predicted wall-clock (cost model)", "", *markdown(rows, notes, sources), "",
+                      "## Speedup at matched quality", "",
+                      *matched.markdown(matched.matched_rows(complete, a.accuracy), loops), ""])
+    (out / "predicted.md").write_text(text)
+    print(text)
+    print(f"wrote {out / 'predicted.csv'}, {out / 'predicted.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

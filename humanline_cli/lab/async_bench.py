@@ -1,14 +1,21 @@
-"""`humanline bench async_rounds=N`: online rounds per second (one optimizer step each) at data.async_lag=0 (sample,
-label, train in turn) against data.async_lag=1 (the sampler process samples round r+1 while round r trains), and
-the bound an overlap could reach, max(sample + label + push, train + sync) per round of the synchronous run.
-Rounds 2..N are timed. Each row gives the CPU and run-queue seconds per round (trainer + sampler process): a large
-run-queue time means other work holds the cores and the bound (one core each) is out of reach; the overlap is
-counted from the rounds' timestamps.
+"""`python -m humanline_cli.lab.async_bench --rounds N [--out FILE] [overrides]`: online rounds per second (one
+optimizer step each) at data.async_lag=0 (sample, label, train in turn) against data.async_lag=1 (the sampler
+process samples round r+1 while round r trains), and the bound an overlap could reach, max(sample + label + push,
+train + sync) per round of the synchronous run. Rounds 2..N are timed. Each row gives the CPU and run-queue seconds
+per round (trainer + sampler process): a large run-queue time means other work holds the cores and the bound (one
+core each) is out of reach; the overlap is counted from the rounds' timestamps.
 """
 from __future__ import annotations
 
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
 from humanline_cli.bench.clock import EndClock, StepClock, built, compose, train_loop
-from humanline_cli.errors import UserError
+from humanline_cli.bench.project import check_out
+from humanline_cli.errors import UserError, ignore_ctrl_c
 from humanline_cli.sampling.proc_clock import cpu_s, run_queue_s
 
 SAMPLE_PHASES = ("sample", "label", "push")
@@ -59,7 +66,7 @@ def sampler_rounds(rounds: dict[int, dict], timed: range) -> dict:
 
 def async_bench(overrides: list[str], rounds: int, console) -> dict:
     if rounds < 3:
-        raise UserError("bench: async_rounds must be >= 3 (round 1 is not timed)")
+        raise UserError("async_bench: --rounds must be >= 3 (round 1 is not timed)")
     specs = [_spec(overrides, rounds, lag) for lag in (0, 1)]  # both validated before any work
     out: dict = {"objective": specs[0].objective, "task": specs[0].task, "threads": specs[0].threads,
                  "rounds": rounds}
@@ -101,3 +108,35 @@ def print_async(res: dict, console) -> None:
                   "run-queue: seconds the processes were ready to run but waited for a CPU (other work on the "
                   "machine); well above 0, the bound (measured without contention between them) is out of reach",
                   markup=False, highlight=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    p = argparse.ArgumentParser(prog="python -m humanline_cli.lab.async_bench", description=__doc__.split("\n")[0])
+    p.add_argument("overrides", nargs="*", help="Hydra overrides of the online run timed (objective=..., threads=...)")
+    p.add_argument("--rounds", type=int, default=8, help="rounds per run (round 1 is not timed)")
+    p.add_argument("--out", type=Path, default=None, help="the JSON written (default runs/bench/async-*.json)")
+    a = p.parse_args(argv)
+    console = Console()
+    try:
+        if a.out:
+            check_out(a.out)
+        res = async_bench(a.overrides, a.rounds, console)
+    except UserError as e:
+        print(f"humanline: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # nothing is written before the measurement ends
+        ignore_ctrl_c()
+        print("humanline: async_bench interrupted (Ctrl-C) while measuring; nothing was written", file=sys.stderr)
+        return 130
+    out = a.out or Path(f"runs/bench/async-{res['objective']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print_async(res, console)
+    console.print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

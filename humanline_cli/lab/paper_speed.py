@@ -1,4 +1,4 @@
-"""The paper's settings predicted: `python -m humanline_cli.report.paper_speed` prints docs/performance.md's table
+"""The paper's settings predicted: `python -m humanline_cli.lab.paper_speed` prints docs/performance.md's table
 (paper_math and paper_instruction_following; online, stale-64, humanline; 1 and 8 H100 / H200). The work comes
 from the composed configs; prompt and completion lengths are each setting's stated assumptions. ESTIMATES.
 """
@@ -9,10 +9,11 @@ import math
 from dataclasses import dataclass
 
 from humanline_cli.core.objectives import PROPERTIES
+from humanline_cli.lab.predict import Work, predict
+from humanline_cli.lab.speed import reference_syncs
+from humanline_cli.lab.targets import ASSUMED, GPUS, SHAPES, gpu_target
+from humanline_cli.report.cost import Call
 from humanline_cli.report.frame import humanline_spec, md_table
-from humanline_cli.report.predict import Call, Work, predict
-from humanline_cli.report.speed import reference_syncs
-from humanline_cli.report.targets import ASSUMED, GPUS, SHAPES, gpu_target
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def markdown() -> list[str]:
     def h(r, k):
         return f"{r['predicted'][k] / 3600:.2f}"
 
-    return ["ESTIMATES (public figures and assumed efficiencies; report/targets.py). Hours per phase of the training "
+    return ["ESTIMATES (public figures and assumed efficiencies; lab/targets.py). Hours per phase of the training "
             "loop (setup, evaluation and saving left out); speedup = online's loop over the regime's at equal steps, "
             "which here is also equal units trained. The last seven columns are the assumptions each row rests on.", "",
             *md_table(["setting", "regime", "GPUs", "calls x sequences", "generate h", "push h", "label h", "train h",

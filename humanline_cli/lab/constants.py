@@ -1,22 +1,27 @@
-"""`humanline bench constants=true [overrides]`: the cost model's constants (report/predict.py) measured on this
-machine with the composed online run's own parts, written for `humanline report --target FILE`
+"""`python -m humanline_cli.lab.constants [--prompts N] [--steps N] [--out FILE] [overrides]`: the cost model's
+constants (lab/predict.py) measured on this machine with the composed online run's own parts, written for
+`python -m humanline_cli.lab.speed DIR --target FILE`
 (docs/performance.md, "Constants of this machine"): the sampler's curve at call sizes 1, prompts/64, /16, /4 and
-prompts; the labeller; push and sync; `constant_steps` training steps at the run's batch and half of it (a line
+prompts; the labeller; push and sync; `--steps` training steps at the run's batch and half of it (a line
 through (forward tokens, train seconds)), `other` outside the phases, async_* factors from the batch again at
 data.async_lag=1, and the sampler's calls inside the loop against the curve. Training is measured first, so that
 the generation calls are timed in a process that has trained, as a run's are; /proc/loadavg is kept before and after.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import os
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
 from humanline_cli.bench.clock import EndClock, built, compose, train_loop
-from humanline_cli.errors import UserError
+from humanline_cli.bench.project import check_out
+from humanline_cli.errors import UserError, ignore_ctrl_c
 
 REPEAT_SPAN_S = 3.0  # seconds of timed calls per generation size (3 to 15 calls)
 COMMON = ("train.log_every=1", "eval.every=0", "train.save_model=false", "train.checkpoint_every=0")
@@ -37,7 +42,7 @@ def _loadavg() -> str | None:
 def compose_online(overrides: list[str], extra: tuple[str, ...] = ()):
     spec = compose(overrides, extra)
     if spec.regime != "online":
-        raise UserError("bench constants=true measures an online run's constants: add data=online (or a regime)")
+        raise UserError("constants: measures an online run's constants: add data=online (or a regime)")
     return spec
 
 
@@ -55,7 +60,8 @@ def generation_constants(source, concurrency: int, sizes: tuple[int, ...]) -> di
     smallest call: one wave), peak tokens/s (the largest), the curve, each inner size predicted from its
     neighbours, and the labeller's seconds per completion on the largest call's."""
     from humanline_cli.core.interfaces import SamplingParams
-    from humanline_cli.report.predict import Call, call_s
+    from humanline_cli.lab.predict import call_s
+    from humanline_cli.report.cost import Call
     from humanline_cli.rewards.scorers import checked
 
     rows, enc, params, sampler = source.rows, source.encoder, source.params, source.sampler
@@ -94,7 +100,7 @@ def generation_constants(source, concurrency: int, sizes: tuple[int, ...]) -> di
 
 def sampler_target(gen: dict):
     """A target holding only the sampler's constants (the rest zero or free): what a call costs by the curve."""
-    from humanline_cli.report.predict import Target
+    from humanline_cli.lab.predict import Target
 
     return Target(name="sampler", source="", estimated=False, call_fixed_s=gen["call_fixed_s"],
                   sample_tokens_per_s=gen["sample_tokens_per_s"], decode_step_s=gen["decode_step_s"],
@@ -120,8 +126,8 @@ def loop_calls(rows: list[dict], calls: tuple) -> list[dict]:
 
 def _mini_run(spec) -> dict:
     """The real loop for spec.train.steps steps: per step (forward tokens, train seconds), and `other`."""
+    from humanline_cli.lab.speed import loop_and_other
     from humanline_cli.report.cost import calls_of
-    from humanline_cli.report.speed import loop_and_other
     from humanline_cli.train.tracking import Tracker
 
     with built(spec) as (parts, timer, tmp):
@@ -208,7 +214,8 @@ def training_constants(overrides: list[str], steps: int) -> dict:
 
 
 def measure(overrides: list[str], console, steps: int, prompts: int) -> dict:
-    from humanline_cli.report.predict import Call, call_s
+    from humanline_cli.lab.predict import call_s
+    from humanline_cli.report.cost import Call
 
     load_before = _loadavg()
     spec = compose_online(overrides)
@@ -235,7 +242,7 @@ def measure(overrides: list[str], console, steps: int, prompts: int) -> dict:
     host = socket.gethostname()
     return {"target": "this", "estimated": False, "objective": spec.objective, "host": host, "cpus": os.cpu_count(),
             "threads": spec.threads, "model": spec.model, "params": tr["params"], "bytes_per_param": 4,
-            "source": f"measured by `humanline bench constants=true` on {host} at "
+            "source": f"measured by `python -m humanline_cli.lab.constants` on {host} at "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')} (loadavg {load_before})",
             "overrides": overrides, "inputs": {"prompts": prompts, "constant_steps": steps}, "constants": constants,
             "detail": {"generation": {"calls": gen["calls"], "check_inner_calls": gen["check_inner_calls"],
@@ -256,26 +263,26 @@ def print_constants(res: dict, console) -> None:
 
 
 def pool_constants(sets: list[dict], names: list[str]) -> dict:
-    """`bench pool=a.json,b.json,...`: each constant (and each size of the curve) the median over sets measured for
+    """`--pool a.json,b.json,...`: each constant (and each size of the curve) the median over sets measured for
     the same run, with its spread (min, median, max, (max - min) / median): how far the machine itself moved."""
     if len(sets) < 2:
-        raise UserError("bench pool=: give at least two constants files (comma-separated)")
+        raise UserError("--pool: give at least two constants files (comma-separated)")
     first = sets[0]
     for name, d in zip(names, sets):
         if "constants" not in d or d.get("target") != "this":
-            raise UserError(f"bench pool=: {name} is not a constants file of `humanline bench constants=true`")
+            raise UserError(f"--pool: {name} is not a constants file of `python -m humanline_cli.lab.constants`")
         if (d.get("model"), d.get("threads"), d.get("overrides")) != (first.get("model"), first.get("threads"),
                                                                      first.get("overrides")):
-            raise UserError(f"bench pool=: {name} was measured for another run than {names[0]} (model, threads or "
+            raise UserError(f"--pool: {name} was measured for another run than {names[0]} (model, threads or "
                             f"overrides differ)")
         # other inputs: the curves' sizes differ (a peak would be a smaller call's) and the spread means nothing
         if d.get("inputs") != first.get("inputs") or _sizes(d) != _sizes(first):
-            raise UserError(f"bench pool=: {name} was measured with other inputs than {names[0]} ("
-                            f"{_inputs(d)} vs {_inputs(first)}); pool sets of the same prompts= and constant_steps=")
+            raise UserError(f"--pool: {name} was measured with other inputs than {names[0]} ("
+                            f"{_inputs(d)} vs {_inputs(first)}); pool sets of the same --prompts and --steps")
     for i, (name, d) in enumerate(zip(names, sets)):
         for other, e in zip(names[:i], sets[:i]):
             if d.get("source") == e.get("source") and d.get("constants") == e.get("constants"):
-                raise UserError(f"bench pool=: {name} is the same measurement as {other}; pool distinct sets")
+                raise UserError(f"--pool: {name} is the same measurement as {other}; pool distinct sets")
     spread, pooled = {}, {}
     for key, v in first["constants"].items():
         if key == "sample_curve":
@@ -296,8 +303,8 @@ def pool_constants(sets: list[dict], names: list[str]) -> dict:
     times = [d.get("source", "").partition(" at ")[2].partition(" (")[0] for d in sets]
     return {**{k: v for k, v in first.items() if k not in ("constants", "detail", "source", "loadavg_before",
                                                             "loadavg_after")},
-            "source": f"median of {len(sets)} sets of `humanline bench constants=true` measured on {first.get('host')} "
-                      f"from {times[0] or '?'} to {times[-1] or '?'} ({', '.join(names)})",
+            "source": f"median of {len(sets)} sets of `python -m humanline_cli.lab.constants` measured on "
+                      f"{first.get('host')} from {times[0] or '?'} to {times[-1] or '?'} ({', '.join(names)})",
             "constants": pooled, "spread": spread, "pooled_from": names,
             "loadavg": [[d.get("loadavg_before"), d.get("loadavg_after")] for d in sets]}
 
@@ -323,3 +330,57 @@ def print_pooled(res: dict, console) -> None:
     table = pd.DataFrame({k: {"min": f"{v['min']:.5g}", "median": f"{v['median']:.5g}", "max": f"{v['max']:.5g}",
                               "(max-min)/median": f"{v['spread']:.1%}"} for k, v in res["spread"].items()}).T
     console.print(f"constants pooled: {res['source']}\n{table.to_string()}", highlight=False, markup=False)
+
+
+def read_pool(pool: str, overrides: list[str]) -> dict:
+    if overrides:
+        raise UserError(f"--pool: takes no overrides (got {' '.join(overrides)})")
+    names = [n for n in pool.split(",") if n]
+    sets = []
+    for n in names:
+        try:
+            sets.append(json.loads(Path(n).read_text()))
+        except (OSError, ValueError) as e:
+            raise UserError(f"--pool: cannot read {n} ({type(e).__name__}: {e})") from None
+    return pool_constants(sets, [Path(n).name for n in names])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    p = argparse.ArgumentParser(prog="python -m humanline_cli.lab.constants", description=__doc__.split("\n\n")[0])
+    p.add_argument("overrides", nargs="*", help="Hydra overrides of the online run measured (experiment=..., ...)")
+    p.add_argument("--prompts", type=int, default=64, help="prompts of the largest timed generation call")
+    p.add_argument("--steps", type=int, default=12, help="training steps of each timed mini-run")
+    p.add_argument("--pool", default=None, metavar="A,B,...",
+                   help="instead of measuring: one constants file from several measured sets (comma-separated)")
+    p.add_argument("--out", type=Path, default=None, help="the JSON written (default runs/bench/constants-*.json)")
+    a = p.parse_args(argv)
+    console = Console()
+    os.environ.setdefault("WANDB_SILENT", "true")  # the mini-runs' wandb says nothing on the console
+    try:
+        if a.prompts < 1 or a.steps < 1:  # sizes of what is measured: 0 would measure nothing
+            raise UserError(f"constants: --prompts and --steps must be >= 1, got {a.prompts} and {a.steps}")
+        if a.out:
+            check_out(a.out)
+        if a.pool:
+            res, prefix, printer = read_pool(a.pool, a.overrides), "constants-pooled-", print_pooled
+        else:
+            res, prefix, printer = measure(a.overrides, console, a.steps, a.prompts), "constants-", print_constants
+    except UserError as e:
+        print(f"humanline: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # nothing is written before the measurement ends (--out comes last)
+        ignore_ctrl_c()  # a second Ctrl-C must not cut this line short
+        print("humanline: constants interrupted (Ctrl-C) while measuring; nothing was written", file=sys.stderr)
+        return 130
+    out = a.out or Path(f"runs/bench/{prefix}{res['objective']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    printer(res, console)
+    console.print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

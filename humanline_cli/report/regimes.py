@@ -1,0 +1,75 @@
+"""Named regimes in the report: a run's regime as its conf/regime/ file declares it (`regime_meta`), and the
+gap-closed rows of a sweep over named regimes, each humanline regime compared with the `baseline` and `target` its
+regime_meta declares, matched by the name the runs saved. The offline data (`task.world.offline`) may differ from
+online's, which does not read it.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pandas as pd
+
+from humanline_cli.report.gap_closed import gap_rows
+
+# Keys a regime's runs may differ in from the online runs they are compared with (online ignores them).
+SWEEP_IGNORE = ("task.world.offline",)
+
+
+def regime_of(run_dir: Path) -> str | None:
+    """The `regime=NAME` override a sweep job ran with (.hydra/overrides.yaml), if any."""
+    import yaml
+
+    f = run_dir / ".hydra" / "overrides.yaml"
+    overrides = (yaml.safe_load(f.read_text()) or []) if f.is_file() else []
+    return next((v for k, _, v in (str(o).lstrip("+").partition("=") for o in overrides) if k == "regime"), None)
+
+
+def regime_meta(config: dict | None, path: Path) -> dict:
+    """A run's regime_meta (name, family, baseline, target) as saved, else as its `regime=` file
+    (conf/regime/NAME.yaml) declares it now, for runs saved before regimes declared it; {} for no regime."""
+    from importlib.resources import files
+
+    import yaml
+
+    meta = {k.removeprefix("regime_meta."): v for k, v in (config or {}).items() if k.startswith("regime_meta.")}
+    if meta.get("name"):
+        return meta
+    name = regime_of(Path(path))
+    f = files("conf").joinpath("regime", f"{name}.yaml")
+    return (yaml.safe_load(f.read_text()) or {}).get("regime_meta") or {} if name and f.is_file() else {}
+
+
+def with_regimes(runs: pd.DataFrame) -> pd.DataFrame:
+    """Labelled runs with `regime_meta` and `regime`: the declared regime, else the family (and variant)."""
+    meta = [regime_meta(c, p) for c, p in zip(runs["config"], runs["path"])]
+    regime = [m.get("name") or (f"{f} ({v})" if v else f) for m, f, v in zip(meta, runs["family"], runs["variant"])]
+    return runs.assign(regime_meta=meta, regime=regime)
+
+
+def regime_gap_rows(runs: pd.DataFrame) -> pd.DataFrame:
+    """gap_closed.gap_rows per humanline regime of a sweep over named regimes, against the baseline and target
+    its regime_meta names, in the order multirun.yaml lists their `regime=` values, then the rest sorted; empty
+    when no run has a regime."""
+    import yaml
+
+    named = runs[[bool(m.get("name")) for m in runs["regime_meta"]]] if len(runs) else runs
+    by = {name: rs for name, rs in named.groupby("regime", sort=False)}
+    metas = {m["name"]: m for m in named["regime_meta"]}
+    name_of = {regime_of(Path(p)) or m["name"]: m["name"] for p, m in zip(named["path"], named["regime_meta"])}
+    root = Path(os.path.commonpath([str(p) for p in runs["path"]])) if len(runs) else Path(".")
+    while root != root.parent and not (root / "multirun.yaml").is_file():
+        root = root.parent  # the sweep dir, where multirun.yaml lists the regimes in order
+    sweep = yaml.safe_load((root / "multirun.yaml").read_text()) if (root / "multirun.yaml").is_file() else None
+    params = ((sweep or {}).get("hydra") or {}).get("sweeper", {}).get("params") or {}
+    listed = dict.fromkeys(name_of[x.strip()] for x in str(params.get("regime", "")).split(",") if x.strip() in name_of)
+    rows = []
+    for name in [*listed, *sorted(set(name_of.values()) - set(listed))]:
+        meta = metas[name]
+        offline, online = meta.get("baseline"), meta.get("target")
+        if meta.get("family") != "humanline" or offline not in by or online not in by:
+            continue
+        vs = f"{offline}, {online}"
+        rows.append(gap_rows(pd.concat([by[name], by[offline], by[online]]), ignore=SWEEP_IGNORE).assign(
+            set=name + ("" if vs == "offline, online" else f" (vs {vs})"), regime=name, compared_with=vs))
+    return pd.concat(rows, ignore_index=True) if rows else gap_rows(runs.iloc[:0])
