@@ -357,6 +357,9 @@ def check_train(t: S.TrainConfig, objective: S.ObjectiveConfig, backend: S.Backe
         raise UserError(f"train.micro_batch_size must be auto or a positive integer, got {t.micro_batch_size!r}")
     micro, _ = micro_batch(t, ranks)
     uneven = micro > 0 and (batch % ranks or (batch // ranks) % micro)
+    if batch % ranks and (micro_auto(t) or micro == batch // ranks):  # no micro-batch of the user's to name
+        raise UserError(f"train.batch_size ({batch}) must be a multiple of backend.nproc ({ranks}): each rank "
+                        f"trains batch_size / nproc units per step")
     if uneven and ranks > 1:
         raise UserError(f"train.batch_size ({batch}) must be a multiple of backend.nproc x train.micro_batch_size = "
                         f"{ranks} x {micro} = {ranks * micro} (each rank trains batch_size / nproc units per step, "
@@ -528,12 +531,13 @@ def micro_auto(t: S.TrainConfig) -> bool:
 def micro_batch(t: S.TrainConfig, ranks: int) -> tuple[int, int | None]:
     """(micro-batch size, the size asked for when more ranks than micro-batches capped it, else None).
     auto: each rank's whole share (the builder then fits it to memory). Set above a rank's share (paper_math's
-    micro-batch of 8 on 8 GPUs): the share, since the update does not depend on the split."""
+    micro-batch of 8 on 8 GPUs, or 16 in one process training 8 units a step): the share, since the update does
+    not depend on the split; one rule for one process and many."""
     if micro_auto(t):
         return max(1, t.batch_size // ranks), None
     micro = t.micro_batch_size
     share = t.batch_size // ranks
-    if ranks > 1 and t.batch_size % ranks == 0 and 0 < share < micro:
+    if t.batch_size % ranks == 0 and 0 < share < micro:
         return share, micro
     return micro, None
 
@@ -565,8 +569,8 @@ def derive(g: Groups, config: dict) -> RunSpec:
     ranks = rank_count(g.backend)
     micro, capped = micro_batch(root.train, ranks)
     if capped is not None:
-        notes.append(f"train.micro_batch_size={capped} > the {micro} units each of {ranks} ranks trains per step: "
-                     f"micro-batches of {micro}")
+        each = f"each of {ranks} ranks trains" if ranks > 1 else "the run trains"
+        notes.append(f"train.micro_batch_size={capped} > the {micro} units {each} per step: micro-batches of {micro}")
     train = TrainSpec(**{**vars(root.train), "micro_batch_size": micro, "ranks": ranks,
                          "micro_auto": micro_auto(root.train)})
     if task.world is not None:  # the knobs set (None: the world kind's default, in world/defaults.py)

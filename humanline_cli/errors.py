@@ -1,13 +1,27 @@
-"""Every exception the program raises on purpose, the one-line form of an error, and the ways out of a command
-(`fail`, `ignore_ctrl_c`).
+"""Every exception the program raises on purpose, the one-line form of an error (credentials in it masked by their
+shape, `mask_secrets`), and the ways out of a command (`fail`, `ignore_ctrl_c`).
 
 How each one ends a `humanline train` job (exit code, failed.json, message) is one table, in
 train/job.py `outcome`."""
 from __future__ import annotations
 
+import argparse
+import math
+import re
 import signal
 import sys
 import threading
+
+MASK = "***"
+# a URL's password (scheme://user:PASSWORD@host): the user name stays, to tell which account
+_URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]*:)[^/\s@]+@")
+# tokens whose shape says what they are, wherever they stand (a URL's userinfo, an override, an error message):
+# GitHub (ghp_/gho_/ghu_/ghs_/ghr_, github_pat_), OpenAI and Anthropic (sk-), Hugging Face (hf_), Slack (xox?-),
+# AWS access key ids (AKIA/ASIA + 16). A random token mixes upper and lower case; a file or model name that happens
+# to start the same way (sk-learn-runs-2024-final.jsonl) rarely does, and is left as it is (_token)
+_TOKEN = re.compile(r"(?<![A-Za-z0-9])(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"
+                    r"|sk-[A-Za-z0-9_\-]{20,}|hf_[A-Za-z0-9]{20,}|xox[abprs]-[A-Za-z0-9\-]{10,}"
+                    r"|(?:AKIA|ASIA)[0-9A-Z]{16})(?![A-Za-z0-9])")
 
 
 class UserError(Exception):
@@ -39,6 +53,25 @@ class RunDirConflict(UserError):
     """The run dir holds a run made with another config (or one that cannot be checked)."""
 
 
+class Terminated(BaseException):
+    """SIGTERM raised where the main thread is (as Ctrl-C's KeyboardInterrupt is), by a command that has nothing to
+    checkpoint (`raise_terminated` as its handler): a BaseException, so no `except Exception` swallows it and the
+    command ends with its own line."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def exit_on_sigterm(signum, frame):
+    """SIGTERM where no command has its own handler (starting up, importing, preparing the run dir): one line and
+    exit 143, as SIGTERM's default would end it, at once (nothing half-done is waited for)."""
+    import os
+
+    os.write(2, b"humanline: stopped by SIGTERM outside training (nothing to checkpoint); rerun the same command\n")
+    os._exit(143)
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C, carrying where it landed (`at step N`, `after training`), so the CLI reports it from the
     exception itself. A KeyboardInterrupt and still caught as one."""
@@ -48,12 +81,29 @@ class Interrupted(KeyboardInterrupt):
         self.where = where
 
 
+def mask_secrets(text: str) -> str:
+    """`text` with every credential recognisable by its shape masked: a URL's password and tokens with a known
+    prefix. What a key's NAME marks as secret is masked by the writers of configs (train/tracking.scrub), which
+    call this for every other string."""
+    if not isinstance(text, str) or len(text) < 10:
+        return text
+    return _TOKEN.sub(_token, _URL_PASSWORD.sub(lambda m: m["head"] + MASK + "@", text))
+
+
+def _token(m: re.Match) -> str:
+    t = m[0]
+    mixed = any(c.isupper() for c in t[4:]) and any(c.islower() for c in t[4:])
+    return MASK if t.startswith(("AKIA", "ASIA")) or mixed else t
+
+
 def one_line(e: BaseException, secret: str | None = None, limit: int | None = None) -> str:
     """An error's message on one line (its lines joined), or its type's name when it has none; `secret`
-    (a key a server may echo back, 6 characters or more) masked; at most `limit` characters."""
+    (a key a server may echo back, 6 characters or more) and credentials shaped like one (mask_secrets) masked;
+    at most `limit` characters."""
     text = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
     if secret and len(secret) >= 6:
-        text = text.replace(secret, "***")
+        text = text.replace(secret, MASK)
+    text = mask_secrets(text)
     return text[:limit] if limit is not None else text
 
 
@@ -66,6 +116,31 @@ def fail(msg: str, code: int = 2):
     """The CLI's way out for a mistake the user can fix: one stderr line with the prefix, exit 2."""
     print(f"humanline: error: {msg}", file=sys.stderr)
     sys.exit(code)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the commands it parses (report, eval): a mistake ends as every other user mistake does, in one
+    `humanline: error:` line naming the command, exit 2, not argparse's usage block."""
+
+    def error(self, message: str):
+        fail(f"{self.prog.removeprefix('humanline ')}: {message} (--help shows the usage)")
+
+
+def finite_float(low: float | None = None, high: float | None = None, positive: bool = False):
+    """An argparse `type`: a finite float within [low, high] (positive: > 0); nan and inf are refused."""
+
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(x) or (positive and not x > 0) or (low is not None and x < low) \
+                or (high is not None and x > high):
+            want = "a finite number > 0" if positive else f"a finite number in [{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+        return x
+
+    return parse
 
 
 def ignore_ctrl_c() -> None:

@@ -349,10 +349,14 @@ def _glibc(name: str):
         return None
 
 
-def host_available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> float | None:
-    """Host memory this process can still take: the kernel's MemAvailable, capped by the cgroup's limit less
-    what the cgroup holds (cgroup v2 memory.max / memory.current, or v1 memory.limit_in_bytes / usage_in_bytes),
-    its reclaimable page cache (inactive_file) not counted as held. None where neither can be read."""
+def host_available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup",
+                         own_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """Host memory this process can still take: the kernel's MemAvailable, capped by every memory cgroup limit
+    above the process, from its own cgroup (read from `own_cgroup`) up to the mount's root, the smallest room
+    winning (a SLURM job's --mem, a systemd scope or a container without a cgroup namespace sits below the root).
+    Each level's room is its limit less what it holds (cgroup v2 memory.max / memory.current, or v1
+    memory.limit_in_bytes / usage_in_bytes), its reclaimable page cache (inactive_file) not counted as held.
+    None where neither can be read."""
     from pathlib import Path
 
     found = []
@@ -362,24 +366,62 @@ def host_available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/
                 found.append(float(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError):
         pass
-    root = Path(cgroup)
-    for limit_f, usage_f, stat_f in (("memory.max", "memory.current", "memory.stat"),  # cgroup v2, then v1
-                                     ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
-                                      "memory/memory.stat")):
-        try:
-            limit_s = (root / limit_f).read_text().strip()
-            if limit_s == "max" or int(limit_s) >= 2**60:  # no limit set
-                continue
-            usage = int((root / usage_f).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        try:
-            inactive = next((int(v) for k, v in (ln.split() for ln in (root / stat_f).read_text().splitlines())
-                             if k in ("inactive_file", "total_inactive_file")), 0)
-        except (OSError, ValueError):
-            inactive = 0
-        found.append(float(int(limit_s) - max(0, usage - inactive)))
+    v2, v1 = _own_cgroup_paths(own_cgroup)
+    for base, rel, files in ((Path(cgroup), v2, ("memory.max", "memory.current", "memory.stat")),
+                             (Path(cgroup) / "memory", v1, ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                            "memory.stat"))):
+        for level in _levels(base, rel):
+            room = _cgroup_room(level, *files)
+            if room is not None:
+                found.append(room)
     return min(found) if found else None
+
+
+def _own_cgroup_paths(own_cgroup: str) -> tuple[str, str]:
+    """This process's cgroup v2 path and v1 memory-controller path (each "/" where /proc/self/cgroup does not say:
+    the mount's root alone is read then)."""
+    from pathlib import Path
+
+    v2 = v1 = "/"
+    try:
+        lines = Path(own_cgroup).read_text().splitlines()
+    except OSError:
+        return v2, v1
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            v2 = parts[2]
+        elif "memory" in parts[1].split(","):
+            v1 = parts[2]
+    return v2, v1
+
+
+def _levels(base, rel: str) -> list:
+    """`base/rel` and every folder above it up to `base` itself (those that exist: a container without a cgroup
+    namespace names a path its mount does not hold, and the mount's root is then its own cgroup)."""
+    parts = [p for p in rel.split("/") if p and p not in (".", "..")]
+    dirs = [base.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+    return [d for d in dirs if d.is_dir()]
+
+
+def _cgroup_room(level, limit_f: str, usage_f: str, stat_f: str) -> float | None:
+    """What one cgroup level leaves: its limit less what it holds (None where no limit is set or it cannot be read)."""
+    try:
+        limit_s = (level / limit_f).read_text().strip()
+        if limit_s == "max" or int(limit_s) >= 2**60:  # no limit set
+            return None
+        usage = int((level / usage_f).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        stat = {k: int(v) for k, v in (ln.split() for ln in (level / stat_f).read_text().splitlines())}
+    except (OSError, ValueError):
+        stat = {}
+    # v1's usage counts the level's children too: its total_ counter is the matching one
+    inactive = stat.get("total_inactive_file", stat.get("inactive_file", 0))
+    return float(int(limit_s) - max(0, usage - inactive))
 
 
 def largest_fitting(share: int, smallest: int, fits) -> int | None:

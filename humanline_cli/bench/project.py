@@ -25,6 +25,7 @@ import copy
 import gc
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -36,7 +37,7 @@ from humanline_cli.bench.clock import EndClock, Run, StepClock, built, collect, 
 from humanline_cli.bench.table import print_result
 from humanline_cli.core.objectives import OBJECTIVES, PROPERTIES
 from humanline_cli.core.reference import CachedReference
-from humanline_cli.errors import UserError, ignore_ctrl_c, one_line
+from humanline_cli.errors import Preempted, Terminated, UserError, ignore_ctrl_c, one_line, raise_terminated
 
 DEFAULTS = {"steps": 20, "warmup": 2, "repeats": 2, "batch_size": None, "threads": None, "trl": "auto",
             "cache": True, "sampler": False, "prompts": 64, "out": None}
@@ -64,6 +65,9 @@ def parse_args(args: list[str]) -> tuple[dict, list[str]]:
         raise UserError(f"bench: trl must be auto, true or false, got {opts['trl']!r}")
     if opts["prompts"] is None or opts["prompts"] < 1:  # the sampler timing's size: 0 would measure nothing
         raise UserError(f"bench: prompts must be >= 1, got {opts['prompts']}")
+    for key in ("batch_size", "threads"):  # null: the config's own; 0 is not "the config's" but nothing
+        if opts[key] is not None and (isinstance(opts[key], bool) or opts[key] < 1):
+            raise UserError(f"bench: {key} must be >= 1 or null (the config's own), got {opts[key]}")
     return opts, overrides
 
 
@@ -71,6 +75,8 @@ def _value(key: str, value: str):
     low = value.lower()
     if key == "out" or (key == "trl" and low == "auto"):
         return value if key != "trl" else "auto"
+    if key == "trl" and low not in ("true", "false"):
+        raise UserError(f"bench: trl must be auto, true or false, got {value!r}")
     if key in BOOLEAN and low not in ("true", "false"):
         raise UserError(f"bench: {key} must be true or false, got {value!r}")
     if low in ("true", "false", "null", "none", ""):
@@ -316,6 +322,7 @@ def main_bench(args: list[str]) -> int:
         return 0
     console = Console()
     os.environ.setdefault("WANDB_SILENT", "true")  # as in train: the mini-runs' wandb says nothing on the console
+    old = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         opts, overrides = parse_args(args)
         if opts["out"]:
@@ -328,6 +335,11 @@ def main_bench(args: list[str]) -> int:
         ignore_ctrl_c()  # a second Ctrl-C must not cut this line short
         print("humanline: bench interrupted (Ctrl-C) while measuring; nothing was written", file=sys.stderr)
         return 130
+    except (Terminated, Preempted):  # a mini-run's own SIGTERM handling ends in Preempted
+        print("humanline: bench stopped by SIGTERM while measuring; nothing was written", file=sys.stderr)
+        return 143
+    finally:
+        signal.signal(signal.SIGTERM, old)
     out = Path(opts["out"] or f"runs/bench/{res['objective']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")

@@ -5,13 +5,12 @@ eval_vs_<name>.json into RUN_DIR. With eval.math500.prompts set (in the run or a
 benchmark accuracy of the run's policy: eval_math500.json, and `eval.math500` in the run's summary.json."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from humanline_cli.errors import UserError, ignore_ctrl_c
+from humanline_cli.errors import ArgumentParser, UserError, ignore_ctrl_c
 
 # what a later evaluation may choose: the judge (judge=..., or the task's own: task.judge.*), the held-out
 # prompts (task.prompts.eval, its split and column renames) and the sampling (eval.*); never what was trained
@@ -162,7 +161,7 @@ def _masked(message: str, overrides: list[str]) -> str:
 
 
 def main_eval(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="humanline eval", description=__doc__)
+    p = ArgumentParser(prog="humanline eval", description=__doc__)
     p.add_argument("run_dir", type=Path)
     p.add_argument("--against", default="start", help="another run dir, 'start' (default), or a file of reference "
                    "outputs in AlpacaEval's format ({instruction, output} per eval prompt, .json or .jsonl)")

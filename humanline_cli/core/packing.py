@@ -1,6 +1,6 @@
 """How much of a step's forward work is real tokens: the arithmetic behind train.packing and
 train.length_bucketing, for the bench and the tests (the trainer logs the measured fraction as
-useful_token_fraction)."""
+tokens_per_position)."""
 from __future__ import annotations
 
 

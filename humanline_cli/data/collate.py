@@ -20,6 +20,13 @@ LONG_TEXT_CHARS = 100_000
 # takes minutes), in batches of at most BATCH_CHARS characters so the bar moves between long texts.
 PROGRESS_CHARS = 4_000_000
 BATCH_CHARS = 1_000_000
+# A text is cut before it is tokenised where a prefix surely holds every token that can matter: tokenising costs
+# ~800 bytes of peak memory per token (a 10 MB line: 8 GB), while only the first max_length tokens are kept. A
+# token spans at most as many characters as the tokenizer's longest vocabulary entry (the entry's bytes or pieces,
+# each at least one character), so 2 x that x (tokens + CUT_SLACK_TOKENS) characters hold more than `tokens`
+# tokens (2: a normaliser that folds two characters into one); the slack keeps the cut's last word, which may
+# tokenise differently alone, beyond the tokens kept.
+CUT_SLACK_TOKENS = 64
 
 
 def _ids(out) -> list[int]:
@@ -49,6 +56,24 @@ class Encoder:
         self._long: dict[str, tuple[int, list[int]]] = {}  # long text -> (its token count, its first max_length ids)
         self._char_ok: dict[str, bool] = {}
         self._unk = getattr(tokenizer, "unk_token_id", None)
+        self._longest_token: int | None = None
+
+    def char_bound(self, tokens: int) -> int | None:
+        """Characters that surely hold more than `tokens` tokens (CUT_SLACK_TOKENS), at least LONG_TEXT_CHARS;
+        None where the tokenizer's vocabulary cannot be read (texts are then tokenised whole)."""
+        if self._longest_token is None:
+            try:
+                self._longest_token = max(map(len, self.tok.get_vocab()), default=0)
+            except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary: no cut
+                self._longest_token = 0
+        if self._longest_token <= 0:
+            return None
+        return max(LONG_TEXT_CHARS, 2 * self._longest_token * (tokens + CUT_SLACK_TOKENS))
+
+    def _cut(self, text: str, tokens: int) -> str:
+        """`text`, or the prefix of it that holds more than `tokens` tokens (char_bound)."""
+        bound = self.char_bound(tokens) if len(text) > LONG_TEXT_CHARS else None
+        return text[:bound] if bound is not None and len(text) > bound else text
 
     def _encodes(self, text: str) -> bool:
         try:
@@ -90,7 +115,8 @@ class Encoder:
 
     def _text_ids(self, text: str, field: str, where: str, add_special_tokens: bool = False) -> list[int]:
         try:
-            ids = self.tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+            # verbose=False: a text longer than the model's context is ours to cut or refuse, not a warning
+            ids = self.tok(text, add_special_tokens=add_special_tokens, verbose=False)["input_ids"]
         except Exception as e:  # tokenizers raise plain Exceptions for characters outside the vocabulary
             raise self._unencodable(text, field, where, e) from None
         if self._unk is not None and self._unk in ids:
@@ -104,7 +130,9 @@ class Encoder:
         if key not in self._cache:
             text_value(prompt, "prompt", where)  # online and eval prompt rows are not validated elsewhere
             if isinstance(prompt, str) and not (self.wrap_strings or self.system_prompt):
-                ids = self._text_ids(prompt, "prompt", where, add_special_tokens=True)
+                cut = self._cut(prompt, self.max_prompt_length)
+                ids = self._text_ids(cut, "prompt", where, add_special_tokens=True)
+                self._refuse_long_prompt(ids, len(cut) < len(prompt), where)
             else:
                 if getattr(self.tok, "chat_template", None) is None:
                     raise UserError("task.system_prompt needs a tokenizer with a chat template" if self.system_prompt
@@ -115,8 +143,10 @@ class Encoder:
                     system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
                     messages = system + [{"role": "user", "content": prompt}]
                 for m in messages:  # name the characters, not the chat template's internals
-                    self._text_ids(m["content"], "prompt" if isinstance(prompt, str) else
-                                   f"prompt ({m['role']} message)", where)
+                    content = self._cut(m["content"], self.max_prompt_length)
+                    self._refuse_long_prompt(self._text_ids(content, "prompt" if isinstance(prompt, str) else
+                                                            f"prompt ({m['role']} message)", where),
+                                             len(content) < len(m["content"]), where)
                 try:
                     ids = _ids(self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
                 except Exception as e:
@@ -128,6 +158,12 @@ class Encoder:
                                 f"{self.max_prompt_length}")
             self._cache[key] = ids
         return self._cache[key]
+
+    def _refuse_long_prompt(self, ids: list[int], was_cut: bool, where: str) -> None:
+        if len(ids) > self.max_prompt_length:
+            many = f"at least {len(ids)}" if was_cut else f"{len(ids)}"  # counted in a prefix: the rest uncounted
+            raise UserError(f"{where}: prompt has {many} tokens, more than train.max_prompt_length="
+                            f"{self.max_prompt_length}")
 
     def check_prompts(self, rows: list[dict], where) -> None:
         """Tokenise every row's prompt up front, so a missing, over-long or unencodable one fails
@@ -153,6 +189,7 @@ class Encoder:
                 value = text_value(value, field, where(i))
                 items.append((i, field, value if isinstance(value, str) else value[-1]["content"]))
         cut = lost = longest = 0
+        bounded = False  # a text was cut before tokenising: its tokens lost are a lower bound
         total = sum(len(text) for _, _, text in items)
         bar = None
         if total >= PROGRESS_CHARS:
@@ -161,16 +198,18 @@ class Encoder:
             bar = tqdm(total=total, desc="tokenize data", unit="char", unit_scale=True, file=sys.stderr)
         try:
             for part in _batches(items, chunk, BATCH_CHARS):
+                texts = [self._cut(text, self.max_length) for _, _, text in part]
+                bounded = bounded or any(len(t) < len(text) for t, (_, _, text) in zip(texts, part))
                 try:
-                    encoded = self.tok([text for _, _, text in part], add_special_tokens=False)["input_ids"]
+                    encoded = self.tok(texts, add_special_tokens=False, verbose=False)["input_ids"]
                     suspects = [k for k, ids in enumerate(encoded) if self._unk is not None and self._unk in ids]
                 except Exception:  # one unencodable text fails the whole batch
                     suspects, encoded = list(range(len(part))), None
                 for k in suspects:
-                    i, field, text = part[k]
-                    self._text_ids(text, field, where(i))
+                    i, field, _ = part[k]
+                    self._text_ids(texts[k], field, where(i))
                 if encoded is None:
-                    encoded = [self._text_ids(text, field, where(i)) for i, field, text in part]
+                    encoded = [self._text_ids(t, field, where(i)) for t, (i, field, _) in zip(texts, part)]
                 for (i, _, text), ids in zip(part, encoded):
                     need = len(self.prompt_ids(rows[i]["prompt"], where(i))) + len(ids) + 1  # + EOS
                     longest = max(longest, need)
@@ -183,13 +222,14 @@ class Encoder:
         finally:
             if bar is not None:
                 bar.close()
-        return Truncation(len(items), cut, lost, longest, self.max_length)
+        return Truncation(len(items), cut, lost, longest, self.max_length, bounded)
 
     def text_tokens(self, text: str) -> int:
-        """A completion text's token count (no EOS); long texts from check_completions' pass."""
+        """A completion text's token count (no EOS; a long text's, cut before tokenising, at least that); long texts
+        from check_completions' pass."""
         if text in self._long:
             return self._long[text][0]
-        return len(self.tok(text, add_special_tokens=False)["input_ids"])
+        return len(self.tok(self._cut(text, self.max_length), add_special_tokens=False, verbose=False)["input_ids"])
 
     def completion_ids(self, prompt, completion, where: str = "data", field: str = "completion") -> list[int]:
         budget = self.max_length - len(self.prompt_ids(prompt, where))
@@ -197,7 +237,8 @@ class Encoder:
             return list(completion.ids)[:budget]
         text = completion if isinstance(completion, str) else completion[-1]["content"]
         # a long text's first max_length ids (budget <= max_length): the same cut, without tokenising it again
-        ids = self._long[text][1] if text in self._long else self._text_ids(text, field, where)
+        ids = self._long[text][1] if text in self._long else self._text_ids(self._cut(text, self.max_length), field,
+                                                                            where)
         return (ids + [self.tok.eos_token_id])[:budget]
 
     def prompt_text(self, prompt) -> str:
@@ -216,6 +257,7 @@ class Truncation:
     tokens_lost: int
     longest: int       # prompt + completion + EOS tokens of the longest example
     max_length: int
+    bounded: bool = False  # a text was cut before tokenising (Encoder.char_bound): tokens_lost, longest at least
 
     @property
     def fraction(self) -> float:
@@ -224,8 +266,9 @@ class Truncation:
     def describe(self) -> str:
         if not self.cut:
             return f"no completion cut (longest example {self.longest} <= train.max_length {self.max_length} tokens)"
-        return (f"{self.cut} of {self.n} completions cut ({self.fraction:.1%}, {self.tokens_lost} tokens and their EOS "
-                f"lost; longest example {self.longest} > train.max_length {self.max_length})")
+        least = "at least " if self.bounded else ""
+        return (f"{self.cut} of {self.n} completions cut ({self.fraction:.1%}, {least}{self.tokens_lost} tokens and "
+                f"their EOS lost; longest example {least}{self.longest} > train.max_length {self.max_length})")
 
 
 def _batches(items: list, count: int, chars: int):

@@ -24,10 +24,39 @@ SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 _CSV_NUMBERS = ("score_chosen", "score_rejected")
 _CSV_BOOLS = {"true": True, "1": True, "false": False, "0": False}
 _CSV_LISTS = ("completions", "rewards")  # the groups format needs lists, which a CSV cell cannot hold
+_CSV_TEXTS = ("prompt", "chosen", "rejected", "completion")  # text fields a chat dataset would hold as lists
 
 
 def _malformed(path, line: int, e: json.JSONDecodeError) -> UserError:
     return UserError(f"{path}:{line}: malformed JSON ({e.msg} at column {e.colno})")
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique(pairs: list) -> dict:
+    """json's object_pairs_hook: an object that names a key twice is refused (json keeps the last value silently;
+    pyarrow, under `datasets`, refuses the row)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _duplicate(path, line: int, e: _DuplicateKey) -> UserError:
+    return UserError(f"{path}:{line}: duplicate key {e.key!r} in a JSON object (which value is meant?)")
+
+
+def _loads(text: str, path, line: int):
+    try:
+        return json.loads(text, object_pairs_hook=_unique)
+    except _DuplicateKey as e:
+        raise _duplicate(path, line, e) from None
 
 
 def _object(obj, path, line: int) -> dict:
@@ -52,7 +81,7 @@ def _read_jsonl(path: Path, limit: int | None) -> tuple[list[dict], list[int]]:
             if not text.strip():
                 continue
             try:
-                obj = json.loads(text)
+                obj = _loads(text, path, n)
             except json.JSONDecodeError as e:
                 raise _malformed(path, n, e) from None
             rows.append(_object(obj, path, n))
@@ -86,9 +115,11 @@ def _read_json(path: Path) -> tuple[list[dict], Callable[[int], str]]:
             rows, lines = _read_jsonl(path, None)
             return rows, lambda i: f"{path}:{lines[i]}"
     try:
-        doc = json.loads(text)
+        doc = json.loads(text, object_pairs_hook=_unique)
     except json.JSONDecodeError as e:
         raise _malformed(path, e.lineno, e) from None
+    except _DuplicateKey as e:
+        raise _duplicate(path, _duplicate_line(text, e.key), e) from None
     if isinstance(doc, list):
         lines = _array_lines(text)
         return [_object(obj, path, n) for obj, n in zip(doc, lines)], lambda i: f"{path}:{lines[i]}"
@@ -99,6 +130,26 @@ def _read_json(path: Path) -> tuple[list[dict], Callable[[int], str]]:
         return rows, lambda i: f"{path} row {i + 1}"
     raise UserError(f"{path}: a .json file must hold JSON Lines, an array of objects, "
                     f"or an object of equal-length columns")
+
+
+def _duplicate_line(text: str, key: str) -> int:
+    """The line of a .json document's object that names `key` twice: the array element that holds it, else (an
+    object of columns) the line of the key's second occurrence."""
+    if text.lstrip().startswith("["):
+        plain = json.JSONDecoder()
+        hooked = json.JSONDecoder(object_pairs_hook=_unique)
+        i = text.index("[") + 1
+        while True:
+            while text[i] in " \t\r\n,":
+                i += 1
+            try:
+                hooked.raw_decode(text, i)
+            except _DuplicateKey:
+                return text.count("\n", 0, i) + 1
+            _, i = plain.raw_decode(text, i)
+    quoted = json.dumps(key)
+    first = text.find(quoted)
+    return text.count("\n", 0, text.find(quoted, first + 1)) + 1
 
 
 def _array_lines(text: str) -> list[int]:
@@ -142,6 +193,17 @@ def _read_csv(path: Path) -> tuple[list[dict], list[int]]:
     return rows, lines
 
 
+def _chat_list(cell) -> bool:
+    """A CSV cell that reads as a JSON list of {role, content} messages (what a chat dataset's export writes)."""
+    if not isinstance(cell, str) or not cell.lstrip().startswith("[") or '"role"' not in cell:
+        return False
+    try:
+        value = json.loads(cell)
+    except ValueError:
+        return False
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
 def _csv_types(rows: list[dict], where: Callable[[int], str], path) -> None:
     """Convert the formats' numeric and boolean fields from text (in place); all else stays a string."""
     for name in _CSV_LISTS:
@@ -149,6 +211,10 @@ def _csv_types(rows: list[dict], where: Callable[[int], str], path) -> None:
             raise UserError(f"{path}: column {name!r}: CSV cells hold text, not lists, so the groups format "
                             f"(prompt/completions/rewards) needs JSONL, JSON or Parquet")
     for i, row in enumerate(rows):
+        for name in _CSV_TEXTS:
+            if _chat_list(row.get(name)):
+                raise UserError(f"{where(i)}: field {name!r} holds a list of chat messages, but CSV cells are text "
+                                f"(the cell would be trained as its JSON); chat data needs JSONL, JSON or Parquet")
         for name in _CSV_NUMBERS:
             if name in row:
                 cell = row[name].strip()

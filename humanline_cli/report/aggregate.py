@@ -7,7 +7,6 @@ nothing. Keys that differ between groups become columns, or a label above a cell
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from humanline_cli.core.objectives import PROPERTIES
-from humanline_cli.errors import UserError
+from humanline_cli.errors import ArgumentParser, UserError, finite_float
 from humanline_cli.report import async_lag, cost, gap_closed, matched, study_csv
 from humanline_cli.report.frame import MARKERS, find_run_dirs, frame, load_run, md_table, write_csv
 from humanline_cli.report.groups import DEFAULT_IGNORE, collapse_duplicates, label, parse_ignore, under
@@ -183,9 +182,28 @@ def render_markdown(root: Path, cells, runs: pd.DataFrame, plots: dict, skipped:
     return "\n".join(lines)
 
 
+def by_commit(records: list[dict], pool: bool) -> str:
+    """Runs made by different code are not seeds of one experiment: where the complete runs' summary.json name
+    more than one git_commit, each run's config gets a `git_commit` key (so the cells, the comparisons and the
+    seeds keep them apart) unless `pool`; returns the report's note ("" with one commit)."""
+    complete = [r for r in records if r["status"] == "complete"]
+    commits = sorted({str(r["summary"].get("git_commit") or "unknown") for r in complete})
+    if len(commits) < 2:
+        return ""
+    shown = ", ".join(c[:12] for c in commits)
+    if pool:
+        return f"Runs of {len(commits)} commits ({shown}) pooled as seeds (--pool-commits)."
+    for r in complete:
+        if r["config"] is not None:
+            r["config"] = {**r["config"], "git_commit": str(r["summary"].get("git_commit") or "unknown")}
+    return (f"Runs of {len(commits)} commits ({shown}) are kept apart by a git_commit label, never pooled as seeds "
+            f"(--pool-commits pools them).")
+
+
 def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None = None, ignore=(),
-                 accuracy: float | None = None, margin: float | None = None, shown_root: Path | None = None) -> Report:
-    """`shown_root`: what the report names as its source (default `root`)."""
+                 accuracy: float | None = None, margin: float | None = None, shown_root: Path | None = None,
+                 pool_commits: bool = False) -> Report:
+    """`shown_root`: what the report names as its source (default `root`); `pool_commits`: see by_commit."""
     root, ignore = Path(root), parse_ignore(ignore)
     if not root.is_dir():
         raise ReportError(f"no such directory: {root}")
@@ -194,7 +212,9 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
         raise ReportError(f"no run dirs under {root} (looked for .hydra/config.yaml, {', '.join(MARKERS)})")
     out_dir = Path(out_dir) if out_dir is not None else root
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = frame([load_run(d) for d in run_dirs])
+    records = [load_run(d) for d in run_dirs]
+    commits_note = by_commit(records, pool_commits)
+    runs = frame(records)
     # a copied run dir is the same run, never a second seed (n=2 with a zero-width interval)
     complete, duplicates = collapse_duplicates(runs[runs.status == "complete"])
     complete, groups = label(complete, ignore)
@@ -202,6 +222,8 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
     cells = aggregate(complete, groups)
     plots, skipped = make_plots(complete, out_dir)
     md = render_markdown(root, cells, runs, plots, skipped, out_dir, ignore, duplicates, shown_root)
+    if commits_note:
+        md += f"\n## Code versions\n\n{commits_note}\n"
     files = {"report.md": out_dir / "report.md", "report.csv": out_dir / "report.csv", **plots}
 
     def table(name: str, rows: pd.DataFrame, digits=None) -> None:
@@ -275,7 +297,8 @@ def print_report(rep: Report, console=None) -> None:
         console.print(f"skipped {name}: {why}")
     for k in rep.unused_ignores:
         console.print(f"warning: --ignore {k} matched no key of any complete run's config", highlight=False)
-    for section in ("Gap closed by humanline-offline", "Paired differences", "Speedup at matched quality"):
+    for section in ("Gap closed by humanline-offline", "Paired differences", "Speedup at matched quality",
+                    "Code versions"):
         text = rep.markdown.partition(f"## {section}\n")[2].split("\n## ", 1)[0].strip()  # the section's body
         if text:
             console.print(f"{section}\n{text}", highlight=False, markup=False, soft_wrap=True)
@@ -283,7 +306,7 @@ def print_report(rep: Report, console=None) -> None:
 
 
 def main_report(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="humanline report", description="Aggregate run dirs into report.md/.csv and plots.")
+    p = ArgumentParser(prog="humanline report", description="Aggregate run dirs into report.md/.csv and plots.")
     p.add_argument("dir", type=Path, nargs="?", default=None,
                    help="a sweep dir or runs dir (searched recursively for run dirs); not with --from-csv")
     p.add_argument("--out", type=Path, default=None, help="where to write report.md/.csv/PNGs (default: DIR)")
@@ -291,12 +314,15 @@ def main_report(argv: list[str]) -> int:
                    help="config key (dotted; a prefix such as `train` ignores the subtree) whose differences may be "
                         "pooled as seeds; repeatable or comma-separated")
     p.add_argument("--wandb", action="store_true", help="also log the table and plots to a wandb run (job_type=report)")
-    p.add_argument("--accuracy", type=float, default=None,
+    p.add_argument("--accuracy", type=finite_float(0.0, 1.0), default=None,
                    help="the matched-quality target score, named in advance (default: the start plus 0.9 of online's mean "
                         "gain over it)")
-    p.add_argument("--margin", type=float, default=None, metavar="M",
+    p.add_argument("--margin", type=finite_float(positive=True), default=None, metavar="M",
                    help="equivalence margin in absolute score units: each paired difference also gets its 90%% "
                         "t-interval and whether it lies inside [-M, +M] (two one-sided tests at alpha 0.05)")
+    p.add_argument("--pool-commits", action="store_true",
+                   help="pool runs made by different code (summary.json git_commit) as seeds of one cell; by "
+                        "default they are kept apart, by a git_commit label")
     p.add_argument("--export-csv", type=Path, default=None, metavar="FILE",
                    help="also write one row per run dir (scores per evaluation, wall-clock per phase, config hash, "
                         "commit, and what --from-csv needs) to FILE: a study's record kept beside results.md")
@@ -308,10 +334,10 @@ def main_report(argv: list[str]) -> int:
             raise ValueError("give a run dir or --from-csv FILE (one of them)")
         if args.from_csv is not None and args.out is None:
             raise ValueError("--from-csv needs --out DIR (where the rebuilt report goes)")
-        if args.margin is not None and not args.margin > 0:
-            raise ValueError(f"--margin must be positive, got {args.margin}")
+        if args.out is not None and args.out.exists() and not args.out.is_dir():
+            raise ReportError(f"--out {args.out} is a file; name a directory for report.md, report.csv and the plots")
         options = dict(wandb_mode=os.environ.get("WANDB_MODE", "offline") if args.wandb else None,
-                       ignore=args.ignore, accuracy=args.accuracy, margin=args.margin)
+                       ignore=args.ignore, accuracy=args.accuracy, margin=args.margin, pool_commits=args.pool_commits)
         if args.from_csv is not None:
             rep = report_from_csv(args.from_csv, args.out, **options)
         else:

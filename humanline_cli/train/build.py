@@ -502,7 +502,7 @@ def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int, 
                  base_bytes=2.0 if bf16 and not fsdp and spec.model_cfg.lora.r > 0 else None,
                  loading="sharded" if fsdp and spec.model_cfg.lora.r == 0 and not spec.model_cfg.trust_remote_code
                  and loadable else "full", reward_bytes=_reward_bytes(spec, rank),
-                 eval_batch=ev.batch_size if hf_eval else 0, eval_prompt_tokens=spec.train.max_prompt_length,
+                 eval_batch=eval_batch(ev) if hf_eval else 0, eval_prompt_tokens=spec.train.max_prompt_length,
                  eval_new_tokens=eval_new_tokens(ev, evaluating), eval_gathers=hf_gathers, push_gathers=fsdp and vllm,
                  sampler=_vllm_cpu_bytes(spec, n, config) if vllm and device.type != "cuda" else 0.0)
     # a GRPO group is data.n samples online; offline groups come from pairs (2)
@@ -560,6 +560,14 @@ def _vllm_cpu_bytes(spec: RunSpec, params: int, config=None) -> float:
     kv = kv_space.engine_bytes(config, cap_gb=s.cpu_kvcache_gb, block_size=s.block_size, max_model_len=s.max_model_len,
                                sequences=engine_call_sequences(spec))
     return float(kv) + 4.0 * params + VLLM_CPU_RUNTIME
+
+
+def eval_batch(ev) -> int:
+    """The largest generate call of the evaluation: eval.batch_size prompts, never more than it has
+    (eval.n_prompts; a math500 benchmark's count is known only once its file is read)."""
+    if ev.n_prompts is None or ev.math500.prompts:
+        return ev.batch_size
+    return max(1, min(ev.batch_size, ev.n_prompts))
 
 
 def fit_memory(spec: RunSpec, model_path: str, device: torch.device, shard: Shard = Shard(),

@@ -9,7 +9,8 @@ rename, so a kill mid-write never leaves half a checkpoint; older ones are prune
   DDP/FSDP as `rng.rank<r>.*`: each rank resumes from its own) and the
   reference log-prob cache of a fixed reference (`reference_cache.values/lengths`, keys in state.json;
   rank 0's under DDP, the other ranks recompute theirs).
-- `state.json`: the step, optimizer param groups, scheduler, python/numpy RNG states (`rng`; ranks 1..
+- `state.json`: the run that wrote it (`run`: its comparable config and micro-batch, rundir.run_record),
+  the step, optimizer param groups, scheduler, python/numpy RNG states (`rng`; ranks 1..
   `rng_ranks`), the data
   source's `state_dict()` (units as tagged JSON), the phase timers, the last logged train metrics
   and the evaluator's baselines (the starting policy's eval texts and scores, sampled and greedy).
@@ -179,9 +180,13 @@ def _copy_into(dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor], what:
 class Checkpoints:
     """`<run_dir>/checkpoints/step_<N>/`: every `every` optimizer steps, the newest `keep` kept."""
 
-    def __init__(self, run_dir: Path, every: int, keep: int = 2, dist: Dist = Dist(), console=None):
+    def __init__(self, run_dir: Path, every: int, keep: int = 2, dist: Dist = Dist(), console=None,
+                 record: dict | None = None):
+        """record: what the run that writes the checkpoints is (rundir.run_record: its config, its micro-batch),
+        written into each state.json as "run" for a resume to check."""
         self.root = Path(run_dir) / "checkpoints"
         self.every, self.keep, self.dist, self.console = every, max(1, keep), dist, console
+        self.record = record
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -273,7 +278,7 @@ class Checkpoints:
                  "optimizer": {"param_groups": osd["param_groups"], "state_extra": extra},
                  "scheduler": sched.state_dict(), **rng, "source": source, "timer": timer.state_dict(),
                  "last_metrics": last, "baselines": baselines, "reference_cache_keys": cache_keys,
-                 "sharded": sharded}
+                 "sharded": sharded, "run": self.record}
         final = self.root / f"step_{step}"
         tmp = self.root / f".tmp-step_{step}"
         try:

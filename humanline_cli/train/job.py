@@ -49,7 +49,7 @@ from humanline_cli.train.build import build_parts
 from humanline_cli.train.checkpoint import Checkpoints
 from humanline_cli.train.finish import finish, header, print_summary
 from humanline_cli.train.lock import RunDirLock
-from humanline_cli.train.rundir import is_complete, prepare_run_dir
+from humanline_cli.train.rundir import is_complete, prepare_run_dir, recorded_micro_batch, run_record
 from humanline_cli.train.signals import StepMarker, StopSignal, interrupted_where
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.train.tracking import NullTracker, Tracker, masked_config
@@ -368,6 +368,19 @@ def _sigterm_default(signum, frame) -> None:
 
 
 # ------------------------------------------------------------------ one rank: set up, train, finish
+def resumed_split(spec: RunSpec, run_dir: Path) -> RunSpec:
+    """Under train.micro_batch_size=auto, a run resuming from a checkpoint trains the micro-batch the checkpoint
+    records (the one auto chose when the run started), not the one this host's free memory would pick: the split
+    changes a step's sums in the last bits, so a resume is exact only with the same one. The memory fit then
+    checks that size as if it were set by hand."""
+    micro = recorded_micro_batch(Checkpoints(run_dir, 0).latest()) if spec.resume and spec.train.micro_auto else None
+    if micro is None:
+        return spec
+    note = f"train.micro_batch_size=auto: {micro}, the micro-batch the resumed checkpoint was trained with"
+    return dataclasses.replace(spec, train=dataclasses.replace(spec.train, micro_batch_size=micro, micro_auto=False),
+                               notes=(*spec.notes, note))
+
+
 def run_rank(spec: RunSpec, ctx: Context, console: Console | None = None) -> dict:
     """One rank's job (the only rank in one process). Under torch.distributed every rank calls it with the
     same spec and run dir; only rank 0 writes outputs (metrics, samples, summary, wandb, model, failed.json)."""
@@ -392,12 +405,13 @@ def run_rank(spec: RunSpec, ctx: Context, console: Console | None = None) -> dic
         with StopSignal(peer_failed) as stop:
             try:
                 with timer.phase("setup"):
-                    parts = build_parts(spec, timer, ctx.run_dir)
+                    parts = build_parts(resumed_split(spec, ctx.run_dir), timer, ctx.run_dir)
                     spec = parts.spec  # its micro-batch fitted to this device's memory
                     if not ctx.main:
                         console = Console(file=io.StringIO())  # one progress display, rank 0's
                     tr = spec.train
-                    checkpoints = Checkpoints(ctx.run_dir, tr.checkpoint_every, tr.keep_checkpoints, parts.dist, console)
+                    checkpoints = Checkpoints(ctx.run_dir, tr.checkpoint_every, tr.keep_checkpoints, parts.dist, console,
+                                              record=run_record(spec.config, tr.micro_batch_size))
                     resume_from = checkpoints.latest() if spec.resume else None
                     tracker = Tracker(ctx.run_dir, spec.config, spec.wandb, ctx.run_dir.name,
                                       resume=resume_from is not None) if ctx.main else NullTracker()

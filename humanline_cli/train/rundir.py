@@ -3,7 +3,9 @@ the CLI before any rank starts): the saved `resolved_config.json` is compared wi
 that never change results (IGNORED). Same config and complete: nothing to do. Same config, incomplete: resume
 from the newest intact checkpoint (damaged ones, whose checksums fail, are moved to damaged-step_<N>/ and
 named in one line; step-indexed outputs rewound to the one used) or start over. Another config: refused
-(RunDirConflict) unless `resume=false`, which moves the old outputs to `previous-<n>/`.
+(RunDirConflict) unless `resume=false`, which moves the old outputs to `previous-<n>/`. The checkpoint a resume
+continues is also checked against the config it records itself (`run_record`), so a deleted or corrupt
+resolved_config.json never lets a run continue under another config; with neither readable, it is refused.
 """
 from __future__ import annotations
 
@@ -92,23 +94,62 @@ def _read_json(path: Path):
         return None
 
 
-def _conflict(run_dir: Path, config: dict, say=None) -> None:
+def _conflict(run_dir: Path, config: dict, say=None) -> bool:
     """Raise RunDirConflict if the run dir's saved config differs from `config`; `say` names the keys the saved
-    config lacks and takes at their defaults."""
+    config lacks and the values they take. False when there is no readable saved config to check (the checkpoint a
+    resume continues is then checked against its own record alone: _check_checkpoint)."""
     prev = _read_json(run_dir / RESOLVED)
-    if prev is None:
+    if not isinstance(prev, dict):
         if _read_json(run_dir / "summary.json") is None:
-            return
-        raise RunDirConflict(f"{run_dir} holds a complete run without {RESOLVED} (made by an older humanline), so "
-                             f"its config cannot be checked; resume=false starts over (moves it to previous-<n>/)")
+            return False
+        raise RunDirConflict(f"{run_dir} holds a complete run without a readable {RESOLVED}, so its config cannot "
+                             f"be checked; resume=false starts over (moves it to previous-<n>/)")
+    _refuse_diff(run_dir, prev, config)
+    added = new_keys(prev, config)
+    if added and say is not None:
+        full = _flat(comparable(with_defaults(config)))
+        said = ", ".join(f"{k}={_show(full.get(k, _UNSET))}" for k in added)
+        say(f"{run_dir} holds a run made before {', '.join(added)} existed: resuming it with today's default(s) "
+            f"({said}), which may differ from what the older code did")
+    return True
+
+
+def _refuse_diff(run_dir: Path, prev: dict, config: dict, what: str = "a run") -> None:
     diff = config_diff(prev, config)
     if diff:
         more = f" and {len(diff) - 3} more" if len(diff) > 3 else ""
-        raise RunDirConflict(f"{run_dir} holds a run with another config ({'; '.join(diff[:3])}{more}); "
+        raise RunDirConflict(f"{run_dir} holds {what} with another config ({'; '.join(diff[:3])}{more}); "
                              f"resume=false starts over (moves its outputs to previous-<n>/)")
-    added = new_keys(prev, config)
-    if added and say is not None:
-        say(f"{run_dir} holds a run made before {', '.join(added)} existed: resuming it with their defaults")
+
+
+def run_record(config: dict, micro_batch_size: int) -> dict:
+    """What a checkpoint records of the run that wrote it (checkpoint.Checkpoints `record`): the comparable config
+    (secrets masked) and the micro-batch it trained with, so that a resume checks the config it continues and
+    splits every step the same way, whatever happened to resolved_config.json or the host's free memory."""
+    auto = (config.get("train") or {}).get("micro_batch_size") in ("auto", None)
+    return {"config": comparable(config), "micro_batch_size": int(micro_batch_size), "micro_auto": auto}
+
+
+def recorded_config(path: Path | None) -> dict | None:
+    """The comparable config the checkpoint at `path` recorded (None: none recorded, or no checkpoint)."""
+    run = _checkpoint_run(path)
+    return run.get("config") if isinstance(run.get("config"), dict) else None
+
+
+def recorded_micro_batch(path: Path | None) -> int | None:
+    """The micro-batch train.micro_batch_size=auto chose for the run whose checkpoint is at `path` (None: set by
+    hand, not recorded, or no checkpoint)."""
+    run = _checkpoint_run(path)
+    micro = run.get("micro_batch_size")
+    return micro if run.get("micro_auto") and isinstance(micro, int) and micro > 0 else None
+
+
+def _checkpoint_run(path: Path | None) -> dict:
+    if path is None:
+        return {}
+    state = _read_json(Path(path) / "state.json")
+    run = state.get("run") if isinstance(state, dict) else None
+    return run if isinstance(run, dict) else {}
 
 
 def is_complete(run_dir: Path, config: dict, resume: bool) -> bool:
@@ -167,13 +208,14 @@ def prepare_run_dir(run_dir: Path, config: dict, resume: bool, say=_warn) -> int
         say(f"{run_dir} held a failed run of another config with no checkpoint: starting over "
             f"(its outputs moved to {dest.name}/)")  # failed.json was there: dest is never None
     elif resume:
-        _conflict(run_dir, config, say)
+        checked = _conflict(run_dir, config, say)
         ckpts = Checkpoints(run_dir, 0)
         for tmp in ckpts.root.glob(".tmp-step_*") if ckpts.root.is_dir() else ():
             shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint the killed run did not finish
         latest = newest_intact(ckpts, say)
         rounds = None
         if latest is not None:
+            _check_checkpoint(run_dir, latest, config, checked, say)
             state = json.loads((latest / "state.json").read_text())
             step = int(state["step"])
             rounds = state["source"].get("round")
@@ -182,6 +224,23 @@ def prepare_run_dir(run_dir: Path, config: dict, resume: bool, say=_warn) -> int
         move_aside(run_dir)
     write_json_atomic(run_dir / RESOLVED, scrub(config))
     return step
+
+
+def _check_checkpoint(run_dir: Path, latest: Path, config: dict, checked: bool, say) -> None:
+    """The checkpoint to resume from was written under this config (its own record, whatever happened to
+    resolved_config.json). One written by an older humanline records none: resolved_config.json must have been
+    checked (`checked`), else the resume is refused naming the file."""
+    saved = recorded_config(latest)
+    path = run_dir / RESOLVED
+    if saved is None and not checked:
+        raise RunDirConflict(f"{path} {'cannot be read' if path.exists() else 'is missing'} and {latest} records no "
+                             f"config, so the run's config cannot be checked before resuming; resume=false starts "
+                             f"over (moves its outputs to previous-<n>/)")
+    if saved is not None:
+        _refuse_diff(run_dir, saved, config, f"a checkpoint ({latest.relative_to(run_dir)}) written")
+    if not checked:
+        say(f"{path} {'cannot be read' if path.exists() else 'is missing'}: the config is checked against "
+            f"{latest.relative_to(run_dir)}'s own record instead")
 
 
 def _failed_another_config_no_checkpoint(run_dir: Path, config: dict) -> bool:

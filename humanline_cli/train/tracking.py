@@ -1,10 +1,12 @@
 """Run outputs: metrics.jsonl (one JSON object per logged step), summary.json, and a wandb run.
 
 wandb is optional at run time: any wandb failure is reported once and training continues.
-Secrets (values of keys NAMED like a credential: api_key, hf_token, password, client_secret, ...) are
-masked wherever a config is written: the wandb config and command line, and Hydra's .hydra/*.yaml
-and multirun.yaml (`mask_saved_configs`). Matching is by key name, word by word, so eval.max_new_tokens,
-model.tokenizer or a judge's api_key_env (the NAME of a variable) stay visible.
+Secrets are masked wherever a run writes a config or a summary: resolved_config.json, summary.json, the wandb
+config and command line, and Hydra's .hydra/*.yaml and multirun.yaml (`mask_saved_configs`). Two rules, one
+function each: the values of keys NAMED like a credential (api_key, hf_token, password, client_secret, GITHUB_PAT,
+...; by key name, word by word, so eval.max_new_tokens, model.tokenizer or a judge's api_key_env, the NAME of a
+variable, stay visible), and any string SHAPED like one wherever it stands (a URL's password, a token with a known
+prefix: errors.mask_secrets, which the one-line error form uses too).
 """
 from __future__ import annotations
 
@@ -16,12 +18,11 @@ import warnings
 from pathlib import Path
 
 from humanline_cli.atomic import write_json_atomic, write_text_atomic
-from humanline_cli.errors import cannot_write
+from humanline_cli.errors import MASK, cannot_write, mask_secrets
 
-MASK = "***"
 # the last word of a key's name that marks its value as a credential ...
 SECRET_WORDS = frozenset({"token", "secret", "password", "passwd", "passphrase", "apikey", "key", "credential",
-                          "credentials", "authorization"})
+                          "credentials", "authorization", "pat"})
 # ... unless the word before says it is something else (tokenizer special tokens, lookup keys)
 NOT_SECRET = {"token": frozenset({"eos", "bos", "pad", "unk", "sep", "cls", "mask", "special", "start", "end", "stop"}),
               "key": frozenset({"sort", "group", "join", "metric", "dict", "primary", "foreign", "column", "row",
@@ -43,24 +44,36 @@ def is_secret_key(name) -> bool:
 
 
 def scrub(obj):
-    """A copy of a config (dicts, lists) with the values of secret-named keys replaced by ***."""
+    """A copy of a config (dicts, lists) with the values of secret-named keys replaced by ***, and every other
+    string's secret-shaped parts (mask_secrets)."""
     if isinstance(obj, dict):
         return {k: (MASK if v is not None and is_secret_key(k) else scrub(v)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [scrub(v) for v in obj]
-    return obj
+    return mask_secrets(obj) if isinstance(obj, str) else obj
+
+
+def mask_values(obj):
+    """A copy of `obj` (dicts, lists) with every string's secret-shaped parts masked, keys kept as they are (a
+    summary's metric names are not config keys)."""
+    if isinstance(obj, dict):
+        return {k: mask_values(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [mask_values(v) for v in obj]
+    return mask_secrets(obj) if isinstance(obj, str) else obj
 
 
 def scrub_override(text: str) -> str:
     """Mask the value of one command-line override (or a comma-joined list of them, like Hydra's
-    override_dirname) whose key is secret-named: `+wandb.api_key=abc` -> `+wandb.api_key=***`."""
+    override_dirname) whose key is secret-named: `+wandb.api_key=abc` -> `+wandb.api_key=***`; and the
+    secret-shaped parts of any other (`judge.base_url=https://u:***@host`)."""
     if not isinstance(text, str) or "=" not in text:
-        return text
+        return mask_secrets(text)
     parts = []
     for part in _NEXT_OVERRIDE.split(text):
         m = _OVERRIDE.match(part)
         parts.append(f"{m['key']}={MASK}" if m and m["value"] and is_secret_key(m["key"].lstrip("+~")) else part)
-    return ",".join(parts)
+    return mask_secrets(",".join(parts))
 
 
 def scrub_argv(argv: list[str]) -> list[str]:
@@ -162,6 +175,7 @@ class Tracker:
             raise cannot_write(path, e) from e
 
     def summary(self, summary: dict) -> None:
+        summary = mask_values(summary)
         write_json_atomic(self.run_dir / "summary.json", summary)
         if self.wandb is not None:
             try:

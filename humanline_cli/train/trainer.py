@@ -210,7 +210,8 @@ def step_metrics(rows: list[dict], ranks: Ranks, lr: float, grad_norm: float, dt
     metrics = {k: v for k, v in m.items() if not k.startswith("_")}
     metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=m["_n_tokens"] / max(dt, 1e-9), units=int(m["_units"]),
                    **info)
-    metrics["useful_token_fraction"] = m["_n_tokens"] / max(m["_n_processed"], 1.0)  # real / forward tokens
+    # real tokens over the decoder positions run: < 1 with padding, 1 packed, > 1 where a shared prompt runs once
+    metrics["tokens_per_position"] = m["_n_tokens"] / max(m["_n_processed"], 1.0)
     metrics["tokens_processed"] = int(m["_n_processed"])  # the step's forward tokens: its counted work
     metrics.update(reference.step_stats())  # the log-prob cache: how much of the reference forward was skipped
     metrics["wall_s"] = timer.elapsed()

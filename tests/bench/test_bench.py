@@ -32,6 +32,10 @@ def test_bench_keys_and_hydra_overrides_are_split():
     ("prompts=0", "bench: prompts must be >= 1, got 0"),
     ("cache=maybe", "bench: cache must be true or false, got 'maybe'"),
     ("sampler=1", "bench: sampler must be true or false, got '1'"),
+    ("batch_size=0", "bench: batch_size must be >= 1 or null (the config's own), got 0"),
+    ("threads=0", "bench: threads must be >= 1 or null (the config's own), got 0"),
+    ("trl=maybe", "bench: trl must be auto, true or false, got 'maybe'"),
+    ("trl=2", "bench: trl must be auto, true or false, got '2'"),
 ])
 def test_bench_keys_refuse_a_zero_size_and_a_non_boolean(arg, msg):
     with pytest.raises(UserError) as e:
@@ -221,6 +225,30 @@ def test_a_bf16_bench_runs_trl_with_bf16_true_beside_it(tiny_world, tmp_path):
     assert fp32_peak > 0 and f"fp32 {fp32_peak / 1e9:.1f} GFLOP/s" in r.stdout
     for row in res["rows"].values():
         assert row["mfu_fp32"] == pytest.approx(row["flops_per_s"] / fp32_peak, rel=1e-12)
+
+
+def test_sigterm_while_measuring_ends_with_one_line(monkeypatch, capsys, tmp_path):
+    import os
+    import signal
+    import time
+
+    from humanline_cli.bench import project
+
+    def measure(*a):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+        raise AssertionError("SIGTERM did not stop the bench")
+
+    monkeypatch.setattr(project, "run_bench", measure)
+    unhandled = []  # where bench sets no handler of its own, this one takes the signal (not the test process)
+    before = signal.signal(signal.SIGTERM, lambda *a: unhandled.append(a))
+    try:
+        assert project.main_bench([f"out={tmp_path / 'b.json'}"]) == 143
+    finally:
+        guard = signal.signal(signal.SIGTERM, before)
+    assert capsys.readouterr().err == "humanline: bench stopped by SIGTERM while measuring; nothing was written\n"
+    assert unhandled == [] and not (tmp_path / "b.json").exists()
+    assert guard.__name__ == "<lambda>"  # the handler in place before the bench is back
 
 
 def test_the_product_commands_show_no_lab_modes(capsys):

@@ -65,6 +65,10 @@ def secret_run(world, tmp_path_factory) -> tuple[Path, object]:
     # hydra.job.env_set is where a key goes on the command line, and Hydra writes it to hydra.yaml
     r = run_cli(["train", *BASE, "threads=1", "eval.max_new_tokens=7", "model.tokenizer=world://policy",
                  f"+hydra.job.env_set.WANDB_API_KEY={SECRET}", "+hydra.job.env_set.HF_TOKEN=SECRETVALUE456",
+                 # secrets whose key names do not look secret: known by their shape (a URL's password, a prefix)
+                 "judge.base_url=https://user:SECRETVALUE001@judge.example/v1",
+                 "+hydra.job.env_set.DATABASE_URL=postgres://u:SECRETVALUE002@db:5432/x",
+                 "+hydra.job.env_set.GITHUB_PAT=SECRETVALUE003", "+hydra.job.env_set.NOTE=hf_SECRETVALUE004abcdefghij",
                  f"hydra.run.dir={run}"], cwd=cwd, env_extra={"WANDB_MODE": "offline"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((run / "summary.json").read_text())["status"] == "complete"
@@ -335,7 +339,11 @@ def test_secrets_are_masked_in_every_file_a_run_writes(secret_run):
     assert hits == []  # .hydra/*, resolved_config.json, wandb's run file and logs, metrics, model ...
     assert "SECRETVALUE" not in r.stderr + r.stdout
     hydra = OmegaConf.load(run / ".hydra" / "hydra.yaml").hydra
-    assert OmegaConf.to_container(hydra.job.env_set) == {"WANDB_API_KEY": "***", "HF_TOKEN": "***"}
+    assert OmegaConf.to_container(hydra.job.env_set) == {"WANDB_API_KEY": "***", "HF_TOKEN": "***",
+                                                         "DATABASE_URL": "postgres://u:***@db:5432/x",
+                                                         "GITHUB_PAT": "***", "NOTE": "***"}
+    saved = json.loads((run / "resolved_config.json").read_text())
+    assert saved["judge"]["base_url"] == "https://user:***@judge.example/v1"  # the user and host stay
     assert "+hydra.job.env_set.WANDB_API_KEY=***" in hydra.overrides.hydra
     assert "+hydra.job.env_set.HF_TOKEN=***" in hydra.overrides.hydra
     assert "eval.max_new_tokens=7" in hydra.job.override_dirname  # harmless keys stay as they were

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from humanline_cli.world.tokenizer import build_tokenizer
 from tests.helpers.cli import run_cli
 from tests.helpers.models import tiny_llama
@@ -59,3 +61,12 @@ def test_eval_error_line_masks_a_secret_override(tmp_path, capsys):
     assert err == ("humanline: error: humanline eval takes judge=NAME, judge.KEY=VALUE, task.judge.KEY=VALUE, "
                    "task.prompts.KEY=VALUE, task.verifiable=BOOL and eval.KEY=VALUE overrides; got "
                    "'+judge.api_key=***'\n")
+
+
+def test_eval_argument_errors_are_one_line(tmp_path, capsys):
+    from humanline_cli.cli.eval import main_eval
+
+    with pytest.raises(SystemExit) as e:
+        main_eval([str(tmp_path), "--n-prompts", "many"])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "humanline: error: eval: argument --n-prompts: invalid int value: 'many' (--help shows the usage)\n")

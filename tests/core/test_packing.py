@@ -347,7 +347,7 @@ def test_a_real_run_with_packing_logs_the_same_losses(cache_dir, tmp_path):
         assert [r["step"] for r in rows[True]] == [r["step"] for r in rows[False]] == [1, 2, 3]
         assert_same_rows(rows[False], rows[True], what=objective)  # float64: relative 1e-9 (numerics.py)
         for a, b in zip(rows[False], rows[True]):
-            assert b["useful_token_fraction"] == 1.0 and 0.0 < a["useful_token_fraction"] < 1.0
+            assert b["tokens_per_position"] == 1.0 and 0.0 < a["tokens_per_position"] < 1.0
         assert len({r["loss"] for r in rows[False]}) > 1  # the runs really moved
-        print(f"\n{objective}: losses {[round(r['loss'], 6) for r in rows[True]]}, useful_token_fraction padded "
-              f"{[round(r['useful_token_fraction'], 3) for r in rows[False]]}, packed 1.0")
+        print(f"\n{objective}: losses {[round(r['loss'], 6) for r in rows[True]]}, tokens_per_position padded "
+              f"{[round(r['tokens_per_position'], 3) for r in rows[False]]}, packed 1.0")

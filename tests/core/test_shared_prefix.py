@@ -209,7 +209,7 @@ def test_a_real_run_with_shared_prefixes_logs_the_same_losses(cache_dir, tmp_pat
     assert_same_rows(rows[False], rows[True], what=objective)  # float64: relative 1e-9 (numerics.py)
     assert len({r["loss"] for r in rows[False]}) > 1  # the runs really moved
     for a, b in zip(rows[False], rows[True]):  # real tokens per decoder position
-        assert a["useful_token_fraction"] < 1.0 < b["useful_token_fraction"], (objective, a, b)
+        assert a["tokens_per_position"] < 1.0 < b["tokens_per_position"], (objective, a, b)
 
 
 def test_packing_takes_precedence():

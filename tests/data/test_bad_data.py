@@ -54,6 +54,25 @@ def test_json_array_element_is_blamed_on_the_line_it_opens(tmp_path):
     assert _error(load_rows, str(bad)) == f"{bad}:3: malformed JSON (Expecting value at column 14)"
 
 
+def test_a_duplicate_key_is_refused_with_its_file_line_and_key(tmp_path):
+    """json keeps the last of two values silently (pyarrow, under `datasets`, refuses the row): which one the
+    user meant is not ours to guess, in a row or in a chat message, in JSON Lines, a JSON array or columns."""
+    lines = [json.dumps(ROW), '{"prompt": "1+1=", "chosen": "2", "rejected": "3", "chosen": "4"}']
+    path = _jsonl(tmp_path / "d.jsonl", lines)
+    assert _error(load_rows, str(path)) == f"{path}:2: duplicate key 'chosen' in a JSON object (which value is meant?)"
+    chat = _jsonl(tmp_path / "chat.jsonl", [json.dumps(ROW), json.dumps(ROW),
+                                            '{"prompt": [{"role": "user", "content": "a", "content": "b"}], '
+                                            '"chosen": "2", "rejected": "3"}'])
+    assert _error(load_rows, str(chat)).startswith(f"{chat}:3: duplicate key 'content'")
+    array = tmp_path / "d.json"
+    array.write_text('[\n  {"prompt": "a", "chosen": "b", "rejected": "c"},\n  {"prompt": "a",\n   "chosen": "b",'
+                     '\n   "rejected": "c", "prompt": "z"}\n]\n')
+    assert _error(load_rows, str(array)).startswith(f"{array}:3: duplicate key 'prompt'")  # the element's line
+    columns = tmp_path / "c.json"
+    columns.write_text('{"prompt": ["a"],\n "chosen": ["b"],\n "rejected": ["c"],\n "chosen": ["d"]}')
+    assert _error(load_rows, str(columns)).startswith(f"{columns}:4: duplicate key 'chosen'")
+
+
 def test_not_utf8_names_the_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_bytes(json.dumps(ROW).encode() + b"\n" + b'{"prompt": "\xff"}\n')
@@ -67,6 +86,9 @@ def test_not_utf8_names_the_line(tmp_path):
     ('prompt,chosen,rejected\n"multi\nline",b,c\na,b\n', ":4: 2 cells, but the header has 3 columns"),
     ("prompt,chosen,prompt\na,b,c\n", ":1: duplicate column(s) ['prompt'] in the CSV header"),
     ("prompt,completions,rewards\na,b,1\n", "column 'completions': CSV cells hold text, not lists"),
+    ('prompt,chosen,rejected\na,b,c\n"[{""role"": ""user"", ""content"": ""1+1=""}]",2,3\n',
+     ":3: field 'prompt' holds a list of chat messages, but CSV cells are text (the cell would be trained as its "
+     "JSON); chat data needs JSONL, JSON or Parquet"),
     ("prompt,chosen,rejected\n", "is empty"),
     ("", "is empty"),
 ])

@@ -46,9 +46,13 @@ def test_a_huge_line_is_tokenised_once_behind_a_progress_bar(tmp_path, monkeypat
     assert tok.long_calls == 1  # the one pass that names an unencodable record, and counts the cut
     err = capsys.readouterr().err
     assert "tokenize data: 100%" in err and "300k/300k" in err, err
-    # the cut: the prompt's tokens + 300,000 completion tokens + EOS, beyond train.max_length=32
+    # the cut: tokenising stops at the first 100,000 characters (LONG_TEXT_CHARS, more than char_bound(32) =
+    # 2 x 13 (the world's longest vocabulary entry, "<|endoftext|>") x (32 + 64)): the prompt's tokens + 100,000
+    # completion tokens + EOS beyond train.max_length=32 are counted, a lower bound of what is lost
+    assert enc.char_bound(32) == C.LONG_TEXT_CHARS and 2 * 13 * (32 + C.CUT_SLACK_TOKENS) < C.LONG_TEXT_CHARS
     prompt_len = len(enc.prompt_ids("2+2="))
-    assert (cut.cut, cut.tokens_lost) == (1, prompt_len + 300_000 + 1 - 32)
+    assert (cut.cut, cut.tokens_lost, cut.bounded) == (1, prompt_len + 100_000 + 1 - 32, True)
+    assert f"at least {prompt_len + 100_000 + 1 - 32} tokens" in cut.describe()
     # collation and length bucketing reuse that pass: the same ids as tokenising again, without doing so
     full = build_tokenizer()(huge, add_special_tokens=False)["input_ids"]
     assert enc.completion_ids("2+2=", huge) == full[:32 - prompt_len]
@@ -57,3 +61,40 @@ def test_a_huge_line_is_tokenised_once_behind_a_progress_bar(tmp_path, monkeypat
     batch = collate([units[1]])
     assert batch.seqs.input_ids.shape == (2, 32)
     assert tok.long_calls == 1
+
+
+def test_tokenising_stops_at_the_length_that_matters(caplog):
+    """Only a bounded prefix of a huge text is tokenised (tokenising costs ~800 bytes per token): a 10 MB prompt is
+    refused at once, without transformers' over-long-sequence warning, and a huge completion's kept ids are those of
+    the whole text."""
+    import logging
+    import time
+
+    tok = build_tokenizer()
+    longest = max(map(len, tok.get_vocab()))
+    calls = []
+
+    class Recording(CountingTokenizer):
+        def __call__(self, text, *a, **k):
+            calls.extend(len(t) for t in (text if isinstance(text, list) else [text]))
+            return super().__call__(text, *a, **k)
+
+    enc = Encoder(Recording(tok), 16, 32)
+    huge = "12+3=" * 2_000_000  # 10,000,000 characters
+    start = time.perf_counter()
+    with caplog.at_level(logging.WARNING):
+        try:
+            enc.prompt_ids(huge, "data.jsonl:2")
+        except Exception as e:  # noqa: BLE001 - the refusal is the point
+            refusal = str(e)
+    assert time.perf_counter() - start < 5.0  # ~0.2 s here; the whole text took ~48 s and 8 GB
+    n = len(tok(huge[:C.LONG_TEXT_CHARS], verbose=False)["input_ids"])  # what the prefix holds
+    assert n >= C.LONG_TEXT_CHARS
+    assert refusal == f"data.jsonl:2: prompt has at least {n} tokens, more than train.max_prompt_length=16"
+    assert max(calls) == C.LONG_TEXT_CHARS and not caplog.records  # no "Token indices sequence length" warning
+    assert 2 * longest * (16 + C.CUT_SLACK_TOKENS) <= C.LONG_TEXT_CHARS
+    calls.clear()
+    ids = enc.completion_ids("1+1=", huge)
+    assert max(calls) == C.LONG_TEXT_CHARS
+    assert ids == tok(huge[:1000], add_special_tokens=False)["input_ids"][:32 - len(enc.prompt_ids("1+1="))]
+    assert enc.text_tokens(huge) == C.LONG_TEXT_CHARS  # a lower bound: one token per character here

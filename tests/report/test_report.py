@@ -244,3 +244,50 @@ def test_final_scores_plot_pairs_seeds_and_draws_the_t_interval(tmp_path, monkey
     assert (m0, lo0, hi0) == pytest.approx((0.7, 0.7 - half, 0.7 + half), abs=1e-12)
     assert m1 == pytest.approx(0.7, abs=1e-12)
     assert hi1 - lo1 == pytest.approx(2 * 4.302652729749464 * 0.2 / 3 ** 0.5, abs=1e-12)
+
+
+def _with_commit(run: Path, commit: str) -> Path:
+    import json
+
+    s = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**s, "git_commit": commit}))
+    return run
+
+
+def test_runs_of_different_commits_are_kept_apart_unless_pooled(tmp_path, capsys):
+    """Two runs of one config from different code are not n=2 seeds: each commit gets its own cell, named; the
+    report says so, and --pool-commits pools them."""
+    root = tmp_path / "runs"
+    _with_commit(make_run(root, "a", "dpo", "offline", False, 0, win=0.6, acc=0.7, wall=10.0), "a" * 40)
+    _with_commit(make_run(root, "b", "dpo", "offline", False, 1, win=0.8, acc=0.9, wall=10.0), "b" * 40)
+    assert main_report([str(root), "--out", str(tmp_path / "apart")]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "apart" / "report.csv")))
+    assert sorted((r["git_commit"], r["n_seeds"]) for r in rows) == [("a" * 40, "1"), ("b" * 40, "1")]
+    note = f"Runs of 2 commits ({'a' * 12}, {'b' * 12}) are kept apart by a git_commit label, never pooled as seeds"
+    assert note in (tmp_path / "apart" / "report.md").read_text() and note in capsys.readouterr().out
+    assert main_report([str(root), "--out", str(tmp_path / "pooled"), "--pool-commits"]) == 0
+    (row,) = list(csv.DictReader(open(tmp_path / "pooled" / "report.csv")))
+    assert row["n_seeds"] == "2" and "git_commit" not in row and float(row["accuracy_mean"]) == pytest.approx(0.8)
+    assert "pooled as seeds (--pool-commits)" in (tmp_path / "pooled" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--margin", "inf"], "argument --margin: expected a finite number > 0, got 'inf'"),
+    (["--margin", "0"], "argument --margin: expected a finite number > 0, got '0'"),
+    (["--accuracy", "nan"], "argument --accuracy: expected a finite number in [0, 1], got 'nan'"),
+    (["--accuracy", "5"], "argument --accuracy: expected a finite number in [0, 1], got '5'"),
+    (["--accuracy", "x"], "argument --accuracy: expected a number, got 'x'"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_report_argument_errors_are_one_line(runs_dir, capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        main_report([str(runs_dir), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == f"humanline: error: report: {message} (--help shows the usage)\n"
+
+
+def test_report_out_on_an_existing_file_is_one_clear_line(runs_dir, tmp_path, capsys):
+    (tmp_path / "taken").write_text("x")
+    assert main_report([str(runs_dir), "--out", str(tmp_path / "taken")]) == 2
+    assert capsys.readouterr().err == (f"humanline: error: --out {tmp_path / 'taken'} is a file; name a directory "
+                                       f"for report.md, report.csv and the plots\n")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -184,8 +185,9 @@ def test_config_diff_names_keys_and_ignores_the_harmless_ones():
 
 
 def test_a_run_saved_before_a_key_existed_resumes_with_the_keys_default(tmp_path):
-    """A run dir saved by an older humanline lacks the keys added since; each counts at its schema default (the
-    behaviour the older code had), named in one line, and only a value away from that default is another config."""
+    """A run dir saved by an older humanline lacks the keys added since; each counts at today's schema default
+    (which need not be what the older code did: the line names each key and the value it takes), and only a value
+    away from that default is another config."""
     import copy
 
     from humanline_cli.config import compose_train, resolve
@@ -202,7 +204,8 @@ def test_a_run_saved_before_a_key_existed_resumes_with_the_keys_default(tmp_path
     said = []
     assert R.prepare_run_dir(run, config, resume=True, say=said.append) == 0
     assert said == [f"{run} holds a run made before sampler.block_size, train.compile, train.shared_prefix existed: "
-                    f"resuming it with their defaults"]
+                    f"resuming it with today's default(s) (sampler.block_size=null, train.compile=false, "
+                    f"train.shared_prefix=true), which may differ from what the older code did"]
     assert json.loads((run / R.RESOLVED).read_text()) == json.loads(json.dumps(scrub(config)))
 
     (run / R.RESOLVED).write_text(json.dumps(old))
@@ -283,6 +286,11 @@ def test_rerun_rules_through_the_cli(cache_dir, tmp_path):
     again = run_cli(args, tmp_path)  # complete, same config: nothing is touched, not even .hydra
     assert again.returncode == 0 and "already complete" in again.stderr, again.stderr[-2000:]
     assert _files(run) == before
+    # a job killed (-9) after its complete summary.json, before releasing its lock: still final
+    (run / ".lock").write_text(f"999999999 {socket.gethostname()}\n")
+    stale = run_cli(args, tmp_path)
+    assert stale.returncode == 0 and "taking it over" in stale.stderr and "already complete" in stale.stderr
+    assert "resuming" not in stale.stderr and _files(run) == before
 
     other = run_cli([*args, "train.lr=2e-3", "seed=4"], tmp_path)
     line = _one_error_line(other.stderr)

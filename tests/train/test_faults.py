@@ -217,6 +217,7 @@ def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_one(three_checkpoi
 
     run = tmp_path / "run"
     shutil.copytree(three_checkpoints, run)
+    (run / R.RESOLVED).write_text(json.dumps({"seed": 0}))  # the config its checkpoints (which record none) ran
     ckpts = C.Checkpoints(run, 2)
     assert ckpts.steps() == [2, 4, 6] and all(C.verify(ckpts.root / f"step_{s}") is None for s in (2, 4, 6))
     hurt, reason = DAMAGE[damage]
@@ -532,6 +533,10 @@ def test_skipped_steps_within_the_allowance_are_counted_not_fatal(tmp_path):
     (["train.batch_size=32", "train.micro_batch_size=3"],
      "train.batch_size (32) must be a positive multiple of train.micro_batch_size (3)"),
     (["train.max_skipped_fraction=1.5"], "config key 'train.max_skipped_fraction' must be in [0, 1], got 1.5"),
+    # under auto there is no micro-batch of the user's to name (not "2 x 15 = 30")
+    (["train.batch_size=31", "backend.strategy=ddp", "backend.nproc=2"],
+     "train.batch_size (31) must be a multiple of backend.nproc (2): each rank trains batch_size / nproc units per "
+     "step"),
 ])
 def test_config_rules_name_the_real_rule(overrides, message):
     from hydra import compose, initialize_config_module
@@ -542,6 +547,20 @@ def test_config_rules_name_the_real_rule(overrides, message):
     with initialize_config_module(config_module="conf", version_base="1.3"), pytest.raises(UserError) as e:
         resolve(compose("train", overrides=overrides))
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("backend", [[], ["backend.strategy=ddp", "backend.nproc=2"]])
+def test_a_micro_batch_above_the_share_is_one_rule_for_one_process_and_ddp(backend):
+    """A micro-batch larger than the units a rank trains per step is lowered to that share with a note, in one
+    process as under DDP (the update does not depend on the split)."""
+    from humanline_cli.config import compose_train, resolve
+
+    ranks = 2 if backend else 1
+    spec = resolve(compose_train(["train.batch_size=8", "train.micro_batch_size=16", *backend]))
+    share = 8 // ranks
+    assert spec.train.micro_batch_size == share and spec.train.accumulation == 1
+    each = "each of 2 ranks trains" if backend else "the run trains"
+    assert f"train.micro_batch_size=16 > the {share} units {each} per step: micro-batches of {share}" in spec.notes
 
 
 def test_long_path_component_and_unquoted_unicode_are_one_line(tmp_path):
@@ -601,3 +620,21 @@ def test_checksums_cover_fsdp_shards(tmp_path):
     (ck / "shards/__1_0.distcp").unlink()
     assert C.verify(ck) == "shards/__1_0.distcp is missing"
 
+
+
+def test_sigterm_while_importing_ends_with_one_line(tmp_path):
+    """SIGTERM before any command's own handler is in place (torch, transformers and Hydra still loading: seconds)
+    ends as SIGTERM's default would, exit 143, with one line instead of none."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "humanline_cli", "train", f"hydra.run.dir={tmp_path / 'run'}"],
+                            cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)  # past the interpreter's start, well within the imports
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 143
+    assert err == "humanline: stopped by SIGTERM outside training (nothing to checkpoint); rerun the same command\n"
+    assert not (tmp_path / "run").exists()

@@ -27,6 +27,43 @@ def test_host_memory_is_memavailable_capped_by_the_cgroup(tmp_path):
     assert host_available_bytes(str(tmp_path / "none"), str(tmp_path / "none")) is None
 
 
+def _limit(level, v1: bool, limit: int, usage: int, inactive: int = 0) -> None:
+    level.mkdir(parents=True, exist_ok=True)
+    (level / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(f"{limit}\n")
+    (level / ("memory.usage_in_bytes" if v1 else "memory.current")).write_text(f"{usage}\n")
+    (level / "memory.stat").write_text(f"{'total_' if v1 else ''}inactive_file {inactive}\n")
+
+
+@pytest.mark.parametrize("v1", [False, True])
+def test_the_process_own_cgroup_below_the_mount_root_caps_host_memory(tmp_path, v1):
+    """A SLURM job's --mem (or a systemd scope) is a cgroup below the mount's root, named in /proc/self/cgroup:
+    every level from it up to the root is read and the smallest room wins."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable:   20000000 kB\n")  # 19.07 GiB
+    mount = tmp_path / "cg"
+    base = mount / "memory" if v1 else mount
+    own = tmp_path / "self_cgroup"
+    own.write_text("12:memory:/slurm/uid_0/job_7\n4:cpu,cpuacct:/slurm\n" if v1 else "0::/slurm/uid_0/job_7\n")
+    no_limit = 2**63 - 4096 if v1 else "max"
+    (base / "slurm" / "uid_0" / "job_7").mkdir(parents=True)
+    (base / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(f"{no_limit}\n")
+    assert host_available_bytes(str(meminfo), str(mount), str(own)) == 20000000 * 1024  # no limit anywhere
+    # the job: 2 GiB, holding 1.5 GiB of which 0.5 GiB reclaimable cache -> 1 GiB left
+    _limit(base / "slurm" / "uid_0" / "job_7", v1, 2 * GB, 3 * GB // 2, GB // 2)
+    # the user's slice above it: 8 GiB holding 4 GiB -> 4 GiB
+    _limit(base / "slurm" / "uid_0", v1, 8 * GB, 4 * GB)
+    assert host_available_bytes(str(meminfo), str(mount), str(own)) == 1 * GB
+    # a level above with less room wins: slurm/ at 3 GiB holding 2.75 GiB -> 0.25 GiB
+    _limit(base / "slurm", v1, 3 * GB, 11 * GB // 4)
+    assert host_available_bytes(str(meminfo), str(mount), str(own)) == GB / 4
+    # with no /proc/self/cgroup (or a namespace's "/"), only the mount's root is read: MemAvailable here
+    assert host_available_bytes(str(meminfo), str(mount), str(tmp_path / "none")) == 20000000 * 1024
+    # a container without a cgroup namespace: its path is not under the mount, whose root is its own cgroup
+    own.write_text("12:memory:/docker/abc\n" if v1 else "0::/docker/abc\n")
+    _limit(base, v1, 5 * GB, GB)
+    assert host_available_bytes(str(meminfo), str(mount), str(own)) == 4 * GB
+
+
 def test_largest_fitting_divides_the_share():
     # 32 units a rank: divisors 32, 16, 8, 4, 2, 1; those <= 6 fit, so 4 (6 and 5 do not divide 32)
     assert largest_fitting(32, 1, lambda m: m <= 6) == 4
@@ -122,7 +159,7 @@ def test_the_evaluation_batch_is_checked(model_dir, monkeypatch):
     from humanline_cli.train.build import fit_memory, memory_estimate
 
     small = _spec(model_dir, "objective=dpo", "eval.batch_size=4")
-    big = _spec(model_dir, "objective=dpo", "eval.batch_size=4096")
+    big = _spec(model_dir, "objective=dpo", "eval.batch_size=4096", "eval.n_prompts=null")  # all: 4096 a call
     cpu = torch.device("cpu")
     e_small, e_big = (memory_estimate(s, str(model_dir), cpu) for s in (small, big))
     assert e_big.evaluating - e_small.evaluating == pytest.approx(
@@ -132,6 +169,10 @@ def test_the_evaluation_batch_is_checked(model_dir, monkeypatch):
     with pytest.raises(UserError, match=r"^eval.batch_size=4096 will not fit: evaluation needs"):
         fit_memory(big, str(model_dir), cpu)
     assert fit_memory(small, str(model_dir), cpu)[1].evaluating == e_small.evaluating
+    # evaluation never batches more prompts than it has: a huge eval.batch_size over 4 prompts is 4 a call
+    few = _spec(model_dir, "objective=dpo", "eval.batch_size=1000000", "eval.n_prompts=4")
+    assert memory_estimate(few, str(model_dir), cpu).evaluating == e_small.evaluating
+    assert fit_memory(few, str(model_dir), cpu)[1].evaluating == e_small.evaluating  # not refused
 
 
 def _llama(model_dir):

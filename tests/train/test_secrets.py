@@ -63,3 +63,40 @@ def test_mask_saved_configs_rewrites_only_files_with_secrets(tmp_path):
                                                                                "eval.max_new_tokens=7"]
     assert (sub / "clean.yaml").read_text() == clean
     assert sorted(p.name for p in sub.iterdir()) == ["clean.yaml", "config.yaml", "overrides.yaml"]  # no temp files
+
+
+@pytest.mark.parametrize("text,masked", [
+    ("https://user:S3CRETVALUE@host/v1", "https://user:***@host/v1"),
+    ("postgres://u:S3CRET@db:5432/app", "postgres://u:***@db:5432/app"),
+    ("https://ghp_aBcdEfGhijKlmnOpqrStuvWxyz0123456789@github.com/o/r", "https://***@github.com/o/r"),
+    ("token github_pat_11ABCDEFG0123456789_abcdefghijkl here", "token *** here"),
+    ("sk-proj-aBcDeFgHiJkLmNoPqRsTuV-w1x2y3z4", "***"), ("hf_AbCdEfGhIjKlMnOpQrStUvWxYzAbCdEfGh", "***"),
+    ("xoxb-123456789012-AbCdEfGhIjKl", "***"), ("AKIAIOSFODNN7EXAMPLE", "***"),
+    # what looks alike and is not a credential stays
+    ("http://localhost:8000/v1", "http://localhost:8000/v1"), ("world://policy", "world://policy"),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"), ("ask-me-anything", "ask-me-anything"),
+    ("hf_short", "hf_short"), ("user@host.example:22", "user@host.example:22"),
+    ("/data/sk-learn-runs-2024-final.jsonl", "/data/sk-learn-runs-2024-final.jsonl"),  # one case: a name
+    ("hf_arithmeticpairsversiontwo", "hf_arithmeticpairsversiontwo"),
+])
+def test_secrets_are_masked_by_their_shape(text, masked):
+    from humanline_cli.errors import mask_secrets
+
+    assert mask_secrets(text) == masked
+
+
+def test_value_shapes_are_masked_in_configs_overrides_argv_summaries_and_error_lines():
+    from humanline_cli.errors import one_line
+    from humanline_cli.train.tracking import mask_values
+
+    cfg = {"judge": {"base_url": "https://user:S3CRETVALUE@host/v1", "model": "gpt"}, "GITHUB_PAT": "plainvalue",
+           "env": ["DATABASE_URL=postgres://u:S3CRETVALUE@db/x"]}
+    assert scrub(cfg) == {"judge": {"base_url": "https://user:***@host/v1", "model": "gpt"}, "GITHUB_PAT": "***",
+                          "env": ["DATABASE_URL=postgres://u:***@db/x"]}
+    assert scrub_argv(["judge.base_url=https://user:S3CRETVALUE@host", "+hydra.job.env_set.GITHUB_PAT=abc",
+                       "https://user:S3CRETVALUE@host"]) == [
+        "judge.base_url=https://user:***@host", "+hydra.job.env_set.GITHUB_PAT=***", "https://user:***@host"]
+    assert mask_values({"judge": "llm/https://u:S3CRETVALUE@h", "tokens": 5, "eval": {"key": "k"}}) == {
+        "judge": "llm/https://u:***@h", "tokens": 5, "eval": {"key": "k"}}  # a summary's names are not config keys
+    assert one_line(ConnectionError("cannot reach https://u:S3CRETVALUE@h:\n refused")) == (
+        "cannot reach https://u:***@h: refused")
