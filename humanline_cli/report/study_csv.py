@@ -22,6 +22,7 @@ from humanline_cli.report.frame import CURVE, find_run_dirs, load_run, read_json
 from humanline_cli.report.gap_closed import SAMPLES
 from humanline_cli.report.groups import canon, comparable_config, under
 from humanline_cli.report.regimes import regime_of
+from humanline_cli.train.failures import write_failed
 
 # config keys every row keeps: what labels a run's family, regime and humanline setting
 ALWAYS = ("seed", "task.name", "objective.name", "data.regime", "data.generate_every", "data.async_lag", "humanline",
@@ -173,7 +174,7 @@ def materialise(csv_path: Path, into: Path) -> Path:
         if r["summary"]:
             (d / "summary.json").write_text(r["summary"])
         if r["status"] == "failed" and not r["summary"]:
-            (d / "failed.json").write_text(json.dumps({"status": "failed", "error": r["reason"]}))
+            write_failed(d, {"status": "failed", "error": r["reason"]})
         _write_jsonl(d / "metrics.jsonl", json.loads(r["metrics"]))
         calls = json.loads(r["calls"])  # a run without per-completion tokens: as many rows, none counted
         _write_jsonl(d / "samples.jsonl", _samples(calls["calls"]) if "calls" in calls else

@@ -93,8 +93,13 @@ def fetch_snapshot(path: str) -> str | None:
 def sharded_loadable(path: str) -> bool:
     """Whether load_policy_sharded can read `path` (a local folder or cached hub snapshot of safetensors);
     the memory estimate takes the same loading mode as build_parts."""
+    from safetensors import SafetensorError
+
     local = local_model_dir(path)
-    return local is not None and weight_map(local) is not None
+    try:
+        return local is not None and weight_map(local) is not None
+    except (SafetensorError, OSError):  # an unreadable header: the whole-model load names the file in one line
+        return False
 
 
 def weight_map(path: str) -> dict[str, str] | None:

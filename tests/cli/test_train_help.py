@@ -16,8 +16,9 @@ def test_train_help_lists_the_groups_a_user_picks(tmp_path):
     groups = r.stdout.split("== Groups (group=option) ==\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert "schema/" not in r.stdout
     by = dict(line.split(": ", 1) for line in groups)
-    assert sorted(by) == ["backend", "data", "experiment", "judge", "model", "objective", "regime", "reward", "sampler",
-                          "task"]
+    assert sorted(by) == ["backend", "correction", "data", "experiment", "judge", "model", "objective", "regime", "reward",
+                          "sampler", "task"]
+    assert by["correction"] == ", ".join(sorted(f.stem for f in (CONF / "correction").glob("*.yaml")))
     assert by["objective"] == ", ".join(sorted(f.stem for f in (CONF / "objective").glob("*.yaml")))
     assert by["data"] == "offline, online"
     studies = sorted(f.stem for f in (CONF / "experiment").glob("*.yaml") if not f.stem.startswith("paper_"))

@@ -34,7 +34,7 @@ def test_each_member_is_named_by_its_value(choice):
 
 
 @pytest.mark.parametrize("override,key,valid", [
-    ("task.judge.kind=bogus", "task.judge.kind", "[none, world, verifier, model, reward_model]"),
+    ("task.judge.kind=bogus", "task.judge.kind", "[none, world, verifier, model, reward_model, lexicon]"),
     ("task.labeller.method=bogus", "task.labeller.method", "[math, math_latex, exact, final_number]"),
     ("judge.kind=bogus", "judge.kind", "[task, llm, alpaca_eval, none]"),
     ("check_model_task=bogus", "check_model_task", "[error, warn]"),
