@@ -439,20 +439,7 @@ def run_rank(spec: RunSpec, ctx: Context, console: Console | None = None) -> dic
                     print_summary(summary, ctx.run_dir, console)
                 return summary
             except BaseException as caught:
-                e = out_of_memory(caught) or caught  # one line instead of torch's allocator traceback
-                where = interrupted_where(e, trained, at) if isinstance(e, KeyboardInterrupt) else None
-                if where is not None:
-                    ignore_ctrl_c()
-                failed = failure_record(e, timer.report(), where)
-                if ctx.distributed:
-                    failed = _rank_failure(e, ctx, spec, failed, where, timer)
-                note = failures.write_failed(ctx.run_dir, failed) if ctx.main else None
-                if note is None and ctx.main and isinstance(e, RunFailed) and isinstance(e.__cause__, OSError):
-                    note = "failed.json written"  # a failed write (a full disk): the line says what failed.json got
-                if tracker is not None:
-                    tracker.finish(1)
-                if note is not None and isinstance(e, (UserError, RunFailed)):  # a full disk: the error line says so
-                    raise type(e)(f"{e}; {note}") from caught
+                e = _record_failure(caught, ctx, spec, timer, tracker, trained, at)
                 if e is not caught:
                     raise e from caught
                 raise
@@ -463,6 +450,27 @@ def run_rank(spec: RunSpec, ctx: Context, console: Console | None = None) -> dic
         release_freed()  # the next job of a sweep in this process sizes itself against the host's memory
         if tracker is not None:
             tracker.finish(0)
+
+
+def _record_failure(caught: BaseException, ctx: Context, spec: RunSpec, timer: PhaseTimer, tracker, trained: bool,
+                    at: StepMarker) -> BaseException:
+    """A rank's failure recorded (failed.json on rank 0, wandb closed as failed); returns the exception to raise:
+    `caught` itself, its one-line form (an out-of-memory), or that line with what a failed write of failed.json did."""
+    e = out_of_memory(caught) or caught  # one line instead of torch's allocator traceback
+    where = interrupted_where(e, trained, at) if isinstance(e, KeyboardInterrupt) else None
+    if where is not None:
+        ignore_ctrl_c()
+    failed = failure_record(e, timer.report(), where)
+    if ctx.distributed:
+        failed = _rank_failure(e, ctx, spec, failed, where, timer)
+    note = failures.write_failed(ctx.run_dir, failed) if ctx.main else None
+    if note is None and ctx.main and isinstance(e, RunFailed) and isinstance(e.__cause__, OSError):
+        note = "failed.json written"  # a failed write (a full disk): the line says what failed.json got
+    if tracker is not None:
+        tracker.finish(1)
+    if note is not None and isinstance(e, (UserError, RunFailed)):  # a full disk: the error line says so
+        return type(e)(f"{e}; {note}")
+    return e
 
 
 def _rank_failure(e: BaseException, ctx: Context, spec: RunSpec, failed: dict, where: str | None,
