@@ -8,14 +8,11 @@ core each) is out of reach; the overlap is counted from the rounds' timestamps.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-import time
 from pathlib import Path
 
 from humanline_cli.bench.clock import EndClock, StepClock, built, compose, train_loop
-from humanline_cli.bench.project import check_out
-from humanline_cli.errors import UserError, ignore_ctrl_c
+from humanline_cli.errors import UserError
+from humanline_cli.lab.tool import measure_and_write
 from humanline_cli.sampling.proc_clock import cpu_s, run_queue_s
 
 SAMPLE_PHASES = ("sample", "label", "push")
@@ -119,23 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="the JSON written (default runs/bench/async-*.json)")
     a = p.parse_args(argv)
     console = Console()
-    try:
-        if a.out:
-            check_out(a.out)
-        res = async_bench(a.overrides, a.rounds, console)
-    except UserError as e:
-        print(f"humanline: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # nothing is written before the measurement ends
-        ignore_ctrl_c()
-        print("humanline: async_bench interrupted (Ctrl-C) while measuring; nothing was written", file=sys.stderr)
-        return 130
-    out = a.out or Path(f"runs/bench/async-{res['objective']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    print_async(res, console)
-    console.print(f"wrote {out}")
-    return 0
+    return measure_and_write("async_bench", lambda: (async_bench(a.overrides, a.rounds, console), "async-", print_async),
+                             a.out, console)
 
 
 if __name__ == "__main__":

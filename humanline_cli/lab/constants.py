@@ -15,13 +15,12 @@ import math
 import os
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
 from humanline_cli.bench.clock import EndClock, built, compose, train_loop
-from humanline_cli.bench.project import check_out
-from humanline_cli.errors import UserError, ignore_ctrl_c
+from humanline_cli.errors import UserError
+from humanline_cli.lab.tool import measure_and_write
 
 REPEAT_SPAN_S = 3.0  # seconds of timed calls per generation size (3 to 15 calls)
 COMMON = ("train.log_every=1", "eval.every=0", "train.save_model=false", "train.checkpoint_every=0")
@@ -358,28 +357,15 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     console = Console()
     os.environ.setdefault("WANDB_SILENT", "true")  # the mini-runs' wandb says nothing on the console
-    try:
+
+    def run() -> tuple[dict, str, object]:
         if a.prompts < 1 or a.steps < 1:  # sizes of what is measured: 0 would measure nothing
             raise UserError(f"constants: --prompts and --steps must be >= 1, got {a.prompts} and {a.steps}")
-        if a.out:
-            check_out(a.out)
         if a.pool:
-            res, prefix, printer = read_pool(a.pool, a.overrides), "constants-pooled-", print_pooled
-        else:
-            res, prefix, printer = measure(a.overrides, console, a.steps, a.prompts), "constants-", print_constants
-    except UserError as e:
-        print(f"humanline: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # nothing is written before the measurement ends (--out comes last)
-        ignore_ctrl_c()  # a second Ctrl-C must not cut this line short
-        print("humanline: constants interrupted (Ctrl-C) while measuring; nothing was written", file=sys.stderr)
-        return 130
-    out = a.out or Path(f"runs/bench/{prefix}{res['objective']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    printer(res, console)
-    console.print(f"wrote {out}")
-    return 0
+            return read_pool(a.pool, a.overrides), "constants-pooled-", print_pooled
+        return measure(a.overrides, console, a.steps, a.prompts), "constants-", print_constants
+
+    return measure_and_write("constants", run, a.out, console)
 
 
 if __name__ == "__main__":
