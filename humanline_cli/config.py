@@ -238,6 +238,7 @@ def check(g: Groups) -> None:
     if g.root.train.compile and g.model.lora.r > 0:  # peft's adapter switches would retrace the graph per call
         raise UserError("train.compile=true compiles full fine-tuning; model.lora.r > 0 is not compiled")
     check_eval(g.root.eval)
+    check_start_checks(g.root.eval, g.backend, g.judge)
     check_data(g.data, g.objective, g.root.train, g.sampler)
     check_async(g.data, g.backend)
     check_root(g.root, g.task, humanline_on(g.root, g.correction))
@@ -393,6 +394,22 @@ def check_eval(ev: S.EvalConfig) -> None:
     _at_least(ev.n_prompts, 1, "eval.n_prompts")
     _at_least(ev.every, 0, "eval.every")
     check_math500(ev.math500)
+
+
+def check_start_checks(ev: S.EvalConfig, backend: S.BackendConfig, judge: S.JudgeConfig) -> None:
+    """eval.kl_to_start and eval.model_judge (eval/start_checks.py) read the sampled replies of one process's
+    pointwise evaluation: the KL needs replies drawn at a temperature, the frozen start judges beside the task's
+    judge, not instead of an API judge."""
+    asked = [k for k in ("kl_to_start", "model_judge") if getattr(ev, k)]
+    if not asked:
+        return
+    names = " and ".join(f"eval.{k}=true" for k in asked)
+    if backend.nproc > 1:
+        raise UserError(f"{names} runs in one process; backend.nproc is {backend.nproc}")
+    if not ev.temperature > 0:
+        raise UserError(f"{names} reads the sampled replies; eval.temperature must be > 0, got {ev.temperature}")
+    if judge.kind != S.JudgeKind.task:
+        raise UserError(f"{names} runs beside the task's judge (judge=task); judge={judge.kind.value} judges pairs")
 
 
 def check_math500(m: S.Math500Config) -> None:

@@ -550,6 +550,12 @@ class EvalConfig:
     batch_size: int = knob(256, "prompts per generate call")
     every: int = knob(0, "also evaluate every N optimizer steps (0: at the end only)")
     greedy: bool = knob(True, "also evaluate greedily (temperature 0) next to eval.temperature: eval.greedy.*")
+    kl_to_start: bool = knob(False, "also KL(policy || start) per reply, estimated on the sampled evaluation replies "
+                                    "(eval.kl_to_start): training holds a frozen copy of the starting model; one "
+                                    "process, eval.temperature > 0, a pointwise judge")
+    model_judge: bool = knob(False, "also the starting model as a frozen pairwise judge of the sampled replies against "
+                                    "the start's, by its log-probs of 'A' and 'B', both orders (eval.model_judge.*: "
+                                    "win_rate, preference_mean); one process, a pointwise judge")
     math500: Math500Config = knob(factory=Math500Config, help="benchmark accuracy with math-verify "
                                                               "(docs/evaluation.md)")
 

@@ -42,6 +42,7 @@ def win_rate(scores_a: list[float], scores_b: list[float]) -> tuple[float, tuple
 class Side:
     texts: list[str]
     scores: list[float] | None  # None under a pairwise judge (it scores pairs, not replies)
+    token_ids: list[list[int]] | None = None  # the replies' tokens where they were sampled here (not restored)
 
 
 class Evaluator:
@@ -71,6 +72,8 @@ class Evaluator:
                                                 seed=seed + 99991)
         self.greedy_baseline: Side | None = None
         self.subsets = subsets if subsets and any(s is not None for s in subsets) else None
+        # measures against a frozen starting model (eval/start_checks.StartChecks), attached once the policy exists
+        self.start_checks = None
 
     def sample(self, sampler, params: SamplingParams | None = None) -> Side:
         """Each rank generates its share of the prompts (seeds per prompt index: the same replies as one
@@ -84,7 +87,8 @@ class Evaluator:
         scores = checked(self.judge_name, self.judge, self.prompt_text, texts, self.answers) \
             if self.shard.rank == 0 else None
         wait_for_rank0()  # the other ranks wait for the judge outside the training group's timeout
-        return Side(texts, self.shard.gather(scores)[0])
+        tokens = out.token_ids if self.shard.world_size == 1 else None  # start checks run in one process only
+        return Side(texts, self.shard.gather(scores)[0], tokens)
 
     def set_baseline(self, sampler) -> None:
         self.baseline = self.sample(sampler)
@@ -114,6 +118,9 @@ class Evaluator:
             wait_for_rank0()
             return self.shard.gather(result)[0]
         result = self._pointwise(side, self.baseline, samples_path, self.params.temperature)
+        if self.start_checks is not None:  # the sampled replies: the KL's estimate needs draws from the policy
+            result.update(self.start_checks.measure(self.prompt_ids, self.prompt_text, side.token_ids, side.texts,
+                                                    self.baseline.texts))
         result["sampled"] = self._mode_summary(result, side, self.baseline)
         if self.greedy_params is not None:
             if self.greedy_baseline is None:  # a baseline restored without its greedy half

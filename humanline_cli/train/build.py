@@ -676,6 +676,18 @@ def policy_load_dtype(backend: Backend, lora_r: int) -> torch.dtype:
     return backend.weights_dtype
 
 
+def start_checks(spec: RunSpec, policy: torch.nn.Module, model_path: str, tokenizer, backend: Backend):
+    """eval.kl_to_start / eval.model_judge: a frozen copy of the starting model, loaded from its files (so a resumed
+    run gets the start, not its checkpoint), serving both (eval/start_checks.py)."""
+    from humanline_cli.eval.start_checks import StartChecks
+    from humanline_cli.rewards.model_judge import ModelJudge
+
+    ev = spec.eval_cfg
+    start = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code, dtype=backend.weights_dtype)
+    judge = ModelJudge(start, tokenizer, f"start:{spec.model_cfg.name_or_path}") if ev.model_judge else None
+    return StartChecks(policy, start if ev.kl_to_start else None, judge, tokenizer.pad_token_id, ev.temperature)
+
+
 def _load_policy(spec: RunSpec, model_path: str, backend: Backend, strategy: str) -> tuple[torch.nn.Module, bool]:
     """(policy, sharded). FSDP2 full fine-tuning loads sharded (train/sharded_load.py: no rank holds the whole
     model; gradient checkpointing set before sharding), else the whole model on every rank (LoRA, remote
@@ -793,6 +805,8 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         from humanline_cli.core.lora import apply_lora
 
         policy = apply_lora(policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
+    if evaluator is not None and (spec.eval_cfg.kl_to_start or spec.eval_cfg.model_judge):
+        evaluator.start_checks = start_checks(spec, policy, model_path, tokenizer, backend)
     fsdp_full, mixed = strategy == "fsdp" and lora.r == 0, backend.param_dtype is not None
     shard_ref = partial(shard_model, param_dtype=backend.param_dtype)  # the policy's mixed-precision policies
     moving = reference_moves(spec.humanline, spec.regime, spec.correction)

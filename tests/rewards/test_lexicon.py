@@ -65,3 +65,34 @@ def test_chat_sentiment_trains_on_vader_and_is_judged_by_afinn(tmp_path):
     assert len(rows) == 8
     assert ev["reward_mean"] == pytest.approx(sum(x["policy_score"] for x in rows) / 8, abs=1e-12)
     assert 0.0 <= ev["win_rate"] <= 1.0
+
+
+def test_chat_sentiment_evaluates_kl_to_start_and_the_start_as_judge(tmp_path):
+    """lr 1e-30 leaves every float32 weight as it was: the policy is still the start, its sampled replies (same
+    seeds) are the start's, so the KL is exactly 0 and the frozen judge, asked both orders, is exactly 1/2 on every
+    pair, at the mid-run evaluation (metrics.jsonl) and the last (summary.json)."""
+    policy, _ = build_tiny_qwen(tmp_path / "models")
+    run = tmp_path / "run"
+    r = run_cli(["train", "task=chat_sentiment", "objective=grpo", "data=online", f"model.name_or_path={policy}",
+                 f"world_cache={tmp_path / 'cache'}", "task.generator.n_train=16", "task.generator.n_eval=6",
+                 "data.prompts_per_round=4", "data.n=2", "data.max_new_tokens=8", "train.steps=2",
+                 "train.batch_size=4", "train.lr=1e-30", "threads=1", "eval.n_prompts=6", "eval.max_new_tokens=8",
+                 "eval.every=1", "eval.kl_to_start=true", "eval.model_judge=true", "train.max_length=128",
+                 "train.max_prompt_length=80", f"hydra.run.dir={run}"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    mid = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    mid = next(m for m in mid if "eval/kl_to_start" in m)
+    ev = json.loads((run / "summary.json").read_text())["eval"]
+    for got in (mid, {f"eval/{k}": v for k, v in ev.items() if not isinstance(v, dict)}
+                | {f"eval/model_judge/{k}": v for k, v in ev["model_judge"].items()}):
+        assert got["eval/kl_to_start"] == 0.0 and got["eval/kl_to_start_per_token"] == 0.0
+        assert got["eval/model_judge/win_rate"] == 0.5 and got["eval/model_judge/preference_mean"] == 0.5
+    assert ev["model_judge"]["judge"] == f"start:{policy}" and ev["win_rate"] == 0.5  # AFINN: the same replies
+
+
+def test_start_checks_are_refused_without_sampled_replies_in_one_line(tmp_path):
+    r = run_cli(["train", "task=chat_sentiment", "objective=grpo", "data=online", "eval.model_judge=true",
+                 "eval.temperature=0", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].endswith(
+        "eval.model_judge=true reads the sampled replies; eval.temperature must be > 0, got 0.0")
