@@ -221,7 +221,10 @@ def test_fair_smollm2_pilot_and_study_are_registered_as_results_md_says():
     for key in ("task", "data", "eval", "model", "objective", "threads"):  # the pilot's setting
         assert OmegaConf.select(study, key) == OmegaConf.select(pilot, key), key
     assert {**study.train, "lr": 0} == {**pilot.train, "lr": 0}
-    # 400 held-out prompts of the two-digit +- one-digit pool, evaluated every 8 of 48 steps
+    # 400 held-out prompts of the three-digit + one-digit pool without a carry (start 0.3075 greedy, measured before
+    # any pilot run), evaluated every 8 of 48 steps
+    g = study.task.generator
+    assert (g.digits, g.digits_b, g.op, g.carry, g.instruction) == (3, 1, "add", False, "Answer with the number only.")
     assert (study.task.generator.n_eval, study.eval.n_prompts, study.eval.every, study.train.steps) == (400, 400, 8, 48)
     with pytest.raises(UserError, match="train.lr"):  # no study run before the pilot writes its lr
         resolve(_compose(["experiment=smollm2_fair_study", "regime=online"]))
