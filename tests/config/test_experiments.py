@@ -132,6 +132,10 @@ def test_every_sweep_point_composes_and_validates(name):
         grid = {("grpo", "online", False), ("grpo", "online", True)}
     if name == "laptop_corrections_frontier_pairs":  # DPO/KTO at K 1 and 64 x none, humanline, trdpo
         grid = {(o, "online", h) for o in ("dpo", "kto") for h in (True, False)}
+    if name == "smollm2_sentiment":  # exploratory: GRPO online, plain and humanline, the start's KL and verdict
+        assert points == [["seed=0", f"regime={r}"] for r in ("online", "hl_online")] and len(points) == 2
+        assert (cfg.task.name, cfg.eval.kl_to_start, cfg.eval.model_judge) == ("chat_sentiment", True, True)
+        grid = {("grpo", "online", False), ("grpo", "online", True)}
     if name == "laptop_one_pass":  # online, plain offline and humanline offline, DPO and KTO
         grid = {(o, d, h) for o in ("dpo", "kto") for d, h in (("online", False), ("offline", False),
                                                                ("offline", True))}
