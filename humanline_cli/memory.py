@@ -159,7 +159,8 @@ def estimate(config, *, seqs_per_micro: int, max_length: int, lora_r: int = 0, m
     precision, else weight_bytes); `reference_bytes`: the frozen copy's dtype (default weight_bytes; 2 under
     FSDP2 bf16); `autocast`: bf16 autocast over fp32 weights (its bf16 weight copies live until the
     backward); `loading`: "full" (every rank loads the whole model, then shards) or "sharded"; `reward_bytes`: the
-    reward models this rank loads (`reward_model_bytes`), alive from before the policy loads to the end;
+    reward models this rank loads (`reward_model_bytes`) and the frozen starting model of eval.kl_to_start /
+    eval.model_judge, alive from before the policy loads to the end;
     `base_bytes`: a LoRA run's frozen base weights' dtype (default weight_bytes; 2 under bf16 autocast);
     `eval_batch`, `eval_prompt_tokens`, `eval_new_tokens`: transformers' generate over the evaluation batch (0: the
     run samples its evaluation with vLLM, or does not evaluate); `eval_gathers`: transformers' sampler decodes

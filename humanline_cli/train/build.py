@@ -464,6 +464,14 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device, rank: 
     return est
 
 
+def start_copy_bytes(spec: RunSpec, params: int, weight_bytes: float) -> float:
+    """eval.kl_to_start / eval.model_judge: the frozen starting model (start_checks), whole in the weights' dtype,
+    alive like a reward model from before training to the end; evaluation only runs where a judge does."""
+    ev = spec.eval_cfg
+    wanted = (ev.kl_to_start or ev.model_judge) and evaluates(spec.judge_cfg, spec.task_cfg)
+    return weight_bytes * params if wanted else 0.0
+
+
 def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int, fetched: bool = False):
     """This rank's estimate as a function of the micro-batch (units), or None where the model's config cannot be
     read. What does not depend on the micro-batch (the config, the parameter count on the meta device, the reward
@@ -501,7 +509,7 @@ def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int, 
                  # a LoRA base under bf16 autocast loads in bf16 (policy_load_dtype)
                  base_bytes=2.0 if bf16 and not fsdp and spec.model_cfg.lora.r > 0 else None,
                  loading="sharded" if fsdp and spec.model_cfg.lora.r == 0 and not spec.model_cfg.trust_remote_code
-                 and loadable else "full", reward_bytes=_reward_bytes(spec, rank),
+                 and loadable else "full", reward_bytes=_reward_bytes(spec, rank) + start_copy_bytes(spec, n, weight_bytes),
                  eval_batch=eval_batch(ev) if hf_eval else 0, eval_prompt_tokens=spec.train.max_prompt_length,
                  eval_new_tokens=eval_new_tokens(ev, evaluating), eval_gathers=hf_gathers, push_gathers=fsdp and vllm,
                  sampler=_vllm_cpu_bytes(spec, n, config) if vllm and device.type != "cuda" else 0.0)

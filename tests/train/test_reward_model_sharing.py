@@ -87,3 +87,24 @@ def test_the_estimate_counts_the_reward_models_each_rank_loads(tmp_path):
     device = (base.total + RM_BYTES / 2) / 0.9
     assert check_fits(base, device) is None
     assert "reward models 0.0" in check_fits(est, device)
+
+
+# the policy (two_layer_llama: the same shapes with an untied 64 x 52 LM head in place of the score head):
+#   3,328 + 82,176 + 64 + 52*64 = 3,328  -> 88,896 parameters, float32: 355,584 bytes
+POLICY_BYTES = 88_896 * 4
+
+
+def test_the_estimate_counts_the_frozen_start_that_kl_to_start_and_the_model_judge_hold(tmp_path):
+    from humanline_cli.train.build import memory_estimate
+
+    _world(tmp_path)
+    policy, cpu = str(tmp_path / "policy"), torch.device("cpu")
+    plain = ("task.labeller.kind=verifier", "task.judge.kind=verifier")
+    base = memory_estimate(_spec(tmp_path, *plain), policy, cpu)
+    assert base.reward == 0.0
+    for asked in (["eval.kl_to_start=true"], ["eval.model_judge=true"], ["eval.kl_to_start=true", "eval.model_judge=true"]):
+        est = memory_estimate(_spec(tmp_path, *plain, *asked), policy, cpu)
+        assert est.reward == POLICY_BYTES and est.steady == base.steady + POLICY_BYTES  # one copy serves both
+    # no evaluation runs: no copy is loaded
+    assert memory_estimate(_spec(tmp_path, *plain, "eval.kl_to_start=true", "task.judge.kind=none"),
+                           policy, cpu).reward == 0.0
