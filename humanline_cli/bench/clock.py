@@ -113,9 +113,7 @@ class StepClock(SourceWrapper):
                            sum(int(x.attention_mask.sum()) for mb in mbs for x in mb.extra_seqs()),
                            *[sum(mb.seqs.input_ids.shape[0] for mb in mbs)] * online))
         if self.policy is not None:  # the layout is built once per batch and kept for the forwards
-            from humanline_cli.core.logprobs import processed_tokens
-
-            self.positions.append(sum(processed_tokens(self.policy, mb.seqs) for mb in mbs))
+            self.positions.append(sum(self.policy.processed_tokens(mb.seqs) for mb in mbs))
         return data
 
 

@@ -119,7 +119,7 @@ def project_run(spec, warmup: int, info: dict, prefill: bool = False) -> Run:
         if prefill:
             _prefill(parts, spec.train.steps)
             parts.reference.hits = parts.reference.misses = 0
-        parts.source = StepClock(parts.source, device, spec.train.batch_size, policy=parts.policy)
+        parts.source = StepClock(parts.source, device, spec.train.batch_size, policy=parts.train_model)
         tracker = EndClock(spec.train.steps, device)
         train_loop(parts, timer, tracker)
         if "matmul_params" not in info:

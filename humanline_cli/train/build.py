@@ -34,7 +34,7 @@ from humanline_cli.backend import (
 from humanline_cli.config import RunSpec
 from humanline_cli.core import objectives
 from humanline_cli.core.interfaces import Reference, Sampler, Source
-from humanline_cli.core.logprobs import check_packing, compile_decoder, packing_probe
+from humanline_cli.core.logprobs import ForwardOptions, PolicyForward, check_packing, compile_decoder, packing_probe
 from humanline_cli.core.reference import build_reference, reference_moves
 from humanline_cli.data.collate import Collator, Encoder
 from humanline_cli.data.examples import detect_format, to_units
@@ -141,7 +141,7 @@ class Parts:
     source: Source
     evaluator: Evaluator | None     # None: no judge evaluates (judge=none, task.judge.kind=none)
     eval_sampler: Sampler
-    train_model: torch.nn.Module | None = None  # what the loss differentiates: a DDP wrapper under DDP, else the policy
+    train_model: PolicyForward  # what the loss differentiates (a DDP wrapper under DDP, else the policy), its options
     dist: Dist = Dist()
     memory: MemoryEstimate | None = None  # printed in the run header (None: the model's config could not be read)
     math500: Math500Eval | None = None    # eval.math500.prompts set, else None
@@ -166,6 +166,12 @@ def make_encoder(spec: RunSpec, tokenizer) -> Encoder:
     wrap = getattr(tokenizer, "chat_template", None) is not None if mode == "auto" else bool(mode)
     return Encoder(tokenizer, spec.train.max_prompt_length, spec.train.max_length, wrap_strings=wrap,
                    system_prompt=spec.task_cfg.system_prompt)
+
+
+def make_collator(spec: RunSpec, encoder: Encoder) -> Collator:
+    """Units -> batches of data; train.length_bucketing only without train.packing (packed micro-batches hold no
+    padding: bucketing them by length would save nothing)."""
+    return Collator(encoder, spec.objective_cfg, bucketing=spec.train.length_bucketing and not spec.train.packing)
 
 
 def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = None,
@@ -233,10 +239,11 @@ def build_math500(spec: RunSpec, encoder: Encoder, seed: int | None = None, shar
                        tempered_logps=spec.objective_cfg.tempered_logps)
 
 
-def logps_temperature(spec: RunSpec) -> float:
-    """T that divides the logits of every training log-prob: data.temperature under objective.tempered_logps
-    (TRL's convention), else 1."""
-    return spec.data_cfg.temperature if spec.objective_cfg.tempered_logps else 1.0
+def forward_options(spec: RunSpec) -> ForwardOptions:
+    """How the policy and the reference run a batch: train.packing, train.shared_prefix, and the T that divides the
+    logits of every training log-prob: data.temperature under objective.tempered_logps (TRL's convention), else 1."""
+    t = spec.data_cfg.temperature if spec.objective_cfg.tempered_logps else 1.0
+    return ForwardOptions(pack=spec.train.packing, share_prefix=spec.train.shared_prefix, temperature=t)
 
 
 def make_labeller(spec: RunSpec, device, loaded: dict | None = None):
@@ -416,8 +423,7 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     trust = spec.model_cfg.trust_remote_code
     tokenizer = load_tokenizer(tok_path, trust)
     encoder = make_encoder(spec, tokenizer)
-    collate = Collator(encoder, spec.objective_cfg, packing=spec.train.packing, bucketing=spec.train.length_bucketing,
-                       temperature=logps_temperature(spec), shared_prefix=spec.train.shared_prefix)
+    collate = make_collator(spec, encoder)
     shard = Shard(dist.rank, dist.world_size)
     math500 = build_math500(spec, encoder, shard=shard)  # before any weights: a bad file fails fast
     reward_models: dict = {}  # a labeller and a judge naming one reward model share it
@@ -442,7 +448,8 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     fsdp_full, mixed = strategy == "fsdp" and lora.r == 0, backend.param_dtype is not None
     shard_ref = partial(shard_model, param_dtype=backend.param_dtype)  # the policy's mixed-precision policies
     moving = reference_moves(spec.humanline, spec.regime, spec.correction)
-    reference = build_reference(policy, lora=lora.r > 0, moving=moving,
+    forward = forward_options(spec)
+    reference = build_reference(policy, lora=lora.r > 0, moving=moving, options=forward,
                                 cache=spec.train.reference_cache, shard=shard_ref if fsdp_full else None,
                                 cast=partial(cast_layers, dtype=backend.param_dtype) if fsdp_full and mixed else None,
                                 agree=(lambda f: all_agree(f, dist)) if strategy == "fsdp" else None,
@@ -453,10 +460,11 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
             if m is not None and not compile_decoder(m):
                 spec = dataclasses.replace(spec, notes=(*spec.notes, "train.compile: this model's log-probs take the "
                                                          "full-logits path, which runs eager"))
-    train_model = policy if sharded else wrap_policy(policy, strategy, dist, backend.device, backend.param_dtype)
+    wrapped = policy if sharded else wrap_policy(policy, strategy, dist, backend.device, backend.param_dtype)
+    train_model = PolicyForward(wrapped, forward)
     if spec.train.packing:  # setup step: the model packs (restarting position ids), checked once, on every rank
         with torch.no_grad():
-            check_packing(train_model, packing_probe(policy, backend.device))
+            check_packing(wrapped, packing_probe(policy, backend.device))
     if spec.regime == "online":
         source = _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist,
                                 reward_models)
