@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -34,26 +33,6 @@ EXIT = {"user": 2, "run": 2, "bug": 1}  # the CLI's codes: bad input / a run tha
 # substrings of torch.distributed errors that only say a PEER went away or stopped answering
 SECONDARY = ("connection closed by peer", "connection reset by peer", "timed out", "timeout", "broken pipe",
              "nccl communicator was aborted", "process group watchdog")
-
-
-def release_semaphores() -> None:
-    """Before a rank ends without Python's exit (os._exit, or SIGTERM's default action): run
-    multiprocessing's non-negative-priority exit finalizers, the first stage of its own atexit hook
-    (util._exit_function), which close this rank's queues and unlink their named semaphores (the sampler
-    process's, data.async_lag); children are neither terminated nor joined here. Without it the launcher's
-    resource tracker prints a 'leaked semaphore objects' warning after the job's one error line. Never raises."""
-    with contextlib.suppress(Exception):
-        from multiprocessing import util
-
-        util._run_finalizers(0)
-
-
-def die_by_sigterm() -> None:
-    """End this rank as SIGTERM's default action would (killed by the signal), after releasing its semaphores:
-    a rank the agent stops because a peer failed is no preemption (the failing rank's record names the cause)."""
-    release_semaphores()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def job_id() -> str:

@@ -47,7 +47,7 @@ from humanline_cli.train.finish import finish, header, print_summary
 from humanline_cli.train.lock import RunDirLock
 from humanline_cli.train.nodes import Nodes, clear_markers, prepare_on_node0, wait_for_node0
 from humanline_cli.train.rundir import is_complete, prepare_run_dir, recorded_micro_batch, run_record
-from humanline_cli.train.signals import StepMarker, StopSignal, interrupted_where
+from humanline_cli.train.signals import StepMarker, StopSignal, die_by_sigterm, interrupted_where, release_semaphores
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.train.tracking import NullTracker, Tracker, masked_config
 from humanline_cli.train.trainer import train
@@ -276,14 +276,14 @@ def _rank_main(spec: RunSpec, run_dir: str, cwd: str) -> None:
 def _leave(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    failures.release_semaphores()
+    release_semaphores()
     os._exit(code)
 
 
 def _sigterm_default(signum, frame) -> None:
     """SIGTERM outside StopSignal's reach: the agent's SIGTERM to the surviving ranks when one failed may land
     while they clean up; die as SIGTERM's default would, semaphores released first."""
-    failures.die_by_sigterm()
+    die_by_sigterm()
 
 
 # ------------------------------------------------------------------ one rank: set up, train, finish
