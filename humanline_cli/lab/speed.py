@@ -13,16 +13,18 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pandas as pd
 
+from humanline_cli.core.corrections import CorrectionConfig, CorrectionSpec
 from humanline_cli.lab.predict import Target, Work, predict, target_from_json, within
 from humanline_cli.lab.targets import ASSUMED, SHAPES, Shape, gpu_target, mfu_from_gpu_check
+from humanline_cli.mdtable import md_table
 from humanline_cli.report import matched
 from humanline_cli.report.cost import calls_of
-from humanline_cli.report.frame import LEFT_OUT, correction_spec, humanline_spec, load, md_table, seconds, write_csv
+from humanline_cli.report.frame import LEFT_OUT, humanline_spec, load, seconds, write_csv
 from humanline_cli.report.groups import collapse_duplicates, label
 from humanline_cli.report.regimes import with_regimes
 
@@ -31,6 +33,15 @@ SHOWN = ("sample", "train", "sync", "push", "label", "other", "wait_for_sample",
 MEASURED_COLUMNS = ("sample", "train", "sync", "other", "wait_for_sample", "loop")
 PREDICTED_COLUMNS = ("sample", "push", "train", "sync", "label", "loop")
 CHECKED_SHARE = 0.05  # phases below this share of the measured loop are shown but not held to the tolerance
+
+
+def correction_spec(cfg: dict | None) -> object:
+    """core's CorrectionSpec of a flat config: its correction.* keys, the schema's defaults where unset (none for a
+    run saved before the key existed)."""
+    cfg = cfg or {}
+    return CorrectionSpec.from_config(CorrectionConfig(**{f.name: cfg[f"correction.{f.name}"]
+                                                          for f in fields(CorrectionConfig)
+                                                          if f"correction.{f.name}" in cfg}))
 
 
 def train_tokens(metrics: list[dict], steps: int) -> float | None:

@@ -16,8 +16,9 @@ import pandas as pd
 
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.errors import ArgumentParser, UserError, finite_float
+from humanline_cli.mdtable import md_table
 from humanline_cli.report import async_lag, cost, gap_closed, matched, study_csv
-from humanline_cli.report.frame import MARKERS, find_run_dirs, frame, load_run, md_table, write_csv
+from humanline_cli.report.frame import MARKERS, find_run_dirs, frame, load_run, write_csv
 from humanline_cli.report.groups import DEFAULT_IGNORE, collapse_duplicates, label, parse_ignore, under
 from humanline_cli.report.plots import FAMILIES, log_to_wandb, make_plots, order
 from humanline_cli.report.regimes import regime_gap_rows, with_regimes
@@ -231,11 +232,9 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
         write_csv(rows, files[name], digits)
 
     # a sweep over named regimes (experiment=laptop_regimes) pairs each regime with its own baselines
-    gaps = regime_gap_rows(complete)
-    gaps = gap_closed.gap_rows(complete, ignore) if gaps.empty else gaps
-    gap_csv = gap_closed.gap_frame(gaps, margin)
-    bounds = dict.fromkeys(gap_csv.columns[len(gap_closed.CSV_COLUMNS):], 6)  # --margin's columns
-    table("gap_closed.csv", gap_csv, {**gap_closed.DIGITS, **bounds})
+    gaps = regime_gap_rows(complete, margin)
+    gaps = gap_closed.gap_rows(complete, ignore, margin) if gaps.empty else gaps
+    table("gap_closed.csv", gap_closed.gap_frame(gaps), gap_closed.DIGITS)
     md += "\n## Gap closed by humanline-offline\n\n" + "\n".join(gap_closed.markdown(gaps))
     if gap_closed.plot(gaps, out_dir / "gap_closed.png"):
         files["gap_closed.png"] = out_dir / "gap_closed.png"

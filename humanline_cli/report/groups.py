@@ -123,17 +123,15 @@ def differing_keys(signatures: list) -> set:
     return {k for k in keys if len({d.get(k) for d in dicts}) > 1}
 
 
-def comparison_sets(runs: pd.DataFrame, ignore=()) -> list[tuple[str, str, str, list]]:
+def comparison_sets(runs: pd.DataFrame, ignore=()) -> list[tuple[str, str, str, pd.DataFrame]]:
     """(task, objective, label, groups) per set of groups (label's rows) agreeing outside the family-defining
     keys; the label names the keys that tell the set apart from the objective's other sets."""
+    gs = label(runs, ignore)[1]
     out = []
-    for task, tg in label(runs, ignore)[1].groupby("task", sort=True):
-        sets: dict[tuple, list] = {}
-        for g in tg.itertuples():
-            sets.setdefault(g.sig[1:], []).append(g)
-        for (objective, sig), members in sorted(sets.items(), key=lambda kv: str(kv[0])):
-            differing = differing_keys([s for (o, s) in sets if o == objective])
-            out.append((task, objective, ", ".join(f"{k}={v}" for k, v in (sig or ()) if k in differing), members))
+    for (task, _), members in gs.groupby([gs.task, gs.sig.map(lambda s: str(s[1:]))], sort=True):
+        _, objective, sig = members.sig.iloc[0]
+        differing = differing_keys({s for t, o, s in gs.sig if (t, o) == (task, objective)})
+        out.append((task, objective, ", ".join(f"{k}={v}" for k, v in (sig or ()) if k in differing), members))
     return out
 
 

@@ -47,7 +47,7 @@ def with_regimes(runs: pd.DataFrame) -> pd.DataFrame:
     return runs.assign(regime_meta=meta, regime=regime)
 
 
-def regime_gap_rows(runs: pd.DataFrame) -> pd.DataFrame:
+def regime_gap_rows(runs: pd.DataFrame, margin: float | None = None) -> pd.DataFrame:
     """gap_closed.gap_rows per humanline regime of a sweep over named regimes, against the baseline and target
     its regime_meta names, in the order multirun.yaml lists their `regime=` values, then the rest sorted; empty
     when no run has a regime."""
@@ -70,6 +70,6 @@ def regime_gap_rows(runs: pd.DataFrame) -> pd.DataFrame:
         if meta.get("family") != "humanline" or offline not in by or online not in by:
             continue
         vs = f"{offline}, {online}"
-        rows.append(gap_rows(pd.concat([by[name], by[offline], by[online]]), ignore=SWEEP_IGNORE).assign(
+        rows.append(gap_rows(pd.concat([by[name], by[offline], by[online]]), SWEEP_IGNORE, margin).assign(
             set=name + ("" if vs == "offline, online" else f" (vs {vs})"), regime=name, compared_with=vs))
     return pd.concat(rows, ignore_index=True) if rows else gap_rows(runs.iloc[:0])
