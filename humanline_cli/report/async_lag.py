@@ -26,7 +26,8 @@ def async_rows(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
         for g in members.itertuples():
             m = _ASYNC.match(g.family)
             sync_family = m and (m.group(1) or "") + (m.group(2).removesuffix("-") or "online")
-            partners = [p for p in members.itertuples() if m and p.family == sync_family and hl_settings(p) == hl_settings(g)]
+            partners = [p for p in members.itertuples()
+                        if m and p.family == sync_family and hl_settings(p) == hl_settings(g)]
             if len(partners) != 1:
                 continue
             sync, lagged = runs.loc[partners[0].members], runs.loc[g.members]

@@ -156,7 +156,8 @@ def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.
             "equal_text": "n/a" if not equal else ("–" if equal["speedup"] is None else f"{equal['speedup']:.2f}x")
             + " (reached: " + ", ".join(f"{n} {equal[a]['reached']} of {equal[a]['n']}" for a, n in
                                         (("online", "online"), ("humanline-offline", "humanline"))) + ")",
-            "online_sampling_share": share, "speedup_bound_matched": None if share is None or share >= 1 else 1 / (1 - share),
+            "online_sampling_share": share,
+            "speedup_bound_matched": None if share is None or share >= 1 else 1 / (1 - share),
             **{_col("score", m, a, k): (scores.get((m, a)) or {}).get(k) for m in METRICS for a in ARMS
                for k in ("mean", "lo", "hi")}, **paired, **_no_pairs(margin, paired)}
 

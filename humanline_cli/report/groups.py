@@ -151,28 +151,34 @@ def varying_keys(groups_: pd.DataFrame, derived: dict) -> dict[str, set]:
     return out
 
 
+GROUP_COLUMNS = ("task", "objective", "family", "cfg", "raw", "members", "row_keys", "label", "variant", "sig")
+
+
 def label(runs: pd.DataFrame, ignore=()) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Complete runs -> (runs with `group`, `variant`; groups with `labels`, `row`, `label`, `sig`). Per task the
-    varying keys outside the family-defining subtrees make a table's rows (`row`), the others label a cell
-    (`label`); `variant` is every label; `sig` is (task, objective, signature)."""
+    """Complete runs -> (runs with `group`, `variant`; groups with GROUP_COLUMNS and a column per varying key, the
+    text of the group's value where it tells the group apart). Per task the varying keys outside the
+    family-defining subtrees make a table's rows (`row_keys`), the others label a cell (`label`); `variant` is every
+    label; `sig` is (task, objective, signature)."""
     gs = groups(runs, ignore)
-    runs = runs.assign(group=-1, variant="")
-    gs["labels"], gs["row"], gs["label"], gs["sig"] = None, None, "", None
-    for _, tg in gs.groupby("task", sort=True):
-        derived = derived_from(tg)
-        varying = varying_keys(tg, derived)
-        row_keys = sorted(k for k in varying if not family_defining(k, derived))
-        for i, g in tg.iterrows():
-            # the varying keys this group has a distinguishing value for, as text
-            labels = ({NO_CONFIG: "missing"} if NO_CONFIG in varying else {}) if g.cfg is None else {
-                k: (show(g.cfg[k]) if k in g.cfg else "unset") for k, scs in varying.items()
-                if k != NO_CONFIG and scope(g, k, derived) in scs}
-            gs.at[i, "labels"] = labels
-            gs.at[i, "row"] = tuple((k, labels.get(k, "–")) for k in row_keys)
-            gs.at[i, "label"] = ", ".join(f"{k}={v}" for k, v in labels.items() if k not in row_keys)
-            # what must match for a speedup or a comparison: all but the family-defining keys
-            gs.at[i, "sig"] = (g.task, g.objective, None if g.cfg is None else tuple(sorted(
-                (k, canon(v)) for k, v in g.cfg.items() if not family_defining(k, derived))))
-            runs.loc[g.members, "group"] = i
-            runs.loc[g.members, "variant"] = ", ".join(f"{k}={v}" for k, v in labels.items())
-    return runs, gs
+    parts = [_label_task(tg) for _, tg in gs.groupby("task", sort=True)]
+    gs = pd.concat(parts).sort_index() if parts else gs.assign(row_keys=None, label="", variant="", sig=None)
+    member = gs.members.explode()
+    at = pd.Series(member.index, index=member.to_numpy(), dtype=int)  # run -> its group
+    return runs.assign(group=at, variant=pd.Series(gs.variant[at].to_numpy(), index=at.index, dtype=object)), gs
+
+
+def _label_task(tg: pd.DataFrame) -> pd.DataFrame:
+    derived = derived_from(tg)
+    varying = varying_keys(tg, derived)
+    row_keys = tuple(sorted(k for k in varying if not family_defining(k, derived)))
+    # the varying keys each group has a distinguishing value for, as text
+    labels = [({NO_CONFIG: "missing"} if NO_CONFIG in varying else {}) if g.cfg is None else {
+        k: (show(g.cfg[k]) if k in g.cfg else "unset") for k, scs in varying.items()
+        if k != NO_CONFIG and scope(g, k, derived) in scs} for g in tg.itertuples()]
+    # what must match for a speedup or a comparison: all but the family-defining keys
+    sig = [(g.task, g.objective, None if g.cfg is None else tuple(sorted(
+        (k, canon(v)) for k, v in g.cfg.items() if not family_defining(k, derived)))) for g in tg.itertuples()]
+    out = tg.assign(row_keys=[row_keys] * len(tg), sig=sig,
+                    label=[", ".join(f"{k}={v}" for k, v in d.items() if k not in row_keys) for d in labels],
+                    variant=[", ".join(f"{k}={v}" for k, v in d.items()) for d in labels])
+    return pd.concat([out, pd.DataFrame(labels, index=tg.index, dtype=object)], axis=1)

@@ -239,7 +239,8 @@ def log_to_wandb(rep, mode: str) -> str | None:
         run = wandb.init(project="humanline", job_type="report", mode=mode, dir=str(rep.out_dir),
                          name=f"report-{rep.root.resolve().name}", reinit="finish_previous")
         try:
-            rows = [[c["config"][k] if k in c["config"] else c.get(k) for k in rep.columns] for c in rep.cells]
+            table = rep.cells.reindex(columns=list(rep.columns)).astype(object)
+            rows = table.where(table.notna(), None).to_numpy().tolist()
             run.log({"report/table": wandb.Table(columns=list(rep.columns), data=rows),
                      **{f"report/{name[:-4]}": wandb.Image(str(p)) for name, p in rep.files.items()
                         if name.endswith(".png")}})
