@@ -159,7 +159,7 @@ def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.
             "online_sampling_share": share,
             "speedup_bound_matched": None if share is None or share >= 1 else 1 / (1 - share),
             **{_col("score", m, a, k): (scores.get((m, a)) or {}).get(k) for m in METRICS for a in ARMS
-               for k in ("mean", "lo", "hi")}, **paired, **_no_pairs(margin, paired)}
+               for k in ("mean", "lo", "hi")}, **paired, **({} if margin is None else {"equivalence_margin": margin})}
 
 
 def sampling_share(summary: dict) -> float | None:
@@ -183,14 +183,6 @@ def paired_columns(mode: str, both: pd.DataFrame, per_prompt: dict | None = None
             e = equivalence(t["diffs"], margin)
             out |= {f"{name}_lo90": e["lo"], f"{name}_hi90": e["hi"], f"{name}_equivalence": e["verdict"]}
     return out
-
-
-def _no_pairs(margin: float | None, paired: dict) -> dict:
-    """The equivalence columns with `margin` (n/a where a mode had no paired scores), nothing without."""
-    if margin is None:
-        return {}
-    return {"equivalence_margin": margin, **{c: paired.get(c, "n/a" if c.endswith("equivalence") else None)
-                                            for c in MARGIN_COLUMNS[1:]}}
 
 
 def prompt_scores(paths: dict, metric: str) -> dict | None:
@@ -224,8 +216,13 @@ DIGITS = {c: 4 if c.startswith(("speedup", "online_sampling")) else 6 for c in (
 
 
 def gap_frame(rows: pd.DataFrame) -> pd.DataFrame:
-    """gap_closed.csv: one row per comparison, its columns and, where gap_rows had a margin, MARGIN_COLUMNS."""
-    return rows[[c for c in (*CSV_COLUMNS, *MARGIN_COLUMNS) if c in rows]].astype(object)
+    """gap_closed.csv: one row per comparison, its columns and, where gap_rows had a margin, MARGIN_COLUMNS (the
+    verdict `n/a` where a mode had no paired scores)."""
+    if "equivalence_margin" not in rows:
+        return rows[list(CSV_COLUMNS)].astype(object)
+    out = rows.reindex(columns=[*CSV_COLUMNS, *MARGIN_COLUMNS]).astype(object)
+    verdicts = [c for c in MARGIN_COLUMNS if c.endswith("equivalence")]
+    return out.assign(**out[verdicts].fillna("n/a"))
 
 
 GAP_NOTE = ("gap closed = mean(humanline-offline - offline) / mean(online - offline) over seeds paired by seed (a "

@@ -25,6 +25,16 @@ def regime_of(run_dir: Path) -> str | None:
     return next((v for k, _, v in (str(o).lstrip("+").partition("=") for o in overrides) if k == "regime"), None)
 
 
+def listed_regimes(sweep: Path) -> list[str]:
+    """The `regime=` values a sweep's multirun.yaml lists, in order ([] without one)."""
+    import yaml
+
+    f = sweep / "multirun.yaml"
+    sweep_cfg = (yaml.safe_load(f.read_text()) if f.is_file() else None) or {}
+    params = ((sweep_cfg.get("hydra") or {}).get("sweeper") or {}).get("params") or {}
+    return [x.strip() for x in str(params.get("regime", "")).split(",") if x.strip()]
+
+
 def regime_meta(config: dict | None, path: Path) -> dict:
     """A run's regime_meta (name, family, baseline, target) as saved, else as its `regime=` file
     (conf/regime/NAME.yaml) declares it now, for runs saved before regimes declared it; {} for no regime."""
@@ -51,8 +61,6 @@ def regime_gap_rows(runs: pd.DataFrame, margin: float | None = None) -> pd.DataF
     """gap_closed.gap_rows per humanline regime of a sweep over named regimes, against the baseline and target
     its regime_meta names, in the order multirun.yaml lists their `regime=` values, then the rest sorted; empty
     when no run has a regime."""
-    import yaml
-
     named = runs[[bool(m.get("name")) for m in runs["regime_meta"]]] if len(runs) else runs
     by = {name: rs for name, rs in named.groupby("regime", sort=False)}
     metas = {m["name"]: m for m in named["regime_meta"]}
@@ -60,9 +68,7 @@ def regime_gap_rows(runs: pd.DataFrame, margin: float | None = None) -> pd.DataF
     root = Path(os.path.commonpath([str(p) for p in runs["path"]])) if len(runs) else Path(".")
     while root != root.parent and not (root / "multirun.yaml").is_file():
         root = root.parent  # the sweep dir, where multirun.yaml lists the regimes in order
-    sweep = yaml.safe_load((root / "multirun.yaml").read_text()) if (root / "multirun.yaml").is_file() else None
-    params = ((sweep or {}).get("hydra") or {}).get("sweeper", {}).get("params") or {}
-    listed = dict.fromkeys(name_of[x.strip()] for x in str(params.get("regime", "")).split(",") if x.strip() in name_of)
+    listed = dict.fromkeys(name_of[x] for x in listed_regimes(root) if x in name_of)
     rows = []
     for name in [*listed, *sorted(set(name_of.values()) - set(listed))]:
         meta = metas[name]
