@@ -93,6 +93,7 @@ def aggregate(runs: pd.DataFrame, groups: pd.DataFrame) -> pd.DataFrame:
     fam_rank = {f: i for i, f in enumerate(order(set(cells.family), FAMILIES))}
     key = [(t, obj_rank[o], [_natural(_text(c[k])) for k in ks], fam_rank[f], lab) for t, o, ks, f, lab, c in
            zip(cells.task, cells.objective, cells.row_keys, cells.family, cells.label, cells.to_dict("records"))]
+    cells = cells.drop(columns=["cfg", "raw", "members"])  # the group's config and runs stay in `groups`
     return cells.iloc[sorted(range(len(cells)), key=key.__getitem__)].reset_index(drop=True)
 
 

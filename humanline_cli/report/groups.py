@@ -60,15 +60,12 @@ def collapse_duplicates(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[Duplicat
     """One run per identity (its config with the seed, else its outputs' fingerprint), so a copied run dir is
     never a second seed; the first dir (sorted) is kept."""
     runs = runs.sort_values("path", key=lambda p: p.map(str))
-    first: dict[tuple, object] = {}
-    dups = []
-    for r in runs.itertuples():
-        ident = (("config", r.task, r.objective, r.family, canon(r.seed), canon(comparable_config(r.config)))
-                 if r.config is not None else ("outputs", r.fingerprint))
-        kept = first.setdefault(ident, r)
-        if kept is not r:
-            dups.append(Duplicate(r, kept, r.fingerprint == kept.fingerprint))
-    return runs.loc[[r.Index for r in first.values()]], dups
+    ident = pd.Series([canon(["config", r.task, r.objective, r.family, canon(r.seed), comparable_config(r.config)])
+                       if r.config is not None else r.fingerprint for r in runs.itertuples()], index=runs.index)
+    kept = pd.Series(ident.index, index=ident.to_numpy()).groupby(level=0).first()  # identity -> the first run
+    dups = [Duplicate(runs.loc[i], runs.loc[k], runs.at[i, "fingerprint"] == runs.at[k, "fingerprint"])
+            for i, k in zip(ident.index, kept[ident].to_numpy()) if i != k]
+    return runs[~ident.duplicated()], dups
 
 
 def groups(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
@@ -137,15 +134,12 @@ def comparison_sets(runs: pd.DataFrame, ignore=()) -> list[tuple[str, str, str, 
 
 def varying_keys(groups_: pd.DataFrame, derived: dict) -> dict[str, set]:
     """key -> the scopes in which it takes more than one value (absent counts as a value)."""
-    seen: dict[str, dict] = {}
     rows = list(groups_.itertuples())
-    for k in sorted({k for g in rows if g.cfg for k in g.cfg}):
-        for g in rows:
-            sc = scope(g, k, derived)
-            if sc is not None:
-                seen.setdefault(k, {}).setdefault(sc, set()).add(canon(g.cfg[k]) if k in g.cfg else None)
-    out = {k: {sc for sc, vals in by.items() if len(vals) > 1} for k, by in seen.items()}
-    out = {k: scs for k, scs in out.items() if scs}
+    seen = pd.DataFrame([(k, sc, canon(g.cfg[k]) if k in g.cfg else None)
+                         for k in sorted({k for g in rows if g.cfg for k in g.cfg})
+                         for g in rows if (sc := scope(g, k, derived)) is not None], columns=["key", "scope", "value"])
+    many = seen.groupby(["key", seen.scope.map(str)], sort=False).filter(lambda g: g.value.nunique(dropna=False) > 1)
+    out = many.groupby("key", sort=False).scope.agg(set).to_dict()
     if any(g.cfg is None for g in rows) and any(g.cfg is not None for g in rows):
         out[NO_CONFIG] = {None}
     return out

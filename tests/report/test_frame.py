@@ -43,3 +43,27 @@ def test_evaluation_points_carry_work_and_loop_seconds():
     assert final.work_s == pytest.approx(33.75) and final.loop_s == pytest.approx(36.8)
     sampled_final = pts[(pts.point == "final") & (pts.metric == "accuracy")].value.tolist()
     assert final.value == 0.80 and sampled_final == [pytest.approx(0.77)]
+
+
+def _nested_columns(frame) -> list[str]:
+    return [c for c in frame if frame[c].map(lambda x: isinstance(x, dict)).any()]
+
+
+def test_the_computed_frames_hold_no_dicts(tmp_path):
+    """The comparisons and the cells are tidy: a number, a text (or a list of seeds) per cell, never a dict to
+    unpack, so pandas groups, pivots and writes them as they are (the loaded run rows keep their raw records)."""
+    from humanline_cli.report.aggregate import build_report
+    from humanline_cli.report.gap_closed import MARGIN_COLUMNS, gap_frame, gap_rows
+    from humanline_cli.report.groups import collapse_duplicates
+
+    runs = load(STUDY)
+    complete = collapse_duplicates(runs[runs.status == "complete"])[0]
+    gaps = gap_rows(complete, margin=0.05)
+    assert len(gaps) == 4 and _nested_columns(gaps) == []  # the 4 rows of golden/expected/study/gap_closed.csv
+    # a comparison's paired contrasts are columns: greedy online - offline on the grpo async-1 set, per seed
+    async1 = gaps[(gaps.objective == "grpo") & (gaps.set == "async-1")].iloc[0]
+    assert async1["greedy_online_minus_humanline_offline_equivalence"] == "equivalent within +-0.05"
+    assert list(gap_frame(gaps).columns[-len(MARGIN_COLUMNS):]) == list(MARGIN_COLUMNS)
+    rep = build_report(STUDY, tmp_path)
+    assert len(rep.cells) == 13 and _nested_columns(rep.cells) == []
+    assert rep.cells.n_seeds.sum() == 31  # the 32 complete run dirs less the copy, counted once
