@@ -279,6 +279,18 @@ def spread_note(constants: dict | None) -> str:
             + ", ".join(f"{k} {spread[k]['spread']:.0%}" for k in keys))
 
 
+def predicted_to_target(rows: pd.DataFrame, loops: dict) -> pd.DataFrame:
+    """Per target (target name -> {(task, objective, regime): predicted loop seconds of the whole run}) a column of
+    matched.matched_rows' predicted seconds to the target score: the run's loop prorated by the median steps to it."""
+    def prorated(by: dict, r) -> str | None:
+        loop = by.get((r.task, r.objective, r.regime))
+        v = None if loop is None or r.steps_to is None or not r.steps else loop * r.steps_to / r.steps
+        return None if v is None or v != v else f"{v:.4g}"
+
+    return pd.DataFrame({f"predicted s on {t}": [prorated(by, r) for r in rows.itertuples()] for t, by in loops.items()},
+                        index=rows.index, dtype=object)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m humanline_cli.lab.speed", description=__doc__.split("\n\n")[0])
     p.add_argument("dir", type=Path, help="a sweep dir or runs dir (searched recursively for run dirs)")
@@ -309,12 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     loops: dict = {}
     for r in rows[rows.phase == "loop"].itertuples():
         loops.setdefault(r.target, {})[(r.task, r.objective, r.regime)] = r.predicted_s
+    mrows = matched.matched_rows(complete, a.accuracy)
     out = a.out or a.dir
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out / "predicted.csv", 8)
     text = "\n".join(["# Predicted wall-clock (cost model)", "", *markdown(rows, notes, sources), "",
                       "## Speedup at matched quality", "",
-                      *matched.markdown(matched.matched_rows(complete, a.accuracy), loops), ""])
+                      *matched.markdown(mrows, predicted_to_target(mrows, loops)), ""])
     (out / "predicted.md").write_text(text)
     print(text)
     print(f"wrote {out / 'predicted.csv'}, {out / 'predicted.md'}")

@@ -57,8 +57,8 @@ def matched_rows(runs: pd.DataFrame, accuracy: float | None = None) -> pd.DataFr
     return pd.DataFrame(rows, columns=ROW, dtype=object)
 
 
-def markdown(rows: pd.DataFrame, predicted: dict | None = None) -> list[str]:
-    """`predicted`: target name -> {(task, objective, regime): predicted loop seconds of the whole run}."""
+def markdown(rows: pd.DataFrame, extra: pd.DataFrame | None = None) -> list[str]:
+    """`extra`: more columns, aligned with `rows` (text, or None for "–"), shown before the speedups."""
     if rows.empty:
         return ["No online runs with learning curves to match."]
     targets = dict.fromkeys(f"{r.task} / {r.objective}: {r.metric} {r.target:.4g} ({r.target_note})"
@@ -73,13 +73,9 @@ def markdown(rows: pd.DataFrame, predicted: dict | None = None) -> list[str]:
                          "reached": [f"{r.reached} of {r.seeds}" + (f" (not reached: {r.ended})" if r.ended else "")
                                      for r in rows.itertuples()],
                          "median steps to target": rows.steps_to, "median seconds to target (measured)": rows.seconds})
-    for t, loops in (predicted or {}).items():  # a target's loop prorated by the median steps to the target
-        view[f"predicted s on {t}"] = [None if (loop := loops.get((r.task, r.objective, r.regime))) is None
-                                       or r.steps_to is None or not r.steps else loop * r.steps_to / r.steps
-                                       for r in rows.itertuples()]
+    view = view.join(extra) if extra is not None else view
     view["speedup at matched quality"] = rows.speedup
     view["speedup at equal steps (not matched quality)"] = rows.equal_step_speedup
     x = "{:.2f}x".format
     return out + md_frame(view, {"median steps to target": "{:.1f}", "median seconds to target (measured)": "{:.1f}",
-                           **{c: "{:.4g}" for c in view if c.startswith("predicted s on")},
-                           "speedup at matched quality": x, "speedup at equal steps (not matched quality)": x})
+                                 "speedup at matched quality": x, "speedup at equal steps (not matched quality)": x})
