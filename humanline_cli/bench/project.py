@@ -29,12 +29,14 @@ import signal
 import sys
 import tempfile
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 
 from humanline_cli.bench import trl_runs
 from humanline_cli.bench.clock import EndClock, Run, StepClock, built, collect, compose, matmul_peak, train_loop
+from humanline_cli.bench.sampling_speed import sampler_bench
 from humanline_cli.bench.table import print_result
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.core.reference import CachedReference
@@ -139,10 +141,7 @@ def project_run(spec, warmup: int, info: dict, prefill: bool = False) -> Run:
 
 def summarise(name: str, runs: list[Run], matmul_params: int, peak: float, fp32_peak: float | None = None) -> dict:
     """One system's row; `fp32_peak` (a bf16 run's): its model FLOP/s also as a share of the fp32 matmul peak."""
-    seconds = sum(sum(r.seconds) for r in runs)
-    units = sum(sum(r.units) for r in runs)
-    tokens = sum(sum(r.tokens) for r in runs)
-    kl = sum(sum(r.kl_tokens) for r in runs)
+    seconds, units, tokens, kl = (sum(sum(getattr(r, k)) for r in runs) for k in ("seconds", "units", "tokens", "kl_tokens"))
     flops = 8.0 * matmul_params * tokens + 4.0 * matmul_params * kl
     steps = sum(len(r.seconds) for r in runs)
     row = {"name": name, "units_per_s": units / seconds, "tokens_per_s": tokens / seconds,
@@ -237,8 +236,6 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
                             "max_new_tokens": d.max_new_tokens, "temperature": d.temperature, "lr": plain.train.lr,
                             "beta": plain.objective_cfg.beta, "epsilon": plain.objective_cfg.epsilon}
     if opts["sampler"]:
-        from humanline_cli.bench.sampling_speed import sampler_bench
-
         result["sampler"] = sampler_bench(plain, info, opts["prompts"])
         for got in result["sampler"].values():  # decoding: a forward of 2 P FLOPs per generated token
             if isinstance(got, dict) and "tokens_per_s" in got:
@@ -279,8 +276,6 @@ def _one_run(name: str, specs: dict, warmup: int, info: dict) -> Run:
 
 
 def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {}
     for name in ("torch", "transformers", "trl"):
         with contextlib.suppress(PackageNotFoundError):

@@ -10,8 +10,7 @@ import numpy as np
 import pandas as pd
 
 from humanline_cli.mdtable import md_table
-from humanline_cli.report.frame import (METRICS, WORK, ci_text, column, common_metric, curve, points, read_jsonl,
-                                        seconds)
+from humanline_cli.report.frame import METRICS, WORK, ci_text, column, common_metric, curve, points, read_jsonl, seconds
 from humanline_cli.report.groups import comparison_sets, differing_keys, hl_settings
 from humanline_cli.report.plots import save_figure
 from humanline_cli.report.stats import equivalence, fieller, km_median, mean_ci, paired_t, prompt_bootstrap
