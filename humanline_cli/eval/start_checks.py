@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from humanline_cli.core.batches import Seqs
-from humanline_cli.core.logprobs import token_logps
+from humanline_cli.core.logprobs import ForwardOptions, token_logps
 from humanline_cli.data.collate import make_seqs
 from humanline_cli.eval.evaluator import outcome_ci
 from humanline_cli.rewards.model_judge import ModelJudge, outcome
@@ -35,9 +35,8 @@ def reply_logps(model: torch.nn.Module, prompts: list[list[int]], replies: list[
         for s in range(0, len(prompts), batch_size):
             seqs = make_seqs(prompts[s:s + batch_size], replies[s:s + batch_size], pad_id)
             device = next(model.parameters()).device
-            seqs = Seqs(seqs.input_ids.to(device), seqs.attention_mask.to(device), seqs.loss_mask.to(device),
-                        temperature=temperature)
-            out += token_logps(model, seqs).double().sum(dim=1).tolist()
+            seqs = Seqs(seqs.input_ids.to(device), seqs.attention_mask.to(device), seqs.loss_mask.to(device))
+            out += token_logps(model, seqs, ForwardOptions(temperature=temperature)).double().sum(dim=1).tolist()
     finally:
         model.train(was_training)
     return out
