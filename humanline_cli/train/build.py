@@ -24,6 +24,7 @@ from humanline_cli.backend import (
     Dist,
     all_agree,
     cast_layers,
+    cast_linears,
     init_distributed,
     make_backend,
     seed_everything,
@@ -33,8 +34,10 @@ from humanline_cli.backend import (
 )
 from humanline_cli.config import RunSpec, eval_new_tokens, evaluates
 from humanline_cli.core import objectives
+from humanline_cli.core.attention import use_float32_short_attention
+from humanline_cli.core.humanline import ReferenceRule
 from humanline_cli.core.interfaces import Reference, Sampler, SamplingParams, Source
-from humanline_cli.core.logprobs import check_packing, compile_decoder, packing_probe
+from humanline_cli.core.logprobs import check_packing, compile_decoder, packing_probe, token_logps
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.core.reference import build_reference, reference_moves
 from humanline_cli.data.collate import Collator, Encoder
@@ -692,6 +695,26 @@ def _load_policy(spec: RunSpec, model_path: str, backend: Backend, strategy: str
                        dtype=policy_load_dtype(backend, spec.model_cfg.lora.r)), False
 
 
+def check_reference_cast(policy: torch.nn.Module, reference: torch.nn.Module, backend: Backend) -> None:
+    """A reference whose linear layers are held in the autocast dtype (backend.cast_linears) must compute the policy's
+    log-probs bit for bit, or a sync would not make the log-ratios 0: checked once on a probe, in eval mode, under
+    the run's autocast. A model that computes some linear layer outside autocast (a router in float32) fails it and
+    gets its float32 weights back from the policy, which it still equals."""
+    probe = dataclasses.replace(packing_probe(policy, backend.device), pack=False)
+    training = policy.training
+    policy.eval()
+    try:
+        with torch.no_grad(), backend.autocast():
+            same = torch.equal(token_logps(policy, probe), token_logps(reference, probe))
+    finally:
+        policy.train(training)
+    if not same:
+        ref = dict(reference.named_parameters())
+        for name, p in policy.named_parameters():
+            if ref[name].dtype != p.dtype:
+                ref[name].data = p.detach().clone()
+
+
 def resolve_precision(spec: RunSpec, backend: Backend, device: str, strategy: str) -> tuple[RunSpec, Backend]:
     """backend.precision=measured on CPU, resolved by measuring (precision.choose: a GEMM probe at the model's shapes,
     cached per machine in world_cache): the spec then names the precision chosen (bf16 or fp32, which the memory
@@ -751,6 +774,30 @@ def prepare_files(spec: RunSpec, dist: Dist, timer) -> None:
         wait_for_rank0()
 
 
+def _build_reference(spec: RunSpec, policy: torch.nn.Module, backend: Backend, dist, strategy: str,
+                     sharded: bool) -> Reference:
+    """The run's reference (core/reference.build_reference) in the policy's compute: under FSDP2 bf16 its decoder
+    layers in bf16, sharded as the policy; under bf16 autocast its linear layers held in bf16 (what autocast would
+    cast every forward), except where the reference mixes in the policy (TR-DPO: a bf16 running mix would lose the
+    small updates) or shares the policy's weights (LoRA)."""
+    lora = spec.model_cfg.lora
+    fsdp_full, mixed = strategy == "fsdp" and lora.r == 0, backend.param_dtype is not None
+    shard_ref = partial(shard_model, param_dtype=backend.param_dtype)  # the policy's mixed-precision policies
+    moving = reference_moves(spec.humanline, spec.regime, spec.correction)
+    low_ref = backend.autocast_dtype is not None and lora.r == 0 and not fsdp_full and not sharded and \
+        not ReferenceRule.from_spec(spec.humanline, spec.regime, spec.correction).mix_every
+    cast = partial(cast_layers, dtype=backend.param_dtype) if fsdp_full and mixed else \
+        partial(cast_linears, dtype=backend.autocast_dtype) if low_ref else None
+    reference = build_reference(policy, lora=lora.r > 0, moving=moving,
+                                cache=spec.train.reference_cache, shard=shard_ref if fsdp_full else None, cast=cast,
+                                agree=(lambda f: all_agree(f, dist)) if strategy == "fsdp" else None,
+                                built=sharded_reference(policy, backend.param_dtype or backend.weights_dtype,
+                                                        backend.device, shard_ref) if sharded else None)
+    if low_ref:
+        check_reference_cast(policy, getattr(reference, "inner", reference).model, backend)
+    return reference
+
+
 def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     b = spec.backend_cfg
     backend = make_backend(b.device.value, b.precision.value, spec.threads, b.strategy.value)
@@ -786,6 +833,8 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
             policy, sharded = _load_policy(spec, model_path, backend, strategy)
         case other:
             raise UserError(f"unknown data regime {other!r}")
+    if backend.device.type == "cpu" and backend.autocast_dtype is not None:
+        use_float32_short_attention(policy)  # before the reference's copy: both attend alike
     if spec.train.gradient_checkpointing and not sharded:
         _checkpointing(policy)
     lora = spec.model_cfg.lora
@@ -793,15 +842,7 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         from humanline_cli.core.lora import apply_lora
 
         policy = apply_lora(policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
-    fsdp_full, mixed = strategy == "fsdp" and lora.r == 0, backend.param_dtype is not None
-    shard_ref = partial(shard_model, param_dtype=backend.param_dtype)  # the policy's mixed-precision policies
-    moving = reference_moves(spec.humanline, spec.regime, spec.correction)
-    reference = build_reference(policy, lora=lora.r > 0, moving=moving,
-                                cache=spec.train.reference_cache, shard=shard_ref if fsdp_full else None,
-                                cast=partial(cast_layers, dtype=backend.param_dtype) if fsdp_full and mixed else None,
-                                agree=(lambda f: all_agree(f, dist)) if strategy == "fsdp" else None,
-                                built=sharded_reference(policy, backend.param_dtype or backend.weights_dtype,
-                                                        backend.device, shard_ref) if sharded else None)
+    reference = _build_reference(spec, policy, backend, dist, strategy, sharded)
     if spec.train.compile:  # after the reference's copy: each model's decoder gets its own compiled wrapper
         for m in (policy, getattr(reference, "model", None)):
             if m is not None and not compile_decoder(m):
