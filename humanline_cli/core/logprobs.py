@@ -2,7 +2,7 @@
 
 `token_logps` never builds the full (N, T, V) logits. It runs the model's decoder to the final
 hidden states, keeps only the positions whose next token is a completion token, and applies the
-LM head to chunks of those positions: gather - logsumexp in float32, one chunk of logits alive at
+LM head to chunks of those positions: the log-softmax in float32, gathered, one chunk of logits alive at
 a time in the forward and (through per-chunk activation checkpointing) in the backward too.
 
 With `seqs.pack` (train.packing) the decoder runs on ONE padding-free row holding every sequence's real
@@ -224,7 +224,7 @@ def _packed_token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | No
     if split is None:  # DDP wrappers, FSDP2 roots, logit transforms: the model's own forward
         logits = model(input_ids=packed, position_ids=pos, use_cache=False).logits[0]
         sel = _tempered(_at_least_fp32(logits[at]), seqs.temperature)  # (M, V)
-        picked = sel.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(sel, dim=-1)
+        picked = picked_logps(sel, targets)
     else:
         decoder, head = split
         out = _run_decoder(decoder, input_ids=packed, position_ids=pos, use_cache=False)
@@ -305,7 +305,7 @@ def _chunk_logps(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor,
     """(C, H) hidden states, (C,) targets -> (C,) float32 log-probs (float64 for a float64 model) of
     softmax(logits / temperature)."""
     logits = _tempered(_at_least_fp32(head_logits(head, h)), temperature)
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return picked_logps(logits, targets)
 
 
 def head_logits(head: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -313,7 +313,9 @@ def head_logits(head: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     master weights under bf16 autocast (CPU or CUDA) and under FSDP2 mixed precision (whose root, holding the
     head, is gathered in float32: backend.shard_model). A bf16 logit moves in steps of 0.06-0.25 nats, so bf16
     logits would quantise every log-ratio and push a PPO ratio outside [0.8, 1.2] by rounding alone; the head
-    is ~1/16 of an 8B model's matmul FLOPs. A 16-bit head (a LoRA run's frozen bf16 base) runs as it is."""
+    is ~1/16 of an 8B model's matmul FLOPs. Under 16-bit autocast a plain nn.Linear head runs its backward in the
+    autocast dtype (_Float32Head), as autocast runs every other layer's. A 16-bit head (a LoRA run's frozen bf16
+    base) runs as it is."""
     weight = getattr(head, "weight", None)
     if weight is None or weight.dtype not in (torch.float32, torch.float64):
         return head(h)
@@ -365,9 +367,15 @@ def _full_logits_token_logps(model: torch.nn.Module, seqs: Seqs) -> torch.Tensor
     logits = model(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, use_cache=False).logits
     logits = _tempered(_at_least_fp32(logits[:, :-1]), seqs.temperature)
     targets = seqs.input_ids[:, 1:]
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    logps = picked - torch.logsumexp(logits, dim=-1)
-    return logps * completion_mask(seqs)
+    return picked_logps(logits, targets) * completion_mask(seqs)
+
+
+def picked_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits, (...) targets -> (...) log softmax(logits)[target]: torch's fused log-softmax kernel, one pass
+    to write and one to differentiate, where gather - logsumexp makes five passes over the (..., V) logits forward
+    and four backward (at SmolLM2's 49,152-token vocabulary, 376 positions, one thread: 113 against 220 ms forward and
+    backward; the same value to float32 rounding)."""
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
