@@ -99,9 +99,9 @@ def test_a_head_with_hooks_or_without_autocast_keeps_the_float32_backward():
     exact = up.t() @ h
     for hooked, autocast in ((True, True), (False, False)):
         head = torch.nn.Linear(32, 64, bias=False)
-        calls = []
+        calls: list = []
         if hooked:
-            head.register_forward_hook(lambda *a: calls.append(1))
+            head.register_forward_hook(lambda *a, seen=calls: seen.append(1))
         with BF16 if autocast else torch.autocast("cpu", enabled=False):
             logits = head_logits(head, h)
         logits.backward(up)
