@@ -65,3 +65,17 @@ def test_the_registration_is_in_results_md():
     section = text[text.index("## Registered: humanline against the staleness corrections"):]
     assert "registered, not yet run" in section.split("\n## ")[0]
     assert "experiment=laptop_corrections_frontier" in section and "paired t" in section
+
+
+def test_a_run_dir_names_the_runs_correction():
+    """The default run and sweep dirs end in the correction (humanline=true is correction=humanline)."""
+    import humanline_cli.cli.train  # noqa: F401  (registers the run dirs' resolver, as `humanline train` does)
+
+    def ends(*o):
+        h = _compose("objective=grpo", "data=online", "hydra.job.num=0", *o, hydra_cfg=True).hydra
+        return str(h.run.dir).rsplit("_", 2)[-2:], str(h.sweep.subdir).rsplit("_", 2)[-2:]
+
+    assert ends() == (["online", "none"], ["online", "none"])
+    assert ends("correction=humanline") == (["online", "humanline"], ["online", "humanline"])
+    assert ends("humanline=true") == (["online", "humanline"], ["online", "humanline"])
+    assert ends("correction=tis") == (["online", "tis"], ["online", "tis"])
