@@ -156,3 +156,46 @@ def test_offline_data_of_an_earlier_policy_is_weighed_by_that_policy(cache_dir, 
     assert len(rows) == 3
     assert all(abs(r["correction/raw_ratio_max"] - 1.0) > 1e-3 for r in rows)
     assert all(0.0 < r["correction/dropped_fraction"] < 1.0 for r in rows)
+
+
+# ---- every correction in every regime (done when: runs, or is refused in one line where it has no meaning) -------
+
+REGIMES = {"offline": [],
+           "online": ["data=online", "data.n=4", "data.generate_every=1"],
+           "stale": ["data=online", "data.n=4", "data.generate_every=2"],
+           "async": ["data=online", "data.n=4", "data.generate_every=1", "data.async_lag=1", "data.async_worker=inline"]}
+SHORT = ["train.steps=2", "train.batch_size=4", "eval.n_prompts=4", "train.checkpoint_every=0", "train.save_model=false"]
+
+
+@pytest.fixture(scope="module")
+def sampled(cache_dir, tmp_path_factory):
+    """One `humanline sample` of the tiny world's starting policy for the offline GRPO cells."""
+    return _sample(tmp_path_factory.mktemp("sampled")) / "groups.jsonl"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("correction", ["none", "humanline", "tis", "mis", "decoupled", "trdpo"])
+def test_every_correction_runs_in_every_regime(cache_dir, sampled, tmp_path, correction, regime):
+    """GRPO for none/humanline/tis/mis/decoupled, DPO for trdpo (its only objectives; the others are refused, test
+    above). Offline GRPO trains on the starting policy's own samples, so tis/mis/decoupled weigh exactly 1 there; on
+    synchronous rounds (online, stale) the round-start reference is the sampler, so their raw ratio is 1 to
+    float32 round-off; on asynchronous rounds it is the lag's."""
+    objective = "dpo" if correction == "trdpo" else "grpo"
+    data = [f"data.path={sampled}"] if regime == "offline" and objective == "grpo" else []
+    rows = _rows(tmp_path, "run", f"objective={objective}", f"correction={correction}", *REGIMES[regime], *data,
+                 *SHORT)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
+    # a step whose round has no usable pair (every score tied: online DPO on 4 samples) is skipped, not logged
+    assert rows and {r["step"] for r in rows} <= {1, 2} and (objective == "dpo" or len(rows) == 2)
+    keys = {k for r in rows for k in r}
+    assert ("humanline/unclamped_fraction" in keys) == (correction == "humanline")
+    assert any(k.startswith("correction/") for k in keys) == (correction in ("tis", "mis", "decoupled"))
+    if correction in ("tis", "mis", "decoupled"):
+        raw = [r["correction/raw_ratio_max"] for r in rows]
+        if regime == "offline":
+            assert raw == [1.0, 1.0]  # the reference's own numbers: exp(0)
+        elif regime in ("online", "stale"):
+            assert all(abs(x - 1.0) < 1e-4 for x in raw)
+        else:
+            assert abs(raw[0] - 1.0) < 1e-4 and all(math.isfinite(x) for x in raw)
