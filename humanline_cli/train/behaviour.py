@@ -62,10 +62,11 @@ def build_behaviour(behaviour_path: str, model_path: str, reference: Reference, 
 
 
 def with_behaviour(batches: list, behaviour: Reference | None) -> list:
-    """Each GRPO micro-batch with the behaviour policy's log-probs where it has none (offline data)."""
+    """Each micro-batch with the behaviour policy's log-probs where it has none (a behaviour policy is built for
+    offline GRPO only: GroupBatch is the batch that carries them)."""
     import dataclasses
 
     if behaviour is None:
         return batches
-    return [mb if getattr(mb, "sampler_logps", True) is not None
+    return [mb if mb.sampler_logps is not None
             else dataclasses.replace(mb, sampler_logps=behaviour.logps(mb.seqs)) for mb in batches]
