@@ -17,6 +17,7 @@ import typing
 from pathlib import Path
 
 from humanline_cli import schema as S
+from humanline_cli.mdtable import md_table
 
 DOC = Path(__file__).resolve().parent / "docs" / "config.md"
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -119,9 +120,7 @@ def rows(prefix: str, options: dict[str, type], values: dict[str, dict] | None =
 
 
 def table(title: str, body: list[tuple[str, str, str]]) -> str:
-    lines = [f"#### {title}", "", "| key | default | meaning |", "|---|---|---|"]
-    lines += [f"| {k} | {d} | {h.replace('|', chr(92) + '|')} |" for k, d, h in body]
-    return "\n".join(lines)
+    return "\n".join([f"#### {title}", "", *md_table(["key", "default", "meaning"], body)])
 
 
 def tables() -> str:

@@ -16,7 +16,7 @@ it and from its own; never from above.
                    CPU's measured precision
     core           the method: the objectives (each with its config, loss, units and batch), humanline, the
                    reference, log-probs, batches
-    errors, atomic leaves
+    errors, atomic, mdtable   leaves (mdtable: the one pipe-table writer of the docs and the report)
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "humanline_cli"
 
 LAYERS = {
-    "errors": 0, "atomic": 0,
+    "errors": 0, "atomic": 0, "mdtable": 0,
     "core": 1,
     "backend": 2, "config": 2, "schema": 2, "memory": 2, "models": 2, "machine": 2, "precision": 2,
     "data": 3, "sampling": 3,

@@ -65,46 +65,36 @@ def collect(starts: list[float], end: float, sizes: list[tuple], warmup: int) ->
 
 
 class EndClock:
-    """Stands in for tracking.Tracker, or wraps one (`inner`, whose per-step cost is then the run's): the last
-    step's log call marks the end of the run; every step's metrics with a train time are kept."""
+    """Stands in for tracking.Tracker: the last step's log call marks the end of the run; every step's metrics with
+    a train time are kept."""
 
-    def __init__(self, last_step: int, device, inner=None):
-        self.last_step, self.device, self.inner, self.end, self.rows = last_step, device, inner, None, []
+    def __init__(self, last_step: int, device):
+        self.last_step, self.device, self.end, self.rows = last_step, device, None, []
 
     def log(self, step: int, metrics: dict) -> None:
-        if self.inner is not None:
-            self.inner.log(step, metrics)
         if "time/train" in metrics:
             self.rows.append({"step": step, **metrics})
         if step == self.last_step:
             self.end = _now(self.device)
 
     def log_histogram(self, step: int, counts) -> None:
-        if self.inner is not None:
-            self.inner.log_histogram(step, counts)
+        pass
 
 
 class StepClock(SourceWrapper):
     """Wraps a run's source: each next_step call marks the start of a step and records its units (an online step's
-    from the round: data.generate_every=1 makes a round one step), tokens, KL tokens and sequences; with `timer`,
-    also the phase seconds and this process's CPU and run-queue seconds so far."""
+    from the round: data.generate_every=1 makes a round one step), tokens, KL tokens and sequences; with `policy`,
+    the positions its decoder runs on."""
 
-    def __init__(self, source, device, units_per_step: int = 0, timer=None, policy=None):
+    def __init__(self, source, device, units_per_step: int = 0, policy=None):
         super().__init__(source)
-        self.device, self.units_per_step, self.timer, self.policy = device, units_per_step, timer, policy
+        self.device, self.units_per_step, self.policy = device, units_per_step, policy
         self.starts: list[float] = []
         self.sizes: list[tuple[int, ...]] = []
-        self.positions: list[int] = []  # with `policy`: the positions its decoder runs on per step
-        self.phases: list[dict] = []
-        self.cpu: list[tuple[float, float | None]] = []
+        self.positions: list[int] = []
 
     def next_step(self, step: int):
-        from humanline_cli.sampling.proc_clock import cpu_s, run_queue_s
-
         self.starts.append(_now(self.device))
-        if self.timer is not None:
-            self.phases.append(dict(self.timer.seconds))
-            self.cpu.append((cpu_s(), run_queue_s()))
         data = self.source.next_step(step)
         mbs = data.micro_batches
         online = "online/units" in data.info

@@ -26,10 +26,24 @@ def _spec(overrides: list[str], rounds: int, lag: int):
                           "eval.every=0", "eval.n_prompts=1"))
 
 
+class PhaseClock(StepClock):
+    """A StepClock that also records, as each step starts, the timer's phase seconds and this process's CPU and
+    run-queue seconds so far."""
+
+    def __init__(self, source, device, timer):
+        super().__init__(source, device)
+        self.timer, self.phases, self.cpu = timer, [], []
+
+    def next_step(self, step: int):
+        self.phases.append(dict(self.timer.seconds))
+        self.cpu.append((cpu_s(), run_queue_s()))
+        return super().next_step(step)
+
+
 def _run(spec) -> dict:
     with built(spec) as (parts, timer, _):
         spec = parts.spec
-        parts.source = clock = StepClock(parts.source, parts.backend.device, timer=timer)
+        parts.source = clock = PhaseClock(parts.source, parts.backend.device, timer)
         tracker = EndClock(spec.train.steps, parts.backend.device)
         train_loop(parts, timer, tracker)
         end, end_cpu = dict(timer.seconds), (cpu_s(), run_queue_s())

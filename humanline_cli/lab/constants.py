@@ -123,6 +123,21 @@ def loop_calls(rows: list[dict], calls: tuple) -> list[dict]:
     return out
 
 
+class TrackedEndClock(EndClock):
+    """An EndClock over a real tracker (`inner`), whose per-step cost is then the run's, as in a real run."""
+
+    def __init__(self, last_step: int, inner):
+        super().__init__(last_step, None)
+        self.inner = inner
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.inner.log(step, metrics)
+        super().log(step, metrics)
+
+    def log_histogram(self, step: int, counts) -> None:
+        self.inner.log_histogram(step, counts)
+
+
 def _mini_run(spec) -> dict:
     """The real loop for spec.train.steps steps: per step (forward tokens, train seconds), and `other`."""
     from humanline_cli.lab.speed import loop_and_other
@@ -131,7 +146,7 @@ def _mini_run(spec) -> dict:
 
     with built(spec) as (parts, timer, tmp):
         spec = parts.spec
-        tracker = EndClock(spec.train.steps, None, Tracker(tmp, spec.config, spec.wandb, "constants"))
+        tracker = TrackedEndClock(spec.train.steps, Tracker(tmp, spec.config, spec.wandb, "constants"))
         try:
             before, t0 = dict(timer.seconds), time.perf_counter()
             train_loop(parts, timer, tracker)

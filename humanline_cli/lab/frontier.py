@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from humanline_cli.report.frame import ci_text, column, load, md_table
+from humanline_cli.mdtable import md_table
+from humanline_cli.report.frame import ci_text, column, load
 from humanline_cli.report.plots import save_figure
 from humanline_cli.report.stats import mean_ci
 

@@ -12,8 +12,9 @@ from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.lab.predict import Work, predict
 from humanline_cli.lab.speed import reference_syncs
 from humanline_cli.lab.targets import ASSUMED, GPUS, SHAPES, gpu_target
+from humanline_cli.mdtable import md_table
 from humanline_cli.report.cost import Call
-from humanline_cli.report.frame import humanline_spec, md_table
+from humanline_cli.report.frame import humanline_spec
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
 import pandas as pd
 
-from humanline_cli.report.frame import load, md_table, write_csv
-from humanline_cli.report.gap_closed import DIGITS, GAP_HEAD, gap_cells, gap_frame, gap_rows, plot
+from humanline_cli.core.objectives import PROPERTIES
+from humanline_cli.mdtable import md_table
+from humanline_cli.report.frame import load, write_csv
+from humanline_cli.report.gap_closed import DIGITS, GAP_HEAD, bar, bar_chart, gap_cells, gap_frame, gap_rows
 from humanline_cli.report.groups import collapse_duplicates, label
 from humanline_cli.report.regimes import regime_gap_rows, with_regimes
 
@@ -45,6 +48,15 @@ def markdown(rows) -> list[str]:
                       r["objective"], *gap_cells(r)) for r in rows])
 
 
+def plot(table: pd.DataFrame, path: Path) -> None:
+    """One bar per regime, grouped and coloured by objective in PROPERTIES order."""
+    rank = {o: i for i, o in enumerate(PROPERTIES)}
+    rows = sorted((r for r in table.to_dict("records") if bar(r)[0] is not None),
+                  key=lambda r: rank.get(r["objective"], len(rank)))
+    bar_chart([f"{r['objective']}\n" + "\n".join(textwrap.wrap(r["regime"], 16)) for r in rows], [bar(r) for r in rows],
+              path, [f"C{rank[r['objective']]}" if r["objective"] in rank else "grey" for r in rows])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m humanline_cli.lab.regime_map", description=__doc__.split("\n\n")[0])
     p.add_argument("studies", nargs="*", help="LABEL=DIR: a regime's label and its `humanline report` dir")
@@ -70,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"regime_map: error: {e}", file=sys.stderr)
         return 2
     print("\n".join(markdown(rows)))
-    plot(rows, out, regimes=True)
+    plot(rows, out)
     if a.sweep:  # a sweep's rows are new: written beside the figure
         write_csv(rows, out.with_suffix(".csv"), DIGITS)
     print(f"wrote {out}" + (f" and {out.with_suffix('.csv')}" if a.sweep else ""))

@@ -13,16 +13,18 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pandas as pd
 
+from humanline_cli.core.corrections import CorrectionConfig, CorrectionSpec
 from humanline_cli.lab.predict import Target, Work, predict, target_from_json, within
 from humanline_cli.lab.targets import ASSUMED, SHAPES, Shape, gpu_target, mfu_from_gpu_check
+from humanline_cli.mdtable import md_table
 from humanline_cli.report import matched
 from humanline_cli.report.cost import calls_of
-from humanline_cli.report.frame import LEFT_OUT, correction_spec, humanline_spec, load, md_table, seconds, write_csv
+from humanline_cli.report.frame import LEFT_OUT, humanline_spec, load, seconds, write_csv
 from humanline_cli.report.groups import collapse_duplicates, label
 from humanline_cli.report.regimes import with_regimes
 
@@ -31,6 +33,15 @@ SHOWN = ("sample", "train", "sync", "push", "label", "other", "wait_for_sample",
 MEASURED_COLUMNS = ("sample", "train", "sync", "other", "wait_for_sample", "loop")
 PREDICTED_COLUMNS = ("sample", "push", "train", "sync", "label", "loop")
 CHECKED_SHARE = 0.05  # phases below this share of the measured loop are shown but not held to the tolerance
+
+
+def correction_spec(cfg: dict | None) -> object:
+    """core's CorrectionSpec of a flat config: its correction.* keys, the schema's defaults where unset (none for a
+    run saved before the key existed)."""
+    cfg = cfg or {}
+    return CorrectionSpec.from_config(CorrectionConfig(**{f.name: cfg[f"correction.{f.name}"]
+                                                          for f in fields(CorrectionConfig)
+                                                          if f"correction.{f.name}" in cfg}))
 
 
 def train_tokens(metrics: list[dict], steps: int) -> float | None:
@@ -268,6 +279,18 @@ def spread_note(constants: dict | None) -> str:
             + ", ".join(f"{k} {spread[k]['spread']:.0%}" for k in keys))
 
 
+def predicted_to_target(rows: pd.DataFrame, loops: dict) -> pd.DataFrame:
+    """Per target (target name -> {(task, objective, regime): predicted loop seconds of the whole run}) a column of
+    matched.matched_rows' predicted seconds to the target score: the run's loop prorated by the median steps to it."""
+    def prorated(by: dict, r) -> str | None:
+        loop = by.get((r.task, r.objective, r.regime))
+        v = None if loop is None or r.steps_to is None or not r.steps else loop * r.steps_to / r.steps
+        return None if v is None or v != v else f"{v:.4g}"
+
+    return pd.DataFrame({f"predicted s on {t}": [prorated(by, r) for r in rows.itertuples()] for t, by in loops.items()},
+                        index=rows.index, dtype=object)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m humanline_cli.lab.speed", description=__doc__.split("\n\n")[0])
     p.add_argument("dir", type=Path, help="a sweep dir or runs dir (searched recursively for run dirs)")
@@ -298,12 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     loops: dict = {}
     for r in rows[rows.phase == "loop"].itertuples():
         loops.setdefault(r.target, {})[(r.task, r.objective, r.regime)] = r.predicted_s
+    mrows = matched.matched_rows(complete, a.accuracy)
     out = a.out or a.dir
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out / "predicted.csv", 8)
     text = "\n".join(["# Predicted wall-clock (cost model)", "", *markdown(rows, notes, sources), "",
                       "## Speedup at matched quality", "",
-                      *matched.markdown(matched.matched_rows(complete, a.accuracy), loops), ""])
+                      *matched.markdown(mrows, predicted_to_target(mrows, loops)), ""])
     (out / "predicted.md").write_text(text)
     print(text)
     print(f"wrote {out / 'predicted.csv'}, {out / 'predicted.md'}")

@@ -16,9 +16,10 @@ import pandas as pd
 
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.errors import ArgumentParser, UserError, finite_float
+from humanline_cli.mdtable import md_table
 from humanline_cli.report import async_lag, cost, gap_closed, matched, study_csv
-from humanline_cli.report.frame import MARKERS, find_run_dirs, frame, load_run, md_table, write_csv
-from humanline_cli.report.groups import DEFAULT_IGNORE, collapse_duplicates, label, parse_ignore, under
+from humanline_cli.report.frame import MARKERS, column, find_run_dirs, frame, load_run, num, write_csv
+from humanline_cli.report.groups import DEFAULT_IGNORE, GROUP_COLUMNS, collapse_duplicates, label, parse_ignore, under
 from humanline_cli.report.plots import FAMILIES, log_to_wandb, make_plots, order
 from humanline_cli.report.regimes import regime_gap_rows, with_regimes
 from humanline_cli.report.stats import win_rate_ci
@@ -49,7 +50,7 @@ class Report:
     root: Path
     out_dir: Path
     frame: pd.DataFrame  # one row per run dir, complete runs with their `group` and `variant`
-    cells: list  # one dict per config group: the CSV columns + "metric", "seeds", "config", "row", "label"
+    cells: pd.DataFrame  # one row per config group: the CSV columns, "metric", "seeds", "row_keys", "label"
     markdown: str
     files: dict  # name -> Path of everything written
     skipped_plots: dict  # plot file name -> why it was skipped
@@ -66,72 +67,75 @@ def _natural(v: str):
         return (1 if v else 2, 0.0, v)
 
 
-def aggregate(runs: pd.DataFrame, groups: pd.DataFrame) -> list[dict]:
-    """One cell per config group (groups.label), by task, objective, row labels, family and cell label."""
-    runs = runs.reindex(columns=list(runs.columns) + [c for c in FIELDS.values() if c not in runs.columns])
-    values = pd.DataFrame({name: pd.to_numeric(runs[col], errors="coerce") for name, col in FIELDS.items()})
+def aggregate(runs: pd.DataFrame, groups: pd.DataFrame) -> pd.DataFrame:
+    """One row per config group (groups.label) with its labels, sorted by task, objective, row labels, family and
+    cell label: mean and sd over its seeds of each FIELDS score (wall-clock: the mean alone), the win rate's
+    interval, and the speedup against the one online group of an otherwise identical config (never a guess)."""
+    if groups.empty:
+        return groups.reindex(columns=[*groups.columns, *CSV_COLUMNS, "metric"])
+    values = pd.DataFrame({name: column(runs, key) for name, key in FIELDS.items()})
     values["lc_win_rate"] /= 100
     stats = values.groupby(runs["group"]).agg(["mean", "std"])
     stats.columns = [k if k in WALL else f"{k}_{m}" for k, m in stats.columns]
-    stats = stats.loc[:, ~stats.columns.duplicated()].astype(object)  # wall-clock keeps its mean
-    stats = stats.where(stats.notna(), None)
-    verifier = runs.groupby("task")["eval.accuracy"].apply(lambda s: s.notna().any())
-    online = {}
-    for i, g in groups[groups.family == "online"].iterrows():
-        online.setdefault(g.sig, []).append(i)
-    cells = []
-    for i, g in groups.iterrows():
-        st = stats.loc[i].to_dict()
-        match = [i] if g.family == "online" else online.get(g.sig, [])
-        # exactly one online group with an otherwise identical config, or no speedup (never a guess)
-        on_wall = stats.at[match[0], "wall_clock_s"] if len(match) == 1 else None
-        members = runs.loc[g.members].sort_values("seed", key=lambda s: s.map(str))
-        wr = members["eval.win_rate"].dropna().astype(float).tolist()
-        ci = members["eval.win_rate_ci"].iloc[0] if "eval.win_rate_ci" in members else None
-        lo, hi = win_rate_ci(wr, ci if isinstance(ci, (list, tuple)) else None) if wr else (None, None)
-        if not verifier[g.task]:
-            st["accuracy_mean"] = st["accuracy_std"] = None
-        cells.append({"task": g.task, "objective": g.objective, "family": g.family, "n_seeds": len(members), **st,
-                      "win_rate_lo": lo, "win_rate_hi": hi,
-                      "speedup_vs_online": on_wall / st["wall_clock_s"] if on_wall and st["wall_clock_s"] else None,
-                      "metric": "accuracy" if verifier[g.task] else "judge reward", "seeds": members["seed"].tolist(),
-                      "config": g.labels, "row": g.row, "label": g.label})
-    obj_rank = {o: i for i, o in enumerate(order({c["objective"] for c in cells}, PROPERTIES))}
-    fam_rank = {f: i for i, f in enumerate(order({c["family"] for c in cells}, FAMILIES))}
-    return sorted(cells, key=lambda c: (c["task"], obj_rank[c["objective"]], [_natural(v) for _, v in c["row"]],
-                                        fam_rank[c["family"]], c["label"]))
+    cells = groups.join(stats.loc[:, ~stats.columns.duplicated()])  # wall-clock keeps its mean
+    verifier = cells.task.map(values["accuracy"].notna().groupby(runs.task).any())
+    cells.loc[~verifier, ["accuracy_mean", "accuracy_std"]] = None
+    sig = cells.sig.map(str)
+    online = cells[cells.family == "online"]
+    on_wall = sig.map(online.groupby(sig[online.index]).wall_clock_s.agg(lambda w: w.iloc[0] if len(w) == 1 else None))
+    on_wall = on_wall.where(cells.family != "online", cells.wall_clock_s).astype(float)
+    members = [runs.loc[m].sort_values("seed", key=lambda s: s.map(str)) for m in cells.members]
+    cells = cells.assign(n_seeds=[len(m) for m in members], metric=verifier.map({True: "accuracy", False: "judge reward"}),
+                         seeds=[m.seed.tolist() for m in members],
+                         speedup_vs_online=(on_wall / cells.wall_clock_s).where((on_wall != 0) & (cells.wall_clock_s != 0)))
+    cells[["win_rate_lo", "win_rate_hi"]] = [_win_interval(m) for m in members]
+    obj_rank = {o: i for i, o in enumerate(order(set(cells.objective), PROPERTIES))}
+    fam_rank = {f: i for i, f in enumerate(order(set(cells.family), FAMILIES))}
+    key = [(t, obj_rank[o], [_natural(_text(c[k])) for k in ks], fam_rank[f], lab) for t, o, ks, f, lab, c in
+           zip(cells.task, cells.objective, cells.row_keys, cells.family, cells.label, cells.to_dict("records"))]
+    cells = cells.drop(columns=["cfg", "raw", "members"])  # the group's config and runs stay in `groups`
+    return cells.iloc[sorted(range(len(cells)), key=key.__getitem__)].reset_index(drop=True)
+
+
+def _win_interval(members: pd.DataFrame) -> tuple:
+    """One seed: the run's own interval; more: the t-interval across seeds (stats.win_rate_ci)."""
+    wr = column(members, "eval.win_rate").dropna().tolist()
+    ci = members["eval.win_rate_ci"].iloc[0] if "eval.win_rate_ci" in members else None
+    return win_rate_ci(wr, ci if isinstance(ci, (list, tuple)) else None) if wr else (None, None)
+
+
+def _text(x) -> str:
+    """A label cell: its text, "–" where the key does not tell the group apart."""
+    return "–" if x is None or x != x else x
 
 
 def _pm(c: dict, key: str) -> str:
     mean, std = c.get(f"{key}_mean"), c.get(f"{key}_std")
-    return "–" if mean is None else f"{mean:.3f}" + (f" ± {std:.3f}" if std is not None else "")
+    return "–" if num(mean) is None else f"{mean:.3f}" + (f" ± {std:.3f}" if num(std) is not None else "")
 
 
 def cell_lines(c: dict) -> list[str]:
-    wr = _pm(c, "win_rate") + ("" if c["win_rate_lo"] is None or c["win_rate_lo"] != c["win_rate_lo"]
-                               else f" [{c['win_rate_lo']:.3f}, {c['win_rate_hi']:.3f}]")
-    wr += "" if c.get("lc_win_rate_mean") is None else ", LC " + _pm(c, "lc_win_rate")
+    wr = _pm(c, "win_rate") + ("" if num(c["win_rate_lo"]) is None else f" [{c['win_rate_lo']:.3f}, {c['win_rate_hi']:.3f}]")
+    wr += "" if num(c.get("lc_win_rate_mean")) is None else ", LC " + _pm(c, "lc_win_rate")
     metric = "acc " + _pm(c, "accuracy") if c["metric"] == "accuracy" else "judge reward " + _pm(c, "reward")
     m500 = [f"{mode} " + _pm(c, f"math500_{mode}") for mode in ("greedy", "sampled")
-            if c.get(f"math500_{mode}_mean") is not None]
-    speed = "n/a" if c["speedup_vs_online"] is None else f"{c['speedup_vs_online']:.2f}x"
-    wall = "–" if c["wall_clock_s"] is None else f"{c['wall_clock_s']:.1f} s"
+            if num(c.get(f"math500_{mode}_mean")) is not None]
+    speed = "n/a" if num(c["speedup_vs_online"]) is None else f"{c['speedup_vs_online']:.2f}x"
+    wall = "–" if num(c["wall_clock_s"]) is None else f"{c['wall_clock_s']:.1f} s"
     return ([c["label"]] if c["label"] else []) + [f"win {wr}", metric, *(["MATH-500 " + ", ".join(m500)] if m500
                                                                          else []), f"{wall} ({speed} vs online)",
                                                    f"n={c['n_seeds']}"]
 
 
-def task_tables(cells: list[dict], sep: str):
+def task_tables(cells: pd.DataFrame, sep: str):
     """Per task: (task, metric, header, rows) of its table, one row per objective and the varying keys outside the
     family-defining subtrees, one column per family; the other keys label the cell itself, its lines joined by `sep`."""
-    for task in sorted({c["task"] for c in cells}):
-        cs, grid = [c for c in cells if c["task"] == task], {}
-        for c in cs:  # cells arrive sorted
-            grid.setdefault((c["objective"], tuple(v for _, v in c["row"])), {}).setdefault(c["family"], []).append(c)
-        fams = order({c["family"] for c in cs}, FAMILIES)
-        rows = [(obj, *vals, *((sep + sep).join(sep.join(cell_lines(c)) for c in by.get(f, [])) or "–" for f in fams))
-                for (obj, vals), by in grid.items()]
-        yield task, cs[0]["metric"], ["objective", *(k for k, _ in cs[0]["row"]), *fams], rows
+    for task, cs in cells.groupby("task", sort=True):
+        keys = ["objective", *cs.row_keys.iloc[0]]
+        view = cs[keys].map(_text).assign(family=cs.family, text=[sep.join(cell_lines(c)) for c in cs.to_dict("records")])
+        grid = view.pivot_table(index=keys, columns="family", values="text", aggfunc=(sep + sep).join, sort=False)
+        grid = grid.reindex(columns=order(set(cs.family), FAMILIES)).fillna("–")
+        yield task, cs.metric.iloc[0], [*keys, *grid.columns], list(grid.reset_index().itertuples(index=False, name=None))
 
 
 def grouping_note(ignore) -> str:
@@ -163,15 +167,14 @@ def render_markdown(root: Path, cells, runs: pd.DataFrame, plots: dict, skipped:
                   "counted once:", "", *(f"- `{_rel(d.dropped.path, root)}` duplicates `{_rel(d.kept.path, root)}` "
                                          f"({'identical outputs' if d.same_outputs else 'outputs differ'})"
                                          for d in duplicates), ""]
-    if not cells:
+    if cells.empty:
         lines += ["No complete runs to aggregate.", ""]
     for task, metric, head, rows in task_tables(cells, "<br>"):
         lines += [f"## Task `{task}`", "",
                   (f"Each cell: win rate vs the starting policy, mean ± sd over seeds [95% CI]; {metric} "
                    f"mean ± sd{'' if metric == 'accuracy' else ' (no verifier for this task)'}; mean wall-clock "
                    "seconds (speedup = online wall-clock / this wall-clock); number of seeds."), "",
-                  *md_table([h.replace("|", "\\|") for h in head],
-                            [(f"**{r[0]}**", *(x.replace("|", "\\|") for x in r[1:])) for r in rows]), ""]
+                  *md_table(head, [(f"**{r[0]}**", *r[1:]) for r in rows]), ""]
     problems = runs[runs.status != "complete"]
     lines += ["## Failed or incomplete runs", "", *([] if len(problems) else ["none"]),
               *(f"- **{r.status}** `{_rel(r.path, root)}` ({r.task} / {r.objective} / {r.family} / seed {r.seed}): "
@@ -231,11 +234,9 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
         write_csv(rows, files[name], digits)
 
     # a sweep over named regimes (experiment=laptop_regimes) pairs each regime with its own baselines
-    gaps = regime_gap_rows(complete)
-    gaps = gap_closed.gap_rows(complete, ignore) if gaps.empty else gaps
-    gap_csv = gap_closed.gap_frame(gaps, margin)
-    bounds = dict.fromkeys(gap_csv.columns[len(gap_closed.CSV_COLUMNS):], 6)  # --margin's columns
-    table("gap_closed.csv", gap_csv, {**gap_closed.DIGITS, **bounds})
+    gaps = regime_gap_rows(complete, margin)
+    gaps = gap_closed.gap_rows(complete, ignore, margin) if gaps.empty else gaps
+    table("gap_closed.csv", gap_closed.gap_frame(gaps), gap_closed.DIGITS)
     md += "\n## Gap closed by humanline-offline\n\n" + "\n".join(gap_closed.markdown(gaps))
     if gap_closed.plot(gaps, out_dir / "gap_closed.png"):
         files["gap_closed.png"] = out_dir / "gap_closed.png"
@@ -252,9 +253,8 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
         table("async.csv", lagged)
         md += "\n## Asynchronous rounds vs synchronous online\n\n" + "\n".join(async_lag.markdown(lagged))
     files["report.md"].write_text(md)
-    keys = sorted({k for c in cells for k in c["config"]})
-    columns = CSV_COLUMNS[:3] + tuple(keys) + CSV_COLUMNS[3:]
-    write_csv(pd.DataFrame([{**c["config"], **c} for c in cells], columns=list(columns)), files["report.csv"], 8)
+    columns = CSV_COLUMNS[:3] + tuple(sorted(c for c in groups if c not in GROUP_COLUMNS)) + CSV_COLUMNS[3:]
+    write_csv(cells.reindex(columns=list(columns)), files["report.csv"], 8)
     known = {k for c in complete["config"] if c for k in c}
     rep = Report(root=root, out_dir=out_dir, frame=pd.concat([complete, runs.drop(complete.index)]).sort_index(),
                  cells=cells, markdown=md, files=files, skipped_plots=skipped, columns=columns,
@@ -287,7 +287,7 @@ def print_report(rep: Report, console=None) -> None:
         for r in rows:
             t.add_row(*r)
         console.print(t)
-    if not rep.cells:
+    if rep.cells.empty:
         console.print("no complete runs to aggregate")
     for r in rep.frame[rep.frame.status != "complete"].itertuples():
         console.print(f"[red]{r.status}[/] {r.path}: {r.reason}", highlight=False, markup=True)

@@ -7,7 +7,8 @@ import re
 
 import pandas as pd
 
-from humanline_cli.report.frame import METRICS, ci_text, column, common_metric, md
+from humanline_cli.mdtable import md_frame
+from humanline_cli.report.frame import METRICS, ci_text, column, common_metric
 from humanline_cli.report.groups import comparison_sets, hl_settings
 from humanline_cli.report.stats import mean_ci, paired_t
 
@@ -22,10 +23,11 @@ def async_rows(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
     `stale-K-async-L`) in its comparison set with the same hl.* settings."""
     rows = []
     for task, objective, _, members in comparison_sets(runs, ignore):
-        for g in members:
+        for g in members.itertuples():
             m = _ASYNC.match(g.family)
             sync_family = m and (m.group(1) or "") + (m.group(2).removesuffix("-") or "online")
-            partners = [p for p in members if m and p.family == sync_family and hl_settings(p) == hl_settings(g)]
+            partners = [p for p in members.itertuples()
+                        if m and p.family == sync_family and hl_settings(p) == hl_settings(g)]
             if len(partners) != 1:
                 continue
             sync, lagged = runs.loc[partners[0].members], runs.loc[g.members]
@@ -59,4 +61,4 @@ def markdown(rows: pd.DataFrame) -> list[str]:
     return ["Each lag L > 0 against synchronous online (lag 0) with the same humanline setting: score mean [95% "
             "t-interval across seeds], whether lag L's mean lies in lag 0's interval, the paired per-seed "
             "difference lag L - lag 0, and speedup = lag-0 wall-clock / lag-L wall-clock at equal steps.", "",
-            *md(view), ""]
+            *md_frame(view), ""]

@@ -4,13 +4,14 @@ with ratios against online of the same objective: exact, machine-independent cou
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
-from humanline_cli.report.frame import md, read_jsonl
+from humanline_cli.mdtable import md_frame
+from humanline_cli.report.frame import read_jsonl
 
 CSV_COLUMNS = ("task", "objective", "regime", "n_runs", "units_trained", "sampled_sequences", "generation_calls",
                "weight_pushes", "sequences_per_call", "pushes_vs_online", "sequences_vs_online", "generated_tokens",
@@ -45,7 +46,7 @@ def run_cost(path: Path, summary: dict) -> dict:
             "sampled_sequences": len(read_jsonl(Path(path) / "samples.jsonl")),
             "generation_calls": calls, "weight_pushes": calls,
             "generated_tokens": sum(c.tokens for c in counted) if counted is not None else None,
-            "longest_completion_per_call": statistics.fmean(c.longest for c in counted) if counted else None}
+            "longest_completion_per_call": float(np.mean([c.longest for c in counted])) if counted else None}
 
 
 def cost_rows(runs: pd.DataFrame) -> pd.DataFrame:
@@ -73,4 +74,4 @@ def markdown(rows: pd.DataFrame) -> list[str]:
            "generated_tokens": "{:.0f}", "longest_completion_per_call": "{:.1f}"}
     return ["Generation during training, at matched training units (mean over the regime's runs; ratios against "
             "online of the same objective). Offline data was sampled once before the runs and is not counted.", "",
-            *md(rows.drop(columns="sequences_vs_online").rename(columns={"n_runs": "runs"}), fmt)]
+            *md_frame(rows.drop(columns="sequences_vs_online").rename(columns={"n_runs": "runs"}), fmt)]

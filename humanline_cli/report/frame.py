@@ -1,7 +1,8 @@
 """Run dirs as data frames, what every table and plot of `humanline report` is computed from: `load(root)` gives
 one row per run dir (status and reason, labels, its summary flattened, its resolved config flattened under `cfg.`,
-and the config, metrics and log-ratio rows themselves); `points(runs)` one row per run and evaluation point (the
-start, every mid-run evaluation, the final one) with its step, wall-clock, work and loop seconds and scores.
+and the config, metrics and log-ratio rows themselves); `points(runs)` the long frame every score is read from: one
+row per run, evaluation point (the start, every mid-run evaluation, the final one) and metric, with its step,
+wall-clock, work and loop seconds.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ CURVE = {"greedy accuracy": ("eval/greedy/accuracy", "eval.greedy.start_accuracy
 FINAL = {**METRICS, "reward": "eval.reward_mean", "sampled accuracy": "eval.sampled.accuracy"}
 WORK = ("train", "sample", "label", "sync", "push")  # phases that are the cost of learning
 LEFT_OUT = ("setup", "eval", "save", "checkpoint", "sampler_start")  # the loop's seconds leave these out
+TIMES = ["step", "wall_s", "work_s", "loop_s"]
+POINTS = ["run", "point", *TIMES, "metric", "value"]  # the long frame of evaluation points
 
 
 def find_run_dirs(root: Path) -> list[Path]:
@@ -195,19 +198,6 @@ def humanline_spec(cfg: dict | None, on: bool) -> object:
     return HumanlineSpec.from_config(bool(on), hl)
 
 
-def correction_spec(cfg: dict | None) -> object:
-    """core's CorrectionSpec of a flat config: its correction.* keys, the schema's defaults where unset (none for a
-    run saved before the key existed)."""
-    from dataclasses import fields
-
-    from humanline_cli.core.corrections import CorrectionConfig, CorrectionSpec
-
-    cfg = cfg or {}
-    return CorrectionSpec.from_config(CorrectionConfig(**{f.name: cfg[f"correction.{f.name}"]
-                                                          for f in fields(CorrectionConfig)
-                                                          if f"correction.{f.name}" in cfg}))
-
-
 def loop_seconds(summary: dict) -> float:
     """The training loop's wall-clock: the total less setup, evaluation, saving, checkpoints, the sampler's start."""
     w = summary.get("wall_clock_s") or {}
@@ -221,41 +211,36 @@ def get(tree: dict, dotted: str):
 
 
 def run_points(summary: dict, metrics: list[dict]) -> pd.DataFrame:
-    """One run's evaluation points (start at step 0 and 0 s, mid, final): `wall_s`, `work_s` (WORK phases so far)
-    and `loop_s` (wall-clock less LEFT_OUT) from the train row of the same step, and each score of CURVE."""
-    start = {name: (0.5 if key is None else num(get(summary, key))) for name, (_, key) in CURVE.items()}
-    rows = [{"point": "start", "step": 0, "wall_s": 0.0, "work_s": 0.0, "loop_s": 0.0, **start}]
+    """One run's evaluation points in long format, a row per point and recorded score: `point` (start at step 0
+    and 0 s, every mid-run evaluation, final), `step`, `wall_s`, `work_s` (WORK phases so far) and `loop_s`
+    (wall-clock less LEFT_OUT), a mid point's from the train row of its step, then `metric` (of CURVE), `value`."""
+    w = summary.get("wall_clock_s") or {}
+    rows = [("start", 0, 0.0, 0.0, 0.0, {n: 0.5 if key is None else get(summary, key) for n, (_, key) in CURVE.items()})]
     train = {r["step"]: r for r in metrics if "time/train" in r}
     for r in metrics:
-        scores = {name: num(r.get(key)) for name, (key, _) in CURVE.items()}
-        if "step" not in r or all(v is None for v in scores.values()):
-            continue
-        t = train.get(r["step"])
-        times = {k.removeprefix("time/"): v for k, v in (t or {}).items() if k.startswith("time/")}
-        loop = num((t or {}).get("wall_s"))
-        rows.append({"point": "mid", "step": r["step"], "wall_s": num(r.get("wall_s")),
-                     "work_s": None if t is None else seconds(times, WORK),
-                     "loop_s": None if loop is None else loop - seconds(times, LEFT_OUT), **scores})
-    w = summary.get("wall_clock_s") or {}
-    final = {name: num(get(summary, key)) for name, key in FINAL.items()}
-    rows.append({"point": "final", "step": int(summary.get("steps") or 0), "wall_s": num(w.get("total")),
-                 "work_s": seconds(w, WORK), "loop_s": loop_seconds(summary) if w else None,
-                 **final})
-    numbers = ["step", "wall_s", "work_s", "loop_s", *CURVE]
-    out = pd.DataFrame(rows, columns=["point", *numbers])
-    out[numbers] = out[numbers].astype(float)  # None -> NaN
-    return out
+        if "step" in r and any(num(r.get(key)) is not None for key, _ in CURVE.values()):
+            t = train.get(r["step"]) or {}
+            times, loop = {k.removeprefix("time/"): v for k, v in t.items() if k.startswith("time/")}, num(t.get("wall_s"))
+            rows.append(("mid", r["step"], num(r.get("wall_s")), seconds(times, WORK) if t else None,
+                         None if loop is None else loop - seconds(times, LEFT_OUT),
+                         {n: r.get(key) for n, (key, _) in CURVE.items()}))
+    rows.append(("final", int(summary.get("steps") or 0), num(w.get("total")), seconds(w, WORK),
+                 loop_seconds(summary) if w else None, {n: get(summary, key) for n, key in FINAL.items()}))
+    out = pd.DataFrame([(*r[:5], n, num(v)) for r in rows for n, v in r[5].items()], columns=POINTS[1:])
+    return out.dropna(subset=["value"]).astype(dict.fromkeys(TIMES, float)).reset_index(drop=True)
 
 
 def points(runs: pd.DataFrame) -> pd.DataFrame:
-    return pd.concat([run_points(r["summary"], r["metrics"]).assign(run=i) for i, r in runs.iterrows()],
-                     ignore_index=True) if len(runs) else pd.DataFrame(columns=["run", "point", "step", *CURVE])
+    """Every run's evaluation points (run_points), `run` its index label in `runs`."""
+    parts = [run_points(s, m).assign(run=i) for i, s, m in zip(runs.index, runs["summary"], runs["metrics"])]
+    return pd.concat(parts, ignore_index=True)[POINTS] if parts else pd.DataFrame(columns=POINTS)
 
 
 def curve(pts: pd.DataFrame, metric: str, *times: str) -> list[tuple]:
-    """One run's evaluation points (rows of `points`) as [(*times, score)] where all were recorded, in order;
+    """One run's points (rows of `points`) of one metric as [(*times, value)] where all were recorded, in order;
     the time is work_s unless `times` names others."""
-    return list(pts[[*(times or ("work_s",)), metric]].dropna().astype(float).itertuples(index=False, name=None))
+    cols = [*(times or ("work_s",)), "value"]
+    return list(pts.loc[pts.metric == metric, cols].dropna().astype(float).itertuples(index=False, name=None))
 
 
 def column(runs: pd.DataFrame, key: str) -> pd.Series:
@@ -281,21 +266,3 @@ def ci_text(ci: dict | None, fmt: str = ".3f") -> str:
     if ci is None or ci.get("mean") is None:
         return "–"
     return format(ci["mean"], fmt) + ("" if ci.get("lo") is None else f" [{ci['lo']:{fmt}}, {ci['hi']:{fmt}}]")
-
-
-def md_table(head: list[str], rows) -> list[str]:
-    return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-            + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
-
-
-def md(table: pd.DataFrame, fmt: dict | None = None) -> list[str]:
-    """A frame as a Markdown pipe table, headers with spaces for underscores; `fmt`: column -> a format string or
-    a function of the cell; a missing number shows as "–"."""
-    def cell(c, x):
-        f = (fmt or {}).get(c)
-        if x is None or (isinstance(x, float) and x != x):
-            return "–"
-        return f(x) if callable(f) else f.format(x) if f else x
-
-    return md_table([str(c).replace("_", " ") for c in table.columns],
-                    [[cell(c, x) for c, x in zip(table.columns, row)] for row in table.itertuples(index=False)])

@@ -5,13 +5,13 @@ GAP_NOTE, printed above the table, says how each number is computed.
 from __future__ import annotations
 
 import json
-import statistics
-import textwrap
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
-from humanline_cli.report.frame import METRICS, WORK, ci_text, column, common_metric, curve, md_table, points, seconds
+from humanline_cli.mdtable import md_table
+from humanline_cli.report.frame import METRICS, WORK, ci_text, column, common_metric, curve, points, seconds
 from humanline_cli.report.groups import comparison_sets, differing_keys, hl_settings
 from humanline_cli.report.plots import save_figure
 from humanline_cli.report.stats import equivalence, fieller, km_median, mean_ci, paired_t, prompt_bootstrap
@@ -70,7 +70,7 @@ def gain_target(online: list) -> tuple[float, float, float]:
     """(start, final, target) from online's learning curves (empty ones left out): the means of their first and
     last scores, and start + TARGET_GAIN x (final - start). It reads online's means only, so no compared regime
     sets its own bar (a target at a regime's own mean final leaves about half its seeds short of it)."""
-    start, final = (statistics.fmean(c[i][-1] for c in online if c) for i in (0, -1))
+    start, final = (float(np.mean([c[i][-1] for c in online if c])) for i in (0, -1))
     return start, final, start + TARGET_GAIN * (final - start)
 
 
@@ -85,65 +85,69 @@ def equal_quality(online: dict, humanline: dict) -> dict:
             "never": out["online"]["n"] - out["online"]["reached"]}
 
 
-def gap_rows(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
-    """One row per comparison of complete runs: an online group, a baseline and a humanline group on its data."""
+def gap_rows(runs: pd.DataFrame, ignore=(), margin: float | None = None) -> pd.DataFrame:
+    """One row per comparison of complete runs (an online group, a baseline and a humanline group on its data):
+    gap_closed.csv's columns, the at-equal-quality cell, each arm's mean and t-interval per metric (score_*) and
+    each paired contrast's (paired_columns); with `margin`, the equivalence columns of gap_frame."""
     pts, rows = points(runs), []
     for task, objective, set_label, members in comparison_sets(runs, ignore):
-        fams: dict[str, list] = {}
-        for g in members:
-            fams.setdefault(g.family, []).append(g)
+        fams = dict(list(members.groupby("family", sort=False)))
         for base, hl_group, hl_label in _comparisons(fams):
-            groups = {"offline": fams[base][0], "online": fams["online"][0], "humanline-offline": hl_group}
+            groups = {"offline": fams[base].iloc[0], "online": fams["online"].iloc[0], "humanline-offline": hl_group}
             arms = pd.concat([runs.loc[g.members].assign(arm=arm) for arm, g in groups.items()])
             arms = arms[~arms.duplicated(["arm", "seed"], keep="last")]  # a seed's runs in ignored keys are one
             label = ", ".join(x for x in (set_label, "" if base == "offline" else base, hl_label) if x)
-            rows.append(_gap_row(task, objective, label, arms, pts))
-    return pd.DataFrame([r for r in rows if r], columns=ROW, dtype=object)
+            rows.append(_gap_row(task, objective, label, arms, pts[pts.run.isin(arms.index)], margin))
+    rows = [r for r in rows if r]
+    return pd.DataFrame(rows, dtype=object) if rows else pd.DataFrame(columns=ROW, dtype=object)
 
 
 def _comparisons(fams: dict) -> list[tuple]:
     """(baseline, humanline group, label): the baseline offline, `stale-K` or `async-L`, each against the one online
     group and every `humanline-<baseline>` group, told apart by the hl.* keys that differ. Ambiguity gives none."""
-    if len(fams.get("online", [])) != 1:
+    if len(fams.get("online", ())) != 1:
         return []
     out = []
     for base in sorted(f for f in fams if f == "offline" or f.startswith(("stale-", "async-"))):
-        hls = fams.get(f"humanline-{base}", [])
+        hls = fams.get(f"humanline-{base}", pd.DataFrame(columns=["cfg", "members"]))
         if len(fams[base]) != 1:
             continue
-        differ = differing_keys([hl_settings(g) for g in hls]) if len(hls) > 1 else set()
-        out += [(base, g, ", ".join(f"{k}={(g.cfg or {}).get(k)}" for k in sorted(differ))) for g in hls]
+        differ = differing_keys([hl_settings(g) for g in hls.itertuples()]) if len(hls) > 1 else set()
+        out += [(base, g, ", ".join(f"{k}={(g.cfg or {}).get(k)}" for k in sorted(differ))) for g in hls.itertuples()]
     return out
 
 
-def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.DataFrame) -> dict | None:
+def _col(*parts: str) -> str:
+    return "_".join(parts).replace("-", "_").replace(" ", "_")
+
+
+def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.DataFrame, margin) -> dict | None:
     metric = common_metric(arms["summary"])
-    scores = arms.reindex(columns=["arm", "seed", *METRICS.values()]).rename(columns={v: k for k, v in METRICS.items()})
-    wide = scores.pivot(index="seed", columns="arm", values=metric).reindex(columns=list(ARMS)).astype(float)
-    if not wide.notna().any().all():
+    final = pts[pts.point == "final"].join(arms[["arm", "seed"]], on="run")
+    wide = final.pivot(index="seed", columns=["metric", "arm"], values="value").astype(float)
+    if metric not in wide or not wide[metric].reindex(columns=list(ARMS)).notna().any().all():
         return None
-    paired_seeds = wide.dropna().sort_index(key=lambda s: s.map(str))
-    curves = {a: {r.seed: curve(pts[pts.run == i], metric) for i, r in arms[arms.arm == a].iterrows()}
-              for a in ARMS[1:]}
+    paired_seeds = wide[metric][list(ARMS)].dropna().sort_index(key=lambda s: s.map(str))
+    curves = {a: {seed: curve(pts[pts.run == i], metric) for i, seed in zip(g.index, g.seed)}
+              for a, g in arms[arms.arm != "offline"].groupby("arm", sort=False)}
     mid = all(len(c) > 2 for a in curves for c in curves[a].values())  # at least one mid-run evaluation
-    paired = {}
+    paths, paired = arms.set_index(["arm", "seed"])["path"], {}
     for mode in SAMPLES:
-        both = scores.pivot(index="seed", columns="arm", values=mode).astype(float).reindex(paired_seeds.index)
+        both = wide.get(mode, pd.DataFrame()).reindex(index=paired_seeds.index, columns=list(ARMS))
         if len(both) and both.notna().all().all():
-            runs_by_arm = {a: [arms[(arms.arm == a) & (arms.seed == s)].iloc[0] for s in both.index] for a in ARMS}
-            paired[mode] = paired_differences({a: both[a].tolist() for a in ARMS}, prompt_scores(runs_by_arm, mode))
-    gap_interval = None
-    if len(paired_seeds) == 1 and metric in paired:  # one seed: the prompt bootstrap decides the gap
-        boot = next(p["boot"] for p in paired[metric] if p["contrast"] == ("online", "offline"))
-        gap_interval = (boot["lo"], boot["hi"]) if boot else None
+            per_prompt = prompt_scores({a: [paths[(a, s)] for s in both.index] for a in ARMS}, mode)
+            paired |= paired_columns(mode, both, per_prompt, margin)
+    boot = [paired.get(_col(MODES.get(metric, ""), "online_minus_offline", k)) for k in ("boot_lo", "boot_hi")]
+    gap_interval = tuple(boot) if len(paired_seeds) == 1 and boot[0] is not None else None  # one seed: bootstrap
     wall = column(arms, "wall_clock_s.total").groupby(arms.arm).mean().dropna()
     on_wall, hl_wall = (float(wall[a]) if a in wall else None for a in ARMS[1:])
     shares = arms[arms.arm == "online"]["summary"].map(sampling_share).dropna()
-    share = statistics.fmean(shares) if len(shares) else None
+    share = float(shares.mean()) if len(shares) else None
     closed = gap_closed_paired(*(paired_seeds[a].tolist() for a in ARMS), gap_interval)
     equal = equal_quality(curves["online"], curves["humanline-offline"]) if mid else None
+    scores = {key: mean_ci(g.value) for key, g in final.groupby(["metric", "arm"])}
     return {"task": task, "objective": objective, "set": label, "metric": metric,
-            **{a.replace("-", "_"): float(wide[a].mean()) for a in ARMS},
+            **{_col(a): float(wide[metric][a].mean()) for a in ARMS},
             "gap_closed": closed["mean"], "gap_closed_lo": closed["lo"], "gap_closed_hi": closed["hi"],
             "n_seeds": closed["n"], **{f"gap{s}": closed["gap"][k] for k, s in (("mean", ""), ("lo", "_lo"), ("hi", "_hi"))},
             "gap_verdict": closed["verdict"], "online_wall_s": on_wall, "humanline_offline_wall_s": hl_wall,
@@ -152,11 +156,10 @@ def _gap_row(task: str, objective: str, label: str, arms: pd.DataFrame, pts: pd.
             "equal_text": "n/a" if not equal else ("–" if equal["speedup"] is None else f"{equal['speedup']:.2f}x")
             + " (reached: " + ", ".join(f"{n} {equal[a]['reached']} of {equal[a]['n']}" for a, n in
                                         (("online", "online"), ("humanline-offline", "humanline"))) + ")",
-            "scores": {a: {m: mean_ci(scores[scores.arm == a][m].dropna().astype(float)) for m in METRICS}
-                       for a in ARMS},
             "online_sampling_share": share,
             "speedup_bound_matched": None if share is None or share >= 1 else 1 / (1 - share),
-            "paired": [{**p, "metric": m} for m, rows in paired.items() for p in rows]}
+            **{_col("score", m, a, k): (scores.get((m, a)) or {}).get(k) for m in METRICS for a in ARMS
+               for k in ("mean", "lo", "hi")}, **paired, **({} if margin is None else {"equivalence_margin": margin})}
 
 
 def sampling_share(summary: dict) -> float | None:
@@ -166,21 +169,30 @@ def sampling_share(summary: dict) -> float | None:
     return seconds(times, ("sample", "label", "push")) / work if work > 0 else None
 
 
-def paired_differences(arms: dict, per_prompt: dict | None = None) -> list[dict]:
-    """Per contrast (a, b): a - b with a t-interval across seeds (`t`, paired by index) and a prompt-level
-    bootstrap over `per_prompt`'s (seeds x prompts) scores (`boot`; None without them)."""
-    return [{"contrast": (a, b), "t": paired_t(arms[a], arms[b]),
-             "boot": prompt_bootstrap(per_prompt[a], per_prompt[b]) if per_prompt else None} for a, b in CONTRASTS]
+def paired_columns(mode: str, both: pd.DataFrame, per_prompt: dict | None = None, margin: float | None = None) -> dict:
+    """Per contrast (a, b) of `both` (seeds x arms, paired by row) a - b: its mean, 95% t-interval and seeds
+    (`<mode>_<a>_minus_<b>_mean` ...), a prompt-level bootstrap over `per_prompt`'s (seeds x prompts) scores
+    (`_boot_lo`, `_boot_hi`; None without them) and, with `margin`, the 90% interval and verdict of equivalence."""
+    out = {}
+    for a, b in CONTRASTS:
+        name, t = _col(MODES[mode], a, "minus", b), paired_t(both[a].tolist(), both[b].tolist())
+        boot = prompt_bootstrap(per_prompt[a], per_prompt[b]) if per_prompt else {}
+        out |= {f"{name}_{k}": t[k] for k in ("mean", "lo", "hi", "n")}
+        out |= {f"{name}_boot_lo": boot.get("lo"), f"{name}_boot_hi": boot.get("hi")}
+        if margin is not None:
+            e = equivalence(t["diffs"], margin)
+            out |= {f"{name}_lo90": e["lo"], f"{name}_hi90": e["hi"], f"{name}_equivalence": e["verdict"]}
+    return out
 
 
-def prompt_scores(runs_by_arm: dict, metric: str) -> dict | None:
-    """{arm: (seeds x prompts)} from each run's eval samples, over the prompts every run scored; None when a run
-    lacks the file or no prompt is shared."""
+def prompt_scores(paths: dict, metric: str) -> dict | None:
+    """{arm: (seeds x prompts)} from each run dir's (`paths[arm]`) eval samples, over the prompts every run scored;
+    None when a run lacks the file or no prompt is shared."""
     table = {}
-    for arm, runs in runs_by_arm.items():
+    for arm, dirs in paths.items():
         table[arm] = []
-        for run in runs:
-            f = Path(run["path"]) / SAMPLES[metric]
+        for d in dirs:
+            f = Path(d) / SAMPLES[metric]
             if not f.is_file():
                 return None
             rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
@@ -189,36 +201,28 @@ def prompt_scores(runs_by_arm: dict, metric: str) -> dict | None:
     return {arm: [[d[p] for p in common] for d in runs] for arm, runs in table.items()} if common else None
 
 
+MODES = {"greedy accuracy": "greedy", "accuracy": "sampled"}
 CSV_COLUMNS = ("task", "objective", "set", "metric", "offline", "online", "humanline_offline", "gap_closed",
                "gap_closed_lo", "gap_closed_hi", "n_seeds", "gap", "gap_lo", "gap_hi", "gap_verdict", "online_wall_s",
                "humanline_offline_wall_s", "speedup", "speedup_equal_quality", "online_never_reached",
                "online_sampling_share", "speedup_bound_matched")
-# a comparison's row: gap_closed.csv's columns, the at-equal-quality cell, each arm's mean_ci per metric
-# (`scores`), paired_differences' rows (`paired`), and a regime sweep's `regime` and `compared_with`
-ROW = (*CSV_COLUMNS, "equal_text", "scores", "paired", "regime", "compared_with")
+# gap_closed.csv's columns with --margin: per mode and contrast the 90% interval and the equivalence verdict
+MARGIN_COLUMNS = ("equivalence_margin", *(_col(m, a, "minus", b, k) for m in MODES.values() for a, b in CONTRASTS
+                                          for k in ("lo90", "hi90", "equivalence")))
+ROW = (*CSV_COLUMNS, "equal_text", "regime", "compared_with")  # an empty frame's columns
 # speeds and shares to 4 significant digits, the other numbers to 6, wall-clock in full
-DIGITS = {c: 4 if c.startswith(("speedup", "online_sampling")) else 6 for c in CSV_COLUMNS if not c.endswith("wall_s")}
+DIGITS = {c: 4 if c.startswith(("speedup", "online_sampling")) else 6 for c in (*CSV_COLUMNS, *MARGIN_COLUMNS)
+          if not c.endswith("wall_s")}
 
 
-MODES = {"greedy accuracy": "greedy", "accuracy": "sampled"}
-
-
-def gap_frame(rows: pd.DataFrame, margin: float | None = None) -> pd.DataFrame:
-    """gap_closed.csv: one row per comparison; with `margin`, per metric and contrast a - b the 90% paired
-    t-interval and the equivalence verdict at +-margin (stats.equivalence), "n/a" without such paired scores."""
-    frame = rows[list(CSV_COLUMNS)].astype(object)
-    if margin is None:
-        return frame
-    out = []
-    for paired in rows["paired"]:
-        got = {(p["metric"], p["contrast"]): equivalence(p["t"]["diffs"], margin) for p in paired or []}
-        row: dict = {"equivalence_margin": margin}
-        for (metric, mode), (a, b) in ((m, c) for m in MODES.items() for c in CONTRASTS):
-            e = got.get((metric, (a, b)), {"lo": None, "hi": None, "verdict": "n/a"})
-            name = f"{mode}_{a}_minus_{b}".replace("-", "_")
-            row |= {f"{name}_lo90": e["lo"], f"{name}_hi90": e["hi"], f"{name}_equivalence": e["verdict"]}
-        out.append(row)
-    return pd.concat([frame, pd.DataFrame(out, index=rows.index, dtype=object)], axis=1)
+def gap_frame(rows: pd.DataFrame) -> pd.DataFrame:
+    """gap_closed.csv: one row per comparison, its columns and, where gap_rows had a margin, MARGIN_COLUMNS (the
+    verdict `n/a` where a mode had no paired scores)."""
+    if "equivalence_margin" not in rows:
+        return rows[list(CSV_COLUMNS)].astype(object)
+    out = rows.reindex(columns=[*CSV_COLUMNS, *MARGIN_COLUMNS]).astype(object)
+    verdicts = [c for c in MARGIN_COLUMNS if c.endswith("equivalence")]
+    return out.assign(**out[verdicts].fillna("n/a"))
 
 
 GAP_NOTE = ("gap closed = mean(humanline-offline - offline) / mean(online - offline) over seeds paired by seed (a "
@@ -264,23 +268,29 @@ GAP_HEAD = ["metric", "offline", "online", "humanline-offline", "gap closed", "s
 def markdown(rows: pd.DataFrame) -> list[str]:
     if rows.empty:
         return ["No comparison set has offline, online and humanline-offline runs: no gap to report.", ""]
+    recs = rows.to_dict("records")
     lines = [GAP_NOTE, "", *md_table(["task", "objective", "set", *GAP_HEAD, "speedup", "at equal quality",
                                       "online sampling (bound)"],
-                                     [(r["task"], r["objective"], r["set"] or "–", *gap_cells(r))
-                                      for r in rows.to_dict("records")]), ""]
+                                     [(r["task"], r["objective"], r["set"] or "–", *gap_cells(r)) for r in recs]), ""]
     modes = (("greedy accuracy", "greedy"), ("accuracy", "sampled"), ("win rate", "sampled win rate"))
-    scores = [(r, name, [(r.scores or {}).get(a, {}).get(mode) for a in ARMS]) for r in rows.itertuples()
-              for mode, name in modes if mode != "win rate" or r.metric == "win rate"]
+    scores = [(r, name, [{k: _num(r.get(_col("score", m, a, k))) for k in ("mean", "lo", "hi")} for a in ARMS])
+              for r in recs for m, name in modes if m != "win rate" or r["metric"] == "win rate"]
     return lines + ["Scores per family, mean [95% t-interval across seeds]: greedy accuracy (temperature 0) and sampled "
                     "accuracy (eval.temperature), or the sampled win rate against the starting policy where the task "
                     "has no accuracy.", "",
                     *md_table(["task", "objective", "set", "mode", *ARMS],
-                              [(r.task, r.objective, r.set or "–", name, *map(ci_text, cells))
-                               for r, name, cells in scores if any(c is not None for c in cells)]), ""]
+                              [(r["task"], r["objective"], r["set"] or "–", name, *map(ci_text, cells))
+                               for r, name, cells in scores if any(c["mean"] is not None for c in cells)]), ""]
+
+
+def _interval(lo, hi) -> str:
+    return "–" if _num(lo) is None else f"[{lo:+.3f}, {hi:+.3f}]"
 
 
 def paired_markdown(rows: pd.DataFrame, margin: float | None = None) -> list[str]:
-    body = [r for r in rows.itertuples() if r.paired]
+    """The paired_columns of every comparison and mode that had paired scores, a row per contrast."""
+    body = [(r, m, a, b, _col(m, a, "minus", b)) for r in rows.to_dict("records") for m in MODES.values()
+            for a, b in CONTRASTS if _num(r.get(_col(m, a, "minus", b, "n"))) is not None]
     if not body:
         return ["No comparison has paired runs.", ""]
     tost = [] if margin is None else [
@@ -291,39 +301,29 @@ def paired_markdown(rows: pd.DataFrame, margin: float | None = None) -> list[str
              "[95% prompt-level bootstrap: the eval prompts resampled, 2000 replicates, the seeds held fixed, so it "
              "leaves out seed-to-seed variation and is narrower than the truth when seeds differ]; `–`: no interval "
              "(one seed, or no per-prompt samples). greedy = temperature 0, sampled = eval.temperature.", ""]
-
-    def interval(x) -> str:
-        return f"[{x['lo']:+.3f}, {x['hi']:+.3f}]" if x and x["lo"] is not None else "–"
-
-    def equiv(p) -> tuple:
-        e = equivalence(p["t"]["diffs"], margin)
-        return interval(e), e["verdict"]
-
     return lines + md_table(["task", "objective", "set", "metric", "a - b", "mean", "t-interval",
                              "bootstrap (prompt-level only)", "seeds",
                              *([] if margin is None else ["90% t-interval", f"equivalence (+-{margin:g})"])],
-                            [(r.task, r.objective, r.set or "–", MODES.get(p["metric"], p["metric"]),
-                              " - ".join(p["contrast"]), f"{p['t']['mean']:+.3f}", interval(p["t"]), interval(p["boot"]),
-                              p["t"]["n"], *(() if margin is None else equiv(p))) for r in body for p in r.paired]) + [""]
+                            [(r["task"], r["objective"], r["set"] or "–", m, f"{a} - {b}", f"{r[c + '_mean']:+.3f}",
+                              _interval(r[c + "_lo"], r[c + "_hi"]), _interval(r[c + "_boot_lo"], r[c + "_boot_hi"]),
+                              int(r[c + "_n"]), *(() if margin is None else (
+                                  _interval(r[c + "_lo90"], r[c + "_hi90"]), r[c + "_equivalence"])))
+                             for r, m, a, b, c in body]) + [""]
 
 
-def plot(table: pd.DataFrame, path, regimes: bool = False) -> bool:
-    """Gap closed with its interval per comparison (rows of gap_closed.csv's columns); `regimes`: one bar per
-    regime, grouped and coloured by objective in PROPERTIES order. False when no row has a ratio."""
-    from humanline_cli.core.objectives import PROPERTIES
-
+def plot(table: pd.DataFrame, path) -> bool:
+    """Gap closed with its interval per comparison (rows of gap_closed.csv's columns); False when no row has a
+    ratio."""
     rows = [r for r in table.to_dict("records") if _num(r["gap_closed"]) is not None]
-    if regimes:
-        rank = {o: i for i, o in enumerate(PROPERTIES)}
-        rows.sort(key=lambda r: rank.get(r["objective"], len(rank)))
-    elif not rows:
-        return False
-    labels = [f"{r['objective']}\n" + "\n".join(textwrap.wrap(r["regime"], 16)) if regimes else
-              f"{r['task']}/{r['objective']}" + (f"\n{r['set']}" if r["set"] else "") for r in rows]
-    colors = [f"C{list(PROPERTIES).index(r['objective'])}" if r["objective"] in PROPERTIES else "grey"
-              for r in rows] if regimes else None
-    bar_chart(labels, [tuple(_num(r[f"gap_closed{s}"]) for s in ("", "_lo", "_hi")) for r in rows], path, colors)
-    return True
+    if rows:
+        bar_chart([f"{r['task']}/{r['objective']}" + (f"\n{r['set']}" if r["set"] else "") for r in rows],
+                  [bar(r) for r in rows], path)
+    return bool(rows)
+
+
+def bar(r: dict) -> tuple:
+    """(gap closed, lo, hi) of a row of gap_closed.csv's columns, None where absent."""
+    return tuple(_num(r[f"gap_closed{s}"]) for s in ("", "_lo", "_hi"))
 
 
 def bar_chart(labels: list[str], values: list[tuple], path, colors: list[str] | None = None) -> None:

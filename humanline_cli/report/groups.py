@@ -62,15 +62,12 @@ def collapse_duplicates(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[Duplicat
     """One run per identity (its config with the seed, else its outputs' fingerprint), so a copied run dir is
     never a second seed; the first dir (sorted) is kept."""
     runs = runs.sort_values("path", key=lambda p: p.map(str))
-    first: dict[tuple, object] = {}
-    dups = []
-    for r in runs.itertuples():
-        ident = (("config", r.task, r.objective, r.family, canon(r.seed), canon(comparable_config(r.config)))
-                 if r.config is not None else ("outputs", r.fingerprint))
-        kept = first.setdefault(ident, r)
-        if kept is not r:
-            dups.append(Duplicate(r, kept, r.fingerprint == kept.fingerprint))
-    return runs.loc[[r.Index for r in first.values()]], dups
+    ident = pd.Series([canon(["config", r.task, r.objective, r.family, canon(r.seed), comparable_config(r.config)])
+                       if r.config is not None else r.fingerprint for r in runs.itertuples()], index=runs.index)
+    kept = pd.Series(ident.index, index=ident.to_numpy()).groupby(level=0).first()  # identity -> the first run
+    dups = [Duplicate(runs.loc[i], runs.loc[k], runs.at[i, "fingerprint"] == runs.at[k, "fingerprint"])
+            for i, k in zip(ident.index, kept[ident].to_numpy()) if i != k]
+    return runs[~ident.duplicated()], dups
 
 
 def groups(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
@@ -125,58 +122,59 @@ def differing_keys(signatures: list) -> set:
     return {k for k in keys if len({d.get(k) for d in dicts}) > 1}
 
 
-def comparison_sets(runs: pd.DataFrame, ignore=()) -> list[tuple[str, str, str, list]]:
+def comparison_sets(runs: pd.DataFrame, ignore=()) -> list[tuple[str, str, str, pd.DataFrame]]:
     """(task, objective, label, groups) per set of groups (label's rows) agreeing outside the family-defining
     keys; the label names the keys that tell the set apart from the objective's other sets."""
+    gs = label(runs, ignore)[1]
     out = []
-    for task, tg in label(runs, ignore)[1].groupby("task", sort=True):
-        sets: dict[tuple, list] = {}
-        for g in tg.itertuples():
-            sets.setdefault(g.sig[1:], []).append(g)
-        for (objective, sig), members in sorted(sets.items(), key=lambda kv: str(kv[0])):
-            differing = differing_keys([s for (o, s) in sets if o == objective])
-            out.append((task, objective, ", ".join(f"{k}={v}" for k, v in (sig or ()) if k in differing), members))
+    for (task, _), members in gs.groupby([gs.task, gs.sig.map(lambda s: str(s[1:]))], sort=True):
+        _, objective, sig = members.sig.iloc[0]
+        differing = differing_keys({s for t, o, s in gs.sig if (t, o) == (task, objective)})
+        out.append((task, objective, ", ".join(f"{k}={v}" for k, v in (sig or ()) if k in differing), members))
     return out
 
 
 def varying_keys(groups_: pd.DataFrame, derived: dict) -> dict[str, set]:
     """key -> the scopes in which it takes more than one value (absent counts as a value)."""
-    seen: dict[str, dict] = {}
     rows = list(groups_.itertuples())
-    for k in sorted({k for g in rows if g.cfg for k in g.cfg}):
-        for g in rows:
-            sc = scope(g, k, derived)
-            if sc is not None:
-                seen.setdefault(k, {}).setdefault(sc, set()).add(canon(g.cfg[k]) if k in g.cfg else None)
-    out = {k: {sc for sc, vals in by.items() if len(vals) > 1} for k, by in seen.items()}
-    out = {k: scs for k, scs in out.items() if scs}
+    seen = pd.DataFrame([(k, sc, canon(g.cfg[k]) if k in g.cfg else None)
+                         for k in sorted({k for g in rows if g.cfg for k in g.cfg})
+                         for g in rows if (sc := scope(g, k, derived)) is not None], columns=["key", "scope", "value"])
+    many = seen.groupby(["key", seen.scope.map(str)], sort=False).filter(lambda g: g.value.nunique(dropna=False) > 1)
+    out = many.groupby("key", sort=False).scope.agg(set).to_dict()
     if any(g.cfg is None for g in rows) and any(g.cfg is not None for g in rows):
         out[NO_CONFIG] = {None}
     return out
 
 
+GROUP_COLUMNS = ("task", "objective", "family", "cfg", "raw", "members", "row_keys", "label", "variant", "sig")
+
+
 def label(runs: pd.DataFrame, ignore=()) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Complete runs -> (runs with `group`, `variant`; groups with `labels`, `row`, `label`, `sig`). Per task the
-    varying keys outside the family-defining subtrees make a table's rows (`row`), the others label a cell
-    (`label`); `variant` is every label; `sig` is (task, objective, signature)."""
+    """Complete runs -> (runs with `group`, `variant`; groups with GROUP_COLUMNS and a column per varying key, the
+    text of the group's value where it tells the group apart). Per task the varying keys outside the
+    family-defining subtrees make a table's rows (`row_keys`), the others label a cell (`label`); `variant` is every
+    label; `sig` is (task, objective, signature)."""
     gs = groups(runs, ignore)
-    runs = runs.assign(group=-1, variant="")
-    gs["labels"], gs["row"], gs["label"], gs["sig"] = None, None, "", None
-    for _, tg in gs.groupby("task", sort=True):
-        derived = derived_from(tg)
-        varying = varying_keys(tg, derived)
-        row_keys = sorted(k for k in varying if not family_defining(k, derived))
-        for i, g in tg.iterrows():
-            # the varying keys this group has a distinguishing value for, as text
-            labels = ({NO_CONFIG: "missing"} if NO_CONFIG in varying else {}) if g.cfg is None else {
-                k: (show(g.cfg[k]) if k in g.cfg else "unset") for k, scs in varying.items()
-                if k != NO_CONFIG and scope(g, k, derived) in scs}
-            gs.at[i, "labels"] = labels
-            gs.at[i, "row"] = tuple((k, labels.get(k, "–")) for k in row_keys)
-            gs.at[i, "label"] = ", ".join(f"{k}={v}" for k, v in labels.items() if k not in row_keys)
-            # what must match for a speedup or a comparison: all but the family-defining keys
-            gs.at[i, "sig"] = (g.task, g.objective, None if g.cfg is None else tuple(sorted(
-                (k, canon(v)) for k, v in g.cfg.items() if not family_defining(k, derived))))
-            runs.loc[g.members, "group"] = i
-            runs.loc[g.members, "variant"] = ", ".join(f"{k}={v}" for k, v in labels.items())
-    return runs, gs
+    parts = [_label_task(tg) for _, tg in gs.groupby("task", sort=True)]
+    gs = pd.concat(parts).sort_index() if parts else gs.assign(row_keys=None, label="", variant="", sig=None)
+    member = gs.members.explode()
+    at = pd.Series(member.index, index=member.to_numpy(), dtype=int)  # run -> its group
+    return runs.assign(group=at, variant=pd.Series(gs.variant[at].to_numpy(), index=at.index, dtype=object)), gs
+
+
+def _label_task(tg: pd.DataFrame) -> pd.DataFrame:
+    derived = derived_from(tg)
+    varying = varying_keys(tg, derived)
+    row_keys = tuple(sorted(k for k in varying if not family_defining(k, derived)))
+    # the varying keys each group has a distinguishing value for, as text
+    labels = [({NO_CONFIG: "missing"} if NO_CONFIG in varying else {}) if g.cfg is None else {
+        k: (show(g.cfg[k]) if k in g.cfg else "unset") for k, scs in varying.items()
+        if k != NO_CONFIG and scope(g, k, derived) in scs} for g in tg.itertuples()]
+    # what must match for a speedup or a comparison: all but the family-defining keys
+    sig = [(g.task, g.objective, None if g.cfg is None else tuple(sorted(
+        (k, canon(v)) for k, v in g.cfg.items() if not family_defining(k, derived)))) for g in tg.itertuples()]
+    out = tg.assign(row_keys=[row_keys] * len(tg), sig=sig,
+                    label=[", ".join(f"{k}={v}" for k, v in d.items() if k not in row_keys) for d in labels],
+                    variant=[", ".join(f"{k}={v}" for k, v in d.items()) for d in labels])
+    return pd.concat([out, pd.DataFrame(labels, index=tg.index, dtype=object)], axis=1)

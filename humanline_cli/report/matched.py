@@ -9,11 +9,10 @@ The target is fixed before any time is read: `--accuracy`, else start + TARGET_G
 """
 from __future__ import annotations
 
-import statistics
-
 import pandas as pd
 
-from humanline_cli.report.frame import curve, loop_seconds, md, metric_of, run_points
+from humanline_cli.mdtable import md_frame
+from humanline_cli.report.frame import curve, loop_seconds, metric_of, run_points
 from humanline_cli.report.gap_closed import TARGET_GAIN, gain_target, km_to
 
 
@@ -48,9 +47,9 @@ def matched_rows(runs: pd.DataFrame, accuracy: float | None = None) -> pd.DataFr
             gained, f"start {start:.4g} + {TARGET_GAIN:g} x (online's mean final "
                                                    f"{final:.4g} - start)")
         on_med = km_medians(curves["online"], target)["seconds"]
-        on_loop = statistics.fmean(online["loop"])
+        on_loop = online["loop"].mean()
         for name, rs in tr.groupby("regime", sort=False):
-            med, loop = km_medians(curves[name], target), statistics.fmean(rs["loop"])
+            med, loop = km_medians(curves[name], target), rs["loop"].mean()
             rows.append((task, obj, name, metric, target, note, len(rs), med["reached"], med["n"] - med["reached"],
                          int(rs.iloc[0]["summary"].get("steps") or 0), loop, med["steps"], med["seconds"],
                          on_med / med["seconds"] if on_med is not None and med["seconds"] else None,
@@ -58,8 +57,8 @@ def matched_rows(runs: pd.DataFrame, accuracy: float | None = None) -> pd.DataFr
     return pd.DataFrame(rows, columns=ROW, dtype=object)
 
 
-def markdown(rows: pd.DataFrame, predicted: dict | None = None) -> list[str]:
-    """`predicted`: target name -> {(task, objective, regime): predicted loop seconds of the whole run}."""
+def markdown(rows: pd.DataFrame, extra: pd.DataFrame | None = None) -> list[str]:
+    """`extra`: more columns, aligned with `rows` (text, or None for "–"), shown before the speedups."""
     if rows.empty:
         return ["No online runs with learning curves to match."]
     targets = dict.fromkeys(f"{r.task} / {r.objective}: {r.metric} {r.target:.4g} ({r.target_note})"
@@ -74,13 +73,9 @@ def markdown(rows: pd.DataFrame, predicted: dict | None = None) -> list[str]:
                          "reached": [f"{r.reached} of {r.seeds}" + (f" (not reached: {r.ended})" if r.ended else "")
                                      for r in rows.itertuples()],
                          "median steps to target": rows.steps_to, "median seconds to target (measured)": rows.seconds})
-    for t, loops in (predicted or {}).items():  # a target's loop prorated by the median steps to the target
-        view[f"predicted s on {t}"] = [None if (loop := loops.get((r.task, r.objective, r.regime))) is None
-                                       or r.steps_to is None or not r.steps else loop * r.steps_to / r.steps
-                                       for r in rows.itertuples()]
+    view = view.join(extra) if extra is not None else view
     view["speedup at matched quality"] = rows.speedup
     view["speedup at equal steps (not matched quality)"] = rows.equal_step_speedup
     x = "{:.2f}x".format
-    return out + md(view, {"median steps to target": "{:.1f}", "median seconds to target (measured)": "{:.1f}",
-                           **{c: "{:.4g}" for c in view if c.startswith("predicted s on")},
-                           "speedup at matched quality": x, "speedup at equal steps (not matched quality)": x})
+    return out + md_frame(view, {"median steps to target": "{:.1f}", "median seconds to target (measured)": "{:.1f}",
+                                 "speedup at matched quality": x, "speedup at equal steps (not matched quality)": x})

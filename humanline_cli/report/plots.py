@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from humanline_cli.core.objectives import PROPERTIES
-from humanline_cli.report.frame import humanline_spec, num, points, run_points
+from humanline_cli.report.frame import curve, humanline_spec, num, points, run_points
 from humanline_cli.report.stats import mean_ci
 from humanline_cli.schema import HumanlineConfig
 
@@ -36,8 +36,7 @@ def eval_curve(run) -> tuple[str, list[tuple[float, float]]]:
     ev = run.summary.get("eval") or {}
     name, col = (("accuracy", "accuracy") if num(ev.get("accuracy")) is not None else
                  ("judge reward", "reward") if num(ev.get("reward_mean")) is not None else ("win rate vs start", "win rate"))
-    pts = run_points(run.summary, run.metrics)[["wall_s", col]].dropna()
-    return name, sorted(zip(pts["wall_s"].astype(float), pts[col].astype(float)))
+    return name, sorted(curve(run_points(run.summary, run.metrics), col, "wall_s"))
 
 
 def _panels(pairs, rows: int = 1, size=(5, 4)):
@@ -96,7 +95,8 @@ def plot_unclamped_fraction(frame, path: Path) -> str | None:
 def step_curves(frame, mode: str):
     """Evaluation points of one mode ("greedy" or "sampled") of the runs that evaluated mid-run: one score per
     run and step (the last), with the run's task, objective and regime."""
-    pts = points(frame).dropna(subset=[f"{mode} accuracy"]).drop_duplicates(["run", "step"], keep="last")
+    pts = points(frame)
+    pts = pts[pts.metric == f"{mode} accuracy"].drop_duplicates(["run", "step"], keep="last")
     pts = pts[pts.groupby("run")["run"].transform("size") > 2]  # the start, a mid-run eval, the end
     return pts.join(frame[["task", "objective", "regime"]], on="run")
 
@@ -118,7 +118,7 @@ def plot_eval_vs_step(frame, path: Path) -> str | None:
             ax.set_xlabel("optimizer step (matched training units)")
             mine = pts[(pts.task == key[0]) & (pts.objective == key[1])]
             for lab, g in mine.groupby("regime", sort=True):
-                wide = g.pivot(index="step", columns="run", values=f"{mode} accuracy").dropna()  # steps all evaluated
+                wide = g.pivot(index="step", columns="run", values="value").dropna()  # steps all evaluated
                 k = labels.index(lab)
                 ax.plot(wide.index.astype(int), wide.mean(axis=1), marker="o", ms=3, color=cmap(k % 20), alpha=0.85,
                         linestyle=LINESTYLES[k // 10 % len(LINESTYLES)], label=f"{lab} (n={wide.shape[1]})")
@@ -131,26 +131,26 @@ def plot_final_scores(frame, path: Path) -> str | None:
     comparisons), the mean with its 95% t-interval in black, the start dotted; a panel per objective and score."""
     pts = points(frame).join(frame[["task", "objective", "regime", "family", "humanline", "seed"]], on="run")
     final = pts[pts.point == "final"]
-    scores = {m: name for m, name in (("greedy accuracy", "greedy"), ("accuracy", "sampled")) if final[m].notna().any()}
-    if not scores or final.groupby(["task", "objective", "regime"]).size().max() < 2:
+    scores = {m: name for m, name in (("greedy accuracy", "greedy"), ("accuracy", "sampled")) if (final.metric == m).any()}
+    if not scores or frame.groupby(["task", "objective", "regime"]).size().max() < 2:
         return "no regime has an accuracy over two or more seeds"
     fig, axes, titles = _panels(set(zip(final.task, final.objective)), len(scores), (1.6 + 1.1 * final.regime.nunique(), 4))
     for row, (m, name) in zip(axes, scores.items()):
         for key, ax in row.items():
-            panel = pts[(pts.task == key[0]) & (pts.objective == key[1])].dropna(subset=[m])
+            panel = pts[(pts.task == key[0]) & (pts.objective == key[1]) & (pts.metric == m)]
             mine = panel[panel.point == "final"]
             # each data regime plain, then with humanline: the pairs a reader compares stand side by side
             rank = {r.regime: (r.family.removeprefix("humanline-"), bool(r.humanline), r.regime) for r in mine.itertuples()}
             regimes = sorted(rank, key=rank.get)
-            wide = mine.pivot_table(index="seed", columns="regime", values=m, aggfunc="last")[regimes]
-            for _, seed_row in wide.iterrows():
-                ax.plot(range(len(regimes)), seed_row.values, color="tab:gray", alpha=0.5, marker="o", ms=3)
+            wide = mine.pivot_table(index="seed", columns="regime", values="value", aggfunc="last")[regimes]
+            for seed_row in wide.to_numpy():
+                ax.plot(range(len(regimes)), seed_row, color="tab:gray", alpha=0.5, marker="o", ms=3)
             for i, r in enumerate(regimes):
                 ci = mean_ci(wide[r].dropna())
                 if ci and ci["lo"] is not None:
                     ax.errorbar(i + 0.12, ci["mean"], yerr=[[ci["mean"] - ci["lo"]], [ci["hi"] - ci["mean"]]],
                                 fmt="s", color="black", capsize=3)
-            ax.axhline(panel[panel.point == "start"][m].mean(), color="tab:gray", linestyle=":", label="start")
+            ax.axhline(panel[panel.point == "start"].value.mean(), color="tab:gray", linestyle=":", label="start")
             ax.set_xticks(range(len(regimes)), regimes, rotation=20, fontsize=8)
             ax.set(title=f"{titles[key]}, {name} accuracy", ylabel=f"{name} accuracy at the last step")
     return save_figure(fig, path)
@@ -239,7 +239,8 @@ def log_to_wandb(rep, mode: str) -> str | None:
         run = wandb.init(project="humanline", job_type="report", mode=mode, dir=str(rep.out_dir),
                          name=f"report-{rep.root.resolve().name}", reinit="finish_previous")
         try:
-            rows = [[c["config"][k] if k in c["config"] else c.get(k) for k in rep.columns] for c in rep.cells]
+            table = rep.cells.reindex(columns=list(rep.columns)).astype(object)
+            rows = table.where(table.notna(), None).to_numpy().tolist()
             run.log({"report/table": wandb.Table(columns=list(rep.columns), data=rows),
                      **{f"report/{name[:-4]}": wandb.Image(str(p)) for name, p in rep.files.items()
                         if name.endswith(".png")}})

@@ -21,7 +21,7 @@ from humanline_cli.report.cost import calls_of
 from humanline_cli.report.frame import CURVE, find_run_dirs, load_run, read_jsonl
 from humanline_cli.report.gap_closed import SAMPLES
 from humanline_cli.report.groups import canon, comparable_config, under
-from humanline_cli.report.regimes import regime_of
+from humanline_cli.report.regimes import listed_regimes, regime_of
 from humanline_cli.train.failures import write_failed
 
 # config keys every row keeps: what labels a run's family, regime and humanline setting
@@ -111,7 +111,7 @@ def export(root: Path, path: Path) -> int:
     runs = [load_run(d) for d in find_run_dirs(root)]
     if not runs:
         raise UserError(f"no run dirs under {root} to export")
-    listed = _listed_regimes(root)
+    listed = listed_regimes(root)
     runs.sort(key=lambda r: (listed.index(regime_of(r["path"])) if regime_of(r["path"]) in listed else len(listed),
                              str(r["path"])))
     kept = kept_keys([r["config"] for r in runs])
@@ -119,13 +119,6 @@ def export(root: Path, path: Path) -> int:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     rows.to_csv(path, index=False, lineterminator="\n")
     return len(rows)
-
-
-def _listed_regimes(root: Path) -> list[str]:
-    f = root / "multirun.yaml"
-    sweep = yaml.safe_load(f.read_text()) if f.is_file() else None
-    params = ((sweep or {}).get("hydra") or {}).get("sweeper", {}).get("params") or {}
-    return [x.strip() for x in str(params.get("regime", "")).split(",") if x.strip()]
 
 
 def _nested(flat: dict) -> dict:

@@ -67,7 +67,7 @@ def test_report_counts_a_copied_run_dir_once_and_says_which(tmp_path, capsys):
     shutil.copytree(root / "a", root / "b")                                 # a copy (to re-judge it, say)
     make_run(root, "d", "dpo", "offline", False, 0, win=0.62, wall=12.0)    # the same config and seed, rerun
     rep = build_report(root)
-    (cell,) = rep.cells
+    (cell,) = rep.cells.to_dict("records")
     assert cell["n_seeds"] == 2 and sorted(cell["seeds"]) == [0, 1]       # before: 4 "seeds"
     assert cell["win_rate_mean"] == pytest.approx((0.6 + 0.7) / 2, abs=1e-12)
     dups = {d.dropped.path.name: (d.kept.path.name, d.same_outputs) for d in rep.duplicates}

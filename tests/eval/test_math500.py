@@ -176,7 +176,7 @@ def test_train_writes_math500_into_summary_metrics_and_report(rig, tmp_path):
     from humanline_cli.report.aggregate import build_report
 
     rep = build_report(tmp_path / "runs")
-    assert [c["math500_greedy_mean"] for c in rep.cells] == [0.75] and "MATH-500 greedy 0.750" in rep.markdown
+    assert rep.cells.math500_greedy_mean.tolist() == [0.75] and "MATH-500 greedy 0.750" in rep.markdown
 
 
 @pytest.mark.parametrize("content,message", [

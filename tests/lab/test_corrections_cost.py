@@ -8,8 +8,7 @@ def test_the_cost_model_counts_trdpo_mixes_and_leaves_its_reference_uncached():
     """lab/speed.py reads a run's flat config: correction=trdpo with tau 4 over 10 steps mixes the reference
     twice (after steps 4 and 8), so the reference moves and its log-probs are never cached."""
     from humanline_cli.core.reference import reference_moves
-    from humanline_cli.lab.speed import reference_syncs
-    from humanline_cli.report.frame import correction_spec
+    from humanline_cli.lab.speed import correction_spec, reference_syncs
 
     c = correction_spec({"correction.kind": "trdpo", "correction.tau": 4})
     assert (c.kind, c.alpha, c.tau) == ("trdpo", 0.6, 4)

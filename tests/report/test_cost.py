@@ -72,6 +72,6 @@ def test_learning_curves_average_seeds_at_each_step(tmp_path):
     assert "eval_vs_step.png" in rep.files and (root / "eval_vs_step.png").stat().st_size > 10_000
     greedy = step_curves(rep.frame, "greedy")
     run0 = greedy[greedy.run == next(r.Index for r in rep.frame.itertuples() if r.seed == 0)]
-    assert list(zip(run0.step, run0["greedy accuracy"])) == [(0, 0.64), (100, 0.70), (200, 0.90)]
+    assert list(zip(run0.step, run0.value)) == [(0, 0.64), (100, 0.70), (200, 0.90)]
     assert step_curves(rep.frame, "sampled").empty  # no sampled numbers at all: no curve
     assert "eval_vs_step.png" not in rep.skipped_plots

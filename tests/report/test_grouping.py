@@ -78,7 +78,7 @@ def test_only_the_seed_only_set_is_pooled(sweep):
                {"model__name_or_path": "/models/other", "family": "offline"}):
         row = pick(rows, objective="dpo", **kv)
         assert int(row["n_seeds"]) == 1 and row["win_rate_std"] == ""
-    assert sum(g["n_seeds"] for g in rep.cells) == 13
+    assert rep.cells.n_seeds.sum() == 13
 
 
 def test_varying_keys_are_csv_columns(sweep):
@@ -160,7 +160,7 @@ def test_hl_knobs_only_count_when_humanline_is_on(tmp_path):
     run_dir(root, "on1", config(seed=1, humanline=True, hl__sync=False), win=0.8, wall=10.0)
     rep = build_report(root)
     by_family = {}
-    for c in rep.cells:
+    for c in rep.cells.to_dict("records"):
         by_family.setdefault(c["family"], []).append(c)
     assert [c["n_seeds"] for c in by_family["offline"]] == [2]  # absent and `humanline: false` both mean off
     assert by_family["offline"][0]["win_rate_mean"] == pytest.approx(0.6)

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from humanline_cli.report.aggregate import build_report, print_report
-from humanline_cli.report.gap_closed import gap_closed_paired, gap_text, paired_differences
+from humanline_cli.report.gap_closed import gap_closed_paired, gap_text, paired_columns
 from humanline_cli.report.stats import paired_t, prompt_bootstrap
 from tests.helpers.runs import config, run_dir
 
@@ -92,13 +92,22 @@ def test_gap_closed_is_a_ratio_of_means_with_a_fieller_interval_paired_by_seed()
     assert gap_text(g) == "58% [9%, 107%]"
 
 
-def test_paired_differences_rows():
+def test_paired_columns_hand_computed():
+    import pandas as pd
+
     arms = {"offline": [0.70, 0.72, 0.68], "online": [0.90, 0.92, 0.88], "humanline-offline": [0.80, 0.87, 0.82]}
-    rows = paired_differences(arms)
-    got = {r["contrast"]: r for r in rows}
-    assert got[("humanline-offline", "offline")]["t"]["mean"] == pytest.approx(0.13)
-    assert got[("online", "humanline-offline")]["t"]["diffs"] == pytest.approx([0.10, 0.05, 0.06])
-    assert got[("online", "offline")]["t"]["lo"] == pytest.approx(0.2) and rows[0]["boot"] is None
+    got = paired_columns("greedy accuracy", pd.DataFrame(arms))
+    assert got["greedy_humanline_offline_minus_offline_mean"] == pytest.approx(0.13)
+    # online - humanline-offline per seed: 0.10, 0.05, 0.06; mean 0.07, sd 0.0264575 (as in test_paired_t_hand_computed)
+    half = 4.302653 * math.sqrt((0.03**2 + 0.02**2 + 0.01**2) / 2) / math.sqrt(3)
+    assert got["greedy_online_minus_humanline_offline_n"] == 3
+    assert (got["greedy_online_minus_humanline_offline_lo"], got["greedy_online_minus_humanline_offline_hi"]) == \
+        pytest.approx((0.07 - half, 0.07 + half))
+    assert got["greedy_online_minus_offline_lo"] == pytest.approx(0.2)  # 0.2 on every seed
+    assert got["greedy_online_minus_offline_boot_lo"] is None  # no per-prompt scores, no bootstrap
+    assert "greedy_online_minus_offline_lo90" not in got  # no margin, no equivalence columns
+    e = paired_columns("accuracy", pd.DataFrame(arms), margin=0.05)
+    assert e["sampled_online_minus_offline_equivalence"] == "not shown equivalent"
 
 
 def _sweep(root, per_prompt: dict) -> None:

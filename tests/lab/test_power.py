@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats as sst
 
-from humanline_cli.report.stats import tost_power, tost_seeds
+from humanline_cli.lab.power import tost_power, tost_seeds
 
 
 def test_tost_power_matches_a_simulation_of_the_reports_rule():
@@ -37,7 +37,8 @@ def test_seeds_for_80_percent_power_at_the_issues_sd():
 
 
 def test_tost_p_agrees_with_the_90_percent_interval_and_is_worked_by_hand():
-    from humanline_cli.report.stats import equivalence, tost_p
+    from humanline_cli.lab.power import tost_p
+    from humanline_cli.report.stats import equivalence
 
     # diffs 0.01, 0.03, -0.01, 0.02: mean 0.0125, sd 0.01708, se 0.008539, df 3;
     # t = (0.05 - 0.0125) / 0.008539 = 4.3915 (upper) and (0.05 + 0.0125) / 0.008539 = 7.3191 (lower)
@@ -53,7 +54,7 @@ def test_tost_p_agrees_with_the_90_percent_interval_and_is_worked_by_hand():
 
 
 def test_holm_steps_down_and_stops_at_the_first_kept():
-    from humanline_cli.report.stats import holm
+    from humanline_cli.lab.power import holm
 
     # three tests at 0.05: the smallest against 0.05 / 3 = 0.0167, the next 0.025, the last 0.05
     assert holm({"a": 0.010, "b": 0.020, "c": 0.049}) == {"a": True, "b": True, "c": True}
