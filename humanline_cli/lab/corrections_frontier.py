@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from humanline_cli.report.frame import ci_text, column, curve, load, loop_seconds, md_table, run_points
+from humanline_cli.mdtable import md_table
+from humanline_cli.report.frame import ci_text, column, curve, load, loop_seconds, run_points
 from humanline_cli.report.gap_closed import gain_target, km_to
 from humanline_cli.report.plots import save_figure
 from humanline_cli.report.stats import mean_ci, paired_t

@@ -244,10 +244,10 @@ def test_runs_group_by_correction_within_one_comparison_set(tmp_path):
             summary = json.loads((d / "summary.json").read_text())  # a run writes humanline: true for it
             (d / "summary.json").write_text(json.dumps({**summary, "humanline": True}))
     rep = build_report(root)
-    cells = {(c["family"], c["label"]): c["n_seeds"] for c in rep.cells}
+    cells = {(c["family"], c["label"]): c["n_seeds"] for c in rep.cells.to_dict("records")}
     assert cells == {("online", "correction.kind=none"): 2, ("online", "correction.kind=tis"): 2,
                      ("humanline-online", "correction.kind=humanline, hl.sync_every=1"): 2,
                      ("humanline-online", "correction.kind=humanline, hl.sync_every=16"): 2}
-    assert {c["row"] for c in rep.cells} == {()}  # one table row: the correction labels a cell
+    assert set(rep.cells.row_keys) == {()}  # one table row: the correction labels a cell, it is not a row key
     sets = comparison_sets(load(root).query("status == 'complete'"))
     assert len(sets) == 1 and len(sets[0][3]) == 4
