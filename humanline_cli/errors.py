@@ -2,7 +2,7 @@
 shape, `mask_secrets`), and the ways out of a command (`fail`, `ignore_ctrl_c`).
 
 How each one ends a `humanline train` job (exit code, failed.json, message) is one table, in
-train/job.py `outcome`."""
+train/failures.py `outcome`."""
 from __future__ import annotations
 
 import argparse

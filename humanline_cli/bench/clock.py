@@ -51,9 +51,9 @@ class Run:
     precision: str | None = None  # what TRL's trainer computed in (its TrainingArguments' bf16): TRL's rows
 
 
-def collect(starts: list[float], end: float, sizes: list[tuple], warmup: int) -> Run:
+def collect(starts: list[float], end: float, sizes: list[tuple], warmup: int, precision: str | None = None) -> Run:
     bounds = [*starts, end]
-    run = Run()
+    run = Run(precision=precision)
     for k in range(warmup, len(starts)):
         run.seconds.append(bounds[k + 1] - bounds[k])
         u, t, kl, *seqs = sizes[k]
@@ -65,15 +65,12 @@ def collect(starts: list[float], end: float, sizes: list[tuple], warmup: int) ->
 
 
 class EndClock:
-    """Stands in for tracking.Tracker: the last step's log call marks the end of the run; every step's metrics with
-    a train time are kept."""
+    """Stands in for tracking.Tracker: the last step's log call marks the end of the run."""
 
     def __init__(self, last_step: int, device):
-        self.last_step, self.device, self.end, self.rows = last_step, device, None, []
+        self.last_step, self.device, self.end = last_step, device, None
 
     def log(self, step: int, metrics: dict) -> None:
-        if "time/train" in metrics:
-            self.rows.append({"step": step, **metrics})
         if step == self.last_step:
             self.end = _now(self.device)
 
@@ -103,9 +100,7 @@ class StepClock(SourceWrapper):
                            sum(int(x.attention_mask.sum()) for mb in mbs for x in mb.extra_seqs()),
                            *[sum(mb.seqs.input_ids.shape[0] for mb in mbs)] * online))
         if self.policy is not None:  # the layout is built once per batch and kept for the forwards
-            from humanline_cli.core.logprobs import processed_tokens
-
-            self.positions.append(sum(processed_tokens(self.policy, mb.seqs) for mb in mbs))
+            self.positions.append(sum(self.policy.processed_tokens(mb.seqs) for mb in mbs))
         return data
 
 

@@ -29,13 +29,16 @@ import signal
 import sys
 import tempfile
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 
+from humanline_cli.bench import trl_runs
 from humanline_cli.bench.clock import EndClock, Run, StepClock, built, collect, compose, matmul_peak, train_loop
+from humanline_cli.bench.sampling_speed import sampler_bench
 from humanline_cli.bench.table import print_result
-from humanline_cli.core.objectives import OBJECTIVES, PROPERTIES
+from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.core.reference import CachedReference
 from humanline_cli.errors import Preempted, Terminated, UserError, ignore_ctrl_c, one_line, raise_terminated
 
@@ -61,8 +64,6 @@ def parse_args(args: list[str]) -> tuple[dict, list[str]]:
             raise UserError(f"bench: expected KEY=VALUE, got {a!r} (humanline bench --help)")
     if opts["steps"] < 1 or opts["warmup"] < 1 or opts["repeats"] < 1:
         raise UserError("bench: steps, warmup and repeats must be >= 1 (the first step is never timed)")
-    if opts["trl"] not in ("auto", True, False):
-        raise UserError(f"bench: trl must be auto, true or false, got {opts['trl']!r}")
     if opts["prompts"] is None or opts["prompts"] < 1:  # the sampler timing's size: 0 would measure nothing
         raise UserError(f"bench: prompts must be >= 1, got {opts['prompts']}")
     for key in ("batch_size", "threads"):  # null: the config's own; 0 is not "the config's" but nothing
@@ -74,11 +75,9 @@ def parse_args(args: list[str]) -> tuple[dict, list[str]]:
 def _value(key: str, value: str):
     low = value.lower()
     if key == "out" or (key == "trl" and low == "auto"):
-        return value if key != "trl" else "auto"
-    if key == "trl" and low not in ("true", "false"):
-        raise UserError(f"bench: trl must be auto, true or false, got {value!r}")
-    if key in BOOLEAN and low not in ("true", "false"):
-        raise UserError(f"bench: {key} must be true or false, got {value!r}")
+        return value if key == "out" else "auto"
+    if key in ("trl", *BOOLEAN) and low not in ("true", "false"):
+        raise UserError(f"bench: {key} must be {'auto, true' if key == 'trl' else 'true'} or false, got {value!r}")
     if low in ("true", "false", "null", "none", ""):
         return {"true": True, "false": False}.get(low)
     try:
@@ -93,7 +92,7 @@ def compose_spec(overrides: list[str], opts: dict, humanline: bool, extra: tuple
                           "train.save_model=false", "eval.every=0", "eval.n_prompts=1", *extra,
                           *[f"train.batch_size={opts['batch_size']}"] * bool(opts["batch_size"]),
                           *[f"threads={opts['threads']}"] * bool(opts["threads"]), *["humanline=true"] * humanline))
-    peer = OBJECTIVES[spec.objective].trl_peer(spec.objective_cfg)
+    peer = trl_runs.peer(spec)
     if spec.regime != "offline" and not (peer is not None and peer.row is None and not humanline):
         raise UserError("bench times offline training steps (data=online compares online steps with a TRL trainer "
                         "that generates its own, GRPOTrainer: objective=grpo); drop data=online")
@@ -119,7 +118,7 @@ def project_run(spec, warmup: int, info: dict, prefill: bool = False) -> Run:
         if prefill:
             _prefill(parts, spec.train.steps)
             parts.reference.hits = parts.reference.misses = 0
-        parts.source = StepClock(parts.source, device, spec.train.batch_size, policy=parts.policy)
+        parts.source = StepClock(parts.source, device, spec.train.batch_size, policy=parts.train_model)
         tracker = EndClock(spec.train.steps, device)
         train_loop(parts, timer, tracker)
         if "matmul_params" not in info:
@@ -142,10 +141,7 @@ def project_run(spec, warmup: int, info: dict, prefill: bool = False) -> Run:
 
 def summarise(name: str, runs: list[Run], matmul_params: int, peak: float, fp32_peak: float | None = None) -> dict:
     """One system's row; `fp32_peak` (a bf16 run's): its model FLOP/s also as a share of the fp32 matmul peak."""
-    seconds = sum(sum(r.seconds) for r in runs)
-    units = sum(sum(r.units) for r in runs)
-    tokens = sum(sum(r.tokens) for r in runs)
-    kl = sum(sum(r.kl_tokens) for r in runs)
+    seconds, units, tokens, kl = (sum(sum(getattr(r, k)) for r in runs) for k in ("seconds", "units", "tokens", "kl_tokens"))
     flops = 8.0 * matmul_params * tokens + 4.0 * matmul_params * kl
     steps = sum(len(r.seconds) for r in runs)
     row = {"name": name, "units_per_s": units / seconds, "tokens_per_s": tokens / seconds,
@@ -185,7 +181,7 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
     want_trl, note = _trl_plan(opts, plain)
     names = ["project"] if online else ["project", "project_humanline"] + ["project_cached"] * opts["cache"]
     if want_trl:  # TRL precomputes the reference over a dataset it trains on (DPOTrainer, KTOTrainer)
-        own_data = OBJECTIVES[objective].trl_peer(plain.objective_cfg).row is not None
+        own_data = trl_runs.peer(plain).row is not None
         names += ["trl"] + ["trl_cached"] * (opts["cache"] and own_data and not online)
         note = None if online or own_data else GRPO_NOTE
     runs: dict[str, list[Run]] = {name: [] for name in names}
@@ -240,8 +236,6 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
                             "max_new_tokens": d.max_new_tokens, "temperature": d.temperature, "lr": plain.train.lr,
                             "beta": plain.objective_cfg.beta, "epsilon": plain.objective_cfg.epsilon}
     if opts["sampler"]:
-        from humanline_cli.bench.sampling_speed import sampler_bench
-
         result["sampler"] = sampler_bench(plain, info, opts["prompts"])
         for got in result["sampler"].values():  # decoding: a forward of 2 P FLOPs per generated token
             if isinstance(got, dict) and "tokens_per_s" in got:
@@ -260,12 +254,10 @@ def _precision(backend) -> str:
 
 def _trl_plan(opts: dict, plain) -> tuple[bool, str]:
     """(whether the TRL rows run, the note saying why not)."""
-    from humanline_cli.bench.trl_runs import trl_available
-
-    if opts["trl"] is not False and OBJECTIVES[plain.objective].trl_peer(plain.objective_cfg) is None:
+    if opts["trl"] is not False and trl_runs.peer(plain) is None:
         return False, f"objective={plain.objective} has no counterpart in TRL: its TRL rows are skipped"
-    want_trl = opts["trl"] is True or (opts["trl"] == "auto" and trl_available())
-    if opts["trl"] is True and not trl_available():
+    want_trl = opts["trl"] is True or (opts["trl"] == "auto" and trl_runs.trl_available())
+    if opts["trl"] is True and not trl_runs.trl_available():
         raise UserError("bench: trl=true but TRL is not installed (pip install -e '.[bench]')")
     if want_trl and (plain.model_cfg.lora.r or 0) > 0:  # the TRL rows mirror full fine-tuning only
         return False, "model.lora.r > 0: the TRL comparison covers full fine-tuning only"
@@ -273,8 +265,6 @@ def _trl_plan(opts: dict, plain) -> tuple[bool, str]:
 
 
 def _one_run(name: str, specs: dict, warmup: int, info: dict) -> Run:
-    from humanline_cli.bench import trl_runs
-
     plain = specs["plain"]
     if name.startswith("project"):
         key = {"project": "plain", "project_humanline": "humanline", "project_cached": "cached"}[name]
@@ -286,8 +276,6 @@ def _one_run(name: str, specs: dict, warmup: int, info: dict) -> Run:
 
 
 def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {}
     for name in ("torch", "transformers", "trl"):
         with contextlib.suppress(PackageNotFoundError):

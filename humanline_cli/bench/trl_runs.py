@@ -12,6 +12,7 @@ import warnings
 import torch
 
 from humanline_cli.bench.clock import Run, _now, collect, load_model
+from humanline_cli.core.objectives import OBJECTIVES
 
 
 def trl_available() -> bool:
@@ -65,13 +66,12 @@ def _clock(device, ends: list):
 
 def _timed(ends: list, sizes: list, warmup: int, args) -> Run:
     """Step k+1 (1-based) ran between the ends of steps k and k+1: the first `warmup` steps untimed."""
-    return _with_precision(collect([0.0, *(t for t, _ in ends[:-1])], ends[-1][0], sizes, warmup), args)
+    return collect([0.0, *(t for t, _ in ends[:-1])], ends[-1][0], sizes, warmup, _precision(args))
 
 
-def _with_precision(run: Run, args) -> Run:
-    """`run` with the precision TRL's trainer computed in: bf16=True (autocast over fp32 weights) or fp32."""
-    run.precision = "bfloat16" if args.bf16 else "fp32"
-    return run
+def _precision(args) -> str:
+    """What TRL's trainer computed in: bf16=True (autocast over fp32 weights) or fp32."""
+    return "bfloat16" if args.bf16 else "fp32"
 
 
 def _as_chat(rows: list[dict], wrap: bool) -> list[dict]:
@@ -102,9 +102,7 @@ def _trl_common(spec, backend, out_dir: str, grpo: bool = False) -> dict:
 
 
 def peer(spec):
-    """The TRL counterpart the objective names (core/objectives/); the bench asks for one only where it has one."""
-    from humanline_cli.core.objectives import OBJECTIVES
-
+    """The TRL counterpart the objective names (core/objectives/), None where it has none."""
     return OBJECTIVES[spec.objective].trl_peer(spec.objective_cfg)
 
 
@@ -201,7 +199,7 @@ def trl_grpo_run(spec, info: dict, warmup: int) -> Run:
             float(loss.detach())  # the project's loop reads the loss every step too
             sizes.append((tr.batch_size, toks, 0))
         end = _now(backend.device)
-    return _with_precision(collect(starts, end, sizes, warmup), args)
+    return collect(starts, end, sizes, warmup, _precision(args))
 
 
 def _grpo_inputs(batch, pad_id: int, device) -> dict:

@@ -201,13 +201,12 @@ def run_sample(spec, out: Path, chunk: int, progress: bool = True) -> dict:
     from humanline_cli.train.build import (
         make_encoder,
         make_labeller,
-        make_sampler,
         model_paths,
         prepare_model,
         prepare_world,
         resolve_path,
-        sampling_params,
     )
+    from humanline_cli.train.samplers import make_sampler, sampling_params
 
     prepare_out(out)  # before any work: a stranger's dir is refused untouched
     b = spec.backend_cfg

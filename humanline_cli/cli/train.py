@@ -1,5 +1,5 @@
 """`humanline train`: the Hydra app. Each job is a train/job.py `Job` (lock, validate, the resume rule,
-record, run; one table from exception to exit code and line); this module turns its outcome into the
+record, run; train/failures.py's table from exception to exit code and line); this module turns its outcome into the
 process's: user mistakes print one line and exit 2 (HYDRA_FULL_ERROR=1 shows the traceback too, still
 exit 2); Ctrl-C prints where it landed and exits 130; SIGTERM 143. A multirun sweep runs every job;
 failed ones are named in one line at the end (exit 2). Secrets given as overrides are masked in what
@@ -89,7 +89,8 @@ def _train_app(sweep: Sweep):
 
     @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="train")
     def app(cfg: DictConfig) -> None:
-        from humanline_cli.train.job import Context, HydraRecord, Job, launcher_ranks, slurm_nodes
+        from humanline_cli.train.job import Context, HydraRecord, Job, launcher_ranks
+        from humanline_cli.train.nodes import slurm_nodes
         from humanline_cli.train.tracking import mask_saved_configs
 
         hc = HydraConfig.get()

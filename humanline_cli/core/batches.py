@@ -17,9 +17,6 @@ class Seqs:
     input_ids: torch.Tensor  # (N, T) long
     attention_mask: torch.Tensor  # (N, T) long, 1 on real tokens
     loss_mask: torch.Tensor  # (N, T) bool, 1 on completion tokens
-    pack: bool = False  # token_logps runs the rows as one padding-free packed row (train.packing)
-    temperature: float = 1.0  # token_logps gives log softmax(logits / temperature) (objective.tempered_logps)
-    share_prefix: bool = False  # token_logps runs a prompt shared by several rows once (train.shared_prefix)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -5,21 +5,24 @@ hidden states, keeps only the positions whose next token is a completion token, 
 LM head to chunks of those positions: gather - logsumexp in float32, one chunk of logits alive at
 a time in the forward and (through per-chunk activation checkpointing) in the backward too.
 
-With `seqs.pack` (train.packing) the decoder runs on ONE padding-free row holding every sequence's real
+How the forward runs is the run's `ForwardOptions`, given once to the policy's wrapper (`PolicyForward`) and to
+the reference (reference.py) by the builder; a batch of `Seqs` carries only its tensors.
+
+With `options.pack` (train.packing) the decoder runs on ONE padding-free row holding every sequence's real
 tokens back to back, position ids restarting at 0 per sequence and no attention mask: transformers then
 builds a block-diagonal causal mask (sdpa/eager) or runs varlen flash-attention from the position ids.
 The result is gathered back to the same (N, T-1) padded coordinates, so every loss is unchanged.
 
-`seqs.temperature` T (objective.tempered_logps: data.temperature, else 1) divides the logits before the
+`options.temperature` T (objective.tempered_logps: data.temperature, else 1) divides the logits before the
 log-softmax on every path: log p(x_t) = z[x_t] / T - logsumexp(z / T), TRL's convention. The policy, the
-reference (reference.py calls this function on the same Seqs) and the KTO mismatched pairs all get it.
+reference (built with the same options) and the KTO mismatched pairs all get it.
 """
 from __future__ import annotations
 
 import sys
 import weakref
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -52,14 +55,47 @@ PACK_CHECK_TOL = 1e-4
 PACK_CHECK_TOL_16BIT = 5e-2
 
 
-def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class ForwardOptions:
+    """How token_logps runs a model on a batch: settings of the run, never of the data."""
+
+    pack: bool = False          # the rows as one padding-free packed row (train.packing)
+    share_prefix: bool = False  # a prompt shared by several rows runs once (train.shared_prefix)
+    temperature: float = 1.0    # log softmax(logits / temperature) (objective.tempered_logps: data.temperature)
+
+
+PLAIN = ForwardOptions()  # padded rows, each prompt run with its row, T = 1
+PACKED = ForwardOptions(pack=True)
+
+
+@dataclass(frozen=True)
+class PolicyForward:
+    """The policy as the losses run it: `module`, what the gradient flows through (a DDP wrapper under DDP, else
+    the policy), and the run's forward options. The reference (reference.py) answers `logps(seqs)` alike."""
+
+    module: torch.nn.Module
+    options: ForwardOptions = PLAIN
+
+    def logps(self, seqs: Seqs) -> torch.Tensor:
+        return token_logps(self.module, seqs, self.options)
+
+    def processed_tokens(self, seqs: Seqs) -> int:
+        return processed_tokens(self.module, seqs, self.options)
+
+    def unwrapped(self) -> PolicyForward:
+        """The policy itself, outside a DDP wrapper: for forwards whose gradient never syncs (KTO's z0)."""
+        return PolicyForward(_unwrap_ddp(self.module), self.options)
+
+
+def token_logps(model: torch.nn.Module, seqs: Seqs, options: ForwardOptions = PLAIN,
+                chunk_size: int | None = None) -> torch.Tensor:
     """log p(x_t | x_<t) for t = 1..T-1, shape (N, T-1), float32 (float64 for a float64 model), zero where
     the completion mask is 0.
 
     input_ids/attention_mask (N, T) -> hidden states (N, T, H) from `model.get_decoder()` -> the M
     positions with completion_mask 1 -> `model.get_output_embeddings()` on chunks of `chunk_size`
     of them (default: LOGITS_PER_CHUNK // vocab), the head run in float32 (autocast off: head_logits), the
-    logits divided by T = seqs.temperature, log p = logit[target] / T - logsumexp(logits / T).
+    logits divided by T = options.temperature, log p = logit[target] / T - logsumexp(logits / T).
     With grad enabled and more than one chunk, each chunk is checkpointed, so the backward recomputes one
     chunk's logits at a time (one extra head matmul, no (N, T, V) buffer). The decoder and head are called as
     modules, so hooks on them (LoRA layers, a wrapper's forward hooks on lm_head) fire as in `model(...)`.
@@ -71,20 +107,20 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
     (_as_root_forward), so FSDP's hooks gather the head and arm the backward; so is a DDP wrapper's module, run
     as the wrapper's forward (_run_as_forward), so DDP arms its gradient all-reduce.
 
-    `seqs.pack` (see the module docstring) takes the packed path, on either route, except for peft
+    `options.pack` (see the module docstring) takes the packed path, on either route, except for peft
     prompt-learning models (padded); a run checks once, at setup, that the model packs (check_packing).
     """
     if _is_fsdp_root(model) and model not in _INSIDE_ROOT:
-        return _as_root_forward(model, seqs, lambda: token_logps(model, seqs, chunk_size))
+        return _as_root_forward(model, seqs, lambda: token_logps(model, seqs, options, chunk_size))
     inner = _unwrap_ddp(model)
     if inner is not model:
-        return _run_as_forward(inner, model, seqs, lambda: token_logps(inner, seqs, chunk_size))
-    if runs_packed(model, seqs):
-        return _packed_token_logps(model, seqs, chunk_size)
-    shared = _shared_plan(model, seqs)
+        return _run_as_forward(inner, model, seqs, lambda: token_logps(inner, seqs, options, chunk_size))
+    if runs_packed(model, seqs, options):
+        return _packed_token_logps(model, seqs, chunk_size, options.temperature)
+    shared = _shared_plan(model, seqs, options)
     split = _decoder_and_head(model)
     if split is None:
-        return _full_logits_token_logps(model, seqs)
+        return _full_logits_token_logps(model, seqs, options.temperature)
     decoder, head = split
     rows, cols = seqs.loss_mask[:, 1:].nonzero(as_tuple=True)  # position t predicts token t+1
     if shared is not None:
@@ -93,7 +129,7 @@ def token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = Non
         out = _run_decoder(decoder, input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, use_cache=False)
         h = shared_prefix.last_hidden(out)[rows, cols]  # (M, H)
     targets = seqs.input_ids[rows, cols + 1]  # (M,)
-    picked = _head_logps(model, head, h, targets, chunk_size, seqs.temperature)
+    picked = _head_logps(model, head, h, targets, chunk_size, options.temperature)
     logps = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1, dtype=picked.dtype,
                         device=picked.device)
     return logps.index_put((rows, cols), picked)
@@ -177,11 +213,11 @@ def _head_logps(model: torch.nn.Module, head: torch.nn.Module, h: torch.Tensor, 
     return torch.cat(pieces)
 
 
-def _shared_plan(model: torch.nn.Module, seqs: Seqs) -> shared_prefix.Plan | None:
-    """The shared-prefix layout where `seqs.share_prefix` asks for it and it applies: unpacked rows (packing runs
+def _shared_plan(model: torch.nn.Module, seqs: Seqs, options: ForwardOptions) -> shared_prefix.Plan | None:
+    """The shared-prefix layout where `options.share_prefix` asks for it and it applies: unpacked rows (packing runs
     its own layout), a split model (not inside an FSDP2 root, whose hooks expect one call per layer), no gradient
     checkpointing (which drops the cache), and prompts that repeat enough to pay (shared_prefix.plan)."""
-    if not seqs.share_prefix or runs_packed(model, seqs) or _INSIDE_ROOT or _is_fsdp_root(model):
+    if not options.share_prefix or runs_packed(model, seqs, options) or _INSIDE_ROOT or _is_fsdp_root(model):
         return None
     split = _decoder_and_head(model)
     if split is None or getattr(split[0], "gradient_checkpointing", False) or not shared_prefix.can_share(split[0]):
@@ -189,18 +225,18 @@ def _shared_plan(model: torch.nn.Module, seqs: Seqs) -> shared_prefix.Plan | Non
     return shared_prefix.cached_plan(seqs, shared_prefix.packs(split[0], seqs.input_ids.device))
 
 
-def runs_packed(model: torch.nn.Module, seqs: Seqs) -> bool:
-    """Whether token_logps takes the packed path: `seqs.pack`, some real token, not a prompt-learning model."""
-    return bool(seqs.pack) and not _is_prompt_learning(model) and bool(seqs.attention_mask.any())
+def runs_packed(model: torch.nn.Module, seqs: Seqs, options: ForwardOptions) -> bool:
+    """Whether token_logps takes the packed path: `options.pack`, some real token, not a prompt-learning model."""
+    return options.pack and not _is_prompt_learning(model) and bool(seqs.attention_mask.any())
 
 
-def processed_tokens(model: torch.nn.Module, seqs: Seqs) -> int:
+def processed_tokens(model: torch.nn.Module, seqs: Seqs, options: ForwardOptions) -> int:
     """Token positions the decoder runs on for `seqs`: N x T padded, the real tokens packed, the prefixes once
     and the suffixes where prompts are shared."""
-    shared = _shared_plan(_unwrap_ddp(model), seqs)
+    shared = _shared_plan(_unwrap_ddp(model), seqs, options)
     if shared is not None:
         return shared.positions()
-    return int(seqs.attention_mask.sum()) if runs_packed(model, seqs) else seqs.input_ids.numel()
+    return int(seqs.attention_mask.sum()) if runs_packed(model, seqs, options) else seqs.input_ids.numel()
 
 
 def pack_seqs(seqs: Seqs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -213,7 +249,8 @@ def pack_seqs(seqs: Seqs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return seqs.input_ids[real].unsqueeze(0), within[real].unsqueeze(0), index
 
 
-def _packed_token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None) -> torch.Tensor:
+def _packed_token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None,
+                        temperature: float = 1.0) -> torch.Tensor:
     """token_logps on the packed row (chunked head, or the model's own logits on the fallback route),
     gathered at the packed positions of the padded completion positions -> (N, T-1) as padded."""
     packed, pos, index = pack_seqs(seqs)
@@ -223,13 +260,13 @@ def _packed_token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | No
     split = _decoder_and_head(model)
     if split is None:  # DDP wrappers, FSDP2 roots, logit transforms: the model's own forward
         logits = model(input_ids=packed, position_ids=pos, use_cache=False).logits[0]
-        sel = _tempered(_at_least_fp32(logits[at]), seqs.temperature)  # (M, V)
+        sel = _tempered(_at_least_fp32(logits[at]), temperature)  # (M, V)
         picked = sel.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(sel, dim=-1)
     else:
         decoder, head = split
         out = _run_decoder(decoder, input_ids=packed, position_ids=pos, use_cache=False)
         hidden = shared_prefix.last_hidden(out)
-        picked = _head_logps(model, head, hidden[0, at], targets, chunk_size, seqs.temperature)
+        picked = _head_logps(model, head, hidden[0, at], targets, chunk_size, temperature)
     logps = torch.zeros(seqs.input_ids.shape[0], seqs.input_ids.shape[1] - 1, dtype=picked.dtype,
                         device=picked.device)
     return logps.index_put((rows, cols), picked)
@@ -246,15 +283,15 @@ def packing_probe(model: torch.nn.Module, device) -> Seqs:
         ids[i, :n] = (torch.arange(n) * 7 + i * 13) % (vocab - 1) + 1
         mask[i, :n] = 1
     loss = mask.bool() & (torch.arange(max(lengths)) >= prompt)
-    return Seqs(ids.to(device), mask.to(device), loss.to(device), pack=True)
+    return Seqs(ids.to(device), mask.to(device), loss.to(device))
 
 
 def check_packing(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = None) -> None:
-    """The setup step of a run with train.packing (and any packed `seqs` of two sequences or more, so that
-    there is something to leak between): packed vs padded log-probs, no grad, eval mode (no dropout),
+    """The setup step of a run with train.packing (`seqs` of two sequences or more, so that there is something
+    to leak between): packed vs padded log-probs, no grad, eval mode (no dropout),
     autocast off unless the attention kernel needs 16-bit. A model that ignores the restarting position ids
     lets sequences attend to each other: UserError, one line. Under FSDP2 every rank calls it (a forward)."""
-    if not runs_packed(model, seqs):
+    if not runs_packed(model, seqs, PACKED):
         return
     if _is_fsdp_root(model) and model not in _INSIDE_ROOT:
         return _as_root_forward(model, seqs, lambda: check_packing(model, seqs, chunk_size))
@@ -272,7 +309,7 @@ def check_packing(model: torch.nn.Module, seqs: Seqs, chunk_size: int | None = N
     try:
         with torch.no_grad(), (nullcontext() if flash else torch.autocast(device_type, enabled=False)):
             packed = _packed_token_logps(inner, seqs, chunk_size)
-            padded = token_logps(inner, replace(seqs, pack=False), chunk_size)
+            padded = token_logps(inner, seqs, PLAIN, chunk_size)
     finally:
         for m, training in modes:
             m.training = training
@@ -321,10 +358,10 @@ def head_logits(head: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
         return head(h.to(weight.dtype))  # bf16 hidden states (FSDP2 layers, a bf16 final norm) -> the head's dtype
 
 
-def _full_logits_token_logps(model: torch.nn.Module, seqs: Seqs) -> torch.Tensor:
+def _full_logits_token_logps(model: torch.nn.Module, seqs: Seqs, temperature: float = 1.0) -> torch.Tensor:
     """The reference path: the model's own forward, the full (N, T, V) logits cast to float32 (at least)."""
     logits = model(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, use_cache=False).logits
-    logits = _tempered(_at_least_fp32(logits[:, :-1]), seqs.temperature)
+    logits = _tempered(_at_least_fp32(logits[:, :-1]), temperature)
     targets = seqs.input_ids[:, 1:]
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     logps = picked - torch.logsumexp(logits, dim=-1)

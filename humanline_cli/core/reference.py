@@ -23,18 +23,20 @@ from humanline_cli.core.batches import Seqs
 from humanline_cli.core.corrections import mix_reference
 from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule, sync_reference
 from humanline_cli.core.interfaces import Reference
-from humanline_cli.core.logprobs import token_logps
+from humanline_cli.core.logprobs import PLAIN, ForwardOptions, token_logps
 
 
 class FrozenCopy:
-    def __init__(self, policy: torch.nn.Module, built: torch.nn.Module | None = None):
-        """A deep copy of `policy`, or `built`: a copy made elsewhere (sharded loading builds it sharded)."""
+    def __init__(self, policy: torch.nn.Module, built: torch.nn.Module | None = None, options: ForwardOptions = PLAIN):
+        """A deep copy of `policy`, or `built`: a copy made elsewhere (sharded loading builds it sharded); its
+        forwards run with `options`, the policy's."""
         self.model = (copy.deepcopy(policy) if built is None else built).eval()
         self.model.requires_grad_(False)
+        self.options = options
 
     @torch.no_grad()
     def logps(self, seqs: Seqs) -> torch.Tensor:
-        out = token_logps(self.model, seqs)
+        out = token_logps(self.model, seqs, self.options)
         if hasattr(self.model, "reshard"):  # FSDP2 keeps a root unsharded after forward, and a frozen copy has
             self.model.reshard()            # no backward to reshard it: its gathered embeddings and head would
         return out                          # stay alive through the policy's forward and backward (measured)
@@ -88,16 +90,17 @@ class BaseReference:
     `make_lora_reference(model, moving=...)`.
     """
 
-    def __init__(self, peft_model: torch.nn.Module):
+    def __init__(self, peft_model: torch.nn.Module, options: ForwardOptions = PLAIN):
         from humanline_cli.core.lora import base_model_of
 
         base_model_of(peft_model)  # type check: a PeftModel
         self.model = peft_model
+        self.options = options
 
     @torch.no_grad()
     def logps(self, seqs: Seqs) -> torch.Tensor:
         with _reference_pass(self.model), self.model.disable_adapter():
-            return token_logps(self.model, seqs)
+            return token_logps(self.model, seqs, self.options)
 
     def sync(self, policy: torch.nn.Module) -> None:
         raise RuntimeError("BaseReference (a LoRA policy's base model, adapters off) cannot take the policy's "
@@ -124,13 +127,14 @@ class AdapterReference:
     parameters. For humanline runs and plain online runs (round resets).
     """
 
-    def __init__(self, peft_model: torch.nn.Module):
+    def __init__(self, peft_model: torch.nn.Module, options: ForwardOptions = PLAIN):
         from humanline_cli.core.lora import POLICY_ADAPTER, REFERENCE_ADAPTER, base_model_of
 
         base_model_of(peft_model)  # type check: a PeftModel
         if POLICY_ADAPTER not in peft_model.peft_config:
             raise ValueError(f"the model has no '{POLICY_ADAPTER}' adapter (build it with lora.apply_lora)")
         self.model = peft_model
+        self.options = options
         flags = [(p, p.requires_grad) for p in peft_model.parameters()]
         # add_adapter marks every lora_ weight trainable and may touch other flags: restore, then freeze ours
         peft_model.add_adapter(REFERENCE_ADAPTER, copy.deepcopy(peft_model.peft_config[POLICY_ADAPTER]))
@@ -153,7 +157,7 @@ class AdapterReference:
         with _reference_pass(self.model):
             self.model.set_adapter(REFERENCE_ADAPTER)  # (no inference_mode: peft < 0.15 lacks it; flags restored)
             try:
-                return token_logps(self.model, seqs)
+                return token_logps(self.model, seqs, self.options)
             finally:
                 # switch back before anything else runs: a checkpointed policy forward recomputes in backward
                 self.model.set_adapter(POLICY_ADAPTER)
@@ -189,10 +193,11 @@ class AdapterReference:
         return {}
 
 
-def make_lora_reference(peft_model: torch.nn.Module, moving: bool) -> BaseReference | AdapterReference:
+def make_lora_reference(peft_model: torch.nn.Module, moving: bool,
+                        options: ForwardOptions = PLAIN) -> BaseReference | AdapterReference:
     """moving=False (plain offline): BaseReference; moving=True (humanline sync or online round resets):
     AdapterReference. Build it BEFORE the optimizer and any DDP/FSDP wrapping, since it adds parameters."""
-    return AdapterReference(peft_model) if moving else BaseReference(peft_model)
+    return AdapterReference(peft_model, options) if moving else BaseReference(peft_model, options)
 
 
 # ------------------------------------------------------------------ reference log-prob cache
@@ -305,8 +310,10 @@ def reference_moves(humanline: HumanlineSpec, regime: str, correction=None) -> b
 def build_reference(policy: torch.nn.Module, *, lora: bool, moving: bool, cache: bool,
                     shard: Callable[[torch.nn.Module], None] | None = None,
                     cast: Callable[[torch.nn.Module], None] | None = None,
-                    agree: Callable[[bool], bool] | None = None, built: torch.nn.Module | None = None) -> Reference:
-    """The run's reference, from the unwrapped, unsharded policy (a peft model when `lora`):
+                    agree: Callable[[bool], bool] | None = None, built: torch.nn.Module | None = None,
+                    options: ForwardOptions = PLAIN) -> Reference:
+    """The run's reference, from the unwrapped, unsharded policy (a peft model when `lora`), its forwards run with
+    `options` (the policy's: packing, shared prompts and the log-prob temperature alike on both sides):
     - LoRA: the base model with adapters disabled (fixed) or a second "reference" adapter (`moving`);
     - else a frozen copy, `cast` in place (backend.cast_layers under FSDP2 bf16: the decoder layers in bf16, as
       it never gets gradients or AdamW; the root, holding the head, stays fp32 as the policy's computes; buffers
@@ -317,11 +324,11 @@ def build_reference(policy: torch.nn.Module, *, lora: bool, moving: bool, cache:
     - `cache` and not `moving` (plain offline): each sequence's log-probs computed once (`agree`: under
       FSDP the forward all-gathers shards, so every rank skips it or none does)."""
     if lora:
-        reference = make_lora_reference(policy, moving=moving)
+        reference = make_lora_reference(policy, moving=moving, options=options)
     elif built is not None:
-        reference = FrozenCopy(policy, built)
+        reference = FrozenCopy(policy, built, options)
     else:
-        reference = FrozenCopy(policy)
+        reference = FrozenCopy(policy, options=options)
         if cast is not None:
             cast(reference.model)
         if shard is not None:

@@ -301,36 +301,27 @@ def make_seqs(prompts: list[list[int]], completions: list[list[int]], pad_id: in
 
 
 class Collator:
-    """Units -> batches. `packing` (train.packing) marks every Seqs for token_logps' padding-free path,
-    `shared_prefix` (train.shared_prefix) for its path that runs a prompt shared by several rows once;
-    `bucketing` (train.length_bucketing, only without packing) makes `bucket_length` available to the
-    sources, which sort each rank's share of a step by it before cutting micro-batches. `temperature`
-    (objective.tempered_logps: data.temperature, else 1) marks every Seqs: token_logps divides the logits by it."""
+    """Units -> batches of data only (how a forward runs them is the policy's and the reference's own options,
+    core/logprobs.ForwardOptions). `bucketing` (train.length_bucketing, which the builder turns off under
+    train.packing) makes `bucket_length` available to the sources, which sort each rank's share of a step by it
+    before cutting micro-batches."""
 
-    def __init__(self, encoder: Encoder, objective_cfg, packing: bool = False, bucketing: bool = False,
-                 temperature: float = 1.0, shared_prefix: bool = False):
+    def __init__(self, encoder: Encoder, objective_cfg, bucketing: bool = False):
         self.enc = encoder
-        self.temperature = temperature
         self.pad = encoder.tok.pad_token_id
         self.cfg = objective_cfg
-        self.packing = packing
-        self.shared_prefix = shared_prefix
         self.bucketing = bucketing
         self._text_lengths: dict[str, int] = {}  # completion text -> its token count + EOS
 
     def _seqs(self, prompts, completions) -> Seqs:
         p_ids = [self.enc.prompt_ids(p) for p in prompts]
         c_ids = [self.enc.completion_ids(p, c) for p, c in zip(prompts, completions)]
-        seqs = make_seqs(p_ids, c_ids, self.pad)
-        seqs.pack = self.packing
-        seqs.share_prefix = self.shared_prefix
-        seqs.temperature = self.temperature
-        return seqs
+        return make_seqs(p_ids, c_ids, self.pad)
 
     @property
     def bucket_length(self):
-        """`length` when micro-batches should be length-bucketed (bucketing on, packing off), else None."""
-        return self.length if self.bucketing and not self.packing else None
+        """`length` when micro-batches should be length-bucketed, else None."""
+        return self.length if self.bucketing else None
 
     def _completion_length(self, completion) -> int:
         """Tokens of a completion as collated before the max_length cut (text: + EOS; cached per text)."""

@@ -124,14 +124,17 @@ def loop_calls(rows: list[dict], calls: tuple) -> list[dict]:
 
 
 class TrackedEndClock(EndClock):
-    """An EndClock over a real tracker (`inner`), whose per-step cost is then the run's, as in a real run."""
+    """An EndClock over a real tracker (`inner`), whose per-step cost is then the run's, as in a real run; every
+    step's metrics with a train time are kept (`rows`)."""
 
     def __init__(self, last_step: int, inner):
         super().__init__(last_step, None)
-        self.inner = inner
+        self.inner, self.rows = inner, []
 
     def log(self, step: int, metrics: dict) -> None:
         self.inner.log(step, metrics)
+        if "time/train" in metrics:
+            self.rows.append({"step": step, **metrics})
         super().log(step, metrics)
 
     def log_histogram(self, step: int, counts) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -268,8 +269,6 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
 def report_from_csv(csv_path: Path, out_dir: Path, **options) -> Report:
     """build_report over the run dirs a study CSV (study_csv.export) holds, rebuilt in a temporary folder; the
     report names the CSV as its source."""
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="humanline-csv-") as tmp:
         root = study_csv.materialise(Path(csv_path), Path(tmp) / Path(csv_path).stem)
         return build_report(root, out_dir, shown_root=Path(csv_path), **options)

@@ -4,14 +4,13 @@ GAP_NOTE, printed above the table, says how each number is computed.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from humanline_cli.mdtable import md_table
-from humanline_cli.report.frame import METRICS, WORK, ci_text, column, common_metric, curve, points, seconds
+from humanline_cli.report.frame import METRICS, WORK, ci_text, column, common_metric, curve, points, read_jsonl, seconds
 from humanline_cli.report.groups import comparison_sets, differing_keys, hl_settings
 from humanline_cli.report.plots import save_figure
 from humanline_cli.report.stats import equivalence, fieller, km_median, mean_ci, paired_t, prompt_bootstrap
@@ -188,15 +187,11 @@ def paired_columns(mode: str, both: pd.DataFrame, per_prompt: dict | None = None
 def prompt_scores(paths: dict, metric: str) -> dict | None:
     """{arm: (seeds x prompts)} from each run dir's (`paths[arm]`) eval samples, over the prompts every run scored;
     None when a run lacks the file or no prompt is shared."""
-    table = {}
-    for arm, dirs in paths.items():
-        table[arm] = []
-        for d in dirs:
-            f = Path(d) / SAMPLES[metric]
-            if not f.is_file():
-                return None
-            rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
-            table[arm].append({r["prompt"]: float(r["policy_score"]) for r in rows if r.get("policy_score") is not None})
+    files = {arm: [Path(d) / SAMPLES[metric] for d in dirs] for arm, dirs in paths.items()}
+    if not all(f.is_file() for fs in files.values() for f in fs):
+        return None
+    table = {arm: [{r["prompt"]: float(r["policy_score"]) for r in read_jsonl(f) if r.get("policy_score") is not None}
+                   for f in fs] for arm, fs in files.items()}
     common = sorted(set.intersection(*(set(d) for runs in table.values() for d in runs)))
     return {arm: [[d[p] for p in common] for d in runs] for arm, runs in table.items()} if common else None
 

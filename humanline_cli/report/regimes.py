@@ -6,9 +6,11 @@ online's, which does not read it.
 from __future__ import annotations
 
 import os
+from importlib.resources import files
 from pathlib import Path
 
 import pandas as pd
+import yaml
 
 from humanline_cli.report.gap_closed import gap_rows
 
@@ -18,8 +20,6 @@ SWEEP_IGNORE = ("task.world.offline",)
 
 def regime_of(run_dir: Path) -> str | None:
     """The `regime=NAME` override a sweep job ran with (.hydra/overrides.yaml), if any."""
-    import yaml
-
     f = run_dir / ".hydra" / "overrides.yaml"
     overrides = (yaml.safe_load(f.read_text()) or []) if f.is_file() else []
     return next((v for k, _, v in (str(o).lstrip("+").partition("=") for o in overrides) if k == "regime"), None)
@@ -27,8 +27,6 @@ def regime_of(run_dir: Path) -> str | None:
 
 def listed_regimes(sweep: Path) -> list[str]:
     """The `regime=` values a sweep's multirun.yaml lists, in order ([] without one)."""
-    import yaml
-
     f = sweep / "multirun.yaml"
     sweep_cfg = (yaml.safe_load(f.read_text()) if f.is_file() else None) or {}
     params = ((sweep_cfg.get("hydra") or {}).get("sweeper") or {}).get("params") or {}
@@ -38,10 +36,6 @@ def listed_regimes(sweep: Path) -> list[str]:
 def regime_meta(config: dict | None, path: Path) -> dict:
     """A run's regime_meta (name, family, baseline, target) as saved, else as its `regime=` file
     (conf/regime/NAME.yaml) declares it now, for runs saved before regimes declared it; {} for no regime."""
-    from importlib.resources import files
-
-    import yaml
-
     meta = {k.removeprefix("regime_meta."): v for k, v in (config or {}).items() if k.startswith("regime_meta.")}
     if meta.get("name"):
         return meta

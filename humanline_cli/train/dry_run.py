@@ -19,7 +19,8 @@ from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.errors import UserError
 from humanline_cli.machine import Allocation, Machine, check_launch, parse_profile, ranks_per_node
 from humanline_cli.memory import MemoryEstimate
-from humanline_cli.train.build import fit_memory, model_paths, prepare_model, prepare_world
+from humanline_cli.train.build import model_paths, prepare_model, prepare_world
+from humanline_cli.train.fit import fit_memory
 from humanline_cli.train.lengths import check_model_lengths
 
 

@@ -1,4 +1,8 @@
-"""When one rank of a distributed job fails, every rank ends and the job reports THAT rank's message.
+"""How a failure ends a `humanline train` job: the one table from an exception to (exit code, one line)
+(`outcome`), failed.json (its one writer, its records, reading it back), an out-of-memory error as one line, and the
+protocol below for a distributed job.
+
+When one rank of a distributed job fails, every rank ends and the job reports THAT rank's message.
 
 Why a file per rank: a rank that raises never reaches the other ranks' collectives, so they learn
 about it only as a transport error (gloo: "Connection closed by peer"; NCCL: a collective that waits
@@ -15,39 +19,20 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 from humanline_cli.atomic import write_json_atomic
-from humanline_cli.errors import PeerFailed, Preempted, RankCrashed, RunFailed, UserError, one_line
+from humanline_cli.errors import Interrupted, PeerFailed, Preempted, RankCrashed, RunFailed, UserError, one_line
+from humanline_cli.train.signals import interrupted_where
 
 FAILURES = ".failures"
 EXIT = {"user": 2, "run": 2, "bug": 1}  # the CLI's codes: bad input / a run that cannot go on -> 2, a bug -> 1
 # substrings of torch.distributed errors that only say a PEER went away or stopped answering
 SECONDARY = ("connection closed by peer", "connection reset by peer", "timed out", "timeout", "broken pipe",
              "nccl communicator was aborted", "process group watchdog")
-
-
-def release_semaphores() -> None:
-    """Before a rank ends without Python's exit (os._exit, or SIGTERM's default action): run
-    multiprocessing's non-negative-priority exit finalizers, the first stage of its own atexit hook
-    (util._exit_function), which close this rank's queues and unlink their named semaphores (the sampler
-    process's, data.async_lag); children are neither terminated nor joined here. Without it the launcher's
-    resource tracker prints a 'leaked semaphore objects' warning after the job's one error line. Never raises."""
-    with contextlib.suppress(Exception):
-        from multiprocessing import util
-
-        util._run_finalizers(0)
-
-
-def die_by_sigterm() -> None:
-    """End this rank as SIGTERM's default action would (killed by the signal), after releasing its semaphores:
-    a rank the agent stops because a peer failed is no preemption (the failing rank's record names the cause)."""
-    release_semaphores()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def job_id() -> str:
@@ -225,3 +210,76 @@ def as_exception(rec: dict) -> BaseException:
     if rec["kind"] == "run":
         return RunFailed(msg)
     return RankCrashed(f"{msg} (rank {rec['rank']}'s traceback is above)")
+
+
+# ------------------------------------------------------------------ the one table
+@dataclass(frozen=True)
+class Outcome:
+    """How a job ended: the process's exit code and what to say (None: nothing more); `error`: the message
+    is an error (printed after "humanline: error: "; a sweep names the job and goes on)."""
+
+    code: int
+    message: str | None = None
+    error: bool = False
+
+    @property
+    def line(self) -> str | None:
+        if self.message is None:
+            return None
+        return f"humanline: error: {self.message}" if self.error else f"humanline: {self.message}"
+
+
+def outcome(e: BaseException, run_dir: Path | None) -> Outcome | None:
+    """How exception `e` ends the job: exit code and line. None for a bug (its traceback, exit 1).
+
+    | exception                         | exit | line                                        |
+    | KeyboardInterrupt (Interrupted)   | 130  | interrupted at step N / before / after training |
+    | Preempted (SIGTERM)               | 143  | stopped by SIGTERM ...; rerun to resume     |
+    | UserError (bad input, busy dir)   | 2    | error: <the problem>                        |
+    | RunFailed, OSError (NaN, disk)    | 2    | error: run failed (<run dir>): <cause>      |
+    | anything else                     | 1    | Python's traceback                          |
+    A line ends with "(failed.json written)" where the rank recorded the failure."""
+    failed = read_failed(run_dir)
+    note = " (failed.json written)" if failed is not None else ""
+    if isinstance(e, KeyboardInterrupt):
+        # under DDP/FSDP the step is rank 0's (it recorded it in failed.json); in one process, the exception's
+        where = (failed or {}).get("interrupted") or (e.where if isinstance(e, Interrupted) else None) \
+            or interrupted_where(e)
+        return Outcome(130, f"interrupted {where}{note}")
+    if isinstance(e, Preempted):  # SIGTERM (SLURM): the whole process is going away, a sweep included
+        return Outcome(143, f"{e}{note}")
+    if isinstance(e, UserError):
+        return Outcome(EXIT["user"], str(e), error=True)
+    if isinstance(e, (RunFailed, OSError)):
+        return Outcome(EXIT["run"], f"run failed ({run_dir}): {one_line(e)}", error=True)
+    return None
+
+
+def failure_record(e: BaseException, wall_clock_s: dict, where: str | None = None) -> dict:
+    """failed.json for a job `e` ended (`where`: the step a Ctrl-C landed in)."""
+    if where is not None:
+        return interrupted_json(where, wall_clock_s)
+    return {"status": "failed", "error": f"{type(e).__name__}: {e}", "wall_clock_s": wall_clock_s}
+
+
+def read_failed(run_dir: Path | None) -> dict | None:
+    """<run_dir>/failed.json as a rank wrote it; None where there is none (or it cannot be read)."""
+    try:
+        return json.loads((Path(run_dir) / FAILED_JSON).read_text()) if run_dir is not None else None
+    except (OSError, ValueError):
+        return None
+
+
+def out_of_memory(e: BaseException) -> RunFailed | None:
+    """Out of memory (host RAM under a ulimit or cgroup, or a GPU's) as one RunFailed line, else None."""
+    import torch
+
+    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
+                                  getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
+    text = one_line(e) if str(e).strip() else ""
+    if not (isinstance(e, (MemoryError, *oom_types)) or (
+            isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower()))):
+        return None
+    text = text if len(text) <= 160 else text[:157] + "..."
+    return RunFailed(f"out of memory ({type(e).__name__}{': ' + text if text else ''}): lower "
+                     f"train.micro_batch_size, or turn on train.gradient_checkpointing or LoRA, or use more ranks")

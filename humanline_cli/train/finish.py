@@ -1,7 +1,7 @@
 """The two ends of a run around the loop: the header printed before training, and `finish` after it: save
 the trained policy (atomically, in train.save_dtype), write summary.json ("trained"), run the end-of-run
 evaluations, write summary.json ("complete"); and the summary table. A run that fails on the way leaves
-failed.json too (train/job.py), never a summary presented as complete."""
+failed.json too (train/failures.py), never a summary presented as complete."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""One `humanline train` job, in the order it runs, and the one table that says how it ended.
+"""One `humanline train` job, in the order it runs.
 
 `Job.run` runs in the process that owns the run dir (the Hydra app calls it once per job):
   1. lock the run dir: one job per dir. Hydra writes nothing into the dir before this (conf/train.yaml:
@@ -9,28 +9,23 @@
   4. record the job in the dir: `.hydra/` (config, hydra, overrides; secrets masked) and train.log;
   5. run it here, on the ranks it starts (torch's elastic launch), or as rank 0 of torchrun's ranks
      (rank 0 does 1-4 and hands the spec and run dir to the others).
-A SLURM job of several nodes (hydra/launcher=slurm_multinode) runs this on every node, on one run dir that every
-node must see (a shared file system): node 0 alone does 1-4 and leaves a marker (JSON: prepared, or the error
-that stopped it); the other nodes wait for that marker, then start their ranks, which meet node 0's.
+A SLURM job of several nodes runs this on every node: node 0 alone does 1-4, the others wait for it
+(train/nodes.py), then every node starts its ranks.
 `run_rank` is one rank's part: set up (parts, resume), train, finish (model, summary.json, the end-of-run
 evaluations), and on failure failed.json (rank 0) and the rank's record for whoever reports the job
 (train/failures.py).
 
-`outcome` is the one table from an exception to (exit code, one-line message); `failure_record` the
-failed.json record the rank writes for the same exception. The job's context (rank, world size, run
-dir, where the command was typed) is a `Context`, computed once and passed to every part.
+How an exception ends the job (exit code, line, failed.json) is train/failures.py's table. The job's context
+(rank, world size, run dir, where the command was typed) is a `Context`, computed once and passed to every part.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
-import json
 import logging
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,16 +36,18 @@ from humanline_cli.atomic import write_text_atomic
 from humanline_cli.backend import wait_for_rank0
 from humanline_cli.config import RunSpec, resolve
 from humanline_cli.core.humanline import ReferenceRule
-from humanline_cli.errors import Interrupted, Preempted, RunFailed, UserError, ignore_ctrl_c, one_line
+from humanline_cli.errors import RunFailed, UserError, ignore_ctrl_c
 from humanline_cli.machine import Allocation, allocation_of, check_launch, this_machine
 from humanline_cli.memory import release_freed
 from humanline_cli.train import failures, provenance
 from humanline_cli.train.build import build_parts
 from humanline_cli.train.checkpoint import Checkpoints
+from humanline_cli.train.failures import Outcome, outcome
 from humanline_cli.train.finish import finish, header, print_summary
 from humanline_cli.train.lock import RunDirLock
+from humanline_cli.train.nodes import Nodes, clear_markers, prepare_on_node0, wait_for_node0
 from humanline_cli.train.rundir import is_complete, prepare_run_dir, recorded_micro_batch, run_record
-from humanline_cli.train.signals import StepMarker, StopSignal, interrupted_where
+from humanline_cli.train.signals import StepMarker, StopSignal, die_by_sigterm, interrupted_where, release_semaphores
 from humanline_cli.train.timing import PhaseTimer
 from humanline_cli.train.tracking import NullTracker, Tracker, masked_config
 from humanline_cli.train.trainer import train
@@ -58,34 +55,6 @@ from humanline_cli.train.trainer import train
 HYDRA_DIR = ".hydra"  # the job's record of its config, written after the lock (never by Hydra itself)
 LOG = "train.log"
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's own file format
-
-
-@dataclass(frozen=True)
-class Nodes:
-    """This node's place in a SLURM job of several nodes (index 0 of count 1 elsewhere); `job` names the job and
-    its restart (a requeued job keeps its id), so a marker left by an earlier one is never taken for its own."""
-
-    index: int = 0
-    count: int = 1
-    job: str = ""
-
-    @property
-    def marker(self) -> str:
-        return f"{NODE0_MARKER}{self.job}"
-
-
-NODE0_MARKER = ".node0-"  # + Nodes.job: node 0 prepared the run dir (or its error), JSON, for the other nodes of its job
-NODE0_WAIT_S = 3600.0     # how long another node waits for it: a resume's prepare hashes the checkpoint (minutes)
-
-
-def slurm_nodes(env=None) -> Nodes:
-    """Nodes as SLURM set them for a job's task (srun: SLURM_NNODES, SLURM_NODEID); read once per process."""
-    env = os.environ if env is None else env
-    count = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1")) or 1)
-    if count <= 1:
-        return Nodes()
-    return Nodes(int(env.get("SLURM_NODEID", "0") or 0), count,
-                 f"{env.get('SLURM_JOB_ID', 'job')}.{env.get('SLURM_RESTART_COUNT', '0') or 0}")
 
 
 @dataclass(frozen=True)
@@ -111,22 +80,6 @@ def launcher_ranks(env=None) -> tuple[int, int]:
     """(rank, world size) as torch's launcher set them; (0, 1) outside one. Read once per process."""
     env = os.environ if env is None else env
     return int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How a job ended: the process's exit code and what to say (None: nothing more); `error`: the message
-    is an error (printed after "humanline: error: "; a sweep names the job and goes on)."""
-
-    code: int
-    message: str | None = None
-    error: bool = False
-
-    @property
-    def line(self) -> str | None:
-        if self.message is None:
-            return None
-        return f"humanline: error: {self.message}" if self.error else f"humanline: {self.message}"
 
 
 @dataclass(frozen=True)
@@ -165,7 +118,7 @@ class Job:
                 return Outcome(0)
             if self.ctx.distributed:
                 return self._join_torchrun(lock)
-            spec = self._wait_for_node0() if self.ctx.nodes.index > 0 else self._prepare_node0(lock)
+            spec = self._prepare_here(lock)
             if spec is None:
                 return Outcome(0)
             log = _attach_log(self.ctx.run_dir) if self.ctx.nodes.index == 0 else None
@@ -176,7 +129,7 @@ class Job:
                 run_rank(spec, self.ctx)
             return Outcome(0)
         except BaseException as e:  # noqa: BLE001 - the table decides; a bug goes through
-            end = outcome(e, self.ctx)
+            end = outcome(e, self.ctx.run_dir)
             if end is None or (end.error and self.full_error):
                 raise
             return end
@@ -191,50 +144,23 @@ class Job:
         """What the Hydra launcher allocates this job (SLURM's GPUs and nodes); nothing where it runs here."""
         return allocation_of(OmegaConf.select(self.record.hydra, "hydra.launcher") if self.record else None)
 
-    def _prepare_node0(self, lock: RunDirLock) -> RunSpec | None:
-        """_prepare; in a job of several nodes, whether it prepared (or its error) also left in the run
-        dir for the other nodes, which wait for it instead of taking the lock themselves."""
-        if self.ctx.nodes.count <= 1:
+    def _prepare_here(self, lock: RunDirLock) -> RunSpec | None:
+        """_prepare, or in a SLURM job of several nodes its node's part (train/nodes.py): node 0 prepares and
+        leaves its result for the others, which wait for it instead of taking the lock themselves."""
+        nodes, run_dir = self.ctx.nodes, self.ctx.run_dir
+        if nodes.index > 0:
+            return wait_for_node0(nodes, run_dir, lambda: dataclasses.replace(resolve(self.cfg), cwd=str(self.ctx.cwd)))
+        if nodes.count <= 1:
             return self._prepare(lock)
-        path = self.ctx.run_dir / self.ctx.nodes.marker
-        try:
-            spec = self._prepare(lock)
-            if spec is not None and not spawn_count(spec):  # each node would train alone, into one run dir
-                raise UserError(f"{self.ctx.nodes.count} nodes need ranks to meet: backend.strategy=ddp or fsdp "
-                                f"with backend.nproc >= 2 (the GPUs of one node)")
-        except Exception as e:
-            with contextlib.suppress(OSError):  # a run dir it cannot write: the other nodes time out saying so
-                _leave_marker(path, {"error": one_line(e), "user": isinstance(e, UserError)})
-            raise
-        _leave_marker(path, {"prepared": spec is not None})
-        self._spec_marker = path if spec is not None else None  # None: a complete run, no launch to wait for
+        spec, self._spec_marker = prepare_on_node0(nodes, run_dir, lambda: self._prepare(lock),
+                                                   lambda s: spawn_count(s) > 0)
         return spec
-
-    def _wait_for_node0(self) -> RunSpec | None:
-        """Node 1.. of a job of several nodes: the spec node 0 prepared (resolved here from the same config; None:
-        nothing to do), or node 0's error."""
-        nodes, path = self.ctx.nodes, self.ctx.run_dir / self.ctx.nodes.marker
-        deadline = time.monotonic() + NODE0_WAIT_S
-        while not path.is_file():
-            if time.monotonic() > deadline:
-                raise UserError(f"node {nodes.index} of {nodes.count}: node 0 did not prepare {self.ctx.run_dir} "
-                                f"within {NODE0_WAIT_S:g} s (no {path.name}); the nodes of a job need a shared file "
-                                f"system holding the run dir (hydra.run.dir / hydra.sweep.dir on it)")
-            time.sleep(0.2)
-        box = json.loads(path.read_text())
-        if "error" in box:  # node 0's own line (a busy run dir, a bad config): the job ends the same way here
-            raise UserError(box["error"]) if box["user"] else RunFailed(f"node 0: {box['error']}")
-        if not box["prepared"]:  # a complete run: nothing to do on any node
-            return None
-        # the same config resolves to node 0's spec; the marker holds no object (never a pickle to load)
-        return dataclasses.replace(resolve(self.cfg), cwd=str(self.ctx.cwd))
 
     def _prepare(self, lock: RunDirLock) -> RunSpec | None:
         """Steps 1-4: lock, validate, the resume rule, the record. None: nothing to do (a complete run)."""
         run_dir = self.ctx.run_dir
         lock.acquire()  # held until the job ends, ranks included
-        for old in run_dir.glob(f"{NODE0_MARKER}*"):  # earlier jobs' markers: never outputs of a run
-            old.unlink(missing_ok=True)
+        clear_markers(run_dir)
         if lock.stale:
             print(f"humanline: note: {run_dir} was locked by a job that is gone ({lock.stale}); taking it over",
                   file=sys.stderr)
@@ -288,13 +214,6 @@ class Job:
         if tdist.is_initialized():
             tdist.destroy_process_group()
         return Outcome(0)
-
-
-def _leave_marker(path: Path, box: dict) -> None:
-    """Node 0's result for the other nodes, whole or not at all (they poll for the file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(box))
-    os.replace(tmp, path)
 
 
 def spawn_count(spec: RunSpec) -> int:
@@ -357,14 +276,14 @@ def _rank_main(spec: RunSpec, run_dir: str, cwd: str) -> None:
 def _leave(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    failures.release_semaphores()
+    release_semaphores()
     os._exit(code)
 
 
 def _sigterm_default(signum, frame) -> None:
     """SIGTERM outside StopSignal's reach: the agent's SIGTERM to the surviving ranks when one failed may land
     while they clean up; die as SIGTERM's default would, semaphores released first."""
-    failures.die_by_sigterm()
+    die_by_sigterm()
 
 
 # ------------------------------------------------------------------ one rank: set up, train, finish
@@ -456,11 +375,11 @@ def _record_failure(caught: BaseException, ctx: Context, spec: RunSpec, timer: P
                     at: StepMarker) -> BaseException:
     """A rank's failure recorded (failed.json on rank 0, wandb closed as failed); returns the exception to raise:
     `caught` itself, its one-line form (an out-of-memory), or that line with what a failed write of failed.json did."""
-    e = out_of_memory(caught) or caught  # one line instead of torch's allocator traceback
+    e = failures.out_of_memory(caught) or caught  # one line instead of torch's allocator traceback
     where = interrupted_where(e, trained, at) if isinstance(e, KeyboardInterrupt) else None
     if where is not None:
         ignore_ctrl_c()
-    failed = failure_record(e, timer.report(), where)
+    failed = failures.failure_record(e, timer.report(), where)
     if ctx.distributed:
         failed = _rank_failure(e, ctx, spec, failed, where, timer)
     note = failures.write_failed(ctx.run_dir, failed) if ctx.main else None
@@ -487,59 +406,3 @@ def _rank_failure(e: BaseException, ctx: Context, spec: RunSpec, failed: dict, w
     if seen is not None:  # Ctrl-C reached another rank first: rank 0 only saw it leave
         failed = failures.interrupted_json(seen, timer.report())
     return failed
-
-
-def out_of_memory(e: BaseException) -> RunFailed | None:
-    """Out of memory (host RAM under a ulimit or cgroup, or a GPU's) as one RunFailed line, else None."""
-    import torch
-
-    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
-                                  getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
-    text = one_line(e) if str(e).strip() else ""
-    if not (isinstance(e, (MemoryError, *oom_types)) or (
-            isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower()))):
-        return None
-    text = text if len(text) <= 160 else text[:157] + "..."
-    return RunFailed(f"out of memory ({type(e).__name__}{': ' + text if text else ''}): lower "
-                     f"train.micro_batch_size, or turn on train.gradient_checkpointing or LoRA, or use more ranks")
-
-
-# ------------------------------------------------------------------ the one table
-def failure_record(e: BaseException, wall_clock_s: dict, where: str | None = None) -> dict:
-    """failed.json for a job `e` ended (`where`: the step a Ctrl-C landed in)."""
-    if where is not None:
-        return failures.interrupted_json(where, wall_clock_s)
-    return {"status": "failed", "error": f"{type(e).__name__}: {e}", "wall_clock_s": wall_clock_s}
-
-
-def outcome(e: BaseException, ctx: Context) -> Outcome | None:
-    """How exception `e` ends the job: exit code and line. None for a bug (its traceback, exit 1).
-
-    | exception                         | exit | line                                        |
-    | KeyboardInterrupt (Interrupted)   | 130  | interrupted at step N / before / after training |
-    | Preempted (SIGTERM)               | 143  | stopped by SIGTERM ...; rerun to resume     |
-    | UserError (bad input, busy dir)   | 2    | error: <the problem>                        |
-    | RunFailed, OSError (NaN, disk)    | 2    | error: run failed (<run dir>): <cause>      |
-    | anything else                     | 1    | Python's traceback                          |
-    A line ends with "(failed.json written)" where the rank recorded the failure."""
-    failed = read_failed(ctx.run_dir)
-    note = " (failed.json written)" if failed is not None else ""
-    if isinstance(e, KeyboardInterrupt):
-        # under DDP/FSDP the step is rank 0's (it recorded it in failed.json); in one process, the exception's
-        where = (failed or {}).get("interrupted") or (e.where if isinstance(e, Interrupted) else None) \
-            or interrupted_where(e)
-        return Outcome(130, f"interrupted {where}{note}")
-    if isinstance(e, Preempted):  # SIGTERM (SLURM): the whole process is going away, a sweep included
-        return Outcome(143, f"{e}{note}")
-    if isinstance(e, UserError):
-        return Outcome(2, str(e), error=True)
-    if isinstance(e, (RunFailed, OSError)):
-        return Outcome(2, f"run failed ({ctx.run_dir}): {one_line(e)}", error=True)
-    return None
-
-
-def read_failed(run_dir: Path | None) -> dict | None:
-    try:
-        return json.loads((run_dir / "failed.json").read_text()) if run_dir is not None else None
-    except (OSError, ValueError):
-        return None

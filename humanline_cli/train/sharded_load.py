@@ -29,6 +29,7 @@ from contextlib import contextmanager
 import torch
 
 from humanline_cli.backend import cast_layers
+from humanline_cli.config import RunSpec
 from humanline_cli.errors import UserError
 
 
@@ -65,6 +66,13 @@ def local_model_dir(path: str) -> str | None:
         return snapshot_download(path, local_files_only=True)
     except Exception:  # not cached (or not a valid id): the full path loads (and downloads) it
         return None
+
+
+def loads_sharded(spec: RunSpec) -> bool:
+    """Whether the policy loads sharded (FSDP2 full fine-tuning without remote code) where its files can be read."""
+    b = spec.backend_cfg
+    return (b.strategy.value == "fsdp" and b.nproc > 1 and spec.model_cfg.lora.r == 0
+            and not spec.model_cfg.trust_remote_code)
 
 
 def is_hub_id(path: str) -> bool:

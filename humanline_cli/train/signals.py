@@ -11,9 +11,14 @@ final eval, model save) SIGTERM raises `Preempted` at once: there is no step to 
 Ctrl-C raises KeyboardInterrupt as Python does; inside the training loop `StepMarker` turns it into
 `Interrupted("at step N")`, so rank 0 can record the step in failed.json for the launching process to
 report (no frame is read). The job creates both objects and hands them to the loop.
+
+A rank that ends without Python's exit (os._exit after a failure, SIGTERM's default action when a peer failed)
+releases its semaphores first (`release_semaphores`, `die_by_sigterm`).
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
 
@@ -34,8 +39,6 @@ class StopSignal:
         if self.peer_failed is not None and self.peer_failed():
             # torch's agent stops the other ranks with SIGTERM when one fails: that is no preemption, die
             # as SIGTERM's default would (no checkpoint wait; the failing rank's record names the cause)
-            from humanline_cli.train.failures import die_by_sigterm
-
             die_by_sigterm()
             return
         self.requested = True
@@ -93,3 +96,23 @@ def interrupted_where(e: BaseException, trained: bool = False, at: StepMarker | 
     if not trained and at is not None and at.unwinding and at.step is not None:
         return f"at step {at.step}"
     return "after training" if trained else "before training"
+
+
+def release_semaphores() -> None:
+    """Before a rank ends without Python's exit (os._exit, or SIGTERM's default action): run
+    multiprocessing's non-negative-priority exit finalizers, the first stage of its own atexit hook
+    (util._exit_function), which close this rank's queues and unlink their named semaphores (the sampler
+    process's, data.async_lag); children are neither terminated nor joined here. Without it the launcher's
+    resource tracker prints a 'leaked semaphore objects' warning after the job's one error line. Never raises."""
+    with contextlib.suppress(Exception):
+        from multiprocessing import util
+
+        util._run_finalizers(0)
+
+
+def die_by_sigterm() -> None:
+    """End this rank as SIGTERM's default action would (killed by the signal), after releasing its semaphores:
+    a rank the agent stops because a peer failed is no preemption (the failing rank's record names the cause)."""
+    release_semaphores()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)

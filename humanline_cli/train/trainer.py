@@ -41,7 +41,7 @@ def train(tr: TrainSpec, hl: HumanlineSpec, parts: Parts, stop: StopSignal | Non
     `objective` with humanline `hl` and the stale-data `correction`; the reference moves when `rule` says.
     Returns the last logged metrics."""
     policy, reference = parts.policy, parts.reference
-    model = parts.train_model or policy  # what the gradient flows through (a DDP wrapper under DDP)
+    model = parts.train_model  # what the gradient flows through (a DDP wrapper under DDP), with the forward options
     ranks = Ranks(parts)
     release_unsharded(policy)
     opt = make_optimizer(policy, tr.lr, tr.weight_decay)
@@ -74,10 +74,10 @@ def train(tr: TrainSpec, hl: HumanlineSpec, parts: Parts, stop: StopSignal | Non
                                      parts.behaviour)
                 fillers, counts, weights = step_weights(objective, data, mbs, ranks)
                 with parts.backend.autocast():
-                    z0 = step_z0(objective, policy, reference, mbs, hl, ranks.reduce_sum, fillers)
+                    z0 = step_z0(objective, model.unwrapped(), reference, mbs, hl, ranks.reduce_sum, fillers)
                 rows = []
                 for i, mb in enumerate(mbs):
-                    with grad_sync(model, i, len(mbs)):
+                    with grad_sync(model.module, i, len(mbs)):
                         with parts.backend.autocast():
                             # the humanline clamp and the stale-data correction live one call down
                             loss, m = compute_loss(objective, model, reference, mb, hl, log_now, z0, correction)

@@ -89,10 +89,10 @@ def test_sample_asks_a_tempered_engine_for_tempered_logps(cache_dir, tmp_path, m
     # a vLLM engine started under objective.tempered_logps refuses any sampled request in the other mode, so
     # `humanline sample` must send the run's mode (the transformers sampler stands in for the engine here)
     from humanline_cli.cli.sample import _spec, run_sample
-    from humanline_cli.train import build
+    from humanline_cli.train import samplers
 
     asked = []
-    real = build.make_sampler
+    real = samplers.make_sampler
 
     def recording(*args, **kwargs):
         sampler = real(*args, **kwargs)
@@ -100,7 +100,7 @@ def test_sample_asks_a_tempered_engine_for_tempered_logps(cache_dir, tmp_path, m
         sampler.generate = lambda ids, params, indices=None: (asked.append(params), generate(ids, params, indices))[1]
         return sampler
 
-    monkeypatch.setattr(build, "make_sampler", recording)
+    monkeypatch.setattr(samplers, "make_sampler", recording)
     spec = _spec([*TINY_WORLD, "objective=grpo", "objective.tempered_logps=true", "data.temperature=0.7",
                   "data.n=2", "data.limit=3", "data.max_new_tokens=4", "threads=1"])
     info = run_sample(spec, tmp_path / "out", chunk=8, progress=False)

@@ -6,15 +6,18 @@ distribution; and a short real run with packing logs the same losses as without.
 from __future__ import annotations
 
 import random
-from dataclasses import replace
+from dataclasses import fields
 
 import pytest
 import torch
 
 from humanline_cli import schema as S
-from humanline_cli.core.batches import BinaryBatch, GroupBatch, PairBatch, to_device
+from humanline_cli.core.batches import BinaryBatch, GroupBatch, PairBatch, Seqs
 from humanline_cli.core.humanline import HumanlineSpec
 from humanline_cli.core.logprobs import (
+    PLAIN,
+    ForwardOptions,
+    PolicyForward,
     _decoder_and_head,
     check_packing,
     pack_seqs,
@@ -37,8 +40,7 @@ from tests.helpers.numerics import FP64, PADDED, assert_same, assert_same_rows, 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
 
 
-def packed(seqs):
-    return replace(seqs, pack=True)
+PACK = ForwardOptions(pack=True)
 
 
 class NoSplit(torch.nn.Module):
@@ -61,11 +63,11 @@ def test_packed_token_logps_values_and_gradients_equal_padded(route):
     target = NoSplit(model) if route == "full-logits" else model
     assert (_decoder_and_head(target) is None) == (route == "full-logits")
     pad = values_and_grads(lambda m, s: token_logps(m, s, chunk_size=chunk), target, seqs)
-    pk = values_and_grads(lambda m, s: token_logps(m, packed(s), chunk_size=chunk), target, seqs)
+    pk = values_and_grads(lambda m, s: token_logps(m, s, PACK, chunk_size=chunk), target, seqs)
     assert_same(pk, pad)
     assert torch.all(pk[0][seqs.loss_mask[:, 1:] == 0] == 0) and pk[0].shape == pad[0].shape
     with torch.no_grad():  # and without grad (the reference's call)
-        assert close(token_logps(target, packed(seqs)), token_logps(target, seqs))
+        assert close(token_logps(target, seqs, PACK), token_logps(target, seqs))
 
 
 def test_packed_forward_is_one_padding_free_row_with_restarting_positions():
@@ -74,11 +76,11 @@ def test_packed_forward_is_one_padding_free_row_with_restarting_positions():
     lengths = seqs.attention_mask.sum(1).tolist()
     calls = []
     model.get_decoder().register_forward_pre_hook(lambda mod, args, kw: calls.append(dict(kw)), with_kwargs=True)
-    token_logps(model, packed(seqs))  # one decoder call: the packing check is a setup step of its own
+    token_logps(model, seqs, PACK)  # one decoder call: the packing check is a setup step of its own
     assert len(calls) == 1
-    check_packing(model, packed(seqs))  # the setup step: packed and padded, once each
+    check_packing(model, seqs)  # the setup step: packed and padded, once each
     assert len(calls) == 3
-    token_logps(model, packed(seqs))
+    token_logps(model, seqs, PACK)
     assert len(calls) == 4
     kw = calls[-1]
     assert kw.get("attention_mask") is None and kw["input_ids"].shape == (1, sum(lengths))
@@ -89,16 +91,23 @@ def test_packed_forward_is_one_padding_free_row_with_restarting_positions():
     offsets = [sum(lengths[:i]) for i in range(len(lengths))]
     for i, n in enumerate(lengths):
         assert index[i, :n].tolist() == list(range(offsets[i], offsets[i] + n))
-    # the flag survives the trip to the device, also inside a batch
-    b = to_device(BinaryBatch(packed(seqs), torch.ones(5, dtype=torch.bool), packed(seqs)), torch.device("cpu"))
-    assert b.seqs.pack and b.kl_seqs.pack and not to_device(seqs, torch.device("cpu")).pack
+
+
+def test_seqs_carry_only_data_and_the_options_live_with_the_models():
+    """Packing is how the policy's and the reference's forwards run (the builder gives both the run's options),
+    never a flag on the batch: Seqs holds its three tensors and nothing else."""
+    assert [f.name for f in fields(Seqs)] == ["input_ids", "attention_mask", "loss_mask"]
+    model = spread_llama(seed=13)
+    assert PolicyForward(model).options == PLAIN and FrozenCopy(model).options == PLAIN
+    assert PolicyForward(model, PACK).unwrapped() == PolicyForward(model, PACK)  # no DDP wrapper: the same
 
 
 def test_prompt_learning_models_are_not_packed():
     import peft  # installed by `just setup` (test extra): a missing peft is a failure, not a skip
     pm = peft.get_peft_model(spread_llama(seed=15), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
-    seqs = packed(random_seqs(64, seed=16))
-    assert not runs_packed(pm, seqs) and runs_packed(spread_llama(seed=15), seqs)
+    seqs = random_seqs(64, seed=16)
+    assert not runs_packed(pm, seqs, PACK) and runs_packed(spread_llama(seed=15), seqs, PACK)
+    assert not runs_packed(spread_llama(seed=15), seqs, PLAIN)
 
 
 # ------------------------------------------------------------------ (b) losses through compute_loss
@@ -126,21 +135,15 @@ def _group_batch():
     return GroupBatch(seqs, torch.tensor([1.0, -0.5, 0.25, -1.0, 0.75, -0.5]))
 
 
-def _pack_batch(batch):
-    if isinstance(batch, BinaryBatch):
-        return replace(batch, seqs=packed(batch.seqs), kl_seqs=packed(batch.kl_seqs))
-    return replace(batch, seqs=packed(batch.seqs))
-
-
 OBJECTIVES = {"dpo": (S.DPOConfig(), _pair_batch), "kto": (S.KTOConfig(), _binary_batch),
               "grpo": (S.GRPOConfig(beta=0.05), _group_batch)}
 
 
-def _loss_and_grads(cfg, policy, reference, batch, hl):
-    policy.zero_grad(set_to_none=True)
+def _loss_and_grads(cfg, policy: PolicyForward, reference, batch, hl):
+    policy.module.zero_grad(set_to_none=True)
     loss, metrics = compute_loss(cfg, policy, reference, batch, hl)
     loss.backward()
-    return loss.detach(), {k: p.grad.clone() for k, p in policy.named_parameters()}, metrics
+    return loss.detach(), {k: p.grad.clone() for k, p in policy.module.named_parameters()}, metrics
 
 
 @pytest.mark.parametrize("objective", ["dpo", "kto", "grpo"])
@@ -154,8 +157,9 @@ def test_losses_and_gradients_packed_equal_padded(objective):
             p.add_(torch.randn(p.shape, generator=g) * 0.02)
     hl = HumanlineSpec(clamp=True, log_eps_P=-0.5, log_eps_R=0.5)
     batch = make()
-    loss_a, grads_a, m_a = _loss_and_grads(cfg, policy, reference, batch, hl)
-    loss_b, grads_b, m_b = _loss_and_grads(cfg, policy, reference, _pack_batch(batch), hl)
+    packed_reference = FrozenCopy(policy, reference.model, PACK)  # the same frozen weights, run packed
+    loss_a, grads_a, m_a = _loss_and_grads(cfg, PolicyForward(policy), reference, batch, hl)
+    loss_b, grads_b, m_b = _loss_and_grads(cfg, PolicyForward(policy, PACK), packed_reference, batch, hl)
     assert close(loss_b, loss_a), (float(loss_a), float(loss_b))
     assert abs(float(loss_a)) > 1e-3 and grads_a.keys() == grads_b.keys()
     for k in grads_a:
@@ -187,10 +191,29 @@ def test_padding_efficiency_on_a_long_tailed_length_distribution():
 
 
 # ------------------------------------------------------------------ (d) length bucketing
-def _world_collator(objective_cfg, packing=False, bucketing=True):
+def _world_collator(objective_cfg, bucketing=True):
     from humanline_cli.world.tokenizer import build_tokenizer
 
-    return Collator(Encoder(build_tokenizer(), max_prompt_length=16, max_length=40), objective_cfg, packing, bucketing)
+    return Collator(Encoder(build_tokenizer(), max_prompt_length=16, max_length=40), objective_cfg, bucketing)
+
+
+def test_the_builder_gives_the_forward_options_to_the_models_and_buckets_only_unpacked_runs():
+    """train.packing and train.shared_prefix reach the policy's and the reference's forwards (forward_options), and
+    the collator buckets by length only without packing (packed micro-batches hold no padding)."""
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.config import resolve
+    from humanline_cli.train.build import forward_options, make_collator
+    from humanline_cli.world.tokenizer import build_tokenizer
+
+    enc = Encoder(build_tokenizer(), max_prompt_length=16, max_length=40)
+    for packing, shared in ((False, True), (True, True), (False, False)):
+        with initialize_config_module(config_module="conf", version_base="1.3"):
+            spec = resolve(compose("train", overrides=[
+                "task=custom", "data.path=unused.jsonl", f"train.packing={str(packing).lower()}",
+                f"train.shared_prefix={str(shared).lower()}"]))
+        assert forward_options(spec) == ForwardOptions(pack=packing, share_prefix=shared, temperature=1.0)
+        assert (make_collator(spec, enc).bucket_length is None) == packing
 
 
 def _units(objective: str, n: int = 8):
@@ -210,10 +233,10 @@ def _units(objective: str, n: int = 8):
 def _step_grads(cfg, policy, reference, mbs, hl):
     """The trainer's step: KTO z0 over the step, each micro-batch's loss weighted by its share."""
     policy.zero_grad(set_to_none=True)
-    z0 = step_z0(cfg, policy, reference, mbs, hl)
+    z0 = step_z0(cfg, PolicyForward(policy), reference, mbs, hl)
     counts = [loss_count(cfg, mb) for mb in mbs]
     for mb, c in zip(mbs, counts):
-        loss, _ = compute_loss(cfg, policy, reference, mb, hl, z0=z0)
+        loss, _ = compute_loss(cfg, PolicyForward(policy), reference, mb, hl, z0=z0)
         (loss * c / sum(counts)).backward()
     return {k: p.grad.clone() for k, p in policy.named_parameters()}
 
@@ -223,7 +246,6 @@ def test_bucketing_keeps_the_step_gradient_and_kto_partners(objective):
     cfg = S.KTOConfig() if objective == "kto" else S.GRPOConfig(beta=0.05)
     collate = _world_collator(cfg)
     assert collate.bucket_length == collate.length
-    assert _world_collator(cfg, packing=True).bucket_length is None  # packed: nothing to bucket
     assert _world_collator(cfg, bucketing=False).bucket_length is None
     units = _units(objective)
     seen = []
@@ -313,7 +335,7 @@ def test_a_model_that_ignores_position_ids_is_refused_in_one_line(route):
     seqs = random_seqs(64, seed=42)
     token_logps(model, seqs)  # padded: fine
     with pytest.raises(UserError) as e:
-        check_packing(model, packed(seqs))
+        check_packing(model, seqs)
     msg = str(e.value)
     assert "\n" not in msg
     name = "PositionBlindLM" if route == "chunked" else "NoSplit"
@@ -327,7 +349,7 @@ def test_a_model_that_ignores_position_ids_is_refused_in_one_line(route):
 def test_the_check_runs_in_eval_mode_and_restores_training_flags():
     """Dropout would make packed and padded differ at random: the check runs without it."""
     model = tiny_llama(43, attention_dropout=0.5).train()
-    check_packing(model, packed(random_seqs(64, seed=44)))  # would raise if the check ran with dropout
+    check_packing(model, random_seqs(64, seed=44))  # would raise if the check ran with dropout
     assert all(m.training for m in model.modules())
 
 

@@ -15,6 +15,7 @@ from humanline_cli.backend import make_backend
 from humanline_cli.config import TrainSpec
 from humanline_cli.core.batches import PairBatch
 from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule
+from humanline_cli.core.logprobs import PolicyForward
 from humanline_cli.core.reference import CachedReference, FrozenCopy
 from humanline_cli.data.collate import make_seqs
 from humanline_cli.sources.offline import OfflineSource
@@ -94,7 +95,8 @@ def _run(tmp_path, cached: bool, steps=6):
     if cached:
         reference = CachedReference(reference)
     source = OfflineSource(_units(8), _collate, batch_size=4, micro_batch_size=2, seed=0)  # 2 steps per epoch
-    parts = Parts(make_backend("cpu", "fp64"), None, None, policy, reference, source, None, None, policy)
+    parts = Parts(make_backend("cpu", "fp64"), None, None, policy, reference, source, None, None,
+                  PolicyForward(policy))
     tr = TrainSpec(steps=steps, batch_size=4, micro_batch_size=2, lr=1e-2, weight_decay=0.0, warmup_ratio=0.0,
                    schedule="constant", max_grad_norm=1.0, max_length=32, max_prompt_length=8, log_every=1,
                    save_model=False)

@@ -3,18 +3,22 @@ gradients (float64, relative 1e-10), for groups of different prompt and completi
 LoRA and the reference's no-grad forward; the plan is what the layout says, and it declines where nothing repeats."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
 from humanline_cli.core import shared_prefix
-from humanline_cli.core.logprobs import processed_tokens, token_logps
+from humanline_cli.core.logprobs import PLAIN, ForwardOptions, processed_tokens, token_logps
 from humanline_cli.data.collate import make_seqs
 from tests.helpers.models import spread_llama
 from tests.helpers.numerics import assert_same, close, values_and_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread", "norm_in_input_dtype")  # conftest: torch on one thread
+
+SHARE = ForwardOptions(share_prefix=True)  # train.shared_prefix, as the builder gives it to the policy and reference
+
+
+def logps_with(options: ForwardOptions, **kw):
+    return lambda model, seqs: token_logps(model, seqs, options, **kw)
 
 
 @pytest.fixture
@@ -31,15 +35,14 @@ def norm_in_input_dtype(monkeypatch):
     monkeypatch.setattr(LlamaRMSNorm, "forward", forward)
 
 
-def grouped_seqs(share: bool):
+def grouped_seqs():
     """Two prompts (12 and 9 tokens), three and two samples each, completions of 1 to 6 tokens, rows interleaved."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 64, (12,), generator=g).tolist(), torch.randint(1, 64, (9,), generator=g).tolist()]
     owner = [0, 1, 0, 0, 1]
     lengths = [4, 6, 1, 3, 2]
     completions = [torch.randint(1, 64, (k,), generator=g).tolist() for k in lengths]
-    seqs = make_seqs([prompts[o] for o in owner], completions, pad_id=0)
-    return replace(seqs, share_prefix=share)
+    return make_seqs([prompts[o] for o in owner], completions, pad_id=0)
 
 
 @pytest.fixture(params=["packed", "packed_eager", "two_calls"])
@@ -65,7 +68,7 @@ def model_for(layout: str, **kw):
 
 
 def test_the_plan_runs_each_prompt_once():
-    seqs = grouped_seqs(True)
+    seqs = grouped_seqs()
     plan = shared_prefix.plan(seqs, packed=False)
     # prefixes are the prompts (12 and 9 tokens: the rows of a prompt differ from their first completion token on)
     assert plan.group.tolist() == [0, 1, 0, 0, 1]
@@ -78,11 +81,11 @@ def test_the_plan_runs_each_prompt_once():
     assert plan.suffix_mask.sum(1).tolist() == [4, 6, 1, 3, 2] and plan.suffix_ids.shape == (5, 6)
     assert torch.equal(plan.suffix_ids[1], seqs.input_ids[1, 9:15])
     assert plan.tree is None and plan.positions() == 54 and seqs.input_ids.shape == (5, 16)
-    assert processed_tokens(spread_llama(), replace(seqs, share_prefix=False)) == 80
+    assert processed_tokens(spread_llama(), seqs, PLAIN) == 80
 
 
 def test_the_packed_plan_puts_each_prompt_and_its_suffixes_in_one_row():
-    seqs = grouped_seqs(True)
+    seqs = grouped_seqs()
     tree = shared_prefix.plan(seqs, packed=True).tree
     # prompt 0 (rows 0, 2, 3): 12 + 4 + 1 + 3 = 20 tokens; prompt 1 (rows 1, 4): 9 + 6 + 2 = 17, padded to 20
     assert tree.ids.shape == (2, 20) and tree.at.tolist() == [12, 9, 16, 17, 15]
@@ -96,25 +99,25 @@ def test_the_packed_plan_puts_each_prompt_and_its_suffixes_in_one_row():
     # a padding query sees the prompt only; no query sees padding
     assert tree.allowed[1, 18].tolist() == [True] * 9 + [False] * 11 and not tree.allowed[1, :, 17:].any()
     assert shared_prefix.plan(seqs, packed=True).positions() == 40
-    assert processed_tokens(spread_llama(), seqs) == 40  # a CPU with sdpa attention: packed
+    assert processed_tokens(spread_llama(), seqs, SHARE) == 40  # a CPU with sdpa attention: packed
 
 
 def test_a_packed_mask_over_the_limit_runs_two_calls(monkeypatch):
     monkeypatch.setattr(shared_prefix, "TREE_MASK_LIMIT", 2 * 20 * 20 - 1)
-    assert shared_prefix.plan(grouped_seqs(True), packed=True).tree is None
+    assert shared_prefix.plan(grouped_seqs(), packed=True).tree is None
 
 
-def common_start_pairs(share: bool):
+def common_start_pairs():
     """DPO-shaped pairs whose chosen and rejected begin alike: pair 0 agrees on 3 completion tokens, pair 1's
     rejected is its chosen's first 2 tokens (the prefix then stops one short of the shorter row's end)."""
     prompts = [list(range(3, 15)), list(range(15, 25))]
     chosen = [[30, 31, 32, 40, 41], [33, 34, 35]]
     rejected = [[30, 31, 32, 50], [33, 34]]
-    return replace(make_seqs(prompts + prompts, chosen + rejected, pad_id=0), share_prefix=share)
+    return make_seqs(prompts + prompts, chosen + rejected, pad_id=0)
 
 
 def test_pairs_that_begin_alike_share_their_common_tokens(layout):
-    seqs = common_start_pairs(True)
+    seqs = common_start_pairs()
     plan = shared_prefix.plan(seqs, packed=False)
     # pair 0: 12 prompt + 3 common tokens; pair 1: 10 + 2 tokens less the shorter row's last
     assert plan.group.tolist() == [0, 1, 0, 1] and plan.start.tolist() == [15, 11, 15, 11]
@@ -122,8 +125,8 @@ def test_pairs_that_begin_alike_share_their_common_tokens(layout):
     assert plan.positions() == 2 * 15 + 4 * 2
     assert shared_prefix.plan(seqs, packed=True).positions() == 2 * (15 + 2 + 1)
     model = model_for(layout, dtype=torch.float64)
-    shared = values_and_grads(token_logps, model, seqs)
-    assert_same(shared, values_and_grads(token_logps, model, common_start_pairs(False)))
+    shared = values_and_grads(logps_with(SHARE), model, seqs)
+    assert_same(shared, values_and_grads(logps_with(PLAIN), model, seqs))
     logps, _ = shared
     assert int((logps != 0).sum()) == 5 + 3 + 4 + 2  # one log-prob per completion token, the common ones per row
     assert torch.equal(logps[0, 11:14], logps[2, 11:14])  # the common tokens' log-probs: one state, both rows
@@ -151,8 +154,8 @@ def test_a_share_that_does_not_pay_runs_padded():
 @pytest.mark.parametrize("tie", [False, True])
 def test_shared_matches_padded_values_and_gradients(tie, layout):
     model = model_for(layout, tie=tie, dtype=torch.float64)
-    shared = values_and_grads(lambda m, s: token_logps(m, s, chunk_size=3), model, grouped_seqs(True))
-    padded = values_and_grads(lambda m, s: token_logps(m, s, chunk_size=3), model, grouped_seqs(False))
+    shared = values_and_grads(logps_with(SHARE, chunk_size=3), model, grouped_seqs())
+    padded = values_and_grads(logps_with(PLAIN, chunk_size=3), model, grouped_seqs())
     assert_same(shared, padded)
     logps, _ = shared
     assert int((logps != 0).sum()) == 4 + 6 + 1 + 3 + 2  # one log-prob per completion token
@@ -165,11 +168,10 @@ def test_pairs_and_no_grad(layout):
     seqs = make_seqs(prompts + prompts, [[20, 21, 22], [23], [24, 25], [26, 27, 28, 29]], pad_id=0)
     assert shared_prefix.plan(seqs, packed=True).group.tolist() == [0, 1, 0, 1]
     with torch.no_grad():
-        a = token_logps(model, replace(seqs, share_prefix=True))
+        a = token_logps(model, seqs, SHARE)
         b = token_logps(model, seqs)
     assert not a.requires_grad and close(a, b)
-    assert_same(values_and_grads(token_logps, model, replace(seqs, share_prefix=True)),
-                values_and_grads(token_logps, model, seqs))
+    assert_same(values_and_grads(logps_with(SHARE), model, seqs), values_and_grads(logps_with(PLAIN), model, seqs))
 
 
 def test_lora_model_matches_padded(layout):
@@ -177,16 +179,16 @@ def test_lora_model_matches_padded(layout):
 
     model = get_peft_model(model_for(layout, dtype=torch.float64),
                            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    assert_same(values_and_grads(token_logps, model, grouped_seqs(True)),
-                values_and_grads(token_logps, model, grouped_seqs(False)))
+    assert_same(values_and_grads(logps_with(SHARE), model, grouped_seqs()),
+                values_and_grads(logps_with(PLAIN), model, grouped_seqs()))
 
 
 def test_gradient_checkpointing_runs_padded():
     model = spread_llama(dtype=torch.float64)
     model.gradient_checkpointing_enable()
     model.train()
-    seqs = grouped_seqs(True)
-    assert processed_tokens(model, seqs) == seqs.input_ids.numel()
+    seqs = grouped_seqs()
+    assert processed_tokens(model, seqs, SHARE) == seqs.input_ids.numel()
     model.gradient_checkpointing_disable()
 
 
@@ -214,8 +216,9 @@ def test_a_real_run_with_shared_prefixes_logs_the_same_losses(cache_dir, tmp_pat
 
 def test_packing_takes_precedence():
     """train.packing runs its own padding-free layout: a packed batch never takes the shared path."""
-    seqs = replace(grouped_seqs(True), pack=True)
-    assert processed_tokens(spread_llama(), seqs) == int(seqs.attention_mask.sum())
+    seqs = grouped_seqs()
+    both = ForwardOptions(pack=True, share_prefix=True)
+    assert processed_tokens(spread_llama(), seqs, both) == int(seqs.attention_mask.sum())
 
 
 def test_a_decoder_that_takes_no_cache_runs_padded():
@@ -231,11 +234,11 @@ def test_a_decoder_that_takes_no_cache_runs_padded():
         def forward(self, input_ids, attention_mask=None, use_cache=False):
             return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
 
-    seqs = grouped_seqs(True)
+    seqs = grouped_seqs()
     with torch.no_grad():
-        expected = token_logps(model, replace(seqs, share_prefix=False))
+        expected = token_logps(model, seqs, PLAIN)
         model.get_decoder = lambda: NoCache()
         assert shared_prefix.hidden_at(None, model.get_decoder(), shared_prefix.plan(seqs, packed=True), None,
                                         None) is None
-        assert close(token_logps(model, seqs), expected)
-    assert processed_tokens(model, seqs) == seqs.input_ids.numel()  # the padded batch's positions
+        assert close(token_logps(model, seqs, SHARE), expected)
+    assert processed_tokens(model, seqs, SHARE) == seqs.input_ids.numel()  # the padded batch's positions

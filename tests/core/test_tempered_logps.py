@@ -11,12 +11,12 @@ from hydra import compose, initialize_config_module
 
 from humanline_cli.config import resolve
 from humanline_cli.core.interfaces import SamplingParams
-from humanline_cli.core.logprobs import token_logps
+from humanline_cli.core.logprobs import ForwardOptions, token_logps
 from humanline_cli.core.reference import FrozenCopy
 from humanline_cli.data.collate import make_seqs
 from humanline_cli.errors import UserError
 from humanline_cli.sampling.hf import HFSampler
-from humanline_cli.train.build import logps_temperature
+from humanline_cli.train.build import forward_options
 from tests.helpers.sampling import LOGP_TOL, PROMPTS, tiny64
 
 # A 3-token LM whose logits depend on the previous token only: one-hot embeddings, head weight W, so the
@@ -80,18 +80,18 @@ def test_token_logps_divide_the_logits_by_the_temperature_hand_computed(model_cl
     assert expected[1.0][2] == pytest.approx(-2.41411954641840, abs=1e-13)
     for temperature, want in expected.items():
         seqs = make_seqs([[0], [1]], [[1, 2], [0]], pad_id=0)
-        seqs.pack, seqs.temperature = pack, temperature
-        got = token_logps(model, seqs)
+        options = ForwardOptions(pack=pack, temperature=temperature)
+        got = token_logps(model, seqs, options)
         assert got.dtype == torch.float64
         picked = [got[0, 0].item(), got[0, 1].item(), got[1, 0].item()]
         assert picked == pytest.approx(want, abs=1e-12)
         assert got[1, 1].item() == 0.0  # padding
-        assert FrozenCopy(model).logps(seqs).tolist() == got.tolist()
+        assert FrozenCopy(model, options=options).logps(seqs).tolist() == got.tolist()
 
 
 def test_tempered_sampler_logps_equal_the_policys_so_the_first_ratio_is_one():
     """The transformers sampler with tempered_logps returns log softmax(logits / T) of each kept token: the
-    policy's token_logps on the same sequences at seqs.temperature = T, to 1e-10 in float64 (decoding with
+    policy's token_logps on the same sequences at temperature T, to 1e-10 in float64 (decoding with
     the KV cache and left padding vs one padded forward). So with ratio_denominator=sampler the PPO ratio
     exp(pol - sampler) is 1 before the first update. Without tempering the sampler's raw log-probs differ
     from the tempered policy's (by more than 1e-3 somewhere): the mismatch the key removes."""
@@ -103,9 +103,8 @@ def test_tempered_sampler_logps_equal_the_policys_so_the_first_ratio_is_one():
     raw = sampler.generate(prompts, params)
     assert tempered.token_ids == raw.token_ids  # the draw does not depend on which log-probs are kept
     seqs = make_seqs([p for p in prompts for _ in range(2)], tempered.token_ids, tok.pad_token_id)
-    seqs.temperature = 0.7
     with torch.no_grad():
-        policy = token_logps(model, seqs)
+        policy = token_logps(model, seqs, ForwardOptions(temperature=0.7))
     mask = seqs.loss_mask[:, 1:]
     sampled = torch.zeros_like(policy)
     unt = torch.zeros_like(policy)
@@ -119,7 +118,7 @@ def test_tempered_sampler_logps_equal_the_policys_so_the_first_ratio_is_one():
 
 def test_vllm_sampler_tempered_logps_equal_the_policys(tiny):
     """vLLM started with tempered_logps returns processed log-probs, log softmax(logits / T) at top_p 1:
-    the policy's token_logps at seqs.temperature = T, to LOGP_TOL (float32 engine vs float32 forward).
+    the policy's token_logps at temperature T, to LOGP_TOL (float32 engine vs float32 forward).
     Params that disagree with the engine's mode are refused (the mode is fixed when the engine starts)."""
     from humanline_cli.sampling.vllm import VLLMSampler
 
@@ -133,13 +132,11 @@ def test_vllm_sampler_tempered_logps_equal_the_policys(tiny):
     finally:
         sampler.close()
     seqs = make_seqs([p for p in PROMPTS[:4] for _ in range(2)], out.token_ids, tok.pad_token_id)
-    seqs.temperature = 0.7
     with torch.no_grad():
-        policy = token_logps(model, seqs)
+        policy = token_logps(model, seqs, ForwardOptions(temperature=0.7))
     mask = seqs.loss_mask[:, 1:]
     diffs = [(policy[i, mask[i]] - torch.tensor(lp)).abs().max().item() for i, lp in enumerate(out.logps)]
     assert max(diffs) < LOGP_TOL, diffs
-    seqs.temperature = 1.0
     with torch.no_grad():
         raw = token_logps(model, seqs)
     assert max((raw[i, mask[i]] - torch.tensor(lp)).abs().max().item() for i, lp in enumerate(out.logps)) > 1e-3
@@ -152,10 +149,10 @@ def _compose(overrides):
 
 def test_paper_math_tempers_at_its_sampling_temperature_and_nothing_else_does():
     paper = resolve(_compose(["experiment=paper_math"]))
-    assert paper.objective_cfg.tempered_logps is True and logps_temperature(paper) == 0.7
+    assert paper.objective_cfg.tempered_logps is True and forward_options(paper).temperature == 0.7
     for over in (["objective=grpo", "data=online"], ["objective=dpo"], ["objective=kto", "data=online"]):
         spec = resolve(_compose(["task=arithmetic", *over]))
-        assert spec.objective_cfg.tempered_logps is False and logps_temperature(spec) == 1.0
+        assert spec.objective_cfg.tempered_logps is False and forward_options(spec).temperature == 1.0
     with pytest.raises(UserError, match="needs data.top_p=1"):
         resolve(_compose(["experiment=paper_math", "data.top_p=0.95"]))
     with pytest.raises(UserError, match="must be > 0"):

@@ -11,6 +11,7 @@ from humanline_cli.core.batches import PairBatch
 from humanline_cli.core.corrections import NO_CORRECTION
 from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule
 from humanline_cli.core.interfaces import Completions, SamplingParams
+from humanline_cli.core.logprobs import PolicyForward
 from humanline_cli.core.reference import CachedReference, FrozenCopy
 from humanline_cli.data.collate import Collator, Encoder, make_seqs
 from humanline_cli.data.examples import PairExample
@@ -58,7 +59,8 @@ def offline_parts(lora: bool, moving: bool, cached: bool = False):
     source = OfflineSource(UNITS[:6] if cached else UNITS, _collate, batch_size=2, micro_batch_size=2, seed=3)
     evaluator = SimpleNamespace(baseline=Side(["x", "yz"], [0.25, 0.5]),
                                 greedy_baseline=Side(["g", ""], [1.0, 0.0]))
-    return Parts(make_backend("cpu", "fp32"), None, None, policy, reference, source, evaluator, None, policy)
+    return Parts(make_backend("cpu", "fp32"), None, None, policy, reference, source, evaluator, None,
+                 PolicyForward(policy))
 
 
 def train_spec(steps: int, moving: bool, every: int, keep: int = 2):

@@ -57,15 +57,15 @@ def test_a_reward_model_naming_its_own_code_is_refused_before_its_weights_load(a
 
 def test_the_estimate_refuses_it_first_naming_every_key_that_loads_it(armorm_like):
     """The memory estimate reads each reward model's config before any weight loads: the run stops there."""
-    from humanline_cli.train import build
+    from humanline_cli.train import fit
 
     armorm = dict(kind="model", name_or_path=str(armorm_like), trust_remote_code=False)
     spec = SimpleNamespace(regime="online", reward_cfg=SimpleNamespace(kind="task"), judge_cfg=SimpleNamespace(kind="task"),
                            task_cfg=SimpleNamespace(labeller=SimpleNamespace(**armorm), judge=SimpleNamespace(**armorm)))
-    assert build.reward_models_on_rank(spec, 0) == {(str(armorm_like), False): ["task.labeller", "task.judge"]}
-    assert build.reward_models_on_rank(spec, 1) == {(str(armorm_like), False): ["task.labeller"]}
+    assert fit.reward_models_on_rank(spec, 0) == {(str(armorm_like), False): ["task.labeller", "task.judge"]}
+    assert fit.reward_models_on_rank(spec, 1) == {(str(armorm_like), False): ["task.labeller"]}
     with pytest.raises(UserError) as e:
-        build._reward_bytes(spec, 0)
+        fit._reward_bytes(spec, 0)
     assert str(e.value) == (f"reward model {armorm_like} needs its own code to load (config.json auto_map); if you "
                             f"trust it, set {TRUST[0]} and {TRUST[1]}")
 

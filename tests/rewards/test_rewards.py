@@ -80,19 +80,19 @@ def _direct_scores(model, tok, prompts, comps):
 def test_a_reward_model_whose_own_code_imports_a_name_transformers_5_dropped_loads(tmp_path, monkeypatch):
     # ArmoRM's modeling_custom.py imports LLAMA_INPUTS_DOCSTRING (gone in transformers 5): it loads and scores as the
     # same weights do in transformers' own class, and the estimate counts its bytes instead of dying in a traceback
-    from humanline_cli.train import build
+    from humanline_cli.train import fit
 
     path = tmp_path / "gated_rm"
     model, tok = build_remote_code_reward_model(path)
     prompts, comps = ["12+34=", "1+1=", "99+1="], ["46", "2", "100 or so"]
     scores = RewardModel(str(path), batch_size=3, trust_remote_code=True)(prompts, comps)
     assert scores == pytest.approx(_direct_scores(model, tok, prompts, comps), abs=1e-5)
-    monkeypatch.setattr(build, "reward_models_on_rank", lambda spec, rank: {(str(path), True): ["task.labeller"]})
-    assert build._reward_bytes(None, 0) == 4 * sum(p.numel() for p in model.parameters())  # fp32 weights
+    monkeypatch.setattr(fit, "reward_models_on_rank", lambda spec, rank: {(str(path), True): ["task.labeller"]})
+    assert fit._reward_bytes(None, 0) == 4 * sum(p.numel() for p in model.parameters())  # fp32 weights
 
 
 def test_a_reward_models_own_code_that_does_not_import_is_one_line(tmp_path, monkeypatch):
-    from humanline_cli.train import build
+    from humanline_cli.train import fit
 
     path = tmp_path / "broken_rm"
     build_remote_code_reward_model(path, extra_import="NO_SUCH_NAME")
@@ -104,7 +104,7 @@ def test_a_reward_models_own_code_that_does_not_import_is_one_line(tmp_path, mon
     with pytest.raises(UserError) as e:
         RewardModel(str(path), trust_remote_code=True)
     assert str(e.value).startswith(line)
-    monkeypatch.setattr(build, "reward_models_on_rank", lambda spec, rank: {(str(path), True): ["task.labeller"]})
+    monkeypatch.setattr(fit, "reward_models_on_rank", lambda spec, rank: {(str(path), True): ["task.labeller"]})
     with pytest.raises(UserError) as e:  # the estimate, before any weight loads, says the same
-        build._reward_bytes(None, 0)
+        fit._reward_bytes(None, 0)
     assert str(e.value).startswith(line) and "\n" not in str(e.value)

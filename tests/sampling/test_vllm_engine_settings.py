@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_module
 from humanline_cli.config import resolve
 from humanline_cli.errors import UserError
 from humanline_cli.sampling import vllm as vllm_mod
-from humanline_cli.train.build import vllm_options
+from humanline_cli.train.samplers import vllm_options
 from tests.helpers.fake_vllm import fake_tokenizer, install_fake_vllm
 
 

@@ -54,7 +54,8 @@ def test_lag1_vllm_process_equals_inline_and_rounds_come_from_their_snapshots(ca
     from humanline_cli.core.interfaces import SamplingParams
     from humanline_cli.models import load_policy, load_tokenizer
     from humanline_cli.sampling import vllm as vllm_mod
-    from humanline_cli.train.build import make_encoder, model_paths, vllm_options
+    from humanline_cli.train.build import make_encoder, model_paths
+    from humanline_cli.train.samplers import vllm_options
 
     spec = _validate_async_vllm()
     model_path, tok_path = model_paths(spec)

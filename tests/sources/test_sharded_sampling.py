@@ -140,7 +140,7 @@ def test_the_memory_check_counts_the_vllm_share(tmp_path, monkeypatch):
 
     from humanline_cli.config import resolve
     from humanline_cli.errors import UserError
-    from humanline_cli.train.build import memory_estimate
+    from humanline_cli.train.fit import memory_estimate
 
     LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                 head_dim=32).save_pretrained(tmp_path)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from humanline_cli.config import compose_train, resolve
-from humanline_cli.train.build import vllm_options
+from humanline_cli.train.samplers import vllm_options
 
 
 @pytest.mark.parametrize("backend, want", [

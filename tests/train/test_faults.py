@@ -586,6 +586,7 @@ def test_out_of_memory_is_one_line_and_failed_json(tmp_path, monkeypatch, error)
 
     from humanline_cli.config import resolve
     from humanline_cli.errors import RunFailed
+    from humanline_cli.train import failures
     from humanline_cli.train import job as J
 
     def build_parts(*a, **k):
@@ -600,7 +601,7 @@ def test_out_of_memory_is_one_line_and_failed_json(tmp_path, monkeypatch, error)
     assert "\n" not in msg and msg.startswith(f"out of memory ({type(error).__name__}") and msg.endswith(
         "lower train.micro_batch_size, or turn on train.gradient_checkpointing or LoRA, or use more ranks")
     assert json.loads((tmp_path / "run" / "failed.json").read_text())["error"] == f"RunFailed: {msg}"
-    assert J.out_of_memory(ValueError("out of memory")) is None  # only memory errors
+    assert failures.out_of_memory(ValueError("out of memory")) is None  # only memory errors
 
 
 def test_checksums_cover_fsdp_shards(tmp_path):

@@ -55,7 +55,7 @@ def test_the_memory_estimate_takes_the_loading_mode_build_parts_takes(tmp_path, 
 
     from humanline_cli.config import resolve
     from humanline_cli.memory import estimate
-    from humanline_cli.train.build import memory_estimate
+    from humanline_cli.train.fit import memory_estimate
 
     _fake_hub(tmp_path, monkeypatch)
     _fake_hub(tmp_path, monkeypatch, BIN, safetensors=False)  # no safetensors: sharded loading cannot read it
@@ -117,7 +117,7 @@ def test_a_whole_load_that_will_not_fit_says_to_fetch_the_model(tmp_path, monkey
 
     from humanline_cli.config import resolve
     from humanline_cli.errors import UserError
-    from humanline_cli.train import build
+    from humanline_cli.train import fit
 
     _fake_hub(tmp_path, monkeypatch, BIN, safetensors=False)  # cached, but sharded loading cannot read it
     with initialize_config_module(config_module="conf", version_base="1.3"):
@@ -127,16 +127,16 @@ def test_a_whole_load_that_will_not_fit_says_to_fetch_the_model(tmp_path, monkey
             f"model.name_or_path={BIN}"]))
     import dataclasses
 
-    real = build._estimator
-    whole = 10 * build.memory_estimate(spec, BIN, torch.device("cpu")).training
+    real = fit._estimator
+    whole = 10 * fit.memory_estimate(spec, BIN, torch.device("cpu")).training
     # at 8B loading whole is the peak (59.8 GiB before sharding); this tiny model's is its activations: raise it
-    monkeypatch.setattr(build, "_estimator", lambda *a: lambda m, f=real(*a): dataclasses.replace(f(m), loading=whole))
-    est = build.memory_estimate(spec, BIN, torch.device("cpu"))
+    monkeypatch.setattr(fit, "_estimator", lambda *a: lambda m, f=real(*a): dataclasses.replace(f(m), loading=whole))
+    est = fit.memory_estimate(spec, BIN, torch.device("cpu"))
     assert est.loading == whole > est.training
-    host = (est.training + est.loading) / 2 / 0.9 * build.CPU_RSS_OVER_LIVE  # training fits, loading does not
-    monkeypatch.setattr(build, "host_available_bytes", lambda: host)
+    host = (est.training + est.loading) / 2 / 0.9 * fit.CPU_RSS_OVER_LIVE  # training fits, loading does not
+    monkeypatch.setattr(fit, "host_available_bytes", lambda: host)
     with pytest.raises(UserError) as e:
-        build.fit_memory(spec, BIN, torch.device("cpu"))
+        fit.fit_memory(spec, BIN, torch.device("cpu"))
     assert "\n" not in str(e.value) and str(e.value).endswith(
         f"fetch it first (hf download {BIN}) and rerun, and it loads sharded")
 

@@ -15,8 +15,9 @@ import torch.distributed as tdist
 from omegaconf import OmegaConf
 
 from humanline_cli.train import job as job_module
-from humanline_cli.train.job import Context, Job, slurm_nodes
+from humanline_cli.train.job import Context, Job
 from humanline_cli.train.lock import RunDirLock
+from humanline_cli.train.nodes import slurm_nodes
 from tests.helpers.cli import TINY_WORLD
 from tests.helpers.ranks import run_two_ranks
 

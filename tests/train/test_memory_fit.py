@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from humanline_cli.memory import GB, generate_bytes, host_available_bytes, largest_fitting, size
-from humanline_cli.train.build import CPU_RSS_OVER_LIVE as SLACK
+from humanline_cli.train.fit import CPU_RSS_OVER_LIVE as SLACK
 
 
 def test_host_memory_is_memavailable_capped_by_the_cgroup(tmp_path):
@@ -103,13 +103,13 @@ def _spec(model_dir, *extra):
 
 
 def _host(monkeypatch, nbytes):
-    from humanline_cli.train import build
+    from humanline_cli.train import fit
 
-    monkeypatch.setattr(build, "host_available_bytes", lambda: float(nbytes))
+    monkeypatch.setattr(fit, "host_available_bytes", lambda: float(nbytes))
 
 
 def test_auto_takes_the_largest_micro_batch_that_fits(model_dir, monkeypatch):
-    from humanline_cli.train.build import fit_memory, memory_estimate
+    from humanline_cli.train.fit import fit_memory, memory_estimate
 
     spec = _spec(model_dir, "data=online", "sampler=hf", "objective.batch_size=32", "eval.batch_size=1")
     assert spec.train.micro_auto and spec.train.micro_batch_size == 32  # the whole share until fitted
@@ -130,7 +130,7 @@ def test_auto_takes_the_largest_micro_batch_that_fits(model_dir, monkeypatch):
 
 def test_a_micro_batch_set_by_hand_that_cannot_fit_names_one_that_does(model_dir, monkeypatch):
     from humanline_cli.errors import UserError
-    from humanline_cli.train.build import fit_memory, memory_estimate
+    from humanline_cli.train.fit import fit_memory, memory_estimate
 
     spec = _spec(model_dir, "data=online", "sampler=hf", "objective.batch_size=32", "train.micro_batch_size=32",
                  "eval.batch_size=1")
@@ -156,7 +156,7 @@ def test_a_micro_batch_set_by_hand_that_cannot_fit_names_one_that_does(model_dir
 def test_the_evaluation_batch_is_checked(model_dir, monkeypatch):
     """Offline runs evaluate with transformers' generate: its KV cache over eval.batch_size prompts counts."""
     from humanline_cli.errors import UserError
-    from humanline_cli.train.build import fit_memory, memory_estimate
+    from humanline_cli.train.fit import fit_memory, memory_estimate
 
     small = _spec(model_dir, "objective=dpo", "eval.batch_size=4")
     big = _spec(model_dir, "objective=dpo", "eval.batch_size=4096", "eval.n_prompts=null")  # all: 4096 a call
@@ -182,7 +182,7 @@ def _llama(model_dir):
 
 
 def test_a_vllm_cpu_engine_takes_its_share_of_the_host(model_dir, monkeypatch):
-    from humanline_cli.train.build import VLLM_CPU_RUNTIME, device_memory
+    from humanline_cli.train.fit import VLLM_CPU_RUNTIME, device_memory
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
@@ -204,7 +204,8 @@ def test_a_vllm_cpu_engine_counts_the_cache_its_largest_call_needs(model_dir, mo
     The user's VLLM_CPU_KVCACHE_SPACE wins, and a call whose size only the data knows takes the cap."""
     from transformers import AutoConfig
 
-    from humanline_cli.train.build import VLLM_CPU_RUNTIME, _vllm_cpu_bytes, engine_call_sequences
+    from humanline_cli.train.fit import VLLM_CPU_RUNTIME, _vllm_cpu_bytes
+    from humanline_cli.train.samplers import engine_call_sequences
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     config = AutoConfig.from_pretrained(model_dir)
@@ -245,7 +246,7 @@ def test_the_fsdp_evaluation_counts_what_each_sampler_gathers(model_dir):
     parameter at a time (sampling/vllm.py `policy_weights`), whose largest is the 256 x 64 embeddings (the MLP's
     128 x 64 is smaller), in the master weights' dtype."""
     from humanline_cli.memory import count_params
-    from humanline_cli.train.build import memory_estimate
+    from humanline_cli.train.fit import memory_estimate
 
     fsdp = ("backend.strategy=fsdp", "backend.nproc=2", "data=online", "eval.batch_size=3")
     cpu = torch.device("cpu")

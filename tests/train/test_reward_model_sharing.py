@@ -66,7 +66,7 @@ def test_a_labeller_and_a_judge_naming_one_reward_model_load_it_once(tmp_path, m
 
 def test_the_estimate_counts_the_reward_models_each_rank_loads(tmp_path):
     from humanline_cli.memory import GB, check_fits
-    from humanline_cli.train.build import memory_estimate
+    from humanline_cli.train.fit import memory_estimate
 
     _world(tmp_path)
     policy = str(tmp_path / "policy")

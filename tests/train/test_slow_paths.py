@@ -86,7 +86,8 @@ def test_a_lora_base_loads_in_the_compute_dtype_under_bf16_autocast(tmp_path, mo
     from humanline_cli.backend import Backend
     from humanline_cli.config import resolve
     from humanline_cli.core.lora import apply_lora
-    from humanline_cli.train.build import _load_policy, memory_estimate
+    from humanline_cli.train.build import _load_policy
+    from humanline_cli.train.fit import memory_estimate
 
     _tiny_llama(torch.float32).save_pretrained(tmp_path / "m")
     with initialize_config_module(config_module="conf", version_base="1.3"):

@@ -15,6 +15,7 @@ from humanline_cli.config import TrainSpec
 from humanline_cli.core.batches import PairBatch
 from humanline_cli.core.humanline import HumanlineSpec, ReferenceRule
 from humanline_cli.core.interfaces import StepData
+from humanline_cli.core.logprobs import PolicyForward
 from humanline_cli.core.reference import FrozenCopy
 from humanline_cli.data.collate import make_seqs
 from humanline_cli.errors import RunFailed
@@ -63,7 +64,8 @@ def _run(tmp_path, steps, hl=HumanlineSpec(), beta=0.1, resets=False, round_ever
     reference = FrozenCopy(policy)
     start = {k: v.clone() for k, v in policy.state_dict().items()}
     source = SnapshotSource(policy, round_every)
-    parts = Parts(make_backend("cpu", "fp32"), None, None, policy, reference, source, None, None, policy)
+    parts = Parts(make_backend("cpu", "fp32"), None, None, policy, reference, source, None, None,
+                  PolicyForward(policy))
     tracker = Tracker(tmp_path, {}, {"mode": "disabled"}, "t")
     spec = _spec(steps, hl, beta, online=resets)
     train(spec.train, spec.humanline, parts, objective=spec.objective_cfg,

@@ -16,7 +16,6 @@ import torch
 
 from humanline_cli.core.corrections import NO_CORRECTION, CorrectionSpec
 from humanline_cli.core.humanline import HumanlineSpec, unclamped_fraction
-from humanline_cli.core.logprobs import processed_tokens
 from humanline_cli.core.objectives import dpo, grpo, ipo, kto
 from humanline_cli.core.objectives.base import Objective, ObjectiveConfig, ObjectiveProperties
 from humanline_cli.core.objectives.grpo import sampler_drift
@@ -100,7 +99,8 @@ def logratio_histogram(token_logratio: torch.Tensor, mask: torch.Tensor) -> list
 
 def compute_loss(objective_cfg, policy, reference, batch, hl: HumanlineSpec, histogram: bool = False,
                  z0: torch.Tensor | None = None, correction: CorrectionSpec = NO_CORRECTION):
-    """`policy` is the module to differentiate (a DDP wrapper under DDP); `z0` (KTO) comes from
+    """`policy` is a logprobs.PolicyForward (the module to differentiate: a DDP wrapper under DDP, and the run's
+    forward options); `z0` (KTO) comes from
     step_z0 over the whole step, else it is estimated from this micro-batch alone; `correction`: the run's
     stale-data correction (core/corrections.py)."""
     metrics: dict[str, float] = {}
@@ -112,7 +112,7 @@ def compute_loss(objective_cfg, policy, reference, batch, hl: HumanlineSpec, his
         metrics["humanline/unclamped_fraction"] = unclamped_fraction(logratio.detach(), mask, hl)
     metrics["_n_tokens"] = float(batch.seqs.attention_mask.sum())
     # the positions the forward ran on for those tokens: N x T padded, the same real tokens packed
-    metrics["_n_processed"] = float(processed_tokens(policy, batch.seqs))
+    metrics["_n_processed"] = float(policy.processed_tokens(batch.seqs))
     if histogram:  # only on logged steps: it copies every token's log-ratio to the host
         metrics["_logratio_hist"] = logratio_histogram(logratio.detach(), mask)
     return loss, metrics

@@ -20,7 +20,7 @@ from humanline_cli.core.corrections import NO_CORRECTION, CorrectionSpec
 from humanline_cli.core.feedback import ScoredGroup
 from humanline_cli.core.humanline import HumanlineSpec
 from humanline_cli.core.knobs import knob
-from humanline_cli.core.logprobs import completion_mask, token_logps
+from humanline_cli.core.logprobs import completion_mask
 
 
 @dataclass
@@ -116,9 +116,10 @@ class Objective:
     def loss(self, cfg, policy, reference, batch, hl: HumanlineSpec, z0: torch.Tensor | None,
              correction: CorrectionSpec = NO_CORRECTION):
         """(loss, metrics, token log-ratio (N, T-1), mask (N, T-1)) of one micro-batch; the log-ratio and mask are
-        the sequences' policy-minus-reference ones, before the humanline clamp, for the shared metrics.
-        `correction`: the run's stale-data correction, for objectives whose loss it changes (GRPO's tis, mis,
-        decoupled); a reference-rule correction (trdpo) never reaches the loss."""
+        the sequences' policy-minus-reference ones, before the humanline clamp, for the shared metrics. `policy`:
+        a logprobs.PolicyForward (`policy.logps(seqs)`, as `reference.logps(seqs)`). `correction`: the run's
+        stale-data correction, for objectives whose loss it changes (GRPO's tis, mis, decoupled); a reference-rule
+        correction (trdpo) never reaches the loss."""
         raise NotImplementedError
 
     def step_z0(self, cfg, policy, reference, micro_batches, hl: HumanlineSpec, reduce_sum=None,
@@ -140,11 +141,12 @@ class Objective:
 
 
 def logratios(policy, reference, seqs, grad: bool = True):
-    """(token_logratio (N, T-1), mask (N, T-1), policy_logps). `reference` is a reference.py object."""
+    """(token_logratio (N, T-1), mask (N, T-1), policy_logps). `policy` is a logprobs.PolicyForward, `reference` a
+    reference.py object: both run `seqs` with the run's forward options."""
     ref = reference.logps(seqs)
     if grad:
-        pol = token_logps(policy, seqs)
+        pol = policy.logps(seqs)
     else:
         with torch.no_grad():
-            pol = token_logps(policy, seqs)
+            pol = policy.logps(seqs)
     return pol - ref, completion_mask(seqs), pol

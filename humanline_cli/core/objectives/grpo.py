@@ -19,7 +19,7 @@ from humanline_cli.core.corrections import (
 from humanline_cli.core.feedback import STD_DDOF, STD_EPS, GroupExample, group_advantages
 from humanline_cli.core.humanline import clamp_logratios
 from humanline_cli.core.knobs import knob, positive
-from humanline_cli.core.logprobs import completion_mask, masked_mean, seq_masked_mean, token_logps
+from humanline_cli.core.logprobs import completion_mask, masked_mean, seq_masked_mean
 from humanline_cli.core.objectives.base import Objective, ObjectiveConfig, ObjectiveProperties, TrlPeer
 from humanline_cli.errors import UserError
 
@@ -177,7 +177,7 @@ class GRPO(Objective):
         the sampler's (core/corrections.py). `mismatch/*`: the reference's log-probs against the sampler's, where
         the reference holds the sampling weights."""
         ref = reference.logps(batch.seqs)
-        pol = token_logps(policy, batch.seqs)
+        pol = policy.logps(batch.seqs)
         logratio, mask = pol - ref, completion_mask(batch.seqs)
         if cfg.ratio_denominator == "sampler":
             ratio_logratio = pol - batch.sampler_logps * mask
