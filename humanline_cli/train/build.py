@@ -58,6 +58,7 @@ from humanline_cli.rewards.scorers import make_scorer
 from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.online import OnlineSource, RoundSpec
 from humanline_cli.sources.source import Shard
+from humanline_cli.train.behaviour import behaviour_model_path, build_behaviour, needs_behaviour
 from humanline_cli.train.fit import fit_memory
 from humanline_cli.train.lengths import check_model_lengths
 from humanline_cli.train.samplers import make_round_producer, make_sampler, sampling_params
@@ -157,6 +158,7 @@ class Parts:
     math500: Math500Eval | None = None    # eval.math500.prompts set, else None
     spec: RunSpec | None = None           # the spec the parts were built for, its micro-batch fitted (fit_memory)
     rss_before_weights: int = 0           # this process's resident memory before any weight loaded (bytes)
+    behaviour: Reference | None = None    # offline data under tis/mis/decoupled: the policy that generated it
 
     def close(self) -> None:
         """Release engines and samplers (a vLLM engine holds its memory until closed)."""
@@ -481,9 +483,12 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     shard = Shard(dist.rank, dist.world_size)
     math500 = build_math500(spec, encoder, shard=shard)  # before any weights: a bad file fails fast
     reward_models: dict = {}  # a labeller and a judge naming one reward model share it
+    behaviour_path = None  # offline data under tis/mis/decoupled: the model that generated it (train/behaviour.py)
     match spec.regime:
         case "offline":
             source = _offline_source(spec, encoder, collate, shard)
+            if needs_behaviour(spec):
+                behaviour_path = behaviour_model_path(spec, resolve_path(spec.data_cfg.path, spec))
             evaluator = build_evaluator(spec, encoder, backend.device, shard=shard, loaded=reward_models)
             # after the data: bad data fails fast
             policy, sharded = _load_policy(spec, model_path, backend, strategy)
@@ -503,6 +508,8 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         policy = apply_lora(policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
     forward = forward_options(spec)
     reference = _build_reference(spec, policy, backend, dist, strategy, sharded, forward)
+    behaviour = behaviour_path and build_behaviour(behaviour_path, model_path, reference, partial(
+        load_policy, device=backend.device, trust_remote_code=trust, dtype=backend.weights_dtype))
     if spec.train.compile:  # after the reference's copy: each model's decoder gets its own compiled wrapper
         for m in (policy, getattr(reference, "model", None)):
             if m is not None and not compile_decoder(m):
@@ -524,4 +531,4 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         eval_sampler = HFSampler(policy, tokenizer, spec.eval_cfg.batch_size, backend.autocast,
                                  lockstep=shard.max_int if fsdp else None)
     return Parts(backend, tokenizer, encoder, policy, reference, source, evaluator, eval_sampler, train_model, dist,
-                 memory, math500, spec, rss_before)
+                 memory, math500, spec, rss_before, behaviour or None)
