@@ -248,6 +248,20 @@ def cast_layers(model: torch.nn.Module, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
+def cast_linears(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The decoder layers' nn.Linear weights and biases to `dtype`: a frozen reference under `dtype` autocast, which
+    casts exactly these (and only these) to `dtype` before every matmul. Held in `dtype` they are not cast again each
+    forward (autocast caches casts only of tensors that require grad), and take half the memory; the norms, the
+    embeddings and the head keep their float32, so the reference computes what the policy computes under the same
+    autocast (build.py checks that on a probe, bit for bit). A sync's copy_ rounds as autocast's cast does."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model
+    for layer in getattr(base, "layers", None) or []:  # no decoder layers found: nothing cast
+        for module in layer.modules():
+            if isinstance(module, torch.nn.Linear):
+                for param in module.parameters(recurse=False):
+                    param.data = param.data.to(dtype)
+
+
 def decoder_layers(model: torch.nn.Module) -> list:
     base = model.get_decoder() if hasattr(model, "get_decoder") else model
     layers = getattr(base, "layers", None)

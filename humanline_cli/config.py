@@ -231,7 +231,7 @@ def check(g: Groups) -> None:
     """Every group's rules, in the order a user most needs to hear them."""
     check_data_source(g.data)
     check_humanline(g.root, g.correction)
-    check_correction(g.correction, g.root, g.objective, g.data, g.model)
+    check_correction(g.correction, g.root, g.objective, g.model)
     check_objective(g.objective, g.data)
     check_backend(g.backend)
     check_train(g.root.train, g.objective, g.backend)
@@ -305,7 +305,7 @@ def humanline_on(root: S.RootConfig, correction: CorrectionConfig) -> bool:
     return bool(root.humanline) or correction.kind == "humanline"
 
 
-def check_correction(c: CorrectionConfig, root: S.RootConfig, objective: S.ObjectiveConfig, data: S.DataConfig,
+def check_correction(c: CorrectionConfig, root: S.RootConfig, objective: S.ObjectiveConfig,
                      model: S.ModelConfig) -> None:
     """correction.*: one correction per run, one that means something for the objective and the data."""
     kind = str(c.kind)
@@ -315,10 +315,7 @@ def check_correction(c: CorrectionConfig, root: S.RootConfig, objective: S.Objec
     if kind not in objectives.get(objective.name).corrections:
         raise UserError(f"correction={kind} has no meaning for objective={objective.name} (it applies to: "
                         f"{', '.join(k for k in objectives.get(objective.name).corrections if k != 'none')})")
-    if kind in IS_KINDS:
-        if data.regime != "online":
-            raise UserError(f"correction={kind} weighs each token by the sampler's log-probs, which offline data "
-                            f"does not have: use data=online (or correction=humanline on offline data)")
+    if kind in IS_KINDS:  # offline data: its generating policy is read with the data (train/behaviour.py)
         if getattr(objective, "ratio_denominator", "reference") != "reference":
             raise UserError(f"correction={kind} takes the PPO ratio against the trainer's own round-start log-probs "
                             f"(the reference); drop objective.ratio_denominator=sampler")

@@ -28,6 +28,22 @@ class Sweep:
     bug: bool = False
 
 
+def run_dir_correction(humanline, kind) -> str:
+    """The correction conf/train.yaml's run dirs name: humanline=true is correction=humanline."""
+    return "humanline" if str(humanline).lower() == "true" else str(kind)
+
+
+def _register_run_dir_resolver() -> None:
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("run_dir_correction", run_dir_correction, replace=True)
+
+
+# at import: a launcher that runs jobs in other processes (joblib, submitit) resolves each job's dir there, and
+# unpickling the app's Sweep imports this module
+_register_run_dir_resolver()
+
+
 class QuietConsole(logging.Filter):
     """The console handler of Hydra's job logging (conf/train.yaml): third-party INFO and below (httpx's
     line per LLM-judge request, ...) stays out of the console; the run's train.log keeps every record."""

@@ -51,7 +51,8 @@ IS_KINDS = ("tis", "mis", "decoupled")
 class CorrectionConfig:
     """correction.*: which stale-data correction the run uses (docs/method.md's table) and its knobs."""
     kind: CorrectionKind = knob(CorrectionKind.none, "none | humanline (= humanline=true; knobs hl.*) | tis | mis | "
-                                                     "decoupled (grpo on online data) | trdpo (dpo, kto, ipo)")
+                                                     "decoupled (grpo: online data, or offline data `humanline "
+                                                     "sample` wrote) | trdpo (dpo, kto, ipo)")
     level: ISLevel = knob(ISLevel.token, "tis/mis: token | sequence (exp of the summed log-ratio: TRL's sequence_*) "
                                          "| geometric (exp of the mean log-ratio); correction=mis sets sequence")
     cap: float = knob(3.0, "tis/mis: C_max, TRL's vllm_importance_sampling_clip_max (truncate: clip above; mask: "

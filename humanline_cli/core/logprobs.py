@@ -2,7 +2,7 @@
 
 `token_logps` never builds the full (N, T, V) logits. It runs the model's decoder to the final
 hidden states, keeps only the positions whose next token is a completion token, and applies the
-LM head to chunks of those positions: gather - logsumexp in float32, one chunk of logits alive at
+LM head to chunks of those positions: the log-softmax in float32, gathered, one chunk of logits alive at
 a time in the forward and (through per-chunk activation checkpointing) in the backward too.
 
 How the forward runs is the run's `ForwardOptions`, given once to the policy's wrapper (`PolicyForward`) and to
@@ -261,7 +261,7 @@ def _packed_token_logps(model: torch.nn.Module, seqs: Seqs, chunk_size: int | No
     if split is None:  # DDP wrappers, FSDP2 roots, logit transforms: the model's own forward
         logits = model(input_ids=packed, position_ids=pos, use_cache=False).logits[0]
         sel = _tempered(_at_least_fp32(logits[at]), temperature)  # (M, V)
-        picked = sel.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(sel, dim=-1)
+        picked = picked_logps(sel, targets)
     else:
         decoder, head = split
         out = _run_decoder(decoder, input_ids=packed, position_ids=pos, use_cache=False)
@@ -342,7 +342,7 @@ def _chunk_logps(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor,
     """(C, H) hidden states, (C,) targets -> (C,) float32 log-probs (float64 for a float64 model) of
     softmax(logits / temperature)."""
     logits = _tempered(_at_least_fp32(head_logits(head, h)), temperature)
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return picked_logps(logits, targets)
 
 
 def head_logits(head: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -350,12 +350,53 @@ def head_logits(head: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     master weights under bf16 autocast (CPU or CUDA) and under FSDP2 mixed precision (whose root, holding the
     head, is gathered in float32: backend.shard_model). A bf16 logit moves in steps of 0.06-0.25 nats, so bf16
     logits would quantise every log-ratio and push a PPO ratio outside [0.8, 1.2] by rounding alone; the head
-    is ~1/16 of an 8B model's matmul FLOPs. A 16-bit head (a LoRA run's frozen bf16 base) runs as it is."""
+    is ~1/16 of an 8B model's matmul FLOPs. Under 16-bit autocast a plain nn.Linear head runs its backward in the
+    autocast dtype (_Float32Head), as autocast runs every other layer's. A 16-bit head (a LoRA run's frozen bf16
+    base) runs as it is."""
     weight = getattr(head, "weight", None)
     if weight is None or weight.dtype not in (torch.float32, torch.float64):
         return head(h)
-    with torch.autocast(h.device.type, enabled=False):
-        return head(h.to(weight.dtype))  # bf16 hidden states (FSDP2 layers, a bf16 final norm) -> the head's dtype
+    device = h.device.type
+    low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    with torch.autocast(device, enabled=False):
+        x = h.to(weight.dtype)  # bf16 hidden states (FSDP2 layers, a bf16 final norm) -> the head's dtype
+        if low in (torch.bfloat16, torch.float16) and weight.dtype == torch.float32 and _plain_linear(head):
+            return _Float32Head.apply(x, weight, head.bias, low)
+        return head(x)
+
+
+def _plain_linear(head: torch.nn.Module) -> bool:
+    """An nn.Linear itself, no hooks: its forward is F.linear, which _Float32Head computes in its place (a LoRA
+    layer, a wrapper's hook on the head run as modules, in float32 both ways)."""
+    return (type(head) is torch.nn.Linear and not head._forward_hooks and not head._forward_pre_hooks
+            and not head._backward_hooks)
+
+
+class _Float32Head(torch.autograd.Function):
+    """F.linear(x, weight, bias) in float32 forward (the logits every log-ratio is made of), its backward in `low`
+    (bf16 under autocast) as autocast computes every other layer's: the two backward GEMMs of a vocabulary-wide head
+    (SmolLM2's 49,152 x 576 is 21% of its matmul FLOPs a token) then run at the 16-bit rate instead of float32's
+    (6x slower on an AMX CPU), with gradients rounded as every other weight's. The forward values, and so the
+    log-ratios and their exact 0 at a sync, are float32's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, low):
+        ctx.save_for_backward(x, weight)
+        ctx.low, ctx.has_bias = low, bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1]).to(ctx.low)
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = (g @ weight.to(ctx.low)).to(x.dtype).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            gw = (g.t() @ x.reshape(-1, x.shape[-1]).to(ctx.low)).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return gx, gw, gb, None
 
 
 def _full_logits_token_logps(model: torch.nn.Module, seqs: Seqs, temperature: float = 1.0) -> torch.Tensor:
@@ -363,9 +404,15 @@ def _full_logits_token_logps(model: torch.nn.Module, seqs: Seqs, temperature: fl
     logits = model(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, use_cache=False).logits
     logits = _tempered(_at_least_fp32(logits[:, :-1]), temperature)
     targets = seqs.input_ids[:, 1:]
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    logps = picked - torch.logsumexp(logits, dim=-1)
-    return logps * completion_mask(seqs)
+    return picked_logps(logits, targets) * completion_mask(seqs)
+
+
+def picked_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits, (...) targets -> (...) log softmax(logits)[target]: torch's fused log-softmax kernel, one pass
+    to write and one to differentiate, where gather - logsumexp makes five passes over the (..., V) logits forward
+    and four backward (at SmolLM2's 49,152-token vocabulary, 376 positions, one thread: 113 against 220 ms forward and
+    backward; the same value to float32 rounding)."""
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from humanline_cli.core import attention
 from humanline_cli.core.batches import Seqs
 
 # The shared path runs when its positions (Plan.positions) are at most this share of the padded batch's (N x T):
@@ -49,7 +50,7 @@ MAX_SHARE_PACKED = 0.95
 TREE_MASK_LIMIT = 2**26
 
 # Attention implementations that take a 4D mask as it is given (flash kernels take none; flex takes a block mask).
-MASKED_ATTENTION = ("sdpa", "eager")
+MASKED_ATTENTION = ("sdpa", "eager", attention.NAME)  # attention.NAME: sdpa, short calls in float32
 
 
 @dataclass

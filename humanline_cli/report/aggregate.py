@@ -145,8 +145,8 @@ def grouping_note(ignore) -> str:
             f"keys that never change results ({', '.join(f'`{k}`' for k in DEFAULT_IGNORE[1:])}), `hl.*` when "
             f"humanline is off{extra}. Keys that differ between groups are extra columns (or a label above a "
             "cell's numbers when they belong to the data regime / humanline subtrees). Speedup = wall-clock of the "
-            "one online group whose config is identical except for `data`, `humanline`, `hl`, `sampler` and "
-            "`reward`, divided by this group's; n/a when there is no such group (or more than one). Run dirs "
+            "one online group whose config is identical except for `data`, `humanline`, `hl`, `sampler`, `reward` "
+            "and `correction`, divided by this group's; n/a when there is no such group (or more than one). Run dirs "
             "without `.hydra/config.yaml` are grouped by their summary.json labels (task, objective, data, humanline).")
 
 

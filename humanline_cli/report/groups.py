@@ -11,8 +11,9 @@ import pandas as pd
 
 # regime_meta names a run's regime (a label, conf/regime/): the keys it describes are the ones compared
 DEFAULT_IGNORE = ("seed", "hydra", "wandb", "threads", "world_cache", "resume", "experiment_name", "regime_meta")
-# Define the data regime / humanline family: a speedup compares groups that differ only here.
-FAMILY_KEYS = ("data", "humanline", "hl", "sampler", "reward")
+# Define the data regime / humanline family and the stale-data correction: a speedup or a paired difference compares
+# groups that differ only here (correction=tis beside none and humanline, each a label within one comparison set).
+FAMILY_KEYS = ("data", "humanline", "hl", "sampler", "reward", "correction")
 # The table's own axes (sections, rows, columns), never repeated as extra columns.
 AXIS_KEYS = ("task.name", "objective.name", "data.regime", "humanline")
 NO_CONFIG = "config.yaml"  # pseudo-key telling groups without .hydra/config.yaml apart when mixed with others
@@ -32,7 +33,8 @@ def parse_ignore(values) -> tuple[str, ...]:
 def comparable_config(config: dict, ignore=()) -> dict:
     """A resolved config less what never changes results, hl.* with humanline off, `ignore`, and `humanline`
     itself (absent and false both mean off; the family carries it)."""
-    drop = DEFAULT_IGNORE + ("humanline",) + tuple(ignore) + (() if config.get("humanline") is True else ("hl",))
+    on = config.get("humanline") is True or config.get("correction.kind") == "humanline"  # one switch
+    drop = DEFAULT_IGNORE + ("humanline",) + tuple(ignore) + (() if on else ("hl",))
     return {k: v for k, v in config.items() if not under(k, drop)}
 
 

@@ -24,6 +24,7 @@ from humanline_cli.backend import (
     Dist,
     all_agree,
     cast_layers,
+    cast_linears,
     init_distributed,
     make_backend,
     seed_everything,
@@ -33,8 +34,17 @@ from humanline_cli.backend import (
 )
 from humanline_cli.config import RunSpec
 from humanline_cli.core import objectives
+from humanline_cli.core.attention import use_float32_short_attention
+from humanline_cli.core.humanline import ReferenceRule
 from humanline_cli.core.interfaces import Reference, Sampler, Source
-from humanline_cli.core.logprobs import ForwardOptions, PolicyForward, check_packing, compile_decoder, packing_probe
+from humanline_cli.core.logprobs import (
+    ForwardOptions,
+    PolicyForward,
+    check_packing,
+    compile_decoder,
+    packing_probe,
+    token_logps,
+)
 from humanline_cli.core.reference import build_reference, reference_moves
 from humanline_cli.data.collate import Collator, Encoder
 from humanline_cli.data.examples import detect_format, to_units
@@ -48,6 +58,7 @@ from humanline_cli.rewards.scorers import make_scorer
 from humanline_cli.sources.offline import OfflineSource
 from humanline_cli.sources.online import OnlineSource, RoundSpec
 from humanline_cli.sources.source import Shard
+from humanline_cli.train.behaviour import behaviour_model_path, build_behaviour, needs_behaviour
 from humanline_cli.train.fit import fit_memory
 from humanline_cli.train.lengths import check_model_lengths
 from humanline_cli.train.samplers import make_round_producer, make_sampler, sampling_params
@@ -147,6 +158,7 @@ class Parts:
     math500: Math500Eval | None = None    # eval.math500.prompts set, else None
     spec: RunSpec | None = None           # the spec the parts were built for, its micro-batch fitted (fit_memory)
     rss_before_weights: int = 0           # this process's resident memory before any weight loaded (bytes)
+    behaviour: Reference | None = None    # offline data under tis/mis/decoupled: the policy that generated it
 
     def close(self) -> None:
         """Release engines and samplers (a vLLM engine holds its memory until closed)."""
@@ -357,6 +369,26 @@ def _load_policy(spec: RunSpec, model_path: str, backend: Backend, strategy: str
                        dtype=policy_load_dtype(backend, spec.model_cfg.lora.r)), False
 
 
+def check_reference_cast(policy: torch.nn.Module, reference: torch.nn.Module, backend: Backend) -> None:
+    """A reference whose linear layers are held in the autocast dtype (backend.cast_linears) must compute the policy's
+    log-probs bit for bit, or a sync would not make the log-ratios 0: checked once on a probe, in eval mode, under
+    the run's autocast. A model that computes some linear layer outside autocast (a router in float32) fails it and
+    gets its float32 weights back from the policy, which it still equals."""
+    probe = packing_probe(policy, backend.device)  # padded, each row on its own (the default forward options)
+    training = policy.training
+    policy.eval()
+    try:
+        with torch.no_grad(), backend.autocast():
+            same = torch.equal(token_logps(policy, probe), token_logps(reference, probe))
+    finally:
+        policy.train(training)
+    if not same:
+        ref = dict(reference.named_parameters())
+        for name, p in policy.named_parameters():
+            if ref[name].dtype != p.dtype:
+                ref[name].data = p.detach().clone()
+
+
 def resolve_precision(spec: RunSpec, backend: Backend, device: str, strategy: str) -> tuple[RunSpec, Backend]:
     """backend.precision=measured on CPU, resolved by measuring (precision.choose: a GEMM probe at the model's shapes,
     cached per machine in world_cache): the spec then names the precision chosen (bf16 or fp32, which the memory
@@ -416,6 +448,30 @@ def prepare_files(spec: RunSpec, dist: Dist, timer) -> None:
         wait_for_rank0()
 
 
+def _build_reference(spec: RunSpec, policy: torch.nn.Module, backend: Backend, dist, strategy: str,
+                     sharded: bool, forward: ForwardOptions) -> Reference:
+    """The run's reference (core/reference.build_reference) in the policy's compute: under FSDP2 bf16 its decoder
+    layers in bf16, sharded as the policy; under bf16 autocast its linear layers held in bf16 (what autocast would
+    cast every forward), except where the reference mixes in the policy (TR-DPO: a bf16 running mix would lose the
+    small updates) or shares the policy's weights (LoRA)."""
+    lora = spec.model_cfg.lora
+    fsdp_full, mixed = strategy == "fsdp" and lora.r == 0, backend.param_dtype is not None
+    shard_ref = partial(shard_model, param_dtype=backend.param_dtype)  # the policy's mixed-precision policies
+    moving = reference_moves(spec.humanline, spec.regime, spec.correction)
+    low_ref = backend.autocast_dtype is not None and lora.r == 0 and not fsdp_full and not sharded and \
+        not ReferenceRule.from_spec(spec.humanline, spec.regime, spec.correction).mix_every
+    cast = partial(cast_layers, dtype=backend.param_dtype) if fsdp_full and mixed else \
+        partial(cast_linears, dtype=backend.autocast_dtype) if low_ref else None
+    reference = build_reference(policy, lora=lora.r > 0, moving=moving, options=forward,
+                                cache=spec.train.reference_cache, shard=shard_ref if fsdp_full else None, cast=cast,
+                                agree=(lambda f: all_agree(f, dist)) if strategy == "fsdp" else None,
+                                built=sharded_reference(policy, backend.param_dtype or backend.weights_dtype,
+                                                        backend.device, shard_ref) if sharded else None)
+    if low_ref:
+        check_reference_cast(policy, getattr(reference, "inner", reference).model, backend)
+    return reference
+
+
 def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     b = spec.backend_cfg
     backend = make_backend(b.device.value, b.precision.value, spec.threads, b.strategy.value)
@@ -439,9 +495,12 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     shard = Shard(dist.rank, dist.world_size)
     math500 = build_math500(spec, encoder, shard=shard)  # before any weights: a bad file fails fast
     reward_models: dict = {}  # a labeller and a judge naming one reward model share it
+    behaviour_path = None  # offline data under tis/mis/decoupled: the model that generated it (train/behaviour.py)
     match spec.regime:
         case "offline":
             source = _offline_source(spec, encoder, collate, shard)
+            if needs_behaviour(spec):
+                behaviour_path = behaviour_model_path(spec, resolve_path(spec.data_cfg.path, spec))
             evaluator = build_evaluator(spec, encoder, backend.device, shard=shard, loaded=reward_models)
             # after the data: bad data fails fast
             policy, sharded = _load_policy(spec, model_path, backend, strategy)
@@ -450,6 +509,8 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
             policy, sharded = _load_policy(spec, model_path, backend, strategy)
         case other:
             raise UserError(f"unknown data regime {other!r}")
+    if backend.device.type == "cpu" and backend.autocast_dtype is not None:
+        use_float32_short_attention(policy)  # before the reference's copy: both attend alike
     if spec.train.gradient_checkpointing and not sharded:
         _checkpointing(policy)
     lora = spec.model_cfg.lora
@@ -459,16 +520,10 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         policy = apply_lora(policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
     if evaluator is not None and (spec.eval_cfg.kl_to_start or spec.eval_cfg.model_judge):
         evaluator.start_checks = start_checks(spec, policy, model_path, tokenizer, backend)
-    fsdp_full, mixed = strategy == "fsdp" and lora.r == 0, backend.param_dtype is not None
-    shard_ref = partial(shard_model, param_dtype=backend.param_dtype)  # the policy's mixed-precision policies
-    moving = reference_moves(spec.humanline, spec.regime, spec.correction)
     forward = forward_options(spec)
-    reference = build_reference(policy, lora=lora.r > 0, moving=moving, options=forward,
-                                cache=spec.train.reference_cache, shard=shard_ref if fsdp_full else None,
-                                cast=partial(cast_layers, dtype=backend.param_dtype) if fsdp_full and mixed else None,
-                                agree=(lambda f: all_agree(f, dist)) if strategy == "fsdp" else None,
-                                built=sharded_reference(policy, backend.param_dtype or backend.weights_dtype,
-                                                        backend.device, shard_ref) if sharded else None)
+    reference = _build_reference(spec, policy, backend, dist, strategy, sharded, forward)
+    behaviour = behaviour_path and build_behaviour(behaviour_path, model_path, reference, partial(
+        load_policy, device=backend.device, trust_remote_code=trust, dtype=backend.weights_dtype))
     if spec.train.compile:  # after the reference's copy: each model's decoder gets its own compiled wrapper
         for m in (policy, getattr(reference, "model", None)):
             if m is not None and not compile_decoder(m):
@@ -490,4 +545,4 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
         eval_sampler = HFSampler(policy, tokenizer, spec.eval_cfg.batch_size, backend.autocast,
                                  lockstep=shard.max_int if fsdp else None)
     return Parts(backend, tokenizer, encoder, policy, reference, source, evaluator, eval_sampler, train_model, dist,
-                 memory, math500, spec, rss_before)
+                 memory, math500, spec, rss_before, behaviour or None)

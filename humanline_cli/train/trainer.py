@@ -23,6 +23,7 @@ from humanline_cli.core.optim import make_optimizer, make_scheduler
 from humanline_cli.errors import PeerFailed, Preempted, RunFailed
 from humanline_cli.eval.evaluator import flat_metrics
 from humanline_cli.sources.source import is_filler
+from humanline_cli.train.behaviour import with_behaviour
 from humanline_cli.train.build import Parts
 from humanline_cli.train.checkpoint import Checkpoints
 from humanline_cli.train.signals import StepMarker, StopSignal
@@ -68,7 +69,9 @@ def train(tr: TrainSpec, hl: HumanlineSpec, parts: Parts, stop: StopSignal | Non
             t0 = time.perf_counter()
             log_now = step == 1 or step % tr.log_every == 0 or step == tr.steps
             with timer.phase("train"):
-                mbs = [to_device(mb, parts.backend.device) for mb in data.micro_batches]
+                # offline data under tis/mis/decoupled: the generating policy's log-probs, once per sequence
+                mbs = with_behaviour([to_device(mb, parts.backend.device) for mb in data.micro_batches],
+                                     parts.behaviour)
                 fillers, counts, weights = step_weights(objective, data, mbs, ranks)
                 with parts.backend.autocast():
                     z0 = step_z0(objective, model.unwrapped(), reference, mbs, hl, ranks.reduce_sum, fillers)

@@ -301,7 +301,7 @@ def test_sweep_runs_every_job_and_names_the_failed_one(world, tmp_path):
                 env_extra={"WANDB_MODE": "offline"})
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
-    job0, job1 = sweep / "0_arithmetic_dpo_offline_hl-False", sweep / "1_arithmetic_dpo_offline_hl-False"
+    job0, job1 = sweep / "0_arithmetic_dpo_offline_none", sweep / "1_arithmetic_dpo_offline_none"
     assert _error_lines(r.stderr) == [
         f"humanline: error: 1 of 2 sweep jobs failed in {sweep}: {job0.name} (each job's error is above)"]
     assert f"humanline: sweep job {job0.name} failed: data file {missing} does not exist" in r.stderr.splitlines()
@@ -321,7 +321,7 @@ def test_sweep_job_failure_in_a_launcher_process_is_one_compact_hydra_line(tmp_p
     from humanline_cli.cli.train import Sweep, _sweep_job_failed
 
     elsewhere = Sweep(pid=-1)  # a job in another process than the one that started the sweep
-    job = tmp_path / "3_arithmetic_dpo_offline_hl-False"
+    job = tmp_path / "3_arithmetic_dpo_offline_none"
     with pytest.raises(CompactHydraException) as e:
         _sweep_job_failed(elsewhere, job, "data file x.jsonl does not exist")
     assert str(e.value) == f"humanline: error: sweep job {job} failed: data file x.jsonl does not exist"

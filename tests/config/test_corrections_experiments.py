@@ -63,5 +63,23 @@ def test_the_pairs_frontier_is_the_registered_grid():
 def test_the_registration_is_in_results_md():
     text = (Path(__file__).resolve().parents[2] / "humanline_cli" / "docs" / "results.md").read_text()
     section = text[text.index("## Registered: humanline against the staleness corrections"):]
-    assert "registered, not yet run" in section.split("\n## ")[0]
+    section = section.split("\n## ")[0]
+    # registered before its runs, the comparison as it was committed, its result after it
+    assert "registered (528faa1), before any of its runs" in section
+    primary = "> **Primary comparison:** `humanline` minus `tis` at K=64, greedy accuracy at step 64 (the last step)"
+    assert section.index(primary) < section.index("**Result: the primary**")
     assert "experiment=laptop_corrections_frontier" in section and "paired t" in section
+
+
+def test_a_run_dir_names_the_runs_correction():
+    """The default run and sweep dirs end in the correction (humanline=true is correction=humanline)."""
+    import humanline_cli.cli.train  # noqa: F401  (registers the run dirs' resolver, as `humanline train` does)
+
+    def ends(*o):
+        h = _compose("objective=grpo", "data=online", "hydra.job.num=0", *o, hydra_cfg=True).hydra
+        return str(h.run.dir).rsplit("_", 2)[-2:], str(h.sweep.subdir).rsplit("_", 2)[-2:]
+
+    assert ends() == (["online", "none"], ["online", "none"])
+    assert ends("correction=humanline") == (["online", "humanline"], ["online", "humanline"])
+    assert ends("humanline=true") == (["online", "humanline"], ["online", "humanline"])
+    assert ends("correction=tis") == (["online", "tis"], ["online", "tis"])

@@ -224,3 +224,30 @@ def test_plots_keep_config_groups_apart(tmp_path, monkeypatch):
                                             "humanline-offline (hl.sync_every=2) (out of range 0.0%)"]
     assert legends["unclamped_fraction.png"] == ["humanline-offline (hl.sync_every=1)",
                                                  "humanline-offline (hl.sync_every=2)"]
+
+
+def test_runs_group_by_correction_within_one_comparison_set(tmp_path):
+    """correction=none|tis|humanline on the same data: one comparison set, each correction a labelled cell of its
+    family (humanline's in humanline-online), never a row of its own; correction=humanline keeps hl.* (it is on)."""
+    from humanline_cli.report.frame import load
+    from humanline_cli.report.groups import comparison_sets
+
+    root = tmp_path / "runs"
+    for seed in (0, 1):
+        for kind, win in (("none", 0.6), ("tis", 0.62)):
+            run_dir(root, f"{kind}{seed}", config(regime="online", seed=seed, correction={"kind": kind, "cap": 3.0}),
+                    win=win + seed / 100, wall=10.0)
+        for sync in (1, 16):
+            d = run_dir(root, f"hl{sync}_{seed}", config(regime="online", seed=seed, hl__sync_every=sync,
+                                                         correction={"kind": "humanline", "cap": 3.0}),
+                        win=0.5 + seed / 100, wall=10.0)
+            summary = json.loads((d / "summary.json").read_text())  # a run writes humanline: true for it
+            (d / "summary.json").write_text(json.dumps({**summary, "humanline": True}))
+    rep = build_report(root)
+    cells = {(c["family"], c["label"]): c["n_seeds"] for c in rep.cells.to_dict("records")}
+    assert cells == {("online", "correction.kind=none"): 2, ("online", "correction.kind=tis"): 2,
+                     ("humanline-online", "correction.kind=humanline, hl.sync_every=1"): 2,
+                     ("humanline-online", "correction.kind=humanline, hl.sync_every=16"): 2}
+    assert set(rep.cells.row_keys) == {()}  # one table row: the correction labels a cell, it is not a row key
+    sets = comparison_sets(load(root).query("status == 'complete'"))
+    assert len(sets) == 1 and len(sets[0][3]) == 4

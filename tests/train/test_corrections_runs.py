@@ -102,3 +102,100 @@ def test_async_rounds_weigh_the_lag_and_claim_no_mismatch(cache_dir, tmp_path):
     assert not any(k.startswith("mismatch/") for r in rows for k in r)
     assert abs(rows[0]["correction/raw_ratio_max"] - 1.0) < 1e-4  # round 1: sampled from the starting weights
     assert max(abs(r["correction/raw_ratio_max"] - 1.0) for r in rows[1:]) > 1e-3
+
+
+# ---- offline data: the behaviour log-probs from the policy that generated it (train/behaviour.py) ----------------
+
+OFFLINE_GRPO = ["objective=grpo", "eval.n_prompts=8", "train.checkpoint_every=0", "train.save_model=false"]
+
+
+def _sample(tmp_path, *overrides):
+    """`humanline sample` of the tiny world's starting policy (its card names the model that sampled)."""
+    out = tmp_path / "sampled"
+    r = run_cli(["sample", *TINY_WORLD, "data.n=4", "data.limit=16", "threads=1", f"out={out}", *overrides], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+def test_offline_data_without_its_policy_is_refused_in_one_line(cache_dir, tmp_path):
+    """The world's own offline groups come from another writer (no card): tis has no behaviour log-probs."""
+    run = tmp_path / "refused"
+    r = run_cli(["train", *TINY_WORLD, *FAST, *OFFLINE_GRPO, "correction=tis", f"hydra.run.dir={run}"], tmp_path)
+    errors = [x for x in r.stderr.splitlines() if x.startswith("humanline: error")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert errors[0].startswith("humanline: error: correction=tis weighs each token by the log-probs of the policy "
+                                "that generated the data, and ")
+    assert errors[0].endswith("does not say which policy that was (no card.json of `humanline sample` beside it): "
+                              "use data sampled by `humanline sample`, or data=online")
+    assert not (run / "metrics.jsonl").exists()
+
+
+def test_offline_data_of_the_starting_policy_weighs_exactly_one(cache_dir, tmp_path):
+    """Sampled by the run's own starting policy: the behaviour policy is the fixed reference, so each token's
+    behaviour log-prob is the reference's own number, every raw ratio exp(0) = 1 exactly, nothing truncated."""
+    data = _sample(tmp_path) / "groups.jsonl"
+    rows = _rows(tmp_path, "tis_off", *OFFLINE_GRPO, f"data.path={data}", "correction=tis",
+                 header="correction tis (token_truncate, cap 3)")
+    assert len(rows) == 3
+    for r in rows:
+        assert r["correction/raw_ratio_max"] == 1.0 and r["correction/raw_ratio_mean"] == 1.0
+        assert r["correction/weight_mean"] == 1.0 and r["correction/dropped_fraction"] == 0.0
+
+
+def test_offline_data_of_an_earlier_policy_is_weighed_by_that_policy(cache_dir, tmp_path):
+    """A stale generation: sampled by the world's starting policy, trained from a model 3 DPO steps (lr 1e-3) past
+    it. The behaviour policy is loaded from the card, not the run's reference: at step 1 the reference is the run's
+    start, so the raw ratio pi_start / pi_behav leaves 1; decoupled drops the tokens above its cap of 1.0001."""
+    moved = tmp_path / "moved"
+    r = run_cli(["train", *TINY_WORLD, *FAST, "objective=dpo", "eval.n_prompts=8", "train.checkpoint_every=0",
+                 f"hydra.run.dir={moved}"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = _sample(tmp_path) / "groups.jsonl"
+    rows = _rows(tmp_path, "dec_off", *OFFLINE_GRPO, f"data.path={data}", f"model.name_or_path={moved}/model",
+                 "check_model_task=warn", "correction=decoupled", "correction.cap=1.0001")
+    assert len(rows) == 3
+    assert all(abs(r["correction/raw_ratio_max"] - 1.0) > 1e-3 for r in rows)
+    assert all(0.0 < r["correction/dropped_fraction"] < 1.0 for r in rows)
+
+
+# ---- every correction in every regime (done when: runs, or is refused in one line where it has no meaning) -------
+
+REGIMES = {"offline": [],
+           "online": ["data=online", "data.n=4", "data.generate_every=1"],
+           "stale": ["data=online", "data.n=4", "data.generate_every=2"],
+           "async": ["data=online", "data.n=4", "data.generate_every=1", "data.async_lag=1", "data.async_worker=inline"]}
+SHORT = ["train.steps=2", "train.batch_size=4", "eval.n_prompts=4", "train.checkpoint_every=0", "train.save_model=false"]
+
+
+@pytest.fixture(scope="module")
+def sampled(cache_dir, tmp_path_factory):
+    """One `humanline sample` of the tiny world's starting policy for the offline GRPO cells."""
+    return _sample(tmp_path_factory.mktemp("sampled")) / "groups.jsonl"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("correction", ["none", "humanline", "tis", "mis", "decoupled", "trdpo"])
+def test_every_correction_runs_in_every_regime(cache_dir, sampled, tmp_path, correction, regime):
+    """GRPO for none/humanline/tis/mis/decoupled, DPO for trdpo (its only objectives; the others are refused, test
+    above). Offline GRPO trains on the starting policy's own samples, so tis/mis/decoupled weigh exactly 1 there; on
+    synchronous rounds (online, stale) the round-start reference is the sampler, so their raw ratio is 1 to
+    float32 round-off; on asynchronous rounds it is the lag's."""
+    objective = "dpo" if correction == "trdpo" else "grpo"
+    data = [f"data.path={sampled}"] if regime == "offline" and objective == "grpo" else []
+    rows = _rows(tmp_path, "run", f"objective={objective}", f"correction={correction}", *REGIMES[regime], *data,
+                 *SHORT)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
+    # a step whose round has no usable pair (every score tied: online DPO on 4 samples) is skipped, not logged
+    assert rows and {r["step"] for r in rows} <= {1, 2} and (objective == "dpo" or len(rows) == 2)
+    keys = {k for r in rows for k in r}
+    assert ("humanline/unclamped_fraction" in keys) == (correction == "humanline")
+    assert any(k.startswith("correction/") for k in keys) == (correction in ("tis", "mis", "decoupled"))
+    if correction in ("tis", "mis", "decoupled"):
+        raw = [r["correction/raw_ratio_max"] for r in rows]
+        if regime == "offline":
+            assert raw == [1.0, 1.0]  # the reference's own numbers: exp(0)
+        elif regime in ("online", "stale"):
+            assert all(abs(x - 1.0) < 1e-4 for x in raw)
+        else:
+            assert abs(raw[0] - 1.0) < 1e-4 and all(math.isfinite(x) for x in raw)
