@@ -1,28 +1,39 @@
 """The corrections frontier (docs/results.md, "Registered: humanline against the staleness corrections"): per
 (objective, K = data.generate_every, correction) the last step's greedy and sampled accuracy with 95% t-intervals
 over seeds; paired differences between corrections at each K (by seed: the mean, its 95% t-interval and the
-two-sided paired-t p); the steps and the loop seconds (report/frame.loop_seconds: setup, evaluation and saving left
-out) to a target per cell; and the frontier plot (accuracy at the last step against K, one line per correction).
+two-sided paired-t p); the steps and the loop wall-clock seconds (report/frame.loop_seconds: setup, evaluation and
+saving left out) to a target per cell, greedy and sampled; and the frontier plot (accuracy at the last step against
+K, one line per correction, a row of greedy and sampled panels per objective). The GRPO grid and the DPO/KTO pairs
+study (objective x K x correction) read alike.
 
 The target is the report's matched-quality rule (report/gap_closed.gain_target) on the K=1 `none` runs (plain
 online) of the same objective: start + 0.9 x (their mean final - start), from their learning curves (the start,
-every evaluation, linear between); a seed that never reaches it is censored at its end (Kaplan-Meier median).
+every evaluation, linear between); no compared cell at K > 1 sets its own bar. A seed that never reaches it is
+censored at its end (Kaplan-Meier median). With evaluations every E steps a crossing is placed by linear
+interpolation inside the E-step interval it falls in: the output states E, the resolution of every time to target.
 
     python -m humanline_cli.lab.corrections_frontier runs/experiments/laptop_corrections_frontier --out corrections.png
+    python -m humanline_cli.lab.corrections_frontier humanline_cli/docs/studies/laptop_corrections_frontier.csv
+
+A study CSV (`humanline report DIR --export-csv FILE`) stands in for the run dirs: its runs are rebuilt in a
+temporary folder (report/study_csv.materialise), learning curves and loop clocks included.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import pandas as pd
 
+from humanline_cli.errors import UserError
 from humanline_cli.mdtable import md_table
 from humanline_cli.report.frame import ci_text, column, curve, load, loop_seconds, run_points
 from humanline_cli.report.gap_closed import gain_target, km_to
 from humanline_cli.report.plots import save_figure
 from humanline_cli.report.stats import mean_ci, paired_t
+from humanline_cli.report.study_csv import materialise
 
 METRICS = {"greedy": "eval.greedy.accuracy", "sampled": "eval.sampled.accuracy"}
 CURVES = {"greedy": "greedy accuracy", "sampled": "sampled accuracy"}  # report/frame.CURVE's names
@@ -86,8 +97,10 @@ def paired_rows(c: pd.DataFrame) -> list[dict]:
 
 
 def time_rows(c: pd.DataFrame, metric: str = "greedy") -> list[dict]:
-    """Per (objective, K, correction): the target, how many seeds reached it, the Kaplan-Meier medians of steps
-    and of loop seconds to it, and the mean loop seconds of the whole run."""
+    """Per (objective, K, correction): the target (start, online's mean final, the target), how many seeds reached
+    it, the Kaplan-Meier medians of steps and of loop seconds to it, the mean loop seconds of the whole run and
+    the evaluation grid (`evals`: the steps evaluated, start and end included; `every`: the widest interval
+    between two of them, the resolution of a time to target)."""
     rows = []
     for obj, g in c.groupby("objective", sort=True):
         pts = {i: run_points(r["summary"], r["metrics"]) for i, r in g.iterrows()}
@@ -96,14 +109,36 @@ def time_rows(c: pd.DataFrame, metric: str = "greedy") -> list[dict]:
         online = [steps[i] for i in g[(g.K == 1) & (g.correction == "none")].index if steps[i]]
         if not online:
             continue
-        target = gain_target(online)[2]
+        start, final, target = gain_target(online)
+        grid = sorted({int(t) for cv in steps.values() for t, _ in cv})
+        every = max((b - a for a, b in zip(grid, grid[1:])), default=None)
         for (k, corr), rs in sorted(g.groupby(["K", "correction"]), key=lambda kv: (kv[0][0], _ordered(
                 g.correction).index(kv[0][1]))):
             st, se = km_to([steps[i] for i in rs.index], target), km_to([secs[i] for i in rs.index], target)
-            rows.append({"objective": obj, "K": k, "correction": corr, "target": target, "reached": st["reached"],
-                         "n": st["n"], "steps": st["median"], "seconds": se["median"],
-                         "loop_s": float(rs["summary"].map(loop_seconds).mean())})
+            rows.append({"objective": obj, "K": k, "correction": corr, "metric": metric, "start": start,
+                         "final": final, "target": target, "reached": st["reached"], "n": st["n"],
+                         "steps": st["median"], "seconds": se["median"],
+                         "loop_s": float(rs["summary"].map(loop_seconds).mean()), "evals": grid, "every": every})
     return rows
+
+
+def target_note(times: list[dict]) -> list[str]:
+    """The target rule and each (objective, metric)'s target, evaluation grid and resolution, in words."""
+    seen = {(r["objective"], r["metric"]): r for r in times}
+    out = ["Target per objective and metric: start + 0.9 x (plain online's mean final - start), plain online being "
+           "K=1 with correction=none (report/matched.py's rule): it reads none of the compared cells beyond K=1, "
+           "so it favours no correction at K > 1. Per seed the steps and the loop wall-clock seconds (setup, "
+           "evaluation and saving left out) at which its learning curve (the start, every evaluation, linear "
+           "between) first reaches it; a seed that never does is censored at its end; per cell the Kaplan-Meier "
+           "median over seeds (–: fewer than half reached it)."]
+    for (obj, metric), r in seen.items():
+        res = ("" if r["every"] is None else
+               f"; evaluated at steps {', '.join(map(str, r['evals']))}, so a crossing is only placed by "
+               f"interpolation inside the {r['every']}-step interval it falls in: times to target differing by "
+               f"less than {r['every']} steps (or the seconds those steps take) are not resolved")
+        out.append(f"- {obj}, {metric}: start {r['start']:.4g}, plain online's mean final {r['final']:.4g}, "
+                   f"target {r['target']:.4g}{res}.")
+    return out
 
 
 def _p(p: float | None) -> str:
@@ -120,62 +155,91 @@ def markdown(front: list[dict], pairs: list[dict], times: list[dict]) -> list[st
                       [(r["objective"], r["K"], r["contrast"], r["metric"], len(r["seeds"]), ci_text(r, "+.3f"),
                         _p(r["p"])) for r in pairs])
     if times:
-        lines += ["", f"Time to the target (greedy {times[0]['target']:.4g}: start + 0.9 x plain online's mean gain), "
-                      "Kaplan-Meier median over seeds (–: fewer than half reached it):", ""]
-        lines += md_table(["objective", "K", "correction", "reached", "median steps", "median loop s",
-                           "mean loop s of the run"],
-                          [(r["objective"], r["K"], r["correction"], f"{r['reached']} of {r['n']}",
-                            "–" if r["steps"] is None else f"{r['steps']:.1f}",
+        lines += ["", *target_note(times), ""]
+        lines += md_table(["objective", "metric", "K", "correction", "target", "reached", "median steps",
+                           "median loop s", "mean loop s of the run"],
+                          [(r["objective"], r["metric"], r["K"], r["correction"], f"{r['target']:.4g}",
+                            f"{r['reached']} of {r['n']}", "–" if r["steps"] is None else f"{r['steps']:.1f}",
                             "–" if r["seconds"] is None else f"{r['seconds']:.0f}", f"{r['loop_s']:.0f}")
                            for r in times])
     return lines
 
 
+def series(front: list[dict]) -> dict:
+    """What the frontier plot draws: (objective, metric) -> correction -> [(K, mean, lo, hi)] in K order, lo and
+    hi the mean where a cell has one seed (no interval)."""
+    out: dict = {}
+    for r in front:
+        for metric in METRICS:
+            y = r[metric]
+            if y is None:
+                continue
+            lo, hi = (y["mean"], y["mean"]) if y["lo"] is None else (y["lo"], y["hi"])
+            out.setdefault((r["objective"], metric), {}).setdefault(r["correction"], []).append(
+                (r["K"], y["mean"], lo, hi))
+    return {key: {corr: sorted(pts) for corr, pts in lines.items()} for key, lines in out.items()}
+
+
 def plot(front: list[dict], path: Path, title: str) -> None:
-    """Accuracy at the last step against K, one line per (objective,) correction, greedy and sampled panels."""
+    """Accuracy at the last step against K (log axis), one line per correction with its 95% t-interval, a row of
+    greedy and sampled panels per objective."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    objectives = sorted({r["objective"] for r in front})
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
-    for ax, metric in zip(axes, METRICS):
-        for i, (obj, corr) in enumerate(dict.fromkeys((r["objective"], r["correction"]) for r in front)):
-            rs = [r for r in front if (r["objective"], r["correction"]) == (obj, corr) and r[metric]]
-            ys = [r[metric] for r in rs]
-            err = [[y["mean"] - (y["lo"] if y["lo"] is not None else y["mean"]) for y in ys],
-                   [(y["hi"] if y["hi"] is not None else y["mean"]) - y["mean"] for y in ys]]
-            # a small horizontal offset per line keeps overlapping intervals readable
-            xs = [r["K"] * 1.06 ** (i - 1.5) for r in rs]
-            ax.errorbar(xs, [y["mean"] for y in ys], yerr=err, marker="o", capsize=3, color=f"C{i}",
-                        label=corr if len(objectives) == 1 else f"{obj}, {corr}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("K = optimizer steps per generation (1 = online)")
-        ax.set_ylabel(f"{metric} accuracy at the last step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    drawn = series(front)
+    objectives = sorted({obj for obj, _ in drawn})
+    fig, axes = plt.subplots(len(objectives), 2, figsize=(11, 4.2 * len(objectives)), squeeze=False)
+    for row, obj in zip(axes, objectives):
+        for ax, metric in zip(row, METRICS):
+            lines = drawn.get((obj, metric), {})
+            for i, corr in enumerate(_ordered(lines)):
+                ks, mean, lo, hi = zip(*lines[corr])
+                # a small horizontal offset per line keeps overlapping intervals readable
+                xs = [k * 1.06 ** (i - (len(lines) - 1) / 2) for k in ks]
+                ax.errorbar(xs, mean, yerr=[[m - x for m, x in zip(mean, lo)], [x - m for m, x in zip(mean, hi)]],
+                            marker="o", capsize=3, color=f"C{ORDER.index(corr) if corr in ORDER else i}", label=corr)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("K = optimizer steps per generation (1 = online)")
+            ax.set_ylabel(f"{metric} accuracy at the last step")
+            ax.set_title(obj if len(objectives) > 1 else metric, fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
     fig.suptitle(f"{title} (mean over seeds, 95% t-interval)")
     save_figure(fig, path, dpi=120)
+
+
+def _load(source: Path) -> pd.DataFrame:
+    """A sweep dir's runs, or a study CSV's rebuilt in a temporary folder."""
+    if source.is_dir():
+        return load(source)
+    with tempfile.TemporaryDirectory(prefix="corrections-csv-") as tmp:
+        return load(materialise(source, Path(tmp) / source.stem))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m humanline_cli.lab.corrections_frontier",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("dir", type=Path, help="a sweep over data.generate_every x correction")
+    p.add_argument("dir", type=Path, help="a sweep over data.generate_every x correction, or its study CSV "
+                                          "(humanline report DIR --export-csv FILE)")
     p.add_argument("--out", type=Path, default=Path("corrections.png"), help="the PNG to write")
     p.add_argument("--title", default="the corrections frontier", help="the plot's title")
     a = p.parse_args(argv)
-    if not a.dir.is_dir():
-        print(f"corrections_frontier: error: {a.dir}: no such directory", file=sys.stderr)
+    if not a.dir.exists():
+        print(f"corrections_frontier: error: {a.dir}: no such directory or study CSV", file=sys.stderr)
         return 2
-    runs = load(a.dir)
+    try:
+        runs = _load(a.dir)
+    except UserError as e:
+        print(f"corrections_frontier: error: {e}", file=sys.stderr)
+        return 2
     c = cells(runs) if not runs.empty else runs
     if c.empty:
         print(f"corrections_frontier: error: {a.dir}: no complete run", file=sys.stderr)
         return 2
     front = frontier_rows(c)
-    print("\n".join(markdown(front, paired_rows(c), time_rows(c))))
+    print("\n".join(markdown(front, paired_rows(c), [*time_rows(c, "greedy"), *time_rows(c, "sampled")])))
     plot(front, a.out, a.title)
     print(f"wrote {a.out}")
     return 0

@@ -18,7 +18,7 @@ import pandas as pd
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.errors import ArgumentParser, UserError, finite_float
 from humanline_cli.mdtable import md_table
-from humanline_cli.report import async_lag, cost, gap_closed, matched, study_csv
+from humanline_cli.report import async_lag, corrections, cost, gap_closed, matched, study_csv
 from humanline_cli.report.frame import MARKERS, column, find_run_dirs, frame, load_run, num, write_csv
 from humanline_cli.report.groups import DEFAULT_IGNORE, GROUP_COLUMNS, collapse_duplicates, label, parse_ignore, under
 from humanline_cli.report.plots import FAMILIES, log_to_wandb, make_plots, order
@@ -243,6 +243,11 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
         files["gap_closed.png"] = out_dir / "gap_closed.png"
         md += "\n![gap closed](gap_closed.png)\n"
     md += "\n## Paired differences\n\n" + "\n".join(gap_closed.paired_markdown(gaps, margin))
+    (out_dir / "corrections.csv").unlink(missing_ok=True)  # never an earlier report's table
+    between = corrections.correction_rows(complete, ignore)  # only sweeps over correction=tis|mis|decoupled|trdpo
+    if len(between):
+        table("corrections.csv", between, 6)
+        md += "\n## Paired differences between corrections\n\n" + "\n".join(corrections.markdown(between))
     table("cost.csv", costs := cost.cost_rows(complete), 8)
     md += "\n## Generation cost at matched training units\n\n" + "\n".join(cost.markdown(costs)) + "\n"
     mrows = matched.matched_rows(complete, accuracy)
@@ -296,8 +301,8 @@ def print_report(rep: Report, console=None) -> None:
         console.print(f"skipped {name}: {why}")
     for k in rep.unused_ignores:
         console.print(f"warning: --ignore {k} matched no key of any complete run's config", highlight=False)
-    for section in ("Gap closed by humanline-offline", "Paired differences", "Speedup at matched quality",
-                    "Code versions"):
+    for section in ("Gap closed by humanline-offline", "Paired differences", "Paired differences between corrections",
+                    "Speedup at matched quality", "Code versions"):
         text = rep.markdown.partition(f"## {section}\n")[2].split("\n## ", 1)[0].strip()  # the section's body
         if text:
             console.print(f"{section}\n{text}", highlight=False, markup=False, soft_wrap=True)

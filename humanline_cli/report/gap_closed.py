@@ -104,6 +104,7 @@ def gap_rows(runs: pd.DataFrame, ignore=(), margin: float | None = None) -> pd.D
 def _comparisons(fams: dict) -> list[tuple]:
     """(baseline, humanline group, label): the baseline offline, `stale-K` or `async-L`, each against the one online
     group and every `humanline-<baseline>` group, told apart by the hl.* keys that differ. Ambiguity gives none."""
+    fams = {f: _plain(f, g) for f, g in fams.items()}
     if len(fams.get("online", ())) != 1:
         return []
     out = []
@@ -114,6 +115,16 @@ def _comparisons(fams: dict) -> list[tuple]:
         differ = differing_keys([hl_settings(g) for g in hls.itertuples()]) if len(hls) > 1 else set()
         out += [(base, g, ", ".join(f"{k}={(g.cfg or {}).get(k)}" for k in sorted(differ))) for g in hls.itertuples()]
     return out
+
+
+def _plain(family: str, groups: pd.DataFrame) -> pd.DataFrame:
+    """A data regime's groups that differ in the stale-data correction (correction=tis beside none) are compared
+    here by their plain one, correction=none (report/corrections.py compares the corrections); humanline's
+    families and a lone group stay as they are."""
+    if len(groups) < 2 or family.startswith("humanline-"):
+        return groups
+    kinds = [(c or {}).get("correction.kind", "none") for c in groups.cfg]
+    return groups[[k == "none" for k in kinds]] if len(set(kinds)) > 1 else groups
 
 
 def _col(*parts: str) -> str:

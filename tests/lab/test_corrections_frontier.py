@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from humanline_cli.lab.corrections_frontier import cells, frontier_rows, main, paired, paired_rows, time_rows
+from humanline_cli.lab.corrections_frontier import cells, frontier_rows, main, paired, paired_rows, series, time_rows
 from humanline_cli.report.frame import load
 from tests.helpers.runs import config, run_dir
 
@@ -81,3 +81,83 @@ def test_the_cli_prints_the_tables_and_plots(tmp_path, capsys):
     assert out.stat().st_size > 1000
     assert "| grpo | 64 | humanline - tis | greedy | 2 | +0.110 [" in text and "| grpo | 64 | tis | 2 | 0.420 [" in text
     assert main([str(tmp_path / "nowhere")]) == 2
+
+
+def test_time_to_target_sampled_and_the_evaluation_grid(tmp_path):
+    rows = {(r["K"], r["correction"]): r for r in time_rows(_runs(tmp_path / "sweep"), "sampled")}
+    # sampled: start 0.25, K=1 none's mean final (0.40 + 0.42) / 2 = 0.41: target 0.25 + 0.9 x 0.16 = 0.394;
+    # seed 1's curve (0, 0.25), (32, 0.39), (64, 0.40) reaches it at 32 + 32 x 0.004 / 0.01 = 44.8, seed 2's
+    # (0, 0.25), (32, 0.41) at 32 x 0.144 / 0.16 = 28.8: the Kaplan-Meier median of two is the earlier
+    r = rows[(1, "none")]
+    assert (r["metric"], r["start"], r["final"], r["target"]) == ("sampled", pytest.approx(0.25), pytest.approx(0.41),
+                                                                   pytest.approx(0.394))
+    assert r["steps"] == pytest.approx(28.8) and r["reached"] == 2
+    # evaluated at the start, step 32 and the end (64): a time to target is resolved to the 32-step interval
+    assert (r["evals"], r["every"]) == ([0, 32, 64], 32)
+
+
+def test_the_plot_draws_each_cell_with_its_interval(tmp_path):
+    drawn = series(frontier_rows(_runs(tmp_path / "sweep")))
+    assert set(drawn) == {("grpo", "greedy"), ("grpo", "sampled")}
+    assert set(drawn[("grpo", "greedy")]) == {"none", "tis", "humanline"}
+    # humanline at K=64, greedy 0.50 and 0.56: mean 0.53, half-width T1 x 0.03
+    (k, mean, lo, hi), = drawn[("grpo", "greedy")]["humanline"]
+    assert (k, mean, lo, hi) == (64, pytest.approx(0.53), pytest.approx(0.53 - T1 * 0.03), pytest.approx(0.53 + T1 * 0.03))
+    # tis: one point per K, in K order: K=1 (0.60, 0.64: mean 0.62) then K=64 (0.40, 0.44: mean 0.42)
+    assert [(p[0], round(p[1], 9)) for p in drawn[("grpo", "greedy")]["tis"]] == [(1, 0.62), (64, 0.42)]
+
+
+# the DPO/KTO study: objective x K x correction; (objective, K, correction) -> greedy, sampled per seed 1, 2
+PAIRS = {("dpo", 1, "none"): ((0.50, 0.37), (0.52, 0.39)), ("dpo", 1, "trdpo"): ((0.51, 0.37), (0.55, 0.40)),
+         ("dpo", 64, "none"): ((0.40, 0.30), (0.42, 0.31)), ("dpo", 64, "humanline"): ((0.45, 0.33), (0.46, 0.35)),
+         ("dpo", 64, "trdpo"): ((0.40, 0.30), (0.40, 0.29)), ("kto", 64, "none"): ((0.35, 0.28), (0.37, 0.30)),
+         ("kto", 64, "humanline"): ((0.38, 0.29), (0.44, 0.30))}
+
+
+def _pairs(root):
+    for (obj, k, corr), per_seed in PAIRS.items():
+        for seed, (greedy, sampled) in enumerate(per_seed, start=1):
+            cfg = config(obj=obj, regime="online", seed=seed)
+            cfg["data"]["generate_every"] = k
+            cfg["correction"] = {"kind": corr, "alpha": 0.6}
+            d = run_dir(root, f"K{k}_{corr}/{obj}_seed{seed}", cfg, win=0.6, wall=50.0, acc=sampled)
+            s = json.loads((d / "summary.json").read_text())
+            s.update(steps=32, humanline=corr == "humanline")
+            s["eval"]["greedy"] = {"accuracy": greedy, "start_accuracy": 0.3}
+            s["eval"]["sampled"] = {"accuracy": sampled, "start_accuracy": 0.25}
+            (d / "summary.json").write_text(json.dumps(s))
+    return root
+
+
+def test_the_pairs_study_table_hand_computed(tmp_path):
+    c = cells(load(_pairs(tmp_path / "pairs")))
+    front = {(r["objective"], r["K"], r["correction"]): r for r in frontier_rows(c)}
+    assert set(front) == set(PAIRS)
+    # kto, K=64, humanline: greedy 0.38, 0.44: mean 0.41, sd 0.042426, half-width T1 x 0.03
+    g = front[("kto", 64, "humanline")]["greedy"]
+    assert (g["mean"], g["hi"] - g["mean"], g["n"]) == (pytest.approx(0.41), pytest.approx(T1 * 0.03), 2)
+    pairs = {(r["objective"], r["K"], r["contrast"], r["metric"]): r for r in paired_rows(c)}
+    # dpo K=64 humanline - none: greedy 0.05, 0.04 (mean 0.045, half-width T1 x 0.005); trdpo - none: 0, -0.02
+    d = pairs[("dpo", 64, "humanline - none", "greedy")]
+    assert d["diffs"] == pytest.approx([0.05, 0.04]) and d["hi"] == pytest.approx(0.045 + T1 * 0.005)
+    assert pairs[("dpo", 64, "trdpo - none", "greedy")]["diffs"] == pytest.approx([0.0, -0.02])
+    # dpo K=1 trdpo - none, sampled: 0.0, 0.01; kto has no trdpo: humanline - none alone
+    assert pairs[("dpo", 1, "trdpo - none", "sampled")]["diffs"] == pytest.approx([0.0, 0.01])
+    assert {key[2] for key in pairs if key[0] == "kto"} == {"humanline - none"}
+    assert ("dpo", 64, "humanline - trdpo", "greedy") in pairs
+
+
+def test_a_study_csv_gives_the_same_tables_as_its_run_dirs(tmp_path, capsys):
+    from humanline_cli.report.study_csv import export
+
+    root = _pairs(tmp_path / "pairs")
+    assert main([str(root), "--out", str(tmp_path / "a.png")]) == 0
+    from_dirs = capsys.readouterr().out
+    csv = tmp_path / "laptop_corrections_frontier_pairs.csv"
+    assert export(root, csv) == 14
+    assert main([str(csv), "--out", str(tmp_path / "b.png")]) == 0
+    from_csv = capsys.readouterr().out
+    assert from_csv.replace("b.png", "a.png") == from_dirs
+    assert "| dpo | 64 | humanline - none | greedy | 2 | +0.045 [" in from_csv
+    (tmp_path / "not.csv").write_text("a,b\n1,2\n")
+    assert main([str(tmp_path / "not.csv")]) == 2

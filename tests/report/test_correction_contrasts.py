@@ -1,0 +1,94 @@
+"""`humanline report` on a sweep over staleness x correction (experiment=laptop_corrections_frontier's shape): per
+data regime, humanline minus each other correction paired by seed with 95% t-intervals, greedy and sampled
+(report/corrections.py), and the gap-closed comparison of each stale-K's plain (correction=none) group; hand-computed."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+
+from humanline_cli.report.aggregate import build_report
+from tests.helpers.runs import config, run_dir
+
+T2 = 4.302652729911275  # t(0.975, 2)
+T1 = 12.706204736174698  # t(0.975, 1)
+# (K, correction) -> per seed 1, 2, 3 (greedy, sampled) at the last step; None: no run of that seed
+PLAN = {(1, "none"): [(0.60, 0.40), (0.62, 0.42), (0.64, 0.44)],
+        (1, "tis"): [(0.61, 0.40), (0.60, 0.42), None],
+        (64, "none"): [(0.30, 0.25), (0.34, 0.27), (0.32, 0.26)],
+        (64, "humanline"): [(0.50, 0.35), (0.56, 0.38), (0.53, 0.35)],
+        (64, "tis"): [(0.31, 0.25), (0.33, 0.27), (0.32, 0.26)]}
+
+
+def _sweep(root, plan=PLAN):
+    for (k, kind), scores in plan.items():
+        for seed, got in enumerate(scores, start=1):
+            if got is None:
+                continue
+            cfg = config(obj="grpo", regime="online", seed=seed, correction={"kind": kind, "cap": 3.0})
+            cfg["data"]["generate_every"] = k
+            d = run_dir(root, f"K{k}_{kind}/grpo_seed{seed}", cfg, win=0.6, wall=100.0, acc=got[1])
+            s = json.loads((d / "summary.json").read_text())
+            s["eval"]["greedy"] = {"accuracy": got[0], "start_accuracy": 0.28}
+            s["humanline"] = kind == "humanline"  # a run writes humanline: true for correction=humanline
+            (d / "summary.json").write_text(json.dumps(s))
+    return root
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return {(r["data"], r["metric"], r["a"], r["b"]): r for r in csv.DictReader(f)}
+
+
+def test_each_correction_against_humanline_per_staleness_paired_by_seed(tmp_path):
+    rep = build_report(_sweep(tmp_path / "sweep"))
+    rows = _rows(rep.files["corrections.csv"])
+    # K=64 has humanline: humanline minus none and minus tis; K=1 has none: tis minus none, seeds 1 and 2 only
+    assert set(rows) == {("stale-64", m, "humanline", b) for m in ("greedy", "sampled") for b in ("none", "tis")} | {
+        ("online", m, "tis", "none") for m in ("greedy", "sampled")}
+    # humanline - tis, greedy: 0.19, 0.23, 0.21: mean 0.21, sd 0.02, half-width t(0.975, 2) x 0.02 / sqrt(3)
+    r = rows[("stale-64", "greedy", "humanline", "tis")]
+    half = T2 * 0.02 / math.sqrt(3)
+    assert float(r["mean"]) == pytest.approx(0.21, abs=5e-7) and r["n_seeds"] == "3"
+    assert (float(r["lo"]), float(r["hi"])) == pytest.approx((0.21 - half, 0.21 + half), abs=5e-7)
+    assert (float(r["a_mean"]), float(r["b_mean"])) == pytest.approx((0.53, 0.32), abs=5e-7)
+    # humanline - none, greedy: 0.20, 0.22, 0.21: mean 0.21, sd 0.01
+    r = rows[("stale-64", "greedy", "humanline", "none")]
+    half = T2 * 0.01 / math.sqrt(3)
+    assert (float(r["lo"]), float(r["hi"])) == pytest.approx((0.21 - half, 0.21 + half), abs=5e-7)
+    # humanline - tis, sampled: 0.10, 0.11, 0.09: mean 0.10, sd 0.01
+    r = rows[("stale-64", "sampled", "humanline", "tis")]
+    assert float(r["mean"]) == pytest.approx(0.10, abs=5e-7)
+    assert float(r["hi"]) - float(r["mean"]) == pytest.approx(T2 * 0.01 / math.sqrt(3), abs=5e-7)
+    # paired by seed, not by position: tis has seeds 1 and 2 at K=1: 0.61 - 0.60, 0.60 - 0.62 = +0.01, -0.02;
+    # mean -0.005, sd 0.03 / sqrt(2), half-width t(0.975, 1) x 0.03 / 2
+    r = rows[("online", "greedy", "tis", "none")]
+    assert float(r["mean"]) == pytest.approx(-0.005, abs=5e-7) and r["n_seeds"] == "2"
+    assert float(r["hi"]) - float(r["mean"]) == pytest.approx(T1 * 0.015, abs=5e-6)
+    # sampled at K=1: 0.40 - 0.40, 0.42 - 0.42: a zero-width interval at 0
+    r = rows[("online", "sampled", "tis", "none")]
+    assert (float(r["mean"]), float(r["lo"]), float(r["hi"])) == (0.0, 0.0, 0.0)
+    section = rep.markdown.partition("## Paired differences between corrections\n")[2]
+    assert "| grpo | – | stale-64 | greedy | humanline - tis | 0.530 | 0.320 | +0.210 | [+0.160, +0.260] | 3 |" in section
+    assert section.index("| online |") < section.index("| stale-64 |")  # K ascending
+
+
+def test_the_gap_section_compares_each_stale_k_plain_group(tmp_path):
+    """online, stale-64 and humanline-stale-64 each hold one group once the tis groups are set aside (their
+    correction is compared above): gap closed = mean(0.20, 0.22, 0.21) / mean(0.30, 0.28, 0.32) = 0.21 / 0.30."""
+    rep = build_report(_sweep(tmp_path / "sweep"))
+    with open(rep.files["gap_closed.csv"], newline="") as f:
+        gaps = list(csv.DictReader(f))
+    assert [(g["set"], g["metric"], g["n_seeds"]) for g in gaps] == [("stale-64", "greedy accuracy", "3")]
+    assert float(gaps[0]["gap_closed"]) == pytest.approx(0.7, abs=5e-6)
+    assert float(gaps[0]["gap"]) == pytest.approx(0.30, abs=5e-6)
+
+
+def test_humanline_on_and_off_alone_adds_no_section(tmp_path):
+    """Only none and humanline: that is humanline on and off (the gap-closed section's comparison), no file."""
+    plan = {key: v for key, v in PLAN.items() if key[1] != "tis"}
+    rep = build_report(_sweep(tmp_path / "sweep", plan))
+    assert "corrections.csv" not in rep.files and not (tmp_path / "sweep" / "corrections.csv").exists()
+    assert "between corrections" not in rep.markdown
