@@ -59,8 +59,10 @@ def arms(groups: pd.DataFrame) -> dict[str, object]:
 def contrasts(names: list[str]) -> list[tuple[str, str]]:
     """Humanline minus each other arm; without a humanline arm, each arm minus none."""
     kind = {n: n.split(" (")[0] for n in names}
-    first = [n for n in names if kind[n] == "humanline"] or [n for n in names if kind[n] == "none"]
-    return [(a, b) for a in first for b in names if kind[b] != kind[a]]
+    humanline = [n for n in names if kind[n] == "humanline"]
+    if humanline:
+        return [(a, b) for a in humanline for b in names if kind[b] != "humanline"]
+    return [(a, b) for b in names if kind[b] == "none" for a in names if kind[a] != "none"]
 
 
 def correction_rows(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
@@ -105,7 +107,8 @@ def markdown(rows: pd.DataFrame) -> list[str]:
             "in their correction: a - b per seed (runs paired by seed), humanline minus each other correction "
             "(without humanline, each minus none); mean over the paired seeds, [95% t-interval across seeds] "
             "(`–`: one seed). greedy = temperature 0, sampled = eval.temperature; a and b: each arm's mean over "
-            "the same seeds.")
+            "the same seeds. The gap-closed section above compares each data regime's plain group "
+            "(correction=none) with online's and humanline's.")
     return [note, "", *md_table(
         ["task", "objective", "set", "data", "metric", "a - b", "a", "b", "mean", "95% t-interval", "seeds"],
         [(r["task"], r["objective"], r["set"] or "–", r["data"], r["metric"], f"{r['a']} - {r['b']}",

@@ -90,7 +90,7 @@ def gap_rows(runs: pd.DataFrame, ignore=(), margin: float | None = None) -> pd.D
     each paired contrast's (paired_columns); with `margin`, the equivalence columns of gap_frame."""
     pts, rows = points(runs), []
     for task, objective, set_label, members in comparison_sets(runs, ignore):
-        fams = dict(list(members.groupby("family", sort=False)))
+        fams = {f: _plain(f, g) for f, g in members.groupby("family", sort=False)}
         for base, hl_group, hl_label in _comparisons(fams):
             groups = {"offline": fams[base].iloc[0], "online": fams["online"].iloc[0], "humanline-offline": hl_group}
             arms = pd.concat([runs.loc[g.members].assign(arm=arm) for arm, g in groups.items()])
@@ -104,7 +104,6 @@ def gap_rows(runs: pd.DataFrame, ignore=(), margin: float | None = None) -> pd.D
 def _comparisons(fams: dict) -> list[tuple]:
     """(baseline, humanline group, label): the baseline offline, `stale-K` or `async-L`, each against the one online
     group and every `humanline-<baseline>` group, told apart by the hl.* keys that differ. Ambiguity gives none."""
-    fams = {f: _plain(f, g) for f, g in fams.items()}
     if len(fams.get("online", ())) != 1:
         return []
     out = []

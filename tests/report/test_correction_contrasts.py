@@ -19,7 +19,8 @@ PLAN = {(1, "none"): [(0.60, 0.40), (0.62, 0.42), (0.64, 0.44)],
         (1, "tis"): [(0.61, 0.40), (0.60, 0.42), None],
         (64, "none"): [(0.30, 0.25), (0.34, 0.27), (0.32, 0.26)],
         (64, "humanline"): [(0.50, 0.35), (0.56, 0.38), (0.53, 0.35)],
-        (64, "tis"): [(0.31, 0.25), (0.33, 0.27), (0.32, 0.26)]}
+        (64, "tis"): [(0.31, 0.25), (0.33, 0.27), (0.32, 0.26)],
+        (64, "decoupled"): [(0.28, 0.22), (0.30, 0.24), (0.29, 0.23)]}  # its dirs sort first: never the baseline
 
 
 def _sweep(root, plan=PLAN):
@@ -46,8 +47,8 @@ def test_each_correction_against_humanline_per_staleness_paired_by_seed(tmp_path
     rep = build_report(_sweep(tmp_path / "sweep"))
     rows = _rows(rep.files["corrections.csv"])
     # K=64 has humanline: humanline minus none and minus tis; K=1 has none: tis minus none, seeds 1 and 2 only
-    assert set(rows) == {("stale-64", m, "humanline", b) for m in ("greedy", "sampled") for b in ("none", "tis")} | {
-        ("online", m, "tis", "none") for m in ("greedy", "sampled")}
+    assert set(rows) == {("stale-64", m, "humanline", b) for m in ("greedy", "sampled")
+                         for b in ("none", "tis", "decoupled")} | {("online", m, "tis", "none") for m in ("greedy", "sampled")}
     # humanline - tis, greedy: 0.19, 0.23, 0.21: mean 0.21, sd 0.02, half-width t(0.975, 2) x 0.02 / sqrt(3)
     r = rows[("stale-64", "greedy", "humanline", "tis")]
     half = T2 * 0.02 / math.sqrt(3)
@@ -73,22 +74,20 @@ def test_each_correction_against_humanline_per_staleness_paired_by_seed(tmp_path
     section = rep.markdown.partition("## Paired differences between corrections\n")[2]
     assert "| grpo | – | stale-64 | greedy | humanline - tis | 0.530 | 0.320 | +0.210 | [+0.160, +0.260] | 3 |" in section
     assert section.index("| online |") < section.index("| stale-64 |")  # K ascending
+    # only none and humanline: humanline on and off, the gap-closed section's comparison: no section, no file
+    plan = {key: v for key, v in PLAN.items() if key[1] in ("none", "humanline")}
+    rep = build_report(_sweep(tmp_path / "on_off", plan))
+    assert "corrections.csv" not in rep.files and not (tmp_path / "on_off" / "corrections.csv").exists()
+    assert "between corrections" not in rep.markdown
 
 
 def test_the_gap_section_compares_each_stale_k_plain_group(tmp_path):
-    """online, stale-64 and humanline-stale-64 each hold one group once the tis groups are set aside (their
-    correction is compared above): gap closed = mean(0.20, 0.22, 0.21) / mean(0.30, 0.28, 0.32) = 0.21 / 0.30."""
+    """online, stale-64 and humanline-stale-64 each hold one group once the tis and decoupled groups are set aside
+    (their corrections are compared above): gap closed = mean(0.20, 0.22, 0.21) / mean(0.30, 0.28, 0.32) = 0.21 /
+    0.30 (decoupled as the baseline would give 0.24 / 0.33)."""
     rep = build_report(_sweep(tmp_path / "sweep"))
     with open(rep.files["gap_closed.csv"], newline="") as f:
         gaps = list(csv.DictReader(f))
     assert [(g["set"], g["metric"], g["n_seeds"]) for g in gaps] == [("stale-64", "greedy accuracy", "3")]
     assert float(gaps[0]["gap_closed"]) == pytest.approx(0.7, abs=5e-6)
     assert float(gaps[0]["gap"]) == pytest.approx(0.30, abs=5e-6)
-
-
-def test_humanline_on_and_off_alone_adds_no_section(tmp_path):
-    """Only none and humanline: that is humanline on and off (the gap-closed section's comparison), no file."""
-    plan = {key: v for key, v in PLAN.items() if key[1] != "tis"}
-    rep = build_report(_sweep(tmp_path / "sweep", plan))
-    assert "corrections.csv" not in rep.files and not (tmp_path / "sweep" / "corrections.csv").exists()
-    assert "between corrections" not in rep.markdown
