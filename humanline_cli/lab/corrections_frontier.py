@@ -115,9 +115,12 @@ def time_rows(c: pd.DataFrame, metric: str = "greedy") -> list[dict]:
         for (k, corr), rs in sorted(g.groupby(["K", "correction"]), key=lambda kv: (kv[0][0], _ordered(
                 g.correction).index(kv[0][1]))):
             st, se = km_to([steps[i] for i in rs.index], target), km_to([secs[i] for i in rs.index], target)
+            # fewer than half reached it: no median in either unit (seconds' censoring times vary with the
+            # machine's load, so their Kaplan-Meier median can exist where the steps' cannot)
+            half = 2 * st["reached"] >= st["n"]
             rows.append({"objective": obj, "K": k, "correction": corr, "metric": metric, "start": start,
                          "final": final, "target": target, "reached": st["reached"], "n": st["n"],
-                         "steps": st["median"], "seconds": se["median"],
+                         "steps": st["median"] if half else None, "seconds": se["median"] if half else None,
                          "loop_s": float(rs["summary"].map(loop_seconds).mean()), "evals": grid, "every": every})
     return rows
 

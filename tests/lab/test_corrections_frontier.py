@@ -20,8 +20,8 @@ PLAN = {(1, "none", 1): (0.50, 0.60, 0.40), (1, "none", 2): (0.50, 0.64, 0.42),
         (64, "humanline", 1): (0.45, 0.50, 0.37), (64, "humanline", 2): (0.45, 0.56, 0.38)}
 
 
-def _runs(root):
-    for (k, corr, seed), (mid, last, sampled) in PLAN.items():
+def _runs(root, plan=PLAN):
+    for (k, corr, seed), (mid, last, sampled) in plan.items():
         cfg = config(obj="grpo", regime="online", seed=seed)
         cfg["data"]["generate_every"] = k
         cfg["correction"] = {"kind": corr, "cap": 3.0}
@@ -81,6 +81,17 @@ def test_the_cli_prints_the_tables_and_plots(tmp_path, capsys):
     assert out.stat().st_size > 1000
     assert "| grpo | 64 | humanline - tis | greedy | 2 | +0.110 [" in text and "| grpo | 64 | tis | 2 | 0.420 [" in text
     assert main([str(tmp_path / "nowhere")]) == 2
+
+
+def test_no_median_in_seconds_where_fewer_than_half_reached_the_target(tmp_path):
+    """K=16: seed 3 alone reaches 0.588, at step 32 + 32 x 0.088 / 0.12 = 55.5 and loop second 120 + 160 x 0.088 /
+    0.12 = 237.3; seeds 1 and 2 end short of it at step 64 but at loop seconds 80 and 180, before it. In steps the
+    Kaplan-Meier curve stops at 2/3 (no median); in seconds it would fall to 0 at 237.3, a median that only the
+    machine's uneven speed made: both are left out, as the note says (fewer than half reached it)."""
+    plan = {key: v for key, v in PLAN.items() if key[:2] == (1, "none")}
+    plan |= {(16, "none", 1): (0.40, 0.45, 0.3), (16, "none", 2): (0.40, 0.45, 0.3), (16, "none", 3): (0.50, 0.62, 0.3)}
+    row = {(r["K"], r["correction"]): r for r in time_rows(_runs(tmp_path / "sweep", plan))}[(16, "none")]
+    assert (row["reached"], row["n"], row["steps"], row["seconds"]) == (1, 3, None, None)
 
 
 def test_time_to_target_sampled_and_the_evaluation_grid(tmp_path):
