@@ -47,8 +47,9 @@ def test_each_correction_against_humanline_per_staleness_paired_by_seed(tmp_path
     rep = build_report(_sweep(tmp_path / "sweep"))
     rows = _rows(rep.files["corrections.csv"])
     # K=64 has humanline: humanline minus none and minus tis; K=1 has none: tis minus none, seeds 1 and 2 only
-    assert set(rows) == {("stale-64", m, "humanline", b) for m in ("greedy", "sampled")
-                         for b in ("none", "tis", "decoupled")} | {("online", m, "tis", "none") for m in ("greedy", "sampled")}
+    modes = ("greedy", "sampled")
+    assert set(rows) == {("stale-64", m, "humanline", b) for m in modes for b in ("none", "tis", "decoupled")} | {
+        ("online", m, "tis", "none") for m in modes}
     # humanline - tis, greedy: 0.19, 0.23, 0.21: mean 0.21, sd 0.02, half-width t(0.975, 2) x 0.02 / sqrt(3)
     r = rows[("stale-64", "greedy", "humanline", "tis")]
     half = T2 * 0.02 / math.sqrt(3)
