@@ -2,7 +2,8 @@
 (objective, K = data.generate_every, correction) the last step's greedy and sampled accuracy with 95% t-intervals
 over seeds; paired differences between corrections at each K (by seed: the mean, its 95% t-interval and the
 two-sided paired-t p); the steps and the loop wall-clock seconds (report/frame.loop_seconds: setup, evaluation and
-saving left out) to a target per cell, greedy and sampled; and the frontier plot (accuracy at the last step against
+saving left out; at an evaluation between two logged train rows, linear in the step between them: loop_curve) to a
+target per cell, greedy and sampled; and the frontier plot (accuracy at the last step against
 K, one line per correction, a row of greedy and sampled panels per objective). The GRPO grid and the DPO/KTO pairs
 study (objective x K x correction) read alike.
 
@@ -25,11 +26,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from humanline_cli.errors import UserError
 from humanline_cli.mdtable import md_table
-from humanline_cli.report.frame import ci_text, column, curve, load, loop_seconds, run_points
+from humanline_cli.report.frame import LEFT_OUT, ci_text, column, curve, load, loop_seconds, num, run_points, seconds
 from humanline_cli.report.gap_closed import gain_target, km_to
 from humanline_cli.report.plots import save_figure
 from humanline_cli.report.stats import mean_ci, paired_t
@@ -105,7 +107,7 @@ def time_rows(c: pd.DataFrame, metric: str = "greedy") -> list[dict]:
     for obj, g in c.groupby("objective", sort=True):
         pts = {i: run_points(r["summary"], r["metrics"]) for i, r in g.iterrows()}
         steps = {i: curve(p, CURVES[metric], "step") for i, p in pts.items()}
-        secs = {i: curve(p, CURVES[metric], "loop_s") for i, p in pts.items()}
+        secs = {i: loop_curve(steps[i], g.at[i, "summary"], g.at[i, "metrics"]) for i in pts}
         online = [steps[i] for i in g[(g.K == 1) & (g.correction == "none")].index if steps[i]]
         if not online:
             continue
@@ -123,6 +125,23 @@ def time_rows(c: pd.DataFrame, metric: str = "greedy") -> list[dict]:
                          "steps": st["median"] if half else None, "seconds": se["median"] if half else None,
                          "loop_s": float(rs["summary"].map(loop_seconds).mean()), "evals": grid, "every": every})
     return rows
+
+
+def loop_curve(steps: list[tuple], summary: dict, metrics: list[dict]) -> list[tuple]:
+    """A learning curve over steps, [(step, value)], as [(loop seconds, value)]: the loop's seconds at each step
+    linear between the train rows logged around it (metrics.jsonl: wall_s less the LEFT_OUT phases so far), 0 at
+    step 0 and the summary's loop seconds at the end. Train rows come every train.log_every steps, which need not
+    fall on an evaluation's step (log 10, evaluate 32), where report/frame.run_points has no seconds."""
+    w = summary.get("wall_clock_s") or {}
+    known = {0: 0.0}
+    for r in metrics:
+        if "time/train" in r and num(r.get("wall_s")) is not None and num(r.get("step")) is not None:
+            times = {k.removeprefix("time/"): v for k, v in r.items() if k.startswith("time/")}
+            known[int(r["step"])] = float(r["wall_s"]) - seconds(times, LEFT_OUT)
+    if w and summary.get("steps"):
+        known[int(summary["steps"])] = loop_seconds(summary)
+    at = sorted(known)
+    return [(float(np.interp(step, at, [known[x] for x in at])), v) for step, v in steps] if len(at) > 1 else []
 
 
 def target_note(times: list[dict]) -> list[str]:

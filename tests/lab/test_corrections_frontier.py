@@ -7,7 +7,16 @@ import math
 
 import pytest
 
-from humanline_cli.lab.corrections_frontier import cells, frontier_rows, main, paired, paired_rows, series, time_rows
+from humanline_cli.lab.corrections_frontier import (
+    cells,
+    frontier_rows,
+    loop_curve,
+    main,
+    paired,
+    paired_rows,
+    series,
+    time_rows,
+)
 from humanline_cli.report.frame import load
 from tests.helpers.runs import config, run_dir
 
@@ -172,3 +181,15 @@ def test_a_study_csv_gives_the_same_tables_as_its_run_dirs(tmp_path, capsys):
     assert "| dpo | 64 | humanline - none | greedy | 2 | +0.045 [" in from_csv
     (tmp_path / "not.csv").write_text("a,b\n1,2\n")
     assert main([str(tmp_path / "not.csv")]) == 2
+
+
+def test_loop_seconds_at_an_evaluation_between_two_train_rows():
+    """Train rows every 10 steps, an evaluation at 32: its loop second lies between the rows at 30 (wall 70 s less
+    setup 10 = 60) and 40 (95 less setup 10 and evaluation 5 = 80): 60 + 20 x 2 / 10 = 64; the end (step 64) is
+    the summary's loop, 150 - 10 - 10 = 130; the start is 0."""
+    summary = {"steps": 64, "wall_clock_s": {"total": 150.0, "setup": 10.0, "eval": 10.0}}
+    metrics = [{"step": 30, "time/train": 50.0, "time/setup": 10.0, "wall_s": 70.0},
+               {"step": 32, "eval/greedy/accuracy": 0.5, "wall_s": 90.0},
+               {"step": 40, "time/train": 65.0, "time/setup": 10.0, "time/eval": 5.0, "wall_s": 95.0}]
+    got = loop_curve([(0.0, 0.3), (32.0, 0.5), (64.0, 0.6)], summary, metrics)
+    assert got == [(0.0, 0.3), (pytest.approx(64.0), 0.5), (130.0, 0.6)]
