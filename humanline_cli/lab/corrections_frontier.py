@@ -2,8 +2,8 @@
 (objective, K = data.generate_every, correction) the last step's greedy and sampled accuracy with 95% t-intervals
 over seeds; paired differences between corrections at each K (by seed: the mean, its 95% t-interval and the
 two-sided paired-t p); the steps and the loop wall-clock seconds (report/frame.loop_seconds: setup, evaluation and
-saving left out; at an evaluation between two logged train rows, linear in the step between them: loop_curve) to a
-target per cell, greedy and sampled; and the frontier plot (accuracy at the last step against
+saving left out; a seed's step to the target read on its loop clock, linear between logged train rows: loop_clock)
+to a target per cell, greedy and sampled; and the frontier plot (accuracy at the last step against
 K, one line per correction, a row of greedy and sampled panels per objective). The GRPO grid and the DPO/KTO pairs
 study (objective x K x correction) read alike.
 
@@ -32,9 +32,9 @@ import pandas as pd
 from humanline_cli.errors import UserError
 from humanline_cli.mdtable import md_table
 from humanline_cli.report.frame import LEFT_OUT, ci_text, column, curve, load, loop_seconds, num, run_points, seconds
-from humanline_cli.report.gap_closed import gain_target, km_to
+from humanline_cli.report.gap_closed import gain_target, km_to, time_to
 from humanline_cli.report.plots import save_figure
-from humanline_cli.report.stats import mean_ci, paired_t
+from humanline_cli.report.stats import km_median, mean_ci, paired_t
 from humanline_cli.report.study_csv import materialise
 
 METRICS = {"greedy": "eval.greedy.accuracy", "sampled": "eval.sampled.accuracy"}
@@ -107,7 +107,7 @@ def time_rows(c: pd.DataFrame, metric: str = "greedy") -> list[dict]:
     for obj, g in c.groupby("objective", sort=True):
         pts = {i: run_points(r["summary"], r["metrics"]) for i, r in g.iterrows()}
         steps = {i: curve(p, CURVES[metric], "step") for i, p in pts.items()}
-        secs = {i: loop_curve(steps[i], g.at[i, "summary"], g.at[i, "metrics"]) for i in pts}
+        clocks = {i: loop_clock(g.at[i, "summary"], g.at[i, "metrics"]) for i in pts}
         online = [steps[i] for i in g[(g.K == 1) & (g.correction == "none")].index if steps[i]]
         if not online:
             continue
@@ -116,32 +116,41 @@ def time_rows(c: pd.DataFrame, metric: str = "greedy") -> list[dict]:
         every = max((b - a for a, b in zip(grid, grid[1:])), default=None)
         for (k, corr), rs in sorted(g.groupby(["K", "correction"]), key=lambda kv: (kv[0][0], _ordered(
                 g.correction).index(kv[0][1]))):
-            st, se = km_to([steps[i] for i in rs.index], target), km_to([secs[i] for i in rs.index], target)
+            runs = [i for i in rs.index if steps[i]]
+            st, secs = km_to([steps[i] for i in runs], target), km_seconds([steps[i] for i in runs],
+                                                                             [clocks[i] for i in runs], target)
             # fewer than half reached it: no median in either unit (seconds' censoring times vary with the
             # machine's load, so their Kaplan-Meier median can exist where the steps' cannot)
             half = 2 * st["reached"] >= st["n"]
             rows.append({"objective": obj, "K": k, "correction": corr, "metric": metric, "start": start,
                          "final": final, "target": target, "reached": st["reached"], "n": st["n"],
-                         "steps": st["median"] if half else None, "seconds": se["median"] if half else None,
+                         "steps": st["median"] if half else None, "seconds": secs if half else None,
                          "loop_s": float(rs["summary"].map(loop_seconds).mean()), "evals": grid, "every": every})
     return rows
 
 
-def loop_curve(steps: list[tuple], summary: dict, metrics: list[dict]) -> list[tuple]:
-    """A learning curve over steps, [(step, value)], as [(loop seconds, value)]: the loop's seconds at each step
-    linear between the train rows logged around it (metrics.jsonl: wall_s less the LEFT_OUT phases so far), 0 at
-    step 0 and the summary's loop seconds at the end. Train rows come every train.log_every steps, which need not
-    fall on an evaluation's step (log 10, evaluate 32), where report/frame.run_points has no seconds."""
-    w = summary.get("wall_clock_s") or {}
+def loop_clock(summary: dict, metrics: list[dict]) -> tuple[list[float], list[float]]:
+    """The training loop's seconds against the step, ([steps], [loop seconds]), to interpolate linearly: 0 at step
+    0, each logged train row's wall_s less the LEFT_OUT phases so far (metrics.jsonl), the summary's loop seconds
+    at the end. Train rows come every train.log_every steps, which need not fall on an evaluation's step (log 10,
+    evaluate 32), where report/frame.run_points has no seconds."""
     known = {0: 0.0}
     for r in metrics:
         if "time/train" in r and num(r.get("wall_s")) is not None and num(r.get("step")) is not None:
             times = {k.removeprefix("time/"): v for k, v in r.items() if k.startswith("time/")}
             known[int(r["step"])] = float(r["wall_s"]) - seconds(times, LEFT_OUT)
-    if w and summary.get("steps"):
+    if summary.get("wall_clock_s") and summary.get("steps"):
         known[int(summary["steps"])] = loop_seconds(summary)
     at = sorted(known)
-    return [(float(np.interp(step, at, [known[x] for x in at])), v) for step, v in steps] if len(at) > 1 else []
+    return [float(x) for x in at], [known[x] for x in at]
+
+
+def km_seconds(curves: list, clocks: list, target: float) -> float | None:
+    """The Kaplan-Meier median loop seconds to `target`: each seed's step at which its curve first reaches it
+    (its last step where it never does, censored) read on its loop clock."""
+    times = [time_to(c, target) for c in curves]
+    at = [float(np.interp(c[-1][0] if t is None else t, *clock)) for c, t, clock in zip(curves, times, clocks)]
+    return km_median(at, [t is not None for t in times])
 
 
 def target_note(times: list[dict]) -> list[str]:

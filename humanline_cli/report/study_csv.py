@@ -61,13 +61,18 @@ def kept_keys(configs: list[dict]) -> set[str]:
 
 
 def _metrics_rows(rows: list[dict]) -> list[dict]:
-    """The evaluation rows (step, wall_s, scores), the train rows of their steps (wall_s and phase clocks) and the
-    last logged step: what run_points and an incomplete run's reason read."""
+    """The evaluation rows (step, wall_s, scores), the train rows (wall_s and phase clocks) of their steps and
+    the last logged before and first after each (the loop's seconds at an evaluation between two logged steps,
+    lab/corrections_frontier.loop_curve) and the last logged step: what run_points and an incomplete run's
+    reason read."""
     evals = [{k: r[k] for k in ("step", "wall_s", *EVAL_KEYS) if k in r} for r in rows
              if "step" in r and any(k in r for k in EVAL_KEYS)]
     steps = {r["step"] for r in evals}
+    logged = sorted({r["step"] for r in rows if "time/train" in r and isinstance(r.get("step"), (int, float))})
+    around = {s for e in steps for s in (max((x for x in logged if x < e), default=None),
+                                         min((x for x in logged if x > e), default=None)) if s is not None}
     train = [{k: v for k, v in r.items() if k in ("step", "wall_s") or k.startswith("time/")} for r in rows
-             if r.get("step") in steps and "time/train" in r]
+             if r.get("step") in steps | around and "time/train" in r]
     last = max((r["step"] for r in rows if isinstance(r.get("step"), (int, float))), default=None)
     tail = [{"step": last}] if last is not None and last not in steps else []
     return train + evals + tail

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from humanline_cli.lab.corrections_frontier import (
     cells,
     frontier_rows,
-    loop_curve,
+    loop_clock,
     main,
     paired,
     paired_rows,
@@ -191,5 +192,30 @@ def test_loop_seconds_at_an_evaluation_between_two_train_rows():
     metrics = [{"step": 30, "time/train": 50.0, "time/setup": 10.0, "wall_s": 70.0},
                {"step": 32, "eval/greedy/accuracy": 0.5, "wall_s": 90.0},
                {"step": 40, "time/train": 65.0, "time/setup": 10.0, "time/eval": 5.0, "wall_s": 95.0}]
-    got = loop_curve([(0.0, 0.3), (32.0, 0.5), (64.0, 0.6)], summary, metrics)
-    assert got == [(0.0, 0.3), (pytest.approx(64.0), 0.5), (130.0, 0.6)]
+    clock = loop_clock(summary, metrics)
+    assert clock == ([0.0, 30.0, 40.0, 64.0], [0.0, 60.0, 80.0, 130.0])
+    assert np.interp(32, *clock) == pytest.approx(64.0)
+
+
+def test_the_study_csv_keeps_the_loop_seconds_of_an_evaluation_between_train_rows(tmp_path, capsys):
+    """Train rows at steps 30 and 40, the evaluation at 32 (train.log_every 10, eval.every 32): the CSV keeps the
+    train rows around each evaluation, so the seconds to target read from it are the run dirs' own."""
+    from humanline_cli.report.study_csv import export
+
+    root = tmp_path / "sweep"
+    _runs(root)
+    for m in root.glob("*/*/metrics.jsonl"):
+        seed = int(m.parent.name.removeprefix("grpo_seed"))
+        rows = [json.loads(x) for x in m.read_text().splitlines()]
+        evals = [r for r in rows if "eval/greedy/accuracy" in r]
+        rows = [{"step": 30, "time/train": 1.0, "wall_s": 30.0 * seed}, *evals,
+                {"step": 40, "time/train": 1.0, "wall_s": 50.0 * seed}]
+        m.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # K=1 none, seed 1 reaches 0.588 at step 60.16: loop seconds 50 + (80 - 50) x 20.16 / 24 = 75.2
+    assert {(r["K"], r["correction"]): r for r in time_rows(cells(load(root)))}[(1, "none")]["seconds"] == \
+        pytest.approx(50 + 30 * 20.16 / 24)
+    assert main([str(root), "--out", str(tmp_path / "a.png")]) == 0
+    from_dirs = capsys.readouterr().out
+    export(root, tmp_path / "study.csv")
+    assert main([str(tmp_path / "study.csv"), "--out", str(tmp_path / "a.png")]) == 0
+    assert capsys.readouterr().out == from_dirs
