@@ -35,7 +35,7 @@ from humanline_cli.report.frame import LEFT_OUT, ci_text, column, curve, load, l
 from humanline_cli.report.gap_closed import gain_target, km_to, time_to
 from humanline_cli.report.plots import save_figure
 from humanline_cli.report.stats import km_median, mean_ci, paired_t
-from humanline_cli.report.study_csv import materialise
+from humanline_cli.report.study_csv import clock_steps, materialise
 
 METRICS = {"greedy": "eval.greedy.accuracy", "sampled": "eval.sampled.accuracy"}
 CURVES = {"greedy": "greedy accuracy", "sampled": "sampled accuracy"}  # report/frame.CURVE's names
@@ -131,12 +131,13 @@ def time_rows(c: pd.DataFrame, metric: str = "greedy") -> list[dict]:
 
 def loop_clock(summary: dict, metrics: list[dict]) -> tuple[list[float], list[float]]:
     """The training loop's seconds against the step, ([steps], [loop seconds]), to interpolate linearly: 0 at step
-    0, each logged train row's wall_s less the LEFT_OUT phases so far (metrics.jsonl), the summary's loop seconds
-    at the end. Train rows come every train.log_every steps, which need not fall on an evaluation's step (log 10,
+    0, the wall_s less the LEFT_OUT phases so far of the train rows logged at and around each evaluation (the
+    ones a study CSV keeps, study_csv.clock_steps, so its runs read the same), the summary's loop seconds at the
+    end. Train rows come every train.log_every steps, which need not fall on an evaluation's step (log 10,
     evaluate 32), where report/frame.run_points has no seconds."""
-    known = {0: 0.0}
+    known, kept = {0: 0.0}, clock_steps(metrics)
     for r in metrics:
-        if "time/train" in r and num(r.get("wall_s")) is not None and num(r.get("step")) is not None:
+        if "time/train" in r and r.get("step") in kept and num(r.get("wall_s")) is not None:
             times = {k.removeprefix("time/"): v for k, v in r.items() if k.startswith("time/")}
             known[int(r["step"])] = float(r["wall_s"]) - seconds(times, LEFT_OUT)
     if summary.get("wall_clock_s") and summary.get("steps"):

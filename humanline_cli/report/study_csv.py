@@ -60,6 +60,16 @@ def kept_keys(configs: list[dict]) -> set[str]:
     return kept
 
 
+def clock_steps(rows: list[dict]) -> set:
+    """The steps whose train rows (wall_s, phase clocks) a study CSV keeps: every evaluation's, and the train
+    rows logged last before and first after it (train.log_every need not fall on an evaluation's step)."""
+    evals = {r["step"] for r in rows if "step" in r and any(k in r for k in EVAL_KEYS)}
+    logged = sorted({r["step"] for r in rows if "time/train" in r and isinstance(r.get("step"), (int, float))})
+    around = {s for e in evals for s in (max((x for x in logged if x < e), default=None),
+                                         min((x for x in logged if x > e), default=None)) if s is not None}
+    return evals | around
+
+
 def _metrics_rows(rows: list[dict]) -> list[dict]:
     """The evaluation rows (step, wall_s, scores), the train rows (wall_s and phase clocks) of their steps and
     the last logged before and first after each (the loop's seconds at an evaluation between two logged steps,
@@ -68,11 +78,8 @@ def _metrics_rows(rows: list[dict]) -> list[dict]:
     evals = [{k: r[k] for k in ("step", "wall_s", *EVAL_KEYS) if k in r} for r in rows
              if "step" in r and any(k in r for k in EVAL_KEYS)]
     steps = {r["step"] for r in evals}
-    logged = sorted({r["step"] for r in rows if "time/train" in r and isinstance(r.get("step"), (int, float))})
-    around = {s for e in steps for s in (max((x for x in logged if x < e), default=None),
-                                         min((x for x in logged if x > e), default=None)) if s is not None}
     train = [{k: v for k, v in r.items() if k in ("step", "wall_s") or k.startswith("time/")} for r in rows
-             if r.get("step") in steps | around and "time/train" in r]
+             if r.get("step") in clock_steps(rows) and "time/train" in r]
     last = max((r["step"] for r in rows if isinstance(r.get("step"), (int, float))), default=None)
     tail = [{"step": last}] if last is not None and last not in steps else []
     return train + evals + tail

@@ -198,8 +198,9 @@ def test_loop_seconds_at_an_evaluation_between_two_train_rows():
 
 
 def test_the_study_csv_keeps_the_loop_seconds_of_an_evaluation_between_train_rows(tmp_path, capsys):
-    """Train rows at steps 30 and 40, the evaluation at 32 (train.log_every 10, eval.every 32): the CSV keeps the
-    train rows around each evaluation, so the seconds to target read from it are the run dirs' own."""
+    """Train rows at steps 30, 40 and 50, the evaluation at 32 (train.log_every 10, eval.every 32): the CSV keeps
+    the train rows around each evaluation (30 and 40), the loop clock reads those alone, so the seconds to target
+    read from the CSV are the run dirs' own."""
     from humanline_cli.report.study_csv import export
 
     root = tmp_path / "sweep"
@@ -209,7 +210,8 @@ def test_the_study_csv_keeps_the_loop_seconds_of_an_evaluation_between_train_row
         rows = [json.loads(x) for x in m.read_text().splitlines()]
         evals = [r for r in rows if "eval/greedy/accuracy" in r]
         rows = [{"step": 30, "time/train": 1.0, "wall_s": 30.0 * seed}, *evals,
-                {"step": 40, "time/train": 1.0, "wall_s": 50.0 * seed}]
+                {"step": 40, "time/train": 1.0, "wall_s": 50.0 * seed},
+                {"step": 50, "time/train": 1.0, "wall_s": 51.0 * seed}]  # not beside an evaluation: not read
         m.write_text("".join(json.dumps(r) + "\n" for r in rows))
     # K=1 none, seed 1 reaches 0.588 at step 60.16: loop seconds 50 + (80 - 50) x 20.16 / 24 = 75.2
     assert {(r["K"], r["correction"]): r for r in time_rows(cells(load(root)))}[(1, "none")]["seconds"] == \
