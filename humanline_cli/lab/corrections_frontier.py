@@ -46,12 +46,13 @@ CONTRASTS = (("humanline", "tis"), ("humanline", "none"), ("tis", "none"), ("dec
 
 
 def cells(runs: pd.DataFrame) -> pd.DataFrame:
-    """Complete runs with objective, K, correction (humanline=true counts as humanline), seed and the last step's
-    greedy and sampled accuracy."""
+    """Complete runs with objective, K, L (data.async_lag: rounds sampled ahead, 0 synchronous), correction
+    (humanline=true counts as humanline), seed and the last step's greedy and sampled accuracy."""
     runs = runs[runs.status == "complete"]
     kind = runs["cfg.correction.kind"] if "cfg.correction.kind" in runs else pd.Series(None, index=runs.index)
     kind = [("humanline" if h else "none") if k is None or k != k else str(k) for k, h in zip(kind, runs.humanline)]
-    return runs.assign(K=column(runs, "cfg.data.generate_every").fillna(1).astype(int), correction=kind,
+    return runs.assign(K=column(runs, "cfg.data.generate_every").fillna(1).astype(int),
+                       L=column(runs, "cfg.data.async_lag").fillna(0).astype(int), correction=kind,
                        **{m: column(runs, key) for m, key in METRICS.items()})
 
 
@@ -62,20 +63,20 @@ def _ordered(values) -> list[str]:
 def frontier_rows(c: pd.DataFrame) -> list[dict]:
     """One row per (objective, K, correction): seeds and each metric's mean and 95% t-interval."""
     out = []
-    for (obj, k), g in c.groupby(["objective", "K"], sort=True):
+    for (obj, k, lag), g in c.groupby(["objective", "K", "L"], sort=True):
         for corr in _ordered(g.correction):
             rs = g[g.correction == corr]
-            out.append({"objective": obj, "K": k, "correction": corr, "n": len(rs),
+            out.append({"objective": obj, "K": k, "L": lag, "correction": corr, "n": len(rs),
                         **{m: mean_ci(rs[m].dropna().astype(float)) for m in METRICS}})
     return out
 
 
-def paired(c: pd.DataFrame, objective: str, k: int, a: str, b: str, metric: str) -> dict | None:
+def paired(c: pd.DataFrame, objective: str, k: int, a: str, b: str, metric: str, lag: int = 0) -> dict | None:
     """a - b at K, paired by seed (the seeds both have): paired_t's mean, interval and differences, and the
     two-sided p of the paired t-test (None with fewer than 2 pairs or all differences equal)."""
     from scipy import stats
 
-    g = c[(c.objective == objective) & (k == c.K)]
+    g = c[(c.objective == objective) & (k == c.K) & (lag == c.L)]
     x, y = (g[g.correction == name].set_index("seed")[metric].dropna() for name in (a, b))
     seeds = sorted(set(x.index) & set(y.index), key=str)
     if not seeds:
@@ -88,13 +89,13 @@ def paired(c: pd.DataFrame, objective: str, k: int, a: str, b: str, metric: str)
 
 def paired_rows(c: pd.DataFrame) -> list[dict]:
     rows = []
-    for (obj, k), g in c.groupby(["objective", "K"], sort=True):
+    for (obj, k, lag), g in c.groupby(["objective", "K", "L"], sort=True):
         have = set(g.correction)
         for a, b in CONTRASTS:
             for m in METRICS:
-                d = paired(c, obj, k, a, b, m) if {a, b} <= have else None
+                d = paired(c, obj, k, a, b, m, lag) if {a, b} <= have else None
                 if d is not None:
-                    rows.append({"objective": obj, "K": k, "contrast": f"{a} - {b}", "metric": m, **d})
+                    rows.append({"objective": obj, "K": k, "L": lag, "contrast": f"{a} - {b}", "metric": m, **d})
     return rows
 
 
@@ -108,21 +109,21 @@ def time_rows(c: pd.DataFrame, metric: str = "greedy") -> list[dict]:
         pts = {i: run_points(r["summary"], r["metrics"]) for i, r in g.iterrows()}
         steps = {i: curve(p, CURVES[metric], "step") for i, p in pts.items()}
         clocks = {i: loop_clock(g.at[i, "summary"], g.at[i, "metrics"]) for i in pts}
-        online = [steps[i] for i in g[(g.K == 1) & (g.correction == "none")].index if steps[i]]
+        online = [steps[i] for i in g[(g.K == 1) & (g.L == 0) & (g.correction == "none")].index if steps[i]]
         if not online:
             continue
         start, final, target = gain_target(online)
         grid = sorted({int(t) for cv in steps.values() for t, _ in cv})
         every = max((b - a for a, b in zip(grid, grid[1:])), default=None)
-        for (k, corr), rs in sorted(g.groupby(["K", "correction"]), key=lambda kv: (kv[0][0], _ordered(
-                g.correction).index(kv[0][1]))):
+        for (k, lag, corr), rs in sorted(g.groupby(["K", "L", "correction"]), key=lambda kv: (
+                kv[0][0], kv[0][1], _ordered(g.correction).index(kv[0][2]))):
             runs = [i for i in rs.index if steps[i]]
             st, secs = km_to([steps[i] for i in runs], target), km_seconds([steps[i] for i in runs],
                                                                              [clocks[i] for i in runs], target)
             # fewer than half reached it: no median in either unit (seconds' censoring times vary with the
             # machine's load, so their Kaplan-Meier median can exist where the steps' cannot)
             half = 2 * st["reached"] >= st["n"]
-            rows.append({"objective": obj, "K": k, "correction": corr, "metric": metric, "start": start,
+            rows.append({"objective": obj, "K": k, "L": lag, "correction": corr, "metric": metric, "start": start,
                          "final": final, "target": target, "reached": st["reached"], "n": st["n"],
                          "steps": st["median"] if half else None, "seconds": secs if half else None,
                          "loop_s": float(rs["summary"].map(loop_seconds).mean()), "evals": grid, "every": every})
@@ -177,20 +178,25 @@ def _p(p: float | None) -> str:
     return "–" if p is None else f"{p:.2g}" if p >= 1e-4 else f"{p:.1e}"
 
 
+def _k(r: dict) -> str:
+    """The K column: K, and the lag of asynchronous rounds where there is one."""
+    return str(r["K"]) if not r.get("L") else f"{r['K']}, lag {r['L']}"
+
+
 def markdown(front: list[dict], pairs: list[dict], times: list[dict]) -> list[str]:
     lines = ["Last step, mean [95% t-interval over seeds]:", ""]
     lines += md_table(["objective", "K", "correction", "seeds", "greedy", "sampled"],
-                      [(r["objective"], r["K"], r["correction"], r["n"], ci_text(r["greedy"]), ci_text(r["sampled"]))
+                      [(r["objective"], _k(r), r["correction"], r["n"], ci_text(r["greedy"]), ci_text(r["sampled"]))
                        for r in front])
     lines += ["", "Paired by seed, a - b, mean [95% t-interval], two-sided paired-t p:", ""]
     lines += md_table(["objective", "K", "contrast", "metric", "seeds", "difference", "p"],
-                      [(r["objective"], r["K"], r["contrast"], r["metric"], len(r["seeds"]), ci_text(r, "+.3f"),
+                      [(r["objective"], _k(r), r["contrast"], r["metric"], len(r["seeds"]), ci_text(r, "+.3f"),
                         _p(r["p"])) for r in pairs])
     if times:
         lines += ["", *target_note(times), ""]
         lines += md_table(["objective", "metric", "K", "correction", "target", "reached", "median steps",
                            "median loop s", "mean loop s of the run"],
-                          [(r["objective"], r["metric"], r["K"], r["correction"], f"{r['target']:.4g}",
+                          [(r["objective"], r["metric"], _k(r), r["correction"], f"{r['target']:.4g}",
                             f"{r['reached']} of {r['n']}", "–" if r["steps"] is None else f"{r['steps']:.1f}",
                             "–" if r["seconds"] is None else f"{r['seconds']:.0f}", f"{r['loop_s']:.0f}")
                            for r in times])
@@ -198,8 +204,9 @@ def markdown(front: list[dict], pairs: list[dict], times: list[dict]) -> list[st
 
 
 def series(front: list[dict]) -> dict:
-    """What the frontier plot draws: (objective, metric) -> correction -> [(K, mean, lo, hi)] in K order, lo and
-    hi the mean where a cell has one seed (no interval)."""
+    """What the frontier plot draws: (objective, metric) -> line -> [(K, mean, lo, hi)] in K order, lo and hi the
+    mean where a cell has one seed (no interval); a line per correction, and one per correction of asynchronous
+    rounds (`tis, async`) whose x is the lag L."""
     out: dict = {}
     for r in front:
         for metric in METRICS:
@@ -207,8 +214,8 @@ def series(front: list[dict]) -> dict:
             if y is None:
                 continue
             lo, hi = (y["mean"], y["mean"]) if y["lo"] is None else (y["lo"], y["hi"])
-            out.setdefault((r["objective"], metric), {}).setdefault(r["correction"], []).append(
-                (r["K"], y["mean"], lo, hi))
+            line, x = (r["correction"], r["K"]) if not r.get("L") else (f"{r['correction']}, async", r["L"])
+            out.setdefault((r["objective"], metric), {}).setdefault(line, []).append((x, y["mean"], lo, hi))
     return {key: {corr: sorted(pts) for corr, pts in lines.items()} for key, lines in out.items()}
 
 
@@ -231,13 +238,16 @@ def plot(front: list[dict], path: Path, title: str) -> None:
                 # a small horizontal offset per line keeps overlapping intervals readable
                 xs = [k * 1.06 ** (i - (len(lines) - 1) / 2) for k in ks]
                 ax.errorbar(xs, mean, yerr=[[m - x for m, x in zip(mean, lo)], [x - m for m, x in zip(mean, hi)]],
-                            marker="o", capsize=3, color=f"C{ORDER.index(corr) if corr in ORDER else i}", label=corr)
+                            marker="o" if ", async" not in corr else "s", capsize=3, label=corr,
+                            color=f"C{ORDER.index(corr.split(',')[0]) if corr.split(',')[0] in ORDER else i}")
             ax.set_xscale("log", base=2)
-            ax.set_xlabel("K = optimizer steps per generation (1 = online)")
+            ax.set_xlabel("K = optimizer steps per generation (1 = online)" + (
+                "; async lines: L = rounds of lag" if any(", async" in line for line in lines) else ""))
             ax.set_ylabel(f"{metric} accuracy at the last step")
             ax.set_title(obj if len(objectives) > 1 else metric, fontsize=9)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+            if lines:
+                ax.legend(fontsize=7)
     fig.suptitle(f"{title} (mean over seeds, 95% t-interval)")
     save_figure(fig, path, dpi=120)
 

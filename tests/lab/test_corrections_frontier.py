@@ -221,3 +221,29 @@ def test_the_study_csv_keeps_the_loop_seconds_of_an_evaluation_between_train_row
     export(root, tmp_path / "study.csv")
     assert main([str(tmp_path / "study.csv"), "--out", str(tmp_path / "a.png")]) == 0
     assert capsys.readouterr().out == from_dirs
+
+
+def test_asynchronous_rounds_are_cells_of_their_own_lag(tmp_path, capsys):
+    """experiment=laptop_corrections_async: K=1 with data.async_lag 4 and 16: each lag its own cell (never pooled
+    as seeds), its own paired contrasts, a line of its own in the plot at x = L."""
+    root = tmp_path / "async"
+    for lag, corr, seed, acc in ((4, "tis", 1, 0.50), (4, "tis", 2, 0.52), (16, "tis", 1, 0.40), (16, "tis", 2, 0.44),
+                                 (16, "none", 1, 0.30), (16, "none", 2, 0.33)):
+        cfg = config(obj="grpo", regime="online", seed=seed)
+        cfg["data"]["async_lag"] = lag
+        cfg["correction"] = {"kind": corr, "cap": 3.0}
+        d = run_dir(root, f"L{lag}_{corr}/grpo_seed{seed}", cfg, win=0.6, wall=10.0, acc=acc)
+        s = json.loads((d / "summary.json").read_text())
+        s["eval"]["greedy"] = {"accuracy": acc, "start_accuracy": START}
+        (d / "summary.json").write_text(json.dumps(s))
+    c = cells(load(root))
+    front = {(r["K"], r["L"], r["correction"]): r for r in frontier_rows(c)}
+    assert set(front) == {(1, 4, "tis"), (1, 16, "tis"), (1, 16, "none")}
+    assert front[(1, 16, "tis")]["greedy"]["mean"] == pytest.approx(0.42) and front[(1, 16, "tis")]["n"] == 2
+    # tis - none at lag 16: 0.10, 0.11: mean 0.105
+    (d,) = [r for r in paired_rows(c) if r["metric"] == "greedy"]
+    assert (d["L"], d["contrast"], d["mean"]) == (16, "tis - none", pytest.approx(0.105))
+    drawn = series(frontier_rows(c))[("grpo", "greedy")]
+    assert [p[0] for p in drawn["tis, async"]] == [4, 16] and [p[0] for p in drawn["none, async"]] == [16]
+    assert main([str(root), "--out", str(tmp_path / "a.png")]) == 0
+    assert "| grpo | 1, lag 16 | tis - none | greedy | 2 | +0.105 [" in capsys.readouterr().out
