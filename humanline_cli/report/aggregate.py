@@ -18,7 +18,7 @@ import pandas as pd
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.errors import ArgumentParser, UserError, finite_float
 from humanline_cli.mdtable import md_table
-from humanline_cli.report import async_lag, corrections, cost, gap_closed, matched, study_csv
+from humanline_cli.report import async_lag, correction_contrasts, cost, gap_closed, matched, study_csv
 from humanline_cli.report.frame import MARKERS, column, find_run_dirs, frame, load_run, num, write_csv
 from humanline_cli.report.groups import DEFAULT_IGNORE, GROUP_COLUMNS, collapse_duplicates, label, parse_ignore, under
 from humanline_cli.report.plots import FAMILIES, log_to_wandb, make_plots, order
@@ -244,10 +244,11 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
         md += "\n![gap closed](gap_closed.png)\n"
     md += "\n## Paired differences\n\n" + "\n".join(gap_closed.paired_markdown(gaps, margin))
     (out_dir / "corrections.csv").unlink(missing_ok=True)  # never an earlier report's table
-    between = corrections.correction_rows(complete, ignore)  # only sweeps over correction=tis|mis|decoupled|trdpo
+    # only sweeps over correction=tis|mis|decoupled|trdpo get the section
+    between = correction_contrasts.correction_rows(complete, ignore)
     if len(between):
         table("corrections.csv", between, 6)
-        md += "\n## Paired differences between corrections\n\n" + "\n".join(corrections.markdown(between))
+        md += "\n## Paired differences between corrections\n\n" + "\n".join(correction_contrasts.markdown(between))
     table("cost.csv", costs := cost.cost_rows(complete), 8)
     md += "\n## Generation cost at matched training units\n\n" + "\n".join(cost.markdown(costs)) + "\n"
     mrows = matched.matched_rows(complete, accuracy)

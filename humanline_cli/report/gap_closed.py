@@ -118,7 +118,7 @@ def _comparisons(fams: dict) -> list[tuple]:
 
 def _plain(family: str, groups: pd.DataFrame) -> pd.DataFrame:
     """A data regime's groups that differ in the stale-data correction (correction=tis beside none) are compared
-    here by their plain one, correction=none (report/corrections.py compares the corrections); humanline's
+    here by their plain one, correction=none (report/correction_contrasts.py compares the corrections); humanline's
     families and a lone group stay as they are."""
     if len(groups) < 2 or family.startswith("humanline-"):
         return groups

@@ -1,6 +1,7 @@
 """`humanline report` on a sweep over staleness x correction (experiment=laptop_corrections_frontier's shape): per
 data regime, humanline minus each other correction paired by seed with 95% t-intervals, greedy and sampled
-(report/corrections.py), and the gap-closed comparison of each stale-K's plain (correction=none) group; hand-computed."""
+(report/correction_contrasts.py), and the gap-closed comparison of each stale-K's plain (correction=none) group;
+hand-computed."""
 from __future__ import annotations
 
 import csv
