@@ -61,20 +61,20 @@ def kept_keys(configs: list[dict]) -> set[str]:
 
 
 def clock_steps(rows: list[dict]) -> set:
-    """The steps whose train rows (wall_s, phase clocks) a study CSV keeps: every evaluation's, and the train
-    rows logged last before and first after it (train.log_every need not fall on an evaluation's step)."""
+    """The steps whose train rows (wall_s, phase clocks) a study CSV keeps: every evaluation's and, for an
+    evaluation whose step has no train row (train.log_every need not fall on it), the train rows logged last
+    before and first after it."""
     evals = {r["step"] for r in rows if "step" in r and any(k in r for k in EVAL_KEYS)}
     logged = sorted({r["step"] for r in rows if "time/train" in r and isinstance(r.get("step"), (int, float))})
-    around = {s for e in evals for s in (max((x for x in logged if x < e), default=None),
-                                         min((x for x in logged if x > e), default=None)) if s is not None}
+    around = {s for e in evals - set(logged) for s in (max((x for x in logged if x < e), default=None),
+                                                       min((x for x in logged if x > e), default=None)) if s is not None}
     return evals | around
 
 
 def _metrics_rows(rows: list[dict]) -> list[dict]:
-    """The evaluation rows (step, wall_s, scores), the train rows (wall_s and phase clocks) of their steps and
-    the last logged before and first after each (the loop's seconds at an evaluation between two logged steps,
-    lab/corrections_frontier.loop_curve) and the last logged step: what run_points and an incomplete run's
-    reason read."""
+    """The evaluation rows (step, wall_s, scores), the train rows (wall_s and phase clocks) of clock_steps (the
+    loop's seconds at an evaluation between two logged steps: lab/corrections_frontier.loop_clock) and the last
+    logged step: what run_points and an incomplete run's reason read."""
     evals = [{k: r[k] for k in ("step", "wall_s", *EVAL_KEYS) if k in r} for r in rows
              if "step" in r and any(k in r for k in EVAL_KEYS)]
     steps = {r["step"] for r in evals}
