@@ -244,7 +244,7 @@ def plot(front: list[dict], path: Path, title: str) -> None:
             ax.set_xlabel("K = optimizer steps per generation (1 = online)" + (
                 "; async lines: L = rounds of lag" if any(", async" in line for line in lines) else ""))
             ax.set_ylabel(f"{metric} accuracy at the last step")
-            ax.set_title(obj if len(objectives) > 1 else metric, fontsize=9)
+            ax.set_title(f"{obj}, {metric}" if len(objectives) > 1 else metric, fontsize=9)
             ax.grid(alpha=0.3)
             if lines:
                 ax.legend(fontsize=7)
