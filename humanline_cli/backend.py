@@ -53,16 +53,15 @@ class Backend:
 
 def make_backend(device: str, precision: str, threads: int | None = None, strategy: str = "single") -> Backend:
     """`strategy` is the one the job really runs (fsdp only with 2+ ranks): bf16 under FSDP2 is its
-    mixed-precision policy (on CPU too: gloo all-gathers bf16), elsewhere autocast. `precision` auto (and
-    measured, which `humanline train` resolves on CPU by measuring first: precision.choose): bf16 on CUDA, fp32
-    on CPU."""
+    mixed-precision policy (on CPU too: gloo all-gathers bf16), elsewhere autocast. `precision` auto: bf16 on CUDA;
+    on CPU fp32 until the caller has measured (train.build.resolve_precision replaces this backend by the choice)."""
     if threads:
         set_torch_threads(threads)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("backend=cuda but torch sees no CUDA device (use backend=cpu or backend=auto)")
-    if precision in ("auto", "measured"):
+    if precision == "auto":
         precision = "bf16" if device.startswith("cuda") else "fp32"
     if precision == "bf16" and strategy == "fsdp":
         return Backend(torch.device(device), None, torch.bfloat16)

@@ -390,11 +390,11 @@ def check_reference_cast(policy: torch.nn.Module, reference: torch.nn.Module, ba
 
 
 def resolve_precision(spec: RunSpec, backend: Backend, device: str, strategy: str) -> tuple[RunSpec, Backend]:
-    """backend.precision=measured on CPU, resolved by measuring (precision.choose: a GEMM probe at the model's shapes,
+    """backend.precision=auto on CPU, resolved by measuring (precision.choose: a GEMM probe at the model's shapes,
     cached per machine in world_cache): the spec then names the precision chosen (bf16 or fp32, which the memory
     estimate, a sampler process and the summary read) and the backend says why. Anything else: unchanged."""
     b = spec.backend_cfg
-    if b.precision.value != "measured" or backend.device.type != "cpu":
+    if b.precision.value != "auto" or backend.device.type != "cpu":
         return spec, backend
     from transformers import AutoConfig
 
@@ -412,9 +412,9 @@ def resolve_precision(spec: RunSpec, backend: Backend, device: str, strategy: st
 
 def agree_on_precision(spec: RunSpec, backend: Backend, device: str, strategy: str,
                        dist: Dist) -> tuple[RunSpec, Backend]:
-    """backend.precision=measured on CPU, on every rank alike: rank 0 resolves it first (measuring and caching the
+    """backend.precision=auto on CPU, on every rank alike: rank 0 resolves it first (measuring and caching the
     probe where this machine has none), then the other ranks read its cached choice: every rank runs one precision."""
-    if spec.backend_cfg.precision.value != "measured" or backend.device.type != "cpu":
+    if spec.backend_cfg.precision.value != "auto" or backend.device.type != "cpu":
         return spec, backend
     if dist.is_main:
         spec, backend = resolve_precision(spec, backend, device, strategy)

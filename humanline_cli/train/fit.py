@@ -163,7 +163,7 @@ def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int, 
         return None  # load_policy reports the missing model in one line
     b = spec.backend_cfg
     fsdp = b.strategy.value == "fsdp" and b.nproc > 1
-    bf16 = b.precision.value == "bf16" or (b.precision.value in ("auto", "measured") and device.type == "cuda")
+    bf16 = b.precision.value == "bf16" or (b.precision.value == "auto" and device.type == "cuda")
     weight_bytes = 8.0 if b.precision.value == "fp64" else 4.0
     vllm = spec.regime == "online" and spec.sampler_cfg.name == "vllm"
     ev = spec.eval_cfg
