@@ -41,6 +41,13 @@ class Backend:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
+    @property
+    def precision(self) -> str:
+        """backend.precision as resolved: bf16 (autocast or FSDP2 mixed precision), fp64 or fp32."""
+        if (self.autocast_dtype or self.param_dtype) == torch.bfloat16:
+            return "bf16"
+        return "fp64" if self.weights_dtype == torch.float64 else "fp32"
+
     def describe(self) -> str:
         prec = "fp64" if self.weights_dtype == torch.float64 else "fp32"
         prec = prec if self.autocast_dtype is None else f"{self.autocast_dtype} autocast"

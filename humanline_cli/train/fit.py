@@ -15,7 +15,7 @@ import torch
 from humanline_cli.config import RunSpec, eval_new_tokens, evaluates
 from humanline_cli.core import objectives
 from humanline_cli.core.objectives import PROPERTIES
-from humanline_cli.core.reference import reference_moves
+from humanline_cli.core.reference import ReferenceRule, reference_moves
 from humanline_cli.errors import UserError
 from humanline_cli.machine import Machine
 from humanline_cli.memory import (
@@ -24,6 +24,7 @@ from humanline_cli.memory import (
     estimate,
     host_available_bytes,
     largest_fitting,
+    precision_bytes,
     release_freed,
     size,
 )
@@ -164,7 +165,11 @@ def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int, 
     b = spec.backend_cfg
     fsdp = b.strategy.value == "fsdp" and b.nproc > 1
     bf16 = b.precision.value == "bf16" or (b.precision.value == "auto" and device.type == "cuda")
-    weight_bytes = 8.0 if b.precision.value == "fp64" else 4.0
+    lora = spec.model_cfg.lora.r > 0
+    # the reference holds bf16 linear weights under autocast unless it mixes in the policy (build._build_reference)
+    mixes = bool(ReferenceRule.from_spec(spec.humanline, spec.regime, spec.correction).mix_every)
+    held = precision_bytes("bf16" if bf16 else b.precision.value, fsdp=fsdp, lora=lora, low_reference=not mixes)
+    weight_bytes = held["weight_bytes"]
     vllm = spec.regime == "online" and spec.sampler_cfg.name == "vllm"
     ev = spec.eval_cfg
     evaluating = evaluates(spec.judge_cfg, spec.task_cfg) or bool(ev.math500.prompts)
@@ -179,11 +184,7 @@ def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int, 
                  strategy=b.strategy.value,
                  ranks=b.nproc if b.strategy.value != "single" else 1,
                  gradient_checkpointing=spec.train.gradient_checkpointing, params=n,
-                 # bf16 under FSDP2: the frozen reference is kept in bf16 (build_parts)
-                 reference_bytes=2.0 if fsdp and bf16 else None, weight_bytes=weight_bytes,
-                 activation_bytes=2.0 if bf16 else weight_bytes, autocast=bf16 and not fsdp,
-                 # a LoRA base under bf16 autocast loads in bf16 (policy_load_dtype)
-                 base_bytes=2.0 if bf16 and not fsdp and spec.model_cfg.lora.r > 0 else None,
+                 **held,
                  loading="sharded" if fsdp and spec.model_cfg.lora.r == 0 and not spec.model_cfg.trust_remote_code
                  and loadable else "full", reward_bytes=_reward_bytes(spec, rank) + start_copy_bytes(spec, n, weight_bytes),
                  eval_batch=eval_batch(ev) if hf_eval else 0, eval_prompt_tokens=spec.train.max_prompt_length,
