@@ -19,7 +19,6 @@ import numpy as np
 
 from humanline_cli.report.cost import Call
 
-
 # W per parameter by the run's backend.precision: the bytes one push or sync writes, the copy's dtype. fp32: 4. bf16
 # (autocast over fp32 master weights and AdamW, which stay in the trainer and are never copied): the reference's
 # linear weights and a vLLM engine's are bf16, 2. fp64: 8. A machine's constants are measured in one precision
