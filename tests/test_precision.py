@@ -82,7 +82,7 @@ def _auto_on_cpu(monkeypatch, tmp_path, cpu: tuple, fp32_s: float, bf16_s: float
     monkeypatch.setattr(precision, "gemm_seconds",
                         lambda a, b: timed.append(a.dtype) or (bf16_s if a.dtype == torch.bfloat16 else fp32_s))
     spec = resolve(compose_train(["backend=cpu", "backend.precision=auto", f"world_cache={tmp_path}"]))
-    spec, backend = resolve_precision(spec, make_backend("cpu", "auto"), "cpu", "single")
+    spec, backend = resolve_precision(spec, make_backend("cpu", "auto"), "cpu", "single", str(tmp_path))  # no config
     return spec.backend_cfg.precision, backend, timed
 
 

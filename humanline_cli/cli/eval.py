@@ -83,7 +83,8 @@ def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperatur
         prepare_model(spec)  # a packaged model (model=smollm2), converted first if it is not cached
     b = spec.backend_cfg
     backend = make_backend(b.device.value, b.precision.value, spec.threads)
-    spec, backend = resolve_precision(spec, backend, str(backend.device), "single")  # auto on CPU: as the run chose
+    # auto on CPU: as the run chose (the cached probe at the trained model's shapes)
+    spec, backend = resolve_precision(spec, backend, str(backend.device), "single", str(run_dir / "model"))
     seed_everything(seed)
     trust = spec.model_cfg.trust_remote_code
     tok = load_tokenizer(str(run_dir / "model"), trust)
