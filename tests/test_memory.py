@@ -68,10 +68,10 @@ SMALL = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_
     # layer 4 * (4*128 + 3*64 + 2*64 + 2*32) + 4 * (2*64 + 4 + 2) = 4,120, outside 4 * 3*64 + 4 * 2*64 = 1,280
     ("fp32", dict(policy=4 * 202_048, grads=4 * 202_048, optimizer=8 * 202_048, reference=4 * 202_048,
                   activations=(2 * 4_120 + 1_280) * 16, transient=4 * 16 * 1000 * 4)),
-    # bf16 autocast: fp32 master weights, gradients and AdamW; the reference's decoder (73,984) in bf16, its
-    # embeddings, head and final norm (128,064) fp32; activations 2 * 896 + 536 = 2,328 a layer, 2 * 192 + 512
-    # outside; transient: the fp32 logits' chunks + bf16 copies of every weight but the embeddings (202,048 - 64,000)
-    ("bf16", dict(policy=4 * 202_048, grads=4 * 202_048, optimizer=8 * 202_048, reference=2 * 73_984 + 4 * 128_064,
+    # bf16 autocast: fp32 master weights, gradients and AdamW, the reference counted fp32 (an upper bound);
+    # activations 2 * 896 + 536 = 2,328 a layer, 2 * 192 + 512 outside; transient: the fp32 logits' chunks + bf16
+    # copies of every weight but the embeddings (202,048 - 64,000)
+    ("bf16", dict(policy=4 * 202_048, grads=4 * 202_048, optimizer=8 * 202_048, reference=4 * 202_048,
                   activations=(2 * 2_328 + 896) * 16, transient=4 * 16 * 1000 * 4 + 2 * (202_048 - 64_000))),
     ("fp64", dict(policy=8 * 202_048, grads=8 * 202_048, optimizer=16 * 202_048, reference=8 * 202_048,
                   activations=(2 * (8 * 896 + 536) + 8 * 192 + 512) * 16, transient=4 * 16 * 1000 * 8)),
@@ -86,12 +86,13 @@ def test_the_estimate_holds_each_precisions_dtypes(precision, want):
 
 
 def test_precision_bytes_under_fsdp_and_lora():
-    """FSDP2 bf16: no autocast copies, the reference's decoder in bf16; a LoRA base under autocast loads in bf16; a
-    reference that mixes in the policy (TR-DPO) keeps fp32."""
+    """FSDP2 bf16: no autocast copies, the reference's decoder in bf16 (its root fp32: 2 * 73,984 + 4 * 128,064 on
+    the small model); a LoRA base under autocast loads in bf16."""
     assert precision_bytes("bf16", fsdp=True) == {"weight_bytes": 4.0, "activation_bytes": 2.0,
                                                   "reference_bytes": 2.0, "autocast": False, "base_bytes": None}
+    fsdp = estimate(SMALL, seqs_per_micro=2, max_length=8, strategy="fsdp", ranks=2, **precision_bytes("bf16", fsdp=True))
+    assert fsdp.reference == (2 * 73_984 + 4 * 128_064) / 2 and fsdp.optimizer == 8 * 202_048 / 2
     assert precision_bytes("bf16", lora=True)["base_bytes"] == 2.0
-    assert precision_bytes("bf16", low_reference=False)["reference_bytes"] is None
     assert precision_bytes("fp32") == {"weight_bytes": 4.0, "activation_bytes": 4.0, "reference_bytes": None,
                                        "autocast": False, "base_bytes": None}
 

@@ -15,7 +15,7 @@ import torch
 from humanline_cli.config import RunSpec, eval_new_tokens, evaluates
 from humanline_cli.core import objectives
 from humanline_cli.core.objectives import PROPERTIES
-from humanline_cli.core.reference import ReferenceRule, reference_moves
+from humanline_cli.core.reference import reference_moves
 from humanline_cli.errors import UserError
 from humanline_cli.machine import Machine
 from humanline_cli.memory import (
@@ -165,10 +165,7 @@ def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int, 
     b = spec.backend_cfg
     fsdp = b.strategy.value == "fsdp" and b.nproc > 1
     bf16 = b.precision.value == "bf16" or (b.precision.value == "auto" and device.type == "cuda")
-    lora = spec.model_cfg.lora.r > 0
-    # the reference holds bf16 linear weights under autocast unless it mixes in the policy (build._build_reference)
-    mixes = bool(ReferenceRule.from_spec(spec.humanline, spec.regime, spec.correction).mix_every)
-    held = precision_bytes("bf16" if bf16 else b.precision.value, fsdp=fsdp, lora=lora, low_reference=not mixes)
+    held = precision_bytes("bf16" if bf16 else b.precision.value, fsdp=fsdp, lora=spec.model_cfg.lora.r > 0)
     weight_bytes = held["weight_bytes"]
     vllm = spec.regime == "online" and spec.sampler_cfg.name == "vllm"
     ev = spec.eval_cfg
