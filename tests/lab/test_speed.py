@@ -300,8 +300,10 @@ def test_constants_predict_runs_of_their_own_precision_only(tmp_path):
     assert ("1 complete run(s) left out, measured for another setting than the constants file's: online_seed0 (it "
             "computed in bf16, the constants were measured in fp32: measure a bf16 set with backend.precision=bf16 "
             "among the constants' overrides)") in (root / "predicted.md").read_text()
-    bf16 = json.loads(json.dumps(CONSTANTS))
-    bf16.update(precision="bf16", bytes_per_param=2)
+    cfg = yaml.safe_load((root / "online_seed0" / ".hydra" / "config.yaml").read_text())
+    (root / "online_seed0" / ".hydra" / "config.yaml").write_text(yaml.safe_dump({**cfg, "backend": {"precision": "auto"}}))
+    bf16 = json.loads(json.dumps(CONSTANTS))  # measured with backend.precision=bf16, the run's auto computed in bf16
+    bf16.update(precision="bf16", bytes_per_param=2, overrides=["backend.precision=bf16"])
     bf16["constants"]["sync_bytes_per_s"] = 1000.0
     cfile.write_text(json.dumps(bf16))
     assert speed_main([str(root), "--target", str(cfile)]) == 0
