@@ -3,6 +3,7 @@ what the registration says: GRPO at K in {1, 4, 16, 64} x {none, humanline, tis,
 K in {1, 64} x {none, humanline, trdpo} x seeds 1-5."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 from pathlib import Path
@@ -19,8 +20,9 @@ def _points(cfg) -> list[list[str]]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     swept = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in cfg.hydra.sweeper.params.items()])
-    return [list(p) for p in itertools.product(*([f"{o.key_or_group}={v}" for v in o.sweep_string_iterator()]
-                                                 for o in swept))]
+    values = ([f"{o.key_or_group}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+              else [f"{o.key_or_group}={o.get_value_element_as_str()}"] for o in swept)
+    return [list(p) for p in itertools.product(*values)]
 
 
 def _specs(name):
@@ -58,6 +60,32 @@ def test_the_pairs_frontier_is_the_registered_grid():
     cells = Counter((s.objective, s.data_cfg.generate_every, s.correction.kind) for s in specs)
     assert cells == {(o, k, c): 5 for o in ("dpo", "kto") for k in (1, 64) for c in ("none", "humanline", "trdpo")}
     assert {(s.correction.alpha, s.correction.tau) for s in specs if s.correction.kind == "trdpo"} == {(0.6, 8)}
+
+
+def test_the_async_frontier_is_the_frontier_with_stale_samplers():
+    from hydra import compose, initialize_config_module
+
+    from humanline_cli.config import resolve
+
+    cfg = _compose("experiment=laptop_corrections_async", hydra_cfg=True)
+    points = _points(cfg)
+    assert len(points) == cfg.regime_study_size == 24 and [p[0] for p in points[:8]] == ["seed=1"] * 8
+    kinds = ("none", "humanline", "tis", "decoupled")
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        specs = [resolve(compose("train", overrides=["experiment=laptop_corrections_async", *p])) for p in points]
+        # the synchronous grid's K=1 cell of each correction: the same run but for the sampler's lag
+        grid = {k: resolve(compose("train", overrides=["experiment=laptop_corrections_frontier", f"correction={k}",
+                                                       "data.generate_every=1"])) for k in kinds}
+    cells = Counter((s.seed, s.data_cfg.async_lag, s.correction.kind) for s in specs)
+    assert cells == {(seed, lag, c): 1 for seed in (1, 2, 3) for lag in (4, 16) for c in kinds}
+    assert all(s.data_cfg.generate_every == 1 and s.data_cfg.async_worker.value == "inline" for s in specs)
+    for s in specs:
+        g = grid[s.correction.kind]
+        # the knobs as the grid's; only the derived flag differs: an async round's reference is not its sampler
+        assert (s.train, s.eval_cfg, s.humanline) == (g.train, g.eval_cfg, g.humanline)
+        assert s.correction == dataclasses.replace(g.correction, reference_is_sampler=False)
+    assert grid["none"].correction.reference_is_sampler  # synchronous K=1: the round's start sampled it
+    assert cfg.hydra.sweep.subdir == "L0_none/grpo_seed0"  # L, correction, seed: a point's dir names its cell
 
 
 def test_the_registration_is_in_results_md():

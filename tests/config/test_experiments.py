@@ -132,6 +132,8 @@ def test_every_sweep_point_composes_and_validates(name):
         grid = {("grpo", "online", False)}
     if name == "laptop_corrections_frontier":  # GRPO stale-K rounds x corrections (details: test_corrections_experiments)
         grid = {("grpo", "online", False), ("grpo", "online", True)}
+    if name == "laptop_corrections_async":  # the frontier's GRPO setting, asynchronous rounds x corrections
+        grid = {("grpo", "online", False), ("grpo", "online", True)}
     if name == "laptop_corrections_frontier_pairs":  # DPO/KTO at K 1 and 64 x none, humanline, trdpo
         grid = {(o, "online", h) for o in ("dpo", "kto") for h in (True, False)}
     if name == "smollm2_sentiment":  # exploratory: GRPO online, plain and humanline, the start's KL and verdict
