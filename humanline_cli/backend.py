@@ -41,6 +41,13 @@ class Backend:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
+    @property
+    def precision(self) -> str:
+        """backend.precision as resolved: bf16 (autocast or FSDP2 mixed precision), fp64 or fp32."""
+        if (self.autocast_dtype or self.param_dtype) == torch.bfloat16:
+            return "bf16"
+        return "fp64" if self.weights_dtype == torch.float64 else "fp32"
+
     def describe(self) -> str:
         prec = "fp64" if self.weights_dtype == torch.float64 else "fp32"
         prec = prec if self.autocast_dtype is None else f"{self.autocast_dtype} autocast"
@@ -53,16 +60,15 @@ class Backend:
 
 def make_backend(device: str, precision: str, threads: int | None = None, strategy: str = "single") -> Backend:
     """`strategy` is the one the job really runs (fsdp only with 2+ ranks): bf16 under FSDP2 is its
-    mixed-precision policy (on CPU too: gloo all-gathers bf16), elsewhere autocast. `precision` auto (and
-    measured, which `humanline train` resolves on CPU by measuring first: precision.choose): bf16 on CUDA, fp32
-    on CPU."""
+    mixed-precision policy (on CPU too: gloo all-gathers bf16), elsewhere autocast. `precision` auto: bf16 on CUDA;
+    on CPU fp32 until the caller has measured (train.build.resolve_precision replaces this backend by the choice)."""
     if threads:
         set_torch_threads(threads)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("backend=cuda but torch sees no CUDA device (use backend=cpu or backend=auto)")
-    if precision in ("auto", "measured"):
+    if precision == "auto":
         precision = "bf16" if device.startswith("cuda") else "fp32"
     if precision == "bf16" and strategy == "fsdp":
         return Backend(torch.device(device), None, torch.bfloat16)

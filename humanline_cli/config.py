@@ -607,10 +607,19 @@ def derive(g: Groups, config: dict) -> RunSpec:
     return RunSpec(objective=g.objective.name, regime=str(data.regime), task=task.name,
                    model=model_display_name(g.model), seed=root.seed, humanline=hl,
                    train=train, objective_cfg=g.objective, data_cfg=data, task_cfg=task, model_cfg=g.model,
-                   backend_cfg=g.backend, sampler_cfg=sampler, reward_cfg=g.reward, judge_cfg=g.judge,
+                   backend_cfg=device_precision(g.backend), sampler_cfg=sampler, reward_cfg=g.reward, judge_cfg=g.judge,
                    eval_cfg=root.eval, wandb=dataclasses.asdict(root.wandb), chat_template=root.chat_template,
                    world_cache=root.world_cache, threads=root.threads, resume=root.resume,
                    check_model_task=root.check_model_task, notes=tuple(notes), config=config, correction=correction)
+
+
+def device_precision(backend: S.BackendConfig) -> S.BackendConfig:
+    """backend.precision=null: the device's default, bf16 on CUDA (a GPU profile's dry run included) and fp32 on CPU.
+    Not `auto` on CPU: measuring there would train the same command in bf16 on one CPU and fp32 on another."""
+    if backend.precision is not None:
+        return backend
+    cuda = backend.device == "cuda" or (backend.device == "auto" and (backend.profile is not None or _cuda_available()))
+    return dataclasses.replace(backend, precision=S.Precision.bf16 if cuda else S.Precision.fp32)
 
 
 def _set_keys(node: dict) -> dict:

@@ -126,6 +126,6 @@ def check_launch(strategy: str, nproc: int, precision: str, machine: Machine, al
     if nodes > 1 and ranks < 2:
         raise UserError(f"{nodes} nodes need ranks to meet: backend.strategy=ddp or fsdp with backend.nproc >= 2 "
                         f"(the GPUs of one node)")
-    if precision in ("bf16", "auto", "measured") and not machine.bf16:
+    if precision in ("bf16", "auto") and not machine.bf16:
         raise UserError(f"backend.precision={precision} computes in bf16, which {machine.label or 'this GPU'} does "
                         f"not support: set backend.precision=fp32")

@@ -97,6 +97,26 @@ class MemoryEstimate:
         return (f"memory per device (estimate{how}): {' + '.join(parts)} = {self.training / GB:.2f} GiB{load}{engine} "
                 f"({_count(self.params)} params, {_count(self.trainable)} trainable, {self.seqs} x "
                 f"{self.tokens}-token sequences per micro-batch)")
+def precision_bytes(precision: str, *, fsdp: bool = False, lora: bool = False) -> dict:
+    """`estimate`'s bytes per element by what a run of backend.precision (resolved: fp32, bf16 or fp64) holds in
+    which dtype. fp32: weights, gradients, AdamW's two moments, activations and the reference all fp32 (4 bytes).
+    bf16 under autocast (`fsdp` False): the master weights, gradients and AdamW stay fp32 (4, 4, 8 bytes a
+    parameter); the forward makes bf16 copies of every matmul weight, alive until the backward (2 a parameter
+    outside the embeddings); activations are bf16 (2; RMSNorm's and SDPA's fp32 parts as counted per token); a LoRA
+    base loads in bf16. The frozen reference is counted in fp32, an upper bound: the run holds its decoder's linear
+    weights in bf16 where it neither mixes in the policy nor is an adapter, and keeps fp32 where a check finds the
+    bf16 copy computes other log-probs. bf16 under FSDP2: the same fp32 states, the layers gathered in bf16, the
+    reference's decoder in bf16, no autocast copies. fp64: everything float64 (8)."""
+    if precision == "fp64":
+        return {"weight_bytes": 8.0, "activation_bytes": 8.0, "reference_bytes": None, "autocast": False,
+                "base_bytes": None}
+    if precision != "bf16":
+        return {"weight_bytes": 4.0, "activation_bytes": 4.0, "reference_bytes": None, "autocast": False,
+                "base_bytes": None}
+    return {"weight_bytes": 4.0, "activation_bytes": 2.0, "reference_bytes": 2.0 if fsdp else None,
+            "autocast": not fsdp, "base_bytes": 2.0 if lora and not fsdp else None}
+
+
 def size(nbytes: float) -> str:
     """Bytes for a message: GiB with one decimal, MiB below a tenth of a GiB."""
     return f"{nbytes / GB:.1f} GiB" if nbytes >= 0.1 * GB else f"{nbytes / 2**20:.1f} MiB"

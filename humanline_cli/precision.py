@@ -1,4 +1,4 @@
-"""`backend.precision=measured` on CPU: bf16 autocast where this CPU computes bf16 matmuls at least BF16_MIN_SPEEDUP
+"""`backend.precision=auto` on CPU: bf16 autocast where this CPU computes bf16 matmuls at least BF16_MIN_SPEEDUP
 times faster than fp32, fp32 elsewhere. Measured, not guessed from the CPU's name: a short GEMM probe at the model's
 shapes (its hidden and MLP widths, PROBE_TOKENS rows) in fp32 and bf16 on one thread, once per machine: the result
 is cached in `<world_cache>/precision/`, keyed by the CPU's model name, its flags, torch's version and the shapes.

@@ -44,7 +44,7 @@ class Schedule(StrEnum):
 
 
 class SaveDtype(StrEnum):
-    auto = "auto"  # bf16 when training computes in bf16 (backend.precision=bf16, or auto on CUDA), else fp32
+    auto = "auto"  # bf16 when training computes in bf16 (backend.precision resolved to bf16), else fp32
     fp32 = "fp32"
     bf16 = "bf16"
 
@@ -56,8 +56,7 @@ class Device(StrEnum):
 
 
 class Precision(StrEnum):
-    auto = "auto"
-    measured = "measured"  # auto, except on CPU: bf16 where a GEMM probe finds it fast (precision.py)
+    auto = "auto"  # bf16 on CUDA; on CPU bf16 where a GEMM probe finds it fast, else fp32 (precision.py)
     fp32 = "fp32"
     bf16 = "bf16"
     fp64 = "fp64"  # float64 weights and compute: numerical checks (two ways equal in exact arithmetic)
@@ -377,13 +376,13 @@ class ModelConfig:
 class BackendConfig:
     name: str = knob(MISSING, "the backend option's name")
     device: Device = knob(Device.auto, "auto (cuda when available) | cpu | cuda")
-    precision: Precision = knob(Precision.auto, "auto: fp32 on CPU, bf16 on CUDA | measured: bf16 on CUDA; on "
-                                                "CPU, bf16 where a GEMM probe at the model's shapes measures bf16 >= "
-                                                "1.5x fp32 (once per machine, cached in world_cache), else fp32 | "
-                                                "fp32 | bf16 (fp32 master weights and AdamW + bf16 autocast, or "
-                                                "FSDP2 mixed precision under fsdp; the LM head and log-softmax in "
-                                                "fp32) | fp64 (float64 weights, AdamW and log-probs: numerical "
-                                                "checks)")
+    precision: Optional[Precision] = knob(None, "null: the device's default, bf16 on CUDA and fp32 on CPU | auto: bf16 "
+                                                "on CUDA; on CPU, bf16 where a GEMM probe at the model's shapes "
+                                                "measures bf16 >= 1.5x fp32 (once per machine, cached in world_cache), "
+                                                "else fp32, the run's header saying why | fp32 | bf16 (fp32 master "
+                                                "weights and AdamW + bf16 autocast, or FSDP2 mixed precision under "
+                                                "fsdp; the LM head and log-softmax in fp32) | fp64 (float64 weights, "
+                                                "AdamW and log-probs: numerical checks)")
     strategy: Strategy = knob(Strategy.single, "single (one process) | ddp | fsdp (one rank per device; "
                                                "docs/scaling.md)")
     nproc: int = knob(1, "ranks the job starts (ddp, fsdp)")

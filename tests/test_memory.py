@@ -6,7 +6,7 @@ import pytest
 from transformers import LlamaConfig
 
 from humanline_cli.core.objectives import PROPERTIES
-from humanline_cli.memory import GB, check_fits, count_params, estimate, lora_params
+from humanline_cli.memory import GB, check_fits, count_params, estimate, lora_params, precision_bytes
 
 # Llama-3-8B's published architecture (no weights needed)
 LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -56,6 +56,45 @@ def test_bytes_per_component_are_the_trainers():
     assert fp32.activations - full.activations == 2 * (79_872 * 32 + 3 * 4096) * tokens  # the a-scaled terms double
     autocast = estimate(LLAMA3_8B, seqs_per_micro=8, max_length=2048, params=n, autocast=True)
     assert autocast.transient - full.transient == 2 * (n - 128256 * 4096)  # bf16 copies of the matmul weights
+
+
+# h 64, MLP 128, 4 heads of 16 (2 KV heads), 2 layers, vocab 1,000, untied
+SMALL = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("precision, want", [
+    # fp32: weights, gradients, AdamW (2 moments), the reference: 4 + 4 + 8 + 4 bytes a parameter; per token per
+    # layer 4 * (4*128 + 3*64 + 2*64 + 2*32) + 4 * (2*64 + 4 + 2) = 4,120, outside 4 * 3*64 + 4 * 2*64 = 1,280
+    ("fp32", dict(policy=4 * 202_048, grads=4 * 202_048, optimizer=8 * 202_048, reference=4 * 202_048,
+                  activations=(2 * 4_120 + 1_280) * 16, transient=4 * 16 * 1000 * 4)),
+    # bf16 autocast: fp32 master weights, gradients and AdamW, the reference counted fp32 (an upper bound);
+    # activations 2 * 896 + 536 = 2,328 a layer, 2 * 192 + 512 outside; transient: the fp32 logits' chunks + bf16
+    # copies of every weight but the embeddings (202,048 - 64,000)
+    ("bf16", dict(policy=4 * 202_048, grads=4 * 202_048, optimizer=8 * 202_048, reference=4 * 202_048,
+                  activations=(2 * 2_328 + 896) * 16, transient=4 * 16 * 1000 * 4 + 2 * (202_048 - 64_000))),
+    ("fp64", dict(policy=8 * 202_048, grads=8 * 202_048, optimizer=16 * 202_048, reference=8 * 202_048,
+                  activations=(2 * (8 * 896 + 536) + 8 * 192 + 512) * 16, transient=4 * 16 * 1000 * 8)),
+])
+def test_the_estimate_holds_each_precisions_dtypes(precision, want):
+    """Two sequences of 8 tokens on a 202,048-parameter model, by hand, in each backend.precision."""
+    assert count_params(SMALL) == 202_048  # 2 x 1,000 x 64 + 64 + 2 x (4,096 + 2 x 2,048 + 4,096 + 3 x 8,192 + 128)
+    est = estimate(SMALL, seqs_per_micro=2, max_length=8, **precision_bytes(precision))
+    assert {k: getattr(est, k) for k in want} == want
+    assert est.step_extra == want["grads"]  # AdamW foreach: one gradient-sized temporary
+    assert est.training == est.steady + max(est.activations + est.transient, est.step_extra)
+
+
+def test_precision_bytes_under_fsdp_and_lora():
+    """FSDP2 bf16: no autocast copies, the reference's decoder in bf16 (its root fp32: 2 * 73,984 + 4 * 128,064 on
+    the small model); a LoRA base under autocast loads in bf16."""
+    assert precision_bytes("bf16", fsdp=True) == {"weight_bytes": 4.0, "activation_bytes": 2.0,
+                                                  "reference_bytes": 2.0, "autocast": False, "base_bytes": None}
+    fsdp = estimate(SMALL, seqs_per_micro=2, max_length=8, strategy="fsdp", ranks=2, **precision_bytes("bf16", fsdp=True))
+    assert fsdp.reference == (2 * 73_984 + 4 * 128_064) / 2 and fsdp.optimizer == 8 * 202_048 / 2
+    assert precision_bytes("bf16", lora=True)["base_bytes"] == 2.0
+    assert precision_bytes("fp32") == {"weight_bytes": 4.0, "activation_bytes": 4.0, "reference_bytes": None,
+                                       "autocast": False, "base_bytes": None}
 
 
 def test_a_run_that_will_not_fit_says_so_in_one_line():

@@ -62,7 +62,14 @@ def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperatur
     from humanline_cli.backend import make_backend, seed_everything
     from humanline_cli.models import load_policy, load_tokenizer
     from humanline_cli.sampling.hf import HFSampler
-    from humanline_cli.train.build import build_evaluator, build_math500, make_encoder, prepare_model, prepare_world
+    from humanline_cli.train.build import (
+        build_evaluator,
+        build_math500,
+        make_encoder,
+        prepare_model,
+        prepare_world,
+        resolve_precision,
+    )
     from humanline_cli.train.lengths import check_model_lengths
 
     spec = _run_spec(run_dir, overrides)
@@ -76,6 +83,8 @@ def evaluate_pair(run_dir: Path, against: str, n_prompts: int | None, temperatur
         prepare_model(spec)  # a packaged model (model=smollm2), converted first if it is not cached
     b = spec.backend_cfg
     backend = make_backend(b.device.value, b.precision.value, spec.threads)
+    # auto on CPU: as the run chose (the cached probe at the trained model's shapes)
+    spec, backend = resolve_precision(spec, backend, str(backend.device), "single", str(run_dir / "model"))
     seed_everything(seed)
     trust = spec.model_cfg.trust_remote_code
     tok = load_tokenizer(str(run_dir / "model"), trust)

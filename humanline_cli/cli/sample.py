@@ -205,6 +205,7 @@ def run_sample(spec, out: Path, chunk: int, progress: bool = True) -> dict:
         prepare_model,
         prepare_world,
         resolve_path,
+        resolve_precision,
     )
     from humanline_cli.train.samplers import make_sampler, sampling_params
 
@@ -214,6 +215,7 @@ def run_sample(spec, out: Path, chunk: int, progress: bool = True) -> dict:
     seed_everything(spec.seed)
     prepare_world(spec, progress=progress)
     prepare_model(spec, progress=progress)
+    spec, backend = resolve_precision(spec, backend, str(backend.device), "single")  # auto on CPU: measured
     d, p = spec.data_cfg, spec.task_cfg.prompts
     rows, where = load_rows(resolve_path(d.prompts, spec), p.train_split, d.limit, p.columns, limit_key="data.limit")
     model_path, tok_path = model_paths(spec)

@@ -38,6 +38,15 @@ def _loadavg() -> str | None:
         return None
 
 
+def cpu_identity() -> dict:
+    """The CPU the constants hold for: its name and the flags that set its matmul rates (SIMD widths, bf16)."""
+    from humanline_cli.precision import cpu_info
+
+    name, flags = cpu_info()
+    return {"cpu": name, "cpu_flags": [f for f in flags if f.startswith(("avx", "amx", "fma", "sve", "asimd"))
+                                       or f == "bf16"]}
+
+
 def compose_online(overrides: list[str], extra: tuple[str, ...] = ()):
     spec = compose(overrides, extra)
     if spec.regime != "online":
@@ -231,7 +240,7 @@ def training_constants(overrides: list[str], steps: int) -> dict:
 
 
 def measure(overrides: list[str], console, steps: int, prompts: int) -> dict:
-    from humanline_cli.lab.predict import call_s
+    from humanline_cli.lab.predict import COPY_BYTES_PER_PARAM, call_s
     from humanline_cli.report.cost import Call
 
     load_before = _loadavg()
@@ -240,6 +249,7 @@ def measure(overrides: list[str], console, steps: int, prompts: int) -> dict:
     tr = training_constants(overrides, steps)
     console.print("[dim]constants: generation, labelling, push, sync[/]")
     with built(spec) as (parts, _, _):
+        precision, why = parts.backend.precision, parts.backend.why or None  # as the mini-runs resolved it
         src = parts.source
         # HF decodes fixed waves of batch_size rows; vLLM batches continuously (a call is one wave)
         concurrency = spec.sampler_cfg.batch_size if spec.sampler_cfg.name == "hf" else 10**9
@@ -258,7 +268,8 @@ def measure(overrides: list[str], console, steps: int, prompts: int) -> dict:
                  "sync_fixed_s": sync_s, "sync_bytes_per_s": math.inf, **{k: tr[k] for k in keys}, "gpus": 1}
     host = socket.gethostname()
     return {"target": "this", "estimated": False, "objective": spec.objective, "host": host, "cpus": os.cpu_count(),
-            "threads": spec.threads, "model": spec.model, "params": tr["params"], "bytes_per_param": 4,
+            **cpu_identity(), "threads": spec.threads, "model": spec.model, "params": tr["params"],
+            "precision": precision, "precision_why": why, "bytes_per_param": COPY_BYTES_PER_PARAM[precision],
             "source": f"measured by `python -m humanline_cli.lab.constants` on {host} at "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')} (loadavg {load_before})",
             "overrides": overrides, "inputs": {"prompts": prompts, "constant_steps": steps}, "constants": constants,
@@ -270,7 +281,8 @@ def measure(overrides: list[str], console, steps: int, prompts: int) -> dict:
 
 def print_constants(res: dict, console) -> None:
     c = res["constants"]
-    lines = [f"constants of this machine ({res['model']}, {res['params']} params, threads {res['threads']}); "
+    lines = [f"constants of this machine ({res['model']}, {res['params']} params, threads {res['threads']}, "
+             f"{res['precision']}{'; ' + res['precision_why'] if res['precision_why'] else ''}; {res['cpu']}); "
              f"loadavg before {res['loadavg_before']}, after {res['loadavg_after']}"]
     lines += [f"  {k:22s} " + (", ".join(f"{m:g} seq: {r:.4g} tok/s" for m, r in v) if k == "sample_curve" else f"{v:.6g}")
               for k, v in c.items()]
@@ -288,10 +300,9 @@ def pool_constants(sets: list[dict], names: list[str]) -> dict:
     for name, d in zip(names, sets):
         if "constants" not in d or d.get("target") != "this":
             raise UserError(f"--pool: {name} is not a constants file of `python -m humanline_cli.lab.constants`")
-        if (d.get("model"), d.get("threads"), d.get("overrides")) != (first.get("model"), first.get("threads"),
-                                                                     first.get("overrides")):
-            raise UserError(f"--pool: {name} was measured for another run than {names[0]} (model, threads or "
-                            f"overrides differ)")
+        if _run_of(d) != _run_of(first):
+            raise UserError(f"--pool: {name} was measured for another run than {names[0]} (model, threads, "
+                            f"precision or overrides differ)")
         # other inputs: the curves' sizes differ (a peak would be a smaller call's) and the spread means nothing
         if d.get("inputs") != first.get("inputs") or _sizes(d) != _sizes(first):
             raise UserError(f"--pool: {name} was measured with other inputs than {names[0]} ("
@@ -324,6 +335,11 @@ def pool_constants(sets: list[dict], names: list[str]) -> dict:
                       f"{first.get('host')} from {times[0] or '?'} to {times[-1] or '?'} ({', '.join(names)})",
             "constants": pooled, "spread": spread, "pooled_from": names,
             "loadavg": [[d.get("loadavg_before"), d.get("loadavg_after")] for d in sets]}
+
+
+def _run_of(d: dict) -> tuple:
+    """What a set was measured for; a set from before `precision` was recorded ran fp32 (the CPU's default)."""
+    return d.get("model"), d.get("threads"), d.get("precision", "fp32"), d.get("overrides")
 
 
 def _sizes(d: dict) -> list[int]:

@@ -19,6 +19,12 @@ import numpy as np
 
 from humanline_cli.report.cost import Call
 
+# W per parameter by the run's backend.precision: the bytes one push or sync writes, the copy's dtype. fp32: 4. bf16
+# (autocast over fp32 master weights and AdamW, which stay in the trainer and are never copied): the reference's
+# linear weights and a vLLM engine's are bf16, 2. fp64: 8. A machine's constants are measured in one precision
+# (its `precision`) and predict runs of that precision only: bf16's matmuls, casts and fp32 head make another step.
+COPY_BYTES_PER_PARAM = {"fp32": 4, "bf16": 2, "fp64": 8}
+
 
 @dataclass(frozen=True)
 class Target:

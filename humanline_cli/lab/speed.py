@@ -32,6 +32,7 @@ TIMED = ("sample", "push", "label", "train", "sync")
 SHOWN = ("sample", "train", "sync", "push", "label", "other", "wait_for_sample", "loop")
 MEASURED_COLUMNS = ("sample", "train", "sync", "other", "wait_for_sample", "loop")
 PREDICTED_COLUMNS = ("sample", "push", "train", "sync", "label", "loop")
+RAN_IN = {"float32": "fp32", "bfloat16": "bf16", "float64": "fp64"}  # summary.json's precision.compute
 CHECKED_SHARE = 0.05  # phases below this share of the measured loop are shown but not held to the tolerance
 
 
@@ -247,16 +248,21 @@ def markdown(rows: pd.DataFrame, notes: list[str], sources: dict) -> list[str]:
 
 
 def constants_mismatch(d: dict, run) -> str | None:
-    """How the run's resolved config differs from the setting a constants file was measured for (its `threads`
-    and its dotted `key=value` overrides the run's config also holds), or None when it does not."""
+    """How the run's resolved config differs from the setting a constants file was measured for (its `threads`,
+    its precision and its dotted `key=value` overrides the run's config also holds), or None when it does not."""
     import yaml
 
+    ran = RAN_IN.get(((run.summary or {}).get("precision") or {}).get("compute"))
+    measured_in = d.get("precision", "fp32")  # sets from before it was recorded were measured in fp32
+    if ran is not None and ran != measured_in:
+        return (f"it computed in {ran}, the constants were measured in {measured_in}: measure a {ran} set with "
+                f"backend.precision={ran} among the constants' overrides")
     cfg = run.config or {}
     checks = [("threads", d["threads"])] if "threads" in d else []
     for o in d.get("overrides") or ():
         key, sep, value = str(o).partition("=")
         key = key.lstrip("+~")
-        if sep and "." in key:
+        if sep and "." in key and key != "backend.precision":  # compared above by what each computed in
             try:
                 checks.append((key, yaml.safe_load(value)))
             except yaml.YAMLError:

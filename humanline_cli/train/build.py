@@ -395,12 +395,14 @@ def check_reference_cast(policy: torch.nn.Module, reference: torch.nn.Module, ba
                 ref[name].data = p.detach().clone()
 
 
-def resolve_precision(spec: RunSpec, backend: Backend, device: str, strategy: str) -> tuple[RunSpec, Backend]:
-    """backend.precision=measured on CPU, resolved by measuring (precision.choose: a GEMM probe at the model's shapes,
-    cached per machine in world_cache): the spec then names the precision chosen (bf16 or fp32, which the memory
-    estimate, a sampler process and the summary read) and the backend says why. Anything else: unchanged."""
+def resolve_precision(spec: RunSpec, backend: Backend, device: str, strategy: str,
+                      model_path: str | None = None) -> tuple[RunSpec, Backend]:
+    """backend.precision=auto on CPU, resolved by measuring (precision.choose: a GEMM probe at the shapes of the
+    model at `model_path`, default the run's start, cached per machine in world_cache): the spec then names the
+    precision chosen (bf16 or fp32, which the memory estimate, a sampler process and the summary read) and the
+    backend says why. Anything else: unchanged."""
     b = spec.backend_cfg
-    if b.precision.value != "measured" or backend.device.type != "cpu":
+    if b.precision.value != "auto" or backend.device.type != "cpu":
         return spec, backend
     from transformers import AutoConfig
 
@@ -408,7 +410,8 @@ def resolve_precision(spec: RunSpec, backend: Backend, device: str, strategy: st
     from humanline_cli.schema import Precision
 
     try:
-        config = AutoConfig.from_pretrained(model_paths(spec)[0], trust_remote_code=spec.model_cfg.trust_remote_code)
+        config = AutoConfig.from_pretrained(model_path or model_paths(spec)[0],
+                                            trust_remote_code=spec.model_cfg.trust_remote_code)
     except (OSError, ValueError):
         config = None  # load_policy reports the missing model in one line; the probe takes a 1,024-wide model's
     choice = choose(model_shapes(config), spec.world_cache)
@@ -418,9 +421,9 @@ def resolve_precision(spec: RunSpec, backend: Backend, device: str, strategy: st
 
 def agree_on_precision(spec: RunSpec, backend: Backend, device: str, strategy: str,
                        dist: Dist) -> tuple[RunSpec, Backend]:
-    """backend.precision=measured on CPU, on every rank alike: rank 0 resolves it first (measuring and caching the
+    """backend.precision=auto on CPU, on every rank alike: rank 0 resolves it first (measuring and caching the
     probe where this machine has none), then the other ranks read its cached choice: every rank runs one precision."""
-    if spec.backend_cfg.precision.value != "measured" or backend.device.type != "cpu":
+    if spec.backend_cfg.precision.value != "auto" or backend.device.type != "cpu":
         return spec, backend
     if dist.is_main:
         spec, backend = resolve_precision(spec, backend, device, strategy)

@@ -109,7 +109,7 @@ def run_summary(spec: RunSpec, parts, timer: PhaseTimer, last: dict, resumed: in
         "tokens_per_s": {"train": last.get("tokens_per_s"),
                          "sample": parts.source.sample_tokens_per_s()},
         "memory_gib": peak_memory(parts),
-        # what the steps computed in (backend.precision=measured resolves per machine) and, where measured, why
+        # what the steps computed in (backend.precision=auto on CPU resolves per machine) and, where measured, why
         "precision": {"compute": str(parts.backend.autocast_dtype or parts.backend.param_dtype
                                      or parts.backend.weights_dtype).removeprefix("torch."),
                       "why": parts.backend.why or None},

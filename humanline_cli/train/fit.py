@@ -24,6 +24,7 @@ from humanline_cli.memory import (
     estimate,
     host_available_bytes,
     largest_fitting,
+    precision_bytes,
     release_freed,
     size,
 )
@@ -168,8 +169,9 @@ def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int, 
         return None  # load_policy reports the missing model in one line
     b = spec.backend_cfg
     fsdp = b.strategy.value == "fsdp" and b.nproc > 1
-    bf16 = b.precision.value == "bf16" or (b.precision.value in ("auto", "measured") and device.type == "cuda")
-    weight_bytes = 8.0 if b.precision.value == "fp64" else 4.0
+    bf16 = b.precision.value == "bf16" or (b.precision.value == "auto" and device.type == "cuda")
+    held = precision_bytes("bf16" if bf16 else b.precision.value, fsdp=fsdp, lora=spec.model_cfg.lora.r > 0)
+    weight_bytes = held["weight_bytes"]
     vllm = spec.regime == "online" and spec.sampler_cfg.name == "vllm"
     ev = spec.eval_cfg
     evaluating = evaluates(spec.judge_cfg, spec.task_cfg) or bool(ev.math500.prompts)
@@ -184,11 +186,7 @@ def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int, 
                  strategy=b.strategy.value,
                  ranks=b.nproc if b.strategy.value != "single" else 1,
                  gradient_checkpointing=spec.train.gradient_checkpointing, params=n,
-                 # bf16 under FSDP2: the frozen reference is kept in bf16 (build_parts)
-                 reference_bytes=2.0 if fsdp and bf16 else None, weight_bytes=weight_bytes,
-                 activation_bytes=2.0 if bf16 else weight_bytes, autocast=bf16 and not fsdp,
-                 # a LoRA base under bf16 autocast loads in bf16 (policy_load_dtype)
-                 base_bytes=2.0 if bf16 and not fsdp and spec.model_cfg.lora.r > 0 else None,
+                 **held,
                  loading="sharded" if fsdp and spec.model_cfg.lora.r == 0 and not spec.model_cfg.trust_remote_code
                  and loadable else "full", reward_bytes=_reward_bytes(spec, rank) + start_copy_bytes(spec, n, weight_bytes)
                  + behaviour_bytes(behaviour, model_path, spec.model_cfg.trust_remote_code, weight_bytes),

@@ -48,12 +48,12 @@ def vllm_options(spec: RunSpec, call_sequences: int | None = None) -> dict:
 def engine_dtype(spec: RunSpec) -> str:
     """The vLLM engine's dtype: the trainer's compute precision, so the sampler's log-probs differ from the trainer's
     only by kernels (the drift/* metrics), never by a precision the trainer does not use: bfloat16 where training
-    computes in bf16 (backend.precision bf16, auto or measured on CUDA; `measured` on CPU is resolved by then),
+    computes in bf16 (backend.precision bf16, or auto on CUDA; `auto` on CPU is resolved by then, measured),
     else float32 (vLLM has no float64: fp64 runs sample in float32)."""
     p = spec.backend_cfg.precision.value
     cuda = spec.backend_cfg.device.value == "cuda" or (spec.backend_cfg.device.value == "auto"
                                                        and torch.cuda.is_available())
-    return "bfloat16" if p == "bf16" or (p in ("auto", "measured") and cuda) else "float32"
+    return "bfloat16" if p == "bf16" or (p == "auto" and cuda) else "float32"
 
 
 def engine_call_sequences(spec: RunSpec) -> int | None:

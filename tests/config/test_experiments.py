@@ -108,6 +108,8 @@ def test_every_sweep_point_composes_and_validates(name):
             assert (c.train.steps, c.train.batch_size, c.data_cfg.prompts_per_round) == (10, 4, prompts)
     if name.startswith("smollm2_fair_"):  # GRPO online and stale_once, humanline on both in the study
         grid = {("grpo", "online", False)} | ({("grpo", "online", True)} if name.endswith("study") else set())
+    if name == "smollm2_precision_check":  # plain online GRPO in two precisions
+        grid = {("grpo", "online", False)}
     if name.startswith("laptop_pilot_headroom") or name.startswith("laptop_headroom"):  # GRPO, stale rounds
         grid = {("grpo", "online", False), ("grpo", "online", True)}
     if name == "laptop_headroom_frontier_sync":  # the frontier below K=16 with humanline syncing once per round
@@ -246,3 +248,21 @@ def test_fair_smollm2_pilot_and_study_are_registered_as_results_md_says():
     assert 48 // authors.sync_every == 3
     assert (hl["hl_stale_once_sync1_open"].clamp, hl["hl_stale_once_sync1_open"].sync) == (False, True)
     assert (hl["hl_online"].clamp, hl["hl_online"].sync, hl["online"].clamp, hl["online"].sync) == (True, True, False, False)
+
+
+def test_smollm2_precision_check_is_the_fair_pilots_online_setting_in_two_precisions():
+    """6 runs: pilot seeds 100-102 x backend.precision fp32, auto (seed-major), plain online at lr 3e-6, the fair
+    pilot's setting otherwise, each run in a dir named by its precision and seed."""
+    pilot, _ = _sweep_points("smollm2_fair_pilot")
+    check, points = _sweep_points("smollm2_precision_check")
+    assert points == [[f"seed={s}", f"backend.precision={p}", "regime=online"] for s in (100, 101, 102)
+                      for p in ("fp32", "auto")]
+    assert len(points) == check.regime_study_size == 6
+    for key in ("task", "data", "eval", "model", "objective", "sampler", "threads"):  # the pilot's setting
+        assert OmegaConf.select(check, key) == OmegaConf.select(pilot, key), key
+    assert {**check.train, "lr": 0} == {**pilot.train, "lr": 0} and check.train.lr == 3e-6
+    assert OmegaConf.to_container(check.hydra.sweep)["subdir"] == "${backend.precision}_seed${seed}"
+    specs = {p: resolve(_compose(["experiment=smollm2_precision_check", "regime=online", f"backend.precision={p}"]))
+             for p in ("fp32", "auto")}
+    assert {p: (s.regime, s.humanline_on, s.train.lr, s.backend_cfg.precision.value) for p, s in specs.items()} == {
+        "fp32": ("online", False, 3e-6, "fp32"), "auto": ("online", False, 3e-6, "auto")}

@@ -14,6 +14,7 @@ import pytest
 
 from humanline_cli.lab.constants import fit_line, other_line, sampler_target
 from humanline_cli.lab.predict import call_s
+from humanline_cli.precision import cpu_info
 from humanline_cli.report.cost import Call
 from tests.helpers.cli import TINY_WORLD
 
@@ -34,6 +35,9 @@ def test_constants_follow_from_the_recorded_timings(tmp_path):
     c = d["constants"]
     assert d["target"] == "this" and d["estimated"] is False and d["model"] == "tiny" and d["threads"] == 1
     assert d["loadavg_before"] and d["loadavg_after"]
+    # the precision it was measured in (the default: fp32 on CPU), its copies' bytes, and the CPU it holds for
+    assert (d["precision"], d["precision_why"], d["bytes_per_param"]) == ("fp32", None, 4)
+    assert d["cpu"] == cpu_info()[0] and set(d["cpu_flags"]) <= set(cpu_info()[1])
     calls = d["detail"]["generation"]["calls"]
     # 1, then 16 / 64, / 16 (both raised to 2 prompts, kept once), / 4 and 16 prompts, x 8 samples
     assert [x["sequences"] for x in calls] == [8 * s for s in (1, 2, 4, 16)]

@@ -225,6 +225,10 @@ def test_pooling_refuses_sets_of_another_run(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "b.json was measured for another run" in err[0] and not out.exists()
     assert constants_main(["--pool", str(a), "--out", str(out)]) == 2 and not out.exists()
+    b.write_text(json.dumps({**CONSTANTS, "threads": 1, "overrides": ["experiment=x"], "precision": "bf16"}))
+    assert constants_main(["--pool", f"{a},{b}", "--out", str(out)]) == 2  # a: measured before precision, in fp32
+    assert "b.json was measured for another run than a.json (model, threads, precision or overrides differ)" in \
+        capsys.readouterr().err and not out.exists()
 
 
 def _constants_set(tmp_path, name, curve, inputs=None, hour=0):
@@ -278,3 +282,34 @@ def test_target_constants_of_another_setting_leave_the_run_out_with_a_note(tmp_p
     assert speed_main([str(root), "--target", str(cfile)]) == 0
     assert ("online_seed0 (train.steps=4, the constants' 8), online_seed1 (threads=2, the constants' 1)"
             in (root / "predicted.md").read_text())
+
+
+def test_constants_predict_runs_of_their_own_precision_only(tmp_path):
+    """A bf16 run is not predicted from constants measured in fp32 (a set without `precision` was measured in fp32),
+    nor an fp32 run from a bf16 set, each left out in one line; a bf16 set's syncs copy 2 bytes a parameter."""
+    root = tmp_path / "sweep"
+    wall = {"total": 60.0, "setup": 10.0, "eval": 5.0, "save": 1.0, "sample": 5.0, "label": 0.1, "train": 30.0,
+            "sync": 0.5, "push": 0.0}
+    for seed, compute in ((0, "bfloat16"), (1, "float32")):
+        d = _run(root, "online", seed, rounds=[[2, 3, 1, 2]], tokens_per_step=[100] * 4, wall=wall)
+        summary = json.loads((d / "summary.json").read_text())
+        (d / "summary.json").write_text(json.dumps({**summary, "precision": {"compute": compute, "why": None}}))
+    cfile = tmp_path / "constants.json"
+    cfile.write_text(json.dumps(CONSTANTS))
+    assert speed_main([str(root), "--target", str(cfile)]) == 0
+    assert ("1 complete run(s) left out, measured for another setting than the constants file's: online_seed0 (it "
+            "computed in bf16, the constants were measured in fp32: measure a bf16 set with backend.precision=bf16 "
+            "among the constants' overrides)") in (root / "predicted.md").read_text()
+    cfg = yaml.safe_load((root / "online_seed0" / ".hydra" / "config.yaml").read_text())
+    (root / "online_seed0" / ".hydra" / "config.yaml").write_text(yaml.safe_dump({**cfg, "backend": {"precision": "auto"}}))
+    bf16 = json.loads(json.dumps(CONSTANTS))  # measured with backend.precision=bf16, the run's auto computed in bf16
+    bf16.update(precision="bf16", bytes_per_param=2, overrides=["backend.precision=bf16"])
+    bf16["constants"]["sync_bytes_per_s"] = 1000.0
+    cfile.write_text(json.dumps(bf16))
+    assert speed_main([str(root), "--target", str(cfile)]) == 0
+    with open(root / "predicted.csv") as f:
+        rows = {r["phase"]: r for r in csv.DictReader(f)}
+    assert rows["sync"]["n_runs"] == "1"  # seed 0 only
+    # one round, one sync: 0.2 s fixed + 2 bytes x 1,000 parameters at 1,000 bytes/s
+    assert float(rows["sync"]["predicted_s"]) == pytest.approx(0.2 + 2.0, rel=1e-12)
+    assert "online_seed1 (it computed in fp32, the constants were measured in bf16" in (root / "predicted.md").read_text()

@@ -13,9 +13,10 @@ from humanline_cli.train.samplers import vllm_options
     (["backend=cpu", "backend.precision=bf16"], "bfloat16"),
     (["backend=cpu", "backend.precision=fp32"], "float32"),
     (["backend=cpu", "backend.precision=fp64"], "float32"),
-    (["backend=cpu", "backend.precision=auto"], "float32"),  # auto: fp32 on CPU
+    (["backend=cpu", "backend.precision=null"], "float32"),  # null: the device's default, fp32 on CPU
     (["backend=cuda"], "bfloat16"),  # cuda.yaml: bf16 autocast
     (["backend=cuda", "backend.precision=auto"], "bfloat16"),
+    (["backend=cuda", "backend.precision=null"], "bfloat16"),
     (["backend=cuda", "backend.precision=fp32"], "float32"),
 ])
 def test_the_engine_dtype_is_the_trainers_precision(backend, want):
