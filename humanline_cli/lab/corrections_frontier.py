@@ -2,9 +2,9 @@
 (objective, K = data.generate_every, correction) the last step's greedy and sampled accuracy with 95% t-intervals
 over seeds; paired differences between corrections at each K (by seed: the mean, its 95% t-interval and the
 two-sided paired-t p); the steps and the loop wall-clock seconds (report/frame.loop_seconds: setup, evaluation and
-saving left out; a seed's step to the target read on its loop clock, linear between logged train rows: loop_clock)
-to a target per cell, greedy and sampled; and the frontier plot (accuracy at the last step against
-K, one line per correction, a row of greedy and sampled panels per objective). The GRPO grid and the DPO/KTO pairs
+saving left out; a seed's step to the target read on its loop clock, linear between logged train rows:
+report/frame.clocks) to a target per cell, greedy and sampled; and the frontier plot (accuracy at the last step
+against K, one line per correction, a row of greedy and sampled panels per objective). The GRPO grid and the DPO/KTO pairs
 study (objective x K x correction) read alike.
 
 The target is the report's matched-quality rule (report/gap_closed.gain_target) on the K=1 `none` runs (plain
@@ -31,11 +31,11 @@ import pandas as pd
 
 from humanline_cli.errors import UserError
 from humanline_cli.mdtable import md_table
-from humanline_cli.report.frame import LEFT_OUT, ci_text, column, curve, load, loop_seconds, num, run_points, seconds
+from humanline_cli.report.frame import ci_text, clocks, column, curve, load, loop_seconds, run_points
 from humanline_cli.report.gap_closed import gain_target, km_to, time_to
 from humanline_cli.report.plots import save_figure
 from humanline_cli.report.stats import km_median, mean_ci, paired_t
-from humanline_cli.report.study_csv import clock_steps, materialise
+from humanline_cli.report.study_csv import materialise
 
 METRICS = {"greedy": "eval.greedy.accuracy", "sampled": "eval.sampled.accuracy"}
 CURVES = {"greedy": "greedy accuracy", "sampled": "sampled accuracy"}  # report/frame.CURVE's names
@@ -108,7 +108,7 @@ def time_rows(c: pd.DataFrame, metric: str = "greedy") -> list[dict]:
     for obj, g in c.groupby("objective", sort=True):
         pts = {i: run_points(r["summary"], r["metrics"]) for i, r in g.iterrows()}
         steps = {i: curve(p, CURVES[metric], "step") for i, p in pts.items()}
-        clocks = {i: loop_clock(g.at[i, "summary"], g.at[i, "metrics"]) for i in pts}
+        loops = {i: clocks(g.at[i, "summary"], g.at[i, "metrics"])["loop_s"] for i in pts}
         online = [steps[i] for i in g[(g.K == 1) & (g.L == 0) & (g.correction == "none")].index if steps[i]]
         if not online:
             continue
@@ -119,7 +119,7 @@ def time_rows(c: pd.DataFrame, metric: str = "greedy") -> list[dict]:
                 kv[0][0], kv[0][1], _ordered(g.correction).index(kv[0][2]))):
             runs = [i for i in rs.index if steps[i]]
             st, secs = km_to([steps[i] for i in runs], target), km_seconds([steps[i] for i in runs],
-                                                                             [clocks[i] for i in runs], target)
+                                                                             [loops[i] for i in runs], target)
             # fewer than half reached it: no median in either unit (seconds' censoring times vary with the
             # machine's load, so their Kaplan-Meier median can exist where the steps' cannot)
             half = 2 * st["reached"] >= st["n"]
@@ -128,23 +128,6 @@ def time_rows(c: pd.DataFrame, metric: str = "greedy") -> list[dict]:
                          "steps": st["median"] if half else None, "seconds": secs if half else None,
                          "loop_s": float(rs["summary"].map(loop_seconds).mean()), "evals": grid, "every": every})
     return rows
-
-
-def loop_clock(summary: dict, metrics: list[dict]) -> tuple[list[float], list[float]]:
-    """The training loop's seconds against the step, ([steps], [loop seconds]), to interpolate linearly: 0 at step
-    0, the wall_s less the LEFT_OUT phases so far of the train rows logged at and around each evaluation (the
-    ones a study CSV keeps, study_csv.clock_steps, so its runs read the same), the summary's loop seconds at the
-    end. Train rows come every train.log_every steps, which need not fall on an evaluation's step (log 10,
-    evaluate 32), where report/frame.run_points has no seconds."""
-    known, kept = {0: 0.0}, clock_steps(metrics)
-    for r in metrics:
-        if "time/train" in r and r.get("step") in kept and num(r.get("wall_s")) is not None:
-            times = {k.removeprefix("time/"): v for k, v in r.items() if k.startswith("time/")}
-            known[int(r["step"])] = float(r["wall_s"]) - seconds(times, LEFT_OUT)
-    if summary.get("wall_clock_s") and summary.get("steps"):
-        known[int(summary["steps"])] = loop_seconds(summary)
-    at = sorted(known)
-    return [float(x) for x in at], [known[x] for x in at]
 
 
 def km_seconds(curves: list, clocks: list, target: float) -> float | None:

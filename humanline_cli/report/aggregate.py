@@ -20,7 +20,8 @@ from humanline_cli.errors import ArgumentParser, UserError, finite_float
 from humanline_cli.mdtable import md_table
 from humanline_cli.report import async_lag, correction_contrasts, cost, gap_closed, matched, study_csv
 from humanline_cli.report.frame import MARKERS, column, find_run_dirs, frame, load_run, num, write_csv
-from humanline_cli.report.groups import DEFAULT_IGNORE, GROUP_COLUMNS, collapse_duplicates, label, parse_ignore, under
+from humanline_cli.report.groups import (DEFAULT_IGNORE, GROUP_COLUMNS, collapse_duplicates, label, parse_ignore,
+                                         plain, under)
 from humanline_cli.report.plots import FAMILIES, log_to_wandb, make_plots, order
 from humanline_cli.report.regimes import regime_gap_rows, with_regimes
 from humanline_cli.report.stats import win_rate_ci
@@ -83,8 +84,12 @@ def aggregate(runs: pd.DataFrame, groups: pd.DataFrame) -> pd.DataFrame:
     cells.loc[~verifier, ["accuracy_mean", "accuracy_std"]] = None
     sig = cells.sig.map(str)
     online = cells[cells.family == "online"]
+    # each set's plain online group: correction=none where several differ in the correction
+    online = online.loc[[i for _, g in online.groupby(sig[online.index], sort=False)
+                         for i, keep in zip(g.index, plain(g.cfg)) if keep]]
     on_wall = sig.map(online.groupby(sig[online.index]).wall_clock_s.agg(lambda w: w.iloc[0] if len(w) == 1 else None))
-    on_wall = on_wall.where(cells.family != "online", cells.wall_clock_s).astype(float)
+    # an online group without one baseline (two sampler settings) is its own
+    on_wall = on_wall.where(on_wall.notna() | (cells.family != "online"), cells.wall_clock_s).astype(float)
     members = [runs.loc[m].sort_values("seed", key=lambda s: s.map(str)) for m in cells.members]
     cells = cells.assign(n_seeds=[len(m) for m in members], metric=verifier.map({True: "accuracy", False: "judge reward"}),
                          seeds=[m.seed.tolist() for m in members],
@@ -146,7 +151,8 @@ def grouping_note(ignore) -> str:
             f"humanline is off{extra}. Keys that differ between groups are extra columns (or a label above a "
             "cell's numbers when they belong to the data regime / humanline subtrees). Speedup = wall-clock of the "
             "one online group whose config is identical except for `data`, `humanline`, `hl`, `sampler`, `reward` "
-            "and `correction`, divided by this group's; n/a when there is no such group (or more than one). Run dirs "
+            "and `correction`, divided by this group's (where several such differ in `correction`, the one with "
+            "correction=none); n/a when there is no such group (or more than one). Run dirs "
             "without `.hydra/config.yaml` are grouped by their summary.json labels (task, objective, data, humanline).")
 
 

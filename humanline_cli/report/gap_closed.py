@@ -11,7 +11,7 @@ import pandas as pd
 
 from humanline_cli.mdtable import md_table
 from humanline_cli.report.frame import METRICS, WORK, ci_text, column, common_metric, curve, points, read_jsonl, seconds
-from humanline_cli.report.groups import comparison_sets, differing_keys, hl_settings
+from humanline_cli.report.groups import comparison_sets, differing_keys, hl_settings, plain
 from humanline_cli.report.plots import save_figure
 from humanline_cli.report.stats import equivalence, fieller, km_median, mean_ci, paired_t, prompt_bootstrap
 
@@ -117,13 +117,10 @@ def _comparisons(fams: dict) -> list[tuple]:
 
 
 def _plain(family: str, groups: pd.DataFrame) -> pd.DataFrame:
-    """A data regime's groups that differ in the stale-data correction (correction=tis beside none) are compared
-    here by their plain one, correction=none (report/correction_contrasts.py compares the corrections); humanline's
-    families and a lone group stay as they are."""
-    if len(groups) < 2 or family.startswith("humanline-"):
-        return groups
-    kinds = [(c or {}).get("correction.kind", "none") for c in groups.cfg]
-    return groups[[k == "none" for k in kinds]] if len(set(kinds)) > 1 else groups
+    """A data regime's groups that differ in the stale-data correction are compared here by their plain one
+    (groups.plain: correction=none; report/correction_contrasts.py compares the corrections); humanline's families
+    stay as they are."""
+    return groups if family.startswith("humanline-") else groups[plain(groups.cfg)]
 
 
 def _col(*parts: str) -> str:

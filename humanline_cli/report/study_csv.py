@@ -18,7 +18,7 @@ import yaml
 
 from humanline_cli.errors import UserError
 from humanline_cli.report.cost import calls_of
-from humanline_cli.report.frame import CURVE, find_run_dirs, load_run, read_jsonl
+from humanline_cli.report.frame import CURVE, clock_steps, find_run_dirs, load_run, read_jsonl
 from humanline_cli.report.gap_closed import SAMPLES
 from humanline_cli.report.groups import canon, comparable_config, under
 from humanline_cli.report.regimes import listed_regimes, regime_of
@@ -60,21 +60,10 @@ def kept_keys(configs: list[dict]) -> set[str]:
     return kept
 
 
-def clock_steps(rows: list[dict]) -> set:
-    """The steps whose train rows (wall_s, phase clocks) a study CSV keeps: every evaluation's and, for an
-    evaluation whose step has no train row (train.log_every need not fall on it), the train rows logged last
-    before and first after it."""
-    evals = {r["step"] for r in rows if "step" in r and any(k in r for k in EVAL_KEYS)}
-    logged = sorted({r["step"] for r in rows if "time/train" in r and isinstance(r.get("step"), (int, float))})
-    around = {s for e in evals - set(logged) for s in (max((x for x in logged if x < e), default=None),
-                                                       min((x for x in logged if x > e), default=None)) if s is not None}
-    return evals | around
-
-
 def _metrics_rows(rows: list[dict]) -> list[dict]:
     """The evaluation rows (step, wall_s, scores), the train rows (wall_s and phase clocks) of clock_steps (the
-    loop's seconds at an evaluation between two logged steps: lab/corrections_frontier.loop_clock) and the last
-    logged step: what run_points and an incomplete run's reason read."""
+    clocks at an evaluation between two logged steps: frame.clocks) and the last logged step: what run_points and
+    an incomplete run's reason read."""
     evals = [{k: r[k] for k in ("step", "wall_s", *EVAL_KEYS) if k in r} for r in rows
              if "step" in r and any(k in r for k in EVAL_KEYS)]
     steps = {r["step"] for r in evals}

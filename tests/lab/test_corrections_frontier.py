@@ -11,14 +11,13 @@ import pytest
 from humanline_cli.lab.corrections_frontier import (
     cells,
     frontier_rows,
-    loop_clock,
     main,
     paired,
     paired_rows,
     series,
     time_rows,
 )
-from humanline_cli.report.frame import load
+from humanline_cli.report.frame import clocks, load
 from tests.helpers.runs import config, run_dir
 
 T1 = 12.706204736174698  # t(0.975, 1)
@@ -192,7 +191,7 @@ def test_loop_seconds_at_an_evaluation_between_two_train_rows():
     metrics = [{"step": 30, "time/train": 50.0, "time/setup": 10.0, "wall_s": 70.0},
                {"step": 32, "eval/greedy/accuracy": 0.5, "wall_s": 90.0},
                {"step": 40, "time/train": 65.0, "time/setup": 10.0, "time/eval": 5.0, "wall_s": 95.0}]
-    clock = loop_clock(summary, metrics)
+    clock = clocks(summary, metrics)["loop_s"]
     assert clock == ([0.0, 30.0, 40.0, 64.0], [0.0, 60.0, 80.0, 130.0])
     assert np.interp(32, *clock) == pytest.approx(64.0)
 
