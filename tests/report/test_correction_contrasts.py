@@ -93,3 +93,43 @@ def test_the_gap_section_compares_each_stale_k_plain_group(tmp_path):
     assert [(g["set"], g["metric"], g["n_seeds"]) for g in gaps] == [("stale-64", "greedy accuracy", "3")]
     assert float(gaps[0]["gap_closed"]) == pytest.approx(0.7, abs=5e-6)
     assert float(gaps[0]["gap"]) == pytest.approx(0.30, abs=5e-6)
+
+
+# the mean wall-clock seconds of each (K, correction) group, every seed alike
+WALLS = {(1, "none"): 60.0, (1, "tis"): 80.0, (64, "none"): 30.0, (64, "humanline"): 40.0, (64, "tis"): 50.0,
+         (64, "decoupled"): 24.0}
+
+
+def test_the_cell_table_and_matched_quality_take_online_none_as_the_baseline(tmp_path):
+    """online holds two groups (correction none and tis): both read online's correction=none group as the
+    baseline, the one the gap section compares with."""
+    root = _sweep(tmp_path / "sweep")
+    for d in root.glob("K*_*/grpo_seed*"):
+        k, kind = d.parent.name.removeprefix("K").split("_")
+        s = json.loads((d / "summary.json").read_text())
+        s["steps"], s["wall_clock_s"] = 64, {"total": WALLS[(int(k), kind)]}
+        (d / "summary.json").write_text(json.dumps(s))
+    rep = build_report(root)
+    # speedup vs online = online none's 60 s / the group's
+    speed = {(c["family"], c["label"].split(",")[0]): c["speedup_vs_online"] for c in rep.cells.to_dict("records")}
+    assert speed == pytest.approx({("online", "correction.kind=none"): 1.0, ("online", "correction.kind=tis"): 0.75,
+                                   ("stale-64", "correction.kind=none"): 2.0, ("stale-64", "correction.kind=tis"): 1.2,
+                                   ("stale-64", "correction.kind=decoupled"): 2.5,
+                                   ("humanline-stale-64", "correction.kind=humanline"): 1.5})
+    assert "n/a vs online" not in rep.markdown and "30.0 s (2.00x vs online)" in rep.markdown
+    # matched quality, no mid-run evaluation: each curve runs straight from (step 0, 0 s, 0.28) to (step 64, the
+    # run's seconds, its final greedy accuracy). Target 0.28 + 0.9 x (0.62 - 0.28) = 0.586, reached at the share
+    # 0.306 / (final - 0.28) of the run: online none 0.60, 0.62, 0.64 at 57.375, 54, 51 s (of 60): median 54 s,
+    # step 64 x 0.306 / 0.34 = 57.6; online tis 0.61, 0.60 at 74.18, 76.5 s (of 80): median 80 x 0.306 / 0.33 =
+    # 74.18 s, step 59.35: speedup 54 / 74.18 = 0.73x, at equal steps 60 / 80 = 0.75x; stale-64 none never
+    # reaches it (0.30, 0.34, 0.32)
+    section = rep.markdown.partition("## Speedup at matched quality\n")[2].split("\n## ", 1)[0]
+    assert "greedy accuracy 0.586 (start 0.28 + 0.9 x (online's mean final 0.62 - start))" in section
+    rows = {x.split(" | ")[2]: x for x in section.splitlines() if x.startswith("| arithmetic | grpo | ")}
+    assert rows["online (correction.kind=none, data.generate_every=1)"].endswith(
+        "| 3 of 3 | 57.6 | 54.0 | 1.00x | 1.00x |")
+    assert rows["online (correction.kind=tis, data.generate_every=1)"].endswith(
+        "| 2 of 2 | 59.3 | 74.2 | 0.73x | 0.75x |")
+    assert rows["stale-64 (correction.kind=none, data.generate_every=64)"].endswith(
+        "| 0 of 3 (not reached: 3) | – | – | – | 2.00x |")
+    assert len(rows) == 6
