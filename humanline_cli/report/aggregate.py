@@ -20,8 +20,7 @@ from humanline_cli.errors import ArgumentParser, UserError, finite_float
 from humanline_cli.mdtable import md_table
 from humanline_cli.report import async_lag, correction_contrasts, cost, gap_closed, matched, study_csv
 from humanline_cli.report.frame import MARKERS, column, find_run_dirs, frame, load_run, num, write_csv
-from humanline_cli.report.groups import (DEFAULT_IGNORE, GROUP_COLUMNS, collapse_duplicates, label, parse_ignore,
-                                         plain, under)
+from humanline_cli.report.groups import DEFAULT_IGNORE, GROUP_COLUMNS, collapse_duplicates, label, parse_ignore, plain, under
 from humanline_cli.report.plots import FAMILIES, log_to_wandb, make_plots, order
 from humanline_cli.report.regimes import regime_gap_rows, with_regimes
 from humanline_cli.report.stats import win_rate_ci
