@@ -54,11 +54,13 @@ def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
 
 def km_to(curves: list, target: float) -> dict:
     """How many curves reach `target` and the Kaplan-Meier median time to it, a curve short of it censored at
-    its last point."""
+    its last point. No median where fewer than half reached it: in seconds the runs that never reach it can end
+    before one that does (a faster machine, not a worse run), and Kaplan-Meier would then place the median at the
+    one crossing that was seen."""
     times = [time_to(c, target) for c in curves]
     hit = [t is not None for t in times]
-    return {"median": km_median([c[-1][0] if t is None else t for c, t in zip(curves, times)], hit),
-            "reached": sum(hit), "n": len(hit)}
+    median = km_median([c[-1][0] if t is None else t for c, t in zip(curves, times)], hit)
+    return {"median": median if 2 * sum(hit) >= len(hit) else None, "reached": sum(hit), "n": len(hit)}
 
 
 # the share of online's mean gain over the start that a matched-quality target asks for

@@ -274,3 +274,16 @@ def test_bar_chart_turns_horizontal_for_many_regimes(tmp_path):
     bar_chart([f"grpo\nr{i}" for i in range(21)], [(0.02 * i, None, None) for i in range(21)], many)
     (fw, fh), (mw, mh) = size(few), size(many)
     assert fw > fh and mh > mw  # one column per bar for a few, one row per bar for many
+
+
+def test_no_median_time_to_target_where_fewer_than_half_reach_it():
+    from humanline_cli.report.gap_closed import km_to
+
+    # one seed of three crosses 0.5 at t = 10 + 10 x (0.5 - 0.4) / (0.6 - 0.4) = 15; the other two end short of it
+    # earlier (t = 8 and 12): Kaplan-Meier's survival falls from 1 to 0 at 15 (one seed still at risk), so it would
+    # give 15 as the median though one seed in three reached the target
+    curves = [[(0, 0.1), (10, 0.4), (20, 0.6)], [(0, 0.1), (8, 0.45)], [(0, 0.1), (12, 0.3)]]
+    assert km_to(curves, 0.5) == {"median": None, "reached": 1, "n": 3}
+    # two of three: the median is the Kaplan-Meier one (crossings at 15 and 5; the third censored at 12)
+    two = [curves[0], [(0, 0.1), (10, 0.9)], curves[2]]
+    assert km_to(two, 0.5) == {"median": 15.0, "reached": 2, "n": 3}
