@@ -29,6 +29,7 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -168,10 +169,35 @@ def _ratio(rows: dict, a: str, b: str, key: str = "units_per_s"):
     return rows[a][key] / rows[b][key] if a in rows and b in rows else None
 
 
+@dataclass
+class BenchPlan:
+    """What a bench measures: the plain spec (online: one round per step), the project rows' specs by key, the
+    systems in the order each repeat runs them, and the note on TRL's rows."""
+    plain: object
+    specs: dict
+    names: list[str]
+    note: str | None
+
+
+@dataclass
+class MatmulPeak:
+    """The matmul of the model's MLP shape on the first run's micro-batch, at its best over every run's
+    measurement (a busy moment only lowers one), in the steps' dtype and, for a bf16 run, in fp32 too."""
+    shape: tuple
+    dtype: torch.dtype
+    best: float
+    fp32: float | None
+
+
 def run_bench(opts: dict, overrides: list[str], console) -> dict:
+    plan = plan_bench(opts, overrides)
+    runs, info, note, peak = measure(plan, opts, console)
+    return bench_result(plan, opts, runs, info, note, peak)
+
+
+def plan_bench(opts: dict, overrides: list[str]) -> BenchPlan:
     plain = compose_spec(overrides, opts, humanline=False, extra=("train.reference_cache=false",))
     online = plain.regime == "online"
-    objective = plain.objective
     if online:  # one round of batch_size prompts per step, as TRL generates one batch per step
         specs = {"plain": compose_spec(overrides, opts, False, ("data.generate_every=1", "train.checkpoint_every=0"))}
         plain = specs["plain"]
@@ -184,17 +210,24 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
         own_data = trl_runs.peer(plain).row is not None
         names += ["trl"] + ["trl_cached"] * (opts["cache"] and own_data and not online)
         note = None if online or own_data else GRPO_NOTE
-    runs: dict[str, list[Run]] = {name: [] for name in names}
+    return BenchPlan(plain, specs, names, note)
+
+
+def measure(plan: BenchPlan, opts: dict, console) -> tuple[dict[str, list[Run]], dict, str | None, MatmulPeak]:
+    """Every system's runs, interleaved repeat by repeat, the model's facts (info), the note on TRL's rows and
+    the matmul peak measured after every run."""
+    plain, online = plan.plain, plan.plain.regime == "online"
+    runs: dict[str, list[Run]] = {name: [] for name in plan.names}
     info: dict = {}
-    peaks, fp32_peaks = [], []
+    note, peaks, fp32_peaks = plan.note, [], []
     for r in range(opts["repeats"]):
         for name in list(runs):
-            console.print(f"[dim]bench {objective}: run {r + 1}/{opts['repeats']} {name}[/]")
+            console.print(f"[dim]bench {plain.objective}: run {r + 1}/{opts['repeats']} {name}[/]")
             gc.collect()  # the previous run's models go before the next run builds its own
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
             try:
-                runs[name].append(_one_run(name, specs, opts["warmup"], info))
+                runs[name].append(_one_run(name, plan.specs, opts["warmup"], info))
             except Exception as e:  # noqa: BLE001 - TRL's vLLM colocate mode may not run on this machine
                 if not (online and name == "trl" and plain.sampler_cfg.name == "vllm"):
                     raise
@@ -209,20 +242,25 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
             peaks.append(matmul_peak(*shape, info["backend"].device, dtype))  # after every run
             if dtype != torch.float32:  # a bf16 run: the fp32 peak beside it, what the same step reaches in fp32
                 fp32_peaks.append(matmul_peak(*shape, info["backend"].device, torch.float32))
-    peak = max(peaks)  # a busy moment only lowers a measurement, so the best is the machine's peak
-    fp32_peak = max(fp32_peaks, default=None)
-    rows = {name: summarise(name, rs, info["matmul_params"], peak, fp32_peak) for name, rs in runs.items()}
+    return runs, info, note, MatmulPeak(shape, dtype, max(peaks), max(fp32_peaks, default=None))
+
+
+def bench_result(plan: BenchPlan, opts: dict, runs: dict[str, list[Run]], info: dict, note: str | None,
+                 peak: MatmulPeak) -> dict:
+    """The bench's JSON: the setting, the machine, each system's row and the ratios between them."""
+    plain = plan.plain
+    rows = {name: summarise(name, rs, info["matmul_params"], peak.best, peak.fp32) for name, rs in runs.items()}
     backend = info["backend"]
     result = {
-        "objective": objective, "unit": PROPERTIES[objective].unit, "task": plain.task, "model": plain.model,
+        "objective": plain.objective, "unit": PROPERTIES[plain.objective].unit, "task": plain.task, "model": plain.model,
         "regime": plain.regime, "batch_size": plain.train.batch_size, "micro_batch_size": info["micro_batch_size"],
         "max_length": plain.train.max_length, "steps": opts["steps"], "warmup": opts["warmup"],
         "repeats": opts["repeats"], "threads": torch.get_num_threads(), "device": backend.device.type,
         "precision": _precision(backend),
         "params": info["params"], "matmul_params": info["matmul_params"],
-        "matmul_peak": {"m": shape[0], "k": shape[1], "n": shape[2], "dtype": str(dtype).removeprefix("torch."),
-                        "flops_per_s": peak},
-        "fp32_matmul_peak": fp32_peak,  # a bf16 run's: the fp32 peak of the same shape (rows' mfu_fp32)
+        "matmul_peak": {"m": peak.shape[0], "k": peak.shape[1], "n": peak.shape[2],
+                        "dtype": str(peak.dtype).removeprefix("torch."), "flops_per_s": peak.best},
+        "fp32_matmul_peak": peak.fp32,  # a bf16 run's: the fp32 peak of the same shape (rows' mfu_fp32)
         "precision_why": backend.why,
         "rows": rows,
         "humanline_overhead": _ratio(rows, "project_humanline", "project", "step_s"),
@@ -230,7 +268,7 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
         "trl_steps_ratio": _ratio(rows, "project", "trl", "steps_per_s"),
         "cache_speedup": _ratio(rows, "project", "project_cached", "step_s"),
         "trl_cached_ratio": _ratio(rows, "project_cached", "trl_cached"), "trl_note": note, "versions": _versions()}
-    if online:
+    if plain.regime == "online":
         d = plain.data_cfg
         result["online"] = {"sampler": plain.sampler_cfg.name, "n": d.n, "prompts_per_step": plain.train.batch_size,
                             "max_new_tokens": d.max_new_tokens, "temperature": d.temperature, "lr": plain.train.lr,
@@ -239,7 +277,7 @@ def run_bench(opts: dict, overrides: list[str], console) -> dict:
         result["sampler"] = sampler_bench(plain, info, opts["prompts"])
         for got in result["sampler"].values():  # decoding: a forward of 2 P FLOPs per generated token
             if isinstance(got, dict) and "tokens_per_s" in got:
-                got["mfu"] = 2 * info["matmul_params"] * got["tokens_per_s"] / peak
+                got["mfu"] = 2 * info["matmul_params"] * got["tokens_per_s"] / peak.best
     return result
 
 

@@ -18,9 +18,9 @@ import pandas as pd
 from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.errors import ArgumentParser, UserError, finite_float
 from humanline_cli.mdtable import md_table
-from humanline_cli.report import async_lag, cost, gap_closed, matched, study_csv
+from humanline_cli.report import async_lag, correction_contrasts, cost, gap_closed, matched, study_csv
 from humanline_cli.report.frame import MARKERS, column, find_run_dirs, frame, load_run, num, write_csv
-from humanline_cli.report.groups import DEFAULT_IGNORE, GROUP_COLUMNS, collapse_duplicates, label, parse_ignore, under
+from humanline_cli.report.groups import DEFAULT_IGNORE, GROUP_COLUMNS, collapse_duplicates, label, parse_ignore, plain, under
 from humanline_cli.report.plots import FAMILIES, log_to_wandb, make_plots, order
 from humanline_cli.report.regimes import regime_gap_rows, with_regimes
 from humanline_cli.report.stats import win_rate_ci
@@ -83,8 +83,12 @@ def aggregate(runs: pd.DataFrame, groups: pd.DataFrame) -> pd.DataFrame:
     cells.loc[~verifier, ["accuracy_mean", "accuracy_std"]] = None
     sig = cells.sig.map(str)
     online = cells[cells.family == "online"]
+    # each set's plain online group: correction=none where several differ in the correction
+    online = online.loc[[i for _, g in online.groupby(sig[online.index], sort=False)
+                         for i, keep in zip(g.index, plain(g.cfg)) if keep]]
     on_wall = sig.map(online.groupby(sig[online.index]).wall_clock_s.agg(lambda w: w.iloc[0] if len(w) == 1 else None))
-    on_wall = on_wall.where(cells.family != "online", cells.wall_clock_s).astype(float)
+    # an online group without one baseline (two sampler settings) is its own
+    on_wall = on_wall.where(on_wall.notna() | (cells.family != "online"), cells.wall_clock_s).astype(float)
     members = [runs.loc[m].sort_values("seed", key=lambda s: s.map(str)) for m in cells.members]
     cells = cells.assign(n_seeds=[len(m) for m in members], metric=verifier.map({True: "accuracy", False: "judge reward"}),
                          seeds=[m.seed.tolist() for m in members],
@@ -146,7 +150,8 @@ def grouping_note(ignore) -> str:
             f"humanline is off{extra}. Keys that differ between groups are extra columns (or a label above a "
             "cell's numbers when they belong to the data regime / humanline subtrees). Speedup = wall-clock of the "
             "one online group whose config is identical except for `data`, `humanline`, `hl`, `sampler`, `reward` "
-            "and `correction`, divided by this group's; n/a when there is no such group (or more than one). Run dirs "
+            "and `correction`, divided by this group's (where several such differ in `correction`, the one with "
+            "correction=none); n/a when there is no such group (or more than one). Run dirs "
             "without `.hydra/config.yaml` are grouped by their summary.json labels (task, objective, data, humanline).")
 
 
@@ -243,6 +248,12 @@ def build_report(root: Path, out_dir: Path | None = None, wandb_mode: str | None
         files["gap_closed.png"] = out_dir / "gap_closed.png"
         md += "\n![gap closed](gap_closed.png)\n"
     md += "\n## Paired differences\n\n" + "\n".join(gap_closed.paired_markdown(gaps, margin))
+    (out_dir / "corrections.csv").unlink(missing_ok=True)  # never an earlier report's table
+    # only sweeps over correction=tis|mis|decoupled|trdpo get the section
+    between = correction_contrasts.correction_rows(complete, ignore)
+    if len(between):
+        table("corrections.csv", between, 6)
+        md += "\n## Paired differences between corrections\n\n" + "\n".join(correction_contrasts.markdown(between))
     table("cost.csv", costs := cost.cost_rows(complete), 8)
     md += "\n## Generation cost at matched training units\n\n" + "\n".join(cost.markdown(costs)) + "\n"
     mrows = matched.matched_rows(complete, accuracy)
@@ -296,8 +307,8 @@ def print_report(rep: Report, console=None) -> None:
         console.print(f"skipped {name}: {why}")
     for k in rep.unused_ignores:
         console.print(f"warning: --ignore {k} matched no key of any complete run's config", highlight=False)
-    for section in ("Gap closed by humanline-offline", "Paired differences", "Speedup at matched quality",
-                    "Code versions"):
+    for section in ("Gap closed by humanline-offline", "Paired differences", "Paired differences between corrections",
+                    "Speedup at matched quality", "Code versions"):
         text = rep.markdown.partition(f"## {section}\n")[2].split("\n## ", 1)[0].strip()  # the section's body
         if text:
             console.print(f"{section}\n{text}", highlight=False, markup=False, soft_wrap=True)

@@ -210,19 +210,72 @@ def get(tree: dict, dotted: str):
     return tree
 
 
+def clock_steps(rows: list[dict]) -> set:
+    """The steps whose train rows (wall_s, phase clocks) clocks reads and a study CSV keeps: every evaluation's
+    and, for an evaluation whose step has no train row (train.log_every need not fall on it), the train rows
+    logged last before and first after it."""
+    evals = {r["step"] for r in rows if "step" in r and any(key in r for key, _ in CURVE.values())}
+    logged = sorted({r["step"] for r in rows if "time/train" in r and isinstance(r.get("step"), (int, float))})
+    around = {s for e in evals - set(logged) for s in (max((x for x in logged if x < e), default=None),
+                                                       min((x for x in logged if x > e), default=None)) if s is not None}
+    return evals | around
+
+
+def _phases(row: dict) -> dict:
+    return {k.removeprefix("time/"): v for k, v in row.items() if k.startswith("time/")}
+
+
+def clocks(summary: dict, metrics: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
+    """A run's `work_s` (WORK phases so far) and `loop_s` (wall_s less the LEFT_OUT phases so far) against the
+    step, each ([steps], [seconds]) to interpolate linearly (at_step): 0 at step 0, the train rows of clock_steps
+    (those at and around each evaluation, what a study CSV keeps, so its runs read the same), the summary's at
+    its last step. Train rows come every train.log_every steps, which need not fall on an evaluation's step (log
+    every 10, evaluate every 32)."""
+    known: dict[str, dict] = {"work_s": {0: 0.0}, "loop_s": {0: 0.0}}
+    kept = clock_steps(metrics)
+    for r in metrics:
+        if "time/train" in r and r.get("step") in kept:
+            times, step = _phases(r), int(r["step"])
+            known["work_s"][step] = seconds(times, WORK)
+            if num(r.get("wall_s")) is not None:
+                known["loop_s"][step] = float(r["wall_s"]) - seconds(times, LEFT_OUT)
+    if summary.get("wall_clock_s") and summary.get("steps"):
+        end = int(summary["steps"])
+        known["work_s"][end], known["loop_s"][end] = seconds(summary["wall_clock_s"], WORK), loop_seconds(summary)
+    return {name: ([float(x) for x in sorted(at)], [at[x] for x in sorted(at)]) for name, at in known.items()}
+
+
+def at_step(step: float, steps: list[float], values: list[float]) -> float | None:
+    """A clock of `clocks` at `step`: its value there, linear between the two around it, None outside them (an
+    incomplete run past its last logged train row)."""
+    for i, x in enumerate(steps):
+        if x == step:
+            return values[i]
+        if x > step:
+            return None if i == 0 else values[i - 1] + (values[i] - values[i - 1]) * (step - steps[i - 1]) / (
+                x - steps[i - 1])
+    return None
+
+
 def run_points(summary: dict, metrics: list[dict]) -> pd.DataFrame:
     """One run's evaluation points in long format, a row per point and recorded score: `point` (start at step 0
     and 0 s, every mid-run evaluation, final), `step`, `wall_s`, `work_s` (WORK phases so far) and `loop_s`
-    (wall-clock less LEFT_OUT), a mid point's from the train row of its step, then `metric` (of CURVE), `value`."""
+    (wall-clock less LEFT_OUT), a mid point's from the train row of its step, where train.log_every put none
+    there from the run's clocks (linear between the train rows around it), then `metric` (of CURVE), `value`."""
     w = summary.get("wall_clock_s") or {}
     rows = [("start", 0, 0.0, 0.0, 0.0, {n: 0.5 if key is None else get(summary, key) for n, (_, key) in CURVE.items()})]
     train = {r["step"]: r for r in metrics if "time/train" in r}
+    clock = None
     for r in metrics:
         if "step" in r and any(num(r.get(key)) is not None for key, _ in CURVE.values()):
-            t = train.get(r["step"]) or {}
-            times, loop = {k.removeprefix("time/"): v for k, v in t.items() if k.startswith("time/")}, num(t.get("wall_s"))
-            rows.append(("mid", r["step"], num(r.get("wall_s")), seconds(times, WORK) if t else None,
-                         None if loop is None else loop - seconds(times, LEFT_OUT),
+            t = train.get(r["step"])
+            if t is not None:
+                loop = num(t.get("wall_s"))
+                work, loop = seconds(_phases(t), WORK), None if loop is None else loop - seconds(_phases(t), LEFT_OUT)
+            else:
+                clock = clock or clocks(summary, metrics)
+                work, loop = (at_step(r["step"], *clock[name]) for name in ("work_s", "loop_s"))
+            rows.append(("mid", r["step"], num(r.get("wall_s")), work, loop,
                          {n: r.get(key) for n, (key, _) in CURVE.items()}))
     rows.append(("final", int(summary.get("steps") or 0), num(w.get("total")), seconds(w, WORK),
                  loop_seconds(summary) if w else None, {n: get(summary, key) for n, key in FINAL.items()}))

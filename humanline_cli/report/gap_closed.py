@@ -11,7 +11,7 @@ import pandas as pd
 
 from humanline_cli.mdtable import md_table
 from humanline_cli.report.frame import METRICS, WORK, ci_text, column, common_metric, curve, points, read_jsonl, seconds
-from humanline_cli.report.groups import comparison_sets, differing_keys, hl_settings
+from humanline_cli.report.groups import comparison_sets, differing_keys, hl_settings, plain
 from humanline_cli.report.plots import save_figure
 from humanline_cli.report.stats import equivalence, fieller, km_median, mean_ci, paired_t, prompt_bootstrap
 
@@ -90,7 +90,7 @@ def gap_rows(runs: pd.DataFrame, ignore=(), margin: float | None = None) -> pd.D
     each paired contrast's (paired_columns); with `margin`, the equivalence columns of gap_frame."""
     pts, rows = points(runs), []
     for task, objective, set_label, members in comparison_sets(runs, ignore):
-        fams = dict(list(members.groupby("family", sort=False)))
+        fams = {f: _plain(f, g) for f, g in members.groupby("family", sort=False)}
         for base, hl_group, hl_label in _comparisons(fams):
             groups = {"offline": fams[base].iloc[0], "online": fams["online"].iloc[0], "humanline-offline": hl_group}
             arms = pd.concat([runs.loc[g.members].assign(arm=arm) for arm, g in groups.items()])
@@ -114,6 +114,13 @@ def _comparisons(fams: dict) -> list[tuple]:
         differ = differing_keys([hl_settings(g) for g in hls.itertuples()]) if len(hls) > 1 else set()
         out += [(base, g, ", ".join(f"{k}={(g.cfg or {}).get(k)}" for k in sorted(differ))) for g in hls.itertuples()]
     return out
+
+
+def _plain(family: str, groups: pd.DataFrame) -> pd.DataFrame:
+    """A data regime's groups that differ in the stale-data correction are compared here by their plain one
+    (groups.plain: correction=none; report/correction_contrasts.py compares the corrections); humanline's families
+    stay as they are."""
+    return groups if family.startswith("humanline-") else groups[plain(groups.cfg)]
 
 
 def _col(*parts: str) -> str:

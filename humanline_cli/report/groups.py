@@ -116,6 +116,14 @@ def hl_settings(g) -> tuple:
     return tuple(sorted((k, str(v)) for k, v in (g.cfg or {}).items() if k.startswith("hl.")))
 
 
+def plain(cfgs) -> list[bool]:
+    """Of groups that share one data regime (their comparable configs, None without one), which are its plain one,
+    the baseline its comparisons read: where they differ in the stale-data correction (correction=tis beside
+    none), those with correction=none; else all of them."""
+    kinds = [(c or {}).get("correction.kind", "none") for c in cfgs]
+    return [k == "none" for k in kinds] if len(set(kinds)) > 1 else [True] * len(kinds)
+
+
 def differing_keys(signatures: list) -> set:
     dicts = [dict(s) for s in signatures if s is not None]
     keys = {k for d in dicts for k in d}

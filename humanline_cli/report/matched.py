@@ -14,6 +14,7 @@ import pandas as pd
 from humanline_cli.mdtable import md_frame
 from humanline_cli.report.frame import curve, loop_seconds, metric_of, run_points
 from humanline_cli.report.gap_closed import TARGET_GAIN, gain_target, km_to
+from humanline_cli.report.groups import plain
 
 
 def km_medians(curves: list, target: float) -> dict:
@@ -23,30 +24,41 @@ def km_medians(curves: list, target: float) -> dict:
     return {"reached": steps["reached"], "n": len(curves), "steps": steps["median"], "seconds": secs["median"]}
 
 
+def baseline(runs: pd.DataFrame) -> str | None:
+    """The regime the others are matched against: `online`, else the plain one (groups.plain: correction=none
+    where they differ in it) of the online family's regimes, where that is one regime."""
+    if (runs.regime == "online").any():
+        return "online"
+    online = runs[runs.family == "online"]
+    names = set(online.regime[plain(online.config)])
+    return names.pop() if len(names) == 1 else None
+
+
 ROW = ("task", "objective", "regime", "metric", "target", "target_note", "seeds", "reached", "ended", "steps", "loop_s",
        "steps_to", "seconds", "speedup", "equal_step_speedup")
 
 
 def matched_rows(runs: pd.DataFrame, accuracy: float | None = None) -> pd.DataFrame:
-    """Per (task, objective) with online runs, one row per regime (`regime`), in first-seen order; `seeds`
-    counts a seed's last run."""
+    """Per (task, objective) with online runs (the baseline regime), one row per regime (`regime`), in first-seen
+    order; `seeds` counts a seed's last run."""
     rows = []
     runs = runs.assign(loop=runs["summary"].map(loop_seconds))
     for (task, obj), tr in runs.groupby(["task", "objective"], sort=False):
-        online = tr[tr.regime == "online"]
+        base = baseline(tr)
+        online = tr[tr.regime == base]
         metric = metric_of(online.iloc[0]["summary"]) if len(online) else "none"
         if metric == "none":
             continue
         tr = tr[~tr.duplicated(["regime", "seed"], keep="last")]
         curves = {name: [curve(run_points(r.summary, r.metrics), metric, "step", "loop_s") for r in rs.itertuples()]
                   for name, rs in tr.groupby("regime", sort=False)}
-        if not any(curves["online"]):
+        if not any(curves[base]):
             continue
-        start, final, gained = gain_target(curves["online"])
+        start, final, gained = gain_target(curves[base])
         target, note = (accuracy, "named (--accuracy)") if accuracy is not None else (
             gained, f"start {start:.4g} + {TARGET_GAIN:g} x (online's mean final "
                                                    f"{final:.4g} - start)")
-        on_med = km_medians(curves["online"], target)["seconds"]
+        on_med = km_medians(curves[base], target)["seconds"]
         on_loop = online["loop"].mean()
         for name, rs in tr.groupby("regime", sort=False):
             med, loop = km_medians(curves[name], target), rs["loop"].mean()

@@ -18,7 +18,7 @@ import yaml
 
 from humanline_cli.errors import UserError
 from humanline_cli.report.cost import calls_of
-from humanline_cli.report.frame import CURVE, find_run_dirs, load_run, read_jsonl
+from humanline_cli.report.frame import CURVE, clock_steps, find_run_dirs, load_run, read_jsonl
 from humanline_cli.report.gap_closed import SAMPLES
 from humanline_cli.report.groups import canon, comparable_config, under
 from humanline_cli.report.regimes import listed_regimes, regime_of
@@ -61,13 +61,14 @@ def kept_keys(configs: list[dict]) -> set[str]:
 
 
 def _metrics_rows(rows: list[dict]) -> list[dict]:
-    """The evaluation rows (step, wall_s, scores), the train rows of their steps (wall_s and phase clocks) and the
-    last logged step: what run_points and an incomplete run's reason read."""
+    """The evaluation rows (step, wall_s, scores), the train rows (wall_s and phase clocks) of clock_steps (the
+    clocks at an evaluation between two logged steps: frame.clocks) and the last logged step: what run_points and
+    an incomplete run's reason read."""
     evals = [{k: r[k] for k in ("step", "wall_s", *EVAL_KEYS) if k in r} for r in rows
              if "step" in r and any(k in r for k in EVAL_KEYS)]
     steps = {r["step"] for r in evals}
     train = [{k: v for k, v in r.items() if k in ("step", "wall_s") or k.startswith("time/")} for r in rows
-             if r.get("step") in steps and "time/train" in r]
+             if r.get("step") in clock_steps(rows) and "time/train" in r]
     last = max((r["step"] for r in rows if isinstance(r.get("step"), (int, float))), default=None)
     tail = [{"step": last}] if last is not None and last not in steps else []
     return train + evals + tail

@@ -106,6 +106,12 @@ def prepare_model(spec: RunSpec, progress: bool = True) -> Path | None:
     return None if name is None else materialise(name, Path(spec.world_cache).expanduser(), progress=progress)
 
 
+def behaviour_of(spec: RunSpec) -> str | None:
+    """The model that generated a run's offline data, where its correction weighs tokens by that policy's
+    log-probs (train/behaviour.py); None for any other run."""
+    return behaviour_model_path(spec, resolve_path(spec.data_cfg.path, spec)) if needs_behaviour(spec) else None
+
+
 def resolve_path(path: str, spec: RunSpec) -> str:
     """Turn world://NAME into a real path inside the bundled world (built by `prepare_world`); a relative
     path the user gave is relative to where they typed the command (`spec.cwd`), also when
@@ -489,7 +495,11 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     seed_everything(spec.seed)  # a world built just now drew from the RNGs: LoRA's init must not depend on it
     model_path, tok_path = model_paths(spec)
     check_model_lengths(spec, model_path)  # config.json only: before any data or weight loads
-    spec, memory = fit_memory(spec, model_path, backend.device, Shard(dist.rank, dist.world_size))
+    # offline data under tis/mis/decoupled: the model that generated it (train/behaviour.py), refused in one line
+    # where the data does not say; before the fit, which counts it where it loads beside the policy
+    behaviour_path = behaviour_of(spec)
+    spec, memory = fit_memory(spec, model_path, backend.device, Shard(dist.rank, dist.world_size),
+                              behaviour=behaviour_path)
     rss_before = rss_bytes()  # what the run's own memory is measured from (the interpreter and imports are not)
     trust = spec.model_cfg.trust_remote_code
     tokenizer = load_tokenizer(tok_path, trust)
@@ -498,12 +508,9 @@ def build_parts(spec: RunSpec, timer, run_dir: Path) -> Parts:
     shard = Shard(dist.rank, dist.world_size)
     math500 = build_math500(spec, encoder, shard=shard)  # before any weights: a bad file fails fast
     reward_models: dict = {}  # a labeller and a judge naming one reward model share it
-    behaviour_path = None  # offline data under tis/mis/decoupled: the model that generated it (train/behaviour.py)
     match spec.regime:
         case "offline":
             source = _offline_source(spec, encoder, collate, shard)
-            if needs_behaviour(spec):
-                behaviour_path = behaviour_model_path(spec, resolve_path(spec.data_cfg.path, spec))
             evaluator = build_evaluator(spec, encoder, backend.device, shard=shard, loaded=reward_models)
             # after the data: bad data fails fast
             policy, sharded = _load_policy(spec, model_path, backend, strategy)

@@ -19,7 +19,7 @@ from humanline_cli.core.objectives import PROPERTIES
 from humanline_cli.errors import UserError
 from humanline_cli.machine import Allocation, Machine, check_launch, parse_profile, ranks_per_node
 from humanline_cli.memory import MemoryEstimate
-from humanline_cli.train.build import model_paths, prepare_model, prepare_world
+from humanline_cli.train.build import behaviour_of, model_paths, prepare_model, prepare_world
 from humanline_cli.train.fit import fit_memory
 from humanline_cli.train.lengths import check_model_lengths
 
@@ -65,7 +65,8 @@ def plan(spec: RunSpec, allocation: Allocation = Allocation()) -> Plan:
     prepare_model(spec, progress=False)
     model_path, _ = model_paths(spec)
     check_model_lengths(spec, model_path)
-    fitted, est = fit_memory(spec, model_path, torch.device("cuda"), machine=machine, fetched=True)
+    fitted, est = fit_memory(spec, model_path, torch.device("cuda"), machine=machine, fetched=True,
+                             behaviour=behaviour_of(spec))
     if est is None:
         raise UserError(f"backend.profile: the model's config cannot be read from {model_path} (config.json): the dry "
                         f"run sizes the run from it")

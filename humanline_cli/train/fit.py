@@ -49,18 +49,19 @@ VLLM_ASLEEP = 2.0 * 1024**3
 
 
 def fit_memory(spec: RunSpec, model_path: str, device: torch.device, shard: Shard = Shard(),
-               machine: Machine | None = None, fetched: bool = False) -> tuple[RunSpec, MemoryEstimate | None]:
+               machine: Machine | None = None, fetched: bool = False,
+               behaviour: str | None = None) -> tuple[RunSpec, MemoryEstimate | None]:
     """The run's micro-batch and its estimate, before any weight loads. train.micro_batch_size=auto: the largest
     divisor of each rank's share whose estimate fits 90% of this device (device_memory: `machine`'s where given),
     the smallest over the ranks, so that every rank trains the same split; the header says what was chosen. A size
     set by hand, or an evaluation batch, that does not fit stops here in one line naming the estimate, the memory
-    and a size that fits. `fetched`: see _estimator.
+    and a size that fits. `fetched`, `behaviour`: see _estimator.
 
     A CUDA vLLM engine that sleeps (sampler.sleep, level 2) gives back its weights and KV cache while the policy
     trains: training has the GPU less what a sleeping engine keeps (VLLM_ASLEEP), and the engine's whole share
     counts when it generates (rounds, evaluation), beside the steady state and the weight push."""
     tr = spec.train
-    estimate_for = _estimator(spec, model_path, device, shard.rank, fetched)
+    estimate_for = _estimator(spec, model_path, device, shard.rank, fetched, behaviour)
     if estimate_for is None:
         return spec, None
     est = estimate_for(tr.micro_batch_size)
@@ -134,11 +135,12 @@ def _refuse_micro(spec: RunSpec, estimate_for, est: MemoryEstimate, fits, auto: 
                     f"train.micro_batch_size={fitting} fits ({size(max(fit.training, fit.loading))})")
 
 
-def memory_estimate(spec: RunSpec, model_path: str, device: torch.device, rank: int = 0, micro: int | None = None):
+def memory_estimate(spec: RunSpec, model_path: str, device: torch.device, rank: int = 0, micro: int | None = None,
+                    behaviour: str | None = None):
     """This rank's device memory for a micro-batch of `micro` units (default the spec's), from the model's config
-    before any weight loads (the reward models it loads and its evaluation included); None where the config
-    cannot be read. On CUDA a run that will not fit stops here with one line."""
-    estimate_for = _estimator(spec, model_path, device, rank)
+    before any weight loads (the reward models it loads and its evaluation included; `behaviour`: see
+    _estimator); None where the config cannot be read. On CUDA a run that will not fit stops here with one line."""
+    estimate_for = _estimator(spec, model_path, device, rank, behaviour=behaviour)
     est = None if estimate_for is None else estimate_for(spec.train.micro_batch_size if micro is None else micro)
     if est is not None and device.type == "cuda":
         total, share = device_memory(spec, device, est.params, est.sampler)
@@ -149,11 +151,14 @@ def memory_estimate(spec: RunSpec, model_path: str, device: torch.device, rank: 
     return est
 
 
-def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int, fetched: bool = False):
+def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int, fetched: bool = False,
+               behaviour: str | None = None):
     """This rank's estimate as a function of the micro-batch (units), or None where the model's config cannot be
     read. What does not depend on the micro-batch (the config, the parameter count on the meta device, the reward
     models' bytes, the loading mode) is found once, however many sizes fit_memory tries. `fetched`: a hub id counts
-    as fetched (its snapshot cached, so FSDP2 loads it sharded), as it is once build_parts reaches the fit."""
+    as fetched (its snapshot cached, so FSDP2 loads it sharded), as it is once build_parts reaches the fit.
+    `behaviour`: the model that generated the offline data a correction weighs tokens by (build.behaviour_of),
+    counted with the frozen models beside the policy (behaviour_bytes)."""
     from transformers import AutoConfig
 
     from humanline_cli.memory import count_params
@@ -183,7 +188,8 @@ def _estimator(spec: RunSpec, model_path: str, device: torch.device, rank: int, 
                  gradient_checkpointing=spec.train.gradient_checkpointing, params=n,
                  **held,
                  loading="sharded" if fsdp and spec.model_cfg.lora.r == 0 and not spec.model_cfg.trust_remote_code
-                 and loadable else "full", reward_bytes=_reward_bytes(spec, rank) + start_copy_bytes(spec, n, weight_bytes),
+                 and loadable else "full", reward_bytes=_reward_bytes(spec, rank) + start_copy_bytes(spec, n, weight_bytes)
+                 + behaviour_bytes(behaviour, model_path, spec.model_cfg.trust_remote_code, weight_bytes),
                  eval_batch=eval_batch(ev) if hf_eval else 0, eval_prompt_tokens=spec.train.max_prompt_length,
                  eval_new_tokens=eval_new_tokens(ev, evaluating), eval_gathers=hf_gathers, push_gathers=fsdp and vllm,
                  sampler=_vllm_cpu_bytes(spec, n, config) if vllm and device.type != "cuda" else 0.0)
@@ -234,6 +240,26 @@ def start_copy_bytes(spec: RunSpec, params: int, weight_bytes: float) -> float:
     ev = spec.eval_cfg
     wanted = (ev.kl_to_start or ev.model_judge) and evaluates(spec.judge_cfg, spec.task_cfg)
     return weight_bytes * params if wanted else 0.0
+
+
+def behaviour_bytes(behaviour: str | None, model_path: str, trust: bool, weight_bytes: float) -> float:
+    """The behaviour policy of offline data under tis/mis/decoupled (train/behaviour.build_behaviour): a model other
+    than the run's starting one loads whole, frozen, in the weights' dtype, and lives from before training to the
+    end, like a reward model; none where the starting policy generated the data (the fixed reference serves its
+    log-probs) or the run has no behaviour policy. Its per-sequence log-prob cache is left out (a float a token)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from humanline_cli.memory import count_params
+
+    if behaviour is None or Path(behaviour).resolve() == Path(model_path).resolve():
+        return 0.0
+    try:
+        config = AutoConfig.from_pretrained(behaviour, trust_remote_code=trust)
+    except (OSError, ValueError):
+        return 0.0  # load_policy reports an unreadable model in one line
+    return weight_bytes * count_params(config)
 
 
 def _reward_bytes(spec: RunSpec, rank: int) -> float:

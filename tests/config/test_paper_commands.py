@@ -237,9 +237,10 @@ def test_a_profile_that_names_no_card_is_refused_in_one_line():
 def test_sampler_hf_composes_with_every_experiment(name):
     """The sampler's keys live in conf/sampler/*.yaml: no experiment file sets a vLLM-only key, so
     `sampler=hf` composes (and validates, online included) with each of them."""
-    # paper_math, the frontier with sync K and the smollm2 studies are online only (their stale rounds are
+    # paper_math, the frontier with sync K, the async corrections and the smollm2 studies are online only (their stale rounds are
     # data.generate_every on online data; the chat task has no offline file)
-    online_only = name in ("paper_math", "laptop_headroom_frontier_sync") or name.startswith("smollm2")
+    online_only = name in ("paper_math", "laptop_headroom_frontier_sync", "laptop_corrections_async") or \
+        name.startswith("smollm2")
     for regime in ("online",) if online_only else ("offline", "online"):
         with initialize_config_module(config_module="conf", version_base="1.3"):
             cfg = compose("train", overrides=[f"experiment={name}", "sampler=hf", f"data={regime}"])

@@ -92,3 +92,54 @@ def test_default_matched_target_is_a_share_of_online_gain(tmp_path):
         "| arithmetic | grpo | online | 2 of 3 (not reached: 1) | 15.9 | 31.8 | 1.00x | 1.00x |")
     assert _line(md, "Speedup at matched quality", "| arithmetic | grpo | humanline-offline |") == (
         "| arithmetic | grpo | humanline-offline | 0 of 3 (not reached: 3) | – | – | – | 4.00x |")
+
+
+def test_seconds_at_an_evaluation_between_two_logged_train_rows(tmp_path):
+    """train.log_every 10, eval.every 15 of 20 steps: no train row at the evaluation's step 15, its work and loop
+    seconds lie between the rows at 10 and 20. W seconds a run (online 40, the others 10), 0.4 W of them by step
+    10 (setup 1 s left out), so 0.4 W + 0.5 x 0.6 W = 0.7 W at step 15."""
+    finals = {"off": [0.60, 0.62], "on": [0.80, 0.84], "hl": [0.80, 0.76]}
+    cfgs = {"off": lambda s: config(obj="grpo", seed=s), "on": lambda s: config(obj="grpo", regime="online", seed=s),
+            "hl": lambda s: config(obj="grpo", humanline=True, seed=s)}
+    root = tmp_path / "sweep"
+    for fam, scores in finals.items():
+        w = SECONDS[fam]
+        for seed, final in enumerate(scores):
+            d = run_dir(root, f"{fam}{seed}", cfgs[fam](seed), win=0.6, wall=w + 1, acc=final)
+            s = json.loads((d / "summary.json").read_text())
+            s["steps"], s["wall_clock_s"] = 20, {"setup": 1.0, "train": w, "total": w + 1}
+            s["eval"]["greedy"] = {"accuracy": final, "start_accuracy": 0.5}
+            (d / "summary.json").write_text(json.dumps(s))
+            rows = [{"step": 10, "time/setup": 1.0, "time/train": 0.4 * w, "wall_s": 1 + 0.4 * w},
+                    {"step": 15, "eval/greedy/accuracy": MID[fam], "wall_s": 2 + 0.7 * w},
+                    {"step": 20, "time/setup": 1.0, "time/train": w, "wall_s": 1 + w}]
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rep = build_report(root)
+    # at equal quality: target 0.5 + 0.9 x (0.82 - 0.5) = 0.788 on the work clock, online (0, 0.5), (28 s, 0.70),
+    # (40 s, final): seed 0 reaches it at 28 + 12 x 0.088 / 0.10 = 38.56 s, seed 1 at 28 + 12 x 0.088 / 0.14 =
+    # 35.543 s: median 35.543 s; humanline (0, 0.5), (7 s, 0.60), (10 s, final): seed 0 at 7 + 3 x 0.188 / 0.20 =
+    # 9.82 s, seed 1 (0.76) never: median 9.82 s; 35.543 / 9.82 = 3.62x
+    gap = _line(rep.markdown, "Gap closed", "| arithmetic | grpo")
+    assert "| 3.62x (reached: online 2 of 2, humanline 1 of 2) |" in gap, gap
+    row = next(csv_rows(rep.files["gap_closed.csv"]))
+    assert float(row["speedup_equal_quality"]) == pytest.approx(35.542857 / 9.82, abs=5e-4)
+    # matched quality on the loop clock (here the work clock: nothing else ran) and in steps: online at steps
+    # 15 + 5 x 0.088 / 0.10 = 19.4 and 15 + 5 x 0.088 / 0.14 = 18.14, humanline at 15 + 5 x 0.188 / 0.20 = 19.7
+    assert _line(rep.markdown, "Speedup at matched quality", "| arithmetic | grpo | online |") == (
+        "| arithmetic | grpo | online | 2 of 2 | 18.1 | 35.5 | 1.00x | 1.00x |")
+    assert _line(rep.markdown, "Speedup at matched quality", "| arithmetic | grpo | humanline-offline |") == (
+        "| arithmetic | grpo | humanline-offline | 1 of 2 (not reached: 1) | 19.7 | 9.8 | 3.62x | 4.00x |")
+    # a study CSV keeps the train rows around the evaluation: the report rebuilt from it reads the same seconds
+    from humanline_cli.report.aggregate import report_from_csv
+    from humanline_cli.report.study_csv import export
+
+    export(root, tmp_path / "study.csv")
+    again = report_from_csv(tmp_path / "study.csv", tmp_path / "from_csv").markdown
+    assert _line(again, "Gap closed", "| arithmetic | grpo") == gap
+
+
+def csv_rows(path):
+    import csv
+
+    with open(path, newline="") as f:
+        yield from csv.DictReader(f)

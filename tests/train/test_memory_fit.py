@@ -258,3 +258,39 @@ def test_the_fsdp_evaluation_counts_what_each_sampler_gathers(model_dir):
     assert vllm.evaluation == 4 * 256 * 64  # online with vLLM: the engine evaluates, nothing generates in torch
     single = memory_estimate(_spec(model_dir, "data=online", "sampler=hf", "eval.batch_size=3"), str(model_dir), cpu)
     assert single.evaluation == generate_bytes(config, 3, 32, 16, 4.0)  # one process: nothing to gather
+
+
+def _offline_tis(model_dir, data, behaviour):
+    """correction=tis on offline GRPO groups whose card (cli/sample.py) names the model that sampled them."""
+    import json
+
+    from humanline_cli.train.build import behaviour_of
+
+    data.mkdir()
+    (data / "card.json").write_text(json.dumps({"model_path": str(behaviour)}))
+    spec = _spec(model_dir, "data=offline", f"data.path={data}", "correction=tis")
+    return spec, behaviour_of(spec)
+
+
+def test_offline_data_of_an_earlier_policy_counts_that_policy(model_dir, tmp_path):
+    """train/behaviour.py loads the policy that generated the data (a model other than the start) whole, frozen,
+    in the weights' dtype, for the run's whole length: fp32 here, 4 bytes a parameter, in every phase's peak.
+    Its config: embeddings and head 256 x 32 each (8,192 + 8,192), one layer of q, k, v, o 32 x 32 (4,096),
+    gate, up, down 32 x 64 (6,144) and two norms (64), the final norm (32): 26,720 parameters, 106,880 bytes."""
+    from transformers import LlamaConfig
+
+    from humanline_cli.train.fit import memory_estimate
+
+    earlier = tmp_path / "earlier"
+    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                head_dim=16).save_pretrained(earlier)
+    cpu = torch.device("cpu")
+    spec, behaviour = _offline_tis(model_dir, tmp_path / "groups", earlier)
+    assert behaviour == str(earlier)
+    without = memory_estimate(spec, str(model_dir), cpu)
+    est = memory_estimate(spec, str(model_dir), cpu, behaviour=behaviour)
+    assert est.reward - without.reward == 106_880.0
+    assert (est.training - without.training, est.loading - without.loading) == (106_880.0, 106_880.0)
+    # sampled by the run's own starting policy: the fixed reference serves the log-probs, nothing more loads
+    spec, own = _offline_tis(model_dir, tmp_path / "own", model_dir)
+    assert memory_estimate(spec, str(model_dir), cpu, behaviour=own).total == without.total
