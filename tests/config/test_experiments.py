@@ -140,6 +140,23 @@ def test_every_sweep_point_composes_and_validates(name):
         assert points == [["seed=0", f"regime={r}"] for r in ("online", "hl_online")] and len(points) == 2
         assert (cfg.task.name, cfg.eval.kl_to_start, cfg.eval.model_judge) == ("chat_sentiment", True, True)
         grid = {("grpo", "online", False), ("grpo", "online", True)}
+    if name == "smollm2_sentiment_pairs":  # exploratory, seed 0: DPO and KTO on the start's best-vs-worst replies
+        grid = {(o, "online", h) for o in ("dpo", "kto") for h in (True, False)}
+        regimes = ("online", "stale16", "hl_stale16_sync1_lo1")
+        assert points == [["seed=0", f"objective={o}", f"regime={r}"] for o in ("dpo", "kto") for r in regimes]
+        assert len(points) == cfg.regime_study_size == 6
+        sentiment = _compose(["experiment=smollm2_sentiment"])
+        assert cfg.task == sentiment.task and cfg.model == sentiment.model and cfg.threads == 1
+        assert {**cfg.eval, "every": 0} == {**sentiment.eval, "every": 0} and cfg.eval.every == 6
+        assert (cfg.eval.kl_to_start, cfg.eval.model_judge) == (True, True)
+        for key in ("n", "max_new_tokens", "temperature", "prompts_per_round"):
+            assert cfg.data[key] == sentiment.data[key], key
+        assert cfg.train.lr == sentiment.train.lr
+        for o, prompts in (("dpo", 64), ("kto", 32)):  # 12 steps x 4 units come from one stale16 generation
+            c = resolve(_compose(["experiment=smollm2_sentiment_pairs", f"objective={o}", "regime=stale16"]))
+            assert (c.train.steps, c.train.batch_size, c.data_cfg.prompts_per_round) == (12, 4, prompts)
+            assert c.data_cfg.generate_every == 16 > c.train.steps and prompts <= c.task_cfg.generator.n_train == 120
+            assert c.data_cfg.min_gap == 0.01  # best vs worst by VADER, as online rounds pair
     if name == "laptop_one_pass":  # online, plain offline and humanline offline, DPO and KTO
         grid = {(o, d, h) for o in ("dpo", "kto") for d, h in (("online", False), ("offline", False),
                                                                ("offline", True))}

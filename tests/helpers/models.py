@@ -91,6 +91,43 @@ def build_tiny_qwen(root: Path) -> tuple[Path, Path]:
     return policy, rm
 
 
+# the sentiment policy's vocabulary: every printable character (any prompt encodes) and a few words, each one token
+# with a space either side, half of them with a VADER valence (good +1.9, bad -2.5, ...), so that sampled replies
+# hold words a sentiment lexicon scores and a group of them differs in score
+SENTIMENT_WORDS = [" good ", " great ", " happy ", " love ", " bad ", " sad ", " awful ", " hate "]
+
+
+def build_tiny_sentiment_llama(root: Path) -> Path:
+    """A tiny Llama (head_dim 32, seed 0) with a character-level tokenizer plus SENTIMENT_WORDS (words first, then
+    single characters; decoding joins the tokens), so its sampled replies contain words a sentiment lexicon scores;
+    with build_tiny_qwen's chat template. Returns its directory. (A Llama: transformers loads its tokenizer.json as
+    saved, where for Qwen2 it substitutes a byte-level BPE tokenizer.)"""
+    import re
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "[UNK]"]
+    vocab = {t: i for i, t in enumerate(specials + SENTIMENT_WORDS + list(string.printable))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    words = "|".join(re.escape(w) for w in SENTIMENT_WORDS)
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(f"{words}|."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<|pad|>", bos_token="<|bos|>", eos_token="<|eos|>", unk_token="[UNK]",
+        additional_special_tokens=["<|user|>", "<|assistant|>"], model_max_length=512, chat_template=(
+            "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+            "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}"), clean_up_tokenization_spaces=False)
+    policy = root / "sentiment_llama"
+    tiny_llama(0, vocab_size=len(tok), hidden_size=64, intermediate_size=128, head_dim=32, max_position_embeddings=512,
+               pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               tie_word_embeddings=True).save_pretrained(policy, safe_serialization=True)
+    tok.save_pretrained(policy)
+    return policy
+
+
 def write_files(root: Path) -> dict[str, Path]:
     pairs = root / "pairs.jsonl"
     rows = []

@@ -1,10 +1,12 @@
 """task=chat_sentiment: lexicon scorers (VADER trains, AFINN judges) and the generated prompts, then a tiny
 online GRPO run end to end whose round scores are VADER's and whose evaluation is AFINN's win rate against the
-starting policy."""
+starting policy, and experiment=smollm2_sentiment_pairs' DPO on the starting policy's own best-vs-worst
+replies."""
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from humanline_cli.errors import UserError
@@ -12,7 +14,7 @@ from humanline_cli.rewards.lexicon import afinn, scorer, vader
 from humanline_cli.rewards.scorers import make_scorer
 from humanline_cli.world import chat_sentiment, generated
 from tests.helpers.cli import run_cli
-from tests.helpers.models import build_tiny_qwen
+from tests.helpers.models import build_tiny_qwen, build_tiny_sentiment_llama
 
 
 def test_afinn_is_the_mean_word_valence_and_vader_reads_negation():
@@ -96,3 +98,42 @@ def test_start_checks_are_refused_without_sampled_replies_in_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].endswith(
         "eval.model_judge=true reads the sampled replies; eval.temperature must be > 0, got 0.0")
+
+
+def test_dpo_on_the_starts_own_best_vs_worst_replies_of_chat_sentiment(tmp_path):
+    """experiment=smollm2_sentiment_pairs' stale16 cell on a tiny word-sampling model: one generation of the
+    starting policy's replies (32 prompts x 4, all round 1) scored by VADER serves every step, and each group whose
+    best and worst VADER scores differ by more than data.min_gap gives one pair, exactly as many as the rounds
+    report. At lr 1e-30 the policy stays the start: every DPO margin is 0 (loss log 2 in float32), the KL to the
+    start exactly 0 and the frozen judge and AFINN exactly 1/2, at the mid-run and the last evaluation."""
+    policy = build_tiny_sentiment_llama(tmp_path / "models")
+    run = tmp_path / "run"
+    r = run_cli(["train", "experiment=smollm2_sentiment_pairs", "objective=dpo", "regime=stale16", "model=tiny",
+                 f"model.name_or_path={policy}", "sampler=hf", f"world_cache={tmp_path / 'cache'}",
+                 "task.generator.n_train=32", "task.generator.n_eval=6", "data.n=4", "data.max_new_tokens=8",
+                 "train.steps=3", "train.batch_size=2", "train.lr=1e-30", "train.checkpoint_every=0",
+                 "train.max_length=256", "train.max_prompt_length=200", "eval.n_prompts=6", "eval.batch_size=6",
+                 "eval.max_new_tokens=8", "eval.every=2", f"hydra.run.dir={run}"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 32 * 4 and {s["round"] for s in samples} == {1}  # 16 steps x 2 pairs: 32 prompts
+    assert all(s["score"] == pytest.approx(vader(s["completion"]), abs=1e-12) for s in samples)
+    groups = [samples[i:i + 4] for i in range(0, len(samples), 4)]
+    assert all(len({s["prompt"] for s in g}) == 1 for g in groups) and len({g[0]["prompt"] for g in groups}) == 32
+    gaps = [max(s["score"] for s in g) - min(s["score"] for s in g) for g in groups]
+    pairs = sum(gap > 0.01 for gap in gaps)  # best vs worst by the training reward, chosen above rejected
+    assert 3 * 2 <= pairs <= 32 and any(gap > 0.5 for gap in gaps)  # the replies do differ in sentiment
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in metrics if "loss" in m]
+    assert [m["step"] for m in train] == [1, 2, 3]
+    for m in train:  # the one generation serves every step
+        assert (m["online/round"], m["online/units"], m["online/dropped_prompts"]) == (1, pairs, 32 - pairs)
+        assert (m["dpo/margin"], m["logratio_mean"]) == (0.0, 0.0) and m["loss"] == float(np.float32(np.log(2)))
+    mid = next(m for m in metrics if m.get("step") == 2 and "eval/kl_to_start" in m)
+    ev = json.loads((run / "summary.json").read_text())["eval"]
+    for got in (mid, {"eval/kl_to_start": ev["kl_to_start"], "eval/win_rate": ev["win_rate"],
+                      "eval/model_judge/win_rate": ev["model_judge"]["win_rate"],
+                      "eval/model_judge/preference_mean": ev["model_judge"]["preference_mean"]}):
+        assert (got["eval/kl_to_start"], got["eval/win_rate"]) == (0.0, 0.5)
+        assert (got["eval/model_judge/win_rate"], got["eval/model_judge/preference_mean"]) == (0.5, 0.5)
+    assert ev["judge"] == "lexicon:afinn" and ev["model_judge"]["judge"] == f"start:{policy}"
