@@ -93,7 +93,8 @@ def test_a_lora_base_loads_in_the_compute_dtype_under_bf16_autocast(tmp_path, mo
     with initialize_config_module(config_module="conf", version_base="1.3"):
         spec = resolve(compose("train", overrides=["task=custom", f"model.name_or_path={tmp_path / 'm'}",
                                                    "data.path=unused.jsonl", "task.judge.kind=none", "model.lora.r=4",
-                                                   "train.max_length=16", "train.max_prompt_length=8"]))
+                                                   "train.max_length=16", "train.max_prompt_length=8",
+                                                   "backend.precision=bf16"]))  # CUDA's default, resolved here
     backend = Backend(torch.device("cpu"), torch.bfloat16)  # what make_backend gives on CUDA, on this CPU
     policy, sharded = _load_policy(spec, str(tmp_path / "m"), backend, "single")
     policy = apply_lora(policy, 4, 8, 0.0)
