@@ -34,7 +34,7 @@ from humanline_cli.mdtable import md_table
 from humanline_cli.report.frame import ci_text, clocks, column, curve, load, loop_seconds, run_points
 from humanline_cli.report.gap_closed import gain_target, km_to, time_to
 from humanline_cli.report.plots import save_figure
-from humanline_cli.report.stats import km_median, mean_ci, paired_t
+from humanline_cli.report.stats import km_median, mean_ci, paired_by_seed
 from humanline_cli.report.study_csv import materialise
 
 METRICS = {"greedy": "eval.greedy.accuracy", "sampled": "eval.sampled.accuracy"}
@@ -72,19 +72,9 @@ def frontier_rows(c: pd.DataFrame) -> list[dict]:
 
 
 def paired(c: pd.DataFrame, objective: str, k: int, a: str, b: str, metric: str, lag: int = 0) -> dict | None:
-    """a - b at K, paired by seed (the seeds both have): paired_t's mean, interval and differences, and the
-    two-sided p of the paired t-test (None with fewer than 2 pairs or all differences equal)."""
-    from scipy import stats
-
+    """a - b at K and lag, paired by seed (report/stats.paired_by_seed)."""
     g = c[(c.objective == objective) & (k == c.K) & (lag == c.L)]
-    x, y = (g[g.correction == name].set_index("seed")[metric].dropna() for name in (a, b))
-    seeds = sorted(set(x.index) & set(y.index), key=str)
-    if not seeds:
-        return None
-    t = paired_t([x[s] for s in seeds], [y[s] for s in seeds])
-    diffs = pd.Series(t["diffs"])
-    p = float(stats.ttest_1samp(diffs, 0.0).pvalue) if len(diffs) > 1 and diffs.std() > 0 else None
-    return {**t, "p": p, "seeds": seeds}
+    return paired_by_seed(*(g[g.correction == name].set_index("seed")[metric] for name in (a, b)))
 
 
 def paired_rows(c: pd.DataFrame) -> list[dict]:

@@ -16,7 +16,7 @@ import pandas as pd
 from humanline_cli.mdtable import md_table
 from humanline_cli.report.frame import FINAL, column
 from humanline_cli.report.groups import canon, comparison_sets, differing_keys, under
-from humanline_cli.report.stats import mean_ci, paired_t
+from humanline_cli.report.stats import paired_by_seed
 
 # the scores compared, by the name gap_closed's paired section gives them, and their summary.json fields
 MODES = {"greedy": FINAL["greedy accuracy"], "sampled": FINAL["accuracy"]}
@@ -80,14 +80,11 @@ def correction_rows(runs: pd.DataFrame, ignore=()) -> pd.DataFrame:
             modes = [m for m in (*MODES, *FALLBACK) if any(s[m].notna().any() for s in scores.values())]
             for metric in [m for m in modes if m in MODES] or modes[:1]:
                 for a, b in contrasts(list(named)):
-                    both = pd.concat([scores[a][metric], scores[b][metric]], axis=1, keys=["a", "b"]).dropna()
-                    if both.empty:
-                        continue
-                    t = paired_t(both.a.tolist(), both.b.tolist())
-                    rows.append({"task": task, "objective": objective, "set": set_label, "data": data,
-                                 "metric": metric, "a": a, "b": b, "a_mean": mean_ci(both.a)["mean"],
-                                 "b_mean": mean_ci(both.b)["mean"], "mean": t["mean"], "lo": t["lo"], "hi": t["hi"],
-                                 "n_seeds": t["n"]})
+                    t = paired_by_seed(scores[a][metric], scores[b][metric])
+                    if t is not None:
+                        rows.append({"task": task, "objective": objective, "set": set_label, "data": data,
+                                     "metric": metric, "a": a, "b": b, "a_mean": t["a_mean"], "b_mean": t["b_mean"],
+                                     "mean": t["mean"], "lo": t["lo"], "hi": t["hi"], "n_seeds": t["n"]})
     return pd.DataFrame(rows, columns=list(COLUMNS), dtype=object)
 
 

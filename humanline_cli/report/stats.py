@@ -38,6 +38,21 @@ def paired_t(a: list[float], b: list[float]) -> dict:
     return {**ci, "diffs": diffs}
 
 
+def paired_by_seed(a, b) -> dict | None:
+    """a - b over the seeds where both score series (indexed by seed) have a value: paired_t's result, the
+    seeds in order, each side's mean over them and the paired t-test's two-sided p (None below two pairs or
+    where every difference is equal); None where they share no seed."""
+    x, y = (dict(zip(s.index, s)) for s in (a.dropna(), b.dropna()))
+    seeds = sorted(set(x) & set(y), key=str)
+    if not seeds:
+        return None
+    t = paired_t([x[s] for s in seeds], [y[s] for s in seeds])
+    d = np.asarray(t["diffs"])
+    p = float(stats.ttest_1samp(d, 0.0).pvalue) if d.size > 1 and d.std() > 0 else None
+    return {**t, "p": p, "seeds": seeds, "a_mean": float(np.mean([x[s] for s in seeds])),
+            "b_mean": float(np.mean([y[s] for s in seeds]))}
+
+
 def equivalence(diffs, margin: float) -> dict:
     """Two one-sided t-tests at alpha 0.05 on paired differences: equivalent within +-margin when their mean's 90%
     t-interval lies inside [-margin, +margin]; "n/a" below two seeds."""

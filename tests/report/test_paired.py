@@ -9,7 +9,7 @@ import pytest
 
 from humanline_cli.report.aggregate import build_report, print_report
 from humanline_cli.report.gap_closed import gap_closed_paired, gap_text, paired_columns
-from humanline_cli.report.stats import paired_t, prompt_bootstrap
+from humanline_cli.report.stats import paired_by_seed, paired_t, prompt_bootstrap
 from tests.helpers.runs import config, run_dir
 
 
@@ -25,6 +25,23 @@ def test_paired_t_hand_computed():
     assert one["mean"] == pytest.approx(0.2) and one["lo"] is None and one["n"] == 1
     with pytest.raises(ValueError):
         paired_t([1.0, 2.0], [1.0])
+
+
+def test_paired_by_seed_keeps_the_seeds_both_scored():
+    import pandas as pd
+
+    # seed 3 lacks b, seed 4 has no a score, seed 5 only a: the pairs are seeds 1, 2 and 7 as above
+    a = pd.Series([0.87, 0.80, 0.82, 0.99, float("nan"), 0.5], index=[2, 1, 7, 3, 4, 5])
+    b = pd.Series([0.70, 0.72, 0.68, float("nan"), 0.1], index=[1, 2, 7, 3, 4])
+    p = paired_by_seed(a, b)
+    assert p["seeds"] == [1, 2, 7] and p["diffs"] == pytest.approx([0.10, 0.15, 0.14])
+    assert (p["lo"], p["hi"]) == pytest.approx((0.0642754, 0.1957246), abs=1e-6)
+    assert (p["a_mean"], p["b_mean"]) == pytest.approx((2.49 / 3, 2.10 / 3))
+    # t = 0.13 / (0.0264575 / sqrt 3) = 8.5105 on 2 df: two-sided p = 1 - t / sqrt(2 + t^2)
+    t = 0.13 / (math.sqrt(0.0014 / 2) / math.sqrt(3))
+    assert p["p"] == pytest.approx(1 - t / math.sqrt(2 + t * t), rel=1e-9)
+    assert paired_by_seed(a[[5]], b) is None
+    assert paired_by_seed(pd.Series([0.5, 0.6], index=[1, 2]), pd.Series([0.4, 0.5], index=[1, 2]))["p"] is None
 
 
 def test_prompt_bootstrap_hand_computed():
