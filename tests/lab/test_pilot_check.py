@@ -62,7 +62,8 @@ def test_a_small_gap_fails_and_a_missing_online_cell_decides_nothing(tmp_path, c
     # stale_once at the tuned lr short of a seed: the lr is known, the check is not
     assert main([str(_csv(tmp_path, drop=[(1e-5, "stale_once", 102)]))]) == 0
     out = capsys.readouterr().out
-    assert "tuned lr: 1e-05" in out and out.strip().endswith("verdict: incomplete: stale_once at the tuned lr 1e-05 lacks seeds")
+    assert "tuned lr: 1e-05" in out
+    assert out.strip().endswith("verdict: incomplete: stale_once at the tuned lr 1e-05 lacks seeds")
 
 
 def test_a_start_outside_the_range_fails_before_the_check(tmp_path, capsys):
