@@ -130,7 +130,8 @@ def test_a_whole_load_that_will_not_fit_says_to_fetch_the_model(tmp_path, monkey
     real = fit._estimator
     whole = 10 * fit.memory_estimate(spec, BIN, torch.device("cpu")).training
     # at 8B loading whole is the peak (59.8 GiB before sharding); this tiny model's is its activations: raise it
-    monkeypatch.setattr(fit, "_estimator", lambda *a, **k: lambda m, f=real(*a, **k): dataclasses.replace(f(m), loading=whole))
+    monkeypatch.setattr(fit, "_estimator",
+                        lambda *a, **k: lambda m, f=real(*a, **k): dataclasses.replace(f(m), loading=whole))
     est = fit.memory_estimate(spec, BIN, torch.device("cpu"))
     assert est.loading == whole > est.training
     host = (est.training + est.loading) / 2 / 0.9 * fit.CPU_RSS_OVER_LIVE  # training fits, loading does not
