@@ -105,6 +105,9 @@ def read_config(path: Path) -> tuple[dict, dict] | None:
     return flat, raw
 
 
+COMPUTE_KEY = "backend.compute_dtype"  # the dtype a complete run computed in (summary.json `precision.compute`)
+
+
 def data_family(regime: str, cfg: dict) -> str:
     """The data part of a run's family: the regime, except online rounds that are off-policy by design, each a
     baseline of its own: `stale-K` (K > 1 steps per generation), `async-L` (sampled L > 0 rounds ahead), or both."""
@@ -138,6 +141,11 @@ def load_run(path: Path) -> dict:
     if (path / "summary.json").is_file():
         s, err = _read_json(path / "summary.json")
         if isinstance(s, dict) and s.get("status") == "complete":
+            computed = (s.get("precision") or {}).get("compute") if isinstance(s.get("precision"), dict) else None
+            if computed and run["config"] is not None:
+                # backend.precision=auto (or null) resolves per machine: runs of one config that computed in
+                # different dtypes start from different greedy answers, so they must not pool as seeds
+                run["config"] = {**run["config"], COMPUTE_KEY: computed}
             run.update(status="complete", summary=s, objective=str(s.get("objective")), task=str(s.get("task")),
                        data=data_family(str(s.get("data")), run["config"] or {}), humanline=bool(s.get("humanline")),
                        seed=s.get("seed"))

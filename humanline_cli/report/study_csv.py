@@ -18,7 +18,7 @@ import yaml
 
 from humanline_cli.errors import UserError
 from humanline_cli.report.cost import calls_of
-from humanline_cli.report.frame import CURVE, clock_steps, find_run_dirs, load_run, read_jsonl
+from humanline_cli.report.frame import COMPUTE_KEY, CURVE, clock_steps, find_run_dirs, load_run, read_jsonl
 from humanline_cli.report.gap_closed import SAMPLES
 from humanline_cli.report.groups import canon, comparable_config, under
 from humanline_cli.report.regimes import listed_regimes, regime_of
@@ -43,9 +43,11 @@ def _dumps(obj) -> str:
 
 
 def config_hash(config: dict | None) -> str | None:
-    """sha256 (12 hex) of a run's resolved config less its seed and the keys that never change results."""
+    """sha256 (12 hex) of a run's resolved config less its seed and the keys that never change results (and
+    less the dtype it computed in, which its summary.json gives, not its config)."""
     if config is None:
         return None
+    config = {k: v for k, v in config.items() if k != COMPUTE_KEY}
     return hashlib.sha256(_dumps(comparable_config(config)).encode()).hexdigest()[:12]
 
 

@@ -251,3 +251,28 @@ def test_runs_group_by_correction_within_one_comparison_set(tmp_path):
     assert set(rep.cells.row_keys) == {()}  # one table row: the correction labels a cell, it is not a row key
     sets = comparison_sets(load(root).query("status == 'complete'"))
     assert len(sets) == 1 and len(sets[0][3]) == 4
+
+
+def test_runs_of_one_config_that_computed_in_different_dtypes_are_not_pooled(tmp_path):
+    """backend.precision=auto resolves per machine (bf16 where the CPU computes it fast): the same config run on
+    two machines trains in two dtypes, and the report keeps them apart by summary.json's `precision.compute`."""
+    from humanline_cli.report.frame import COMPUTE_KEY, load
+    from humanline_cli.report.groups import groups
+    from humanline_cli.report.study_csv import config_hash
+
+    root = tmp_path / "sweep"
+    for name, seed, dtype in (("a0", 0, "bfloat16"), ("a1", 1, "bfloat16"), ("b0", 0, "float32"), ("b2", 2, None)):
+        d = run_dir(root, name, config(seed=seed, backend={"precision": "auto"}), win=0.6, wall=10.0)
+        if dtype:  # b2: a summary from before the field, as older runs have
+            s = json.loads((d / "summary.json").read_text())
+            (d / "summary.json").write_text(json.dumps({**s, "precision": {"compute": dtype, "why": "probe"}}))
+    runs = load(root)
+    by_name = {Path(p).name: i for i, p in zip(runs.index, runs.path)}
+    members = sorted(sorted(Path(runs.at[i, "path"]).name for i in g) for g in groups(runs).members)
+    assert members == [["a0", "a1"], ["b0"], ["b2"]]
+    assert runs.at[by_name["a0"], "config"][COMPUTE_KEY] == "bfloat16"
+    assert COMPUTE_KEY not in runs.at[by_name["b2"], "config"]
+    # the config hash names the config: the same for all four
+    assert len({config_hash(c) for c in runs.config}) == 1
+    rep = build_report(root)
+    assert "backend.compute_dtype" in rep.markdown and "bfloat16" in rep.markdown and "float32" in rep.markdown
