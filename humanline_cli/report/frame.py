@@ -141,7 +141,8 @@ def load_run(path: Path) -> dict:
     if (path / "summary.json").is_file():
         s, err = _read_json(path / "summary.json")
         if isinstance(s, dict) and s.get("status") == "complete":
-            computed = (s.get("precision") or {}).get("compute") if isinstance(s.get("precision"), dict) else None
+            precision = s.get("precision")
+            computed = precision.get("compute") if isinstance(precision, dict) else None
             if computed and run["config"] is not None:
                 # backend.precision=auto (or null) resolves per machine: runs of one config that computed in
                 # different dtypes start from different greedy answers, so they must not pool as seeds
