@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pandas as pd
 
+from humanline_cli.errors import UserError
 from humanline_cli.mdtable import md_table
 from humanline_cli.report.stats import paired_by_seed
+from humanline_cli.report.study_csv import read_table
 
 METRICS = ("greedy_final", "sampled_final", "greedy_start", "sampled_start")
 PHASES = ("setup", "sample", "train", "eval", "total")
@@ -24,13 +26,13 @@ PHASES = ("setup", "sample", "train", "eval", "total")
 def arms(csv: pd.DataFrame, by: str, a: str, b: str) -> dict[str, pd.DataFrame]:
     """Complete runs per arm (the config key's value as text), indexed by seed."""
     runs = csv[csv.status == "complete"]
-    value = [str(json.loads(c).get(by)) if isinstance(c, str) and c else None for c in runs.config]
+    value = [str(json.loads(c).get(by)) if c else None for c in runs.config]
     return {name: runs[[v == name for v in value]].set_index("seed") for name in (a, b)}
 
 
 def compare(csv: pd.DataFrame, by: str, a: str, b: str) -> dict:
     got = arms(csv, by, a, b)
-    metrics = {m: paired_by_seed(got[a][m].astype(float), got[b][m].astype(float)) for m in METRICS}
+    metrics = {m: paired_by_seed(pd.to_numeric(got[a][m]), pd.to_numeric(got[b][m])) for m in METRICS}
     seeds = (metrics["greedy_final"] or {}).get("seeds", [])
     clocks = {name: pd.DataFrame([json.loads(w) for w in g.loc[seeds].wall_clock_s]).reindex(columns=PHASES).mean()
               for name, g in got.items()}
@@ -57,11 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--b", required=True, help="its value in arm b")
     args = p.parse_args(argv)
     try:
-        csv = pd.read_csv(args.csv)
-        if not {"status", "seed", "config", "wall_clock_s", *METRICS} <= set(csv):
-            raise ValueError("not a study CSV (humanline report DIR --export-csv FILE writes one)")
-    except (OSError, ValueError) as e:
-        print(f"paired: error: {args.csv}: {e}", file=sys.stderr)
+        csv = read_table(args.csv, ("status", "seed", "config", "wall_clock_s", *METRICS))
+    except UserError as e:
+        print(f"paired: error: {e}", file=sys.stderr)
         return 2
     r = compare(csv, args.by, args.a, args.b)
     if all(d is None for d in r["metrics"].values()):

@@ -23,24 +23,27 @@ from pathlib import Path
 
 import pandas as pd
 
+from humanline_cli.errors import UserError
 from humanline_cli.lab.power import tost_seeds
 from humanline_cli.mdtable import md_table
 from humanline_cli.report.stats import mean_ci, paired_by_seed
+from humanline_cli.report.study_csv import read_table
 
 START = (0.3, 0.6)
 MIN_GAP = 0.10
 MARGIN, SD_FLOOR = 0.05, 0.06
 METRICS = ("greedy", "sampled")
+NEEDED = ("status", "regime", "seed", "config", "greedy_final", "sampled_final", "greedy_start")
 
 
 def cells(csv: pd.DataFrame) -> pd.DataFrame:
     """Complete runs: lr (the config's train.lr), regime, seed and the start and final accuracies."""
     runs = csv[csv.status == "complete"]
-    lr = [json.loads(c).get("train.lr") if isinstance(c, str) else None for c in runs.config]
+    lr = [json.loads(c).get("train.lr") if c else None for c in runs.config]
+    number = {k: pd.to_numeric(runs[col]).to_numpy() for k, col in
+              (("greedy_start", "greedy_start"), ("greedy", "greedy_final"), ("sampled", "sampled_final"))}
     return pd.DataFrame({"lr": lr, "regime": runs.regime.to_numpy(), "seed": runs.seed.astype(int).to_numpy(),
-                         "greedy_start": runs.greedy_start.astype(float).to_numpy(),
-                         "greedy": runs.greedy_final.astype(float).to_numpy(),
-                         "sampled": runs.sampled_final.astype(float).to_numpy()})
+                         **number})
 
 
 def decide(c: pd.DataFrame, lrs: list[float], seeds: list[int]) -> dict:
@@ -104,11 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         lrs, seeds = [float(x) for x in a.lrs.split(",")], [int(x) for x in a.seeds.split(",")]
-        csv = pd.read_csv(a.csv)
-        if not {"status", "regime", "seed", "config", "greedy_final", "sampled_final", "greedy_start"} <= set(csv):
-            raise ValueError("not a study CSV (humanline report DIR --export-csv FILE writes one)")
-    except (OSError, ValueError) as e:
-        print(f"pilot_check: error: {a.csv}: {e}", file=sys.stderr)
+    except ValueError as e:
+        print(f"pilot_check: error: --lrs/--seeds: {e}", file=sys.stderr)
+        return 2
+    try:
+        csv = read_table(a.csv, NEEDED)
+    except UserError as e:
+        print(f"pilot_check: error: {e}", file=sys.stderr)
         return 2
     print("\n".join(markdown(decide(cells(csv), lrs, seeds))))
     return 0

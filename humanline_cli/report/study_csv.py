@@ -149,16 +149,24 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def materialise(csv_path: Path, into: Path) -> Path:
-    """The CSV's runs as run dirs under `into` (with multirun.yaml listing the regimes in the CSV's order)."""
+def read_table(csv_path: Path, needed=COLUMNS, name: str = "") -> pd.DataFrame:
+    """A study CSV as text cells (an empty cell is ""), checked for the columns `needed`; a UserError naming the file
+    (after `name`, the option that gave it) where it is unreadable or lacks one."""
+    where = f"{name} {csv_path}".strip()
     try:
         table = pd.read_csv(csv_path, dtype=str, keep_default_na=False)
     except (OSError, ValueError, pd.errors.ParserError) as e:
-        raise UserError(f"--from-csv {csv_path}: not a study CSV ({type(e).__name__}: {e})") from None
-    missing = [c for c in COLUMNS if c not in table.columns]
+        raise UserError(f"{where}: not a study CSV ({type(e).__name__}: {e})") from None
+    missing = [c for c in needed if c not in table.columns]
     if missing:
-        raise UserError(f"--from-csv {csv_path}: not a study CSV of `humanline report --export-csv` "
+        raise UserError(f"{where}: not a study CSV of `humanline report --export-csv` "
                         f"(missing columns: {', '.join(missing)})")
+    return table
+
+
+def materialise(csv_path: Path, into: Path) -> Path:
+    """The CSV's runs as run dirs under `into` (with multirun.yaml listing the regimes in the CSV's order)."""
+    table = read_table(csv_path, name="--from-csv")
     for r in table.to_dict("records"):
         d = Path(into) / r["run"]
         (d / ".hydra").mkdir(parents=True)
