@@ -9,8 +9,9 @@ study"), so the decision is mechanical and anyone can recompute it:
 4. the study's seed count: the fewest (at least 10) with 80% power for the paired TOST at margin 0.05, at the larger
    of the check's paired SD and 0.06.
 
-Nothing is decided until every (lr, regime, seed) cell of the grid has a complete run: until then each step says
-what it lacks.
+The rule decides once the cells it reads have complete runs: plain online at every lr and seed (the tuned lr), then
+stale_once at the tuned lr on every seed; until then each step says what it lacks. stale_once at the other lrs is
+reported and decides nothing.
 
     python -m humanline_cli.lab.pilot_check humanline_cli/docs/studies/smollm2_fair_pilot.csv
 """

@@ -49,6 +49,10 @@ def test_a_passing_grid_tunes_the_lr_and_sizes_the_study(tmp_path, capsys):
     assert out.strip().endswith("verdict: pass: tuned online - stale_once +0.1433 greedy, "
                                 "95% t-interval [+0.0916, +0.1950] (needs >= 0.1 and above 0)")
     assert "| 1e-05 | 0.9700 [" in out and "(n=3)" in out
+    # stale_once at an lr that was not tuned decides nothing: the same verdict without it
+    assert main([str(_csv(tmp_path, drop=[(3e-6, "stale_once", s) for s in SEEDS]))]) == 0
+    out = capsys.readouterr().out
+    assert "missing: lr 3e-06 stale_once seed 100" in out and "verdict: pass: tuned online - stale_once +0.1433" in out
 
 
 def test_a_small_gap_fails_and_a_missing_online_cell_decides_nothing(tmp_path, capsys):
