@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 from importlib.resources import files
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -232,25 +233,32 @@ FAIR_REGIMES = ("online", "hl_online", "stale_once", "hl_stale_once_sync1_lo1", 
 
 
 def test_fair_smollm2_pilot_and_study_are_registered_as_results_md_says():
+    from humanline_cli.lab.pilot_check import NEEDED, cells, decide
     from humanline_cli.lab.power import tost_seeds
+    from humanline_cli.report.study_csv import read_table
 
     pilot, pilot_points = _sweep_points("smollm2_fair_pilot")
     assert pilot_points == [[f"seed={s}", f"train.lr={lr}", f"regime={r}"] for s in (100, 101, 102)
                             for lr in ("3e-06", "1e-05", "3e-05") for r in ("online", "stale_once")]
     assert len(pilot_points) == pilot.regime_study_size == 18
     study, points = _sweep_points("smollm2_fair_study")
-    # 66 seeds: 80% TOST power at margin 0.05 and the pilot's paired greedy SD 0.1367 (online - stale_once at the
-    # tuned lr: differences 0.46, 0.545, 0.2775 on seeds 100-102)
+    # the pilot's rule on its committed CSV gives the study's lr and seed count: lr 1e-5; online - stale_once at it
+    # 0.46, 0.545, 0.2775 greedy on seeds 100-102, SD 0.1367, so 66 seeds for 80% power of the TOST at margin 0.05
+    pilot_csv = Path(str(files("humanline_cli").joinpath("docs", "studies", "smollm2_fair_pilot.csv")))
+    rule = decide(cells(read_table(pilot_csv, NEEDED)), [3e-6, 1e-5, 3e-5],
+                  [100, 101, 102])
+    assert rule["verdict"].startswith("pass: ") and rule["tuned_lr"] == study.train.lr == 1e-5
     diffs = (0.46, 0.545, 0.2775)
+    assert rule["check"]["greedy"]["diffs"] == pytest.approx(diffs, abs=1e-12)
     sd = math.sqrt(sum((d - sum(diffs) / 3) ** 2 for d in diffs) / 2)
-    assert sd == pytest.approx(0.13668, abs=1e-5) and tost_seeds(max(sd, 0.06), 0.05) == 66
+    assert rule["sd"] == pytest.approx(sd, abs=1e-12) and sd == pytest.approx(0.13668, abs=1e-5)
+    assert rule["seeds_needed"] == tost_seeds(max(sd, 0.06), 0.05) == 66
     assert points == [[f"seed={s}", f"regime={r}"] for s in range(66) for r in FAIR_REGIMES]
     assert len(points) == study.regime_study_size == 396
     assert not {100, 101, 102} & set(range(66))  # pilot seeds are never study seeds
     for key in ("task", "data", "eval", "model", "objective", "threads"):  # the pilot's setting
         assert OmegaConf.select(study, key) == OmegaConf.select(pilot, key), key
     assert {**study.train, "lr": 0} == {**pilot.train, "lr": 0}
-    assert study.train.lr == 1e-5  # the pilot's tuned lr
     # 400 held-out prompts of the three-digit + one-digit pool without a carry (start 0.3075 greedy, measured before
     # any pilot run), evaluated every 8 of 48 steps
     g = study.task.generator
