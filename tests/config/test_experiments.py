@@ -254,6 +254,10 @@ def test_fair_smollm2_pilot_and_study_are_registered_as_results_md_says():
     assert rule["sd"] == pytest.approx(sd, abs=1e-12) and sd == pytest.approx(0.13668, abs=1e-5)
     assert rule["seeds_needed"] == tost_seeds(max(sd, 0.06), 0.05) == 66
     assert points == [[f"seed={s}", f"regime={r}"] for s in range(66) for r in FAIR_REGIMES]
+    # the study's decision reads the regimes and seeds it runs
+    from humanline_cli.lab import study_check
+    assert (FAIR_REGIMES, tuple(range(66))) == (study_check.REGIMES, study_check.SEEDS)
+    assert FAIR_REGIMES[3:] == study_check.HUMANLINE and FAIR_REGIMES[::2][:2] == (study_check.ONLINE, study_check.STALE)
     assert len(points) == study.regime_study_size == 396
     assert not {100, 101, 102} & set(range(66))  # pilot seeds are never study seeds
     for key in ("task", "data", "eval", "model", "objective", "threads"):  # the pilot's setting
