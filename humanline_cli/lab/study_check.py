@@ -110,8 +110,9 @@ def decide(runs: pd.DataFrame, seeds) -> dict:
                 if primary[h, "greedy"] is not None and primary[h, "greedy"]["tost_p"] is not None}
     order = sorted(greedy_p, key=greedy_p.get)
     threshold = {h: ALPHA / (len(HUMANLINE) - k) for k, h in enumerate(order)}
-    rejected = {h: holm(greedy_p, ALPHA).get(h, False) for h in HUMANLINE}  # untested H stand
-    rejected = {h: bool(r) and len(greedy_p) == len(HUMANLINE) for h, r in rejected.items()}
+    # Holm's family is all three H: with one untested, none is declared
+    held = holm(greedy_p, ALPHA) if len(greedy_p) == len(HUMANLINE) else {}
+    rejected = {h: held.get(h, False) for h in HUMANLINE}
     return {"have": {reg: len(s) for reg, s in have.items()}, "full": full, "n_seeds": len(seeds),
             "complete": complete, "primary": primary, "secondary": secondary, "threshold": threshold,
             "rejected": rejected}
