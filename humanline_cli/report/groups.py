@@ -17,7 +17,7 @@ FAMILY_KEYS = ("data", "humanline", "hl", "sampler", "reward", "correction")
 # The table's own axes (sections, rows, columns), never repeated as extra columns.
 AXIS_KEYS = ("task.name", "objective.name", "data.regime", "humanline")
 NO_CONFIG = "config.yaml"  # pseudo-key telling groups without .hydra/config.yaml apart when mixed with others
-_INTERP = re.compile(r"\$\{(?:oc\.select:)?([A-Za-z_][\w.]*)(?=[},])")  # ${a.b} or ${oc.select:a.b,default}
+INTERPOLATION = re.compile(r"\$\{(?:oc\.select:)?([A-Za-z_][\w.]*)(?=[},])")  # ${a.b} or ${oc.select:a.b,default}
 
 
 def under(key: str, prefixes) -> bool:
@@ -89,7 +89,7 @@ def derived_from(groups_: pd.DataFrame) -> dict[str, str]:
     seen: dict[str, set] = {}
     for cfg, raw in zip(groups_.cfg, groups_.raw):
         for k in cfg or ():
-            refs = {r.split(".")[0] for r in _INTERP.findall(str(raw.get(k, "")))} - {k.split(".")[0]}
+            refs = {r.split(".")[0] for r in INTERPOLATION.findall(str(raw.get(k, "")))} - {k.split(".")[0]}
             seen.setdefault(k, set()).add(next(iter(refs)) if len(refs) == 1 else None)
     return {k: next(iter(s)) for k, s in seen.items() if len(s) == 1 and None not in s}
 

@@ -20,7 +20,7 @@ from humanline_cli.errors import UserError
 from humanline_cli.report.cost import calls_of
 from humanline_cli.report.frame import COMPUTE_KEY, CURVE, clock_steps, find_run_dirs, load_run, read_jsonl
 from humanline_cli.report.gap_closed import SAMPLES
-from humanline_cli.report.groups import canon, comparable_config, under
+from humanline_cli.report.groups import INTERPOLATION, canon, comparable_config, under
 from humanline_cli.report.regimes import listed_regimes, regime_of
 from humanline_cli.train.failures import write_failed
 
@@ -51,13 +51,20 @@ def config_hash(config: dict | None) -> str | None:
     return hashlib.sha256(_dumps(comparable_config(config)).encode()).hexdigest()[:12]
 
 
-def kept_keys(configs: list[dict]) -> set[str]:
+def kept_keys(configs: list[dict], raws: list[dict] = ()) -> set[str]:
     """The keys that differ between the runs (absent counts), ALWAYS's, the keys those interpolate in the raw
-    config, and each kept subtree's option selector."""
+    configs `raws` (a kept `${train.steps}` must resolve from the CSV alone, or the run's family reads wrong), and
+    each kept subtree's option selector."""
     flat = [c for c in configs if c is not None]
     keys = {k for c in flat for k in c}
     kept = {k for k in keys if len({canon(c.get(k, "<absent>")) for c in flat}) > 1 or under(k, ALWAYS)}
     kept = {k for k in kept if not under(k, PLACE_KEYS)}
+    while True:  # an interpolated key may itself interpolate another
+        refs = {r for raw in raws if raw for k in kept for r in INTERPOLATION.findall(str(raw.get(k, "")))}
+        more = {k for k in keys if under(k, tuple(refs))} - kept
+        if not more:
+            break
+        kept |= more
     kept |= {f"{k.split('.')[0]}.{s}" for k in kept for s in SELECTORS if f"{k.split('.')[0]}.{s}" in keys}
     return kept
 
@@ -117,7 +124,7 @@ def export(root: Path, path: Path) -> int:
     listed = listed_regimes(root)
     runs.sort(key=lambda r: (listed.index(regime_of(r["path"])) if regime_of(r["path"]) in listed else len(listed),
                              str(r["path"])))
-    kept = kept_keys([r["config"] for r in runs])
+    kept = kept_keys([r["config"] for r in runs], [r["raw"] for r in runs])
     rows = pd.DataFrame([run_row(root, r, kept) for r in runs], columns=list(COLUMNS), dtype=object)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     rows.to_csv(path, index=False, lineterminator="\n")

@@ -65,3 +65,30 @@ def test_from_csv_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "--from-csv needs --out" in capsys.readouterr().err
     assert main_report([str(tmp_path), "--from-csv", str(tmp_path / "x.csv"), "--out", str(tmp_path / "o")]) == 2
     assert not (tmp_path / "o").exists()
+
+
+def test_an_interpolated_family_key_resolves_from_the_csv(tmp_path):
+    """A stale regime written `generate_every: ${train.generation_span}` (as `${train.steps}` is in the SmolLM2
+    studies), where the key it names is the same in every run: the CSV keeps that key too, so the rebuilt report
+    still reads those runs as stale-4 (not online) and its tables are the run dirs' byte for byte."""
+    import yaml
+
+    root = tmp_path / "study"
+    shutil.copytree(GOLDEN / "study", root)
+    configs = list(root.rglob(".hydra/config.yaml"))
+    for f in configs:
+        cfg = yaml.safe_load(f.read_text())
+        cfg["train"]["generation_span"] = 4
+        if cfg["data"].get("generate_every") == 4:
+            cfg["data"]["generate_every"] = "${train.generation_span}"
+        f.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    assert sum("${train.generation_span}" in f.read_text() for f in configs) == 6
+    assert main_report([str(root), "--out", str(tmp_path / "dirs"), "--export-csv", str(tmp_path / "s.csv")]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "s.csv", newline="")))
+    assert {json.loads(r["config"]).get("train.generation_span") for r in rows if r["config"]} == {4}
+    shutil.rmtree(root)
+    assert main_report(["--from-csv", str(tmp_path / "s.csv"), "--out", str(tmp_path / "csv")]) == 0
+    families = {line.split(",")[2] for line in (tmp_path / "csv" / "report.csv").read_text().splitlines()[1:]}
+    assert {"stale-4", "humanline-stale-4", "online"} <= {f.strip('"').split(" (")[0] for f in families}
+    for name in ("report.csv", "gap_closed.csv", "cost.csv"):
+        assert (tmp_path / "csv" / name).read_bytes() == (tmp_path / "dirs" / name).read_bytes(), name
