@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from humanline_cli.report.aggregate import main_report
 
@@ -71,8 +72,6 @@ def test_an_interpolated_family_key_resolves_from_the_csv(tmp_path):
     """A stale regime written `generate_every: ${train.generation_span}` (as `${train.steps}` is in the SmolLM2
     studies), where the key it names is the same in every run: the CSV keeps that key too, so the rebuilt report
     still reads those runs as stale-4 (not online) and its tables are the run dirs' byte for byte."""
-    import yaml
-
     root = tmp_path / "study"
     shutil.copytree(GOLDEN / "study", root)
     configs = list(root.rglob(".hydra/config.yaml"))
