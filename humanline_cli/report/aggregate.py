@@ -338,12 +338,17 @@ def main_report(argv: list[str]) -> int:
     p.add_argument("--export-csv", type=Path, default=None, metavar="FILE",
                    help="also write one row per run dir (scores per evaluation, wall-clock per phase, config hash, "
                         "commit, and what --from-csv needs) to FILE: a study's record kept beside results.md")
+    p.add_argument("--append", action="store_true",
+                   help="with --export-csv: keep FILE's rows (runs whose dirs are gone) and add only the complete "
+                        "runs it lacks")
     p.add_argument("--from-csv", type=Path, default=None, metavar="FILE",
                    help="rebuild the tables from a CSV of --export-csv instead of run dirs (needs --out)")
     args = p.parse_args(argv)
     try:
         if (args.dir is None) == (args.from_csv is None):
             raise ValueError("give a run dir or --from-csv FILE (one of them)")
+        if args.append and args.export_csv is None:
+            raise ValueError("--append needs --export-csv FILE (the file it adds to)")
         if args.from_csv is not None and args.out is None:
             raise ValueError("--from-csv needs --out DIR (where the rebuilt report goes)")
         if args.out is not None and args.out.exists() and not args.out.is_dir():
@@ -355,8 +360,8 @@ def main_report(argv: list[str]) -> int:
         else:
             rep = build_report(args.dir, args.out, **options)
             if args.export_csv is not None:
-                n = study_csv.export(args.dir, args.export_csv)
-                print(f"wrote {n} runs to {args.export_csv}")
+                n = study_csv.export(args.dir, args.export_csv, append=args.append)
+                print(f"{'added' if args.append else 'wrote'} {n} runs to {args.export_csv}")
     except (OSError, ValueError, UserError) as e:
         print(f"humanline: error: {e}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from humanline_cli.atomic import write_text_atomic
 from humanline_cli.errors import UserError
 from humanline_cli.report.cost import calls_of
 from humanline_cli.report.frame import COMPUTE_KEY, CURVE, clock_steps, find_run_dirs, load_run, read_jsonl
@@ -114,21 +115,63 @@ def run_row(root: Path, run: dict, kept: set[str]) -> dict:
             **{f"{m}_scores": _scores(run["path"], m) for m in MODES}}
 
 
-def export(root: Path, path: Path) -> int:
+def export(root: Path, path: Path, append: bool = False) -> int:
     """Every run dir under `root` as a row of `path` (in the sweep's regime order where multirun.yaml lists it);
-    returns the number of rows."""
+    returns the number of rows written. With `append`, `path`'s rows are kept as they are (runs from run dirs
+    that are gone, e.g. made on another machine) and only `root`'s complete runs it lacks as complete are added
+    (_appended)."""
     root = Path(root)
     runs = [load_run(d) for d in find_run_dirs(root)]
     if not runs:
         raise UserError(f"no run dirs under {root} to export")
+    if append and Path(path).is_file():
+        return _appended(root, runs, Path(path))
+    if append:  # a file still to start keeps complete runs only, as every later append does
+        runs = [r for r in runs if r["status"] == "complete"]
+        if not runs:
+            return 0
     listed = listed_regimes(root)
     runs.sort(key=lambda r: (listed.index(regime_of(r["path"])) if regime_of(r["path"]) in listed else len(listed),
                              str(r["path"])))
     kept = kept_keys([r["config"] for r in runs], [r["raw"] for r in runs])
     rows = pd.DataFrame([run_row(root, r, kept) for r in runs], columns=list(COLUMNS), dtype=object)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    rows.to_csv(path, index=False, lineterminator="\n")
+    write_text_atomic(Path(path), rows.to_csv(index=False, lineterminator="\n"))
     return len(rows)
+
+
+def _appended(root: Path, runs: list[dict], path: Path) -> int:
+    """`path`'s rows, verbatim, and `root`'s complete runs that are not complete rows of it, in the file's regime
+    order, then seed. A new row keeps the config keys the file's rows keep, so it reads like them; refused where
+    these runs differ in a key the file's rows do not keep, or where a run's config hash differs from the file's
+    runs of its regime (the same regime made by other code or settings is not one study)."""
+    old = read_table(path, name="--export-csv")
+    rows = old.to_dict("records")
+    have = {r["run"] for r in rows if r["status"] == "complete"}
+    new = [r for r in runs if r["status"] == "complete" and r["path"].relative_to(root).as_posix() not in have]
+    if not new:
+        return 0
+    old_keys = {k for r in rows if r["config"] for k in json.loads(r["config"])}
+    kept = kept_keys([r["config"] for r in new], [r["raw"] for r in new])
+    if rows and kept - old_keys:
+        raise UserError(f"--export-csv {path}: these runs differ in config keys its rows do not keep "
+                        f"({', '.join(sorted(kept - old_keys))}); export every run dir together instead")
+    hashes = {}
+    for r in rows:
+        hashes.setdefault(r["regime"], set()).add(r["config_hash"])
+    added = [run_row(root, r, old_keys if rows else kept) for r in new]
+    for r in added:
+        if r["regime"] in hashes and r["config_hash"] not in hashes[r["regime"]]:
+            raise UserError(f"--export-csv {path}: run {r['run']} has config hash {r['config_hash']}, its regime "
+                            f"{r['regime']!r} there has {', '.join(sorted(hashes[r['regime']]))}")
+    names = {r["run"] for r in added}
+    rows = [r for r in rows if r["run"] not in names] + added
+    order = list(dict.fromkeys([*old["regime"], *listed_regimes(root), *(r["regime"] for r in added)]))
+    rows.sort(key=lambda r: (order.index(r["regime"]), int(r["seed"]) if str(r["seed"]).lstrip("-").isdigit()
+                             else float("inf"), r["run"]))
+    table = pd.DataFrame(rows, columns=list(COLUMNS), dtype=object)
+    write_text_atomic(path, table.to_csv(index=False, lineterminator="\n"))
+    return len(added)
 
 
 def _nested(flat: dict) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -91,3 +92,65 @@ def test_an_interpolated_family_key_resolves_from_the_csv(tmp_path):
     assert {"stale-4", "humanline-stale-4", "online"} <= {f.strip('"').split(" (")[0] for f in families}
     for name in ("report.csv", "gap_closed.csv", "cost.csv"):
         assert (tmp_path / "csv" / name).read_bytes() == (tmp_path / "dirs" / name).read_bytes(), name
+
+
+def _part(tmp_path, name, seeds):
+    root = tmp_path / name
+    root.mkdir()
+    shutil.copy(GOLDEN / "regimes" / "multirun.yaml", root)
+    for d in (GOLDEN / "regimes").iterdir():
+        if d.is_dir() and int(d.name.rsplit("_", 1)[1]) in seeds:
+            shutil.copytree(d, root / d.name)
+    return root
+
+
+def test_append_keeps_the_files_rows_and_adds_only_complete_runs_it_lacks(tmp_path, capsys):
+    """A study made in two parts whose first part's run dirs are gone (another machine): exporting the first, then
+    appending the second, gives the file one export of all the run dirs gives, byte for byte; appending again adds
+    nothing, and an incomplete run is not added until it completes."""
+    full = tmp_path / "full.csv"
+    assert main_report([str(GOLDEN / "regimes"), "--out", str(tmp_path / "r0"), "--export-csv", str(full)]) == 0
+    first, second = _part(tmp_path, "first", {0}), _part(tmp_path, "second", {1})
+    parts = tmp_path / "parts.csv"
+    assert main_report([str(first), "--out", str(tmp_path / "r1"), "--export-csv", str(parts), "--append"]) == 0
+    assert [r["run"] for r in csv.DictReader(open(parts, newline=""))] == ["offline_0", "online_0", "hl_0"]
+    shutil.rmtree(first)
+    summary = second / "hl_1" / "summary.json"
+    done = summary.read_text()
+    summary.write_text(json.dumps({**json.loads(done), "status": "incomplete"}))
+    assert main_report([str(second), "--out", str(tmp_path / "r2"), "--export-csv", str(parts), "--append"]) == 0
+    assert "added 2 runs" in capsys.readouterr().out
+    assert [r["run"] for r in csv.DictReader(open(parts, newline=""))] == [
+        "offline_0", "offline_1", "online_0", "online_1", "hl_0"]
+    summary.write_text(done)
+    assert main_report([str(second), "--out", str(tmp_path / "r3"), "--export-csv", str(parts), "--append"]) == 0
+    assert parts.read_bytes() == full.read_bytes()
+    assert main_report([str(second), "--out", str(tmp_path / "r4"), "--export-csv", str(parts), "--append"]) == 0
+    assert "added 0 runs" in capsys.readouterr().out and parts.read_bytes() == full.read_bytes()
+
+
+def test_append_refuses_a_run_whose_config_differs_from_its_regimes_kept_runs(tmp_path, capsys):
+    parts = tmp_path / "parts.csv"
+    first, second = _part(tmp_path, "first", {0}), _part(tmp_path, "second", {1})
+    assert main_report([str(first), "--out", str(tmp_path / "r1"), "--export-csv", str(parts), "--append"]) == 0
+    before = parts.read_bytes()
+    def triple_lr(run):
+        config = second / run / ".hydra" / "config.yaml"
+        cfg = yaml.safe_load(config.read_text())
+        cfg["train"]["lr"] = cfg["train"]["lr"] * 3
+        config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+    triple_lr("online_1")  # the new runs differ in a key the file's rows do not keep
+    assert main_report([str(second), "--out", str(tmp_path / "r2"), "--export-csv", str(parts), "--append"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("these runs differ in config keys its rows do not keep (train.lr); export every run dir "
+                        "together instead") and "\n" not in err
+    for run in ("offline_1", "hl_1"):  # all of them at another lr: each regime's hash differs from the file's
+        triple_lr(run)
+    assert main_report([str(second), "--out", str(tmp_path / "r2"), "--export-csv", str(parts), "--append"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.search(r"run (offline|hl)_1 has config hash [0-9a-f]{12}, its regime '(offline|hl)' there has "
+                     r"[0-9a-f]{12}$", err)
+    assert parts.read_bytes() == before
+    assert main_report([str(second), "--out", str(tmp_path / "r3"), "--append"]) == 2
+    assert "--append needs --export-csv" in capsys.readouterr().err

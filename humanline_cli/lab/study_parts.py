@@ -1,0 +1,143 @@
+"""A registered study's sweep run in parts, one process per core, so that a stop anywhere loses at most the runs in
+flight and a lost `runs/` folder loses nothing that was kept.
+
+A study's experiment file sweeps `seed` and `regime` (run dirs `<regime>_seed<seed>`). This tool takes one share of
+its seeds (`--part K --of N`: seeds K, K+N, K+2N, ... in the file's order) and, one seed at a time, runs that seed's
+regimes that are not complete yet in one `humanline train -m` (pinned to `--cpu` with taskset, niced). A run counts
+as complete where its run dir's summary.json says so or where the study's kept CSV (`--kept`, the
+`humanline report --export-csv` file committed beside results.md) has it as complete, so a machine that starts
+without the run dirs never reruns a kept run. A multirun goes on to its next job when one is refused at setup (the
+memory check refuses a run while the other core's run holds its peak), so each seed is retried, after a pause, until
+all its runs are complete or the tries are spent; then the next seed.
+
+    python -m humanline_cli.lab.study_parts smollm2_fair_study --part 0 --of 2 --cpu 0 \\
+        --kept humanline_cli/docs/studies/smollm2_fair_study.csv
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from importlib.resources import files
+from pathlib import Path
+
+from humanline_cli.errors import UserError
+
+SUBDIR = "${hydra:runtime.choices.regime}_seed${seed}"
+
+
+def sweep_grid(experiment: str) -> tuple[list[int], list[str]]:
+    """The experiment file's swept seeds and regimes, in its order (comma lists only)."""
+    from omegaconf import OmegaConf
+
+    path = files("conf").joinpath("experiment", f"{experiment}.yaml")
+    if not path.is_file():
+        raise UserError(f"experiment {experiment!r}: no conf/experiment/{experiment}.yaml")
+    hydra = OmegaConf.to_container(OmegaConf.load(str(path)), resolve=False).get("hydra") or {}
+    params = (hydra.get("sweeper") or {}).get("params") or {}
+    if (hydra.get("sweep") or {}).get("subdir") != SUBDIR or not {"seed", "regime"} <= params.keys():
+        raise UserError(f"experiment {experiment!r} does not sweep seed and regime into run dirs {SUBDIR}")
+    try:
+        seeds = [int(s) for s in str(params["seed"]).split(",")]
+    except ValueError:
+        raise UserError(f"experiment {experiment!r}: seeds {params['seed']!r} are not a comma list of integers") from None
+    return seeds, [r.strip() for r in str(params["regime"]).split(",")]
+
+
+def complete_runs(runs_dir: Path, kept: Path | None) -> set[str]:
+    """Names of the complete runs: run dirs whose summary.json says complete, and the kept CSV's complete rows."""
+    done = set()
+    for summary in runs_dir.glob("*/summary.json"):
+        try:
+            if json.loads(summary.read_text()).get("status") == "complete":
+                done.add(summary.parent.name)
+        except (OSError, ValueError):  # a summary being written or cut short is not complete
+            pass
+    if kept is not None:
+        csv.field_size_limit(1 << 30)  # the CSV keeps each run's summary and metrics in one cell
+        with kept.open(newline="") as f:
+            rows = csv.DictReader(f)
+            if not {"run", "status"} <= set(rows.fieldnames or ()):
+                raise UserError(f"--kept {kept}: not a study CSV (no run and status columns)")
+            done |= {r["run"] for r in rows if r["status"] == "complete"}
+    return done
+
+
+def share(seeds: list[int], part: int, of: int) -> list[int]:
+    """Part `part` of `of` of the seeds: every `of`-th seed from the `part`-th on."""
+    return seeds[part::of]
+
+
+def missing(seed: int, regimes: Iterable[str], done: set[str]) -> list[str]:
+    return [r for r in regimes if f"{r}_seed{seed}" not in done]
+
+
+def command(experiment: str, seed: int, regimes: list[str], cpu: int | None, nice: int) -> list[str]:
+    pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
+    return [*pin, "nice", "-n", str(nice), sys.executable, "-m", "humanline_cli", "train", "-m",
+            f"experiment={experiment}", f"seed={seed}", f"regime={','.join(regimes)}"]
+
+
+def run_share(experiment: str, seeds: list[int], regimes: list[str], runs_dir: Path, kept: Path | None, *,
+              cpu: int | None = None, nice: int = 10, tries: int = 10, pause: float = 120.0,
+              run: Callable[[list[str]], object] = subprocess.run, say: Callable[[str], None] = print) -> list[str]:
+    """Run the share seed by seed; the runs still missing after every seed's tries (empty when all finished)."""
+    left = []
+    for seed in seeds:
+        for attempt in range(1, tries + 1):
+            todo = missing(seed, regimes, complete_runs(runs_dir, kept))
+            if not todo:
+                break
+            say(f"{time.strftime('%H:%M:%S')} seed {seed}, try {attempt} of {tries}: {', '.join(todo)}")
+            run(command(experiment, seed, todo, cpu, nice))
+            if missing(seed, regimes, complete_runs(runs_dir, kept)) and attempt < tries:
+                time.sleep(pause)
+        todo = missing(seed, regimes, complete_runs(runs_dir, kept))
+        say(f"{time.strftime('%H:%M:%S')} seed {seed}: " + ("complete" if not todo else f"{len(todo)} runs not "
+                                                              f"complete after {tries} tries: {', '.join(todo)}"))
+        left += [f"{r}_seed{seed}" for r in todo]
+    return left
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m humanline_cli.lab.study_parts", description=__doc__.split("\n\n")[0])
+    p.add_argument("experiment", help="the study's experiment file under conf/experiment/")
+    p.add_argument("--part", type=int, default=0, help="which share of the seeds, from 0 (default 0)")
+    p.add_argument("--of", type=int, default=1, help="how many shares the seeds are split into (default 1)")
+    p.add_argument("--cpu", type=int, default=None, help="pin this share's runs to this CPU (taskset)")
+    p.add_argument("--kept", type=Path, default=None, help="the study's kept CSV: its complete runs are not rerun")
+    p.add_argument("--runs", type=Path, default=None, help="the study's run dirs (default runs/experiments/EXPERIMENT)")
+    p.add_argument("--tries", type=int, default=10, help="runs of a seed's multirun before going on (default 10)")
+    p.add_argument("--pause", type=float, default=120.0, help="seconds between a seed's tries (default 120)")
+    p.add_argument("--nice", type=int, default=10, help="the runs' niceness (default 10)")
+    a = p.parse_args(argv)
+    try:
+        if not 0 <= a.part < a.of:
+            raise UserError(f"--part {a.part} --of {a.of}: the part must be in [0, {a.of})")
+        if a.tries < 1:
+            raise UserError(f"--tries {a.tries}: at least 1")
+        if a.cpu is not None and shutil.which("taskset") is None:
+            raise UserError("--cpu needs taskset (util-linux), which is not on PATH")
+        if a.kept is not None and not a.kept.is_file():
+            raise UserError(f"--kept {a.kept}: no such file")
+        seeds, regimes = sweep_grid(a.experiment)
+        runs_dir = a.runs or Path("runs/experiments") / a.experiment
+        complete_runs(runs_dir, a.kept)  # a bad --kept stops here, before any run starts
+    except UserError as e:
+        print(f"study_parts: error: {e}", file=sys.stderr)
+        return 2
+    mine = share(seeds, a.part, a.of)
+    print(f"study_parts: {a.experiment}, part {a.part} of {a.of}: {len(mine)} seeds x {len(regimes)} regimes, "
+          f"run dirs in {runs_dir}", flush=True)
+    left = run_share(a.experiment, mine, regimes, runs_dir, a.kept, cpu=a.cpu, nice=a.nice, tries=a.tries,
+                     pause=a.pause, say=lambda line: print(line, flush=True))
+    return 1 if left else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""A study's sweep in parts: which runs count as complete (run dirs and the kept CSV), which seeds a part gets, the
+command a seed runs, and the retry of a seed whose runs were refused, with a stand-in for `humanline train -m` that
+writes the summaries a real run would."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pandas as pd
+import pytest
+
+from humanline_cli.lab.study_parts import command, complete_runs, main, missing, run_share, share, sweep_grid
+
+REGIMES = ["online", "hl_online", "stale_once", "hl_stale_once_sync1_lo1", "hl_stale_once_sync16_lo15",
+           "hl_stale_once_sync1_open"]
+
+
+def _summary(runs, name, status="complete"):
+    (runs / name).mkdir(parents=True, exist_ok=True)
+    (runs / name / "summary.json").write_text(json.dumps({"status": status}))
+
+
+def test_the_fair_study_grid_is_66_seeds_by_6_regimes():
+    seeds, regimes = sweep_grid("smollm2_fair_study")
+    assert seeds == list(range(66)) and regimes == REGIMES
+    assert share(seeds, 0, 2) == list(range(0, 66, 2)) and share(seeds, 1, 2) == list(range(1, 66, 2))
+    assert share(seeds, 2, 3) == list(range(2, 66, 3))
+
+
+def test_complete_runs_come_from_run_dirs_and_the_kept_csv(tmp_path):
+    runs = tmp_path / "runs"
+    _summary(runs, "online_seed6")
+    _summary(runs, "hl_online_seed6", status="failed")
+    (runs / "stale_once_seed6").mkdir()  # in flight: no summary yet
+    (runs / "hl_stale_once_sync1_lo1_seed6").mkdir()
+    (runs / "hl_stale_once_sync1_lo1_seed6" / "summary.json").write_text('{"status": "compl')  # cut short
+    kept = tmp_path / "study.csv"
+    pd.DataFrame([{"run": "online_seed0", "status": "complete", "summary": "{" + "x" * 200_000 + "}"},
+                  {"run": "hl_online_seed0", "status": "failed", "summary": "{}"}]).to_csv(kept, index=False)
+    done = complete_runs(runs, kept)
+    assert done == {"online_seed6", "online_seed0"}
+    assert complete_runs(runs, None) == {"online_seed6"}
+    assert missing(6, REGIMES, done) == REGIMES[1:]
+    assert missing(0, REGIMES, done) == REGIMES[1:]
+    assert missing(1, REGIMES, done) == REGIMES
+
+
+def test_a_seed_runs_only_its_missing_regimes_pinned_and_niced():
+    assert command("smollm2_fair_study", 6, ["hl_online", "stale_once"], 1, 10) == [
+        "taskset", "-c", "1", "nice", "-n", "10", sys.executable, "-m", "humanline_cli", "train", "-m",
+        "experiment=smollm2_fair_study", "seed=6", "regime=hl_online,stale_once"]
+    assert command("e", 0, ["online"], None, 19)[:3] == ["nice", "-n", "19"]
+
+
+def test_a_refused_run_is_retried_and_a_kept_run_never_reruns(tmp_path):
+    runs = tmp_path / "runs"
+    kept = tmp_path / "study.csv"
+    pd.DataFrame([{"run": "online_seed2", "status": "complete"}]).to_csv(kept, index=False)
+    calls, refused = [], {"hl_online_seed2"}  # refused at setup on the first try only
+
+    def fake_train(argv):
+        calls.append(argv[-1])
+        seed = int(argv[-2].removeprefix("seed="))
+        for regime in argv[-1].removeprefix("regime=").split(","):
+            name = f"{regime}_seed{seed}"
+            if name in refused:
+                refused.discard(name)
+                continue
+            _summary(runs, name)
+
+    left = run_share("smollm2_fair_study", [0, 2], REGIMES[:3], runs, kept, tries=3, pause=0, run=fake_train,
+                     say=lambda line: None)
+    assert left == []
+    assert calls == ["regime=online,hl_online,stale_once", "regime=hl_online,stale_once", "regime=hl_online"]
+    assert not (runs / "online_seed2").exists()
+
+
+def test_a_seed_that_never_completes_is_reported_and_the_next_seed_runs(tmp_path):
+    runs = tmp_path / "runs"
+    calls = []
+    left = run_share("e", [0, 1], ["a", "b"], runs, None, tries=2, pause=0, say=lambda line: None,
+                     run=lambda argv: (calls.append(argv[-2]), _summary(runs, f"a_{argv[-2].replace('=', '')}")))
+    assert calls == ["seed=0", "seed=0", "seed=1", "seed=1"]
+    assert left == ["b_seed0", "b_seed1"]
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["no_such_study"], "experiment 'no_such_study': no conf/experiment/no_such_study.yaml"),
+    (["laptop_headroom"], "does not sweep seed and regime"),
+    (["smollm2_fair_study", "--part", "2", "--of", "2"], "--part 2 --of 2: the part must be in [0, 2)"),
+    (["smollm2_fair_study", "--kept", "missing.csv"], "--kept missing.csv: no such file"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, says, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("study_parts: error: ") and says in err and "\n" not in err
+
+
+def test_a_csv_without_run_and_status_is_refused(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    assert main(["smollm2_fair_study", "--kept", str(bad), "--runs", str(tmp_path / "runs")]) == 2
+    assert "not a study CSV" in capsys.readouterr().err
