@@ -10,7 +10,8 @@ without the run dirs never reruns a kept run. A multirun goes on to its next job
 memory check refuses a run while the other core's run holds its peak), so each seed is retried, after a pause, until
 all its runs are complete or the tries are spent; then the next seed.
 
-    python -m humanline_cli.lab.study_parts smollm2_fair_study --part 0 --of 2 --cpu 0 \\
+    git worktree add ../study 2ca0728      # the registered code, a clean checkout
+    python -m humanline_cli.lab.study_parts smollm2_fair_study --code ../study --part 0 --of 2 --cpu 0 \\
         --kept humanline_cli/docs/studies/smollm2_fair_study.csv
 """
 from __future__ import annotations
@@ -77,14 +78,17 @@ def missing(seed: int, regimes: Iterable[str], done: set[str]) -> list[str]:
     return [r for r in regimes if f"{r}_seed{seed}" not in done]
 
 
-def command(experiment: str, seed: int, regimes: list[str], cpu: int | None, nice: int) -> list[str]:
+def command(experiment: str, seed: int, regimes: list[str], cpu: int | None, nice: int,
+            code: Path | None = None) -> list[str]:
+    """The seed's multirun; with `code`, that checkout's humanline_cli and conf/ run it (PYTHONPATH first)."""
     pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
-    return [*pin, "nice", "-n", str(nice), sys.executable, "-m", "humanline_cli", "train", "-m",
+    env = ["env", f"PYTHONPATH={code.resolve()}"] if code is not None else []
+    return [*pin, "nice", "-n", str(nice), *env, sys.executable, "-m", "humanline_cli", "train", "-m",
             f"experiment={experiment}", f"seed={seed}", f"regime={','.join(regimes)}"]
 
 
 def run_share(experiment: str, seeds: list[int], regimes: list[str], runs_dir: Path, kept: Path | None, *,
-              cpu: int | None = None, nice: int = 10, tries: int = 10, pause: float = 120.0,
+              cpu: int | None = None, nice: int = 10, code: Path | None = None, tries: int = 10, pause: float = 120.0,
               run: Callable[[list[str]], object] = subprocess.run, say: Callable[[str], None] = print) -> list[str]:
     """Run the share seed by seed; the runs still missing after every seed's tries (empty when all finished)."""
     left = []
@@ -94,7 +98,7 @@ def run_share(experiment: str, seeds: list[int], regimes: list[str], runs_dir: P
             if not todo:
                 break
             say(f"{time.strftime('%H:%M:%S')} seed {seed}, try {attempt} of {tries}: {', '.join(todo)}")
-            run(command(experiment, seed, todo, cpu, nice))
+            run(command(experiment, seed, todo, cpu, nice, code))
             if missing(seed, regimes, complete_runs(runs_dir, kept)) and attempt < tries:
                 time.sleep(pause)
         todo = missing(seed, regimes, complete_runs(runs_dir, kept))
@@ -110,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part", type=int, default=0, help="which share of the seeds, from 0 (default 0)")
     p.add_argument("--of", type=int, default=1, help="how many shares the seeds are split into (default 1)")
     p.add_argument("--cpu", type=int, default=None, help="pin this share's runs to this CPU (taskset)")
+    p.add_argument("--code", type=Path, default=None, metavar="DIR",
+                   help="run the trains on this checkout's code (the registered commit, e.g. a git worktree of it); "
+                        "default: this interpreter's humanline_cli")
     p.add_argument("--kept", type=Path, default=None, help="the study's kept CSV: its complete runs are not rerun")
     p.add_argument("--runs", type=Path, default=None, help="the study's run dirs (default runs/experiments/EXPERIMENT)")
     p.add_argument("--tries", type=int, default=10, help="runs of a seed's multirun before going on (default 10)")
@@ -123,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--tries {a.tries}: at least 1")
         if a.cpu is not None and shutil.which("taskset") is None:
             raise UserError("--cpu needs taskset (util-linux), which is not on PATH")
+        if a.code is not None and not ((a.code / "humanline_cli" / "__init__.py").is_file()
+                                       and (a.code / "conf").is_dir()):
+            raise UserError(f"--code {a.code}: not a humanline checkout (no humanline_cli/ and conf/ there)")
         if a.kept is not None and not a.kept.is_file():
             raise UserError(f"--kept {a.kept}: no such file")
         seeds, regimes = sweep_grid(a.experiment)
@@ -134,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     mine = share(seeds, a.part, a.of)
     print(f"study_parts: {a.experiment}, part {a.part} of {a.of}: {len(mine)} seeds x {len(regimes)} regimes, "
           f"run dirs in {runs_dir}", flush=True)
-    left = run_share(a.experiment, mine, regimes, runs_dir, a.kept, cpu=a.cpu, nice=a.nice, tries=a.tries,
+    left = run_share(a.experiment, mine, regimes, runs_dir, a.kept, cpu=a.cpu, nice=a.nice, code=a.code, tries=a.tries,
                      pause=a.pause, say=lambda line: print(line, flush=True))
     return 1 if left else 0
 

@@ -45,11 +45,12 @@ def test_complete_runs_come_from_run_dirs_and_the_kept_csv(tmp_path):
     assert missing(1, REGIMES, done) == REGIMES
 
 
-def test_a_seed_runs_only_its_missing_regimes_pinned_and_niced():
+def test_a_seed_runs_only_its_missing_regimes_pinned_and_niced(tmp_path):
     assert command("smollm2_fair_study", 6, ["hl_online", "stale_once"], 1, 10) == [
         "taskset", "-c", "1", "nice", "-n", "10", sys.executable, "-m", "humanline_cli", "train", "-m",
         "experiment=smollm2_fair_study", "seed=6", "regime=hl_online,stale_once"]
-    assert command("e", 0, ["online"], None, 19)[:3] == ["nice", "-n", "19"]
+    assert command("e", 0, ["online"], None, 19)[:4] == ["nice", "-n", "19", sys.executable]
+    assert command("e", 0, ["online"], None, 10, tmp_path)[3:6] == ["env", f"PYTHONPATH={tmp_path}", sys.executable]
 
 
 def test_a_refused_run_is_retried_and_a_kept_run_never_reruns(tmp_path):
@@ -89,6 +90,7 @@ def test_a_seed_that_never_completes_is_reported_and_the_next_seed_runs(tmp_path
     (["laptop_headroom"], "does not sweep seed and regime"),
     (["smollm2_fair_study", "--part", "2", "--of", "2"], "--part 2 --of 2: the part must be in [0, 2)"),
     (["smollm2_fair_study", "--kept", "missing.csv"], "--kept missing.csv: no such file"),
+    (["smollm2_fair_study", "--code", "."], "--code .: not a humanline checkout"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
