@@ -108,3 +108,19 @@ lab TOOL *ARGS:
 
 lint:
     {{venv}}/bin/ruff check humanline_cli tests
+
+# (docs/results.md, "How the sweep runs"): the registered code in a worktree (../study at 2ca0728), part K of the
+# seeds pinned to CPU K, runs kept in the CSV never rerun, checkpoints of finished runs dropped; logs in
+# runs/study_parts_K.log
+# the fair SmolLM2 study's sweep resumed on this machine, one detached lab/study_parts per core
+study-resume:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    test -d ../study || git worktree add --detach ../study 2ca0728
+    mkdir -p runs
+    for k in 0 1; do
+        setsid nohup {{py}} -m humanline_cli.lab.study_parts smollm2_fair_study --code ../study --part $k --of 2 \
+            --cpu $k --drop-checkpoints --kept humanline_cli/docs/studies/smollm2_fair_study.csv \
+            >> runs/study_parts_$k.log 2>&1 < /dev/null &
+    done
+    echo "study_parts started on CPUs 0 and 1: tail -f runs/study_parts_0.log runs/study_parts_1.log"

@@ -69,6 +69,17 @@ def complete_runs(runs_dir: Path, kept: Path | None) -> set[str]:
     return done
 
 
+def drop_checkpoints(runs_dir: Path) -> int:
+    """Delete the mid-run checkpoints of the complete runs under `runs_dir` (a finished run never resumes, and a
+    SmolLM2 run's checkpoint is gigabytes); the number of runs whose checkpoints went."""
+    n = 0
+    for name in complete_runs(runs_dir, None):
+        if (runs_dir / name / "checkpoints").is_dir():
+            shutil.rmtree(runs_dir / name / "checkpoints", ignore_errors=True)
+            n += 1
+    return n
+
+
 def share(seeds: list[int], part: int, of: int) -> list[int]:
     """Part `part` of `of` of the seeds: every `of`-th seed from the `part`-th on."""
     return seeds[part::of]
@@ -89,6 +100,7 @@ def command(experiment: str, seed: int, regimes: list[str], cpu: int | None, nic
 
 def run_share(experiment: str, seeds: list[int], regimes: list[str], runs_dir: Path, kept: Path | None, *,
               cpu: int | None = None, nice: int = 10, code: Path | None = None, tries: int = 10, pause: float = 120.0,
+              drop: bool = False,
               run: Callable[[list[str]], object] = subprocess.run, say: Callable[[str], None] = print) -> list[str]:
     """Run the share seed by seed; the runs still missing after every seed's tries (empty when all finished)."""
     left = []
@@ -99,6 +111,8 @@ def run_share(experiment: str, seeds: list[int], regimes: list[str], runs_dir: P
                 break
             say(f"{time.strftime('%H:%M:%S')} seed {seed}, try {attempt} of {tries}: {', '.join(todo)}")
             run(command(experiment, seed, todo, cpu, nice, code))
+            if drop:
+                drop_checkpoints(runs_dir)
             if missing(seed, regimes, complete_runs(runs_dir, kept)) and attempt < tries:
                 time.sleep(pause)
         todo = missing(seed, regimes, complete_runs(runs_dir, kept))
@@ -121,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=Path, default=None, help="the study's run dirs (default runs/experiments/EXPERIMENT)")
     p.add_argument("--tries", type=int, default=10, help="runs of a seed's multirun before going on (default 10)")
     p.add_argument("--pause", type=float, default=120.0, help="seconds between a seed's tries (default 120)")
+    p.add_argument("--drop-checkpoints", action="store_true",
+                   help="delete the checkpoints of complete runs after each seed's multirun (they are never resumed)")
     p.add_argument("--nice", type=int, default=10, help="the runs' niceness (default 10)")
     a = p.parse_args(argv)
     try:
@@ -145,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"study_parts: {a.experiment}, part {a.part} of {a.of}: {len(mine)} seeds x {len(regimes)} regimes, "
           f"run dirs in {runs_dir}", flush=True)
     left = run_share(a.experiment, mine, regimes, runs_dir, a.kept, cpu=a.cpu, nice=a.nice, code=a.code, tries=a.tries,
-                     pause=a.pause, say=lambda line: print(line, flush=True))
+                     pause=a.pause, drop=a.drop_checkpoints, say=lambda line: print(line, flush=True))
     return 1 if left else 0
 
 

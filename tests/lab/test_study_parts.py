@@ -9,7 +9,16 @@ import sys
 import pandas as pd
 import pytest
 
-from humanline_cli.lab.study_parts import command, complete_runs, main, missing, run_share, share, sweep_grid
+from humanline_cli.lab.study_parts import (
+    command,
+    complete_runs,
+    drop_checkpoints,
+    main,
+    missing,
+    run_share,
+    share,
+    sweep_grid,
+)
 
 REGIMES = ["online", "hl_online", "stale_once", "hl_stale_once_sync1_lo1", "hl_stale_once_sync16_lo15",
            "hl_stale_once_sync1_open"]
@@ -104,3 +113,29 @@ def test_a_csv_without_run_and_status_is_refused(tmp_path, capsys):
     bad.write_text("a,b\n1,2\n")
     assert main(["smollm2_fair_study", "--kept", str(bad), "--runs", str(tmp_path / "runs")]) == 2
     assert "not a study CSV" in capsys.readouterr().err
+
+
+def test_only_complete_runs_lose_their_checkpoints(tmp_path):
+    runs = tmp_path / "runs"
+    for name, status in (("online_seed0", "complete"), ("hl_online_seed0", "failed")):
+        _summary(runs, name, status)
+        (runs / name / "checkpoints" / "step_40").mkdir(parents=True)
+    (runs / "stale_once_seed0" / "checkpoints" / "step_8").mkdir(parents=True)  # in flight: no summary yet
+    assert drop_checkpoints(runs) == 1
+    assert not (runs / "online_seed0" / "checkpoints").exists()
+    assert (runs / "online_seed0" / "summary.json").is_file()
+    assert (runs / "hl_online_seed0" / "checkpoints" / "step_40").is_dir()
+    assert (runs / "stale_once_seed0" / "checkpoints" / "step_8").is_dir()
+    assert drop_checkpoints(runs) == 0
+
+
+def test_checkpoints_go_after_each_multirun_when_asked(tmp_path):
+    runs = tmp_path / "runs"
+
+    def fake_train(argv):
+        _summary(runs, f"a_{argv[-2].replace('=', '')}")
+        (runs / f"a_{argv[-2].replace('=', '')}" / "checkpoints").mkdir()
+
+    assert run_share("e", [0, 1], ["a"], runs, None, pause=0, run=fake_train, say=lambda line: None, drop=True) == []
+    assert sorted(p.name for p in runs.iterdir()) == ["a_seed0", "a_seed1"]
+    assert not any((runs / n / "checkpoints").exists() for n in ("a_seed0", "a_seed1"))
