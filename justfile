@@ -124,3 +124,14 @@ study-resume:
             >> runs/study_parts_$k.log 2>&1 < /dev/null &
     done
     echo "study_parts started on CPUs 0 and 1: tail -f runs/study_parts_0.log runs/study_parts_1.log"
+
+# ends the study_parts loops first (so none starts a new run), then SIGTERMs the trains: each stops at a step boundary
+# after writing a checkpoint, which `just study-resume` resumes
+# the fair SmolLM2 study's sweep stopped so that it resumes where it stopped
+study-stop:
+    #!/usr/bin/env bash
+    pkill -f "humanline_cli.lab.study_parts smollm2_fair_study" || true
+    sleep 2
+    pkill -TERM -f "humanline_cli train -m experiment=smollm2_fair_study" || true
+    while pgrep -f "humanline_cli train -m experiment=smollm2_fair_study" > /dev/null; do sleep 5; done
+    echo "stopped; runs in flight wrote checkpoints"
