@@ -135,3 +135,9 @@ study-stop:
     pkill -TERM -f "humanline_cli train -m experiment=smollm2_fair_study" || true
     while pgrep -f "humanline_cli train -m experiment=smollm2_fair_study" > /dev/null; do sleep 5; done
     echo "stopped; runs in flight wrote checkpoints"
+
+# the fair SmolLM2 study's finished runs added to its CSV, and the docs' progress table and counts set from it
+study-record:
+    {{venv}}/bin/humanline report runs/experiments/smollm2_fair_study --margin 0.05 --out runs/study_report --append \
+        --export-csv humanline_cli/docs/studies/smollm2_fair_study.csv
+    {{py}} -m humanline_cli.lab.study_progress humanline_cli/docs/studies/smollm2_fair_study.csv --write
