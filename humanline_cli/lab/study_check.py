@@ -25,6 +25,7 @@ import pandas as pd
 
 from humanline_cli.errors import UserError
 from humanline_cli.lab.power import holm, tost_p
+from humanline_cli.lab.study_progress import cpu_name
 from humanline_cli.mdtable import md_table
 from humanline_cli.report.stats import equivalence, paired_by_seed
 from humanline_cli.report.study_csv import read_table
@@ -76,8 +77,9 @@ def eligible(csv: pd.DataFrame, seeds, registered: str | None = None, repo: Path
             excluded.append(f"{r.regime} seed {r.seed}: {why}")
             continue
         keep.append({"regime": r.regime, "seed": int(r.seed), "commit": r.git_commit,
+                     "cpu": cpu_name(getattr(r, "machine", "")),
                      **{m: float(getattr(r, col)) for m, col in METRICS.items()}})
-    runs = pd.DataFrame(keep, columns=["regime", "seed", "commit", *METRICS])
+    runs = pd.DataFrame(keep, columns=["regime", "seed", "commit", "cpu", *METRICS])
     dup = runs.duplicated(["regime", "seed"], keep=False)
     if dup.any():
         raise UserError("two complete runs of the same regime and seed: "
@@ -126,11 +128,21 @@ def _interval(lo, hi) -> str:
     return "–" if lo is None else f"[{lo:+.4f}, {hi:+.4f}]"
 
 
-def markdown(r: dict, commits: dict, excluded: list[str]) -> list[str]:
+def ran_on(runs: pd.DataFrame) -> str:
+    """The CPUs the counted runs ran on, and how many seeds have arms on more than one (the registration fixes the
+    code, precision, threads and seeds, not the CPU: a seed's pairs may span machines)."""
+    cpus = runs.cpu.value_counts()
+    split = int((runs.groupby("seed").cpu.nunique() > 1).sum())
+    return ("ran on: " + (", ".join(f"{c} ({k} runs)" for c, k in sorted(cpus.items())) or "–")
+            + f"; seeds with arms on more than one CPU: {split}")
+
+
+def markdown(r: dict, commits: dict, excluded: list[str], cpus: str | None = None) -> list[str]:
     n = r["n_seeds"]
     lines = ["runs counted per regime (of " + str(n) + " seeds): "
              + ", ".join(f"{reg} {k}" for reg, k in r["have"].items()),
-             "started on: " + (", ".join(f"{c[:7]} ({k} runs, clean)" for c, k in commits.items()) or "–")]
+             "started on: " + (", ".join(f"{c[:7]} ({k} runs, clean)" for c, k in commits.items()) or "–"),
+             *([cpus] if cpus else [])]
     lines += [f"excluded: {e}" for e in excluded]
     lines += [f"seeds with all {len(REGIMES)} regimes: {len(r['full'])} of {n}"]
     if not r["complete"]:
@@ -194,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"study_check: error: {e}", file=sys.stderr)
         return 2
     commits = runs.commit.value_counts().to_dict()
-    print("\n".join(markdown(decide(runs, seeds), commits, excluded)))
+    print("\n".join(markdown(decide(runs, seeds), commits, excluded, ran_on(runs))))
     return 0
 
 

@@ -141,3 +141,16 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
              "greedy_final": 0.5, "sampled_final": 0.5}
     assert main([str(_csv(tmp_path, extra=[twice])), "--seeds", "0-2"]) == 2
     assert "two complete runs of the same regime and seed: online seed 1" in capsys.readouterr().err
+
+
+def test_the_cpus_the_counted_runs_ran_on_and_the_seeds_they_split():
+    from humanline_cli.lab.study_check import ran_on
+
+    runs = pd.DataFrame({"seed": [0, 0, 1, 1, 2], "cpu": ["Intel Xeon", "Intel Xeon", "Intel Xeon", "AMD EPYC",
+                                                           "AMD EPYC"]})
+    assert ran_on(runs) == "ran on: AMD EPYC (2 runs), Intel Xeon (3 runs); seeds with arms on more than one CPU: 1"
+
+
+def test_a_csv_without_machines_counts_its_runs_on_an_unknown_cpu(tmp_path, capsys):
+    assert main([str(_csv(tmp_path))]) == 0
+    assert "ran on: ? (18 runs); seeds with arms on more than one CPU: 0" in capsys.readouterr().out
