@@ -80,6 +80,20 @@ def drop_checkpoints(runs_dir: Path) -> int:
     return n
 
 
+def run_dropping(argv: list[str], runs_dir: Path, every: float = 60.0) -> int:
+    """Run `argv`, dropping the checkpoints of runs as they complete (every `every` seconds and at the end), so a
+    seed's multirun holds at most its run in flight's; its exit code."""
+    proc = subprocess.Popen(argv)
+    while True:
+        try:
+            code = proc.wait(timeout=every)
+            break
+        except subprocess.TimeoutExpired:
+            drop_checkpoints(runs_dir)
+    drop_checkpoints(runs_dir)
+    return code
+
+
 def share(seeds: list[int], part: int, of: int) -> list[int]:
     """Part `part` of `of` of the seeds: every `of`-th seed from the `part`-th on."""
     return seeds[part::of]
@@ -110,9 +124,10 @@ def run_share(experiment: str, seeds: list[int], regimes: list[str], runs_dir: P
             if not todo:
                 break
             say(f"{time.strftime('%H:%M:%S')} seed {seed}, try {attempt} of {tries}: {', '.join(todo)}")
-            run(command(experiment, seed, todo, cpu, nice, code))
             if drop:
-                drop_checkpoints(runs_dir)
+                run_dropping(command(experiment, seed, todo, cpu, nice, code), runs_dir)
+            else:
+                run(command(experiment, seed, todo, cpu, nice, code))
             if missing(seed, regimes, complete_runs(runs_dir, kept)) and attempt < tries:
                 time.sleep(pause)
         todo = missing(seed, regimes, complete_runs(runs_dir, kept))
@@ -136,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tries", type=int, default=10, help="runs of a seed's multirun before going on (default 10)")
     p.add_argument("--pause", type=float, default=120.0, help="seconds between a seed's tries (default 120)")
     p.add_argument("--drop-checkpoints", action="store_true",
-                   help="delete the checkpoints of complete runs after each seed's multirun (they are never resumed)")
+                   help="delete the checkpoints of runs as they complete (a finished run is never resumed)")
     p.add_argument("--nice", type=int, default=10, help="the runs' niceness (default 10)")
     a = p.parse_args(argv)
     try:

@@ -15,6 +15,7 @@ from humanline_cli.lab.study_parts import (
     drop_checkpoints,
     main,
     missing,
+    run_dropping,
     run_share,
     share,
     sweep_grid,
@@ -129,13 +130,22 @@ def test_only_complete_runs_lose_their_checkpoints(tmp_path):
     assert drop_checkpoints(runs) == 0
 
 
-def test_checkpoints_go_after_each_multirun_when_asked(tmp_path):
+def test_checkpoints_go_as_runs_complete_while_the_multirun_goes_on(tmp_path):
+    """A stand-in multirun (a real process) finishes run a, then writes run b's checkpoint and waits: a's checkpoint
+    goes while b is still in flight, and b's once it completes."""
     runs = tmp_path / "runs"
-
-    def fake_train(argv):
-        _summary(runs, f"a_{argv[-2].replace('=', '')}")
-        (runs / f"a_{argv[-2].replace('=', '')}" / "checkpoints").mkdir()
-
-    assert run_share("e", [0, 1], ["a"], runs, None, pause=0, run=fake_train, say=lambda line: None, drop=True) == []
-    assert sorted(p.name for p in runs.iterdir()) == ["a_seed0", "a_seed1"]
-    assert not any((runs / n / "checkpoints").exists() for n in ("a_seed0", "a_seed1"))
+    script = f"""
+import json, pathlib, time
+runs = pathlib.Path({str(runs)!r})
+for name in ("a_seed0", "b_seed0"):
+    (runs / name / "checkpoints" / "step_8").mkdir(parents=True)
+    if name == "b_seed0":
+        while (runs / "a_seed0" / "checkpoints").exists():
+            time.sleep(0.02)
+        (runs / "gone").write_text("a's checkpoint went while b ran")
+    (runs / name / "summary.json").write_text(json.dumps({{"status": "complete"}}))
+"""
+    assert run_dropping([sys.executable, "-c", script], runs, every=0.05) == 0
+    assert (runs / "gone").is_file()
+    assert not (runs / "a_seed0" / "checkpoints").exists() and not (runs / "b_seed0" / "checkpoints").exists()
+    assert (runs / "b_seed0" / "summary.json").is_file()
