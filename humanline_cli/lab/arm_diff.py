@@ -36,21 +36,24 @@ def train_rows(run: Path) -> dict[int, dict]:
 
 
 def compare(a: dict[int, dict], b: dict[int, dict]) -> dict:
-    """{"steps": steps both logged, "only_a"/"only_b": steps one lacks, "differ": {key: [steps]} where a logged
-    number differs or is logged by one run only, "clamped_a"/"clamped_b": {step: share of tokens clamped}}."""
+    """{"steps": steps both logged, "only_a"/"only_b": steps one lacks, "differ": {key: [steps]} where both log a
+    number and it differs, "logged_by_a"/"logged_by_b": keys only that run logs (the open band logs no clamped
+    share), "clamped_a"/"clamped_b": {step: share of tokens clamped}}."""
     differ: dict[str, list[int]] = {}
-    for step in sorted(a.keys() & b.keys()):
-        for key in sorted(a[step].keys() | b[step].keys()):
-            if key.startswith(CLOCKS):
-                continue
+    both = sorted(a.keys() & b.keys())
+    keys_a = {k for s in both for k in a[s] if not k.startswith(CLOCKS)}
+    keys_b = {k for s in both for k in b[s] if not k.startswith(CLOCKS)}
+    for step in both:
+        for key in sorted(keys_a & keys_b):
             if a[step].get(key, "<absent>") != b[step].get(key, "<absent>"):
                 differ.setdefault(key, []).append(step)
 
     def clamped(rows):
         return {s: 1 - r[UNCLAMPED] for s, r in sorted(rows.items()) if r.get(UNCLAMPED, 1) < 1}
 
-    return {"steps": len(a.keys() & b.keys()), "only_a": sorted(a.keys() - b.keys()),
-            "only_b": sorted(b.keys() - a.keys()), "differ": differ, "clamped_a": clamped(a), "clamped_b": clamped(b)}
+    return {"steps": len(both), "only_a": sorted(a.keys() - b.keys()), "only_b": sorted(b.keys() - a.keys()),
+            "differ": differ, "logged_by_a": sorted(keys_a - keys_b), "logged_by_b": sorted(keys_b - keys_a),
+            "clamped_a": clamped(a), "clamped_b": clamped(b)}
 
 
 def _clamped(shares: dict[int, float]) -> str:
@@ -71,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; only {args.b.name}: {r['only_b']}" if r["only_b"] else ""))
     print("differ (clocks aside): " + ("; ".join(f"{k} at steps {', '.join(map(str, s))}"
                                                   for k, s in r["differ"].items()) or "nothing"))
+    for side, run in (("a", args.a), ("b", args.b)):
+        if r[f"logged_by_{side}"]:
+            print(f"logged by {run.name} only: {', '.join(r[f'logged_by_{side}'])}")
     print(f"tokens the band clamped, {args.a.name}: {_clamped(r['clamped_a'])}")
     print(f"tokens the band clamped, {args.b.name}: {_clamped(r['clamped_b'])}")
     return 0

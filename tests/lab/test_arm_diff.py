@@ -51,3 +51,14 @@ def test_not_a_run_dir_is_one_line_and_exit_2(tmp_path, capsys):
     assert main([str(tmp_path), str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"arm_diff: error: {tmp_path}: no metrics.jsonl (not a run dir)"
+
+
+def test_a_key_one_run_never_logs_is_named_apart(tmp_path, capsys):
+    a = _run(tmp_path, "lo1", _rows(1.0, 0.99))
+    b = _run(tmp_path, "open", [{k: v for k, v in r.items() if k != "humanline/unclamped_fraction"}
+                                for r in _rows(1.0, 1.0)])
+    r = compare(train_rows(a), train_rows(b))
+    assert r["differ"] == {} and r["logged_by_a"] == ["humanline/unclamped_fraction"] and r["logged_by_b"] == []
+    assert main([str(a), str(b)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:3] == ["differ (clocks aside): nothing", "logged by lo1 only: humanline/unclamped_fraction"]
