@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from humanline_cli.core.objectives import PROPERTIES
-from humanline_cli.errors import ArgumentParser, UserError, finite_float
+from humanline_cli.errors import ArgumentParser, RunFailed, UserError, finite_float
 from humanline_cli.mdtable import md_table
 from humanline_cli.report import async_lag, correction_contrasts, cost, gap_closed, matched, study_csv
 from humanline_cli.report.frame import MARKERS, column, find_run_dirs, frame, load_run, num, write_csv
@@ -362,7 +362,7 @@ def main_report(argv: list[str]) -> int:
             if args.export_csv is not None:
                 n = study_csv.export(args.dir, args.export_csv, append=args.append)
                 print(f"{'added' if args.append else 'wrote'} {n} runs to {args.export_csv}")
-    except (OSError, ValueError, UserError) as e:
+    except (OSError, ValueError, UserError, RunFailed) as e:  # RunFailed: a CSV that cannot be written
         print(f"humanline: error: {e}", file=sys.stderr)
         return 2
     print_report(rep)

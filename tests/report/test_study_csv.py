@@ -154,3 +154,12 @@ def test_append_refuses_a_run_whose_config_differs_from_its_regimes_kept_runs(tm
     assert parts.read_bytes() == before
     assert main_report([str(second), "--out", str(tmp_path / "r3"), "--append"]) == 2
     assert "--append needs --export-csv" in capsys.readouterr().err
+
+
+def test_a_csv_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, capsys):
+    (tmp_path / "taken").mkdir()  # a folder where the file should go: the rename over it fails
+    assert main_report([str(GOLDEN / "regimes"), "--out", str(tmp_path / "r"), "--export-csv",
+                        str(tmp_path / "taken")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"humanline: error: cannot write {tmp_path / 'taken'}") and "\n" not in err
+    assert not (tmp_path / "taken.tmp").exists()
