@@ -52,7 +52,9 @@ def test_bf16_autocast_logratios_are_zero_at_a_sync_and_move_smoothly():
     base = policy.get_decoder().norm.weight.detach().clone()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         at_sync = token_logps(policy, seqs, chunk_size=5) - reference.logps(seqs)
-    assert at_sync.dtype == torch.float32 and bool((at_sync == 0).all())
+    # zero up to float32 rounding (TOL): the chunked and the whole-batch head may block the GEMM differently on some
+    # CPUs (AMD EPYC), so exact zero is not promised; bf16 logits would be off by 1e-2
+    assert at_sync.dtype == torch.float32 and float(at_sync.abs().max()) < TOL
     mask = completion_mask(seqs).bool()
     for d in STEPS:
         _scale_norm(policy, base, d)
@@ -63,7 +65,7 @@ def test_bf16_autocast_logratios_are_zero_at_a_sync_and_move_smoothly():
         assert float((got.double() - want)[mask].abs().max()) < TOL, d
     reference.sync(policy)  # the sync: the reference takes the moved weights, every log-ratio is 0 again
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        assert bool((token_logps(policy, seqs) - reference.logps(seqs) == 0).all())
+        assert float((token_logps(policy, seqs) - reference.logps(seqs)).abs().max()) < TOL
 
 
 def _fsdp_rank(rank: int, store: str, out: str) -> None:
@@ -106,7 +108,8 @@ def test_fsdp2_bf16_logratios_are_zero_at_a_sync_and_move_smoothly(tmp_path):
     mp.spawn(_fsdp_rank, args=(str(tmp_path / "store"), out), nprocs=2, join=True)
     rows = torch.load(out)
     mask = completion_mask(random_seqs(64, seed=4)).bool()
-    assert bool((rows[0] == 0).all()) and bool((rows[-1] == 0).all())  # at the start and after the sync
+    # at the start and after the sync: zero up to float32 rounding (TOL, as in the one-process test)
+    assert float(rows[0].abs().max()) < TOL and float(rows[-1].abs().max()) < TOL
     first = rows[1][mask].double()
     assert float(first.abs().max()) > 20 * TOL
     for k, row in enumerate(rows[1:4], start=1):  # d, 2d, 3d: k times the first step's log-ratio
