@@ -17,7 +17,6 @@ all its runs are complete or the tries are spent; then the next seed.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import shutil
 import subprocess
@@ -28,6 +27,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from humanline_cli.errors import UserError
+from humanline_cli.report.study_csv import read_table
 
 SUBDIR = "${hydra:runtime.choices.regime}_seed${seed}"
 
@@ -60,12 +60,8 @@ def complete_runs(runs_dir: Path, kept: Path | None) -> set[str]:
         except (OSError, ValueError):  # a summary being written or cut short is not complete
             pass
     if kept is not None:
-        csv.field_size_limit(1 << 30)  # the CSV keeps each run's summary and metrics in one cell
-        with kept.open(newline="") as f:
-            rows = csv.DictReader(f)
-            if not {"run", "status"} <= set(rows.fieldnames or ()):
-                raise UserError(f"--kept {kept}: not a study CSV (no run and status columns)")
-            done |= {r["run"] for r in rows if r["status"] == "complete"}
+        table = read_table(kept, ("run", "status"), name="--kept")
+        done |= set(table.run[table.status == "complete"])
     return done
 
 
