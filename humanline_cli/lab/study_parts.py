@@ -6,7 +6,9 @@ its seeds (`--part K --of N`: seeds K, K+N, K+2N, ... in the file's order) and, 
 regimes that are not complete yet in one `humanline train -m` (pinned to `--cpu` with taskset, niced). A run counts
 as complete where its run dir's summary.json says so or where the study's kept CSV (`--kept`, the
 `humanline report --export-csv` file committed beside results.md) has it as complete, so a machine that starts
-without the run dirs never reruns a kept run. A multirun goes on to its next job when one is refused at setup (the
+without the run dirs never reruns a kept run; in both, only a run started on a clean checkout counts, as in the
+study's own check (`lab/study_check`). A complete run dir that started on a dirty checkout is moved to
+`<run dirs>_set_aside/` before its rerun, never deleted. A multirun goes on to its next job when one is refused at setup (the
 memory check refuses a run while the other core's run holds its peak), so each seed is retried, after a pause, until
 all its runs are complete or the tries are spent; then the next seed.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -50,26 +53,47 @@ def sweep_grid(experiment: str) -> tuple[list[int], list[str]]:
     return seeds, [r.strip() for r in str(params["regime"]).split(",")]
 
 
-def complete_runs(runs_dir: Path, kept: Path | None) -> set[str]:
-    """Names of the complete runs: run dirs whose summary.json says complete, and the kept CSV's complete rows."""
-    done = set()
+def _finished(runs_dir: Path) -> dict[str, bool]:
+    """The run dirs whose summary.json says complete, each with whether it started on a clean checkout."""
+    out = {}
     for summary in runs_dir.glob("*/summary.json"):
         try:
-            if json.loads(summary.read_text()).get("status") == "complete":
-                done.add(summary.parent.name)
+            s = json.loads(summary.read_text())
         except (OSError, ValueError):  # a summary being written or cut short is not complete
-            pass
+            continue
+        if isinstance(s, dict) and s.get("status") == "complete":
+            out[summary.parent.name] = s.get("git_dirty") is False
+    return out
+
+
+def complete_runs(runs_dir: Path, kept: Path | None) -> set[str]:
+    """Names of the runs that count as done: complete and started on a clean checkout, in a run dir or in the kept
+    CSV (a run started on uncommitted code would not count in the study, so it runs again)."""
+    done = {name for name, clean in _finished(runs_dir).items() if clean}
     if kept is not None:
-        table = read_table(kept, ("run", "status"), name="--kept")
-        done |= set(table.run[table.status == "complete"])
+        table = read_table(kept, ("run", "status", "git_dirty"), name="--kept")
+        done |= set(table.run[(table.status == "complete") & (table.git_dirty.astype(str).str.lower() == "false")])
     return done
+
+
+def set_aside(runs_dir: Path, names: Iterable[str]) -> list[str]:
+    """Move the run dirs among `names` that are complete but started on a dirty checkout to
+    `<runs_dir>_set_aside/`, so their rerun starts afresh and they stay readable; the names moved."""
+    finished, moved = _finished(runs_dir), []
+    for name in names:
+        if finished.get(name) is False:
+            away = runs_dir.parent / f"{runs_dir.name}_set_aside" / f"{name}_{time.strftime('%Y%m%dT%H%M%S')}"
+            away.parent.mkdir(parents=True, exist_ok=True)
+            (runs_dir / name).rename(away)
+            moved.append(name)
+    return moved
 
 
 def drop_checkpoints(runs_dir: Path) -> int:
     """Delete the mid-run checkpoints of the complete runs under `runs_dir` (a finished run never resumes, and a
     SmolLM2 run's checkpoint is gigabytes); the number of runs whose checkpoints went."""
     n = 0
-    for name in complete_runs(runs_dir, None):
+    for name in _finished(runs_dir):
         if (runs_dir / name / "checkpoints").is_dir():
             shutil.rmtree(runs_dir / name / "checkpoints", ignore_errors=True)
             n += 1
@@ -101,11 +125,30 @@ def missing(seed: int, regimes: Iterable[str], done: set[str]) -> list[str]:
 
 def command(experiment: str, seed: int, regimes: list[str], cpu: int | None, nice: int,
             code: Path | None = None) -> list[str]:
-    """The seed's multirun; with `code`, that checkout's humanline_cli and conf/ run it (PYTHONPATH first)."""
+    """The seed's multirun; with `code`, that checkout's humanline_cli and conf/ run it: PYTHONPATH names it and -P
+    keeps `python -m` from putting the working directory (another checkout, where runs/ is) ahead of it."""
     pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
     env = ["env", f"PYTHONPATH={code.resolve()}"] if code is not None else []
-    return [*pin, "nice", "-n", str(nice), *env, sys.executable, "-m", "humanline_cli", "train", "-m",
+    python = [sys.executable, "-P"] if code is not None else [sys.executable]
+    return [*pin, "nice", "-n", str(nice), *env, *python, "-m", "humanline_cli", "train", "-m",
             f"experiment={experiment}", f"seed={seed}", f"regime={','.join(regimes)}"]
+
+
+def check_code(code: Path) -> None:
+    """A UserError unless a run started by `command` imports humanline_cli and conf from `code` and `code` has no
+    uncommitted changes (a run records the commit and the dirty flag of the checkout it imports)."""
+    probe = subprocess.run([sys.executable, "-P", "-c", "import conf, humanline_cli; print(humanline_cli.__file__); "
+                            "print(conf.__file__)"], env={**os.environ, "PYTHONPATH": str(code.resolve())},
+                           capture_output=True, text=True)
+    where = [Path(line).resolve() for line in probe.stdout.split()]
+    if probe.returncode != 0 or len(where) != 2 or not all(w.is_relative_to(code.resolve()) for w in where):
+        raise UserError(f"--code {code}: a run would not import its humanline_cli and conf "
+                        f"({', '.join(map(str, where)) or (probe.stderr.strip().splitlines() or ['no output'])[-1]})")
+    status = subprocess.run(["git", "-C", str(code), "status", "--porcelain"], capture_output=True, text=True)
+    if status.returncode != 0:
+        raise UserError(f"--code {code}: not a git checkout, so a run could not record its commit")
+    if status.stdout.strip():
+        raise UserError(f"--code {code}: uncommitted changes; a run started on them would not count")
 
 
 def run_share(experiment: str, seeds: list[int], regimes: list[str], runs_dir: Path, kept: Path | None, *,
@@ -119,6 +162,9 @@ def run_share(experiment: str, seeds: list[int], regimes: list[str], runs_dir: P
             todo = missing(seed, regimes, complete_runs(runs_dir, kept))
             if not todo:
                 break
+            for name in set_aside(runs_dir, [f"{r}_seed{seed}" for r in todo]):
+                say(f"{time.strftime('%H:%M:%S')} {name}: complete but started on a dirty checkout; moved to "
+                    f"{runs_dir.name}_set_aside/ and run again")
             say(f"{time.strftime('%H:%M:%S')} seed {seed}, try {attempt} of {tries}: {', '.join(todo)}")
             if drop:
                 run_dropping(command(experiment, seed, todo, cpu, nice, code), runs_dir)
@@ -160,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.code is not None and not ((a.code / "humanline_cli" / "__init__.py").is_file()
                                        and (a.code / "conf").is_dir()):
             raise UserError(f"--code {a.code}: not a humanline checkout (no humanline_cli/ and conf/ there)")
+        if a.code is not None:
+            check_code(a.code)
         if a.kept is not None and not a.kept.is_file():
             raise UserError(f"--kept {a.kept}: no such file")
         seeds, regimes = sweep_grid(a.experiment)

@@ -4,12 +4,17 @@ writes the summaries a real run would."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from humanline_cli.errors import UserError
 from humanline_cli.lab.study_parts import (
+    check_code,
     command,
     complete_runs,
     drop_checkpoints,
@@ -17,6 +22,7 @@ from humanline_cli.lab.study_parts import (
     missing,
     run_dropping,
     run_share,
+    set_aside,
     share,
     sweep_grid,
 )
@@ -25,9 +31,9 @@ REGIMES = ["online", "hl_online", "stale_once", "hl_stale_once_sync1_lo1", "hl_s
            "hl_stale_once_sync1_open"]
 
 
-def _summary(runs, name, status="complete"):
+def _summary(runs, name, status="complete", dirty=False):
     (runs / name).mkdir(parents=True, exist_ok=True)
-    (runs / name / "summary.json").write_text(json.dumps({"status": status}))
+    (runs / name / "summary.json").write_text(json.dumps({"status": status, "git_dirty": dirty}))
 
 
 def test_the_fair_study_grid_is_66_seeds_by_6_regimes():
@@ -45,8 +51,11 @@ def test_complete_runs_come_from_run_dirs_and_the_kept_csv(tmp_path):
     (runs / "hl_stale_once_sync1_lo1_seed6").mkdir()
     (runs / "hl_stale_once_sync1_lo1_seed6" / "summary.json").write_text('{"status": "compl')  # cut short
     kept = tmp_path / "study.csv"
-    pd.DataFrame([{"run": "online_seed0", "status": "complete", "summary": "{" + "x" * 200_000 + "}"},
-                  {"run": "hl_online_seed0", "status": "failed", "summary": "{}"}]).to_csv(kept, index=False)
+    _summary(runs, "hl_stale_once_sync16_lo15_seed6", dirty=True)  # complete, but on uncommitted code
+    pd.DataFrame([{"run": "online_seed0", "status": "complete", "git_dirty": False, "summary": "{" + "x" * 200_000 + "}"},
+                  {"run": "hl_online_seed0", "status": "failed", "git_dirty": False, "summary": "{}"},
+                  {"run": "stale_once_seed0", "status": "complete", "git_dirty": True, "summary": "{}"}]
+                 ).to_csv(kept, index=False)
     done = complete_runs(runs, kept)
     assert done == {"online_seed6", "online_seed0"}
     assert complete_runs(runs, None) == {"online_seed6"}
@@ -60,13 +69,83 @@ def test_a_seed_runs_only_its_missing_regimes_pinned_and_niced(tmp_path):
         "taskset", "-c", "1", "nice", "-n", "10", sys.executable, "-m", "humanline_cli", "train", "-m",
         "experiment=smollm2_fair_study", "seed=6", "regime=hl_online,stale_once"]
     assert command("e", 0, ["online"], None, 19)[:4] == ["nice", "-n", "19", sys.executable]
-    assert command("e", 0, ["online"], None, 10, tmp_path)[3:6] == ["env", f"PYTHONPATH={tmp_path}", sys.executable]
+    assert command("e", 0, ["online"], None, 10, tmp_path)[3:8] == ["env", f"PYTHONPATH={tmp_path}", sys.executable,
+                                                                     "-P", "-m"]
+
+
+def _checkout(root, *, commit=True):
+    """A git checkout holding stand-in humanline_cli and conf packages."""
+    for pkg in ("humanline_cli", "conf"):
+        (root / pkg).mkdir(parents=True)
+        (root / pkg / "__init__.py").write_text("")
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git[:3], "init", "-q"], check=True)
+    if commit:
+        subprocess.run([*git, "add", "."], check=True)
+        subprocess.run([*git, "commit", "-qm", "code"], check=True)
+    return root
+
+
+def test_a_run_imports_the_code_checkout_even_from_another_checkout(tmp_path, monkeypatch):
+    """`python -m` puts the working directory first on sys.path: from a directory holding another humanline_cli
+    (the checkout whose runs/ the study writes to), the run must still import --code's."""
+    decoy = tmp_path / "decoy"
+    (decoy / "humanline_cli").mkdir(parents=True)
+    (decoy / "humanline_cli" / "__init__.py").write_text("")
+    monkeypatch.chdir(decoy)
+    code = _checkout(tmp_path / "code")
+    check_code(code)  # imports code's packages, and the checkout is clean
+    argv = command("e", 0, ["online"], None, 10, code)
+    python = argv[argv.index(sys.executable):argv.index("-m")]
+    out = subprocess.run(["env", f"PYTHONPATH={code}", *python, "-c", "import humanline_cli; print(humanline_cli.__file__)"],
+                         capture_output=True, text=True, check=True).stdout
+    assert Path(out.strip()).parent == code / "humanline_cli"
+    (code / "notes.txt").write_text("an untracked file makes the checkout dirty")
+    with pytest.raises(UserError, match="uncommitted changes"):
+        check_code(code)
+
+
+def test_code_without_its_own_packages_or_git_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    lone = tmp_path / "lone"
+    (lone / "humanline_cli").mkdir(parents=True)
+    (lone / "humanline_cli" / "__init__.py").write_text("")
+    with pytest.raises(UserError, match="would not import its humanline_cli and conf"):
+        check_code(lone)  # conf comes from the installed project, not from `lone`
+    (lone / "conf").mkdir()
+    (lone / "conf" / "__init__.py").write_text("")
+    with pytest.raises(UserError, match="not a git checkout"):
+        check_code(lone)
+
+
+def test_a_run_started_on_a_dirty_checkout_is_set_aside_and_run_again(tmp_path):
+    runs = tmp_path / "smollm2_fair_study"
+    _summary(runs, "online_seed7", dirty=True)
+    _summary(runs, "hl_online_seed7")
+    (runs / "online_seed7" / "metrics.jsonl").write_text("{}\n")
+    calls, said = [], []
+
+    def fake_train(argv):
+        calls.append(argv[-1])
+        assert not (runs / "online_seed7").exists()  # the dirty run went before its rerun started
+        _summary(runs, "online_seed7")
+
+    assert run_share("e", [7], ["online", "hl_online"], runs, None, tries=2, pause=0, run=fake_train,
+                     say=said.append) == []
+    assert calls == ["regime=online"]
+    [kept] = (tmp_path / "smollm2_fair_study_set_aside").iterdir()
+    assert kept.name.startswith("online_seed7_") and (kept / "metrics.jsonl").read_text() == "{}\n"
+    assert json.loads((kept / "summary.json").read_text())["git_dirty"] is True
+    assert any("online_seed7: complete but started on a dirty checkout" in line for line in said)
+    _summary(runs, "stale_once_seed7", dirty=True)
+    assert set_aside(runs, ["stale_once_seed7", "hl_online_seed7", "online_seed7", "none_seed7"]) == ["stale_once_seed7"]
+    assert (runs / "hl_online_seed7" / "summary.json").is_file() and (runs / "online_seed7" / "summary.json").is_file()
 
 
 def test_a_refused_run_is_retried_and_a_kept_run_never_reruns(tmp_path):
     runs = tmp_path / "runs"
     kept = tmp_path / "study.csv"
-    pd.DataFrame([{"run": "online_seed2", "status": "complete"}]).to_csv(kept, index=False)
+    pd.DataFrame([{"run": "online_seed2", "status": "complete", "git_dirty": False}]).to_csv(kept, index=False)
     calls, refused = [], {"hl_online_seed2"}  # refused at setup on the first try only
 
     def fake_train(argv):
