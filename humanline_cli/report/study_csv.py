@@ -118,8 +118,8 @@ def run_row(root: Path, run: dict, kept: set[str]) -> dict:
 def export(root: Path, path: Path, append: bool = False) -> int:
     """Every run dir under `root` as a row of `path` (in the sweep's regime order where multirun.yaml lists it);
     returns the number of rows written. With `append`, `path`'s rows are kept as they are (runs from run dirs
-    that are gone, e.g. made on another machine) and only `root`'s complete runs it lacks as complete are added
-    (_appended)."""
+    that are gone, e.g. made on another machine) and only `root`'s complete runs it lacks as complete are added,
+    or replace a row that started on a dirty checkout with a clean start of the same run (_appended)."""
     root = Path(root)
     runs = [load_run(d) for d in find_run_dirs(root)]
     if not runs:
@@ -142,13 +142,15 @@ def export(root: Path, path: Path, append: bool = False) -> int:
 
 def _appended(root: Path, runs: list[dict], path: Path) -> int:
     """`path`'s rows, verbatim, and `root`'s complete runs that are not complete rows of it, in the file's regime
-    order, then seed. A new row keeps the config keys the file's rows keep, so it reads like them; refused where
+    order, then seed. A complete row that started on a dirty checkout gives way to a run of its name that started
+    clean (a study's check excludes the one and counts the other: the rerun `lab/study_parts` makes).
+    A new row keeps the config keys the file's rows keep, so it reads like them; refused where
     these runs differ in a key the file's rows do not keep, or where a run's config hash differs from the file's
     runs of its regime (the same regime made by other code or settings is not one study)."""
     old = read_table(path, name="--export-csv")
     rows = old.to_dict("records")
-    have = {r["run"] for r in rows if r["status"] == "complete"}
-    new = [r for r in runs if r["status"] == "complete" and r["path"].relative_to(root).as_posix() not in have]
+    dirty = {r["run"]: r["git_dirty"] == "True" for r in rows if r["status"] == "complete"}
+    new = [r for r in runs if r["status"] == "complete" and _lacked(dirty, r["path"].relative_to(root).as_posix(), r)]
     if not new:
         return 0
     old_keys = {k for r in rows if r["config"] for k in json.loads(r["config"])}
@@ -172,6 +174,11 @@ def _appended(root: Path, runs: list[dict], path: Path) -> int:
     table = pd.DataFrame(rows, columns=list(COLUMNS), dtype=object)
     write_text_atomic(path, table.to_csv(index=False, lineterminator="\n"))
     return len(added)
+
+
+def _lacked(dirty: dict[str, bool], name: str, run: dict) -> bool:
+    """Whether a complete run named `name` belongs in a file whose complete rows started dirty as `dirty` says."""
+    return name not in dirty or (dirty[name] and run["summary"].get("git_dirty") is False)
 
 
 def _nested(flat: dict) -> dict:

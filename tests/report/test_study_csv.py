@@ -163,3 +163,31 @@ def test_a_csv_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"humanline: error: cannot write {tmp_path / 'taken'}") and "\n" not in err
     assert not (tmp_path / "taken.tmp").exists()
+
+
+def test_append_replaces_a_row_that_started_dirty_with_a_clean_rerun_only(tmp_path, capsys):
+    """A kept row whose run started on a dirty checkout gives way to a clean rerun of that run (and to nothing else):
+    a rerun that started dirty again, or a clean run whose row was clean, leaves the file as it is."""
+    part = _part(tmp_path, "part", {0})
+    summary = part / "hl_0" / "summary.json"
+    done = json.loads(summary.read_text())
+    parts = tmp_path / "parts.csv"
+
+    def append(s, out):
+        summary.write_text(json.dumps(s))
+        assert main_report([str(part), "--out", str(tmp_path / out), "--export-csv", str(parts), "--append"]) == 0
+        return capsys.readouterr().out, {r["run"]: r for r in csv.DictReader(open(parts, newline=""))}
+
+    _, rows = append({**done, "git_dirty": True}, "r1")
+    assert rows["hl_0"]["git_dirty"] == "True" and len(rows) == 3
+    before = parts.read_bytes()
+    out, _ = append({**done, "git_dirty": True, "eval": {**done["eval"], "accuracy": 0.125}}, "r2")
+    assert "added 0 runs" in out and parts.read_bytes() == before
+    out, rows = append({**done, "git_dirty": False, "eval": {**done["eval"], "accuracy": 0.125}}, "r3")
+    assert "added 1 runs" in out and list(rows) == ["offline_0", "online_0", "hl_0"]
+    assert rows["hl_0"]["git_dirty"] == "False" and float(rows["hl_0"]["sampled_final"]) == 0.125
+    assert {k: rows[k] for k in ("offline_0", "online_0")} == {
+        r["run"]: r for r in csv.DictReader(before.decode().splitlines()) if r["run"] != "hl_0"}
+    after = parts.read_bytes()
+    out, _ = append({**done, "git_dirty": False, "eval": {**done["eval"], "accuracy": 0.25}}, "r4")
+    assert "added 0 runs" in out and parts.read_bytes() == after
